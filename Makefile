@@ -1,0 +1,46 @@
+# tch-dist: every target sets itself up on a fresh machine (`make setup` is idempotent and
+# near-instant once done).
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Bump when the pinned Python packages change, so `make setup` reinstalls.
+SETUP_STAMP := $(VENV)/.tch-dist-setup-2
+PIP_PACKAGES := torch==2.11.0 "nvidia-cuda-crt==13.0.*" "nvidia-cuda-cccl==13.0.*" scikit-learn==1.9.1 safetensors==0.8.0
+GLOO_HEADER := /usr/include/gloo/config.h
+CARGO ?= cargo
+NPROC ?= 2
+
+.PHONY: setup demo test lint bench gpu-check doc clean-venv
+
+setup: $(SETUP_STAMP) $(GLOO_HEADER)
+
+$(SETUP_STAMP):
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_PACKAGES)
+	touch $@
+
+# gloo's headers (Debian's libgloo-dev) let the shim compile ProcessGroupGloo.hpp; gloo
+# itself lives inside libtorch_cpu.so.
+$(GLOO_HEADER):
+	if command -v apt-get >/dev/null; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq libgloo-dev >/dev/null; \
+	else echo "install gloo's headers (libgloo-dev) so that $@ exists" >&2; exit 1; fi
+
+demo: setup
+	$(CARGO) build --release --bins --examples
+	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/allreduce
+
+test: setup
+	$(CARGO) test --workspace --all-targets
+	$(CARGO) test --workspace --doc
+
+lint: setup
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps
+
+doc: setup
+	$(CARGO) doc --workspace --no-deps

@@ -1,0 +1,72 @@
+//! Builds the C++ shim (csrc/shim.cpp) against the libtorch headers that torch-sys found,
+//! with Gloo always and NCCL when its headers and libtorch_cuda are present, and sets the
+//! run-time rpath for this package's own binaries (the launcher, tests).
+
+#[path = "../build/link_libtorch.rs"]
+mod link;
+
+use std::path::{Path, PathBuf};
+
+fn main() {
+    println!("cargo:rerun-if-changed=csrc/shim.cpp");
+    println!("cargo:rerun-if-changed=../build/link_libtorch.rs");
+    let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
+        panic!(
+            "torch-sys did not report its libtorch folder (DEP_TCH_LIBTORCH_LIB); run `make setup`"
+        );
+    };
+    let lib = PathBuf::from(lib);
+    let torch = lib
+        .parent()
+        .expect("libtorch lib folder has a parent")
+        .to_path_buf();
+    let include = torch.join("include");
+    let site_packages = torch.parent().map(Path::to_path_buf).unwrap_or_default();
+
+    let mut build = cc::Build::new();
+    build
+        .cpp(true)
+        .std("c++17")
+        .warnings(false)
+        .file("csrc/shim.cpp")
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .define("_GLIBCXX_USE_CXX11_ABI", "1")
+        .define("USE_C10D_GLOO", None)
+        .flag("-Wno-deprecated-declarations");
+    if !Path::new("/usr/include/gloo/config.h").exists() {
+        panic!("gloo's headers are missing (Debian's libgloo-dev); run `make setup`");
+    }
+
+    let nccl_includes = [
+        site_packages.join("nvidia/nccl/include"),
+        site_packages.join("nvidia/cu13/include"),
+        site_packages.join("nvidia/cu13/include/cccl"),
+    ];
+    let with_nccl = lib.join("libtorch_cuda.so").exists()
+        && nccl_includes[0].join("nccl.h").exists()
+        && nccl_includes[1].join("crt/host_config.h").exists()
+        && std::env::var_os("TCH_DIST_NO_NCCL").is_none();
+    println!("cargo:rerun-if-env-changed=TCH_DIST_NO_NCCL");
+    if with_nccl {
+        build
+            .define("USE_C10D_NCCL", None)
+            .define("TDR_WITH_NCCL", None);
+        for dir in &nccl_includes {
+            build.include(dir);
+        }
+    } else {
+        println!("cargo:warning=building tch-dist without NCCL (no CUDA libtorch or NCCL headers)");
+    }
+    build.compile("tch_dist_shim");
+
+    // The shim's own references; these propagate to every crate that links the runtime.
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    if with_nccl {
+        println!("cargo:rustc-link-lib=dylib=torch_cuda");
+        println!("cargo:rustc-link-lib=dylib=c10_cuda");
+    }
+    println!("cargo:rustc-link-lib=dylib=torch_cpu");
+    println!("cargo:rustc-link-lib=dylib=c10");
+    link::link_libtorch();
+}

@@ -1,0 +1,602 @@
+// tch-dist's C++ shim over libtorch: c10d process groups and collectives, autograd hooks.
+//
+// The boundary rules (see docs/ARCHITECTURE.md, "The shim boundary"):
+// - every entry point is `extern "C"` and returns `char*`: null on success, otherwise a
+//   malloc'ed message that Rust takes ownership of and frees with `tdr_string_free`;
+// - every C++ exception is caught here (TDR_TRY/TDR_CATCH) and nothing unwinds into Rust;
+// - tensors cross as `at::Tensor*`, the same pointer tch's `Tensor::as_ptr()` hands out;
+//   tensors created here are returned as `new at::Tensor` for `Tensor::from_ptr`.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef TDR_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+char* dup_message(const char* msg) {
+  size_t n = std::strlen(msg);
+  char* out = static_cast<char*>(std::malloc(n + 1));
+  if (out != nullptr) {
+    std::memcpy(out, msg, n + 1);
+  }
+  return out;
+}
+
+char* dup_message(const std::string& msg) { return dup_message(msg.c_str()); }
+
+}  // namespace
+
+// c10::Error's what() carries a C++ backtrace; users want the message only.
+#define TDR_TRY try {
+#define TDR_CATCH                                       \
+  }                                                     \
+  catch (const c10::Error& e) {                         \
+    return dup_message(e.what_without_backtrace());     \
+  }                                                     \
+  catch (const std::exception& e) {                     \
+    return dup_message(e.what());                       \
+  }                                                     \
+  catch (...) {                                         \
+    return dup_message("unknown C++ exception");        \
+  }                                                     \
+  return nullptr;
+
+using Millis = std::chrono::milliseconds;
+
+struct TdrStore {
+  c10::intrusive_ptr<c10d::Store> store;
+};
+
+// One process group as the Rust side sees it: Gloo always (CPU tensors, control traffic
+// such as monitored barriers and metadata checks), NCCL when asked for (CUDA tensors).
+struct TdrGroup {
+  int rank;
+  int size;
+  Millis timeout;
+  c10::intrusive_ptr<c10d::Backend> gloo;
+  c10::intrusive_ptr<c10d::Backend> nccl;
+};
+
+// An in-flight collective. `finish` runs once, after a successful wait: it copies results
+// back into non-contiguous user tensors and divides for AVG where the backend cannot.
+struct TdrWork {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::function<void()> finish;
+  bool finished = false;
+};
+
+namespace {
+
+c10::intrusive_ptr<c10d::Backend> backend_for(TdrGroup* g, const at::Tensor& t) {
+  if (t.is_cuda()) {
+    if (!g->nccl) {
+      throw std::runtime_error(
+          "tensor is on " + t.device().str() +
+          " but this process group has no NCCL backend (it is Gloo-only); create the "
+          "group with Backend::Nccl to communicate CUDA tensors");
+    }
+    return g->nccl;
+  }
+  if (!t.device().is_cpu()) {
+    throw std::runtime_error("unsupported tensor device " + t.device().str());
+  }
+  return g->gloo;
+}
+
+c10d::ReduceOp to_reduce_op(int op) {
+  switch (op) {
+    case 0:
+      return c10d::ReduceOp::SUM;
+    case 1:
+      return c10d::ReduceOp::AVG;
+    case 2:
+      return c10d::ReduceOp::MIN;
+    case 3:
+      return c10d::ReduceOp::MAX;
+    case 4:
+      return c10d::ReduceOp::PRODUCT;
+    default:
+      throw std::runtime_error("unknown reduce op code " + std::to_string(op));
+  }
+}
+
+bool is_gloo(TdrGroup* g, const c10::intrusive_ptr<c10d::Backend>& b) {
+  return b.get() == g->gloo.get();
+}
+
+// Gloo has no AVG: it reduces with SUM and the average is taken after completion.
+c10d::ReduceOp backend_reduce_op(TdrGroup* g, const c10::intrusive_ptr<c10d::Backend>& b,
+                                 int op) {
+  if (op == 1 && is_gloo(g, b)) {
+    return c10d::ReduceOp::SUM;
+  }
+  return to_reduce_op(op);
+}
+
+void divide_by(at::Tensor& t, int64_t n) {
+  if (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type())) {
+    t.div_(n);
+  } else {
+    t.div_(n, "trunc");
+  }
+}
+
+// A contiguous stand-in for a user tensor the backend writes into, plus the copy back.
+struct InOut {
+  at::Tensor user;
+  at::Tensor work;
+  bool copy_back;
+  explicit InOut(const at::Tensor& t)
+      : user(t), work(t.is_contiguous() ? t : t.contiguous()), copy_back(!t.is_contiguous()) {}
+  void finish() {
+    if (copy_back) {
+      user.copy_(work);
+    }
+  }
+};
+
+void check_same_size(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  if (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type()) {
+    throw std::runtime_error(std::string(what) + ": expected a tensor of shape " +
+                             c10::str(a.sizes()) + " and dtype " +
+                             c10::toString(a.scalar_type()) + ", got " + c10::str(b.sizes()) +
+                             " " + c10::toString(b.scalar_type()));
+  }
+}
+
+TdrWork* make_work(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish) {
+  auto* w = new TdrWork();
+  w->work = std::move(work);
+  w->finish = std::move(finish);
+  return w;
+}
+
+}  // namespace
+
+extern "C" {
+
+void tdr_string_free(char* s) { std::free(s); }
+
+// ---------------------------------------------------------------------------------------
+// Stores
+// ---------------------------------------------------------------------------------------
+
+char* tdr_store_tcp(const char* host, uint16_t port, bool is_server, int world_size,
+                    int64_t timeout_ms, TdrStore** out) {
+  TDR_TRY
+  c10d::TCPStoreOptions opts;
+  opts.port = port;
+  opts.isServer = is_server;
+  opts.numWorkers = world_size;
+  opts.waitWorkers = false;
+  opts.timeout = Millis(timeout_ms);
+  auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
+  *out = new TdrStore{store};
+  TDR_CATCH
+}
+
+char* tdr_store_prefix(TdrStore* base, const char* prefix, TdrStore** out) {
+  TDR_TRY
+  auto store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), base->store);
+  *out = new TdrStore{store};
+  TDR_CATCH
+}
+
+char* tdr_store_set(TdrStore* s, const char* key, const uint8_t* data, size_t len) {
+  TDR_TRY
+  s->store->set(std::string(key), std::vector<uint8_t>(data, data + len));
+  TDR_CATCH
+}
+
+// Blocks until `key` exists (up to the store's timeout); the value is malloc'ed for Rust.
+char* tdr_store_get(TdrStore* s, const char* key, uint8_t** data, size_t* len) {
+  TDR_TRY
+  auto value = s->store->get(std::string(key));
+  *len = value.size();
+  *data = static_cast<uint8_t*>(std::malloc(value.empty() ? 1 : value.size()));
+  if (*data == nullptr) {
+    throw std::runtime_error("out of memory");
+  }
+  if (!value.empty()) {
+    std::memcpy(*data, value.data(), value.size());
+  }
+  TDR_CATCH
+}
+
+char* tdr_store_add(TdrStore* s, const char* key, int64_t delta, int64_t* out) {
+  TDR_TRY
+  *out = s->store->add(std::string(key), delta);
+  TDR_CATCH
+}
+
+void tdr_bytes_free(uint8_t* data) { std::free(data); }
+
+void tdr_store_free(TdrStore* s) { delete s; }
+
+// ---------------------------------------------------------------------------------------
+// Process groups
+// ---------------------------------------------------------------------------------------
+
+bool tdr_nccl_compiled() {
+#ifdef TDR_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+// `gloo_host` names the address Gloo binds to; empty means c10d's default device (this
+// machine's hostname, falling back to loopback).
+char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
+                    const char* gloo_host, bool with_nccl, TdrGroup** out) {
+  TDR_TRY
+  auto timeout = Millis(timeout_ms);
+  auto gloo_opts = c10d::ProcessGroupGloo::Options::create(timeout);
+  std::string host(gloo_host);
+  if (host.empty()) {
+    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  } else {
+    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
+  }
+  auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo/", store->store);
+  c10::intrusive_ptr<c10d::Backend> gloo =
+      c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, rank, size, gloo_opts);
+  c10::intrusive_ptr<c10d::Backend> nccl;
+  if (with_nccl) {
+#ifdef TDR_WITH_NCCL
+    auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
+    nccl_opts->timeout = timeout;
+    auto nccl_store = c10::make_intrusive<c10d::PrefixStore>("nccl/", store->store);
+    nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(nccl_store, rank, size, nccl_opts);
+#else
+    throw std::runtime_error("tch-dist was built without NCCL support");
+#endif
+  }
+  *out = new TdrGroup{rank, size, timeout, gloo, nccl};
+  TDR_CATCH
+}
+
+void tdr_group_free(TdrGroup* g) {
+  if (g == nullptr) {
+    return;
+  }
+  try {
+#ifdef TDR_WITH_NCCL
+    if (g->nccl) {
+      g->nccl->shutdown();
+    }
+#endif
+  } catch (...) {
+    // Shutting down a broken communicator may throw; the group is going away regardless.
+  }
+  delete g;
+}
+
+// ---------------------------------------------------------------------------------------
+// Collectives: each returns a TdrWork for `tdr_work_wait`.
+// ---------------------------------------------------------------------------------------
+
+char* tdr_all_reduce(TdrGroup* g, at::Tensor* t, int op, TdrWork** out) {
+  TDR_TRY
+  auto backend = backend_for(g, *t);
+  auto io = std::make_shared<InOut>(*t);
+  std::vector<at::Tensor> tensors{io->work};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = backend_reduce_op(g, backend, op);
+  opts.timeout = g->timeout;
+  auto work = backend->allreduce(tensors, opts);
+  bool divide = op == 1 && is_gloo(g, backend);
+  int size = g->size;
+  *out = make_work(work, [io, divide, size]() {
+    if (divide) {
+      divide_by(io->work, size);
+    }
+    io->finish();
+  });
+  TDR_CATCH
+}
+
+char* tdr_broadcast(TdrGroup* g, at::Tensor* t, int root, TdrWork** out) {
+  TDR_TRY
+  auto backend = backend_for(g, *t);
+  auto io = std::make_shared<InOut>(*t);
+  std::vector<at::Tensor> tensors{io->work};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  opts.timeout = g->timeout;
+  auto work = backend->broadcast(tensors, opts);
+  *out = make_work(work, [io]() { io->finish(); });
+  TDR_CATCH
+}
+
+// List form: outputs[i] receives rank i's input.
+char* tdr_all_gather(TdrGroup* g, at::Tensor** outputs, size_t n, at::Tensor* input,
+                     TdrWork** out) {
+  TDR_TRY
+  if (static_cast<int>(n) != g->size) {
+    throw std::runtime_error("all_gather: expected " + std::to_string(g->size) +
+                             " output tensors (one per rank), got " + std::to_string(n));
+  }
+  auto backend = backend_for(g, *input);
+  std::vector<std::shared_ptr<InOut>> ios;
+  std::vector<std::vector<at::Tensor>> outs(1);
+  for (size_t i = 0; i < n; ++i) {
+    check_same_size(*input, *outputs[i], "all_gather output");
+    ios.push_back(std::make_shared<InOut>(*outputs[i]));
+    outs[0].push_back(ios.back()->work);
+  }
+  std::vector<at::Tensor> ins{input->contiguous()};
+  c10d::AllgatherOptions opts;
+  opts.timeout = g->timeout;
+  auto work = backend->allgather(outs, ins, opts);
+  *out = make_work(work, [ios]() {
+    for (auto& io : ios) {
+      io->finish();
+    }
+  });
+  TDR_CATCH
+}
+
+// Flat form: `output` has world_size times the rows of `input` (dim 0).
+char* tdr_all_gather_flat(TdrGroup* g, at::Tensor* output, at::Tensor* input, TdrWork** out) {
+  TDR_TRY
+  auto backend = backend_for(g, *input);
+  if (output->scalar_type() != input->scalar_type() ||
+      output->numel() != input->numel() * g->size || output->dim() == 0 ||
+      output->size(0) != (input->dim() == 0 ? 1 : input->size(0)) * g->size) {
+    throw std::runtime_error("all_gather_into_tensor: output must have world_size (" +
+                             std::to_string(g->size) + ") times the rows of the input " +
+                             c10::str(input->sizes()) + " and its dtype, got " +
+                             c10::str(output->sizes()));
+  }
+  auto io = std::make_shared<InOut>(*output);
+  at::Tensor in = input->contiguous();
+  c10d::AllgatherOptions opts;
+  opts.timeout = g->timeout;
+  auto work = backend->_allgather_base(io->work, in, opts);
+  *out = make_work(work, [io]() { io->finish(); });
+  TDR_CATCH
+}
+
+// List form: rank r receives the reduction of every rank's inputs[r].
+char* tdr_reduce_scatter(TdrGroup* g, at::Tensor* output, at::Tensor** inputs, size_t n,
+                         int op, TdrWork** out) {
+  TDR_TRY
+  if (static_cast<int>(n) != g->size) {
+    throw std::runtime_error("reduce_scatter: expected " + std::to_string(g->size) +
+                             " input tensors (one per rank), got " + std::to_string(n));
+  }
+  auto backend = backend_for(g, *output);
+  // One flat input lets both backends use their tensor-form reduce-scatter.
+  std::vector<at::Tensor> parts;
+  for (size_t i = 0; i < n; ++i) {
+    check_same_size(*output, *inputs[i], "reduce_scatter input");
+    parts.push_back(inputs[i]->reshape({-1}));
+  }
+  at::Tensor flat = at::cat(parts);
+  auto io = std::make_shared<InOut>(*output);
+  at::Tensor out_flat = io->work.view({-1});
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = backend_reduce_op(g, backend, op);
+  opts.timeout = g->timeout;
+  auto work = backend->_reduce_scatter_base(out_flat, flat, opts);
+  bool divide = op == 1 && is_gloo(g, backend);
+  int size = g->size;
+  *out = make_work(work, [io, flat, divide, size]() {
+    if (divide) {
+      divide_by(io->work, size);
+    }
+    io->finish();
+  });
+  TDR_CATCH
+}
+
+// Flat form: `input` has world_size times the rows of `output` (dim 0).
+char* tdr_reduce_scatter_flat(TdrGroup* g, at::Tensor* output, at::Tensor* input, int op,
+                              TdrWork** out) {
+  TDR_TRY
+  auto backend = backend_for(g, *output);
+  if (output->scalar_type() != input->scalar_type() ||
+      input->numel() != output->numel() * g->size) {
+    throw std::runtime_error("reduce_scatter_tensor: input must have world_size (" +
+                             std::to_string(g->size) + ") times the elements of the output " +
+                             c10::str(output->sizes()) + " and its dtype, got " +
+                             c10::str(input->sizes()));
+  }
+  auto io = std::make_shared<InOut>(*output);
+  at::Tensor in = input->contiguous();
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = backend_reduce_op(g, backend, op);
+  opts.timeout = g->timeout;
+  auto work = backend->_reduce_scatter_base(io->work, in, opts);
+  bool divide = op == 1 && is_gloo(g, backend);
+  int size = g->size;
+  *out = make_work(work, [io, in, divide, size]() {
+    if (divide) {
+      divide_by(io->work, size);
+    }
+    io->finish();
+  });
+  TDR_CATCH
+}
+
+// Equal splits along dim 0: chunk j of rank i's input lands in chunk i of rank j's output.
+char* tdr_all_to_all(TdrGroup* g, at::Tensor* output, at::Tensor* input, TdrWork** out) {
+  TDR_TRY
+  auto backend = backend_for(g, *input);
+  check_same_size(*input, *output, "all_to_all output");
+  if (input->dim() == 0 || input->size(0) % g->size != 0) {
+    throw std::runtime_error("all_to_all: dim 0 of the input " + c10::str(input->sizes()) +
+                             " must be divisible by the world size " +
+                             std::to_string(g->size));
+  }
+  auto io = std::make_shared<InOut>(*output);
+  at::Tensor in = input->contiguous();
+  std::vector<int64_t> splits;
+  c10d::AllToAllOptions opts;
+  opts.timeout = g->timeout;
+  auto work = backend->alltoall_base(io->work, in, splits, splits, opts);
+  *out = make_work(work, [io, in]() { io->finish(); });
+  TDR_CATCH
+}
+
+char* tdr_send(TdrGroup* g, at::Tensor* t, int dst, int tag, TdrWork** out) {
+  TDR_TRY
+  auto backend = backend_for(g, *t);
+  std::vector<at::Tensor> tensors{t->contiguous()};
+  auto work = backend->send(tensors, dst, tag);
+  *out = make_work(work, []() {});
+  TDR_CATCH
+}
+
+char* tdr_recv(TdrGroup* g, at::Tensor* t, int src, int tag, TdrWork** out) {
+  TDR_TRY
+  auto backend = backend_for(g, *t);
+  auto io = std::make_shared<InOut>(*t);
+  std::vector<at::Tensor> tensors{io->work};
+  auto work = backend->recv(tensors, src, tag);
+  *out = make_work(work, [io]() { io->finish(); });
+  TDR_CATCH
+}
+
+char* tdr_barrier(TdrGroup* g, TdrWork** out) {
+  TDR_TRY
+  c10d::BarrierOptions opts;
+  opts.timeout = g->timeout;
+  auto work = g->gloo->barrier(opts);
+  *out = make_work(work, []() {});
+  TDR_CATCH
+}
+
+// Gloo's monitored barrier: on timeout its message names the ranks that did not arrive.
+char* tdr_monitored_barrier(TdrGroup* g, int64_t timeout_ms, bool wait_all_ranks) {
+  TDR_TRY
+  c10d::BarrierOptions opts;
+  opts.timeout = Millis(timeout_ms);
+  g->gloo->monitoredBarrier(opts, wait_all_ranks);
+  TDR_CATCH
+}
+
+char* tdr_work_wait(TdrWork* w, int64_t timeout_ms) {
+  TDR_TRY
+  if (!w->finished) {
+    if (!w->work->wait(Millis(timeout_ms))) {
+      throw std::runtime_error("timed out after " + std::to_string(timeout_ms) + " ms");
+    }
+    w->finished = true;
+    if (w->finish) {
+      w->finish();
+    }
+  }
+  TDR_CATCH
+}
+
+bool tdr_work_is_completed(TdrWork* w) {
+  try {
+    return w->work->isCompleted();
+  } catch (...) {
+    return true;
+  }
+}
+
+void tdr_work_free(TdrWork* w) { delete w; }
+
+// ---------------------------------------------------------------------------------------
+// Autograd: gradient-ready hooks and end-of-backward callbacks (the reducer's triggers).
+// ---------------------------------------------------------------------------------------
+
+// A Rust callback; returns null or a malloc'ed error message, which fails the backward pass.
+typedef char* (*TdrCallback)(void* ctx, size_t index);
+
+}  // extern "C"
+
+struct TdrHook {
+  // Held so the accumulator (and the hook in it) lives as long as the registration.
+  std::shared_ptr<torch::autograd::Node> accumulator;
+  uintptr_t key;
+};
+
+namespace {
+
+void call_or_throw(TdrCallback cb, void* ctx, size_t index) {
+  char* err = cb(ctx, index);
+  if (err != nullptr) {
+    std::string msg(err);
+    std::free(err);
+    throw std::runtime_error(msg);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Runs `cb(ctx, index)` right after autograd has accumulated `param`'s gradient.
+char* tdr_add_grad_ready_hook(at::Tensor* param, TdrCallback cb, void* ctx, size_t index,
+                              TdrHook** out) {
+  TDR_TRY
+  if (!param->requires_grad() || !param->is_leaf()) {
+    throw std::runtime_error("only leaf tensors that require grad have a gradient accumulator");
+  }
+  auto acc = torch::autograd::impl::grad_accumulator(*param);
+  if (!acc) {
+    throw std::runtime_error("tensor has no gradient accumulator");
+  }
+  auto key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+      [cb, ctx, index](const torch::autograd::variable_list& outputs,
+                       const torch::autograd::variable_list& /*inputs*/) {
+        call_or_throw(cb, ctx, index);
+        return outputs;
+      }));
+  *out = new TdrHook{acc, key};
+  TDR_CATCH
+}
+
+void tdr_hook_remove(TdrHook* h) {
+  if (h == nullptr) {
+    return;
+  }
+  try {
+    h->accumulator->del_post_hook(h->key);
+  } catch (...) {
+  }
+  delete h;
+}
+
+// Queues `cb(ctx, index)` to run once at the end of the backward pass that is running on
+// this thread (call it from a gradient-ready hook).
+char* tdr_queue_end_of_backward(TdrCallback cb, void* ctx, size_t index) {
+  TDR_TRY
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [cb, ctx, index]() { call_or_throw(cb, ctx, index); });
+  TDR_CATCH
+}
+
+// Makes `grad` the `.grad` of `param` (gradient_as_bucket_view), or clears it when null.
+char* tdr_set_grad(at::Tensor* param, at::Tensor* grad) {
+  TDR_TRY
+  if (grad == nullptr) {
+    param->mutable_grad() = at::Tensor();
+  } else {
+    param->mutable_grad() = *grad;
+  }
+  TDR_CATCH
+}
+
+}  // extern "C"

@@ -1,0 +1,336 @@
+//! Collectives on `tch::Tensor`, each blocking and async (a [`Work`] handle).
+//!
+//! Semantics follow `torch.distributed`: in-place on the given tensors, group-local ranks.
+//! Non-contiguous tensors are accepted (the shim works on a contiguous copy and copies the
+//! result back when the work completes). Every failure names the rank, the op and the cause.
+
+use std::ptr::NonNull;
+use std::time::{Duration, Instant};
+
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+use crate::error::{DistError, Result};
+use crate::ffi;
+use crate::process_group::ProcessGroup;
+use crate::store::millis;
+
+/// The reduction of `all_reduce` and `reduce_scatter`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum over ranks.
+    Sum,
+    /// Mean over ranks (integers: truncated).
+    Avg,
+    /// Element-wise minimum.
+    Min,
+    /// Element-wise maximum.
+    Max,
+    /// Element-wise product.
+    Product,
+}
+
+impl ReduceOp {
+    fn code(self) -> i32 {
+        match self {
+            ReduceOp::Sum => 0,
+            ReduceOp::Avg => 1,
+            ReduceOp::Min => 2,
+            ReduceOp::Max => 3,
+            ReduceOp::Product => 4,
+        }
+    }
+}
+
+/// An in-flight collective. Wait for it before reading its output tensors.
+///
+/// Dropping it without waiting lets the operation finish in the background, as dropping a
+/// `torch.distributed` work object does.
+pub struct Work {
+    ptr: NonNull<ffi::TdrWork>,
+    rank: usize,
+    op: &'static str,
+    timeout: Duration,
+}
+
+// SAFETY: c10d work objects may be waited on from any thread; we never share one between
+// threads without `&mut` (all methods but `is_completed` take `self` or `&mut self`).
+unsafe impl Send for Work {}
+
+impl Work {
+    /// Waits up to the group's timeout.
+    pub fn wait(mut self) -> Result<()> {
+        let timeout = self.timeout;
+        self.wait_timeout(timeout)
+    }
+
+    /// Waits up to `timeout`; on time-out the work stays pending and may be waited on again.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        // SAFETY: live work handle; exceptions are caught in the shim.
+        let err = unsafe { ffi::tdr_work_wait(self.ptr.as_ptr(), millis(timeout)) };
+        // SAFETY: `err` is the shim's return value.
+        unsafe { ffi::take_error(err) }.map_err(|cause| {
+            if cause.contains("timed out")
+                || cause.contains("Timed out")
+                || start.elapsed() >= timeout
+            {
+                DistError::Timeout {
+                    rank: self.rank,
+                    op: self.op,
+                    timeout,
+                }
+            } else {
+                DistError::Collective {
+                    rank: self.rank,
+                    op: self.op,
+                    cause,
+                }
+            }
+        })
+    }
+
+    /// Whether the work has finished (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        // SAFETY: live work handle.
+        unsafe { ffi::tdr_work_is_completed(self.ptr.as_ptr()) }
+    }
+
+    /// The operation's name, as in torch.distributed.
+    pub fn op(&self) -> &'static str {
+        self.op
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        // SAFETY: created by the shim, freed exactly once here.
+        unsafe { ffi::tdr_work_free(self.ptr.as_ptr()) }
+    }
+}
+
+fn raw(t: &Tensor) -> *mut C_tensor {
+    t.as_ptr() as *mut C_tensor
+}
+
+impl ProcessGroup {
+    fn launch(
+        &self,
+        op: &'static str,
+        call: impl FnOnce(*mut ffi::TdrGroup, *mut *mut ffi::TdrWork) -> *mut std::ffi::c_char,
+    ) -> Result<Work> {
+        let mut out = std::ptr::null_mut();
+        let err = call(self.raw(), &mut out);
+        // SAFETY: `err` is the shim's return value.
+        unsafe { ffi::take_error(err) }.map_err(|cause| DistError::Collective {
+            rank: self.rank(),
+            op,
+            cause,
+        })?;
+        let ptr = NonNull::new(out).ok_or_else(|| DistError::Collective {
+            rank: self.rank(),
+            op,
+            cause: "the engine returned no work handle".into(),
+        })?;
+        Ok(Work {
+            ptr,
+            rank: self.rank(),
+            op,
+            timeout: self.timeout(),
+        })
+    }
+
+    fn check_rank(&self, op: &'static str, what: &str, r: usize) -> Result<()> {
+        if r >= self.world_size() {
+            return Err(DistError::InvalidArgument {
+                rank: self.rank(),
+                op,
+                msg: format!("{what} {r} is not in a group of size {}", self.world_size()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Reduces `tensor` over all ranks, in place, asynchronously.
+    pub fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
+        // SAFETY: live group and tensor; the shim keeps its own reference to the tensor.
+        self.launch("all_reduce", |g, out| unsafe {
+            ffi::tdr_all_reduce(g, raw(tensor), op.code(), out)
+        })
+    }
+
+    /// Reduces `tensor` over all ranks, in place.
+    ///
+    /// ```no_run
+    /// # let pg = tch_dist_runtime::default_group()?;
+    /// let t = tch::Tensor::from_slice(&[pg.rank() as f32 + 1.0]);
+    /// pg.all_reduce(&t, tch_dist_runtime::ReduceOp::Sum)?; // 1 + 2 + ... + world
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
+    pub fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        self.all_reduce_async(tensor, op)?.wait()
+    }
+
+    /// Copies `tensor` from rank `src` to every rank, asynchronously.
+    pub fn broadcast_async(&self, tensor: &Tensor, src: usize) -> Result<Work> {
+        self.check_rank("broadcast", "source rank", src)?;
+        // SAFETY: live group and tensor.
+        self.launch("broadcast", |g, out| unsafe {
+            ffi::tdr_broadcast(g, raw(tensor), src as i32, out)
+        })
+    }
+
+    /// Copies `tensor` from rank `src` to every rank.
+    pub fn broadcast(&self, tensor: &Tensor, src: usize) -> Result<()> {
+        self.broadcast_async(tensor, src)?.wait()
+    }
+
+    /// Gathers every rank's `input` into `outputs[rank]` (one tensor per rank), asynchronously.
+    pub fn all_gather_async(&self, outputs: &[Tensor], input: &Tensor) -> Result<Work> {
+        let ptrs: Vec<*mut C_tensor> = outputs.iter().map(raw).collect();
+        // SAFETY: live group and tensors; `ptrs` outlives the call.
+        self.launch("all_gather", |g, out| unsafe {
+            ffi::tdr_all_gather(g, ptrs.as_ptr(), ptrs.len(), raw(input), out)
+        })
+    }
+
+    /// Gathers every rank's `input` into `outputs[rank]`.
+    pub fn all_gather(&self, outputs: &[Tensor], input: &Tensor) -> Result<()> {
+        self.all_gather_async(outputs, input)?.wait()
+    }
+
+    /// Gathers every rank's `input` into `output`, concatenated along dim 0, asynchronously.
+    pub fn all_gather_into_tensor_async(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
+        // SAFETY: live group and tensors.
+        self.launch("all_gather_into_tensor", |g, out| unsafe {
+            ffi::tdr_all_gather_flat(g, raw(output), raw(input), out)
+        })
+    }
+
+    /// Gathers every rank's `input` into `output`, concatenated along dim 0.
+    pub fn all_gather_into_tensor(&self, output: &Tensor, input: &Tensor) -> Result<()> {
+        self.all_gather_into_tensor_async(output, input)?.wait()
+    }
+
+    /// Reduces `inputs[r]` over all ranks into rank r's `output`, asynchronously.
+    pub fn reduce_scatter_async(
+        &self,
+        output: &Tensor,
+        inputs: &[Tensor],
+        op: ReduceOp,
+    ) -> Result<Work> {
+        let ptrs: Vec<*mut C_tensor> = inputs.iter().map(raw).collect();
+        // SAFETY: live group and tensors; `ptrs` outlives the call.
+        self.launch("reduce_scatter", |g, out| unsafe {
+            ffi::tdr_reduce_scatter(g, raw(output), ptrs.as_ptr(), ptrs.len(), op.code(), out)
+        })
+    }
+
+    /// Reduces `inputs[r]` over all ranks into rank r's `output`.
+    pub fn reduce_scatter(&self, output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<()> {
+        self.reduce_scatter_async(output, inputs, op)?.wait()
+    }
+
+    /// Reduces `input` over all ranks and leaves rank r the r-th chunk (dim 0), asynchronously.
+    pub fn reduce_scatter_tensor_async(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Work> {
+        // SAFETY: live group and tensors.
+        self.launch("reduce_scatter_tensor", |g, out| unsafe {
+            ffi::tdr_reduce_scatter_flat(g, raw(output), raw(input), op.code(), out)
+        })
+    }
+
+    /// Reduces `input` over all ranks and leaves rank r the r-th chunk (dim 0).
+    pub fn reduce_scatter_tensor(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.reduce_scatter_tensor_async(output, input, op)?.wait()
+    }
+
+    /// Splits `input` into world_size equal chunks along dim 0 and sends chunk j to rank j;
+    /// `output`'s chunk i receives rank i's chunk for this rank. Asynchronous.
+    pub fn all_to_all_single_async(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
+        // SAFETY: live group and tensors.
+        self.launch("all_to_all", |g, out| unsafe {
+            ffi::tdr_all_to_all(g, raw(output), raw(input), out)
+        })
+    }
+
+    /// Splits `input` into equal chunks along dim 0 and exchanges them (see the async form).
+    pub fn all_to_all_single(&self, output: &Tensor, input: &Tensor) -> Result<()> {
+        self.all_to_all_single_async(output, input)?.wait()
+    }
+
+    /// Sends `tensor` to rank `dst` (matched by a `recv` with the same tag), asynchronously.
+    pub fn send_async(&self, tensor: &Tensor, dst: usize, tag: i32) -> Result<Work> {
+        self.check_peer("send", dst)?;
+        // SAFETY: live group and tensor.
+        self.launch("send", |g, out| unsafe {
+            ffi::tdr_send(g, raw(tensor), dst as i32, tag, out)
+        })
+    }
+
+    /// Sends `tensor` to rank `dst`.
+    pub fn send(&self, tensor: &Tensor, dst: usize, tag: i32) -> Result<()> {
+        self.send_async(tensor, dst, tag)?.wait()
+    }
+
+    /// Receives into `tensor` from rank `src`, asynchronously.
+    pub fn recv_async(&self, tensor: &Tensor, src: usize, tag: i32) -> Result<Work> {
+        self.check_peer("recv", src)?;
+        // SAFETY: live group and tensor.
+        self.launch("recv", |g, out| unsafe {
+            ffi::tdr_recv(g, raw(tensor), src as i32, tag, out)
+        })
+    }
+
+    /// Receives into `tensor` from rank `src`.
+    pub fn recv(&self, tensor: &Tensor, src: usize, tag: i32) -> Result<()> {
+        self.recv_async(tensor, src, tag)?.wait()
+    }
+
+    fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
+        self.check_rank(op, "peer rank", peer)?;
+        if peer == self.rank() {
+            return Err(DistError::InvalidArgument {
+                rank: self.rank(),
+                op,
+                msg: "a rank cannot send to or receive from itself".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Waits until every rank has reached the barrier, asynchronously.
+    pub fn barrier_async(&self) -> Result<Work> {
+        // SAFETY: live group.
+        self.launch("barrier", |g, out| unsafe { ffi::tdr_barrier(g, out) })
+    }
+
+    /// Waits until every rank has reached the barrier.
+    pub fn barrier(&self) -> Result<()> {
+        self.barrier_async()?.wait()
+    }
+
+    /// A barrier that, when ranks fail to arrive within `timeout`, says which ones
+    /// (rank 0 checks in every other rank; with `wait_all_ranks` it lists all missing ranks
+    /// rather than the first).
+    pub fn monitored_barrier(&self, timeout: Duration, wait_all_ranks: bool) -> Result<()> {
+        // SAFETY: live group; blocking call bounded by `timeout` inside Gloo.
+        let err =
+            unsafe { ffi::tdr_monitored_barrier(self.raw(), millis(timeout), wait_all_ranks) };
+        // SAFETY: `err` is the shim's return value.
+        unsafe { ffi::take_error(err) }.map_err(|cause| DistError::Collective {
+            rank: self.rank(),
+            op: "monitored_barrier",
+            cause,
+        })
+    }
+}

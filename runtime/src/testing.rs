@@ -1,0 +1,266 @@
+//! Running ranks as real processes, for tests (the analogue of PyTorch's
+//! `MultiProcessTestCase`).
+//!
+//! A multi-process test re-executes its own test binary once per rank, filtered to itself,
+//! with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free
+//! MASTER_PORT) plus `TCH_DIST_TEST_WORKER` naming the test. In the parent the test spawns
+//! and supervises; in a child it runs the body as one rank.
+//!
+//! ```no_run
+//! #[test]
+//! fn all_reduce_sums() {
+//!     tch_dist_runtime::testing::run_ranks("all_reduce_sums", 2, |pg| {
+//!         let t = tch::Tensor::from_slice(&[pg.rank() as f32 + 1.0]);
+//!         pg.all_reduce(&t, tch_dist_runtime::ReduceOp::Sum).unwrap();
+//!         assert_eq!(t.double_value(&[0]), 3.0);
+//!     });
+//! }
+//! ```
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::process_group::{Backend, ProcessGroup};
+
+/// The variable that marks a child process as a rank of the named test.
+pub const WORKER_ENV: &str = "TCH_DIST_TEST_WORKER";
+
+/// Default wall-clock limit for a whole multi-process test.
+pub const DEFAULT_TEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Default timeout of the process groups that test ranks create (seconds, as text).
+const DEFAULT_GROUP_TIMEOUT_SECS: &str = "60";
+
+/// What one rank did.
+#[derive(Debug)]
+pub struct RankOutput {
+    /// The rank.
+    pub rank: usize,
+    /// How it ended; `None` when it was killed at the deadline.
+    pub status: Option<ExitStatus>,
+    /// Everything it printed on stdout.
+    pub stdout: String,
+    /// Everything it printed on stderr.
+    pub stderr: String,
+}
+
+impl RankOutput {
+    /// Whether the rank exited with status 0.
+    pub fn success(&self) -> bool {
+        self.status.is_some_and(|s| s.success())
+    }
+}
+
+/// Formats every rank's output for a failure message.
+pub fn describe(outputs: &[RankOutput]) -> String {
+    let mut s = String::new();
+    for o in outputs {
+        s.push_str(&format!(
+            "--- rank {} ({}) ---\nstdout:\n{}\nstderr:\n{}\n",
+            o.rank,
+            o.status
+                .map_or("killed at the deadline".to_string(), |st| st.to_string()),
+            o.stdout,
+            o.stderr
+        ));
+    }
+    s
+}
+
+/// A TCP port that was free a moment ago on 127.0.0.1.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("binding 127.0.0.1:0 to find a free port")
+}
+
+/// The test this process is a rank of, if it is a child.
+pub fn worker() -> Option<String> {
+    std::env::var(WORKER_ENV).ok()
+}
+
+/// How to start the ranks of a test.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    /// The test's exact name (its path in the test binary).
+    pub test: String,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Wall-clock limit for all ranks together.
+    pub timeout: Duration,
+    /// Extra variables for every rank (after the defaults, so they override them).
+    pub env: Vec<(String, String)>,
+    /// Per-rank extra variables.
+    pub rank_env: Vec<Vec<(String, String)>>,
+    /// Describe the ranks with Slurm's variables (SLURM_PROCID, ...) instead of torchrun's.
+    pub slurm: bool,
+}
+
+impl Launch {
+    /// `world_size` ranks of `test` with the default limits.
+    pub fn new(test: &str, world_size: usize) -> Self {
+        Self {
+            test: test.to_string(),
+            world_size,
+            timeout: DEFAULT_TEST_TIMEOUT,
+            env: Vec::new(),
+            rank_env: vec![Vec::new(); world_size],
+            slurm: false,
+        }
+    }
+
+    /// Adds a variable for every rank.
+    pub fn env(mut self, key: &str, value: impl Into<String>) -> Self {
+        self.env.push((key.to_string(), value.into()));
+        self
+    }
+
+    /// Adds a variable for one rank.
+    pub fn rank_env(mut self, rank: usize, key: &str, value: impl Into<String>) -> Self {
+        if let Some(vars) = self.rank_env.get_mut(rank) {
+            vars.push((key.to_string(), value.into()));
+        }
+        self
+    }
+
+    /// Describes the ranks with Slurm's variables instead of torchrun's.
+    pub fn slurm(mut self) -> Self {
+        self.slurm = true;
+        self
+    }
+
+    /// Sets the wall-clock limit.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Starts the ranks, waits for all of them (killing every one at the deadline) and
+    /// returns what each did.
+    pub fn run(&self) -> Vec<RankOutput> {
+        let exe = std::env::current_exe().expect("the test binary's path");
+        let port = free_port().to_string();
+        let world = self.world_size.to_string();
+        let mut children: Vec<(Child, JoinHandle<String>, JoinHandle<String>)> = Vec::new();
+        for rank in 0..self.world_size {
+            let mut cmd = Command::new(&exe);
+            cmd.args([
+                self.test.as_str(),
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(WORKER_ENV, &self.test)
+            .env("MASTER_PORT", &port)
+            .env("TCH_DIST_TIMEOUT_SECS", DEFAULT_GROUP_TIMEOUT_SECS);
+            for var in [
+                "RANK",
+                "LOCAL_RANK",
+                "WORLD_SIZE",
+                "LOCAL_WORLD_SIZE",
+                "MASTER_ADDR",
+            ] {
+                cmd.env_remove(var);
+            }
+            if self.slurm {
+                cmd.env("SLURM_PROCID", rank.to_string())
+                    .env("SLURM_LOCALID", rank.to_string())
+                    .env("SLURM_NTASKS", &world)
+                    .env("SLURM_NNODES", "1");
+            } else {
+                cmd.env("RANK", rank.to_string())
+                    .env("LOCAL_RANK", rank.to_string())
+                    .env("WORLD_SIZE", &world)
+                    .env("LOCAL_WORLD_SIZE", &world)
+                    .env("MASTER_ADDR", "127.0.0.1");
+            }
+            cmd.envs(self.env.iter().map(|(k, v)| (k, v)))
+                .envs(
+                    self.rank_env
+                        .get(rank)
+                        .into_iter()
+                        .flatten()
+                        .map(|(k, v)| (k, v)),
+                )
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            let mut child = cmd.spawn().expect("spawning a test rank");
+            let out = drain(child.stdout.take());
+            let err = drain(child.stderr.take());
+            children.push((child, out, err));
+        }
+        let deadline = Instant::now() + self.timeout;
+        let mut statuses: Vec<Option<ExitStatus>> = vec![None; children.len()];
+        loop {
+            for (i, (child, _, _)) in children.iter_mut().enumerate() {
+                if statuses[i].is_none() {
+                    statuses[i] = child.try_wait().ok().flatten();
+                }
+            }
+            if statuses.iter().all(Option::is_some) || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        children
+            .into_iter()
+            .enumerate()
+            .map(|(rank, (mut child, out, err))| {
+                if statuses[rank].is_none() {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+                RankOutput {
+                    rank,
+                    status: statuses[rank],
+                    stdout: out.join().unwrap_or_default(),
+                    stderr: err.join().unwrap_or_default(),
+                }
+            })
+            .collect()
+    }
+}
+
+fn drain(pipe: Option<impl Read + Send + 'static>) -> JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        if let Some(p) = pipe {
+            for line in BufReader::new(p).lines().map_while(Result::ok) {
+                s.push_str(&line);
+                s.push('\n');
+            }
+        }
+        s
+    })
+}
+
+/// Runs `body` as every rank of a `world_size`-process Gloo group.
+///
+/// In the parent (a normal `cargo test` run) this spawns the ranks and panics, with every
+/// rank's output, unless all of them pass within [`DEFAULT_TEST_TIMEOUT`]. `test` must be
+/// the test's exact name.
+pub fn run_ranks(test: &str, world_size: usize, body: impl FnOnce(ProcessGroup)) {
+    run_ranks_with(&Launch::new(test, world_size), Backend::Gloo, body)
+}
+
+/// [`run_ranks`] with explicit launch settings and backend.
+pub fn run_ranks_with(launch: &Launch, backend: Backend, body: impl FnOnce(ProcessGroup)) {
+    match worker() {
+        Some(w) if w == launch.test => {
+            let pg = ProcessGroup::from_env(backend)
+                .unwrap_or_else(|e| panic!("creating the test's process group: {e}"));
+            body(pg);
+        }
+        Some(_) => {}
+        None => {
+            let outputs = launch.run();
+            if !outputs.iter().all(RankOutput::success) {
+                panic!("a rank of {} failed:\n{}", launch.test, describe(&outputs));
+            }
+        }
+    }
+}

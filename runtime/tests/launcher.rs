@@ -1,0 +1,342 @@
+//! Start-up through `tch-dist-run` and through torchrun, and failures: a rank killed with
+//! SIGKILL mid-collective, nobody listening at MASTER_ADDR:MASTER_PORT, a port already taken.
+//!
+//! The ranks are this test binary itself, re-executed with `TCH_DIST_TEST_WORKER` set.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tch::Tensor;
+use tch_dist_runtime::testing::{free_port, worker, Launch, WORKER_ENV};
+use tch_dist_runtime::{Backend, DistError, InitOptions, ProcessGroup, ReduceOp};
+
+fn launcher() -> &'static str {
+    env!("CARGO_BIN_EXE_tch-dist-run")
+}
+
+/// Runs `cmd` with a hard wall-clock limit (killing it at the deadline).
+fn run_bounded(mut cmd: Command, limit: Duration) -> (Output, Duration) {
+    let start = Instant::now();
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    loop {
+        if child.try_wait().expect("try_wait").is_some() {
+            break;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("output");
+    (out, start.elapsed())
+}
+
+/// The body every started rank runs: all-reduce rank+1 and print the sum and its pid.
+fn allreduce_rank() {
+    let pg = ProcessGroup::from_env(Backend::Gloo).unwrap();
+    let t = Tensor::from_slice(&[pg.rank() as f32 + 1.0]);
+    pg.all_reduce(&t, ReduceOp::Sum).unwrap();
+    println!(
+        "rank={} world={} sum={}",
+        pg.rank(),
+        pg.world_size(),
+        t.double_value(&[0])
+    );
+}
+
+#[test]
+fn launcher_starts_ranks_with_prefixed_output() {
+    if worker().as_deref() == Some("launcher_starts_ranks_with_prefixed_output") {
+        return allreduce_rank();
+    }
+    let mut cmd = Command::new(launcher());
+    cmd.env(WORKER_ENV, "launcher_starts_ranks_with_prefixed_output")
+        .args([
+            "--nproc-per-node",
+            "3",
+            "--master-port",
+            &free_port().to_string(),
+            "--",
+        ])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "launcher_starts_ranks_with_prefixed_output",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ]);
+    let (out, _) = run_bounded(cmd, Duration::from_secs(90));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for r in 0..3 {
+        let line = stdout
+            .lines()
+            .find(|l| l.contains(&format!("rank={r} world=3 sum=6")));
+        assert!(
+            line.is_some_and(|l| l.starts_with(&format!("[rank{r}]: "))),
+            "{stdout}"
+        );
+    }
+}
+
+#[test]
+fn launcher_rejects_bad_arguments() {
+    let out = Command::new(launcher())
+        .args(["--nproc-per-node", "zero", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("--nproc-per-node \"zero\" is not a positive integer"));
+    let out = Command::new(launcher())
+        .args(["--nproc-per-node", "2"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no command given"));
+}
+
+fn torchrun() -> Option<PathBuf> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/torchrun");
+    p.exists().then_some(p)
+}
+
+#[test]
+fn torchrun_starts_the_same_ranks() {
+    if worker().as_deref() == Some("torchrun_starts_the_same_ranks") {
+        return allreduce_rank();
+    }
+    let torchrun = torchrun().expect("torchrun in .venv (run `make setup`)");
+    let mut cmd = Command::new(torchrun);
+    cmd.env(WORKER_ENV, "torchrun_starts_the_same_ranks")
+        .env("OMP_NUM_THREADS", "1")
+        .args(["--standalone", "--nproc-per-node", "2", "--no-python"])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "torchrun_starts_the_same_ranks",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ]);
+    let (out, _) = run_bounded(cmd, Duration::from_secs(120));
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{all}");
+    assert!(
+        all.contains("rank=0 world=2 sum=3") && all.contains("rank=1 world=2 sum=3"),
+        "{all}"
+    );
+}
+
+/// Rank 1 kills itself with SIGKILL while rank 0 waits in an all_reduce.
+fn killed_rank_body(report_pid_to: Option<&str>) {
+    let pg = ProcessGroup::from_env(Backend::Gloo).unwrap();
+    if let Some(dir) = report_pid_to {
+        std::fs::write(
+            Path::new(dir).join(format!("pid{}", pg.rank())),
+            std::process::id().to_string(),
+        )
+        .unwrap();
+    }
+    let t = Tensor::from_slice(&[1.0f32]);
+    pg.all_reduce(&t, ReduceOp::Sum).unwrap();
+    if pg.rank() == 1 {
+        // SAFETY: killing this very process; nothing runs after.
+        unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
+    }
+    let start = Instant::now();
+    let err = pg.all_reduce(&t, ReduceOp::Sum).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(&err, DistError::Collective { rank, op: "all_reduce", .. } if *rank == pg.rank()),
+        "{msg}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(25), "{msg}");
+    println!("rank {} saw: {msg}", pg.rank());
+}
+
+#[test]
+fn killed_rank_makes_the_others_fail() {
+    if worker().as_deref() == Some("killed_rank_makes_the_others_fail") {
+        return killed_rank_body(None);
+    }
+    let out = Launch::new("killed_rank_makes_the_others_fail", 2)
+        .env("TCH_DIST_TIMEOUT_SECS", "20")
+        .run();
+    let desc = tch_dist_runtime::testing::describe(&out);
+    assert!(
+        out[0].success(),
+        "rank 0 must see an error value, not hang or crash:\n{desc}"
+    );
+    assert!(
+        out[0]
+            .stdout
+            .contains("rank 0 saw: rank 0: all_reduce failed:"),
+        "{desc}"
+    );
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        out[1].status.and_then(|s| s.signal()),
+        Some(libc::SIGKILL),
+        "{desc}"
+    );
+}
+
+#[test]
+fn launcher_stops_everyone_when_a_rank_is_killed() {
+    if worker().as_deref() == Some("launcher_stops_everyone_when_a_rank_is_killed") {
+        // Rank 0 must not finish on its own: it waits in a collective until the launcher
+        // stops it (its error path also ends it, with status 0 here, which is fine).
+        return killed_rank_body(std::env::var("PID_DIR").ok().as_deref());
+    }
+    let dir = std::env::temp_dir().join(format!("tch-dist-pids-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cmd = Command::new(launcher());
+    cmd.env(WORKER_ENV, "launcher_stops_everyone_when_a_rank_is_killed")
+        .env("PID_DIR", &dir)
+        .env("TCH_DIST_TIMEOUT_SECS", "600")
+        .args(["--nproc-per-node", "3", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "launcher_stops_everyone_when_a_rank_is_killed",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ]);
+    let (out, elapsed) = run_bounded(cmd, Duration::from_secs(90));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // Rank 1's SIGKILL (137) or another rank's failure, whichever the launcher saw first.
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("failed") && stderr.contains("stopping the other ranks"),
+        "{stderr}"
+    );
+    assert!(elapsed < Duration::from_secs(60), "{elapsed:?}");
+    // No rank is left behind.
+    std::thread::sleep(Duration::from_millis(200));
+    for r in 0..3 {
+        let pid = std::fs::read_to_string(dir.join(format!("pid{r}"))).unwrap();
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists() || is_zombie(&pid),
+            "rank {r} (pid {pid}) still runs"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn is_zombie(pid: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| s.contains(") Z "))
+        .unwrap_or(true)
+}
+
+#[test]
+fn nobody_listening_is_a_timely_error() {
+    let port = free_port();
+    let opts = InitOptions::new(Backend::Gloo, 1, 2, "127.0.0.1", port)
+        .with_timeout(Duration::from_secs(3));
+    let start = Instant::now();
+    let err = ProcessGroup::new(&opts).unwrap_err();
+    let elapsed = start.elapsed();
+    assert!(elapsed < Duration::from_secs(15), "{elapsed:?}");
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with(&format!("rank 1: rendezvous with 127.0.0.1:{port} failed:")),
+        "{msg}"
+    );
+    assert!(
+        !msg.contains("frame #"),
+        "no C++ backtrace in the message: {msg}"
+    );
+    println!("{msg}");
+}
+
+#[test]
+fn port_already_taken_is_an_error() {
+    let listener = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let opts = InitOptions::new(Backend::Gloo, 0, 2, "127.0.0.1", port)
+        .with_timeout(Duration::from_secs(3));
+    let start = Instant::now();
+    let err = ProcessGroup::new(&opts).unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(15));
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with(&format!("rank 0: rendezvous with 127.0.0.1:{port} failed:")),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("EADDRINUSE") || msg.to_lowercase().contains("address already in use"),
+        "{msg}"
+    );
+    drop(listener);
+}
+
+#[test]
+fn bad_launch_variables_are_errors() {
+    if let Some(w) = worker() {
+        if w == "bad_launch_variables_are_errors" {
+            let err = ProcessGroup::from_env(Backend::Gloo).unwrap_err();
+            println!("error: {err}");
+        }
+        return;
+    }
+    let out = Launch::new("bad_launch_variables_are_errors", 2)
+        .rank_env(0, "RANK", "2")
+        .rank_env(1, "WORLD_SIZE", "two")
+        .timeout(Duration::from_secs(60))
+        .run();
+    let desc = tch_dist_runtime::testing::describe(&out);
+    assert!(
+        out[0]
+            .stdout
+            .contains("error: invalid launch environment: RANK=2 is out of range for WORLD_SIZE=2"),
+        "{desc}"
+    );
+    assert!(
+        out[1].stdout.contains(
+            "error: invalid launch environment: WORLD_SIZE=\"two\" is not a non-negative integer"
+        ),
+        "{desc}"
+    );
+    let opts = InitOptions::new(Backend::Gloo, 2, 2, "127.0.0.1", free_port());
+    assert!(matches!(ProcessGroup::new(&opts), Err(DistError::Env(_))));
+}
+
+/// A CUDA tensor handed to a Gloo-only group is an error value. This needs a GPU: on a
+/// CPU-only machine only the world-size-1 part runs (the GPU check runs it on CUDA).
+#[test]
+fn cuda_tensor_on_gloo_only_group_is_an_error() {
+    let opts = InitOptions::new(Backend::Gloo, 0, 1, "127.0.0.1", free_port())
+        .with_timeout(Duration::from_secs(20));
+    let pg = ProcessGroup::new(&opts).unwrap();
+    if tch::Cuda::is_available() {
+        let t = Tensor::ones([2], (tch::Kind::Float, tch::Device::Cuda(0)));
+        let err = pg.all_reduce(&t, ReduceOp::Sum).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with("rank 0: all_reduce failed: tensor is on cuda:0"),
+            "{msg}"
+        );
+        assert!(msg.contains("no NCCL backend (it is Gloo-only)"), "{msg}");
+    } else {
+        eprintln!("no CUDA here: the CUDA half of this test runs in `make gpu-check`");
+    }
+    // World size 1: collectives are identities.
+    let x = Tensor::from_slice(&[4.0f32]);
+    pg.all_reduce(&x, ReduceOp::Avg).unwrap();
+    assert_eq!(x.double_value(&[0]), 4.0);
+}
