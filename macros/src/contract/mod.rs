@@ -1,0 +1,29 @@
+//! `#[contract]`: parse (arguments, function) → validate → expand.
+
+mod expand;
+mod parse;
+
+use proc_macro2::TokenStream;
+
+use crate::ctxt::Ctxt;
+
+pub(crate) fn contract(args: TokenStream, item: TokenStream) -> syn::Result<TokenStream> {
+    let cx = Ctxt::new();
+    let parsed_args = parse::parse_args(&cx, args);
+    let func: syn::ItemFn = match syn::parse2(item) {
+        Ok(f) => f,
+        Err(e) => {
+            cx.syn_error(syn::Error::new(
+                e.span(),
+                "#[contract] applies to a function `fn apply<M: Shardable + ?Sized>(module: &M, ...) -> Result<State, E>`",
+            ));
+            return cx.check().map(|()| TokenStream::new());
+        }
+    };
+    let cf = parse::parse_fn(&cx, func);
+    cx.check()?;
+    match cf {
+        Some(cf) => Ok(expand::expand(&parsed_args, cf)),
+        None => Ok(TokenStream::new()),
+    }
+}
