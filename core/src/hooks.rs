@@ -1,0 +1,187 @@
+//! Forward hooks and [`Call`]/[`CallT`]: the Rust analogue of calling `module(x)` in PyTorch.
+//!
+//! `model.call(&xs)` runs the forward pre-hooks registered for that module instance (each may
+//! replace the input), then `forward`, then the forward hooks (each may replace the output).
+//! Calling `forward` directly bypasses the hooks, as calling `module.forward(x)` does in
+//! PyTorch. Inside a model's own `forward`, call children with `self.fc1.call(&x)` so that
+//! composable APIs can hook them.
+//!
+//! Hooks are stored per module instance (by [`ModuleKey`]) in the same store as composable
+//! API state, so they follow the instance when it moves. When no hook is registered anywhere
+//! in the program, `call` is `forward` plus one atomic load.
+//!
+//! ```
+//! use tch::{nn, nn::Module, Device, Tensor};
+//! use tch_dist_core::hooks::{register_forward_hook, register_forward_pre_hook, Call};
+//!
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let fc = nn::linear(vs.root() / "fc", 3, 2, Default::default());
+//! // Feed zeros instead of the input; then double the output.
+//! let pre = register_forward_pre_hook(&fc, |_m, xs| Some(xs.zeros_like())).unwrap();
+//! let post = register_forward_hook(&fc, |_m, _input, out| Some(out * 2.0)).unwrap();
+//! let xs = Tensor::ones([1, 3], tch::kind::FLOAT_CPU);
+//! let ys = fc.call(&xs);
+//! assert!(ys.allclose(&(fc.bs.as_ref().unwrap() * 2.0), 1e-6, 1e-6, false));
+//! pre.remove();
+//! post.remove();
+//! assert!(fc.call(&xs).allclose(&fc.forward(&xs), 1e-6, 1e-6, false));
+//! ```
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tch::nn::{Module, ModuleT};
+use tch::Tensor;
+
+use crate::key::{identify, ModuleKey};
+use crate::store::{any_hooks, PostHook, PreHook, Store};
+use crate::walk::Shardable;
+
+/// Why a hook could not be registered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HookError {
+    /// The module has no parameters and no buffers, so it has no [`ModuleKey`].
+    #[error(
+        "cannot register a hook on a `{module}`: it has no parameters or buffers, so the \
+         module instance cannot be identified"
+    )]
+    NoIdentity {
+        /// The module's type name.
+        module: &'static str,
+    },
+}
+
+/// Removes the hook it was returned for (PyTorch's `RemovableHandle`). Dropping the handle
+/// does not remove the hook.
+#[derive(Debug, Clone)]
+pub struct RemovableHandle {
+    key: ModuleKey,
+    id: u64,
+}
+
+impl RemovableHandle {
+    /// Removes the hook; returns whether it was still registered.
+    pub fn remove(&self) -> bool {
+        Store::lock().remove_hook(&self.key, self.id)
+    }
+
+    /// A process-unique id of the hook.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn resolve<M: Shardable + ?Sized>(module: &M) -> Result<(ModuleKey, &Tensor), HookError> {
+    identify(module.as_dyn_shardable()).ok_or(HookError::NoIdentity {
+        module: module.type_name(),
+    })
+}
+
+/// Registers a forward pre-hook on the instance `module`: `hook(module, input)` runs before
+/// `forward` in [`Call::call`]/[`CallT::call_t`]; returning `Some(t)` replaces the input.
+/// Hooks run in registration order (PyTorch's `register_forward_pre_hook`).
+pub fn register_forward_pre_hook<M, F>(module: &M, hook: F) -> Result<RemovableHandle, HookError>
+where
+    M: Shardable + ?Sized,
+    F: Fn(&dyn Shardable, &Tensor) -> Option<Tensor> + Send + Sync + 'static,
+{
+    let (key, first) = resolve(module)?;
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    Store::lock().add_pre_hook(&key, first, id, Arc::new(hook) as PreHook);
+    Ok(RemovableHandle { key, id })
+}
+
+/// Registers a forward hook on the instance `module`: `hook(module, input, output)` runs
+/// after `forward`; returning `Some(t)` replaces the output. Hooks run in registration order
+/// (PyTorch's `register_forward_hook`).
+pub fn register_forward_hook<M, F>(module: &M, hook: F) -> Result<RemovableHandle, HookError>
+where
+    M: Shardable + ?Sized,
+    F: Fn(&dyn Shardable, &Tensor, &Tensor) -> Option<Tensor> + Send + Sync + 'static,
+{
+    let (key, first) = resolve(module)?;
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    Store::lock().add_post_hook(&key, first, id, Arc::new(hook) as PostHook);
+    Ok(RemovableHandle { key, id })
+}
+
+/// How many forward pre-hooks and forward hooks are registered on the instance `module`.
+pub fn num_forward_hooks<M: Shardable + ?Sized>(module: &M) -> (usize, usize) {
+    if !any_hooks() {
+        return (0, 0);
+    }
+    let Some((key, first)) = identify(module.as_dyn_shardable()) else {
+        return (0, 0);
+    };
+    let mut store = Store::lock();
+    store
+        .get(&key, first)
+        .map_or((0, 0), |e| (e.pre_hooks.len(), e.post_hooks.len()))
+}
+
+/// The hooks of `module`, copied out so that none runs under the store's lock.
+fn hooks_of(module: &dyn Shardable) -> (Vec<PreHook>, Vec<PostHook>) {
+    let Some((key, first)) = identify(module) else {
+        return (Vec::new(), Vec::new());
+    };
+    let mut store = Store::lock();
+    match store.get(&key, first) {
+        Some(e) => (
+            e.pre_hooks.iter().map(|(_, h)| Arc::clone(h)).collect(),
+            e.post_hooks.iter().map(|(_, h)| Arc::clone(h)).collect(),
+        ),
+        None => (Vec::new(), Vec::new()),
+    }
+}
+
+fn run_hooked(
+    module: &dyn Shardable,
+    xs: &Tensor,
+    forward: impl FnOnce(&Tensor) -> Tensor,
+) -> Tensor {
+    if !any_hooks() {
+        return forward(xs);
+    }
+    let (pre, post) = hooks_of(module);
+    let mut replaced: Option<Tensor> = None;
+    for h in &pre {
+        if let Some(t) = h(module, replaced.as_ref().unwrap_or(xs)) {
+            replaced = Some(t);
+        }
+    }
+    let input = replaced.as_ref().unwrap_or(xs);
+    let mut out = forward(input);
+    for h in &post {
+        if let Some(t) = h(module, input, &out) {
+            out = t;
+        }
+    }
+    out
+}
+
+/// `module(x)`: forward with hooks, for any [`Module`] that is [`Shardable`].
+pub trait Call {
+    /// Runs the pre-hooks, `forward`, then the forward hooks of this instance.
+    fn call(&self, xs: &Tensor) -> Tensor;
+}
+
+impl<M: Module + Shardable> Call for M {
+    fn call(&self, xs: &Tensor) -> Tensor {
+        run_hooked(self, xs, |x| self.forward(x))
+    }
+}
+
+/// `module(x)` with a train flag: forward with hooks, for any [`ModuleT`] that is
+/// [`Shardable`].
+pub trait CallT {
+    /// Runs the pre-hooks, `forward_t(xs, train)`, then the forward hooks of this instance.
+    fn call_t(&self, xs: &Tensor, train: bool) -> Tensor;
+}
+
+impl<M: ModuleT + Shardable> CallT for M {
+    fn call_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        run_hooked(self, xs, |x| self.forward_t(x, train))
+    }
+}

@@ -1,0 +1,351 @@
+//! [`Shardable`] for tch's layers, with the names PyTorch and tch's `VarStore` give their
+//! tensors, and walkable drop-in replacements for tch's recurrent layers.
+//!
+//! | layer | parameters | buffers |
+//! | --- | --- | --- |
+//! | `tch::nn::Linear` | `weight`, `bias` | |
+//! | `tch::nn::Conv1D/2D/3D`, `ConvTranspose1D/2D/3D` | `weight`, `bias` | |
+//! | `tch::nn::BatchNorm` | `weight`, `bias` | `running_mean`, `running_var` |
+//! | `tch::nn::LayerNorm`, `tch::nn::GroupNorm` | `weight`, `bias` | |
+//! | `tch::nn::Embedding` | `weight` | |
+//! | [`LSTM`], [`GRU`] (this module) | `weight_ih_l0`, `weight_hh_l0`, `bias_ih_l0`, `bias_hh_l0`, … (`_reverse` for the second direction) | |
+//!
+//! Optional tensors (`bias` of a layer built without bias, `weight`/`bias` of a
+//! non-affine norm) are absent, as they are from the `VarStore`.
+//!
+//! tch's own `nn::LSTM` and `nn::GRU` keep their weights in private fields, so they cannot be
+//! walked: use [`lstm`] and [`gru`] here instead. They take the same arguments, create the
+//! same variables in the `VarStore` and implement [`tch::nn::RNN`] the same way.
+
+use std::borrow::Borrow;
+
+use tch::nn::{self, Path, RNNConfig};
+use tch::{Device, Tensor};
+
+use crate::walk::{ModuleVisitor, ModuleVisitorMut, Shardable};
+
+macro_rules! weight_bias_layer {
+    ($(#[$doc:meta])* [$($gen:tt)*] $ty:ty, weight: $wk:ident $w:ident, bias: $b:ident) => {
+        $(#[$doc])*
+        impl<$($gen)*> Shardable for $ty {
+            fn visit<'a>(&'a self, v: &mut dyn ModuleVisitor<'a>) {
+                weight_bias_layer!(@visit $wk self.$w, v);
+                if let Some(b) = &self.$b {
+                    v.visit_param("bias", b);
+                }
+            }
+            fn visit_mut<'a>(&'a mut self, v: &mut dyn ModuleVisitorMut<'a>) {
+                weight_bias_layer!(@visit_mut $wk self.$w, v);
+                if let Some(b) = &mut self.$b {
+                    v.visit_param("bias", b);
+                }
+            }
+        }
+    };
+    (@visit one $w:expr, $v:ident) => { $v.visit_param("weight", &$w) };
+    (@visit opt $w:expr, $v:ident) => {
+        if let Some(w) = &$w {
+            $v.visit_param("weight", w);
+        }
+    };
+    (@visit_mut one $w:expr, $v:ident) => { $v.visit_param("weight", &mut $w) };
+    (@visit_mut opt $w:expr, $v:ident) => {
+        if let Some(w) = &mut $w {
+            $v.visit_param("weight", w);
+        }
+    };
+}
+
+weight_bias_layer!(
+    /// `weight` `[out, in]`, `bias` `[out]` (absent without bias).
+    [] nn::Linear, weight: one ws, bias: bs
+);
+weight_bias_layer!(
+    /// `Conv1D`, `Conv2D`, `Conv3D`: `weight`, `bias` (absent without bias).
+    [ND] nn::Conv<ND>, weight: one ws, bias: bs
+);
+weight_bias_layer!(
+    /// `ConvTranspose1D/2D/3D`: `weight`, `bias` (absent without bias).
+    [ND] nn::ConvTransposeND<ND>, weight: one ws, bias: bs
+);
+weight_bias_layer!(
+    /// `weight`, `bias` (both absent when not elementwise-affine).
+    [] nn::LayerNorm, weight: opt ws, bias: bs
+);
+weight_bias_layer!(
+    /// `weight`, `bias` (both absent when not affine).
+    [] nn::GroupNorm, weight: opt ws, bias: bs
+);
+
+/// `weight`, `bias` (absent when not affine); buffers `running_mean`, `running_var`.
+///
+/// PyTorch also has a `num_batches_tracked` buffer; tch does not create one, so it is not
+/// reported (the names match tch's `VarStore`).
+impl Shardable for nn::BatchNorm {
+    fn visit<'a>(&'a self, v: &mut dyn ModuleVisitor<'a>) {
+        if let Some(w) = &self.ws {
+            v.visit_param("weight", w);
+        }
+        if let Some(b) = &self.bs {
+            v.visit_param("bias", b);
+        }
+        v.visit_buffer("running_mean", &self.running_mean);
+        v.visit_buffer("running_var", &self.running_var);
+    }
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn ModuleVisitorMut<'a>) {
+        if let Some(w) = &mut self.ws {
+            v.visit_param("weight", w);
+        }
+        if let Some(b) = &mut self.bs {
+            v.visit_param("bias", b);
+        }
+        v.visit_buffer("running_mean", &mut self.running_mean);
+        v.visit_buffer("running_var", &mut self.running_var);
+    }
+}
+
+/// `weight` `[num_embeddings, embedding_dim]`.
+impl Shardable for nn::Embedding {
+    fn visit<'a>(&'a self, v: &mut dyn ModuleVisitor<'a>) {
+        v.visit_param("weight", &self.ws);
+    }
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn ModuleVisitorMut<'a>) {
+        v.visit_param("weight", &mut self.ws);
+    }
+}
+
+// ---- recurrent layers -------------------------------------------------------------------
+
+/// Names and tensors of a recurrent layer, in cuDNN's flat-weight order: per layer and
+/// direction `weight_ih_l{k}{suffix}`, `weight_hh_l{k}{suffix}` and, with biases,
+/// `bias_ih_l{k}{suffix}`, `bias_hh_l{k}{suffix}`; `suffix` is `_reverse` for the second
+/// direction. Exactly what tch's `rnn_weights` creates, and PyTorch's names.
+fn rnn_weights(
+    vs: &Path,
+    in_dim: i64,
+    hidden_dim: i64,
+    gate_dim: i64,
+    c: &RNNConfig,
+) -> (Vec<String>, Vec<Tensor>) {
+    let num_directions = if c.bidirectional { 2 } else { 1 };
+    let mut names = Vec::new();
+    let mut weights = Vec::new();
+    for layer_idx in 0..c.num_layers {
+        for direction_idx in 0..num_directions {
+            let in_dim = if layer_idx == 0 {
+                in_dim
+            } else {
+                hidden_dim * num_directions
+            };
+            let suffix = if direction_idx == 1 { "_reverse" } else { "" };
+            let mut add = |name: String, dims: &[i64], init: nn::Init| {
+                weights.push(vs.var(&name, dims, init));
+                names.push(name);
+            };
+            add(
+                format!("weight_ih_l{layer_idx}{suffix}"),
+                &[gate_dim, in_dim],
+                c.w_ih_init,
+            );
+            add(
+                format!("weight_hh_l{layer_idx}{suffix}"),
+                &[gate_dim, hidden_dim],
+                c.w_hh_init,
+            );
+            if c.has_biases {
+                let zero = nn::Init::Const(0.);
+                add(
+                    format!("bias_ih_l{layer_idx}{suffix}"),
+                    &[gate_dim],
+                    c.b_ih_init.unwrap_or(zero),
+                );
+                add(
+                    format!("bias_hh_l{layer_idx}{suffix}"),
+                    &[gate_dim],
+                    c.b_hh_init.unwrap_or(zero),
+                );
+            }
+        }
+    }
+    (names, weights)
+}
+
+fn flatten_for_cudnn(
+    device: Device,
+    weights: &[Tensor],
+    in_dim: i64,
+    mode: i64,
+    hidden_dim: i64,
+    c: &RNNConfig,
+) {
+    if device.is_cuda() && tch::Cuda::cudnn_is_available() {
+        // Same call as tch: lets cuDNN keep the weights in one contiguous chunk. A failure
+        // only costs speed, so it is ignored.
+        let _ = Tensor::f_internal_cudnn_rnn_flatten_weight(
+            weights,
+            4,
+            in_dim,
+            mode,
+            hidden_dim,
+            0,
+            c.num_layers,
+            c.batch_first,
+            c.bidirectional,
+        );
+    }
+}
+
+macro_rules! rnn_layer {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[allow(clippy::upper_case_acronyms)]
+        #[derive(Debug)]
+        pub struct $name {
+            names: Vec<String>,
+            flat_weights: Vec<Tensor>,
+            hidden_dim: i64,
+            config: RNNConfig,
+            device: Device,
+        }
+
+        impl $name {
+            /// The flat weights, in the order `Tensor::lstm`/`Tensor::gru` expect.
+            pub fn flat_weights(&self) -> &[Tensor] {
+                &self.flat_weights
+            }
+            /// The configuration the layer was built with.
+            pub fn config(&self) -> &RNNConfig {
+                &self.config
+            }
+        }
+
+        impl Shardable for $name {
+            fn visit<'a>(&'a self, v: &mut dyn ModuleVisitor<'a>) {
+                for (n, t) in self.names.iter().zip(&self.flat_weights) {
+                    v.visit_param(n, t);
+                }
+            }
+            fn visit_mut<'a>(&'a mut self, v: &mut dyn ModuleVisitorMut<'a>) {
+                for (n, t) in self.names.iter().zip(self.flat_weights.iter_mut()) {
+                    v.visit_param(n, t);
+                }
+            }
+        }
+    };
+}
+
+rnn_layer!(
+    /// A Long Short-Term Memory layer, walkable: the drop-in for `tch::nn::LSTM`. Build it
+    /// with [`lstm`].
+    LSTM
+);
+rnn_layer!(
+    /// A Gated Recurrent Unit layer, walkable: the drop-in for `tch::nn::GRU`. Build it with
+    /// [`gru`].
+    GRU
+);
+
+/// Creates an [`LSTM`] layer: the same variables, names and behaviour as `tch::nn::lstm`.
+pub fn lstm<'a, T: Borrow<Path<'a>>>(vs: T, in_dim: i64, hidden_dim: i64, c: RNNConfig) -> LSTM {
+    let vs = vs.borrow();
+    let (names, flat_weights) = rnn_weights(vs, in_dim, hidden_dim, 4 * hidden_dim, &c);
+    flatten_for_cudnn(vs.device(), &flat_weights, in_dim, 2, hidden_dim, &c);
+    LSTM {
+        names,
+        flat_weights,
+        hidden_dim,
+        config: c,
+        device: vs.device(),
+    }
+}
+
+/// Creates a [`GRU`] layer: the same variables, names and behaviour as `tch::nn::gru`.
+pub fn gru<'a, T: Borrow<Path<'a>>>(vs: T, in_dim: i64, hidden_dim: i64, c: RNNConfig) -> GRU {
+    let vs = vs.borrow();
+    let (names, flat_weights) = rnn_weights(vs, in_dim, hidden_dim, 3 * hidden_dim, &c);
+    flatten_for_cudnn(vs.device(), &flat_weights, in_dim, 3, hidden_dim, &c);
+    GRU {
+        names,
+        flat_weights,
+        hidden_dim,
+        config: c,
+        device: vs.device(),
+    }
+}
+
+fn zero_state_shape(c: &RNNConfig, batch_dim: i64, hidden_dim: i64) -> [i64; 3] {
+    let num_directions = if c.bidirectional { 2 } else { 1 };
+    [c.num_layers * num_directions, batch_dim, hidden_dim]
+}
+
+impl nn::RNN for LSTM {
+    type State = nn::LSTMState;
+
+    fn zero_state(&self, batch_dim: i64) -> nn::LSTMState {
+        let shape = zero_state_shape(&self.config, batch_dim, self.hidden_dim);
+        let kind = self
+            .flat_weights
+            .first()
+            .map_or(tch::Kind::Float, Tensor::kind);
+        let zeros = Tensor::zeros(shape, (kind, self.device));
+        nn::LSTMState((zeros.shallow_clone(), zeros))
+    }
+
+    fn step(&self, input: &Tensor, in_state: &nn::LSTMState) -> nn::LSTMState {
+        let input = input.unsqueeze(1);
+        let (_output, state) = self.seq_init(&input, in_state);
+        state
+    }
+
+    fn seq_init(&self, input: &Tensor, in_state: &nn::LSTMState) -> (Tensor, nn::LSTMState) {
+        let nn::LSTMState((h, c)) = in_state;
+        let c_ = &self.config;
+        let flat_weights = self.flat_weights.iter().collect::<Vec<_>>();
+        let (output, h, c) = input.lstm(
+            &[h, c],
+            &flat_weights,
+            c_.has_biases,
+            c_.num_layers,
+            c_.dropout,
+            c_.train,
+            c_.bidirectional,
+            c_.batch_first,
+        );
+        (output, nn::LSTMState((h, c)))
+    }
+}
+
+impl nn::RNN for GRU {
+    type State = nn::GRUState;
+
+    fn zero_state(&self, batch_dim: i64) -> nn::GRUState {
+        let shape = zero_state_shape(&self.config, batch_dim, self.hidden_dim);
+        let kind = self
+            .flat_weights
+            .first()
+            .map_or(tch::Kind::Float, Tensor::kind);
+        nn::GRUState(Tensor::zeros(shape, (kind, self.device)))
+    }
+
+    fn step(&self, input: &Tensor, in_state: &nn::GRUState) -> nn::GRUState {
+        let input = input.unsqueeze(1);
+        let (_output, state) = self.seq_init(&input, in_state);
+        state
+    }
+
+    fn seq_init(&self, input: &Tensor, in_state: &nn::GRUState) -> (Tensor, nn::GRUState) {
+        let nn::GRUState(h) = in_state;
+        let c = &self.config;
+        let (output, h) = input.gru(
+            h,
+            &self.flat_weights,
+            c.has_biases,
+            c.num_layers,
+            c.dropout,
+            c.train,
+            c.bidirectional,
+            c.batch_first,
+        );
+        (output, nn::GRUState(h))
+    }
+}
