@@ -10,6 +10,7 @@ mod error;
 #[doc(hidden)]
 pub mod ffi;
 mod process_group;
+mod reducer;
 mod store;
 pub mod testing;
 
@@ -19,5 +20,9 @@ pub use error::{DistError, Result};
 pub use process_group::{
     default_group, destroy_process_group, init_process_group, init_process_group_with,
     is_initialized, Backend, InitOptions, ProcessGroup,
+};
+pub use reducer::{
+    assign_buckets, CommHook, GradReadyHook, Reducer, ReducerOptions, ReducerStats,
+    DEFAULT_FIRST_BUCKET_BYTES,
 };
 pub use store::Store;
