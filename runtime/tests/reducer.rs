@@ -54,7 +54,7 @@ impl Model {
             .tanh();
         let mut y = h.linear(self.get("fc2.weight"), Some(self.get("fc2.bias")));
         if self.with_aux {
-            y = y + x
+            y += x
                 .to_kind(Kind::Double)
                 .linear::<Tensor>(self.get("aux.weight"), None)
                 .to_kind(Kind::Float);
