@@ -17,7 +17,12 @@ fn run() -> Result<(), tch_dist::DistError> {
     let pg = init_process_group(Backend::Gloo)?;
     let t = tch::Tensor::from_slice(&[pg.rank() as f32 + 1.0]);
     pg.all_reduce(&t, ReduceOp::Sum)?;
-    println!("rank={} world={} sum={}", pg.rank(), pg.world_size(), t.double_value(&[0]));
+    println!(
+        "rank={} world={} sum={}",
+        pg.rank(),
+        pg.world_size(),
+        t.double_value(&[0])
+    );
     tch_dist::destroy_process_group();
     Ok(())
 }

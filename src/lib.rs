@@ -16,13 +16,21 @@
 
 pub use tch_dist_runtime::*;
 
+pub mod replicate;
+
 // --- macros and core (issue 3) ---
 
+#[doc(hidden)]
+pub use tch_dist_core::__private;
+pub use tch_dist_core::hooks::{Call, CallT};
 pub use tch_dist_core::{
     check_against_var_store, contract, hooks, nn, registry, AsDynShardable, ContractApi,
     ContractError, FqnPath, ModuleKey, ModuleVisitor, ModuleVisitorMut, Shardable, TensorField,
     TensorKind, VarStoreMismatch,
 };
-pub use tch_dist_core::hooks::{Call, CallT};
-#[doc(hidden)]
-pub use tch_dist_core::{__private, testing};
+
+/// Multi-process test helpers (ranks as real processes) and stand-in composable APIs.
+pub mod testing {
+    pub use tch_dist_core::testing::*;
+    pub use tch_dist_runtime::testing::*;
+}

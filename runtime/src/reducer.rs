@@ -50,7 +50,7 @@ pub enum CommHook {
 pub struct ReducerOptions {
     /// Cap of every bucket but the first, in MiB (default 25).
     pub bucket_cap_mb: f64,
-    /// Cap of the first bucket, in bytes (default 1 MiB).
+    /// Cap of the first bucket, in bytes (default 1 MiB; never above `bucket_cap_mb`).
     pub first_bucket_bytes: usize,
     /// Parameters without a gradient count as zero instead of stalling their bucket.
     pub find_unused_parameters: bool,
@@ -336,7 +336,7 @@ impl Reducer {
             .collect();
         let reverse: Vec<usize> = (0..params.len()).rev().collect();
         let cap = (opts.bucket_cap_mb * 1024.0 * 1024.0) as usize;
-        let layout = layout_for(&params, &reverse, opts.first_bucket_bytes, cap);
+        let layout = layout_for(&params, &reverse, opts.first_bucket_bytes.min(cap), cap);
         let buckets = build_buckets(&mut params, &layout);
         let n = params.len();
         let nb = buckets.len();
@@ -737,7 +737,12 @@ impl ReducerInner {
             .map(|&i| i as usize)
             .collect();
         let cap = (self.opts.bucket_cap_mb * 1024.0 * 1024.0) as usize;
-        let layout = layout_for(&st.params, &order, self.opts.first_bucket_bytes, cap);
+        let layout = layout_for(
+            &st.params,
+            &order,
+            self.opts.first_bucket_bytes.min(cap),
+            cap,
+        );
         if layout
             == st
                 .buckets

@@ -238,7 +238,8 @@ fn drain(pipe: Option<impl Read + Send + 'static>) -> JoinHandle<String> {
     })
 }
 
-/// Runs `body` as every rank of a `world_size`-process Gloo group.
+/// Runs `body` as every rank of a `world_size`-process Gloo group (also made the default
+/// process group).
 ///
 /// In the parent (a normal `cargo test` run) this spawns the ranks and panics, with every
 /// rank's output, unless all of them pass within [`DEFAULT_TEST_TIMEOUT`]. `test` must be
@@ -251,7 +252,8 @@ pub fn run_ranks(test: &str, world_size: usize, body: impl FnOnce(ProcessGroup))
 pub fn run_ranks_with(launch: &Launch, backend: Backend, body: impl FnOnce(ProcessGroup)) {
     match worker() {
         Some(w) if w == launch.test => {
-            let pg = ProcessGroup::from_env(backend)
+            // The default group, as a program started by torchrun would create it.
+            let pg = crate::init_process_group(backend)
                 .unwrap_or_else(|e| panic!("creating the test's process group: {e}"));
             body(pg);
         }
