@@ -32,6 +32,7 @@ $(GLOO_HEADER):
 demo: setup
 	$(CARGO) build --release --bins --examples
 	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/allreduce
+	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/train_ddp
 
 test: setup
 	$(CARGO) test --workspace --all-targets
