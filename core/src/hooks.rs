@@ -121,13 +121,11 @@ pub fn num_forward_hooks<M: Shardable + ?Sized>(module: &M) -> (usize, usize) {
         .map_or((0, 0), |e| (e.pre_hooks.len(), e.post_hooks.len()))
 }
 
-/// The hooks of `module`, copied out so that none runs under the store's lock.
-fn hooks_of(module: &dyn Shardable) -> (Vec<PreHook>, Vec<PostHook>) {
-    let Some((key, first)) = identify(module) else {
-        return (Vec::new(), Vec::new());
-    };
+/// The pre-hooks and forward hooks of the instance `(key, first)`, copied out so
+/// that none runs under the store's lock.
+fn hooks_of(key: &ModuleKey, first: &Tensor) -> (Vec<PreHook>, Vec<PostHook>) {
     let mut store = Store::lock();
-    match store.get(&key, first) {
+    match store.get(key, first) {
         Some(e) => (
             e.pre_hooks.iter().map(|(_, h)| Arc::clone(h)).collect(),
             e.post_hooks.iter().map(|(_, h)| Arc::clone(h)).collect(),
@@ -144,7 +142,10 @@ fn run_hooked(
     if !any_hooks() {
         return forward(xs);
     }
-    let (pre, post) = hooks_of(module);
+    let Some((key, first)) = identify(module) else {
+        return forward(xs);
+    };
+    let (pre, _) = hooks_of(&key, first);
     let mut replaced: Option<Tensor> = None;
     for h in &pre {
         if let Some(t) = h(module, replaced.as_ref().unwrap_or(xs)) {
@@ -153,6 +154,9 @@ fn run_hooked(
     }
     let input = replaced.as_ref().unwrap_or(xs);
     let mut out = forward(input);
+    // Looked up again, as PyTorch does: hooks registered by the pre-hooks or by `forward`
+    // run too.
+    let (_, post) = hooks_of(&key, first);
     for h in &post {
         if let Some(t) = h(module, input, &out) {
             out = t;

@@ -26,7 +26,5 @@ pub fn derive_shardable(input: TokenStream) -> TokenStream {
 #[doc = include_str!("../doc/contract.md")]
 #[proc_macro_attribute]
 pub fn contract(args: TokenStream, item: TokenStream) -> TokenStream {
-    contract::contract(args.into(), item.into())
-        .unwrap_or_else(syn::Error::into_compile_error)
-        .into()
+    contract::contract(args.into(), item.into()).into()
 }

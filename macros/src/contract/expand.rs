@@ -7,7 +7,8 @@
 //! `const _: () = { ... };`) and the typed state accessor.
 
 use proc_macro2::{Span, TokenStream};
-use quote::{format_ident, quote};
+use quote::{format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
 use syn::Ident;
 
 use super::parse::{Args, ContractFn};
@@ -61,7 +62,8 @@ pub(crate) fn expand(args: &Args, cf: ContractFn) -> TokenStream {
     let state = Ident::new("__tch_dist_state", Span::mixed_site());
     let ok = quote!(::core::result::Result::Ok);
     let err = quote!(::core::result::Result::Err);
-    let from = quote!(::core::convert::From::from);
+    // A missing `From<ContractError>` is reported on the return type.
+    let from = quote_spanned!(orig_ret.span()=> ::core::convert::From::from);
 
     quote! {
         #(#attrs)*

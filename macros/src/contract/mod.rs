@@ -7,7 +7,20 @@ use proc_macro2::TokenStream;
 
 use crate::ctxt::Ctxt;
 
-pub(crate) fn contract(args: TokenStream, item: TokenStream) -> syn::Result<TokenStream> {
+/// The expansion, or the errors followed by the unchanged item (so that its uses do not
+/// add errors of their own).
+pub(crate) fn contract(args: TokenStream, item: TokenStream) -> TokenStream {
+    match expand_or_errors(args, item.clone()) {
+        Ok(tokens) => tokens,
+        Err(e) => {
+            let mut tokens = e.into_compile_error();
+            tokens.extend(item);
+            tokens
+        }
+    }
+}
+
+fn expand_or_errors(args: TokenStream, item: TokenStream) -> syn::Result<TokenStream> {
     let cx = Ctxt::new();
     let parsed_args = parse::parse_args(&cx, args);
     let func: syn::ItemFn = match syn::parse2(item) {

@@ -70,8 +70,9 @@ pub(crate) fn parse_args(cx: &Ctxt, args: TokenStream) -> Args {
                 if meta.input.peek(syn::Token![=]) {
                     meta.value()?.parse::<syn::Expr>()?;
                 } else if meta.input.peek(syn::token::Paren) {
-                    let _content;
-                    syn::parenthesized!(_content in meta.input);
+                    let content;
+                    syn::parenthesized!(content in meta.input);
+                    content.parse::<TokenStream>()?;
                 }
             }
         }
