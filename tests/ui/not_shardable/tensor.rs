@@ -1,0 +1,10 @@
+use tch::Tensor;
+use tch_dist::Shardable;
+
+// A plain tensor needs #[shardable(param)] or #[shardable(buffer)].
+#[derive(Shardable)]
+struct Model {
+    weight: Tensor,
+}
+
+fn main() {}

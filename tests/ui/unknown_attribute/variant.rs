@@ -1,0 +1,10 @@
+use tch::nn;
+use tch_dist::Shardable;
+
+#[derive(Shardable)]
+enum Head {
+    #[shardable(skip)]
+    Linear(nn::Linear),
+}
+
+fn main() {}
