@@ -12,7 +12,7 @@ GLOO_HEADER := /usr/include/gloo/config.h
 CARGO ?= cargo
 NPROC ?= 2
 
-.PHONY: setup demo test lint bench gpu-check doc clean-venv
+.PHONY: setup demo test lint doc
 
 setup: $(SETUP_STAMP) $(GLOO_HEADER)
 
