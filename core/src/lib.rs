@@ -1,5 +1,5 @@
 //! tch-dist core: the module walker ([`Shardable`]), module identity ([`ModuleKey`]), the
-//! composable-API registry behind `#[contract]` ([`contract`]) and forward hooks
+//! composable-API registry behind `#[contract]` ([`contract`](mod@contract)) and forward hooks
 //! ([`hooks`]). No FFI of its own: everything goes through `tch`.
 //!
 //! Most users reach these items through the `tch_dist` facade, which re-exports them and
