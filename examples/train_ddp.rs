@@ -25,7 +25,10 @@ struct Net {
 
 impl Net {
     fn new(vs: &nn::Path) -> Net {
-        Net { fc1: nn::linear(vs / "fc1", 64, 128, Default::default()), fc2: nn::linear(vs / "fc2", 128, 10, Default::default()) }
+        Net {
+            fc1: nn::linear(vs / "fc1", 64, 128, Default::default()),
+            fc2: nn::linear(vs / "fc2", 128, 10, Default::default()),
+        }
     }
 }
 
@@ -59,7 +62,9 @@ fn parse_args() -> Result<Args, String> {
         let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
         match arg.as_str() {
             "--epochs" => a.epochs = value()?.parse().map_err(|e| format!("--epochs: {e}"))?,
-            "--batch-size" => a.batch = value()?.parse().map_err(|e| format!("--batch-size: {e}"))?,
+            "--batch-size" => {
+                a.batch = value()?.parse().map_err(|e| format!("--batch-size: {e}"))?
+            }
             "--lr" => a.lr = value()?.parse().map_err(|e| format!("--lr: {e}"))?,
             "--resume" => a.resume = true,
             "--checkpoint" => a.checkpoint = value()?.into(),
@@ -72,20 +77,34 @@ fn parse_args() -> Result<Args, String> {
 
 /// The digits as (images [n, 64] scaled to [0, 1], labels [n]).
 fn load_digits(path: &PathBuf) -> Result<(Tensor, Tensor), String> {
-    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e} (run `make setup`)", path.display()))?;
+    let file = std::fs::File::open(path)
+        .map_err(|e| format!("{}: {e} (run `make setup`)", path.display()))?;
     let mut text = String::new();
-    flate2::read::GzDecoder::new(file).read_to_string(&mut text).map_err(|e| format!("{}: {e}", path.display()))?;
+    flate2::read::GzDecoder::new(file)
+        .read_to_string(&mut text)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     let (mut xs, mut ys) = (Vec::new(), Vec::new());
     for (i, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
-        let v: Vec<f32> = line.split(',').map(|f| f.trim().parse::<f32>()).collect::<Result<_, _>>().map_err(|e| format!("line {}: {e}", i + 1))?;
+        let v: Vec<f32> = line
+            .split(',')
+            .map(|f| f.trim().parse::<f32>())
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("line {}: {e}", i + 1))?;
         if v.len() != 65 {
-            return Err(format!("line {}: expected 65 values, got {}", i + 1, v.len()));
+            return Err(format!(
+                "line {}: expected 65 values, got {}",
+                i + 1,
+                v.len()
+            ));
         }
         xs.extend(v[..64].iter().map(|p| p / 16.0));
         ys.push(v[64] as i64);
     }
     let n = ys.len() as i64;
-    Ok((Tensor::from_slice(&xs).view([n, 64]), Tensor::from_slice(&ys)))
+    Ok((
+        Tensor::from_slice(&xs).view([n, 64]),
+        Tensor::from_slice(&ys),
+    ))
 }
 
 fn main() {
@@ -108,17 +127,25 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let (x, y) = (x.index_select(0, &perm), y.index_select(0, &perm));
     let n_train = x.size()[0] * 4 / 5;
     let (x_train, y_train) = (x.narrow(0, 0, n_train), y.narrow(0, 0, n_train));
-    let (x_test, y_test) = (x.narrow(0, n_train, x.size()[0] - n_train), y.narrow(0, n_train, y.size()[0] - n_train));
+    let (x_test, y_test) = (
+        x.narrow(0, n_train, x.size()[0] - n_train),
+        y.narrow(0, n_train, y.size()[0] - n_train),
+    );
 
     tch::manual_seed(42);
     let mut vs = nn::VarStore::new(Device::Cpu);
     let model = Net::new(&vs.root());
     if args.resume {
-        vs.load(&args.checkpoint).map_err(|e| format!("--resume: {}: {e}", args.checkpoint.display()))?;
+        vs.load(&args.checkpoint)
+            .map_err(|e| format!("--resume: {}: {e}", args.checkpoint.display()))?;
     }
     tch_dist::check_against_var_store(&model, &vs)?;
     replicate::apply(&model, replicate::Options::default())?;
-    let mut opt = nn::Sgd { momentum: 0.9, ..Default::default() }.build(&vs, args.lr)?;
+    let mut opt = nn::Sgd {
+        momentum: 0.9,
+        ..Default::default()
+    }
+    .build(&vs, args.lr)?;
 
     let steps_per_epoch = (n_train + args.batch - 1) / args.batch;
     let total = steps_per_epoch as u64 * args.epochs as u64;
@@ -143,14 +170,22 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             let lo = (rank * per).min(len);
             let mine = idx.narrow(0, lo, per.min(len - lo));
             if mine.size()[0] == 0 {
-                return Err("a batch too small to give every rank a sample; lower the world size".into());
+                return Err(
+                    "a batch too small to give every rank a sample; lower the world size".into(),
+                );
             }
-            let loss = model.call(&x_train.index_select(0, &mine)).cross_entropy_for_logits(&y_train.index_select(0, &mine));
+            let loss = model
+                .call(&x_train.index_select(0, &mine))
+                .cross_entropy_for_logits(&y_train.index_select(0, &mine));
             opt.backward_step(&loss);
             seen += len;
             if let Some(b) = &bar {
                 b.set_prefix(format!("{}/{}", epoch + 1, args.epochs));
-                b.set_message(format!("loss {:.4} {:.0} samples/s", loss.double_value(&[]), seen as f64 / start.elapsed().as_secs_f64()));
+                b.set_message(format!(
+                    "loss {:.4} {:.0} samples/s",
+                    loss.double_value(&[]),
+                    seen as f64 / start.elapsed().as_secs_f64()
+                ));
                 b.inc(1);
             }
         }
@@ -159,8 +194,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         b.finish();
     }
     if rank == 0 {
-        let acc = tch::no_grad(|| model.forward(&x_test).accuracy_for_logits(&y_test)).double_value(&[]);
-        println!("trained {} epochs on {} ranks in {:.1}s", args.epochs, world, start.elapsed().as_secs_f64());
+        let acc =
+            tch::no_grad(|| model.forward(&x_test).accuracy_for_logits(&y_test)).double_value(&[]);
+        println!(
+            "trained {} epochs on {} ranks in {:.1}s",
+            args.epochs,
+            world,
+            start.elapsed().as_secs_f64()
+        );
         println!("test_accuracy={acc:.2}");
         if let Some(dir) = args.checkpoint.parent() {
             std::fs::create_dir_all(dir)?;
