@@ -9,6 +9,7 @@ mod env;
 mod error;
 #[doc(hidden)]
 pub mod ffi;
+mod powersgd;
 mod process_group;
 mod reducer;
 mod store;
@@ -17,6 +18,7 @@ pub mod testing;
 pub use collectives::{ReduceOp, Work};
 pub use env::{LaunchEnv, DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT};
 pub use error::{DistError, Result};
+pub use powersgd::PowerSgdOptions;
 pub use process_group::{
     default_group, destroy_process_group, init_process_group, init_process_group_with,
     is_initialized, Backend, InitOptions, ProcessGroup,

@@ -26,6 +26,7 @@ use tch::{Device, Kind, Tensor};
 use crate::collectives::{ReduceOp, Work};
 use crate::error::{DistError, Result};
 use crate::ffi;
+use crate::powersgd::{PowerSgdOptions, PowerSgdState};
 use crate::process_group::ProcessGroup;
 
 /// The first bucket is small so that communication starts early in backward (PyTorch's
@@ -43,6 +44,8 @@ pub enum CommHook {
     Fp16Compress,
     /// The same in bfloat16 (`default_hooks.bf16_compress_hook`).
     Bf16Compress,
+    /// Low-rank compression (`powerSGD_hook.powerSGD_hook`); see [`PowerSgdOptions`].
+    PowerSgd(PowerSgdOptions),
 }
 
 /// Reducer settings; `replicate::Options` maps onto these.
@@ -106,10 +109,14 @@ struct Bucket {
     pending: usize,
 }
 
-/// A launched bucket: its work, and the compressed buffer to decompress from, if any.
-struct InFlight {
-    work: Work,
-    compressed: Option<Tensor>,
+/// A launched bucket: its work and the compressed buffer to decompress from, if any; or a
+/// PowerSGD bucket, whose dependent collectives run when the reducer waits.
+enum InFlight {
+    Work {
+        work: Work,
+        compressed: Option<Tensor>,
+    },
+    PowerSgd,
 }
 
 /// The parameter registry entry.
@@ -135,6 +142,7 @@ struct State {
     stats: ReducerStats,
     /// Set when an engine failure happened; every later pass reports it.
     failed: Option<String>,
+    powersgd: PowerSgdState,
 }
 
 struct ReducerInner {
@@ -310,6 +318,9 @@ impl Reducer {
                 opts.bucket_cap_mb
             )));
         }
+        if let CommHook::PowerSgd(p) = &opts.comm_hook {
+            p.validate().map_err(invalid)?;
+        }
         for (fqn, t) in &params {
             if !t.requires_grad() {
                 return Err(invalid(format!("parameter `{fqn}` does not require grad")));
@@ -361,6 +372,7 @@ impl Reducer {
                 ..Default::default()
             },
             failed: None,
+            powersgd: PowerSgdState::default(),
         };
         let inner = Arc::new(ReducerInner {
             group,
@@ -591,7 +603,13 @@ impl ReducerInner {
         let flat = &st.buckets[b].flat;
         let world = self.group.world_size() as f64;
         let (work, compressed) = match self.opts.comm_hook {
-            CommHook::AllReduceMean => (self.group.all_reduce_async(flat, ReduceOp::Avg), None),
+            CommHook::PowerSgd(p) if st.powersgd.compressing(&p) => {
+                st.in_flight[b] = Some(InFlight::PowerSgd);
+                return Ok(());
+            }
+            CommHook::AllReduceMean | CommHook::PowerSgd(_) => {
+                (self.group.all_reduce_async(flat, ReduceOp::Avg), None)
+            }
             CommHook::Fp16Compress | CommHook::Bf16Compress => {
                 let kind = if self.opts.comm_hook == CommHook::Fp16Compress {
                     Kind::Half
@@ -603,7 +621,7 @@ impl ReducerInner {
             }
         };
         let work = work.map_err(|e| e.to_string())?;
-        st.in_flight[b] = Some(InFlight { work, compressed });
+        st.in_flight[b] = Some(InFlight::Work { work, compressed });
         Ok(())
     }
 
@@ -699,6 +717,7 @@ impl ReducerInner {
         st.unfinished.clear();
         let first = st.first_launch.unwrap_or(done);
         st.stats.steps += 1;
+        st.powersgd.iter += 1;
         st.stats.comm_time = done.saturating_duration_since(first);
         st.stats.overlapped_time = backward_end.min(done).saturating_duration_since(first);
         if !st.rebuilt {
@@ -710,10 +729,21 @@ impl ReducerInner {
     /// Waits for every launched bucket and decompresses where a hook compressed.
     fn wait_all(&self, st: &mut State) -> std::result::Result<(), String> {
         for b in 0..st.in_flight.len() {
-            if let Some(f) = st.in_flight[b].take() {
-                f.work.wait().map_err(|e| e.to_string())?;
-                if let Some(c) = f.compressed {
-                    tch::no_grad(|| st.buckets[b].flat.shallow_clone().copy_(&c));
+            match st.in_flight[b].take() {
+                None => {}
+                Some(InFlight::Work { work, compressed }) => {
+                    work.wait().map_err(|e| e.to_string())?;
+                    if let Some(c) = compressed {
+                        tch::no_grad(|| st.buckets[b].flat.shallow_clone().copy_(&c));
+                    }
+                }
+                Some(InFlight::PowerSgd) => {
+                    let CommHook::PowerSgd(opts) = &self.opts.comm_hook else {
+                        continue;
+                    };
+                    let bucket = &st.buckets[b];
+                    st.powersgd
+                        .reduce_bucket(opts, &self.group, b, &bucket.flat, &bucket.views)?;
                 }
             }
         }
@@ -754,6 +784,7 @@ impl ReducerInner {
             return Ok(());
         }
         st.buckets = build_buckets(&mut st.params, &layout);
+        st.powersgd.reset_buckets();
         st.in_flight = (0..st.buckets.len()).map(|_| None).collect();
         st.stats.buckets = st.buckets.len();
         st.stats.rebuilt = true;

@@ -3,7 +3,7 @@
 
 use tch::{Kind, Tensor};
 use tch_dist_runtime::testing::run_ranks;
-use tch_dist_runtime::{CommHook, ProcessGroup, Reducer, ReducerOptions};
+use tch_dist_runtime::{CommHook, PowerSgdOptions, ProcessGroup, Reducer, ReducerOptions};
 
 const BATCH: i64 = 12;
 const STEPS: usize = 4;
@@ -234,6 +234,92 @@ fn compression_hooks_stay_within_their_precision() {
             2e-2,
         );
     });
+}
+
+#[test]
+fn powersgd_is_exact_at_full_rank_and_consistent_at_rank_one() {
+    run_ranks(
+        "powersgd_is_exact_at_full_rank_and_consistent_at_rank_one",
+        2,
+        |pg| {
+            // A rank-r approximation of an n x m matrix with r >= min(n, m) is the matrix itself:
+            // steps 0-1 use the exact all-reduce, steps 2-3 go through P, Q and error feedback.
+            let full_rank = PowerSgdOptions {
+                matrix_approximation_rank: 8,
+                start_powersgd_iter: 2,
+                min_compression_rate: 0.0,
+                ..Default::default()
+            };
+            check_equivalence(
+                pg.clone(),
+                ReducerOptions {
+                    comm_hook: CommHook::PowerSgd(full_rank),
+                    ..Default::default()
+                },
+                false,
+                false,
+                1e-5,
+            );
+
+            // Rank 1 is lossy, but every rank must hold the same parameters afterwards.
+            let rank_one = PowerSgdOptions {
+                start_powersgd_iter: 2,
+                min_compression_rate: 0.0,
+                ..Default::default()
+            };
+            let model = Model::new(false, false, 7);
+            let reducer = Reducer::new(
+                model.handles(),
+                pg.clone(),
+                ReducerOptions {
+                    comm_hook: CommHook::PowerSgd(rank_one),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let per_rank = BATCH / pg.world_size() as i64;
+            for step in 0..STEPS {
+                let (x, y) = data(step);
+                reducer.prepare_for_forward().unwrap();
+                let xs = x.narrow(0, pg.rank() as i64 * per_rank, per_rank);
+                let ys = y.narrow(0, pg.rank() as i64 * per_rank, per_rank);
+                model
+                    .forward(&xs)
+                    .mse_loss(&ys, tch::Reduction::Mean)
+                    .backward();
+                // The compressed gradient of fc1.weight (8 x 4) has rank 1.
+                if step >= 2 {
+                    let g = model.get("fc1.weight").grad();
+                    let (_, s, _) = g.svd(true, false);
+                    let s: Vec<f32> = Vec::try_from(&s).unwrap();
+                    assert!(s[1] < 1e-5 * s[0].max(1.0), "rank-1 gradient: {s:?}");
+                }
+                model.sgd_step();
+            }
+            for (name, p) in &model.params {
+                let mine = p.detach();
+                let gathered = [Tensor::zeros_like(p), Tensor::zeros_like(p)];
+                pg.all_gather(&gathered, &mine).unwrap();
+                let diff = (&gathered[0] - &gathered[1]).abs().max().double_value(&[]);
+                assert!(diff == 0.0, "{name} differs across ranks by {diff}");
+            }
+
+            let bad = PowerSgdOptions {
+                start_powersgd_iter: 0,
+                ..Default::default()
+            };
+            let err = Reducer::new(
+                Model::new(false, false, 7).handles(),
+                pg,
+                ReducerOptions {
+                    comm_hook: CommHook::PowerSgd(bad),
+                    ..Default::default()
+                },
+            )
+            .unwrap_err();
+            assert!(err.to_string().contains("start_powersgd_iter > 1"), "{err}");
+        },
+    );
 }
 
 #[test]
