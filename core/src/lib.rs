@@ -21,6 +21,7 @@ pub mod contract;
 pub mod hooks;
 mod key;
 pub mod nn;
+pub mod sharding;
 mod store;
 mod var_store;
 mod walk;
