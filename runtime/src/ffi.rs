@@ -171,6 +171,16 @@ extern "C" {
         index: usize,
     ) -> *mut c_char;
     pub fn tdr_set_grad(param: *mut C_tensor, grad: *mut C_tensor) -> *mut c_char;
+
+    pub fn tdr_parallel_op(
+        g: *mut TdrGroup,
+        input: *mut C_tensor,
+        mode: c_int,
+        dim: i64,
+        sizes: *const i64,
+        n: usize,
+        out: *mut *mut C_tensor,
+    ) -> *mut c_char;
 }
 
 /// Copies `msg` into a malloc'ed C string the shim frees (for callback errors).

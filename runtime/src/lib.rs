@@ -12,6 +12,7 @@ pub mod ffi;
 mod powersgd;
 mod process_group;
 mod reducer;
+pub mod sharding;
 mod store;
 pub mod testing;
 
