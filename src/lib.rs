@@ -23,6 +23,7 @@ pub mod replicate;
 #[doc(hidden)]
 pub use tch_dist_core::__private;
 pub use tch_dist_core::hooks::{Call, CallT};
+pub use tch_dist_core::path;
 pub use tch_dist_core::{
     check_against_var_store, contract, hooks, nn, registry, AsDynShardable, ContractApi,
     ContractError, FqnPath, ModuleKey, ModuleVisitor, ModuleVisitorMut, Shardable, TensorField,

@@ -13,6 +13,7 @@ fn ui() {
         "rename_dot",
         "duplicate_name",
         "contract_signature",
+        "typed_path",
     ] {
         t.compile_fail(format!("tests/ui/{class}/*.rs"));
     }

@@ -21,6 +21,7 @@ pub mod contract;
 pub mod hooks;
 mod key;
 pub mod nn;
+pub mod path;
 pub mod sharding;
 mod store;
 mod var_store;
@@ -34,6 +35,7 @@ pub mod testing;
 
 pub use contract::{registry, ContractApi, ContractError};
 pub use key::ModuleKey;
+pub use path::{BufferPath, HasPath, ModulePath, ParamPath};
 pub use var_store::{check_against_var_store, VarStoreMismatch};
 pub use walk::{
     AsDynShardable, FqnPath, ModuleVisitor, ModuleVisitorMut, Shardable, TensorField, TensorKind,

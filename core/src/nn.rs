@@ -13,6 +13,10 @@
 //! Optional tensors (`bias` of a layer built without bias, `weight`/`bias` of a
 //! non-affine norm) are absent, as they are from the `VarStore`.
 //!
+//! Each layer also has a typed path ([`HasPath`]) with the same names:
+//! [`LinearPath`], [`ConvPath`], [`ConvTransposePath`], [`LayerNormPath`], [`GroupNormPath`],
+//! [`BatchNormPath`], [`EmbeddingPath`], [`RnnPath`] (`.weight_ih(k)` is `weight_ih_l{k}`).
+//!
 //! tch's own `nn::LSTM` and `nn::GRU` keep their weights in private fields, so they cannot be
 //! walked: use [`lstm`] and [`gru`] here instead. They take the same arguments, create the
 //! same variables in the `VarStore` and implement [`tch::nn::RNN`] the same way.
@@ -348,4 +352,123 @@ impl nn::RNN for GRU {
         );
         (output, nn::GRUState(h))
     }
+}
+
+// ---- typed paths ----------------------------------------------------------------------------
+
+use crate::path::{module_path_struct, BufferPath, HasPath, ParamPath};
+
+macro_rules! layer_path {
+    (
+        $(#[$doc:meta])* $path:ident for $([$($gen:ident)?] $ty:ty),*
+        { params: [$($p:ident),*], buffers: [$($b:ident),*] }
+    ) => {
+        module_path_struct!(
+            $(#[$doc])*
+            $path {
+                $(
+                    #[doc = concat!("The parameter `", stringify!($p), "`.")]
+                    pub fn $p(&self) -> ParamPath {
+                        ParamPath::in_module(self, stringify!($p))
+                    }
+                )*
+                $(
+                    #[doc = concat!("The buffer `", stringify!($b), "`.")]
+                    pub fn $b(&self) -> BufferPath {
+                        BufferPath::in_module(self, stringify!($b))
+                    }
+                )*
+            }
+        );
+        $(
+            impl<$($gen)?> HasPath for $ty {
+                type Path = $path;
+            }
+        )*
+    };
+}
+
+layer_path!(
+    /// The path of a `tch::nn::Linear`: `weight`, `bias`.
+    LinearPath for [] nn::Linear { params: [weight, bias], buffers: [] }
+);
+layer_path!(
+    /// The path of a `tch::nn::Conv1D/2D/3D`: `weight`, `bias`.
+    ConvPath for [ND] nn::Conv<ND> { params: [weight, bias], buffers: [] }
+);
+layer_path!(
+    /// The path of a `tch::nn::ConvTranspose1D/2D/3D`: `weight`, `bias`.
+    ConvTransposePath for [ND] nn::ConvTransposeND<ND> { params: [weight, bias], buffers: [] }
+);
+layer_path!(
+    /// The path of a `tch::nn::LayerNorm`: `weight`, `bias`.
+    LayerNormPath for [] nn::LayerNorm { params: [weight, bias], buffers: [] }
+);
+layer_path!(
+    /// The path of a `tch::nn::GroupNorm`: `weight`, `bias`.
+    GroupNormPath for [] nn::GroupNorm { params: [weight, bias], buffers: [] }
+);
+layer_path!(
+    /// The path of a `tch::nn::BatchNorm`: parameters `weight`, `bias`, buffers
+    /// `running_mean`, `running_var`.
+    BatchNormPath for [] nn::BatchNorm {
+        params: [weight, bias],
+        buffers: [running_mean, running_var]
+    }
+);
+layer_path!(
+    /// The path of a `tch::nn::Embedding`: `weight`.
+    EmbeddingPath for [] nn::Embedding { params: [weight], buffers: [] }
+);
+
+module_path_struct!(
+    /// The path of an [`LSTM`] or a [`GRU`]: per layer `k`, `weight_ih_l{k}`,
+    /// `weight_hh_l{k}`, `bias_ih_l{k}`, `bias_hh_l{k}`, and the same with `_reverse` for the
+    /// second direction of a bidirectional layer.
+    RnnPath {
+        /// `weight_ih_l{layer}`.
+        pub fn weight_ih(&self, layer: usize) -> ParamPath {
+            self.weight("weight_ih", layer, "")
+        }
+        /// `weight_hh_l{layer}`.
+        pub fn weight_hh(&self, layer: usize) -> ParamPath {
+            self.weight("weight_hh", layer, "")
+        }
+        /// `bias_ih_l{layer}`.
+        pub fn bias_ih(&self, layer: usize) -> ParamPath {
+            self.weight("bias_ih", layer, "")
+        }
+        /// `bias_hh_l{layer}`.
+        pub fn bias_hh(&self, layer: usize) -> ParamPath {
+            self.weight("bias_hh", layer, "")
+        }
+        /// `weight_ih_l{layer}_reverse`.
+        pub fn weight_ih_reverse(&self, layer: usize) -> ParamPath {
+            self.weight("weight_ih", layer, "_reverse")
+        }
+        /// `weight_hh_l{layer}_reverse`.
+        pub fn weight_hh_reverse(&self, layer: usize) -> ParamPath {
+            self.weight("weight_hh", layer, "_reverse")
+        }
+        /// `bias_ih_l{layer}_reverse`.
+        pub fn bias_ih_reverse(&self, layer: usize) -> ParamPath {
+            self.weight("bias_ih", layer, "_reverse")
+        }
+        /// `bias_hh_l{layer}_reverse`.
+        pub fn bias_hh_reverse(&self, layer: usize) -> ParamPath {
+            self.weight("bias_hh", layer, "_reverse")
+        }
+
+        fn weight(&self, kind: &str, layer: usize, suffix: &str) -> ParamPath {
+            ParamPath::in_module(self, &format!("{kind}_l{layer}{suffix}"))
+        }
+    }
+);
+
+impl HasPath for LSTM {
+    type Path = RnnPath;
+}
+
+impl HasPath for GRU {
+    type Path = RnnPath;
 }

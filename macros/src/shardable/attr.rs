@@ -60,15 +60,18 @@ fn path_string(path: &syn::Path) -> String {
     path.to_token_stream().to_string().replace(' ', "")
 }
 
-/// Container attributes: `#[shardable(crate = "path")]`.
+/// Container attributes: `#[shardable(crate = "path", path_type = "Name")]`.
 pub(crate) struct Container {
     /// The path of the crate that exports `Shardable`; `::tch_dist` when absent.
     pub krate: Option<syn::Path>,
+    /// The name of the generated typed-path struct; `<Type>Path` when absent.
+    pub path_type: Option<syn::Ident>,
 }
 
 impl Container {
     pub(crate) fn from_ast(cx: &Ctxt, attrs: &[Attribute]) -> Container {
         let mut krate = Attr::none(cx, "crate");
+        let mut path_type = Attr::none(cx, "path_type");
         for attr in attrs.iter().filter(|a| a.path().is_ident(SHARDABLE)) {
             let res = attr.parse_nested_meta(|meta| {
                 if meta.path.is_ident("crate") {
@@ -79,11 +82,21 @@ impl Container {
                             cx.error_spanned_by(&lit, format!("`{}` is not a path", lit.value()))
                         }
                     }
+                } else if meta.path.is_ident("path_type") {
+                    let lit: LitStr = meta.value()?.parse()?;
+                    match lit.parse::<syn::Ident>() {
+                        Ok(ident) => path_type.set(&meta.path, ident),
+                        Err(_) => cx.error_spanned_by(
+                            &lit,
+                            format!("`{}` is not a type name", lit.value()),
+                        ),
+                    }
                 } else {
                     cx.error_spanned_by(
                         &meta.path,
                         format!(
-                            "unknown shardable container attribute `{}`; expected `crate`",
+                            "unknown shardable container attribute `{}`; expected `crate` or \
+                             `path_type`",
                             path_string(&meta.path)
                         ),
                     );
@@ -97,6 +110,7 @@ impl Container {
         }
         Container {
             krate: krate.get().map(|(_, p)| p),
+            path_type: path_type.get().map(|(_, i)| i),
         }
     }
 }

@@ -1,7 +1,9 @@
 //! Checks of the internal AST that parsing cannot express: FQN components must be usable
 //! names, and unique within a module.
 
-use super::ast::{Container, Data, Field};
+use syn::ext::IdentExt;
+
+use super::ast::{Container, Data, Field, Variant};
 use super::attr::Kind;
 use crate::ctxt::Ctxt;
 
@@ -12,6 +14,26 @@ pub(crate) fn check(cx: &Ctxt, cont: &Container) {
             for v in variants {
                 check_fields(cx, &v.fields);
             }
+            check_variant_methods(cx, variants);
+        }
+    }
+}
+
+/// Two variants whose names give the same typed-path method (`HttpGet` and `HTTPGet` are both
+/// `http_get`) cannot both have one.
+fn check_variant_methods(cx: &Ctxt, variants: &[Variant]) {
+    let with_path: Vec<&Variant> = variants.iter().filter(|v| v.has_path()).collect();
+    for (i, v) in with_path.iter().enumerate() {
+        let method = v.method.unraw().to_string();
+        if let Some(prev) = with_path[..i].iter().find(|w| w.method.unraw() == method) {
+            cx.error_spanned_by(
+                v.ident,
+                format!(
+                    "variants `{}` and `{}` would both get the typed-path method `{method}`; \
+                     rename one of them",
+                    prev.ident, v.ident
+                ),
+            );
         }
     }
 }

@@ -1,9 +1,11 @@
-//! `#[derive(Shardable)]`: parse (attr, ast) → validate (check) → expand.
+//! `#[derive(Shardable)]`: parse (attr, ast) → validate (check) → expand (the walker impl in
+//! expand, the typed paths in typed_path).
 
 mod ast;
 mod attr;
 mod check;
 mod expand;
+mod typed_path;
 
 use proc_macro2::TokenStream;
 use syn::DeriveInput;
