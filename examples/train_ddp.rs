@@ -9,13 +9,16 @@
 //! target/release/tch-dist-run --nproc-per-node 2 -- target/release/examples/train_ddp [--epochs N] [--resume]
 //! ```
 
-use std::io::Read;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::{init_process_group, replicate, Backend, Call, Shardable};
+
+#[path = "common/digits.rs"]
+mod digits;
+use digits::load_digits;
 
 #[derive(Debug, Shardable)]
 struct Net {
@@ -55,7 +58,7 @@ fn parse_args() -> Result<Args, String> {
         lr: 0.05,
         resume: false,
         checkpoint: root.join("data/digits_ddp.safetensors"),
-        data: root.join(".venv/lib/python3.11/site-packages/sklearn/datasets/data/digits.csv.gz"),
+        data: digits::default_path(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -75,38 +78,6 @@ fn parse_args() -> Result<Args, String> {
     Ok(a)
 }
 
-/// The digits as (images [n, 64] scaled to [0, 1], labels [n]).
-fn load_digits(path: &PathBuf) -> Result<(Tensor, Tensor), String> {
-    let file = std::fs::File::open(path)
-        .map_err(|e| format!("{}: {e} (run `make setup`)", path.display()))?;
-    let mut text = String::new();
-    flate2::read::GzDecoder::new(file)
-        .read_to_string(&mut text)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    let (mut xs, mut ys) = (Vec::new(), Vec::new());
-    for (i, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
-        let v: Vec<f32> = line
-            .split(',')
-            .map(|f| f.trim().parse::<f32>())
-            .collect::<Result<_, _>>()
-            .map_err(|e| format!("line {}: {e}", i + 1))?;
-        if v.len() != 65 {
-            return Err(format!(
-                "line {}: expected 65 values, got {}",
-                i + 1,
-                v.len()
-            ));
-        }
-        xs.extend(v[..64].iter().map(|p| p / 16.0));
-        ys.push(v[64] as i64);
-    }
-    let n = ys.len() as i64;
-    Ok((
-        Tensor::from_slice(&xs).view([n, 64]),
-        Tensor::from_slice(&ys),
-    ))
-}
-
 fn main() {
     if let Err(e) = run() {
         eprintln!("error: {e}");
@@ -120,17 +91,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let pg = init_process_group(Backend::Gloo)?;
     let (rank, world) = (pg.rank() as i64, pg.world_size() as i64);
 
-    // The same shuffle and 80/20 split on every rank.
     let (x, y) = load_digits(&args.data)?;
-    tch::manual_seed(0);
-    let perm = Tensor::randperm(x.size()[0], (Kind::Int64, Device::Cpu));
-    let (x, y) = (x.index_select(0, &perm), y.index_select(0, &perm));
-    let n_train = x.size()[0] * 4 / 5;
-    let (x_train, y_train) = (x.narrow(0, 0, n_train), y.narrow(0, 0, n_train));
-    let (x_test, y_test) = (
-        x.narrow(0, n_train, x.size()[0] - n_train),
-        y.narrow(0, n_train, y.size()[0] - n_train),
-    );
+    let (x_train, y_train, x_test, y_test) = digits::train_test_split(&x, &y);
+    let n_train = x_train.size()[0];
 
     tch::manual_seed(42);
     let mut vs = nn::VarStore::new(Device::Cpu);

@@ -17,6 +17,7 @@
 pub use tch_dist_runtime::*;
 
 pub mod replicate;
+pub mod sharding;
 
 // --- macros and core (issue 3) ---
 

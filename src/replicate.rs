@@ -107,7 +107,9 @@ pub struct Options {
     pub static_graph: bool,
     /// `.grad` tensors are views into the communication buckets (saves memory and a copy).
     pub gradient_as_bucket_view: bool,
-    /// How buckets are communicated (default: all-reduce mean).
+    /// How buckets are communicated (default: all-reduce mean; `CommHook::Fp16Compress`,
+    /// `CommHook::Bf16Compress` and `CommHook::PowerSgd(PowerSgdOptions { .. })` as PyTorch's
+    /// `register_comm_hook` with its default hooks).
     pub comm_hook: CommHook,
     /// The group to average over (default: the default process group).
     pub process_group: Option<ProcessGroup>,
@@ -203,9 +205,11 @@ impl ReplicateState {
 }
 
 /// Collects the parameters replicate manages: requires-grad parameters outside ignored
-/// modules and outside submodules managed by `fully_shard`.
+/// modules, outside submodules managed by `fully_shard`, and not sharded by `shard_module`.
 struct ParamCollector<'a> {
     ignored: &'a [ModuleKey],
+    /// FQNs of parameters held as shards by `shard_module` (they are not replicated).
+    sharded: std::collections::HashSet<String>,
     path: Vec<String>,
     /// Depth at which a skipped subtree started.
     skip_from: Option<usize>,
@@ -241,8 +245,9 @@ impl<'m> ModuleVisitor<'m> for ParamCollector<'_> {
     }
 
     fn visit_param(&mut self, name: &str, tensor: &'m Tensor) {
-        if self.skip_from.is_none() && tensor.requires_grad() {
-            self.params.push((self.fqn(name), tensor.shallow_clone()));
+        let fqn = self.fqn(name);
+        if self.skip_from.is_none() && tensor.requires_grad() && !self.sharded.contains(&fqn) {
+            self.params.push((fqn, tensor.shallow_clone()));
         }
     }
 
@@ -251,6 +256,19 @@ impl<'m> ModuleVisitor<'m> for ParamCollector<'_> {
             self.buffers.push((self.fqn(name), tensor.shallow_clone()));
         }
     }
+}
+
+/// The parameters `shard_module` sharded anywhere in `module`, by FQN.
+fn sharded_params<M: Shardable + ?Sized>(module: &M) -> std::collections::HashSet<String> {
+    let mut out = std::collections::HashSet::new();
+    for (prefix, m) in module.named_modules() {
+        if let Some(state) = crate::sharding::shard_module_state(m) {
+            for fqn in state.sharded_params() {
+                out.insert(tch_dist_core::path::join_fqn(&prefix, fqn));
+            }
+        }
+    }
+    out
 }
 
 /// Applies replicate to `module`: checks and synchronises parameters across ranks and
@@ -274,6 +292,7 @@ pub fn apply<M: Shardable + ?Sized>(
     let root_ignored = ModuleKey::of(module).is_some_and(|k| opts.ignored_modules.contains(&k));
     let mut c = ParamCollector {
         ignored: &opts.ignored_modules,
+        sharded: sharded_params(module),
         path: Vec::new(),
         skip_from: root_ignored.then_some(0),
         params: Vec::new(),

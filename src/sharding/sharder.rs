@@ -1,0 +1,520 @@
+//! [`Sharder`]: shards a whole submodule; [`ColwiseLinear`] and [`RowwiseLinear`], the
+//! Megatron-LM pair for linear layers.
+
+use std::sync::Arc;
+
+use tch::{Device, Tensor};
+use tch_dist_core::hooks::{register_forward_pre_hook, RemovableHandle};
+use tch_dist_core::sharding::{
+    ChunkShardingSpec, EnumerableShardingSpec, Placement, ShardMetadata, ShardedTensorMetadata,
+    ShardingSpec,
+};
+use tch_dist_core::Shardable;
+use tch_dist_runtime::sharding::{functional, ShardedTensor};
+use tch_dist_runtime::ProcessGroup;
+
+use super::ShardError;
+
+/// Shards a whole submodule (PyTorch's `Sharder`): replaces its parameters by this rank's
+/// shards (in place, so FQNs, `VarStore` entries and module identity stay) and installs the
+/// forward hooks its sharded forward needs.
+///
+/// [`shard_module`](super::shard_module) calls [`Sharder::check`] on every sharder of a
+/// plan before [`Sharder::shard`] on any, and handles the module's output (see
+/// [`OutputLayout`]) according to the plan's `output_plan` and `return_local_tensor`.
+pub trait Sharder: Send + Sync {
+    /// The name plan files use for this sharder (`"colwise_linear"`).
+    fn name(&self) -> String;
+
+    /// Whether `module` (at `fqn`) can be sharded over `group`; changes nothing. The message
+    /// names what is wrong.
+    fn check(&self, fqn: &str, module: &dyn Shardable, group: &ProcessGroup) -> Result<(), String>;
+
+    /// Shards `module` with the values of rank `src_rank` and installs its hooks.
+    fn shard(
+        &self,
+        fqn: &str,
+        module: &dyn Shardable,
+        src_rank: usize,
+        group: &ProcessGroup,
+    ) -> Result<ShardedModule, ShardError>;
+}
+
+/// What a module's forward returns on each rank once it is sharded.
+#[derive(Debug)]
+pub enum OutputLayout {
+    /// The whole output, the same on every rank.
+    Replicated,
+    /// This rank's slice along `dim`: rank `r` holds `sizes[r]` entries, the slices in rank
+    /// order make up the output (reordered by `order` when given).
+    Sharded {
+        /// The dim the output is split along (negative counts from the end).
+        dim: i64,
+        /// Entries along `dim` per rank.
+        sizes: Vec<i64>,
+        /// When the ranks' slices interleave: entry `i` of the unsharded output is entry
+        /// `order[i]` of the slices concatenated in rank order.
+        order: Option<Vec<i64>>,
+    },
+    /// A partial sum: the output is the sum over ranks, plus `replicated` (added on every
+    /// rank by the forward, to be counted once).
+    Partial {
+        /// A term every rank added (a row-parallel layer's bias).
+        replicated: Option<Tensor>,
+    },
+}
+
+/// The result of [`Sharder::shard`].
+#[derive(Debug)]
+pub struct ShardedModule {
+    /// The sharded parameters (local names, `"weight"`) and their global layout.
+    pub params: Vec<(String, ShardedTensorMetadata)>,
+    /// What the module's forward now returns.
+    pub output: OutputLayout,
+    /// The hooks the sharder installed.
+    pub hooks: Vec<RemovableHandle>,
+}
+
+/// Column-parallel linear layer (Megatron's `ColumnParallelLinear`): the weight
+/// `[out, in]` and bias `[out]` are split along `out`, every rank computes its slice of the
+/// output features from the whole input. With `fused = k` the weight is `k` layers stacked
+/// (a fused query-key-value projection, `k = 3`): each of the `k` parts is split across the
+/// ranks, so rank `r` holds the `r`-th slice of every part and can split its local output
+/// into `k` pieces.
+///
+/// ```
+/// use tch_dist::sharding::{ColwiseLinear, Sharder};
+/// assert_eq!(ColwiseLinear::default().name(), "colwise_linear");
+/// assert_eq!(ColwiseLinear { fused: 3 }.name(), "colwise_linear(fused=3)");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ColwiseLinear {
+    /// How many layers the weight stacks along `out` (1: a plain linear layer).
+    pub fused: usize,
+}
+
+impl Default for ColwiseLinear {
+    fn default() -> Self {
+        ColwiseLinear { fused: 1 }
+    }
+}
+
+/// Row-parallel linear layer (Megatron's `RowParallelLinear`): the weight `[out, in]` is
+/// split along `in`, the bias stays whole; every rank computes a partial sum from its slice
+/// of the input features (sliced from a whole input, or taken as is from a column-parallel
+/// layer's local output).
+///
+/// ```
+/// use tch_dist::sharding::{RowwiseLinear, Sharder};
+/// assert_eq!(RowwiseLinear.name(), "rowwise_linear");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RowwiseLinear;
+
+/// The built-in sharders by [`Sharder::name`] (for plan files).
+pub(crate) fn sharder_by_name(name: &str) -> Option<Arc<dyn Sharder>> {
+    if name == "rowwise_linear" {
+        return Some(Arc::new(RowwiseLinear));
+    }
+    if name == "colwise_linear" {
+        return Some(Arc::new(ColwiseLinear::default()));
+    }
+    let fused = name
+        .strip_prefix("colwise_linear(fused=")?
+        .strip_suffix(')')?
+        .parse()
+        .ok()
+        .filter(|&k| k >= 1)?;
+    Some(Arc::new(ColwiseLinear { fused }))
+}
+
+/// Both linear sharders, and parameter specs on a linear layer's weight.
+#[derive(Debug, Clone)]
+pub(crate) struct ChunkedLinear {
+    /// Split `out` (column-parallel) or `in` (row-parallel).
+    pub colwise: bool,
+    pub fused: usize,
+    /// One per rank, rank `i` at position `i`; `None`: each rank on the weight's device.
+    pub placements: Option<Vec<Placement>>,
+}
+
+/// A linear layer's parameters: `weight` `[out, in]` and an optional `bias` `[out]`.
+struct LinearParams {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+fn linear_params(module: &dyn Shardable) -> Result<LinearParams, String> {
+    let kind = module.type_name();
+    if let Some((child, _)) = module
+        .named_modules()
+        .into_iter()
+        .find(|(n, _)| !n.is_empty())
+    {
+        return Err(format!(
+            "a linear sharder needs a linear layer (`weight` and optional `bias`), but this \
+             `{kind}` has a submodule `{child}`"
+        ));
+    }
+    let mut weight = None;
+    let mut bias = None;
+    for (name, t) in module.named_parameters() {
+        match name.as_str() {
+            "weight" => weight = Some(t.shallow_clone()),
+            "bias" => bias = Some(t.shallow_clone()),
+            other => {
+                return Err(format!(
+                    "a linear sharder needs a linear layer (`weight` and optional `bias`), but \
+                     this `{kind}` has a parameter `{other}`"
+                ))
+            }
+        }
+    }
+    let weight = weight.ok_or_else(|| format!("this `{kind}` has no `weight` parameter"))?;
+    if weight.dim() != 2 {
+        return Err(format!(
+            "`weight` has shape {:?}; a linear layer's weight is [out_features, in_features]",
+            weight.size()
+        ));
+    }
+    if let Some(b) = &bias {
+        if b.size() != [weight.size()[0]] {
+            return Err(format!(
+                "`bias` has shape {:?}; expected [{}] for a weight of shape {:?}",
+                b.size(),
+                weight.size()[0],
+                weight.size()
+            ));
+        }
+    }
+    Ok(LinearParams { weight, bias })
+}
+
+/// torch.chunk's split of `len` entries into `parts`: sizes in order.
+pub(crate) fn chunk_sizes(len: i64, parts: usize) -> Vec<i64> {
+    let parts = parts.max(1) as i64;
+    let chunk = (len + parts - 1) / parts;
+    (0..parts)
+        .map(|i| (len - i * chunk).clamp(0, chunk))
+        .collect()
+}
+
+impl ChunkedLinear {
+    pub fn name(&self) -> String {
+        match (self.colwise, self.fused) {
+            (false, _) => "rowwise_linear".into(),
+            (true, 1) => "colwise_linear".into(),
+            (true, k) => format!("colwise_linear(fused={k})"),
+        }
+    }
+
+    fn placements(&self, group: &ProcessGroup, device: Device) -> Vec<Placement> {
+        self.placements.clone().unwrap_or_else(|| {
+            (0..group.world_size())
+                .map(|r| Placement::new(r, device))
+                .collect()
+        })
+    }
+
+    pub fn check(&self, module: &dyn Shardable, group: &ProcessGroup) -> Result<(), String> {
+        let p = linear_params(module)?;
+        if let Some(pl) = &self.placements {
+            if pl.len() != group.world_size() || pl.iter().enumerate().any(|(i, p)| p.rank() != i) {
+                let shown: Vec<String> = pl.iter().map(|p| p.to_string()).collect();
+                return Err(format!(
+                    "placements [{}] do not match the group of {} ranks: a linear layer is \
+                     split into one chunk per rank, chunk i on rank i",
+                    shown.join(", "),
+                    group.world_size()
+                ));
+            }
+        }
+        if self.fused == 0 {
+            return Err("fused must be at least 1".into());
+        }
+        let out = p.weight.size()[0];
+        if self.colwise && out % self.fused as i64 != 0 {
+            return Err(format!(
+                "`weight` has {out} output features, not divisible into fused={} parts",
+                self.fused
+            ));
+        }
+        Ok(())
+    }
+
+    /// The weight's shards: `fused` parts along `out` (column-parallel) each chunked over
+    /// the ranks, or one chunking of `in` (row-parallel).
+    fn weight_shards(&self, shape: &[i64], placements: &[Placement]) -> Vec<ShardMetadata> {
+        let (out, inp) = (shape[0], shape[1]);
+        if self.colwise {
+            let part = out / self.fused as i64;
+            let sizes = chunk_sizes(part, placements.len());
+            let mut shards = Vec::new();
+            for j in 0..self.fused as i64 {
+                let mut off = j * part;
+                for (p, &s) in placements.iter().zip(&sizes) {
+                    shards.push(ShardMetadata {
+                        shard_offsets: vec![off, 0],
+                        shard_sizes: vec![s, inp],
+                        placement: *p,
+                    });
+                    off += s;
+                }
+            }
+            shards
+        } else {
+            let sizes = chunk_sizes(inp, placements.len());
+            let mut off = 0;
+            placements
+                .iter()
+                .zip(&sizes)
+                .map(|(p, &s)| {
+                    let m = ShardMetadata {
+                        shard_offsets: vec![0, off],
+                        shard_sizes: vec![out, s],
+                        placement: *p,
+                    };
+                    off += s;
+                    m
+                })
+                .collect()
+        }
+    }
+
+    pub fn shard(
+        &self,
+        fqn: &str,
+        module: &dyn Shardable,
+        src_rank: usize,
+        group: &ProcessGroup,
+    ) -> Result<ShardedModule, ShardError> {
+        let p = linear_params(module).map_err(|msg| ShardError::plan(group, fqn, msg))?;
+        let placements = self.placements(group, p.weight.device());
+        let world = group.world_size();
+        let rank = group.rank();
+        let shape = p.weight.size();
+        let weight_shards = self.weight_shards(&shape, &placements);
+        let mut params = Vec::new();
+        let weight_spec = ShardingSpec::Enumerable(
+            EnumerableShardingSpec::new(weight_shards)
+                .map_err(|e| ShardError::plan(group, fqn, e.to_string()))?,
+        );
+        let weight_local = scatter_local(&p.weight, &weight_spec, src_rank, group, 0)?;
+        params.push(("weight".to_string(), weight_local.1));
+        let mut hooks = Vec::new();
+        let output;
+        if self.colwise {
+            let part = shape[0] / self.fused as i64;
+            let per_rank: Vec<i64> = chunk_sizes(part, world)
+                .iter()
+                .map(|s| s * self.fused as i64)
+                .collect();
+            if let Some(b) = &p.bias {
+                let bias_shards: Vec<ShardMetadata> = self
+                    .weight_shards(&shape, &placements)
+                    .into_iter()
+                    .map(|m| ShardMetadata {
+                        shard_offsets: vec![m.shard_offsets[0]],
+                        shard_sizes: vec![m.shard_sizes[0]],
+                        placement: m.placement,
+                    })
+                    .collect();
+                let spec = ShardingSpec::Enumerable(
+                    EnumerableShardingSpec::new(bias_shards)
+                        .map_err(|e| ShardError::plan(group, fqn, e.to_string()))?,
+                );
+                let local = scatter_local(b, &spec, src_rank, group, 0)?;
+                params.push(("bias".to_string(), local.1));
+                set_local(b, &local.0);
+            }
+            set_local(&p.weight, &weight_local.0);
+            // Gathered in rank order, rank r's slice holds its chunk of every fused part.
+            let order = (self.fused > 1).then(|| {
+                let sizes = chunk_sizes(part, world);
+                // Gathered entries are rank-major, then part, then row within the chunk.
+                let mut gathered_from = Vec::new();
+                let mut chunk_off = 0;
+                for &s in &sizes {
+                    for j in 0..self.fused as i64 {
+                        gathered_from.extend((0..s).map(|i| j * part + chunk_off + i));
+                    }
+                    chunk_off += s;
+                }
+                let mut order = vec![0i64; gathered_from.len()];
+                for (g, &orig) in gathered_from.iter().enumerate() {
+                    order[orig as usize] = g as i64;
+                }
+                order
+            });
+            output = OutputLayout::Sharded {
+                dim: -1,
+                sizes: per_rank,
+                order,
+            };
+            let g = group.clone();
+            let name = fqn.to_string();
+            hooks.push(
+                register_forward_pre_hook(module, move |_m, xs| {
+                    Some(
+                        functional::copy_to_ranks(xs, &g).unwrap_or_else(|e| {
+                            panic!("shard_module: column-parallel `{name}`: {e}")
+                        }),
+                    )
+                })
+                .map_err(|e| ShardError::plan(group, fqn, e.to_string()))?,
+            );
+        } else {
+            set_local(&p.weight, &weight_local.0);
+            // The bias stays whole on every rank: the source rank's.
+            if let Some(b) = &p.bias {
+                tch::no_grad(|| group.broadcast(b, src_rank))?;
+            }
+            let sizes = chunk_sizes(shape[1], world);
+            let full = shape[1];
+            let local = sizes[rank];
+            let g = group.clone();
+            let name = fqn.to_string();
+            hooks.push(
+                register_forward_pre_hook(module, move |_m, xs| {
+                    let width = xs.size().last().copied().unwrap_or(0);
+                    if width == local {
+                        return None; // already this rank's slice of the features
+                    }
+                    if width != full {
+                        panic!(
+                            "shard_module: row-parallel `{name}` on rank {rank} expects {full} \
+                             input features (or its slice of {local}), got {width}"
+                        );
+                    }
+                    Some(
+                        functional::split(xs, -1, &sizes, &g)
+                            .unwrap_or_else(|e| panic!("shard_module: row-parallel `{name}`: {e}")),
+                    )
+                })
+                .map_err(|e| ShardError::plan(group, fqn, e.to_string()))?,
+            );
+            output = OutputLayout::Partial {
+                replicated: p.bias.as_ref().map(|b| b.shallow_clone()),
+            };
+        }
+        Ok(ShardedModule {
+            params,
+            output,
+            hooks,
+        })
+    }
+}
+
+/// Scatters `t` by `spec` from `src_rank`; this rank's shards concatenated along `cat_dim`
+/// (in metadata order), and the global metadata.
+fn scatter_local(
+    t: &Tensor,
+    spec: &ShardingSpec,
+    src_rank: usize,
+    group: &ProcessGroup,
+    cat_dim: i64,
+) -> Result<(Tensor, ShardedTensorMetadata), ShardError> {
+    let st = ShardedTensor::scatter(t, spec, src_rank, group)?;
+    let pieces: Vec<&Tensor> = st.local_shards().iter().map(|s| &s.tensor).collect();
+    let local = match pieces.as_slice() {
+        [one] => one.shallow_clone(),
+        many => Tensor::cat(many, cat_dim),
+    };
+    Ok((local, st.metadata().clone()))
+}
+
+/// Makes `param` hold `local` (same tensor object, so every handle on it sees the shard).
+fn set_local(param: &Tensor, local: &Tensor) {
+    tch::no_grad(|| {
+        let mut handle = param.shallow_clone();
+        handle.set_data(local);
+    });
+}
+
+impl Sharder for ColwiseLinear {
+    fn name(&self) -> String {
+        self.as_chunked().name()
+    }
+    fn check(
+        &self,
+        _fqn: &str,
+        module: &dyn Shardable,
+        group: &ProcessGroup,
+    ) -> Result<(), String> {
+        self.as_chunked().check(module, group)
+    }
+    fn shard(
+        &self,
+        fqn: &str,
+        module: &dyn Shardable,
+        src_rank: usize,
+        group: &ProcessGroup,
+    ) -> Result<ShardedModule, ShardError> {
+        self.as_chunked().shard(fqn, module, src_rank, group)
+    }
+}
+
+impl ColwiseLinear {
+    fn as_chunked(&self) -> ChunkedLinear {
+        ChunkedLinear {
+            colwise: true,
+            fused: self.fused,
+            placements: None,
+        }
+    }
+}
+
+impl Sharder for RowwiseLinear {
+    fn name(&self) -> String {
+        "rowwise_linear".into()
+    }
+    fn check(
+        &self,
+        _fqn: &str,
+        module: &dyn Shardable,
+        group: &ProcessGroup,
+    ) -> Result<(), String> {
+        ROWWISE.check(module, group)
+    }
+    fn shard(
+        &self,
+        fqn: &str,
+        module: &dyn Shardable,
+        src_rank: usize,
+        group: &ProcessGroup,
+    ) -> Result<ShardedModule, ShardError> {
+        ROWWISE.shard(fqn, module, src_rank, group)
+    }
+}
+
+const ROWWISE: ChunkedLinear = ChunkedLinear {
+    colwise: false,
+    fused: 1,
+    placements: None,
+};
+
+/// A parameter spec on a linear layer's `weight`, as the equivalent sharder: chunks along
+/// dim 0 are column-parallel, along dim 1 row-parallel.
+pub(crate) fn sharder_for_weight_spec(spec: &ShardingSpec) -> Result<ChunkedLinear, String> {
+    let ShardingSpec::Chunk(ChunkShardingSpec { dim, placements }) = spec else {
+        return Err(
+            "a linear layer's weight is sharded with a ChunkShardingSpec (dim 0: column-parallel, \
+             dim 1: row-parallel); an EnumerableShardingSpec has no sharded forward"
+                .into(),
+        );
+    };
+    let colwise = match dim {
+        0 | -2 => true,
+        1 | -1 => false,
+        d => {
+            return Err(format!(
+                "dim {d} out of range for a linear layer's weight of 2 dims"
+            ))
+        }
+    };
+    Ok(ChunkedLinear {
+        colwise,
+        fused: 1,
+        placements: Some(placements.clone()),
+    })
+}
