@@ -1,4 +1,5 @@
 use tch::nn;
+use tch_dist::sharding::{ChunkShardingSpec, Placement, ShardingPlan};
 use tch_dist::Shardable;
 
 #[derive(Shardable)]
@@ -7,9 +8,10 @@ struct Net {
     fc2: nn::Linear,
 }
 
-fn shard_param(_: impl Into<tch_dist::path::ParamPath>) {}
-
 fn main() {
-    shard_param(Net::path().fc1().weight());
-    shard_param(Net::path().fc1());
+    let rows = ChunkShardingSpec::new(0, vec![Placement::new(0, tch::Device::Cpu)]);
+    ShardingPlan::builder()
+        .shard_param(Net::path().fc1().weight(), rows.clone())
+        .shard_param(Net::path().fc1(), rows)
+        .build();
 }

@@ -1,4 +1,5 @@
 use tch::nn;
+use tch_dist::sharding::{ColwiseLinear, ShardingPlan};
 use tch_dist::Shardable;
 
 #[derive(Shardable)]
@@ -7,9 +8,9 @@ struct Net {
     fc2: nn::Linear,
 }
 
-fn shard_module(_: impl tch_dist::path::ModulePath) {}
-
 fn main() {
-    shard_module(Net::path().fc1());
-    shard_module(Net::path().fc1().weight());
+    ShardingPlan::builder()
+        .shard_module(Net::path().fc1(), ColwiseLinear::default())
+        .shard_module(Net::path().fc1().weight(), ColwiseLinear::default())
+        .build();
 }
