@@ -22,10 +22,11 @@ pub struct Shard {
 /// every rank.
 ///
 /// ```no_run
-/// use tch_dist_core::sharding::{ChunkShardingSpec, ShardingSpec};
+/// use tch_dist_core::sharding::{ChunkShardingSpec, Placement, ShardingSpec};
 /// use tch_dist_runtime::sharding::ShardedTensor;
 /// # let pg = tch_dist_runtime::default_group()?;
-/// let spec = ShardingSpec::Chunk(ChunkShardingSpec::new(0, ["rank:0/cpu", "rank:1/cpu"]).unwrap());
+/// let on = |rank| Placement::new(rank, tch::Device::Cpu);
+/// let spec = ShardingSpec::Chunk(ChunkShardingSpec::new(0, vec![on(0), on(1)]));
 /// let full = tch::Tensor::arange(10, (tch::Kind::Float, tch::Device::Cpu)).view([5, 2]);
 /// let st = ShardedTensor::scatter(&full, &spec, 0, &pg)?; // rank 0: rows 0-2, rank 1: rows 3-4
 /// assert!(st.all_gather()?.equal(&full));
