@@ -6,9 +6,15 @@
 //!   per dtype and device, the first capped at 1 MiB and the rest at `bucket_cap_mb`, a
 //!   parameter never split). A ready gradient is copied into its bucket slice — or, with
 //!   `gradient_as_bucket_view`, *is* its bucket slice.
-//! - **Launch order.** A bucket is all-reduced asynchronously as soon as all its gradients are
-//!   ready and every earlier bucket has been launched, so communication overlaps the rest of
-//!   backward and every rank launches the same collectives in the same order.
+//! - **In place.** With the default hook, a gradient of at least `in_place_min_bytes`
+//!   (1 MiB) is not copied at all: its `.grad` is all-reduced in place, as its own collective,
+//!   as soon as it is ready and everything before it in bucket order has been launched. Only
+//!   small gradients go through the flat buffer, where batching them pays. In a group of one
+//!   the average is the gradient itself, so nothing is copied or communicated.
+//! - **Launch order.** A bucket's in-place gradients (in bucket order), then its flat buffer,
+//!   are all-reduced asynchronously as soon as they are ready and everything earlier has been
+//!   launched, so communication overlaps the rest of backward and every rank launches the
+//!   same collectives in the same order.
 //! - **End of backward.** The first hook of a pass queues a callback that the autograd engine
 //!   runs before `backward()` returns: it launches what is left (unused parameters count as
 //!   zero with `find_unused_parameters`), waits for every bucket, and writes the averaged
@@ -32,6 +38,11 @@ use crate::process_group::ProcessGroup;
 /// The first bucket is small so that communication starts early in backward (PyTorch's
 /// `dist._DEFAULT_FIRST_BUCKET_BYTES`).
 pub const DEFAULT_FIRST_BUCKET_BYTES: usize = 1024 * 1024;
+
+/// Gradients of at least this many bytes are all-reduced in place rather than copied through
+/// a bucket (the default of `ReducerOptions::in_place_min_bytes`): from 1 MiB up, the copy
+/// into the bucket and back costs more than the one extra collective saves.
+const DEFAULT_IN_PLACE_MIN_BYTES: usize = 1024 * 1024;
 
 /// How a bucket's gradients are communicated (PyTorch's DDP communication hooks).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -64,6 +75,12 @@ pub struct ReducerOptions {
     pub static_graph: bool,
     /// The communication hook.
     pub comm_hook: CommHook,
+    /// With the default hook ([`CommHook::AllReduceMean`]), a gradient of at least this many
+    /// bytes is all-reduced in place in `.grad` instead of being copied into its bucket and
+    /// back (default 1 MiB; `usize::MAX` copies every gradient, as
+    /// PyTorch does). The bucket layout is the same either way; with
+    /// `gradient_as_bucket_view` only the copied gradients are bucket views.
+    pub in_place_min_bytes: usize,
 }
 
 impl Default for ReducerOptions {
@@ -75,6 +92,7 @@ impl Default for ReducerOptions {
             gradient_as_bucket_view: false,
             static_graph: false,
             comm_hook: CommHook::AllReduceMean,
+            in_place_min_bytes: DEFAULT_IN_PLACE_MIN_BYTES,
         }
     }
 }
@@ -99,14 +117,26 @@ pub struct ReducerStats {
 /// A contiguous buffer whose slices hold the gradients of some parameters of one dtype and
 /// device, all-reduced as one tensor.
 struct Bucket {
+    /// The copied (not in-place) members' gradients, back to back.
     flat: Tensor,
     /// Parameter indices, in bucket order.
     params: Vec<usize>,
-    /// One slice per parameter, aliasing `flat`'s storage (not an autograd view, so that
-    /// optimizers may treat it as an ordinary `.grad`).
+    /// One slice per copied member (`Param::slot`), aliasing `flat`'s storage (not an
+    /// autograd view, so that optimizers may treat it as an ordinary `.grad`).
     views: Vec<Tensor>,
+    /// The members all-reduced in place, in bucket order (`Param::slot` indexes this).
+    in_place: Vec<usize>,
     /// Parameters of this bucket not yet ready in the current pass.
     pending: usize,
+}
+
+/// An in-place all-reduce of one parameter's gradient: the work (taken when awaited) and,
+/// when `.grad` itself could not be used (no gradient, or not contiguous), the buffer that
+/// was reduced instead.
+struct InPlaceFlight {
+    param: usize,
+    work: Option<Work>,
+    buffer: Option<Tensor>,
 }
 
 /// A launched bucket: its work and the compressed buffer to decompress from, if any; or a
@@ -124,7 +154,12 @@ struct Param {
     fqn: String,
     tensor: Tensor,
     bucket: usize,
+    /// Index into the bucket's `views` (copied) or `in_place` (in place).
     slot: usize,
+    /// All-reduced in place in `.grad` instead of through the bucket's flat buffer.
+    in_place: bool,
+    /// Set once its in-place all-reduce has been launched in the current pass.
+    launched: bool,
 }
 
 struct State {
@@ -132,7 +167,12 @@ struct State {
     buckets: Vec<Bucket>,
     ready: Vec<bool>,
     next_to_launch: usize,
+    /// Position in `buckets[next_to_launch].in_place` of the next in-place launch.
+    next_in_place: usize,
     in_flight: Vec<Option<InFlight>>,
+    in_place_flight: Vec<InPlaceFlight>,
+    /// End of backward: parameters without a gradient are launched as zeros.
+    flushing: bool,
     callback_queued: bool,
     ready_order: Vec<usize>,
     first_launch: Option<Instant>,
@@ -240,6 +280,8 @@ pub fn assign_buckets(
     done
 }
 
+/// Builds the buckets of `layout`; members with `Param::in_place` set get no room in the
+/// flat buffer.
 fn build_buckets(params: &mut [Param], layout: &[Vec<usize>]) -> Vec<Bucket> {
     tch::no_grad(|| {
         layout
@@ -250,27 +292,45 @@ fn build_buckets(params: &mut [Param], layout: &[Vec<usize>]) -> Vec<Bucket> {
                 let (kind, device) = (first.kind(), first.device());
                 let total: i64 = members
                     .iter()
+                    .filter(|&&i| !params[i].in_place)
                     .map(|&i| params[i].tensor.numel() as i64)
                     .sum();
                 let flat = Tensor::zeros([total], (kind, device));
                 let mut views = Vec::with_capacity(members.len());
+                let mut in_place = Vec::new();
                 let mut off = 0i64;
-                for (slot, &i) in members.iter().enumerate() {
+                for &i in members {
                     let p = &mut params[i];
                     p.bucket = b;
-                    p.slot = slot;
-                    views.push(storage_alias(&flat, off, &p.tensor.size()));
-                    off += p.tensor.numel() as i64;
+                    if p.in_place {
+                        p.slot = in_place.len();
+                        in_place.push(i);
+                    } else {
+                        p.slot = views.len();
+                        views.push(storage_alias(&flat, off, &p.tensor.size()));
+                        off += p.tensor.numel() as i64;
+                    }
                 }
                 Bucket {
                     flat,
                     params: members.clone(),
                     views,
+                    in_place,
                     pending: members.len(),
                 }
             })
             .collect()
     })
+}
+
+/// Which parameters are all-reduced in place: with the default hook, those of at least
+/// `in_place_min_bytes`, and every one in a group of one (where the average is the gradient).
+fn mark_in_place(params: &mut [Param], opts: &ReducerOptions, world_size: usize) {
+    let allowed = opts.comm_hook == CommHook::AllReduceMean;
+    for p in params {
+        let bytes = p.tensor.numel() * element_size(p.tensor.kind());
+        p.in_place = allowed && (world_size == 1 || bytes >= opts.in_place_min_bytes);
+    }
 }
 
 /// A tensor of `shape` at element `offset` of `flat`'s storage, contiguous, sharing memory
@@ -343,24 +403,30 @@ impl Reducer {
                 tensor,
                 bucket: 0,
                 slot: 0,
+                in_place: false,
+                launched: false,
             })
             .collect();
+        mark_in_place(&mut params, &opts, group.world_size());
         let reverse: Vec<usize> = (0..params.len()).rev().collect();
         let cap = (opts.bucket_cap_mb * 1024.0 * 1024.0) as usize;
         let layout = layout_for(&params, &reverse, opts.first_bucket_bytes.min(cap), cap);
         let buckets = build_buckets(&mut params, &layout);
         let n = params.len();
         let nb = buckets.len();
-        let bytes = buckets
+        let bytes = params
             .iter()
-            .map(|b| b.flat.numel() * element_size(b.flat.kind()))
+            .map(|p| p.tensor.numel() * element_size(p.tensor.kind()))
             .sum();
         let state = State {
             params,
             buckets,
             ready: vec![false; n],
             next_to_launch: 0,
+            next_in_place: 0,
             in_flight: (0..nb).map(|_| None).collect(),
+            in_place_flight: Vec::new(),
+            flushing: false,
             callback_queued: false,
             ready_order: Vec::new(),
             first_launch: None,
@@ -500,7 +566,7 @@ fn unfinished_message(rank: usize, fqns: &[String]) -> String {
 /// Makes every existing `.grad` its parameter's bucket slice, keeping its values.
 fn adopt_bucket_views(st: &mut State) -> Result<()> {
     tch::no_grad(|| {
-        for p in &st.params {
+        for p in st.params.iter().filter(|p| !p.in_place) {
             let view = &st.buckets[p.bucket].views[p.slot];
             let grad = p.tensor.grad();
             if !grad.defined() {
@@ -572,27 +638,93 @@ impl ReducerInner {
             unsafe { ffi::take_error(err) }?;
             st.callback_queued = true;
         }
+        let in_place = st.params[index].in_place;
         if st.ready[index] {
             // The same parameter accumulated twice in one pass (e.g. reentrant backward): its
-            // bucket slice already took the first gradient; refresh it with the final one.
-            copy_grad_into_bucket(&mut st, index, self.opts.gradient_as_bucket_view)?;
+            // bucket slice already took the first gradient; refresh it with the final one. An
+            // in-place gradient is read at launch, so only a launched one is a problem.
+            if in_place && st.params[index].launched && self.group.world_size() > 1 {
+                return Err(format!(
+                    "rank {}: replicate: parameter `{}` received a gradient after its all-reduce \
+                     had started (it was marked ready twice in one backward pass, e.g. used in \
+                     several reentrant backward passes or outside forward)",
+                    self.rank(),
+                    st.params[index].fqn
+                ));
+            }
+            if !in_place {
+                copy_grad_into_bucket(&mut st, index, self.opts.gradient_as_bucket_view)?;
+            }
             return Ok(());
         }
         st.ready[index] = true;
         st.ready_order.push(index);
-        copy_grad_into_bucket(&mut st, index, self.opts.gradient_as_bucket_view)?;
+        if !in_place {
+            copy_grad_into_bucket(&mut st, index, self.opts.gradient_as_bucket_view)?;
+        }
         let b = st.params[index].bucket;
         st.buckets[b].pending -= 1;
         self.launch_ready_buckets(&mut st)
     }
 
-    /// Launches buckets in order while the next one is complete.
+    /// Launches in order while the next one is ready: bucket by bucket, its in-place
+    /// gradients one by one, then its flat buffer once every member is ready.
     fn launch_ready_buckets(&self, st: &mut State) -> std::result::Result<(), String> {
-        while st.next_to_launch < st.buckets.len() && st.buckets[st.next_to_launch].pending == 0 {
+        while st.next_to_launch < st.buckets.len() {
             let b = st.next_to_launch;
-            self.launch(st, b)?;
+            while let Some(&i) = st.buckets[b].in_place.get(st.next_in_place) {
+                if !st.ready[i] && !st.flushing {
+                    return Ok(());
+                }
+                self.launch_in_place(st, i)?;
+                st.next_in_place += 1;
+            }
+            if st.buckets[b].pending != 0 {
+                return Ok(());
+            }
+            if st.buckets[b].flat.numel() > 0 {
+                self.launch(st, b)?;
+            }
             st.next_to_launch += 1;
+            st.next_in_place = 0;
         }
+        Ok(())
+    }
+
+    /// All-reduces parameter `i`'s gradient in place (a zero buffer when it has none; a
+    /// contiguous copy when `.grad` is not contiguous). In a group of one the gradient already
+    /// is the average: nothing to do.
+    fn launch_in_place(&self, st: &mut State, i: usize) -> std::result::Result<(), String> {
+        st.params[i].launched = true;
+        if self.group.world_size() == 1 {
+            return Ok(());
+        }
+        let p = &st.params[i];
+        let grad = p.tensor.grad();
+        let usable = st.ready[i]
+            && grad.defined()
+            && grad.is_contiguous()
+            && grad.kind() == p.tensor.kind()
+            && grad.device() == p.tensor.device();
+        let buffer = if usable {
+            None
+        } else if st.ready[i] && grad.defined() {
+            Some(tch::no_grad(|| grad.contiguous().to_kind(p.tensor.kind())))
+        } else {
+            Some(tch::no_grad(|| p.tensor.zeros_like()))
+        };
+        if st.first_launch.is_none() {
+            st.first_launch = Some(Instant::now());
+        }
+        let work = self
+            .group
+            .all_reduce_async(buffer.as_ref().unwrap_or(&grad), ReduceOp::Avg)
+            .map_err(|e| e.to_string())?;
+        st.in_place_flight.push(InPlaceFlight {
+            param: i,
+            work: Some(work),
+            buffer,
+        });
         Ok(())
     }
 
@@ -632,6 +764,10 @@ impl ReducerInner {
         // Whatever happened, the next pass starts clean.
         st.callback_queued = false;
         st.next_to_launch = 0;
+        st.next_in_place = 0;
+        st.flushing = false;
+        st.in_place_flight.clear();
+        st.params.iter_mut().for_each(|p| p.launched = false);
         st.first_launch = None;
         st.ready.iter_mut().for_each(|r| *r = false);
         for b in st.buckets.iter_mut() {
@@ -655,20 +791,15 @@ impl ReducerInner {
         let unready: Vec<usize> = (0..st.params.len()).filter(|&i| !st.ready[i]).collect();
         // Which parameters got a gradient on some rank (only needed when unused are allowed).
         let mut globally_used: Option<Vec<bool>> = None;
-        if !unready.is_empty() {
-            if !tolerate_unused {
-                // PyTorch leaves the stalled buckets unlaunched and fails the next iteration.
-                st.unfinished = unready.iter().map(|&i| st.params[i].fqn.clone()).collect();
-                self.wait_all(st)?;
-                return Ok(());
-            }
-            let used = Tensor::from_slice(&st.ready.iter().map(|&r| r as i32).collect::<Vec<_>>());
-            let used_work = self
-                .group
-                .all_reduce_async(&used, ReduceOp::Max)
-                .map_err(|e| e.to_string())?;
+        if !unready.is_empty() && !tolerate_unused {
+            // PyTorch leaves the stalled buckets unlaunched and fails the next iteration.
+            st.unfinished = unready.iter().map(|&i| st.params[i].fqn.clone()).collect();
+            self.wait_all(st)?;
+            return Ok(());
+        }
+        if tolerate_unused {
             tch::no_grad(|| {
-                for &i in &unready {
+                for &i in unready.iter().filter(|&&i| !st.params[i].in_place) {
                     let p = &st.params[i];
                     let _ = st.buckets[p.bucket].views[p.slot].shallow_clone().zero_();
                 }
@@ -677,8 +808,15 @@ impl ReducerInner {
                 let b = st.params[i].bucket;
                 st.buckets[b].pending -= 1;
             }
+            // In-place parameters without a gradient are launched as zeros.
+            st.flushing = true;
             self.launch_ready_buckets(st)?;
-            used_work.wait().map_err(|e| e.to_string())?;
+            // Every rank, after all its buckets (so that the collectives line up even where
+            // another rank used a parameter this one did not): which ones got a gradient.
+            let used = Tensor::from_slice(&st.ready.iter().map(|&r| r as i32).collect::<Vec<_>>());
+            self.group
+                .all_reduce(&used, ReduceOp::Max)
+                .map_err(|e| e.to_string())?;
             globally_used = Some(
                 Vec::<i32>::try_from(&used)
                     .map_err(|e| e.to_string())?
@@ -695,9 +833,26 @@ impl ReducerInner {
         }
         self.wait_all(st)?;
         let done = Instant::now();
+        let buffers: Vec<(usize, Tensor)> = st
+            .in_place_flight
+            .iter_mut()
+            .filter_map(|f| f.buffer.take().map(|b| (f.param, b)))
+            .collect();
         tch::no_grad(|| -> std::result::Result<(), String> {
+            // In place: `.grad` already holds the average, unless a buffer stood in for it.
+            for (i, buffer) in &buffers {
+                if globally_used.as_ref().is_some_and(|u| !u[*i]) {
+                    continue;
+                }
+                let grad = st.params[*i].tensor.grad();
+                if grad.defined() {
+                    grad.shallow_clone().copy_(buffer);
+                } else {
+                    set_grad(&st.params[*i].tensor, Some(buffer))?;
+                }
+            }
             for (i, p) in st.params.iter().enumerate() {
-                if globally_used.as_ref().is_some_and(|u| !u[i]) {
+                if p.in_place || globally_used.as_ref().is_some_and(|u| !u[i]) {
                     continue; // unused on every rank: .grad stays as it was (None stays None)
                 }
                 let view = &st.buckets[p.bucket].views[p.slot];
@@ -728,6 +883,11 @@ impl ReducerInner {
 
     /// Waits for every launched bucket and decompresses where a hook compressed.
     fn wait_all(&self, st: &mut State) -> std::result::Result<(), String> {
+        for f in st.in_place_flight.iter_mut() {
+            if let Some(work) = f.work.take() {
+                work.wait().map_err(|e| e.to_string())?;
+            }
+        }
         for b in 0..st.in_flight.len() {
             match st.in_flight[b].take() {
                 None => {}

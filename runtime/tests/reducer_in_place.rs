@@ -1,0 +1,292 @@
+//! The reducer's in-place path (gradients of at least `in_place_min_bytes` are all-reduced in
+//! `.grad` itself, not copied through a bucket) against single-process training, with every
+//! option it meets: bucket views, unused parameters, mixed dtypes, non-contiguous gradients,
+//! gradients set to None or zeroed between steps, no_sync, and a group of one.
+
+use tch::{Kind, Tensor};
+use tch_dist_runtime::testing::run_ranks;
+use tch_dist_runtime::{ProcessGroup, Reducer, ReducerOptions};
+
+const BATCH: i64 = 12;
+const STEPS: usize = 4;
+const LR: f64 = 0.1;
+
+/// fc1 (4->8), fc2 (8->3, stored transposed: a non-contiguous leaf), an f64 branch `aux`,
+/// and `unused` (never touched by forward when present).
+struct Model {
+    params: Vec<(String, Tensor)>,
+    with_unused: bool,
+}
+
+impl Model {
+    fn new(with_unused: bool, seed: i64) -> Model {
+        tch::manual_seed(seed);
+        let p = |shape: &[i64], kind: Kind| {
+            (Tensor::randn(shape, (kind, tch::Device::Cpu)) * 0.5).set_requires_grad(true)
+        };
+        let fc2_t = (Tensor::randn([8, 3], (Kind::Float, tch::Device::Cpu)) * 0.5)
+            .t_()
+            .set_requires_grad(true);
+        assert!(!fc2_t.is_contiguous());
+        let mut params = vec![
+            ("fc1.weight".to_string(), p(&[8, 4], Kind::Float)),
+            ("fc1.bias".to_string(), p(&[8], Kind::Float)),
+            ("fc2.weight".to_string(), fc2_t),
+            ("fc2.bias".to_string(), p(&[3], Kind::Float)),
+            ("aux.weight".to_string(), p(&[3, 4], Kind::Double)),
+        ];
+        if with_unused {
+            params.push(("unused.weight".to_string(), p(&[5, 5], Kind::Float)));
+        }
+        Model {
+            params,
+            with_unused,
+        }
+    }
+
+    fn handles(&self) -> Vec<(String, Tensor)> {
+        self.params
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
+    }
+
+    fn get(&self, name: &str) -> &Tensor {
+        &self.params.iter().find(|(n, _)| n == name).unwrap().1
+    }
+
+    fn loss(&self, x: &Tensor, y: &Tensor) -> Tensor {
+        let h = x
+            .linear(self.get("fc1.weight"), Some(self.get("fc1.bias")))
+            .tanh();
+        let out = h.linear(self.get("fc2.weight"), Some(self.get("fc2.bias")))
+            + x.to_kind(Kind::Double)
+                .linear::<Tensor>(self.get("aux.weight"), None)
+                .to_kind(Kind::Float);
+        let _ = self.with_unused;
+        out.mse_loss(y, tch::Reduction::Mean)
+    }
+
+    /// SGD; then `.grad` is set to None (`to_none`) or zeroed in place.
+    fn sgd_step(&self, to_none: bool) {
+        tch::no_grad(|| {
+            for (_, p) in &self.params {
+                let mut g = p.grad();
+                if g.defined() {
+                    let _ = p.shallow_clone().f_sub_(&(&g * LR)).unwrap();
+                    if to_none {
+                        p.shallow_clone().zero_grad();
+                    } else {
+                        let _ = g.zero_();
+                    }
+                }
+            }
+        });
+    }
+}
+
+fn data(step: usize) -> (Tensor, Tensor) {
+    tch::manual_seed(1000 + step as i64);
+    let x = Tensor::randn([BATCH, 4], (Kind::Float, tch::Device::Cpu));
+    let y = Tensor::randn([BATCH, 3], (Kind::Float, tch::Device::Cpu));
+    (x, y)
+}
+
+/// Replicated training on this rank's slice against one process on the whole batch.
+fn check(pg: &ProcessGroup, opts: ReducerOptions, with_unused: bool, to_none: bool) {
+    let reference = Model::new(with_unused, 7);
+    let model = Model::new(with_unused, 7);
+    let reducer = Reducer::new(model.handles(), pg.clone(), opts.clone()).unwrap();
+    let per_rank = BATCH / pg.world_size() as i64;
+    for step in 0..STEPS {
+        let (x, y) = data(step);
+        reference.loss(&x, &y).backward();
+        reference.sgd_step(to_none);
+        reducer.prepare_for_forward().unwrap();
+        let xs = x.narrow(0, pg.rank() as i64 * per_rank, per_rank);
+        let ys = y.narrow(0, pg.rank() as i64 * per_rank, per_rank);
+        model.loss(&xs, &ys).backward();
+        model.sgd_step(to_none);
+    }
+    for ((name, a), (_, b)) in model.params.iter().zip(&reference.params) {
+        let diff = (a - b).abs().max().double_value(&[]);
+        assert!(
+            diff <= 1e-5,
+            "{opts:?}: {name}: max |ddp - single| = {diff}"
+        );
+    }
+    if with_unused {
+        assert!(!model.get("unused.weight").grad().defined());
+    }
+    let stats = reducer.stats();
+    assert_eq!(stats.steps, STEPS as u64);
+    let total: usize = model
+        .params
+        .iter()
+        .map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes())
+        .sum();
+    assert_eq!(stats.bytes, total, "every gradient counts, in place or not");
+}
+
+fn in_place_all() -> ReducerOptions {
+    ReducerOptions {
+        in_place_min_bytes: 0,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn in_place_gradients_match_single_process() {
+    // Three ranks: the average is not a power-of-two division.
+    run_ranks("in_place_gradients_match_single_process", 3, |pg| {
+        for to_none in [false, true] {
+            check(&pg, in_place_all(), false, to_none);
+            // fc1.weight (128 B) and aux.weight (96 B) in place, the rest through buckets.
+            let mixed = ReducerOptions {
+                in_place_min_bytes: 96,
+                ..Default::default()
+            };
+            check(&pg, mixed.clone(), false, to_none);
+            let views = ReducerOptions {
+                gradient_as_bucket_view: true,
+                ..mixed
+            };
+            check(&pg, views, false, to_none);
+            let one_bucket = ReducerOptions {
+                bucket_cap_mb: 1e6,
+                first_bucket_bytes: usize::MAX,
+                ..in_place_all()
+            };
+            check(&pg, one_bucket, false, to_none);
+        }
+    });
+}
+
+#[test]
+fn in_place_unused_parameters_and_bucket_views() {
+    run_ranks("in_place_unused_parameters_and_bucket_views", 2, |pg| {
+        let unused = ReducerOptions {
+            find_unused_parameters: true,
+            ..in_place_all()
+        };
+        check(&pg, unused.clone(), true, false);
+        check(&pg, unused, true, true);
+        let views = ReducerOptions {
+            find_unused_parameters: true,
+            gradient_as_bucket_view: true,
+            in_place_min_bytes: 100,
+            ..Default::default()
+        };
+        check(&pg, views, true, true);
+        // The defaults copy these small gradients; the same holds with copying forced.
+        assert_eq!(ReducerOptions::default().in_place_min_bytes, 1024 * 1024);
+        let copy_all = ReducerOptions {
+            in_place_min_bytes: usize::MAX,
+            ..Default::default()
+        };
+        check(&pg, copy_all, false, true);
+    });
+}
+
+/// A parameter used only on rank 0 is averaged with rank 1's zeros, in place.
+#[test]
+fn in_place_parameter_used_on_one_rank_only() {
+    run_ranks("in_place_parameter_used_on_one_rank_only", 2, |pg| {
+        let w = Tensor::ones([64], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+        let v = Tensor::ones([64], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+        // In place, then copied through a bucket (the used-map all-reduce comes after every
+        // bucket on every rank either way).
+        for in_place_min_bytes in [0, usize::MAX] {
+            let opts = ReducerOptions {
+                find_unused_parameters: true,
+                in_place_min_bytes,
+                ..Default::default()
+            };
+            let reducer = Reducer::new(
+                vec![
+                    ("w".into(), w.shallow_clone()),
+                    ("v".into(), v.shallow_clone()),
+                ],
+                pg.clone(),
+                opts,
+            )
+            .unwrap();
+            used_on_rank0_only(&pg, &reducer, &w, &v);
+        }
+    });
+}
+
+fn used_on_rank0_only(pg: &ProcessGroup, reducer: &Reducer, w: &Tensor, v: &Tensor) {
+    {
+        for _ in 0..2 {
+            reducer.prepare_for_forward().unwrap();
+            let loss = if pg.rank() == 0 {
+                (w * 2.0).sum(Kind::Float) + v.sum(Kind::Float)
+            } else {
+                v.sum(Kind::Float) * 3.0
+            };
+            loss.backward();
+            // w: (2 + 0) / 2 on both ranks, even where it got no gradient; v: (1 + 3) / 2.
+            assert!(w.grad().allclose(&w.ones_like(), 1e-6, 1e-6, false));
+            assert!(v.grad().allclose(&(v.ones_like() * 2.0), 1e-6, 1e-6, false));
+            w.shallow_clone().zero_grad();
+            v.shallow_clone().zero_grad();
+        }
+    }
+}
+
+/// Gradients accumulate locally while sync is off; the next synchronised pass averages them.
+#[test]
+fn in_place_no_sync_accumulates_then_averages() {
+    run_ranks("in_place_no_sync_accumulates_then_averages", 2, |pg| {
+        let w = Tensor::zeros([300_000], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+        // 1.2 MB: in place with the default threshold.
+        let reducer = Reducer::new(
+            vec![("w".into(), w.shallow_clone())],
+            pg.clone(),
+            Default::default(),
+        )
+        .unwrap();
+        let r = pg.rank() as f64;
+        reducer.set_require_sync(false);
+        ((&w * (r + 1.0)).sum(Kind::Float)).backward();
+        reducer.set_require_sync(true);
+        ((&w * (r + 1.0)).sum(Kind::Float)).backward();
+        // Rank 0 holds 2, rank 1 holds 4: the average is 3 everywhere.
+        let g = w.grad();
+        assert!(g.allclose(&(g.ones_like() * 3.0), 1e-6, 1e-6, false));
+        assert_eq!(reducer.stats().bytes, 1_200_000);
+    });
+}
+
+/// In a group of one nothing is copied: `.grad` stays the tensor autograd produced.
+#[test]
+fn group_of_one_leaves_gradients_alone() {
+    run_ranks("group_of_one_leaves_gradients_alone", 1, |pg| {
+        check(&pg, ReducerOptions::default(), false, true);
+        check(
+            &pg,
+            ReducerOptions {
+                find_unused_parameters: true,
+                gradient_as_bucket_view: true,
+                ..Default::default()
+            },
+            true,
+            false,
+        );
+        let w = Tensor::ones([8], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+        let reducer = Reducer::new(
+            vec![("w".into(), w.shallow_clone())],
+            pg,
+            Default::default(),
+        )
+        .unwrap();
+        (&w * 2.0).sum(Kind::Float).backward();
+        let first = w.grad();
+        (&w * 2.0).sum(Kind::Float).backward();
+        assert_eq!(first.data_ptr(), w.grad().data_ptr());
+        assert!(w.grad().allclose(&(w.ones_like() * 4.0), 1e-6, 1e-6, false));
+        assert_eq!(reducer.stats().steps, 2);
+        assert_eq!(reducer.stats().comm_time, std::time::Duration::ZERO);
+    });
+}
