@@ -658,7 +658,9 @@ impl ReducerInner {
             return Ok(());
         }
         st.ready[index] = true;
-        st.ready_order.push(index);
+        if !st.rebuilt {
+            st.ready_order.push(index); // the order the one rebuild uses
+        }
         if !in_place {
             copy_grad_into_bucket(&mut st, index, self.opts.gradient_as_bucket_view)?;
         }
