@@ -12,7 +12,7 @@ GLOO_HEADER := /usr/include/gloo/config.h
 CARGO ?= cargo
 NPROC ?= 2
 
-.PHONY: setup demo test lint doc
+.PHONY: setup demo test lint doc bench gpu-check
 
 setup: $(SETUP_STAMP) $(GLOO_HEADER)
 
@@ -48,3 +48,15 @@ lint: setup
 
 doc: setup
 	$(CARGO) doc --workspace --no-deps
+
+# Benchmarks against PyTorch DDP (docs/PERFORMANCE.md); never timed tests.
+# CPU: 2 ranks, Gloo, one torch thread per rank; the last line is tch_dist_vs_pytorch_ddp=<ratio>.
+bench: setup
+	$(CARGO) build --release --bin tch-dist-run --example bench_ddp
+	$(PY) bench/driver.py $(BENCH_ARGS)
+
+# GPU: builds here and stages into target/gpu-check/ what the GPU machine (torch, no cargo)
+# runs in one go: `bash target/gpu-check/run.sh` (carry target/gpu-check).
+gpu-check: setup
+	$(CARGO) build --release --bin tch-dist-run --example bench_ddp --example gpu_check
+	bench/stage_gpu.sh target/gpu-check

@@ -1,0 +1,35 @@
+#!/bin/bash
+# The GPU machine's half of `make gpu-check` (staged as target/gpu-check/run.sh): that machine
+# has torch 2.11.0+cu130 in its python3 but no cargo, so everything here was built elsewhere.
+#
+#   bash target/gpu-check/run.sh        # one device call, well inside 10 minutes
+#
+# 1. replicate's correctness checks on CUDA tensors with NCCL at world size 1 (gpu_check);
+# 2. the benchmark: 403M-parameter MLP, batch 64, SGD: plain tch vs tch-dist vs PyTorch DDP.
+# Exits 2 (with a message) where there is no CUDA device.
+set -uo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PY=${PYTHON:-python3}
+
+torch_dir=$("$PY" -c 'import torch, os; print(os.path.dirname(torch.__file__))' 2>/dev/null) || {
+    echo "run.sh: $PY cannot import torch; this script is for the GPU machine" >&2
+    exit 2
+}
+export LD_LIBRARY_PATH="$torch_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "run.sh: no CUDA device here (torch.cuda.is_available() is False); nothing to run" >&2
+    exit 2
+fi
+"$PY" -c 'import torch; print("torch", torch.__version__, "| cuda", torch.version.cuda, "| nccl", ".".join(map(str, torch.cuda.nccl.version())), "|", torch.cuda.get_device_name(0))'
+
+echo "== 1/2 replicate correctness on CUDA, NCCL, world size 1"
+timeout 150 "$here/gpu_check"
+check=$?
+
+echo "== 2/2 benchmark: 403M-parameter MLP, batch 64, SGD"
+timeout 420 "$PY" "$here/driver.py" --gpu --bin-dir "$here" --script "$here/pytorch_ddp.py" \
+    --python "$PY" -v
+bench=$?
+
+echo "gpu_check_status=$check bench_status=$bench"
+[ "$check" -eq 0 ] && [ "$bench" -eq 0 ]
