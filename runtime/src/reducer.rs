@@ -160,6 +160,12 @@ struct Param {
     in_place: bool,
     /// Set once its in-place all-reduce has been launched in the current pass.
     launched: bool,
+    /// Its `.grad` was None when `prepare_for_forward` last ran (cleared after each pass):
+    /// the gradient of the coming backward is a tensor nobody else holds.
+    grad_was_none: bool,
+    /// Copied member, not a bucket view: its fresh `.grad` was released once copied into the
+    /// bucket this pass (a new one is written at the end).
+    released: bool,
 }
 
 struct State {
@@ -405,6 +411,8 @@ impl Reducer {
                 slot: 0,
                 in_place: false,
                 launched: false,
+                grad_was_none: false,
+                released: false,
             })
             .collect();
         mark_in_place(&mut params, &opts, group.world_size());
@@ -476,9 +484,15 @@ impl Reducer {
     }
 
     /// Called before each forward: fails with PyTorch's error when the previous iteration
-    /// left parameters without a gradient (and unused parameters were not allowed).
+    /// left parameters without a gradient (and unused parameters were not allowed). Also
+    /// notes which copied members have no `.grad` yet (see `release_fresh_grad`).
     pub fn prepare_for_forward(&self) -> Result<()> {
-        let st = lock(&self.inner.state);
+        let mut st = lock(&self.inner.state);
+        if !self.inner.opts.gradient_as_bucket_view {
+            for p in st.params.iter_mut().filter(|p| !p.in_place) {
+                p.grad_was_none = !p.tensor.grad().defined();
+            }
+        }
         if let Some(e) = &st.failed {
             return Err(DistError::Collective {
                 rank: self.inner.group.rank(),
@@ -625,7 +639,9 @@ impl ReducerInner {
 
     fn mark_ready(&self, ctx: *mut c_void, index: usize) -> std::result::Result<(), String> {
         if !self.require_sync.load(Ordering::SeqCst) {
-            return Ok(()); // no_sync: gradients accumulate locally in .grad
+            // no_sync: gradients accumulate locally in .grad, which now exists.
+            lock(&self.state).params[index].grad_was_none = false;
+            return Ok(());
         }
         let mut st = lock(&self.state);
         if let Some(e) = &st.failed {
@@ -652,7 +668,16 @@ impl ReducerInner {
                     st.params[index].fqn
                 ));
             }
-            if !in_place {
+            if st.params[index].released {
+                // The slice holds the first part; autograd started a fresh `.grad` for the rest.
+                let p = &st.params[index];
+                let grad = p.tensor.grad();
+                if grad.defined() {
+                    let view = &st.buckets[p.bucket].views[p.slot];
+                    let _ = tch::no_grad(|| view.shallow_clone().g_add_(&grad));
+                    set_grad(&p.tensor, None)?;
+                }
+            } else if !in_place {
                 copy_grad_into_bucket(&mut st, index, self.opts.gradient_as_bucket_view)?;
             }
             return Ok(());
@@ -663,6 +688,9 @@ impl ReducerInner {
         }
         if !in_place {
             copy_grad_into_bucket(&mut st, index, self.opts.gradient_as_bucket_view)?;
+            if !self.opts.gradient_as_bucket_view {
+                release_fresh_grad(&mut st.params[index])?;
+            }
         }
         let b = st.params[index].bucket;
         st.buckets[b].pending -= 1;
@@ -769,7 +797,11 @@ impl ReducerInner {
         st.next_in_place = 0;
         st.flushing = false;
         st.in_place_flight.clear();
-        st.params.iter_mut().for_each(|p| p.launched = false);
+        for p in st.params.iter_mut() {
+            p.launched = false;
+            p.released = false;
+            p.grad_was_none = false;
+        }
         st.first_launch = None;
         st.ready.iter_mut().for_each(|r| *r = false);
         for b in st.buckets.iter_mut() {
@@ -797,6 +829,13 @@ impl ReducerInner {
             // PyTorch leaves the stalled buckets unlaunched and fails the next iteration.
             st.unfinished = unready.iter().map(|&i| st.params[i].fqn.clone()).collect();
             self.wait_all(st)?;
+            // Released gradients come back (their slices hold them).
+            tch::no_grad(|| -> std::result::Result<(), String> {
+                for p in st.params.iter().filter(|p| p.released) {
+                    set_grad(&p.tensor, Some(&st.buckets[p.bucket].views[p.slot].copy()))?;
+                }
+                Ok(())
+            })?;
             return Ok(());
         }
         if tolerate_unused {
@@ -853,7 +892,7 @@ impl ReducerInner {
                     set_grad(&st.params[*i].tensor, Some(buffer))?;
                 }
             }
-            for (i, p) in st.params.iter().enumerate() {
+            for (i, p) in st.params.iter_mut().enumerate() {
                 if p.in_place || globally_used.as_ref().is_some_and(|u| !u[i]) {
                     continue; // unused on every rank: .grad stays as it was (None stays None)
                 }
@@ -955,6 +994,19 @@ impl ReducerInner {
         }
         Ok(())
     }
+}
+
+/// After its copy into the bucket, lets go of a copied member's `.grad` when it was None
+/// before this pass (so autograd allocated it during this backward and nobody else holds
+/// it); a copy of the average is written at the end of backward. Small gradients that stay
+/// alive between the large ones allocated during backward fragment glibc's heap, which then
+/// returns and re-faults large blocks every step (10-15% of a step in docs/PERFORMANCE.md).
+fn release_fresh_grad(p: &mut Param) -> std::result::Result<(), String> {
+    if p.grad_was_none && p.tensor.grad().defined() {
+        set_grad(&p.tensor, None)?;
+        p.released = true;
+    }
+    Ok(())
 }
 
 /// Copies parameter `index`'s gradient into its bucket slice (with

@@ -105,7 +105,14 @@ fn check(pg: &ProcessGroup, opts: ReducerOptions, with_unused: bool, to_none: bo
         reducer.prepare_for_forward().unwrap();
         let xs = x.narrow(0, pg.rank() as i64 * per_rank, per_rank);
         let ys = y.narrow(0, pg.rank() as i64 * per_rank, per_rank);
+        let held: Vec<Tensor> = model.params.iter().map(|(_, t)| t.grad()).collect();
         model.loss(&xs, &ys).backward();
+        // A `.grad` that existed before backward is averaged in place: handles stay valid.
+        for ((name, t), h) in model.params.iter().zip(&held) {
+            if h.defined() && !opts.gradient_as_bucket_view {
+                assert_eq!(h.data_ptr(), t.grad().data_ptr(), "{name}");
+            }
+        }
         model.sgd_step(to_none);
     }
     for ((name, a), (_, b)) in model.params.iter().zip(&reference.params) {
