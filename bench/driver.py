@@ -70,13 +70,15 @@ class Runner:
         while time.time() < deadline and machine_idle_fraction() < 0.9:
             pass
 
-    def run(self, name, cmd, distributed):
+    def run(self, name, cmd, distributed, env=None):
         if distributed:
             cmd = [self.launcher, "--nproc-per-node", str(self.a.nproc), "--"] + cmd
         for attempt in range(self.a.retries + 1):
             self.wait_quiet()
             t = time.time()
-            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            p = subprocess.run(
+                cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, **(env or {}))
+            )
             if p.returncode != 0:
                 sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
                 raise SystemExit(f"bench: `{' '.join(cmd)}` failed with status {p.returncode}")
@@ -113,9 +115,9 @@ class Runner:
             out += ["--model", a.model]
         return out
 
-    def tch(self, name, mode, *extra, launch=None):
+    def tch(self, name, mode, *extra, launch=None, env=None):
         cmd = [self.bench, "--mode", mode] + self.common() + list(extra)
-        return self.run(name, cmd, mode != "plain" if launch is None else launch)
+        return self.run(name, cmd, mode != "plain" if launch is None else launch, env)
 
     def torch(self, name, mode, *extra):
         cmd = [self.a.python, self.a.script, "--mode", mode] + self.common() + list(extra)
@@ -138,19 +140,22 @@ def table(r, keys):
     print()
     print(
         f"{'configuration':<20} {'step ms':>8} {'x plain':>8} {'fwd':>6} {'bwd':>6} {'opt':>6} "
-        f"{'cpu/rank':>8} {'peak RSS MiB':>12} {'foreign':>7}  runs"
+        f"{'cpu/rank':>8} {'faults':>7} {'peak RSS MiB':>12} {'foreign':>7}  runs"
     )
     for k in keys:
         if k not in med:
             continue
         plain = med["tch_plain"] if k.startswith("tch") else med["pytorch_plain"]
-        if k == "tch_plain_2proc":
-            plain = med["tch_plain"]
+        if k.endswith("_trim"):
+            plain = med["tch_plain_trim"]
         v = res[k]
-        ph = {p: statistics.median(x[p] for x in v) for p in ("fwd_ms", "bwd_ms", "opt_ms", "cpu_ms")}
+        ph = {
+            p: statistics.median(x.get(p, 0) for x in v)
+            for p in ("fwd_ms", "bwd_ms", "opt_ms", "cpu_ms", "page_faults")
+        }
         print(
             f"{k:<20} {med[k]:8.2f} {med[k] / plain:8.2f} {ph['fwd_ms']:6.1f} {ph['bwd_ms']:6.1f} "
-            f"{ph['opt_ms']:6.1f} {ph['cpu_ms']:8.1f} {peak[k]:12.1f} "
+            f"{ph['opt_ms']:6.1f} {ph['cpu_ms']:8.1f} {ph['page_faults']:7.0f} {peak[k]:12.1f} "
             f"{max(x['foreign'] for x in v):7.0%}  {len(v)}"
         )
     return med, peak
@@ -202,6 +207,11 @@ def cpu_bench(a, r):
         if i < max(1, (a.rounds + 1) // 2):
             for f in views + plains:
                 f()
+    # Peak memory with glibc returning every freed block of 1 MiB or more to the system, so
+    # that RSS follows the live tensors rather than what the allocator keeps.
+    trim = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    r.tch("tch_plain_trim", "plain", env=trim)
+    r.tch("tch_dist_view_trim", "replicate", *view, env=trim)
     sizes = r.results["tch_dist"][-1].get("collective_bytes", [])
     floor = r.tch("allreduce", "allreduce", "--sizes", ",".join(map(str, sizes)))
 
@@ -215,6 +225,8 @@ def cpu_bench(a, r):
             "pytorch_ddp",
             "tch_dist_view",
             "pytorch_ddp_view",
+            "tch_plain_trim",
+            "tch_dist_view_trim",
         ],
     )
     t = r.results["tch_dist"]
@@ -235,14 +247,20 @@ def cpu_bench(a, r):
         f"tch-dist over two plain processes at once {comm_cost:.2f} ms; "
         f"raw all_reduce of the same bytes {floor['sum_ms']:.2f} ms"
     )
+    after = statistics.median(x["comm_ms"] - x["overlapped_ms"] for x in t)
     print()
     print(
-        f"comm_vs_raw_allreduce={comm_cost / floor['sum_ms']:.3f}  (tch-dist step time over two "
-        "plain trainings sharing the machine / raw all_reduce of the same bytes)"
+        f"comm_vs_raw_allreduce={exposed / floor['sum_ms']:.3f}  (what replicate adds to a step, "
+        f"tch-dist over plain, / raw all_reduce of the same bytes; PyTorch DDP: "
+        f"{exposed_torch / floor['sum_ms']:.3f})"
     )
     print(
-        f"over_plain_vs_raw_allreduce={exposed / floor['sum_ms']:.3f}  (tch-dist over single-process "
-        f"plain / the same floor; PyTorch DDP: {exposed_torch / floor['sum_ms']:.3f})"
+        f"comm_after_backward_vs_raw_allreduce={after / floor['sum_ms']:.3f}  (communication left "
+        "when backward's compute ends / the same floor)"
+    )
+    print(
+        f"comm_vs_raw_allreduce_2proc={comm_cost / floor['sum_ms']:.3f}  (tch-dist over two plain "
+        "trainings sharing the machine / the same floor)"
     )
     print(
         f"peak_rss_view_vs_plain={peak['tch_dist_view'] / peak['tch_plain']:.3f}  "
@@ -251,6 +269,11 @@ def cpu_bench(a, r):
     print(
         f"peak_rss_default_vs_plain={peak['tch_dist'] / peak['tch_plain']:.3f}  "
         f"({peak['tch_dist']:.1f} / {peak['tch_plain']:.1f} MiB)"
+    )
+    print(
+        f"peak_rss_view_vs_plain_trim={peak['tch_dist_view_trim'] / peak['tch_plain_trim']:.3f}  "
+        f"({peak['tch_dist_view_trim']:.1f} / {peak['tch_plain_trim']:.1f} MiB, both with "
+        "MALLOC_MMAP_THRESHOLD_=1048576: the live memory)"
     )
     print(
         f"tch_dist_vs_pytorch_ddp_view={med['tch_dist_view'] / med['pytorch_ddp_view']:.3f}  "

@@ -11,6 +11,7 @@ the peak RSS (VmHWM).
 import argparse
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -126,10 +127,11 @@ def main():
     if a.mode == "ddp":
         dist.barrier()
     sync(device)
-    cpu0 = busy0 = wall0 = 0.0
+    cpu0 = busy0 = wall0 = faults0 = 0.0
     for i in range(a.warmup + a.steps):
         if i == a.warmup:
             cpu0, busy0, wall0 = cpu_ms(), machine_busy_ms(), time.perf_counter()
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = loss_of(model(x))
@@ -154,6 +156,7 @@ def main():
     peak, cur = rss_mib()
     out = {
         "cpu_ms": window["cpu_ms"] / a.steps,
+        "page_faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / a.steps,
         "window": window,
         "impl": "pytorch",
         "mode": a.mode,

@@ -1,0 +1,88 @@
+"""A/B comparisons of replicate variants on this machine (the profiling harness behind
+docs/PERFORMANCE.md; `make bench` is the benchmark).
+
+    python3 bench/ab.py ROUNDS 'NAME|ENV=VALUE ...|ARGS' ...
+
+Each configuration is a name, environment variables and arguments; ARGS `plain ...` runs
+examples/bench_ddp --mode plain, `torch ...` runs bench/pytorch_ddp.py on 2 ranks, anything
+else runs `bench_ddp --mode replicate ARGS` on 2 ranks. `BIN_ROOT=DIR` in a configuration's
+environment takes the binaries from DIR/target/release (another checkout, e.g. the commit
+before a change). Configurations run in alternating order for ROUNDS rounds, each after the
+machine is idle and again when other programs used more than 8% of the CPUs during it; prints
+medians and, per configuration, the median over rounds of its step time divided by the first
+configuration's in the same round.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def idle_fraction(seconds=1.0):
+    def sample():
+        with open("/proc/stat") as f:
+            t = [int(x) for x in f.readline().split()[1:9]]
+        return sum(t), t[3] + t[4]
+
+    a = sample()
+    time.sleep(seconds)
+    b = sample()
+    return (b[1] - a[1]) / max(1, b[0] - a[0])
+
+
+def main():
+    rounds = int(sys.argv[1])
+    cfgs = []
+    for c in sys.argv[2:]:
+        name, env, args = c.split("|")
+        e = dict(os.environ)
+        for kv in env.split():
+            k, v = kv.split("=", 1)
+            e[k] = v
+        cfgs.append((name, e, args.split()))
+    ncpu = os.cpu_count() or 1
+    res = {n: [] for n, _, _ in cfgs}
+    for r in range(rounds):
+        for n, e, a in cfgs if r % 2 == 0 else cfgs[::-1]:
+            root = e.get("BIN_ROOT", ROOT)
+            bench = f"{root}/target/release/examples/bench_ddp"
+            launch = [f"{root}/target/release/tch-dist-run", "--nproc-per-node", "2", "--"]
+            if a and a[0] == "plain":
+                cmd = [bench, "--mode", "plain"] + a[1:]
+            elif a and a[0] == "torch":
+                cmd = launch + [f"{ROOT}/.venv/bin/python", f"{ROOT}/bench/pytorch_ddp.py"] + a[1:]
+            else:
+                cmd = launch + [bench, "--mode", "replicate"] + a
+            for _ in range(8):
+                deadline = time.time() + 60
+                while time.time() < deadline and idle_fraction() < 0.9:
+                    pass
+                p = subprocess.run(cmd, env=e, capture_output=True, text=True)
+                recs = [json.loads(l[l.find("BENCH {") + 6 :]) for l in p.stdout.splitlines() if "BENCH {" in l]
+                if not recs:
+                    sys.exit(f"{n} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+                w = recs[0]["window"]
+                own = sum(x["window"]["cpu_ms"] for x in recs)
+                if (w["machine_busy_ms"] - own) / (ncpu * w["wall_ms"]) < 0.08:
+                    break
+            res[n].append(next(x for x in recs if x.get("rank", 0) == 0))
+    base = cfgs[0][0]
+    for n, _, _ in cfgs:
+        d = res[n]
+        med = lambda k: statistics.median(x.get(k, 0) for x in d)
+        ratio = statistics.median(x["median_ms"] / y["median_ms"] for x, y in zip(d, res[base]))
+        print(
+            f"{n:<14} median {med('median_ms'):7.1f} ms  vs {base} {ratio:.3f}  fwd {med('fwd_ms'):5.1f} "
+            f"bwd {med('bwd_ms'):6.1f} opt {med('opt_ms'):5.1f} comm {med('comm_ms'):6.1f} "
+            f"overlap {med('overlapped_ms'):5.1f} cpu {med('cpu_ms'):6.1f} rss {med('peak_rss_mib'):6.1f}  "
+            f"runs {[round(x['median_ms']) for x in d]}"
+        )
+
+
+if __name__ == "__main__":
+    main()
