@@ -23,11 +23,11 @@ fi
 "$PY" -c 'import torch; print("torch", torch.__version__, "| cuda", torch.version.cuda, "| nccl", ".".join(map(str, torch.cuda.nccl.version())), "|", torch.cuda.get_device_name(0))'
 
 echo "== 1/2 replicate correctness on CUDA, NCCL, world size 1"
-timeout 150 "$here/gpu_check"
+timeout 120 "$here/gpu_check"
 check=$?
 
 echo "== 2/2 benchmark: 403M-parameter MLP, batch 64, SGD"
-timeout 420 "$PY" "$here/driver.py" --gpu --bin-dir "$here" --script "$here/pytorch_ddp.py" \
+timeout 360 "$PY" "$here/driver.py" --gpu --bin-dir "$here" --script "$here/pytorch_ddp.py" \
     --python "$PY" -v
 bench=$?
 
