@@ -157,21 +157,30 @@ impl ShardState {
             .find(|(n, _)| n == fqn)
             .map(|(_, t)| t.detach())
             .ok_or_else(|| ShardError::plan(&self.group, fqn, "no such parameter"))?;
-        // This rank's shards are concatenated along dim 0 in metadata order.
-        let mut off = 0;
-        let mut shards = Vec::new();
-        for m in meta.shards_for_rank(self.group.rank()) {
-            let rows = if meta.shards_for_rank(self.group.rank()).len() == 1 {
-                param.size()[0]
-            } else {
-                m.shard_sizes[0]
-            };
-            shards.push(Shard {
-                tensor: param.narrow(0, off, rows),
-                metadata: m.clone(),
-            });
-            off += rows;
-        }
+        // A single shard is the whole local parameter; several (a fused layer's parts) are
+        // concatenated along dim 0 in metadata order.
+        let mine = meta.shards_for_rank(self.group.rank());
+        let shards = match mine.as_slice() {
+            [one] => vec![Shard {
+                tensor: param,
+                metadata: (*one).clone(),
+            }],
+            several => {
+                let mut off = 0;
+                several
+                    .iter()
+                    .map(|m| {
+                        let rows = m.shard_sizes[0];
+                        let tensor = param.narrow(0, off, rows);
+                        off += rows;
+                        Shard {
+                            tensor,
+                            metadata: (*m).clone(),
+                        }
+                    })
+                    .collect()
+            }
+        };
         Ok(ShardedTensor::from_local_shards(
             shards,
             meta.clone(),

@@ -296,7 +296,7 @@ impl ChunkedLinear {
         let weight_shards = self.weight_shards(&shape, &placements);
         let mut params = Vec::new();
         let weight_spec = ShardingSpec::Enumerable(
-            EnumerableShardingSpec::new(weight_shards)
+            EnumerableShardingSpec::new(weight_shards.clone())
                 .map_err(|e| ShardError::plan(group, fqn, e.to_string()))?,
         );
         let weight_local = scatter_local(&p.weight, &weight_spec, src_rank, group, 0)?;
@@ -310,8 +310,7 @@ impl ChunkedLinear {
                 .map(|s| s * self.fused as i64)
                 .collect();
             if let Some(b) = &p.bias {
-                let bias_shards: Vec<ShardMetadata> = self
-                    .weight_shards(&shape, &placements)
+                let bias_shards: Vec<ShardMetadata> = weight_shards
                     .into_iter()
                     .map(|m| ShardMetadata {
                         shard_offsets: vec![m.shard_offsets[0]],
