@@ -430,7 +430,13 @@ fn set_local(param: &Tensor, local: &Tensor) {
     });
 }
 
-impl Sharder for ColwiseLinear {
+/// The built-in linear sharders are [`ChunkedLinear`] configurations; one blanket impl
+/// gives them their [`Sharder`] methods.
+pub(crate) trait AsChunkedLinear {
+    fn as_chunked(&self) -> ChunkedLinear;
+}
+
+impl<T: AsChunkedLinear + Send + Sync> Sharder for T {
     fn name(&self) -> String {
         self.as_chunked().name()
     }
@@ -453,7 +459,7 @@ impl Sharder for ColwiseLinear {
     }
 }
 
-impl ColwiseLinear {
+impl AsChunkedLinear for ColwiseLinear {
     fn as_chunked(&self) -> ChunkedLinear {
         ChunkedLinear {
             colwise: true,
@@ -463,34 +469,15 @@ impl ColwiseLinear {
     }
 }
 
-impl Sharder for RowwiseLinear {
-    fn name(&self) -> String {
-        "rowwise_linear".into()
-    }
-    fn check(
-        &self,
-        _fqn: &str,
-        module: &dyn Shardable,
-        group: &ProcessGroup,
-    ) -> Result<(), String> {
-        ROWWISE.check(module, group)
-    }
-    fn shard(
-        &self,
-        fqn: &str,
-        module: &dyn Shardable,
-        src_rank: usize,
-        group: &ProcessGroup,
-    ) -> Result<ShardedModule, ShardError> {
-        ROWWISE.shard(fqn, module, src_rank, group)
+impl AsChunkedLinear for RowwiseLinear {
+    fn as_chunked(&self) -> ChunkedLinear {
+        ChunkedLinear {
+            colwise: false,
+            fused: 1,
+            placements: None,
+        }
     }
 }
-
-const ROWWISE: ChunkedLinear = ChunkedLinear {
-    colwise: false,
-    fused: 1,
-    placements: None,
-};
 
 /// A parameter spec on a linear layer's `weight`, as the equivalent sharder: chunks along
 /// dim 0 are column-parallel, along dim 1 row-parallel.
