@@ -29,7 +29,15 @@ if [ "$bytes" -gt "$limit" ]; then
     exit 1
 fi
 
-# What can run here: both entry points must refuse cleanly without CUDA.
+# What can run here: the correctness checks themselves, on CPU with Gloo...
+if ! "$dest/gpu_check" --cpu >"$dest/.cpu-smoke.log" 2>&1; then
+    cat "$dest/.cpu-smoke.log" >&2
+    echo "stage_gpu: gpu_check --cpu failed (above); fix it before spending device time" >&2
+    exit 1
+fi
+tail -1 "$dest/.cpu-smoke.log"
+rm "$dest/.cpu-smoke.log"
+# ...and both entry points must refuse cleanly without CUDA.
 set +e
 "$dest/gpu_check" >/dev/null 2>&1
 check=$?

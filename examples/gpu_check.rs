@@ -3,6 +3,8 @@
 //!
 //! ```text
 //! target/release/examples/gpu_check            # creates its own one-rank NCCL group
+//! target/release/examples/gpu_check --cpu      # the same checks on CPU with Gloo (a smoke
+//!                                              # test of this program where there is no GPU)
 //! ```
 //!
 //! The same assertions as tests/replicate.rs and runtime/tests/reducer.rs, on `Device::Cuda(0)`:
@@ -13,75 +15,27 @@
 //! and 2 when CUDA is not available.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::OnceLock;
 
-use tch::nn::{self, Module, OptimizerConfig};
+use tch::nn::{self, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::{
     init_process_group_with, replicate, Backend, Call, CommHook, InitOptions, ProcessGroup,
-    ReduceOp, Reducer, ReducerOptions, Shardable,
+    ReduceOp, Reducer, ReducerOptions,
 };
 
-const DEV: Device = Device::Cuda(0);
-const BATCH: i64 = 12;
+#[path = "../tests/common/replicate_net.rs"]
+mod replicate_net;
+use replicate_net::{batch, net, BUCKETS_ONE_PER_PARAM, PARAM_FQNS};
 
-#[derive(Debug, Shardable)]
-struct Net {
-    fc1: nn::Linear,
-    fc2: nn::Linear,
-    head: Option<nn::Linear>,
+/// The device every check runs on: `Cuda(0)`, or `Cpu` with `--cpu`.
+static DEV: OnceLock<Device> = OnceLock::new();
+
+fn dev() -> Device {
+    DEV.get().copied().unwrap_or(Device::Cuda(0))
 }
 
-impl Module for Net {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        // `head` stays unused when present: the unused-parameter cases.
-        self.fc2.call(&self.fc1.call(xs).tanh())
-    }
-}
-
-fn net(vs: &nn::VarStore, hidden: i64, with_head: bool) -> Net {
-    let root = vs.root();
-    Net {
-        fc1: nn::linear(&root / "fc1", 4, hidden, Default::default()),
-        fc2: nn::linear(&root / "fc2", hidden, 3, Default::default()),
-        head: with_head.then(|| nn::linear(&root / "head", 3, 3, Default::default())),
-    }
-}
-
-fn batch(step: usize) -> (Tensor, Tensor) {
-    tch::manual_seed(500 + step as i64);
-    (
-        Tensor::randn([BATCH, 4], (Kind::Float, DEV)),
-        Tensor::randn([BATCH, 3], (Kind::Float, DEV)),
-    )
-}
-
-fn max_diff(a: &nn::VarStore, b: &nn::VarStore) -> f64 {
-    let (va, vb) = (a.variables(), b.variables());
-    va.iter()
-        .map(|(k, t)| (t - &vb[k]).abs().max().double_value(&[]))
-        .fold(0.0, f64::max)
-}
-
-/// `steps` SGD steps replicated and plain from the same weights; the largest difference.
-fn train_both(opts: replicate::Options, with_head: bool, steps: usize) -> f64 {
-    tch::manual_seed(3);
-    let ref_vs = nn::VarStore::new(DEV);
-    let reference = net(&ref_vs, 8, with_head);
-    tch::manual_seed(3);
-    let vs = nn::VarStore::new(DEV);
-    let model = net(&vs, 8, with_head);
-    replicate::apply(&model, opts).unwrap();
-    let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
-    let mut ref_opt = nn::Sgd::default().build(&ref_vs, 0.1).unwrap();
-    for step in 0..steps {
-        let (x, y) = batch(step);
-        ref_opt.backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean));
-        opt.backward_step(&model.call(&x).mse_loss(&y, tch::Reduction::Mean));
-    }
-    max_diff(&vs, &ref_vs)
-}
-
-fn check_training() {
+fn check_training(pg: &ProcessGroup) {
     let cases: Vec<(&str, replicate::Options, bool)> = vec![
         ("defaults", replicate::Options::default(), false),
         (
@@ -119,20 +73,20 @@ fn check_training() {
         (
             "device_id moves the input",
             replicate::Options {
-                device_id: Some(0usize.into()),
+                device_id: Some(dev().into()),
                 ..Default::default()
             },
             false,
         ),
     ];
     for (name, opts, head) in cases {
-        let d = train_both(opts, head, 4);
+        let d = replicate_net::train_both(pg, dev(), opts, head, 4);
         assert!(d < 1e-5, "{name}: max |replicate - plain| = {d}");
     }
 }
 
 fn check_state() {
-    let vs = nn::VarStore::new(DEV);
+    let vs = nn::VarStore::new(dev());
     let model = net(&vs, 8, false);
     let opts = replicate::Options {
         bucket_cap_mb: 1e-9,
@@ -140,22 +94,11 @@ fn check_state() {
     };
     replicate::apply(&model, opts).unwrap();
     let s = replicate::state(&model).unwrap();
-    assert_eq!(
-        s.param_fqns(),
-        ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    );
-    assert_eq!(
-        s.buckets(),
-        vec![
-            vec!["fc2.bias"],
-            vec!["fc2.weight"],
-            vec!["fc1.bias"],
-            vec!["fc1.weight"]
-        ]
-    );
+    assert_eq!(s.param_fqns(), PARAM_FQNS);
+    assert_eq!(s.buckets(), BUCKETS_ONE_PER_PARAM.map(|b| vec![b]));
     let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
     for step in 0..2 {
-        let (x, y) = batch(step);
+        let (x, y) = batch(step, dev());
         opt.backward_step(&model.call(&x).mse_loss(&y, tch::Reduction::Mean));
     }
     let st = s.stats();
@@ -164,43 +107,16 @@ fn check_state() {
     assert_eq!(st.bytes, (8 * 4 + 8 + 3 * 8 + 3) * 4, "{st:?}");
 }
 
-fn check_no_sync() {
-    tch::manual_seed(3);
-    let ref_vs = nn::VarStore::new(DEV);
-    let reference = net(&ref_vs, 8, false);
-    tch::manual_seed(3);
-    let vs = nn::VarStore::new(DEV);
-    let model = net(&vs, 8, false);
-    replicate::apply(&model, replicate::Options::default()).unwrap();
-    let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
-    let mut ref_opt = nn::Sgd::default().build(&ref_vs, 0.1).unwrap();
-    let k = 3;
-    let mut total = Tensor::zeros([], (Kind::Float, DEV));
-    for step in 0..k {
-        let (x, y) = batch(step);
-        total += reference.forward(&x).mse_loss(&y, tch::Reduction::Mean) / k as f64;
-    }
-    ref_opt.backward_step(&total);
-    opt.zero_grad();
-    replicate::no_sync(&model, || {
-        for step in 0..k - 1 {
-            let (x, y) = batch(step);
-            (model.call(&x).mse_loss(&y, tch::Reduction::Mean) / k as f64).backward();
-        }
-    })
-    .unwrap();
-    let (x, y) = batch(k - 1);
-    (model.call(&x).mse_loss(&y, tch::Reduction::Mean) / k as f64).backward();
-    opt.step();
-    let d = max_diff(&vs, &ref_vs);
+fn check_no_sync(pg: &ProcessGroup) {
+    let d = replicate_net::no_sync_vs_one_step(pg, dev(), 3);
     assert!(d < 1e-5, "no_sync: {d}");
 }
 
 fn check_unused_error() {
-    let vs = nn::VarStore::new(DEV);
+    let vs = nn::VarStore::new(dev());
     let model = net(&vs, 8, true);
     replicate::apply(&model, replicate::Options::default()).unwrap();
-    let (x, y) = batch(0);
+    let (x, y) = batch(0, dev());
     model.call(&x).mse_loss(&y, tch::Reduction::Mean).backward();
     let err = replicate::prepare_forward(&model).unwrap_err().to_string();
     assert!(
@@ -218,11 +134,11 @@ fn reducer_vs_plain(pg: &ProcessGroup, opts: ReducerOptions) -> f64 {
         vec![
             (
                 "w32".to_string(),
-                (Tensor::randn([16, 8], (Kind::Float, DEV)) * 0.5).set_requires_grad(true),
+                (Tensor::randn([16, 8], (Kind::Float, dev())) * 0.5).set_requires_grad(true),
             ),
             (
                 "w64".to_string(),
-                (Tensor::randn([8, 3], (Kind::Double, DEV)) * 0.5).set_requires_grad(true),
+                (Tensor::randn([8, 3], (Kind::Double, dev())) * 0.5).set_requires_grad(true),
             ),
         ]
     };
@@ -251,7 +167,7 @@ fn reducer_vs_plain(pg: &ProcessGroup, opts: ReducerOptions) -> f64 {
     };
     for step in 0..4 {
         tch::manual_seed(100 + step);
-        let x = Tensor::randn([5, 16], (Kind::Float, DEV));
+        let x = Tensor::randn([5, 16], (Kind::Float, dev()));
         reducer.prepare_for_forward().unwrap();
         forward(&a, &x).backward();
         sgd(&a);
@@ -294,10 +210,10 @@ fn check_reducer_paths(pg: &ProcessGroup) {
 }
 
 fn check_collectives(pg: &ProcessGroup) {
-    let t = Tensor::arange(10, (Kind::Float, DEV));
+    let t = Tensor::arange(10, (Kind::Float, dev()));
     pg.all_reduce(&t, ReduceOp::Sum).unwrap();
     pg.all_reduce(&t, ReduceOp::Avg).unwrap();
-    let expect = Tensor::arange(10, (Kind::Float, DEV));
+    let expect = Tensor::arange(10, (Kind::Float, dev()));
     assert!(
         t.equal(&expect),
         "NCCL all_reduce at world size 1 changed the tensor"
@@ -311,24 +227,30 @@ fn check_collectives(pg: &ProcessGroup) {
 }
 
 fn main() {
-    if !tch::Cuda::is_available() {
+    let cpu = std::env::args().skip(1).any(|a| a == "--cpu");
+    let (device, backend) = if cpu {
+        (Device::Cpu, Backend::Gloo)
+    } else {
+        (Device::Cuda(0), Backend::Nccl)
+    };
+    if !cpu && !tch::Cuda::is_available() {
         eprintln!("gpu_check: CUDA is not available on this machine; nothing to check");
         std::process::exit(2);
     }
+    let _ = DEV.set(device);
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .unwrap_or(29511);
-    let pg =
-        match init_process_group_with(&InitOptions::new(Backend::Nccl, 0, 1, "127.0.0.1", port)) {
-            Ok(pg) => pg,
-            Err(e) => {
-                eprintln!("gpu_check: cannot create a one-rank NCCL group: {e}");
-                std::process::exit(1);
-            }
-        };
+    let pg = match init_process_group_with(&InitOptions::new(backend, 0, 1, "127.0.0.1", port)) {
+        Ok(pg) => pg,
+        Err(e) => {
+            eprintln!("gpu_check: cannot create a one-rank {backend:?} group: {e}");
+            std::process::exit(1);
+        }
+    };
     println!(
-        "gpu_check: {} CUDA device(s), NCCL compiled: {}",
+        "gpu_check: on {device:?}, {} CUDA device(s), NCCL compiled: {}",
         tch::Cuda::device_count(),
         Backend::nccl_compiled()
     );
@@ -338,9 +260,15 @@ fn main() {
             "collectives (NCCL and Gloo)",
             Box::new(|| check_collectives(&pg)),
         ),
-        ("replicate matches plain training", Box::new(check_training)),
+        (
+            "replicate matches plain training",
+            Box::new(|| check_training(&pg)),
+        ),
         ("state: FQNs, buckets, stats", Box::new(check_state)),
-        ("no_sync accumulates then averages", Box::new(check_no_sync)),
+        (
+            "no_sync accumulates then averages",
+            Box::new(|| check_no_sync(&pg)),
+        ),
         (
             "unused parameter fails the next iteration",
             Box::new(check_unused_error),

@@ -1,80 +1,20 @@
 //! `replicate::apply` end to end, ranks as real processes over 127.0.0.1: equivalence with
 //! single-process training, no_sync, ignored modules, broadcast at apply, and the errors.
 
-use tch::nn::{self, Module, OptimizerConfig};
-use tch::{Device, Kind, Tensor};
+use tch::nn;
+use tch::Device;
 use tch_dist::testing::{run_ranks, run_ranks_with, Launch};
-use tch_dist::{replicate, Backend, Call, ProcessGroup, Shardable};
+use tch_dist::{replicate, Backend, Call, ProcessGroup};
 
-#[derive(Debug, Shardable)]
-struct Net {
-    fc1: nn::Linear,
-    fc2: nn::Linear,
-    head: Option<nn::Linear>,
-}
+#[path = "common/replicate_net.rs"]
+mod replicate_net;
+use replicate_net::{
+    batch, local_loss, net, no_sync_vs_one_step, BUCKETS_ONE_PER_PARAM, PARAM_FQNS,
+};
 
-impl Module for Net {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        // `head` stays unused when present: the unused-parameter cases.
-        self.fc2.call(&self.fc1.call(xs).tanh())
-    }
-}
-
-fn net(vs: &nn::VarStore, hidden: i64, with_head: bool) -> Net {
-    let root = vs.root();
-    Net {
-        fc1: nn::linear(&root / "fc1", 4, hidden, Default::default()),
-        fc2: nn::linear(&root / "fc2", hidden, 3, Default::default()),
-        head: with_head.then(|| nn::linear(&root / "head", 3, 3, Default::default())),
-    }
-}
-
-const BATCH: i64 = 12;
-
-fn batch(step: usize) -> (Tensor, Tensor) {
-    tch::manual_seed(500 + step as i64);
-    (
-        Tensor::randn([BATCH, 4], (Kind::Float, Device::Cpu)),
-        Tensor::randn([BATCH, 3], (Kind::Float, Device::Cpu)),
-    )
-}
-
-fn slice(t: &Tensor, pg: &ProcessGroup) -> Tensor {
-    let n = BATCH / pg.world_size() as i64;
-    t.narrow(0, pg.rank() as i64 * n, n)
-}
-
-fn max_diff(a: &nn::VarStore, b: &nn::VarStore) -> f64 {
-    let (va, vb) = (a.variables(), b.variables());
-    va.iter()
-        .map(|(k, t)| (t - &vb[k]).abs().max().double_value(&[]))
-        .fold(0.0, f64::max)
-}
-
-/// Trains `steps` SGD steps replicated (each rank on its slice) and as one process on the
-/// whole batch, from the same initial weights; returns the largest parameter difference.
+/// [`replicate_net::train_both`] on CPU.
 fn train_both(pg: &ProcessGroup, opts: replicate::Options, with_head: bool, steps: usize) -> f64 {
-    tch::manual_seed(3);
-    let ref_vs = nn::VarStore::new(Device::Cpu);
-    let reference = net(&ref_vs, 8, with_head);
-    // Every rank starts from different weights: apply must broadcast rank 0's.
-    tch::manual_seed(3 + pg.rank() as i64 * 1000);
-    let vs = nn::VarStore::new(Device::Cpu);
-    let model = net(&vs, 8, with_head);
-    replicate::apply(&model, opts).unwrap();
-    let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
-    let mut ref_opt = nn::Sgd::default().build(&ref_vs, 0.1).unwrap();
-    // Rank 0's initial weights equal the reference's (same seed).
-    for step in 0..steps {
-        let (x, y) = batch(step);
-        ref_opt.backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean));
-        opt.backward_step(
-            &model
-                .call(&slice(&x, pg))
-                .mse_loss(&slice(&y, pg), tch::Reduction::Mean),
-        );
-    }
-    max_diff(&vs, &ref_vs)
+    replicate_net::train_both(pg, Device::Cpu, opts, with_head, steps)
 }
 
 #[test]
@@ -121,19 +61,8 @@ fn state_reports_fqns_and_buckets() {
         };
         replicate::apply(&model, opts).unwrap();
         let s = replicate::state(&model).unwrap();
-        assert_eq!(
-            s.param_fqns(),
-            ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-        );
-        assert_eq!(
-            s.buckets(),
-            vec![
-                vec!["fc2.bias"],
-                vec!["fc2.weight"],
-                vec!["fc1.bias"],
-                vec!["fc1.weight"]
-            ]
-        );
+        assert_eq!(s.param_fqns(), PARAM_FQNS);
+        assert_eq!(s.buckets(), BUCKETS_ONE_PER_PARAM.map(|b| vec![b]));
         assert_eq!(tch_dist::registry(&model), vec!["replicate"]);
         assert!(replicate::state(&model.fc1).is_none());
     });
@@ -143,43 +72,7 @@ fn state_reports_fqns_and_buckets() {
 #[test]
 fn no_sync_accumulates_then_averages() {
     run_ranks("no_sync_accumulates_then_averages", 2, |pg| {
-        tch::manual_seed(3);
-        let ref_vs = nn::VarStore::new(Device::Cpu);
-        let reference = net(&ref_vs, 8, false);
-        tch::manual_seed(3);
-        let vs = nn::VarStore::new(Device::Cpu);
-        let model = net(&vs, 8, false);
-        replicate::apply(&model, replicate::Options::default()).unwrap();
-        let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
-        let mut ref_opt = nn::Sgd::default().build(&ref_vs, 0.1).unwrap();
-        let k = 3;
-        // Reference: the mean loss over all k batches, one step.
-        let mut total = Tensor::zeros([], (Kind::Float, Device::Cpu));
-        for step in 0..k {
-            let (x, y) = batch(step);
-            total += reference.forward(&x).mse_loss(&y, tch::Reduction::Mean) / k as f64;
-        }
-        ref_opt.backward_step(&total);
-        opt.zero_grad();
-        replicate::no_sync(&model, || {
-            for step in 0..k - 1 {
-                let (x, y) = batch(step);
-                (model
-                    .call(&slice(&x, &pg))
-                    .mse_loss(&slice(&y, &pg), tch::Reduction::Mean)
-                    / k as f64)
-                    .backward();
-            }
-        })
-        .unwrap();
-        let (x, y) = batch(k - 1);
-        (model
-            .call(&slice(&x, &pg))
-            .mse_loss(&slice(&y, &pg), tch::Reduction::Mean)
-            / k as f64)
-            .backward();
-        opt.step();
-        let d = max_diff(&vs, &ref_vs);
+        let d = no_sync_vs_one_step(&pg, Device::Cpu, 3);
         assert!(d < 1e-5, "no_sync: {d}");
     });
 }
@@ -196,11 +89,8 @@ fn ignored_modules_are_not_synchronised() {
             replicate::state(&model).unwrap().param_fqns(),
             ["fc2.weight", "fc2.bias"]
         );
-        let (x, y) = batch(0);
-        model
-            .call(&slice(&x, &pg))
-            .mse_loss(&slice(&y, &pg), tch::Reduction::Mean)
-            .backward();
+        let xy = batch(0, Device::Cpu);
+        local_loss(&model, &xy, &pg).backward();
         let g1 = model.fc1.ws.grad();
         let g2 = model.fc2.ws.grad();
         let (a1, a2) = (g1.copy(), g2.copy());
@@ -240,11 +130,8 @@ fn unused_parameter_fails_the_next_iteration() {
         let vs = nn::VarStore::new(Device::Cpu);
         let model = net(&vs, 8, true);
         replicate::apply(&model, replicate::Options::default()).unwrap();
-        let (x, y) = batch(0);
-        model
-            .call(&slice(&x, &pg))
-            .mse_loss(&slice(&y, &pg), tch::Reduction::Mean)
-            .backward();
+        let xy = batch(0, Device::Cpu);
+        local_loss(&model, &xy, &pg).backward();
         let err = replicate::prepare_forward(&model).unwrap_err().to_string();
         assert!(
             err.contains("Expected to have finished reduction in the prior iteration"),
@@ -258,8 +145,8 @@ fn unused_parameter_fails_the_next_iteration() {
             "{err}"
         );
         // The forward hook raises the same error, as PyTorch's forward does.
-        let panic =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.call(&x))).unwrap_err();
+        let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.call(&xy.0)))
+            .unwrap_err();
         let msg = panic.downcast_ref::<String>().cloned().unwrap_or_default();
         assert!(msg.contains("Expected to have finished reduction"), "{msg}");
     });
