@@ -1,85 +1,22 @@
 //! The reducer against single-process training: N SGD steps where each rank trains on its
 //! slice of the batch end with the same parameters as one process on the whole batch.
 
-use tch::{Kind, Tensor};
+use tch::Tensor;
 use tch_dist_runtime::testing::run_ranks;
 use tch_dist_runtime::{CommHook, PowerSgdOptions, ProcessGroup, Reducer, ReducerOptions};
 
-const BATCH: i64 = 12;
-const STEPS: usize = 4;
-const LR: f64 = 0.1;
+#[path = "common/model.rs"]
+mod model;
+use model::{data, slice, Model, Shape, STEPS};
 
-/// fc1 (4->8, f32), fc2 (8->3, f32), an f64 side branch `aux` (4->3, optional), and `unused`
-/// (never touched by forward when `with_unused`).
-struct Model {
-    params: Vec<(String, Tensor)>,
-    with_aux: bool,
-}
-
-impl Model {
-    fn new(with_aux: bool, with_unused: bool, seed: i64) -> Model {
-        tch::manual_seed(seed);
-        let p = |shape: &[i64], kind: Kind| {
-            (Tensor::randn(shape, (kind, tch::Device::Cpu)) * 0.5).set_requires_grad(true)
-        };
-        let mut params = vec![
-            ("fc1.weight".to_string(), p(&[8, 4], Kind::Float)),
-            ("fc1.bias".to_string(), p(&[8], Kind::Float)),
-            ("fc2.weight".to_string(), p(&[3, 8], Kind::Float)),
-            ("fc2.bias".to_string(), p(&[3], Kind::Float)),
-        ];
-        if with_aux {
-            params.push(("aux.weight".to_string(), p(&[3, 4], Kind::Double)));
-        }
-        if with_unused {
-            params.push(("unused.weight".to_string(), p(&[5, 5], Kind::Float)));
-        }
-        Model { params, with_aux }
-    }
-
-    fn handles(&self) -> Vec<(String, Tensor)> {
-        self.params
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect()
-    }
-
-    fn get(&self, name: &str) -> &Tensor {
-        &self.params.iter().find(|(n, _)| n == name).unwrap().1
-    }
-
-    fn forward(&self, x: &Tensor) -> Tensor {
-        let h = x
-            .linear(self.get("fc1.weight"), Some(self.get("fc1.bias")))
-            .tanh();
-        let mut y = h.linear(self.get("fc2.weight"), Some(self.get("fc2.bias")));
-        if self.with_aux {
-            y += x
-                .to_kind(Kind::Double)
-                .linear::<Tensor>(self.get("aux.weight"), None)
-                .to_kind(Kind::Float);
-        }
-        y
-    }
-
-    fn sgd_step(&self) {
-        tch::no_grad(|| {
-            for (_, p) in &self.params {
-                let mut g = p.grad();
-                if g.defined() {
-                    let _ = p.shallow_clone().f_sub_(&(&g * LR)).unwrap();
-                    let _ = g.zero_();
-                }
-            }
-        });
-    }
-}
-
-fn data(step: usize) -> (Tensor, Tensor) {
-    tch::manual_seed(1000 + step as i64);
-    let x = Tensor::randn([BATCH, 4], (Kind::Float, tch::Device::Cpu));
-    let y = Tensor::randn([BATCH, 3], (Kind::Float, tch::Device::Cpu));
-    (x, y)
+/// The test model (fc1, fc2, optionally `aux` and `unused`), seed 7.
+fn new_model(with_aux: bool, with_unused: bool) -> Model {
+    let shape = Shape {
+        aux: with_aux,
+        unused: with_unused,
+        ..Default::default()
+    };
+    Model::new(shape, 7)
 }
 
 /// Trains a replicated copy on this rank's slice and a reference on the whole batch, then
@@ -91,31 +28,20 @@ fn check_equivalence(
     with_unused: bool,
     tol: f64,
 ) {
-    let reference = Model::new(with_aux, with_unused, 7);
-    let model = Model::new(with_aux, with_unused, 7);
+    let reference = new_model(with_aux, with_unused);
+    let model = new_model(with_aux, with_unused);
     let reducer = Reducer::new(model.handles(), pg.clone(), opts).unwrap();
-    let per_rank = BATCH / pg.world_size() as i64;
     for step in 0..STEPS {
         let (x, y) = data(step);
-        reference
-            .forward(&x)
-            .mse_loss(&y, tch::Reduction::Mean)
-            .backward();
-        reference.sgd_step();
+        reference.loss(&x, &y).backward();
+        reference.sgd_step(false);
 
         reducer.prepare_for_forward().unwrap();
-        let xs = x.narrow(0, pg.rank() as i64 * per_rank, per_rank);
-        let ys = y.narrow(0, pg.rank() as i64 * per_rank, per_rank);
-        model
-            .forward(&xs)
-            .mse_loss(&ys, tch::Reduction::Mean)
-            .backward();
-        model.sgd_step();
+        model.loss(&slice(&x, &pg), &slice(&y, &pg)).backward();
+        model.sgd_step(false);
     }
-    for ((name, a), (_, b)) in model.params.iter().zip(&reference.params) {
-        let diff = (a - b).abs().max().double_value(&[]);
-        assert!(diff <= tol, "{name}: max |ddp - single| = {diff} > {tol}");
-    }
+    let (diff, name) = model.max_diff(&reference);
+    assert!(diff <= tol, "{name}: max |ddp - single| = {diff} > {tol}");
     if with_unused {
         assert!(
             !model.get("unused.weight").grad().defined(),
@@ -143,7 +69,7 @@ fn one_bucket_per_parameter_matches_single_process() {
             ..Default::default()
         };
         let reducer_layout = {
-            let m = Model::new(false, false, 7);
+            let m = new_model(false, false);
             Reducer::new(m.handles(), pg.clone(), opts.clone())
                 .unwrap()
                 .bucket_fqns()
@@ -165,7 +91,7 @@ fn one_bucket_for_all_and_bucket_views_match_single_process() {
                 first_bucket_bytes: usize::MAX,
                 ..Default::default()
             };
-            let m = Model::new(false, false, 7);
+            let m = new_model(false, false);
             let layout = Reducer::new(m.handles(), pg.clone(), opts.clone())
                 .unwrap()
                 .bucket_fqns();
@@ -267,7 +193,7 @@ fn powersgd_is_exact_at_full_rank_and_consistent_at_rank_one() {
                 min_compression_rate: 0.0,
                 ..Default::default()
             };
-            let model = Model::new(false, false, 7);
+            let model = new_model(false, false);
             let reducer = Reducer::new(
                 model.handles(),
                 pg.clone(),
@@ -277,16 +203,10 @@ fn powersgd_is_exact_at_full_rank_and_consistent_at_rank_one() {
                 },
             )
             .unwrap();
-            let per_rank = BATCH / pg.world_size() as i64;
             for step in 0..STEPS {
                 let (x, y) = data(step);
                 reducer.prepare_for_forward().unwrap();
-                let xs = x.narrow(0, pg.rank() as i64 * per_rank, per_rank);
-                let ys = y.narrow(0, pg.rank() as i64 * per_rank, per_rank);
-                model
-                    .forward(&xs)
-                    .mse_loss(&ys, tch::Reduction::Mean)
-                    .backward();
+                model.loss(&slice(&x, &pg), &slice(&y, &pg)).backward();
                 // The compressed gradient of fc1.weight (8 x 4) has rank 1.
                 if step >= 2 {
                     let g = model.get("fc1.weight").grad();
@@ -294,7 +214,7 @@ fn powersgd_is_exact_at_full_rank_and_consistent_at_rank_one() {
                     let s: Vec<f32> = Vec::try_from(&s).unwrap();
                     assert!(s[1] < 1e-5 * s[0].max(1.0), "rank-1 gradient: {s:?}");
                 }
-                model.sgd_step();
+                model.sgd_step(false);
             }
             for (name, p) in &model.params {
                 let mine = p.detach();
@@ -309,7 +229,7 @@ fn powersgd_is_exact_at_full_rank_and_consistent_at_rank_one() {
                 ..Default::default()
             };
             let err = Reducer::new(
-                Model::new(false, false, 7).handles(),
+                new_model(false, false).handles(),
                 pg,
                 ReducerOptions {
                     comm_hook: CommHook::PowerSgd(bad),
@@ -328,15 +248,12 @@ fn unused_parameter_without_detection_fails_next_iteration() {
         "unused_parameter_without_detection_fails_next_iteration",
         2,
         |pg| {
-            let model = Model::new(false, true, 7);
+            let model = new_model(false, true);
             let reducer =
                 Reducer::new(model.handles(), pg.clone(), ReducerOptions::default()).unwrap();
             let (x, y) = data(0);
             reducer.prepare_for_forward().unwrap();
-            model
-                .forward(&x)
-                .mse_loss(&y, tch::Reduction::Mean)
-                .backward();
+            model.loss(&x, &y).backward();
             let err = reducer.prepare_for_forward().unwrap_err().to_string();
             assert!(err.starts_with(&format!("rank {}: replicate failed: Expected to have finished reduction in the prior iteration", pg.rank())), "{err}");
             assert!(

@@ -7,106 +7,33 @@ use tch::{Kind, Tensor};
 use tch_dist_runtime::testing::run_ranks;
 use tch_dist_runtime::{ProcessGroup, Reducer, ReducerOptions};
 
-const BATCH: i64 = 12;
-const STEPS: usize = 4;
-const LR: f64 = 0.1;
+#[path = "common/model.rs"]
+mod model;
+use model::{data, slice, Model, Shape, STEPS};
 
 /// fc1 (4->8), fc2 (8->3, stored transposed: a non-contiguous leaf), an f64 branch `aux`,
-/// and `unused` (never touched by forward when present).
-struct Model {
-    params: Vec<(String, Tensor)>,
-    with_unused: bool,
-}
-
-impl Model {
-    fn new(with_unused: bool, seed: i64) -> Model {
-        tch::manual_seed(seed);
-        let p = |shape: &[i64], kind: Kind| {
-            (Tensor::randn(shape, (kind, tch::Device::Cpu)) * 0.5).set_requires_grad(true)
-        };
-        let fc2_t = (Tensor::randn([8, 3], (Kind::Float, tch::Device::Cpu)) * 0.5)
-            .t_()
-            .set_requires_grad(true);
-        assert!(!fc2_t.is_contiguous());
-        let mut params = vec![
-            ("fc1.weight".to_string(), p(&[8, 4], Kind::Float)),
-            ("fc1.bias".to_string(), p(&[8], Kind::Float)),
-            ("fc2.weight".to_string(), fc2_t),
-            ("fc2.bias".to_string(), p(&[3], Kind::Float)),
-            ("aux.weight".to_string(), p(&[3, 4], Kind::Double)),
-        ];
-        if with_unused {
-            params.push(("unused.weight".to_string(), p(&[5, 5], Kind::Float)));
-        }
-        Model {
-            params,
-            with_unused,
-        }
-    }
-
-    fn handles(&self) -> Vec<(String, Tensor)> {
-        self.params
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect()
-    }
-
-    fn get(&self, name: &str) -> &Tensor {
-        &self.params.iter().find(|(n, _)| n == name).unwrap().1
-    }
-
-    fn loss(&self, x: &Tensor, y: &Tensor) -> Tensor {
-        let h = x
-            .linear(self.get("fc1.weight"), Some(self.get("fc1.bias")))
-            .tanh();
-        let out = h.linear(self.get("fc2.weight"), Some(self.get("fc2.bias")))
-            + x.to_kind(Kind::Double)
-                .linear::<Tensor>(self.get("aux.weight"), None)
-                .to_kind(Kind::Float);
-        let _ = self.with_unused;
-        out.mse_loss(y, tch::Reduction::Mean)
-    }
-
-    /// SGD; then `.grad` is set to None (`to_none`) or zeroed in place.
-    fn sgd_step(&self, to_none: bool) {
-        tch::no_grad(|| {
-            for (_, p) in &self.params {
-                let mut g = p.grad();
-                if g.defined() {
-                    let _ = p.shallow_clone().f_sub_(&(&g * LR)).unwrap();
-                    if to_none {
-                        p.shallow_clone().zero_grad();
-                    } else {
-                        let _ = g.zero_();
-                    }
-                }
-            }
-        });
-    }
-}
-
-fn data(step: usize) -> (Tensor, Tensor) {
-    tch::manual_seed(1000 + step as i64);
-    let x = Tensor::randn([BATCH, 4], (Kind::Float, tch::Device::Cpu));
-    let y = Tensor::randn([BATCH, 3], (Kind::Float, tch::Device::Cpu));
-    (x, y)
+/// and `unused` when asked for; seed 7.
+fn new_model(with_unused: bool) -> Model {
+    let shape = Shape {
+        aux: true,
+        unused: with_unused,
+        fc2_transposed: true,
+    };
+    Model::new(shape, 7)
 }
 
 /// Replicated training on this rank's slice against one process on the whole batch.
 fn check(pg: &ProcessGroup, opts: ReducerOptions, with_unused: bool, to_none: bool) {
-    let reference = Model::new(with_unused, 7);
-    let model = Model::new(with_unused, 7);
+    let reference = new_model(with_unused);
+    let model = new_model(with_unused);
     let reducer = Reducer::new(model.handles(), pg.clone(), opts.clone()).unwrap();
-    let per_rank = BATCH / pg.world_size() as i64;
     for step in 0..STEPS {
         let (x, y) = data(step);
         reference.loss(&x, &y).backward();
         reference.sgd_step(to_none);
         reducer.prepare_for_forward().unwrap();
-        let xs = x.narrow(0, pg.rank() as i64 * per_rank, per_rank);
-        let ys = y.narrow(0, pg.rank() as i64 * per_rank, per_rank);
         let held: Vec<Tensor> = model.params.iter().map(|(_, t)| t.grad()).collect();
-        model.loss(&xs, &ys).backward();
+        model.loss(&slice(&x, pg), &slice(&y, pg)).backward();
         // A `.grad` that existed before backward is averaged in place: handles stay valid.
         for ((name, t), h) in model.params.iter().zip(&held) {
             if h.defined() && !opts.gradient_as_bucket_view {
@@ -115,13 +42,11 @@ fn check(pg: &ProcessGroup, opts: ReducerOptions, with_unused: bool, to_none: bo
         }
         model.sgd_step(to_none);
     }
-    for ((name, a), (_, b)) in model.params.iter().zip(&reference.params) {
-        let diff = (a - b).abs().max().double_value(&[]);
-        assert!(
-            diff <= 1e-5,
-            "{opts:?}: {name}: max |ddp - single| = {diff}"
-        );
-    }
+    let (diff, name) = model.max_diff(&reference);
+    assert!(
+        diff <= 1e-5,
+        "{opts:?}: {name}: max |ddp - single| = {diff}"
+    );
     if with_unused {
         assert!(!model.get("unused.weight").grad().defined());
     }
