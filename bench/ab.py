@@ -13,26 +13,14 @@ medians and, per configuration, the median over rounds of its step time divided 
 configuration's in the same round.
 """
 
-import json
 import os
 import statistics
 import subprocess
 import sys
-import time
+
+from driver import foreign_fraction, parse_bench, wait_until_quiet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def idle_fraction(seconds=1.0):
-    def sample():
-        with open("/proc/stat") as f:
-            t = [int(x) for x in f.readline().split()[1:9]]
-        return sum(t), t[3] + t[4]
-
-    a = sample()
-    time.sleep(seconds)
-    b = sample()
-    return (b[1] - a[1]) / max(1, b[0] - a[0])
 
 
 def main():
@@ -59,16 +47,12 @@ def main():
             else:
                 cmd = launch + [bench, "--mode", "replicate"] + a
             for _ in range(8):
-                deadline = time.time() + 60
-                while time.time() < deadline and idle_fraction() < 0.9:
-                    pass
+                wait_until_quiet(60)
                 p = subprocess.run(cmd, env=e, capture_output=True, text=True)
-                recs = [json.loads(l[l.find("BENCH {") + 6 :]) for l in p.stdout.splitlines() if "BENCH {" in l]
+                recs = parse_bench(p.stdout)
                 if not recs:
                     sys.exit(f"{n} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
-                w = recs[0]["window"]
-                own = sum(x["window"]["cpu_ms"] for x in recs)
-                if (w["machine_busy_ms"] - own) / (ncpu * w["wall_ms"]) < 0.08:
+                if foreign_fraction(recs, ncpu) < 0.08:
                     break
             res[n].append(next(x for x in recs if x.get("rank", 0) == 0))
     base = cfgs[0][0]

@@ -53,6 +53,21 @@ def machine_idle_fraction(seconds=0.5):
     return (b[1] - a[1]) / total if total else 1.0
 
 
+def wait_until_quiet(max_seconds, idle=0.9):
+    """Waits (at most `max_seconds`) until other programs leave the CPUs mostly idle."""
+    deadline = time.time() + max_seconds
+    while time.time() < deadline and machine_idle_fraction() < idle:
+        pass
+
+
+def foreign_fraction(recs, ncpu):
+    """The share of the machine's CPUs that other programs used during a run's timed window
+    (machine busy time minus the ranks' own CPU time, per CPU and wall second)."""
+    w = next(r for r in recs if r.get("rank", 0) == 0)["window"]
+    own = sum(r["window"]["cpu_ms"] for r in recs)
+    return max(0.0, w["machine_busy_ms"] - own) / (ncpu * w["wall_ms"])
+
+
 class Runner:
     def __init__(self, a):
         self.a = a
@@ -64,17 +79,11 @@ class Runner:
         self.results = {}  # configuration -> rank-0 records, one per run
         self.retried = 0
 
-    def wait_quiet(self):
-        """Waits (bounded) until other programs leave the CPUs mostly idle."""
-        deadline = time.time() + self.a.quiet_wait
-        while time.time() < deadline and machine_idle_fraction() < 0.9:
-            pass
-
     def run(self, name, cmd, distributed, env=None):
         if distributed:
             cmd = [self.launcher, "--nproc-per-node", str(self.a.nproc), "--"] + cmd
         for attempt in range(self.a.retries + 1):
-            self.wait_quiet()
+            wait_until_quiet(self.a.quiet_wait)
             t = time.time()
             p = subprocess.run(
                 cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, **(env or {}))
@@ -87,9 +96,7 @@ class Runner:
                 sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
                 raise SystemExit(f"bench: `{' '.join(cmd)}` printed no BENCH line")
             rank0 = next(r for r in recs if r.get("rank", 0) == 0)
-            w = rank0["window"]
-            own = sum(r["window"]["cpu_ms"] for r in recs)
-            foreign = max(0.0, w["machine_busy_ms"] - own) / (self.ncpu * w["wall_ms"])
+            foreign = foreign_fraction(recs, self.ncpu)
             rank0["foreign"] = foreign
             rank0["peak_rss_mib_max"] = max(r["peak_rss_mib"] for r in recs)
             if foreign <= self.a.max_foreign or attempt == self.a.retries:
