@@ -169,6 +169,21 @@ TdrWork* make_work(c10::intrusive_ptr<c10d::Work> work, std::function<void()> fi
   return w;
 }
 
+// The work of a reduction into `io`: on completion, Gloo's SUM is divided for AVG, then the
+// result is copied back. `inputs` are kept alive until then (the backend reads them).
+TdrWork* make_reduction_work(TdrGroup* g, const c10::intrusive_ptr<c10d::Backend>& backend,
+                             int op, c10::intrusive_ptr<c10d::Work> work,
+                             std::shared_ptr<InOut> io, at::Tensor inputs = at::Tensor()) {
+  bool divide = op == 1 && is_gloo(g, backend);
+  int size = g->size;
+  return make_work(std::move(work), [io, inputs, divide, size]() {
+    if (divide) {
+      divide_by(io->work, size);
+    }
+    io->finish();
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -303,14 +318,7 @@ char* tdr_all_reduce(TdrGroup* g, at::Tensor* t, int op, TdrWork** out) {
   opts.reduceOp = backend_reduce_op(g, backend, op);
   opts.timeout = g->timeout;
   auto work = backend->allreduce(tensors, opts);
-  bool divide = op == 1 && is_gloo(g, backend);
-  int size = g->size;
-  *out = make_work(work, [io, divide, size]() {
-    if (divide) {
-      divide_by(io->work, size);
-    }
-    io->finish();
-  });
+  *out = make_reduction_work(g, backend, op, work, io);
   TDR_CATCH
 }
 
@@ -398,14 +406,7 @@ char* tdr_reduce_scatter(TdrGroup* g, at::Tensor* output, at::Tensor** inputs, s
   opts.reduceOp = backend_reduce_op(g, backend, op);
   opts.timeout = g->timeout;
   auto work = backend->_reduce_scatter_base(out_flat, flat, opts);
-  bool divide = op == 1 && is_gloo(g, backend);
-  int size = g->size;
-  *out = make_work(work, [io, flat, divide, size]() {
-    if (divide) {
-      divide_by(io->work, size);
-    }
-    io->finish();
-  });
+  *out = make_reduction_work(g, backend, op, work, io, flat);
   TDR_CATCH
 }
 
@@ -427,14 +428,7 @@ char* tdr_reduce_scatter_flat(TdrGroup* g, at::Tensor* output, at::Tensor* input
   opts.reduceOp = backend_reduce_op(g, backend, op);
   opts.timeout = g->timeout;
   auto work = backend->_reduce_scatter_base(io->work, in, opts);
-  bool divide = op == 1 && is_gloo(g, backend);
-  int size = g->size;
-  *out = make_work(work, [io, in, divide, size]() {
-    if (divide) {
-      divide_by(io->work, size);
-    }
-    io->finish();
-  });
+  *out = make_reduction_work(g, backend, op, work, io, in);
   TDR_CATCH
 }
 
