@@ -71,26 +71,34 @@ fn input(shape: &[i64]) -> Tensor {
 
 /// `sharded` (this rank's shard along `dim`, or the whole tensor when `dim` is None) equals
 /// the reference's.
-fn assert_shard(
-    name: &str,
-    sharded: &Tensor,
-    reference: &Tensor,
-    dim: Option<i64>,
+/// A check that the sharded model's tensor is this rank's chunk of the reference's along
+/// `dim` (the whole of it for `None`), within `tol`: the parameters' values, or with
+/// `of_grad` their gradients. Called with a name for the failure message.
+fn shard_check(
     pg: &ProcessGroup,
     tol: f64,
-) {
-    let expected = match dim {
-        Some(d) => chunk(reference, d, pg.world_size(), pg.rank()),
-        None => reference.shallow_clone(),
-    };
-    let d = max_diff(sharded, &expected);
-    assert!(d < tol, "rank {}: {name}: max diff {d}", pg.rank());
+    of_grad: bool,
+) -> impl Fn(&str, &Tensor, &Tensor, Option<i64>) + '_ {
+    move |name, sharded, reference, dim| {
+        let (sharded, reference) = if of_grad {
+            (sharded.grad(), reference.grad())
+        } else {
+            (sharded.shallow_clone(), reference.shallow_clone())
+        };
+        let expected = match dim {
+            Some(d) => chunk(&reference, d, pg.world_size(), pg.rank()),
+            None => reference,
+        };
+        let d = max_diff(&sharded, &expected);
+        assert!(d < tol, "rank {}: {name}: max diff {d}", pg.rank());
+    }
 }
 
 #[test]
 fn sharded_mlp_matches_the_unsharded_model() {
     run_ranks("sharded_mlp_matches_the_unsharded_model", 2, |pg| {
         let world = pg.world_size() as i64;
+        let (values, grads) = (shard_check(&pg, 1e-7, false), shard_check(&pg, 1e-5, true));
         // 1. Sharders, fc1's local columns straight into fc2 (Megatron's MLP).
         let (_rvs, reference, vs, mut model) = twin_models(&pg, |vs| mlp(vs, 6, 8, 5));
         let plan = ShardingPlan::builder()
@@ -107,22 +115,8 @@ fn sharded_mlp_matches_the_unsharded_model() {
         assert_eq!(model.fc1.ws.numel() as i64, 8 * 6 / world);
         assert_eq!(model.fc2.ws.numel() as i64, 5 * 8 / world);
         assert_eq!(vs.variables()["fc1.weight"].size(), [8 / world, 6]);
-        assert_shard(
-            "fc1.weight",
-            &model.fc1.ws,
-            &reference.fc1.ws,
-            Some(0),
-            &pg,
-            1e-7,
-        );
-        assert_shard(
-            "fc2.weight",
-            &model.fc2.ws,
-            &reference.fc2.ws,
-            Some(1),
-            &pg,
-            1e-7,
-        );
+        values("fc1.weight", &model.fc1.ws, &reference.fc1.ws, Some(0));
+        values("fc2.weight", &model.fc2.ws, &reference.fc2.ws, Some(1));
 
         let x = input(&[4, 6]);
         let y = model.call(&x);
@@ -130,39 +124,18 @@ fn sharded_mlp_matches_the_unsharded_model() {
         assert!(max_diff(&y, &y_ref) < 1e-5, "forward");
         (y.sin().sum(Kind::Float)).backward();
         (y_ref.sin().sum(Kind::Float)).backward();
-        assert_shard(
-            "fc1.weight.grad",
-            &model.fc1.ws.grad(),
-            &reference.fc1.ws.grad(),
-            Some(0),
-            &pg,
-            1e-5,
-        );
+        grads("fc1.weight", &model.fc1.ws, &reference.fc1.ws, Some(0));
         let (b, b_ref) = (
             model.fc1.bs.as_ref().unwrap(),
             reference.fc1.bs.as_ref().unwrap(),
         );
-        assert_shard(
-            "fc1.bias.grad",
-            &b.grad(),
-            &b_ref.grad(),
-            Some(0),
-            &pg,
-            1e-5,
-        );
-        assert_shard(
-            "fc2.weight.grad",
-            &model.fc2.ws.grad(),
-            &reference.fc2.ws.grad(),
-            Some(1),
-            &pg,
-            1e-5,
-        );
+        grads("fc1.bias", b, b_ref, Some(0));
+        grads("fc2.weight", &model.fc2.ws, &reference.fc2.ws, Some(1));
         let (b, b_ref) = (
             model.fc2.bs.as_ref().unwrap(),
             reference.fc2.bs.as_ref().unwrap(),
         );
-        assert_shard("fc2.bias.grad", &b.grad(), &b_ref.grad(), None, &pg, 1e-5);
+        grads("fc2.bias", b, b_ref, None);
 
         // The sharded parameters gather back to the reference.
         let st = state.sharded_tensor(&model, "fc1.weight").unwrap();
@@ -190,21 +163,17 @@ fn sharded_mlp_matches_the_unsharded_model() {
         assert!(max_diff(&y, &y_ref) < 1e-5, "forward, uneven");
         (y * 3.0).sum(Kind::Float).backward();
         (y_ref * 3.0).sum(Kind::Float).backward();
-        assert_shard(
-            "uneven fc1.weight.grad",
-            &model.fc1.ws.grad(),
-            &reference.fc1.ws.grad(),
+        grads(
+            "uneven fc1.weight",
+            &model.fc1.ws,
+            &reference.fc1.ws,
             Some(0),
-            &pg,
-            1e-5,
         );
-        assert_shard(
-            "uneven fc2.weight.grad",
-            &model.fc2.ws.grad(),
-            &reference.fc2.ws.grad(),
+        grads(
+            "uneven fc2.weight",
+            &model.fc2.ws,
+            &reference.fc2.ws,
             Some(1),
-            &pg,
-            1e-5,
         );
     });
 }
@@ -286,6 +255,7 @@ fn megatron_planned_transformer_block_matches_the_unsharded_block() {
         "megatron_planned_transformer_block_matches_the_unsharded_block",
         2,
         |pg| {
+            let grads = shard_check(&pg, 1e-4, true);
             let (_rvs, reference, _vs, mut model) = twin_models(&pg, block);
             let plan = MegatronPlanner::default().build_plan(&model).unwrap();
             let keys: Vec<&str> = plan.plan.keys().map(String::as_str).collect();
@@ -318,44 +288,16 @@ fn megatron_planned_transformer_block_matches_the_unsharded_block() {
                 ("v", &a.v_proj, &ar.v_proj),
             ] {
                 assert_eq!(p.ws.numel() * 2, r.ws.numel(), "{name}: half of the weight");
-                assert_shard(name, &p.ws.grad(), &r.ws.grad(), Some(0), &pg, 1e-4);
+                grads(name, &p.ws, &r.ws, Some(0));
             }
-            assert_shard(
-                "out_proj",
-                &a.out_proj.ws.grad(),
-                &ar.out_proj.ws.grad(),
-                Some(1),
-                &pg,
-                1e-4,
-            );
-            assert_shard(
-                "fc1",
-                &model.fc1.ws.grad(),
-                &reference.fc1.ws.grad(),
-                Some(0),
-                &pg,
-                1e-4,
-            );
-            assert_shard(
-                "fc2",
-                &model.fc2.ws.grad(),
-                &reference.fc2.ws.grad(),
-                Some(1),
-                &pg,
-                1e-4,
-            );
+            grads("out_proj", &a.out_proj.ws, &ar.out_proj.ws, Some(1));
+            grads("fc1", &model.fc1.ws, &reference.fc1.ws, Some(0));
+            grads("fc2", &model.fc2.ws, &reference.fc2.ws, Some(1));
             let (ln, ln_ref) = (
                 model.ln1.ws.as_ref().unwrap(),
                 reference.ln1.ws.as_ref().unwrap(),
             );
-            assert_shard(
-                "ln1 (replicated)",
-                &ln.grad(),
-                &ln_ref.grad(),
-                None,
-                &pg,
-                1e-4,
-            );
+            grads("ln1 (replicated)", ln, ln_ref, None);
 
             // A fused query-key-value projection is split per query, key and value.
             let fused = |vs: &nn::VarStore| FusedBlock {
