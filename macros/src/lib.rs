@@ -10,6 +10,7 @@
 
 mod contract;
 mod ctxt;
+mod meta;
 mod shardable;
 
 use proc_macro::TokenStream;

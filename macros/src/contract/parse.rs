@@ -7,6 +7,7 @@ use syn::parse::Parser;
 use syn::{FnArg, GenericArgument, Ident, ItemFn, LitStr, Pat, PathArguments, ReturnType, Type};
 
 use crate::ctxt::Ctxt;
+use crate::meta::skip_meta_value;
 
 /// The arguments of `#[contract(...)]`.
 #[derive(Default)]
@@ -67,13 +68,7 @@ pub(crate) fn parse_args(cx: &Ctxt, args: TokenStream) -> Args {
                          `crate`, `state`"
                     ),
                 );
-                if meta.input.peek(syn::Token![=]) {
-                    meta.value()?.parse::<syn::Expr>()?;
-                } else if meta.input.peek(syn::token::Paren) {
-                    let content;
-                    syn::parenthesized!(content in meta.input);
-                    content.parse::<TokenStream>()?;
-                }
+                skip_meta_value(&meta)?;
             }
         }
         Ok(())

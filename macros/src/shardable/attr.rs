@@ -4,10 +4,10 @@
 
 use proc_macro2::TokenStream;
 use quote::ToTokens;
-use syn::meta::ParseNestedMeta;
 use syn::{Attribute, LitStr};
 
 use crate::ctxt::Ctxt;
+use crate::meta::skip_meta_value;
 
 const SHARDABLE: &str = "shardable";
 
@@ -42,18 +42,6 @@ impl<'c, T> Attr<'c, T> {
     fn get(self) -> Option<(TokenStream, T)> {
         self.value
     }
-}
-
-/// Consumes the value of an attribute we reject, so that parsing can continue after it.
-fn skip_meta_value(meta: &ParseNestedMeta) -> syn::Result<()> {
-    if meta.input.peek(syn::Token![=]) {
-        meta.value()?.parse::<syn::Expr>()?;
-    } else if meta.input.peek(syn::token::Paren) {
-        let content;
-        syn::parenthesized!(content in meta.input);
-        content.parse::<TokenStream>()?;
-    }
-    Ok(())
 }
 
 fn path_string(path: &syn::Path) -> String {
