@@ -10,6 +10,10 @@ use tch_dist::hooks::{
 };
 use tch_dist::{Call, CallT, Shardable};
 
+#[path = "common/walk.rs"]
+mod walk;
+use walk::linear;
+
 type Log = Arc<Mutex<Vec<String>>>;
 
 fn log() -> Log {
@@ -26,10 +30,6 @@ fn entries(log: &Log) -> Vec<String> {
 
 fn ones(n: i64) -> Tensor {
     Tensor::ones([1, n], (Kind::Float, Device::Cpu))
-}
-
-fn linear(p: nn::Path, i: i64, o: i64) -> nn::Linear {
-    nn::linear(p, i, o, Default::default())
 }
 
 #[derive(Debug, Shardable)]

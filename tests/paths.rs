@@ -2,7 +2,6 @@
 //! containers: every typed path's FQN is the walker's name for the same item.
 
 use std::collections::HashSet;
-use std::marker::PhantomData;
 
 use tch::nn;
 use tch::{Device, Tensor};
@@ -11,17 +10,9 @@ use tch_dist::path::{
 };
 use tch_dist::Shardable;
 
-fn param_names(m: &dyn Shardable) -> Vec<String> {
-    m.named_parameters().into_iter().map(|(n, _)| n).collect()
-}
-
-fn buffer_names(m: &dyn Shardable) -> Vec<String> {
-    m.named_buffers().into_iter().map(|(n, _)| n).collect()
-}
-
-fn module_names(m: &dyn Shardable) -> Vec<String> {
-    m.named_modules().into_iter().map(|(n, _)| n).collect()
-}
+#[path = "common/walk.rs"]
+mod walk;
+use walk::{buffer_names, generic, linear, module_names, param_names, Fixed, Generic};
 
 /// What a plan builder's "param" key accepts.
 fn param_key(p: impl Into<ParamPath>) -> String {
@@ -36,10 +27,6 @@ fn buffer_key(b: impl Into<BufferPath>) -> String {
 /// What a plan builder's "module" key accepts.
 fn module_key(m: impl ModulePath) -> String {
     m.fqn().to_owned()
-}
-
-fn linear(p: nn::Path, i: i64, o: i64) -> nn::Linear {
-    nn::linear(p, i, o, Default::default())
 }
 
 #[derive(Debug, Shardable)]
@@ -374,35 +361,10 @@ fn enum_variants() {
     assert_eq!(typed.to_vec(), param_names(&m));
 }
 
-#[derive(Debug, Shardable)]
-struct Generic<T, U> {
-    first: T,
-    rest: Vec<T>,
-    other: Option<U>,
-    marker: PhantomData<U>,
-    #[shardable(skip)]
-    #[allow(dead_code)]
-    label: U,
-}
-
-#[derive(Debug, Shardable)]
-struct Fixed<T, const N: usize> {
-    layers: [T; N],
-    #[shardable(buffer)]
-    stats: Tensor,
-}
-
 #[test]
 fn generic_models() {
     let vs = nn::VarStore::new(Device::Cpu);
-    let root = vs.root();
-    let m: Generic<nn::Linear, nn::Embedding> = Generic {
-        first: linear(&root / "first", 2, 2),
-        rest: vec![linear(&root / "rest" / 0, 2, 2)],
-        other: Some(nn::embedding(&root / "other", 5, 2, Default::default())),
-        marker: PhantomData,
-        label: nn::embedding(vs.root() / "unused", 1, 1, Default::default()),
-    };
+    let m = generic(&vs);
     let p = Generic::<nn::Linear, nn::Embedding>::path();
     let typed: Vec<String> = [
         p.first().weight(),

@@ -1,19 +1,13 @@
 //! `#[derive(Shardable)]` and the hand-written impls: exact FQN lists, checked against the
 //! names tch's `VarStore` gives the same tensors.
 
-use std::marker::PhantomData;
-
 use tch::nn::{self, Module, RNN};
 use tch::{Device, Kind, Tensor};
 use tch_dist::{check_against_var_store, Shardable, VarStoreMismatch};
 
-fn names(v: Vec<(String, &Tensor)>) -> Vec<String> {
-    v.into_iter().map(|(n, _)| n).collect()
-}
-
-fn module_names(m: &dyn Shardable) -> Vec<String> {
-    m.named_modules().into_iter().map(|(n, _)| n).collect()
-}
+#[path = "common/walk.rs"]
+mod walk;
+use walk::{generic, linear, module_names, names, Fixed};
 
 fn sorted(mut v: Vec<String>) -> Vec<String> {
     v.sort();
@@ -25,10 +19,6 @@ fn assert_matches_var_store(m: &dyn Shardable, vs: &nn::VarStore) {
     if let Err(e) = check_against_var_store(m, vs) {
         panic!("{e}");
     }
-}
-
-fn linear(p: nn::Path, i: i64, o: i64) -> nn::Linear {
-    nn::linear(p, i, o, Default::default())
 }
 
 #[derive(Debug, Shardable)]
@@ -293,33 +283,10 @@ fn enums() {
     assert_matches_var_store(&norm, &vs);
 }
 
-#[derive(Debug, Shardable)]
-struct Generic<T, U> {
-    first: T,
-    rest: Vec<T>,
-    other: Option<U>,
-    marker: PhantomData<U>,
-    #[shardable(skip)]
-    #[allow(dead_code)]
-    label: U,
-}
-
-#[derive(Debug, Shardable)]
-struct Fixed<T, const N: usize> {
-    layers: [T; N],
-}
-
 #[test]
 fn generics_get_bounds() {
     let vs = nn::VarStore::new(Device::Cpu);
-    let root = vs.root();
-    let m: Generic<nn::Linear, nn::Embedding> = Generic {
-        first: linear(&root / "first", 2, 2),
-        rest: vec![linear(&root / "rest" / 0, 2, 2)],
-        other: Some(nn::embedding(&root / "other", 5, 2, Default::default())),
-        marker: PhantomData,
-        label: nn::embedding(vs.root() / "unused", 1, 1, Default::default()),
-    };
+    let m = generic(&vs);
     assert_eq!(
         names(m.named_parameters()),
         [
@@ -346,8 +313,10 @@ fn generics_get_bounds() {
             Mlp::new(vs.root() / "layers" / 0, 2),
             Mlp::new(vs.root() / "layers" / 1, 2),
         ],
+        stats: vs.root().zeros_no_train("stats", &[2]),
     };
     assert_eq!(m.named_parameters().len(), 8);
+    assert_eq!(names(m.named_buffers()), ["stats"]);
     assert_matches_var_store(&m, &vs);
 }
 
