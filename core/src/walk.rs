@@ -463,31 +463,37 @@ impl<T: Shardable> Shardable for Option<T> {
     }
 }
 
+/// A sequence of modules is a module like `nn.ModuleList`: its elements are children `0`,
+/// `1`, … (`Vec<T>` and `[T; N]`).
+fn visit_seq<'a, T: Shardable>(items: &'a [T], visitor: &mut dyn ModuleVisitor<'a>) {
+    for (i, m) in items.iter().enumerate() {
+        m.visit_child(&i.to_string(), visitor);
+    }
+}
+
+fn visit_seq_mut<'a, T: Shardable>(items: &'a mut [T], visitor: &mut dyn ModuleVisitorMut<'a>) {
+    for (i, m) in items.iter_mut().enumerate() {
+        m.visit_child_mut(&i.to_string(), visitor);
+    }
+}
+
 /// `Vec<T>` is a module like `nn.ModuleList`: its elements are children `0`, `1`, ….
 impl<T: Shardable> Shardable for Vec<T> {
     fn visit<'a>(&'a self, visitor: &mut dyn ModuleVisitor<'a>) {
-        for (i, m) in self.iter().enumerate() {
-            m.visit_child(&i.to_string(), visitor);
-        }
+        visit_seq(self, visitor)
     }
     fn visit_mut<'a>(&'a mut self, visitor: &mut dyn ModuleVisitorMut<'a>) {
-        for (i, m) in self.iter_mut().enumerate() {
-            m.visit_child_mut(&i.to_string(), visitor);
-        }
+        visit_seq_mut(self, visitor)
     }
 }
 
 /// `[T; N]` is a module like `nn.ModuleList`: its elements are children `0`, `1`, ….
 impl<T: Shardable, const N: usize> Shardable for [T; N] {
     fn visit<'a>(&'a self, visitor: &mut dyn ModuleVisitor<'a>) {
-        for (i, m) in self.iter().enumerate() {
-            m.visit_child(&i.to_string(), visitor);
-        }
+        visit_seq(self, visitor)
     }
     fn visit_mut<'a>(&'a mut self, visitor: &mut dyn ModuleVisitorMut<'a>) {
-        for (i, m) in self.iter_mut().enumerate() {
-            m.visit_child_mut(&i.to_string(), visitor);
-        }
+        visit_seq_mut(self, visitor)
     }
 }
 
