@@ -1,18 +1,92 @@
 //! # tch-dist
 //!
-//! PyTorch's composable distributed training APIs for Rust, on [`tch`] (libtorch):
-//! process groups and collectives on c10d (Gloo for CPU tensors, NCCL for CUDA tensors),
-//! `#[derive(Shardable)]` parameter walking, `#[contract]` composable-API registries, and
-//! (in later milestones) `replicate` (DDP) and tensor-parallel sharding.
+//! PyTorch's composable distributed training APIs for Rust, on [`tch`] (libtorch), running on
+//! PyTorch's own engine, c10d (Gloo for CPU tensors, NCCL for CUDA tensors):
+//!
+//! - process groups and collectives on `tch::Tensor` ([`ProcessGroup`], [`init_process_group`]);
+//! - `#[derive(Shardable)]` parameter walking with typed paths ([`path`]) and `#[contract]`
+//!   composable-API registries ([`macro@contract`], [`registry()`]);
+//! - [`replicate`]: data parallelism (PyTorch's composable `replicate` / DDP), gradients
+//!   averaged in buckets while backward runs, with DDP's options and communication hooks;
+//! - [`sharding`]: tensor parallelism (`ShardingPlan`, sharders, planners, `shard_module`,
+//!   `ShardedTensor`).
+//!
+//! Data-parallel training is an ordinary tch loop once the model is replicated:
 //!
 //! ```no_run
-//! use tch_dist::{init_process_group, Backend, ReduceOp};
-//! # fn main() -> Result<(), tch_dist::DistError> {
-//! let pg = init_process_group(Backend::Gloo)?; // reads RANK, WORLD_SIZE, MASTER_ADDR, ...
-//! let t = tch::Tensor::from_slice(&[pg.rank() as f32 + 1.0]);
-//! pg.all_reduce(&t, ReduceOp::Sum)?;
+//! use tch::nn::{self, Module, OptimizerConfig};
+//! use tch::{Device, Kind, Tensor};
+//! use tch_dist::{init_process_group, replicate, Backend, Call, Shardable};
+//!
+//! #[derive(Debug, Shardable)]
+//! struct Net {
+//!     fc1: nn::Linear,
+//!     fc2: nn::Linear,
+//! }
+//!
+//! impl Module for Net {
+//!     fn forward(&self, xs: &Tensor) -> Tensor {
+//!         self.fc2.call(&self.fc1.call(xs).relu())
+//!     }
+//! }
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let pg = init_process_group(Backend::Gloo)?; // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let root = vs.root();
+//! let model = Net {
+//!     fc1: nn::linear(&root / "fc1", 4, 16, Default::default()),
+//!     fc2: nn::linear(&root / "fc2", 16, 2, Default::default()),
+//! };
+//! // Broadcasts rank 0's parameters and hooks gradient averaging into backward.
+//! replicate::apply(&model, replicate::Options::default())?;
+//! let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+//! for _ in 0..10 {
+//!     let x = Tensor::randn([8, 4], (Kind::Float, Device::Cpu)); // this rank's batch
+//!     let y = Tensor::randint(2, [8], (Kind::Int64, Device::Cpu));
+//!     // `call` runs replicate's forward hook; backward averages gradients across ranks.
+//!     opt.backward_step(&model.call(&x).cross_entropy_for_logits(&y));
+//! }
+//! # let _ = pg;
 //! # Ok(()) }
 //! ```
+//!
+//! Start it with the launcher: `tch-dist-run --nproc-per-node 2 -- target/release/my_program`
+//! (or under `torchrun --no-python`, or `srun`).
+//!
+//! Tensor parallelism shards the layers a plan names; FQNs and the `VarStore` stay as they
+//! were:
+//!
+//! ```no_run
+//! # use tch::nn;
+//! # use tch_dist::{init_process_group, Backend, Shardable};
+//! use tch_dist::sharding::{shard_module, ColwiseLinear, RowwiseLinear, ShardingPlan};
+//!
+//! #[derive(Debug, Shardable)]
+//! struct Mlp {
+//!     fc1: nn::Linear,
+//!     fc2: nn::Linear,
+//! }
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let pg = init_process_group(Backend::Gloo)?;
+//! # let vs = nn::VarStore::new(tch::Device::Cpu);
+//! # let mut model = Mlp {
+//! #     fc1: nn::linear(vs.root() / "fc1", 8, 32, Default::default()),
+//! #     fc2: nn::linear(vs.root() / "fc2", 32, 8, Default::default()),
+//! # };
+//! // Megatron's MLP: fc1 column-parallel, its local output straight into row-parallel fc2.
+//! let plan = ShardingPlan::builder()
+//!     .shard_module(Mlp::path().fc1(), ColwiseLinear::default())
+//!     .shard_module(Mlp::path().fc2(), RowwiseLinear)
+//!     .return_local_tensor(Mlp::path().fc1())
+//!     .build();
+//! shard_module(&mut model, &plan, 0, &pg)?; // rank 0's values, scattered
+//! # Ok(()) }
+//! ```
+//!
+//! See docs/ARCHITECTURE.md for how the crates fit together and docs/PERFORMANCE.md for the
+//! benchmarks against PyTorch DDP.
 
 pub use tch_dist_runtime::*;
 
