@@ -430,36 +430,39 @@ fn set_local(param: &Tensor, local: &Tensor) {
     });
 }
 
-/// The built-in linear sharders are [`ChunkedLinear`] configurations; one blanket impl
-/// gives them their [`Sharder`] methods.
-pub(crate) trait AsChunkedLinear {
-    fn as_chunked(&self) -> ChunkedLinear;
+/// The built-in linear sharders are [`ChunkedLinear`] configurations: their [`Sharder`]
+/// methods delegate to it. (A macro rather than a blanket impl over a private trait, so that
+/// the documentation shows `impl Sharder for ColwiseLinear`.)
+macro_rules! delegate_to_chunked_linear {
+    ($($sharder:ty),*) => {$(
+        impl Sharder for $sharder {
+            fn name(&self) -> String {
+                self.as_chunked().name()
+            }
+            fn check(
+                &self,
+                _fqn: &str,
+                module: &dyn Shardable,
+                group: &ProcessGroup,
+            ) -> Result<(), String> {
+                self.as_chunked().check(module, group)
+            }
+            fn shard(
+                &self,
+                fqn: &str,
+                module: &dyn Shardable,
+                src_rank: usize,
+                group: &ProcessGroup,
+            ) -> Result<ShardedModule, ShardError> {
+                self.as_chunked().shard(fqn, module, src_rank, group)
+            }
+        }
+    )*};
 }
 
-impl<T: AsChunkedLinear + Send + Sync> Sharder for T {
-    fn name(&self) -> String {
-        self.as_chunked().name()
-    }
-    fn check(
-        &self,
-        _fqn: &str,
-        module: &dyn Shardable,
-        group: &ProcessGroup,
-    ) -> Result<(), String> {
-        self.as_chunked().check(module, group)
-    }
-    fn shard(
-        &self,
-        fqn: &str,
-        module: &dyn Shardable,
-        src_rank: usize,
-        group: &ProcessGroup,
-    ) -> Result<ShardedModule, ShardError> {
-        self.as_chunked().shard(fqn, module, src_rank, group)
-    }
-}
+delegate_to_chunked_linear!(ColwiseLinear, RowwiseLinear);
 
-impl AsChunkedLinear for ColwiseLinear {
+impl ColwiseLinear {
     fn as_chunked(&self) -> ChunkedLinear {
         ChunkedLinear {
             colwise: true,
@@ -469,7 +472,7 @@ impl AsChunkedLinear for ColwiseLinear {
     }
 }
 
-impl AsChunkedLinear for RowwiseLinear {
+impl RowwiseLinear {
     fn as_chunked(&self) -> ChunkedLinear {
         ChunkedLinear {
             colwise: false,
