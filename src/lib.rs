@@ -97,7 +97,7 @@ pub mod sharding;
 
 #[doc(hidden)]
 pub use tch_dist_core::__private;
-pub use tch_dist_core::hooks::{Call, CallT};
+pub use tch_dist_core::hooks::{Call, CallT, ForwardError};
 pub use tch_dist_core::path;
 pub use tch_dist_core::{
     check_against_var_store, contract, hooks, nn, registry, AsDynShardable, ContractApi,

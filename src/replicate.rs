@@ -29,7 +29,7 @@
 //! ```
 
 use tch::{Device, Kind, Tensor};
-use tch_dist_core::hooks::{register_forward_pre_hook, RemovableHandle};
+use tch_dist_core::hooks::{register_fallible_forward_pre_hook, ForwardError, RemovableHandle};
 use tch_dist_core::{contract, registry, ContractError, ModuleKey, ModuleVisitor, Shardable};
 use tch_dist_runtime::{
     default_group, CommHook, DistError, ProcessGroup, Reducer, ReducerOptions, ReducerStats,
@@ -325,23 +325,20 @@ pub fn apply<M: Shardable + ?Sized>(
     let buffer_handles: Vec<Tensor> = buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
     let broadcast_buffers = opts.broadcast_buffers && group.world_size() > 1 && !buffers.is_empty();
     let input_device = device.filter(|d| d.is_cuda());
-    let pre_hook = register_forward_pre_hook(module, move |m, xs| {
-        // PyTorch raises from forward here; `call` cannot return an error, so it panics with
-        // the same message (use `replicate::prepare_forward` to get it as a value first).
+    let pre_hook = register_fallible_forward_pre_hook(module, move |m, xs| {
+        // PyTorch raises from forward here: `f_call` returns the error, `call` panics with it
+        // (`replicate::prepare_forward` checks the same ahead of the call).
         if let Some(s) = state(m) {
-            if let Err(e) = s.reducer.prepare_for_forward() {
-                panic!("{e}");
-            }
+            let fail = |e: &dyn std::fmt::Display| ForwardError::new(e.to_string());
+            s.reducer.prepare_for_forward().map_err(|e| fail(&e))?;
             if broadcast_buffers {
                 let buffers = s.buffers.lock().unwrap_or_else(|e| e.into_inner());
-                if let Err(e) = sync_from_rank0(s.reducer.group(), buffers.iter()) {
-                    panic!("{e}");
-                }
+                sync_from_rank0(s.reducer.group(), buffers.iter()).map_err(|e| fail(&e))?;
             }
         }
-        input_device
+        Ok(input_device
             .filter(|d| xs.device() != *d)
-            .map(|d| xs.to_device(d))
+            .map(|d| xs.to_device(d)))
     })
     .map_err(|e| ReplicateError::Invalid(e.to_string()))?;
     Ok(ReplicateState {

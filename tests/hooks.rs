@@ -1,14 +1,15 @@
 //! Forward hooks through `call`/`call_t`: order, instance, replacement of inputs and outputs,
-//! removal, moves.
+//! removal, moves; fallible hooks through `f_call`/`f_call_t`.
 
 use std::sync::{Arc, Mutex};
 
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tch_dist::hooks::{
-    num_forward_hooks, register_forward_hook, register_forward_pre_hook, HookError,
+    num_forward_hooks, register_fallible_forward_hook, register_fallible_forward_pre_hook,
+    register_forward_hook, register_forward_pre_hook, HookError,
 };
-use tch_dist::{Call, CallT, Shardable};
+use tch_dist::{Call, CallT, ForwardError, Shardable};
 
 #[path = "common/walk.rs"]
 mod walk;
@@ -272,4 +273,86 @@ fn parameterless_modules_cannot_have_hooks() {
             .double_value(&[]),
         0.0
     );
+}
+
+/// The message of a panic payload (`panic!` with a format gives a `String`).
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    match payload.downcast::<String>() {
+        Ok(s) => *s,
+        Err(p) => p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .unwrap_or_else(|| "<not a message>".into()),
+    }
+}
+
+#[test]
+fn fallible_hooks_fail_the_call_as_a_value() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = mlp(&vs);
+    let l = log();
+    let pre = {
+        let l = l.clone();
+        register_fallible_forward_pre_hook(&m, move |_, xs| {
+            push(&l, "pre");
+            match xs.size()[..] {
+                [_, 3] => Ok(None),
+                _ => Err(ForwardError::new("rank 0: mlp: expected 3 features")),
+            }
+        })
+        .unwrap()
+    };
+    let post = {
+        let l = l.clone();
+        register_forward_hook(&m, move |_, _, _| {
+            push(&l, "post");
+            None
+        })
+        .unwrap()
+    };
+    assert!(m.f_call(&ones(3)).is_ok());
+    assert_eq!(entries(&l), ["pre", "post"]);
+
+    // An Err stops the call before forward and the forward hooks.
+    let err = m.f_call(&ones(4)).unwrap_err();
+    assert_eq!(err, ForwardError::new("rank 0: mlp: expected 3 features"));
+    assert_eq!(entries(&l), ["pre", "post", "pre"]);
+    // `call` panics with the message, as PyTorch's module(x) raises.
+    let payload = std::panic::catch_unwind(|| m.call(&ones(4))).unwrap_err();
+    assert_eq!(panic_message(payload), "rank 0: mlp: expected 3 features");
+    let err = m.f_call_t(&ones(4), true).unwrap_err();
+    assert_eq!(err.message(), "rank 0: mlp: expected 3 features");
+    pre.remove();
+    post.remove();
+
+    // A forward hook's Err.
+    register_fallible_forward_hook(&m, |_, _, out| {
+        Err(ForwardError::new(format!("output {:?}", out.size())))
+    })
+    .unwrap();
+    assert_eq!(m.f_call(&ones(3)).unwrap_err().message(), "output [1, 2]");
+}
+
+/// A child's failing hook, reached through the parent's `forward` (which cannot return an
+/// error), is the parent's `f_call` error; other panics in forward stay panics.
+#[test]
+fn f_call_returns_the_errors_of_hooks_on_children() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = mlp(&vs);
+    let h = register_fallible_forward_pre_hook(&m.fc2, |_, _| {
+        Err(ForwardError::new("rank 1: fc2: all_gather timed out"))
+    })
+    .unwrap();
+    let err = m.f_call(&ones(3)).unwrap_err();
+    assert_eq!(err.message(), "rank 1: fc2: all_gather timed out");
+    // At the top, without f_call, it is a panic with the message.
+    let payload = std::panic::catch_unwind(|| m.call(&ones(3))).unwrap_err();
+    assert_eq!(panic_message(payload), "rank 1: fc2: all_gather timed out");
+    h.remove();
+
+    // A shape error inside forward is tch's panic, not a hook error.
+    let payload = std::panic::catch_unwind(|| m.f_call(&ones(5))).unwrap_err();
+    assert!(payload.downcast_ref::<ForwardError>().is_none());
+    // And the next calls are unaffected.
+    assert_eq!(m.f_call(&ones(3)).unwrap().size(), [1, 2]);
 }

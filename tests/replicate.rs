@@ -144,7 +144,14 @@ fn unused_parameter_fails_the_next_iteration() {
             )),
             "{err}"
         );
-        // The forward hook raises the same error, as PyTorch's forward does.
+        // The forward hook raises the same error, as PyTorch's forward does: as a value
+        // from `f_call`, as a panic from `call`.
+        let err = model.f_call(&xy.0).unwrap_err();
+        assert!(
+            err.message()
+                .contains("Expected to have finished reduction in the prior iteration"),
+            "{err}"
+        );
         let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.call(&xy.0)))
             .unwrap_err();
         let msg = panic.downcast_ref::<String>().cloned().unwrap_or_default();

@@ -141,6 +141,18 @@ fn sharded_mlp_matches_the_unsharded_model() {
         let st = state.sharded_tensor(&model, "fc1.weight").unwrap();
         assert!(max_diff(&st.all_gather().unwrap(), &reference.fc1.ws) < 1e-7);
 
+        // An input the row-parallel layer cannot take is an error from `f_call` (a panic
+        // from `call`), before any collective.
+        let err = model.fc2.f_call(&input(&[4, 5])).unwrap_err();
+        assert_eq!(
+            err.message(),
+            format!(
+                "shard_module: row-parallel `fc2` on rank {} expects 8 input features (or its \
+                 slice of 4), got 5",
+                pg.rank()
+            )
+        );
+
         // 2. Parameter specs, uneven (7 hidden over 2 ranks: 4 + 3), outputs materialised.
         let (_rvs, reference, _vs, mut model) = twin_models(&pg, |vs| mlp(vs, 6, 7, 5));
         let on_ranks = |dim| {

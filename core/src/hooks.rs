@@ -6,6 +6,10 @@
 //! PyTorch. Inside a model's own `forward`, call children with `self.fc1.call(&x)` so that
 //! composable APIs can hook them.
 //!
+//! Hooks may fail ([`register_fallible_forward_pre_hook`], [`register_fallible_forward_hook`]):
+//! [`Call::f_call`] returns the [`ForwardError`] (also one raised by a child's hook inside
+//! `forward`), [`Call::call`] panics with its message, as PyTorch's `module(x)` raises.
+//!
 //! Hooks are stored per module instance (by [`ModuleKey`]) in the same store as composable
 //! API state, so they follow the instance when it moves. When no hook is registered anywhere
 //! in the program, `call` is `forward` plus one atomic load.
@@ -27,6 +31,8 @@
 //! assert!(fc.call(&xs).allclose(&fc.forward(&xs), 1e-6, 1e-6, false));
 //! ```
 
+use std::cell::Cell;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -49,6 +55,29 @@ pub enum HookError {
         /// The module's type name.
         module: &'static str,
     },
+}
+
+/// Why a forward with hooks failed: a fallible hook's error (for example replicate's
+/// unfinished-reduction error, or a collective of a sharded layer). [`Call::f_call`] returns
+/// it; [`Call::call`] panics with its message, as PyTorch raises from `module(x)`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ForwardError {
+    message: String,
+}
+
+impl ForwardError {
+    /// An error with `message` (which should name the rank, the operation and the module).
+    pub fn new(message: impl Into<String>) -> Self {
+        ForwardError {
+            message: message.into(),
+        }
+    }
+
+    /// The message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
 }
 
 /// Removes the hook it was returned for (PyTorch's `RemovableHandle`). Dropping the handle
@@ -87,6 +116,35 @@ where
     M: Shardable + ?Sized,
     F: Fn(&dyn Shardable, &Tensor) -> Option<Tensor> + Send + Sync + 'static,
 {
+    register_fallible_forward_pre_hook(module, move |m, xs| Ok(hook(m, xs)))
+}
+
+/// A forward pre-hook that may fail: an `Err` stops the call before `forward` runs, and
+/// [`Call::f_call`] returns it (PyTorch: an exception raised in a pre-hook).
+///
+/// ```
+/// use tch::{nn, Device, Tensor};
+/// use tch_dist_core::hooks::{register_fallible_forward_pre_hook, Call, ForwardError};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let fc = nn::linear(vs.root() / "fc", 3, 2, Default::default());
+/// register_fallible_forward_pre_hook(&fc, |_m, xs| match xs.size()[..] {
+///     [_, 3] => Ok(None),
+///     _ => Err(ForwardError::new(format!("fc: expected 3 features, got {:?}", xs.size()))),
+/// })
+/// .unwrap();
+/// assert!(fc.f_call(&Tensor::ones([1, 3], tch::kind::FLOAT_CPU)).is_ok());
+/// let err = fc.f_call(&Tensor::ones([1, 4], tch::kind::FLOAT_CPU)).unwrap_err();
+/// assert_eq!(err.to_string(), "fc: expected 3 features, got [1, 4]");
+/// ```
+pub fn register_fallible_forward_pre_hook<M, F>(
+    module: &M,
+    hook: F,
+) -> Result<RemovableHandle, HookError>
+where
+    M: Shardable + ?Sized,
+    F: Fn(&dyn Shardable, &Tensor) -> Result<Option<Tensor>, ForwardError> + Send + Sync + 'static,
+{
     let (key, first) = resolve(module)?;
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     Store::lock().add_pre_hook(&key, first, id, Arc::new(hook) as PreHook);
@@ -100,6 +158,21 @@ pub fn register_forward_hook<M, F>(module: &M, hook: F) -> Result<RemovableHandl
 where
     M: Shardable + ?Sized,
     F: Fn(&dyn Shardable, &Tensor, &Tensor) -> Option<Tensor> + Send + Sync + 'static,
+{
+    register_fallible_forward_hook(module, move |m, xs, out| Ok(hook(m, xs, out)))
+}
+
+/// A forward hook that may fail: an `Err` ends the call, and [`Call::f_call`] returns it.
+pub fn register_fallible_forward_hook<M, F>(
+    module: &M,
+    hook: F,
+) -> Result<RemovableHandle, HookError>
+where
+    M: Shardable + ?Sized,
+    F: Fn(&dyn Shardable, &Tensor, &Tensor) -> Result<Option<Tensor>, ForwardError>
+        + Send
+        + Sync
+        + 'static,
 {
     let (key, first) = resolve(module)?;
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
@@ -138,17 +211,17 @@ fn run_hooked(
     module: &dyn Shardable,
     xs: &Tensor,
     forward: impl FnOnce(&Tensor) -> Tensor,
-) -> Tensor {
+) -> Result<Tensor, ForwardError> {
     if !any_hooks() {
-        return forward(xs);
+        return Ok(forward(xs));
     }
     let Some((key, first)) = identify(module) else {
-        return forward(xs);
+        return Ok(forward(xs));
     };
     let (pre, _) = hooks_of(&key, first);
     let mut replaced: Option<Tensor> = None;
     for h in &pre {
-        if let Some(t) = h(module, replaced.as_ref().unwrap_or(xs)) {
+        if let Some(t) = h(module, replaced.as_ref().unwrap_or(xs))? {
             replaced = Some(t);
         }
     }
@@ -158,22 +231,88 @@ fn run_hooked(
     // run too.
     let (_, post) = hooks_of(&key, first);
     for h in &post {
-        if let Some(t) = h(module, input, &out) {
+        if let Some(t) = h(module, input, &out)? {
             out = t;
         }
     }
-    out
+    Ok(out)
+}
+
+thread_local! {
+    /// How many `f_call`/`f_call_t` are running on this thread.
+    static F_CALL_DEPTH: Cell<usize> = const { Cell::new(0) };
+}
+
+/// The end of a call whose hook failed: inside an `f_call` (a child called from its
+/// module's `forward`), the error unwinds to that `f_call` without the panic hook's report;
+/// at the top, a panic with the message, as PyTorch's `module(x)` raises.
+fn fail(e: ForwardError) -> ! {
+    if F_CALL_DEPTH.with(Cell::get) > 0 {
+        std::panic::resume_unwind(Box::new(e))
+    }
+    panic!("{e}")
+}
+
+/// Runs `f` as an `f_call`: a hook failing in a child called by `forward` (which cannot
+/// return an error) comes back as the `Err` of this call; any other panic goes on.
+fn catching_hook_errors(
+    f: impl FnOnce() -> Result<Tensor, ForwardError>,
+) -> Result<Tensor, ForwardError> {
+    struct Depth;
+    impl Drop for Depth {
+        fn drop(&mut self) {
+            F_CALL_DEPTH.with(|d| d.set(d.get() - 1));
+        }
+    }
+    F_CALL_DEPTH.with(|d| d.set(d.get() + 1));
+    let _depth = Depth;
+    // Unwind safety: what a failed forward leaves behind (a partial autograd graph) is
+    // dropped with the unwinding frames; the module is only borrowed.
+    match std::panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => match payload.downcast::<ForwardError>() {
+            Ok(e) => Err(*e),
+            Err(other) => std::panic::resume_unwind(other),
+        },
+    }
 }
 
 /// `module(x)`: forward with hooks, for any [`Module`] that is [`Shardable`].
 pub trait Call {
     /// Runs the pre-hooks, `forward`, then the forward hooks of this instance.
+    ///
+    /// # Panics
+    ///
+    /// With the message of a fallible hook's [`ForwardError`], as PyTorch's `module(x)`
+    /// raises; [`f_call`](Call::f_call) returns it instead.
     fn call(&self, xs: &Tensor) -> Tensor;
+
+    /// [`call`](Call::call), with a failing hook's error as a value (tch's `f_` convention),
+    /// including the hooks of children that `forward` calls with `call`.
+    ///
+    /// ```
+    /// use tch::{nn, Device, Tensor};
+    /// use tch_dist_core::hooks::{register_fallible_forward_hook, Call, ForwardError};
+    ///
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let fc = nn::linear(vs.root() / "fc", 3, 2, Default::default());
+    /// register_fallible_forward_hook(&fc, |_m, _x, out| {
+    ///     Err(ForwardError::new(format!("rank 0: fc: output {:?} refused", out.size())))
+    /// })
+    /// .unwrap();
+    /// let err = fc.f_call(&Tensor::ones([1, 3], tch::kind::FLOAT_CPU)).unwrap_err();
+    /// assert_eq!(err.message(), "rank 0: fc: output [1, 2] refused");
+    /// ```
+    fn f_call(&self, xs: &Tensor) -> Result<Tensor, ForwardError>;
 }
 
 impl<M: Module + Shardable> Call for M {
     fn call(&self, xs: &Tensor) -> Tensor {
-        run_hooked(self, xs, |x| self.forward(x))
+        run_hooked(self, xs, |x| self.forward(x)).unwrap_or_else(|e| fail(e))
+    }
+
+    fn f_call(&self, xs: &Tensor) -> Result<Tensor, ForwardError> {
+        catching_hook_errors(|| run_hooked(self, xs, |x| self.forward(x)))
     }
 }
 
@@ -181,11 +320,23 @@ impl<M: Module + Shardable> Call for M {
 /// [`Shardable`].
 pub trait CallT {
     /// Runs the pre-hooks, `forward_t(xs, train)`, then the forward hooks of this instance.
+    ///
+    /// # Panics
+    ///
+    /// As [`Call::call`]; [`f_call_t`](CallT::f_call_t) returns the error instead.
     fn call_t(&self, xs: &Tensor, train: bool) -> Tensor;
+
+    /// [`call_t`](CallT::call_t), with a failing hook's error as a value, as
+    /// [`Call::f_call`].
+    fn f_call_t(&self, xs: &Tensor, train: bool) -> Result<Tensor, ForwardError>;
 }
 
 impl<M: ModuleT + Shardable> CallT for M {
     fn call_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        run_hooked(self, xs, |x| self.forward_t(x, train))
+        run_hooked(self, xs, |x| self.forward_t(x, train)).unwrap_or_else(|e| fail(e))
+    }
+
+    fn f_call_t(&self, xs: &Tensor, train: bool) -> Result<Tensor, ForwardError> {
+        catching_hook_errors(|| run_hooked(self, xs, |x| self.forward_t(x, train)))
     }
 }

@@ -14,14 +14,17 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 
 use tch::Tensor;
 
+use crate::hooks::ForwardError;
 use crate::key::ModuleKey;
 use crate::walk::Shardable;
 
-/// A stored forward pre-hook.
-pub(crate) type PreHook = Arc<dyn Fn(&dyn Shardable, &Tensor) -> Option<Tensor> + Send + Sync>;
+/// A stored forward pre-hook (infallible hooks are stored as ones that never fail).
+pub(crate) type PreHook =
+    Arc<dyn Fn(&dyn Shardable, &Tensor) -> Result<Option<Tensor>, ForwardError> + Send + Sync>;
 /// A stored forward (post-)hook.
-pub(crate) type PostHook =
-    Arc<dyn Fn(&dyn Shardable, &Tensor, &Tensor) -> Option<Tensor> + Send + Sync>;
+pub(crate) type PostHook = Arc<
+    dyn Fn(&dyn Shardable, &Tensor, &Tensor) -> Result<Option<Tensor>, ForwardError> + Send + Sync,
+>;
 
 pub(crate) struct Entry {
     /// A shallow clone of the module's first tensor: keeps its storage alive, so that a

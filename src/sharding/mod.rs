@@ -64,7 +64,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use tch::Tensor;
-use tch_dist_core::hooks::{register_forward_hook, RemovableHandle};
+use tch_dist_core::hooks::{register_fallible_forward_hook, ForwardError, RemovableHandle};
 use tch_dist_core::{contract, ContractError, Shardable};
 use tch_dist_runtime::{DistError, ProcessGroup};
 
@@ -416,12 +416,10 @@ pub fn shard_module<M: Shardable + ?Sized>(
         let name = fqn.clone();
         // Tensors are Send but not Sync; hooks must be both.
         let layout = std::sync::Mutex::new(layout);
-        let hook = register_forward_hook(modules[&fqn], move |_m, _input, out| {
+        let hook = register_fallible_forward_hook(modules[&fqn], move |_m, _input, out| {
             let layout = layout.lock().unwrap_or_else(|e| e.into_inner());
-            match convert_output(out, &layout, spec, local, &g) {
-                Ok(t) => t,
-                Err(e) => panic!("shard_module: output of `{name}`: {e}"),
-            }
+            convert_output(out, &layout, spec, local, &g)
+                .map_err(|e| ForwardError::new(format!("shard_module: output of `{name}`: {e}")))
         })
         .map_err(|e| ShardError::plan(group, &fqn, e.to_string()))?;
         hooks.push(hook);

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use tch::{Device, Tensor};
-use tch_dist_core::hooks::{register_forward_pre_hook, RemovableHandle};
+use tch_dist_core::hooks::{register_fallible_forward_pre_hook, ForwardError, RemovableHandle};
 use tch_dist_core::sharding::{
     ChunkShardingSpec, EnumerableShardingSpec, Placement, ShardMetadata, ShardedTensorMetadata,
     ShardingSpec,
@@ -353,12 +353,10 @@ impl ChunkedLinear {
             let g = group.clone();
             let name = fqn.to_string();
             hooks.push(
-                register_forward_pre_hook(module, move |_m, xs| {
-                    Some(
-                        functional::copy_to_ranks(xs, &g).unwrap_or_else(|e| {
-                            panic!("shard_module: column-parallel `{name}`: {e}")
-                        }),
-                    )
+                register_fallible_forward_pre_hook(module, move |_m, xs| {
+                    functional::copy_to_ranks(xs, &g).map(Some).map_err(|e| {
+                        ForwardError::new(format!("shard_module: column-parallel `{name}`: {e}"))
+                    })
                 })
                 .map_err(|e| ShardError::plan(group, fqn, e.to_string()))?,
             );
@@ -374,21 +372,22 @@ impl ChunkedLinear {
             let g = group.clone();
             let name = fqn.to_string();
             hooks.push(
-                register_forward_pre_hook(module, move |_m, xs| {
+                register_fallible_forward_pre_hook(module, move |_m, xs| {
                     let width = xs.size().last().copied().unwrap_or(0);
                     if width == local {
-                        return None; // already this rank's slice of the features
+                        return Ok(None); // already this rank's slice of the features
                     }
                     if width != full {
-                        panic!(
+                        return Err(ForwardError::new(format!(
                             "shard_module: row-parallel `{name}` on rank {rank} expects {full} \
                              input features (or its slice of {local}), got {width}"
-                        );
+                        )));
                     }
-                    Some(
-                        functional::split(xs, -1, &sizes, &g)
-                            .unwrap_or_else(|e| panic!("shard_module: row-parallel `{name}`: {e}")),
-                    )
+                    functional::split(xs, -1, &sizes, &g)
+                        .map(Some)
+                        .map_err(|e| {
+                            ForwardError::new(format!("shard_module: row-parallel `{name}`: {e}"))
+                        })
                 })
                 .map_err(|e| ShardError::plan(group, fqn, e.to_string()))?,
             );
