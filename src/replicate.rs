@@ -103,7 +103,10 @@ pub struct Options {
     pub broadcast_buffers: bool,
     /// Parameters without a gradient count as zero instead of failing the next iteration.
     pub find_unused_parameters: bool,
-    /// The autograd graph is the same in every iteration.
+    /// The autograd graph is the same in every iteration: the first iteration finds the
+    /// unused parameters (as `find_unused_parameters`), later ones reuse that without the
+    /// extra all-reduce, and a backward whose parameters' use changed fails with PyTorch's
+    /// "the training graph changed" error naming the parameter.
     pub static_graph: bool,
     /// `.grad` tensors are views into the communication buckets (saves memory and a copy).
     pub gradient_as_bucket_view: bool,

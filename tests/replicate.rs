@@ -46,6 +46,12 @@ fn replicate_matches_single_process_training() {
         };
         let d = train_both(&pg, unused, true, 3);
         assert!(d < 1e-5, "find_unused_parameters: {d}");
+        let static_graph = replicate::Options {
+            static_graph: true,
+            ..Default::default()
+        };
+        let d = train_both(&pg, static_graph, true, 3);
+        assert!(d < 1e-5, "static_graph: {d}");
     });
 }
 

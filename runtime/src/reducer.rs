@@ -70,8 +70,9 @@ pub struct ReducerOptions {
     pub find_unused_parameters: bool,
     /// `.grad` of each parameter is a view into its bucket (saves a copy and memory).
     pub gradient_as_bucket_view: bool,
-    /// The graph is the same every iteration (unused parameters are tolerated as with
-    /// `find_unused_parameters`).
+    /// The graph is the same every iteration: the first synchronised pass finds the unused
+    /// parameters as `find_unused_parameters` does; later passes reuse what it found (no
+    /// used-map all-reduce) and fail if a parameter's use on this rank changed.
     pub static_graph: bool,
     /// The communication hook.
     pub comm_hook: CommHook,
@@ -189,6 +190,15 @@ struct State {
     /// Set when an engine failure happened; every later pass reports it.
     failed: Option<String>,
     powersgd: PowerSgdState,
+    /// `static_graph`, after the first synchronised pass: which parameters got a gradient on
+    /// some rank, and which on this rank.
+    static_graph_used: Option<StaticGraphUse>,
+}
+
+/// What the first pass of a static graph saw.
+struct StaticGraphUse {
+    global: Vec<bool>,
+    local: Vec<bool>,
 }
 
 struct ReducerInner {
@@ -447,6 +457,7 @@ impl Reducer {
             },
             failed: None,
             powersgd: PowerSgdState::default(),
+            static_graph_used: None,
         };
         let inner = Arc::new(ReducerInner {
             group,
@@ -852,19 +863,20 @@ impl ReducerInner {
             // In-place parameters without a gradient are launched as zeros.
             st.flushing = true;
             self.launch_ready_buckets(st)?;
-            // Every rank, after all its buckets (so that the collectives line up even where
-            // another rank used a parameter this one did not): which ones got a gradient.
-            let used = Tensor::from_slice(&st.ready.iter().map(|&r| r as i32).collect::<Vec<_>>());
-            self.group
-                .all_reduce(&used, ReduceOp::Max)
-                .map_err(|e| e.to_string())?;
-            globally_used = Some(
-                Vec::<i32>::try_from(&used)
-                    .map_err(|e| e.to_string())?
-                    .iter()
-                    .map(|&u| u != 0)
-                    .collect(),
-            );
+            globally_used = Some(match &st.static_graph_used {
+                // A static graph: the first pass's answer holds.
+                Some(seen) => seen.global.clone(),
+                None => {
+                    let used = self.all_reduce_used_map(&st.ready)?;
+                    if self.opts.static_graph {
+                        st.static_graph_used = Some(StaticGraphUse {
+                            global: used.clone(),
+                            local: st.ready.clone(),
+                        });
+                    }
+                    used
+                }
+            });
         }
         if st.next_to_launch != st.buckets.len() {
             return Err(format!(
@@ -911,6 +923,26 @@ impl ReducerInner {
             Ok(())
         })?;
         st.unfinished.clear();
+        // After every collective, so that a rank whose graph changed does not leave the
+        // others waiting in this pass.
+        if let Some(seen) = &st.static_graph_used {
+            if let Some(i) = (0..st.params.len()).find(|&i| seen.local[i] != st.ready[i]) {
+                let (was, now) = if seen.local[i] {
+                    ("got a gradient", "none")
+                } else {
+                    ("got no gradient", "one")
+                };
+                return Err(format!(
+                    "rank {}: replicate: the training graph changed in this iteration: `{}` {} \
+                     in the first iteration but {} in this one, which static_graph=true does \
+                     not allow",
+                    self.rank(),
+                    st.params[i].fqn,
+                    was,
+                    now
+                ));
+            }
+        }
         let first = st.first_launch.unwrap_or(done);
         st.stats.steps += 1;
         st.powersgd.iter += 1;
@@ -920,6 +952,21 @@ impl ReducerInner {
             self.rebuild_buckets(st)?;
         }
         Ok(())
+    }
+
+    /// Which parameters got a gradient on some rank: every rank, after all its buckets (so
+    /// that the collectives line up even where another rank used a parameter this one did
+    /// not), all-reduces its ready map with MAX.
+    fn all_reduce_used_map(&self, ready: &[bool]) -> std::result::Result<Vec<bool>, String> {
+        let used = Tensor::from_slice(&ready.iter().map(|&r| r as i32).collect::<Vec<_>>());
+        self.group
+            .all_reduce(&used, ReduceOp::Max)
+            .map_err(|e| e.to_string())?;
+        Ok(Vec::<i32>::try_from(&used)
+            .map_err(|e| e.to_string())?
+            .iter()
+            .map(|&u| u != 0)
+            .collect())
     }
 
     /// Waits for every launched bucket and decompresses where a hook compressed.

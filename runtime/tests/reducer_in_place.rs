@@ -148,6 +148,61 @@ fn in_place_parameter_used_on_one_rank_only() {
     });
 }
 
+/// static_graph: the first pass finds the unused parameters; later passes reuse it (the same
+/// averages as find_unused_parameters) and refuse a graph that changed.
+#[test]
+fn static_graph_reuses_the_first_pass_and_refuses_a_changed_graph() {
+    run_ranks(
+        "static_graph_reuses_the_first_pass_and_refuses_a_changed_graph",
+        2,
+        |pg| {
+            for in_place_min_bytes in [0, usize::MAX] {
+                let opts = ReducerOptions {
+                    static_graph: true,
+                    in_place_min_bytes,
+                    ..Default::default()
+                };
+                check(&pg, opts.clone(), true, false);
+                check(&pg, opts.clone(), true, true);
+
+                // Used on rank 0 only, in every pass: the second pass averages with the
+                // first pass's map.
+                let w = Tensor::ones([64], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+                let v = Tensor::ones([64], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+                let handles = vec![
+                    ("w".into(), w.shallow_clone()),
+                    ("v".into(), v.shallow_clone()),
+                ];
+                let reducer = Reducer::new(handles, pg.clone(), opts.clone()).unwrap();
+                used_on_rank0_only(&pg, &reducer, &w, &v);
+
+                // A parameter that stops being used is an error, on every rank where it
+                // changed, after the pass's collectives.
+                let a = Tensor::ones([8], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+                let b = Tensor::ones([8], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+                let handles = vec![
+                    ("a".into(), a.shallow_clone()),
+                    ("b".into(), b.shallow_clone()),
+                ];
+                let reducer = Reducer::new(handles, pg.clone(), opts).unwrap();
+                reducer.prepare_for_forward().unwrap();
+                (&a + &b).sum(Kind::Float).backward();
+                reducer.prepare_for_forward().unwrap();
+                let err = a.sum(Kind::Float).f_backward().unwrap_err().to_string();
+                assert!(
+                    err.contains(&format!(
+                        "rank {}: replicate: the training graph changed in this iteration: `b` \
+                         got a gradient in the first iteration but none in this one, which \
+                         static_graph=true does not allow",
+                        pg.rank()
+                    )),
+                    "{err}"
+                );
+            }
+        },
+    );
+}
+
 fn used_on_rank0_only(pg: &ProcessGroup, reducer: &Reducer, w: &Tensor, v: &Tensor) {
     {
         for _ in 0..2 {
