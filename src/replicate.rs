@@ -104,7 +104,8 @@ pub struct Options {
     /// Parameters without a gradient count as zero instead of failing the next iteration.
     pub find_unused_parameters: bool,
     /// The autograd graph is the same in every iteration: the first iteration finds the
-    /// unused parameters (as `find_unused_parameters`), later ones reuse that without the
+    /// unused parameters (as `find_unused_parameters`); later ones count them as zero when
+    /// backward starts (their buckets need not wait for the end of backward) without the
     /// extra all-reduce, and a backward whose parameters' use changed fails with PyTorch's
     /// "the training graph changed" error naming the parameter.
     pub static_graph: bool,

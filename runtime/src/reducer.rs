@@ -72,7 +72,8 @@ pub struct ReducerOptions {
     pub gradient_as_bucket_view: bool,
     /// The graph is the same every iteration: the first synchronised pass finds the unused
     /// parameters as `find_unused_parameters` does; later passes reuse what it found (no
-    /// used-map all-reduce) and fail if a parameter's use on this rank changed.
+    /// used-map all-reduce; this rank's unused parameters count as zero from the pass's first
+    /// hook) and fail if a parameter's use on this rank changed.
     pub static_graph: bool,
     /// The communication hook.
     pub comm_hook: CommHook,
@@ -173,6 +174,10 @@ struct State {
     params: Vec<Param>,
     buckets: Vec<Bucket>,
     ready: Vec<bool>,
+    /// `static_graph`, after the first pass: parameters this rank did not use then, counted
+    /// as zero from the first hook of a pass on, so that their buckets need not wait for the
+    /// end of backward.
+    presumed_unused: Vec<bool>,
     next_to_launch: usize,
     /// Position in `buckets[next_to_launch].in_place` of the next in-place launch.
     next_in_place: usize,
@@ -294,6 +299,36 @@ pub fn assign_buckets(
         order.iter().enumerate().map(|(p, &i)| (i, p)).collect();
     done.sort_by_key(|b| b.iter().map(|i| position[i]).min().unwrap_or(usize::MAX));
     done
+}
+
+/// Parameters without a gradient in this pass count as zero: a copied member's slice is
+/// zeroed (an in-place member is reduced from a zero buffer when launched) and its bucket
+/// stops waiting for it.
+fn count_as_zero(st: &mut State, params: &[usize]) {
+    tch::no_grad(|| {
+        for &i in params.iter().filter(|&&i| !st.params[i].in_place) {
+            let p = &st.params[i];
+            let _ = st.buckets[p.bucket].views[p.slot].shallow_clone().zero_();
+        }
+    });
+    for &i in params {
+        let b = st.params[i].bucket;
+        st.buckets[b].pending -= 1;
+    }
+}
+
+/// `static_graph` after its first pass, at the first hook of a pass: the parameters this
+/// rank did not use in the first pass count as zero now (PyTorch's reducer marks them ready
+/// when backward starts), so that buckets holding them launch during backward.
+fn presume_static_unused(st: &mut State) {
+    let Some(seen) = &st.static_graph_used else {
+        return;
+    };
+    let unused: Vec<usize> = (0..st.params.len()).filter(|&i| !seen.local[i]).collect();
+    for &i in &unused {
+        st.presumed_unused[i] = true;
+    }
+    count_as_zero(st, &unused);
 }
 
 /// Builds the buckets of `layout`; members with `Param::in_place` set get no room in the
@@ -440,6 +475,7 @@ impl Reducer {
             params,
             buckets,
             ready: vec![false; n],
+            presumed_unused: vec![false; n],
             next_to_launch: 0,
             next_in_place: 0,
             in_flight: (0..nb).map(|_| None).collect(),
@@ -625,7 +661,15 @@ unsafe extern "C" fn grad_ready_trampoline(ctx: *mut c_void, index: usize) -> *m
     }));
     match result {
         Ok(Ok(())) => std::ptr::null_mut(),
-        Ok(Err(msg)) => ffi::malloc_message(&msg),
+        Ok(Err(msg)) => {
+            // The engine abandons the pass (its end-of-backward callback never runs), so the
+            // reducer's state is mid-pass: every later pass reports this error.
+            let mut st = lock(&inner.state);
+            if st.failed.is_none() {
+                st.failed = Some(msg.clone());
+            }
+            ffi::malloc_message(&msg)
+        }
         Err(_) => ffi::malloc_message("replicate: internal panic in the gradient-ready hook"),
     }
 }
@@ -664,6 +708,16 @@ impl ReducerInner {
             // SAFETY: `err` is the shim's return value.
             unsafe { ffi::take_error(err) }?;
             st.callback_queued = true;
+            presume_static_unused(&mut st);
+        }
+        if st.presumed_unused[index] {
+            return Err(format!(
+                "rank {}: replicate: the training graph changed in this iteration: `{}` got no \
+                 gradient in the first iteration but one in this one, which static_graph=true \
+                 does not allow",
+                self.rank(),
+                st.params[index].fqn
+            ));
         }
         let in_place = st.params[index].in_place;
         if st.ready[index] {
@@ -714,7 +768,7 @@ impl ReducerInner {
         while st.next_to_launch < st.buckets.len() {
             let b = st.next_to_launch;
             while let Some(&i) = st.buckets[b].in_place.get(st.next_in_place) {
-                if !st.ready[i] && !st.flushing {
+                if !st.ready[i] && !st.flushing && !st.presumed_unused[i] {
                     return Ok(());
                 }
                 self.launch_in_place(st, i)?;
@@ -815,6 +869,7 @@ impl ReducerInner {
         }
         st.first_launch = None;
         st.ready.iter_mut().for_each(|r| *r = false);
+        st.presumed_unused.iter_mut().for_each(|r| *r = false);
         for b in st.buckets.iter_mut() {
             b.pending = b.params.len();
         }
@@ -850,16 +905,12 @@ impl ReducerInner {
             return Ok(());
         }
         if tolerate_unused {
-            tch::no_grad(|| {
-                for &i in unready.iter().filter(|&&i| !st.params[i].in_place) {
-                    let p = &st.params[i];
-                    let _ = st.buckets[p.bucket].views[p.slot].shallow_clone().zero_();
-                }
-            });
-            for &i in &unready {
-                let b = st.params[i].bucket;
-                st.buckets[b].pending -= 1;
-            }
+            // Presumed unused ones were counted as zero when the pass began.
+            let unready: Vec<usize> = unready
+                .into_iter()
+                .filter(|&i| !st.presumed_unused[i])
+                .collect();
+            count_as_zero(st, &unready);
             // In-place parameters without a gradient are launched as zeros.
             st.flushing = true;
             self.launch_ready_buckets(st)?;

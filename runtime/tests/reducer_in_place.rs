@@ -184,6 +184,7 @@ fn static_graph_reuses_the_first_pass_and_refuses_a_changed_graph() {
                     ("a".into(), a.shallow_clone()),
                     ("b".into(), b.shallow_clone()),
                 ];
+                let opts_again = opts.clone();
                 let reducer = Reducer::new(handles, pg.clone(), opts).unwrap();
                 reducer.prepare_for_forward().unwrap();
                 (&a + &b).sum(Kind::Float).backward();
@@ -198,6 +199,32 @@ fn static_graph_reuses_the_first_pass_and_refuses_a_changed_graph() {
                     )),
                     "{err}"
                 );
+
+                // A parameter that starts being used fails its backward at its gradient
+                // (its bucket may already be on the wire), and every later pass says so.
+                drop(reducer); // its hooks go with it
+                let handles = vec![
+                    ("a".into(), a.shallow_clone()),
+                    ("b".into(), b.shallow_clone()),
+                ];
+                let reducer = Reducer::new(handles, pg.clone(), opts_again.clone()).unwrap();
+                reducer.prepare_for_forward().unwrap();
+                a.sum(Kind::Float).backward();
+                reducer.prepare_for_forward().unwrap();
+                let err = (&a + &b)
+                    .sum(Kind::Float)
+                    .f_backward()
+                    .unwrap_err()
+                    .to_string();
+                let expected = format!(
+                    "rank {}: replicate: the training graph changed in this iteration: `b` got no \
+                     gradient in the first iteration but one in this one, which \
+                     static_graph=true does not allow",
+                    pg.rank()
+                );
+                assert!(err.contains(&expected), "{err}");
+                let again = reducer.prepare_for_forward().unwrap_err().to_string();
+                assert!(again.contains(&expected), "{again}");
             }
         },
     );
