@@ -174,10 +174,6 @@ struct State {
     params: Vec<Param>,
     buckets: Vec<Bucket>,
     ready: Vec<bool>,
-    /// `static_graph`, after the first pass: parameters this rank did not use then, counted
-    /// as zero from the first hook of a pass on, so that their buckets need not wait for the
-    /// end of backward.
-    presumed_unused: Vec<bool>,
     next_to_launch: usize,
     /// Position in `buckets[next_to_launch].in_place` of the next in-place launch.
     next_in_place: usize,
@@ -204,6 +200,28 @@ struct State {
 struct StaticGraphUse {
     global: Vec<bool>,
     local: Vec<bool>,
+}
+
+impl State {
+    /// `static_graph` after its first pass, once a pass has begun: parameter `i` got no
+    /// gradient on this rank in the first pass, so it counted as zero at this pass's first
+    /// hook ([`presume_static_unused`]) and its bucket does not wait for it.
+    fn presumed_unused(&self, i: usize) -> bool {
+        self.callback_queued && self.static_graph_used.as_ref().is_some_and(|s| !s.local[i])
+    }
+}
+
+/// PyTorch's error for a static graph whose parameter `fqn` changed its use on `rank`.
+fn graph_changed(rank: usize, fqn: &str, used_in_first_pass: bool) -> String {
+    let (was, now) = if used_in_first_pass {
+        ("got a gradient", "none")
+    } else {
+        ("got no gradient", "one")
+    };
+    format!(
+        "rank {rank}: replicate: the training graph changed in this iteration: `{fqn}` {was} in \
+         the first iteration but {now} in this one, which static_graph=true does not allow"
+    )
 }
 
 struct ReducerInner {
@@ -321,13 +339,9 @@ fn count_as_zero(st: &mut State, params: &[usize]) {
 /// rank did not use in the first pass count as zero now (PyTorch's reducer marks them ready
 /// when backward starts), so that buckets holding them launch during backward.
 fn presume_static_unused(st: &mut State) {
-    let Some(seen) = &st.static_graph_used else {
-        return;
-    };
-    let unused: Vec<usize> = (0..st.params.len()).filter(|&i| !seen.local[i]).collect();
-    for &i in &unused {
-        st.presumed_unused[i] = true;
-    }
+    let unused: Vec<usize> = (0..st.params.len())
+        .filter(|&i| st.presumed_unused(i))
+        .collect();
     count_as_zero(st, &unused);
 }
 
@@ -475,7 +489,6 @@ impl Reducer {
             params,
             buckets,
             ready: vec![false; n],
-            presumed_unused: vec![false; n],
             next_to_launch: 0,
             next_in_place: 0,
             in_flight: (0..nb).map(|_| None).collect(),
@@ -710,14 +723,8 @@ impl ReducerInner {
             st.callback_queued = true;
             presume_static_unused(&mut st);
         }
-        if st.presumed_unused[index] {
-            return Err(format!(
-                "rank {}: replicate: the training graph changed in this iteration: `{}` got no \
-                 gradient in the first iteration but one in this one, which static_graph=true \
-                 does not allow",
-                self.rank(),
-                st.params[index].fqn
-            ));
+        if st.presumed_unused(index) {
+            return Err(graph_changed(self.rank(), &st.params[index].fqn, false));
         }
         let in_place = st.params[index].in_place;
         if st.ready[index] {
@@ -768,7 +775,7 @@ impl ReducerInner {
         while st.next_to_launch < st.buckets.len() {
             let b = st.next_to_launch;
             while let Some(&i) = st.buckets[b].in_place.get(st.next_in_place) {
-                if !st.ready[i] && !st.flushing && !st.presumed_unused[i] {
+                if !st.ready[i] && !st.flushing && !st.presumed_unused(i) {
                     return Ok(());
                 }
                 self.launch_in_place(st, i)?;
@@ -869,7 +876,6 @@ impl ReducerInner {
         }
         st.first_launch = None;
         st.ready.iter_mut().for_each(|r| *r = false);
-        st.presumed_unused.iter_mut().for_each(|r| *r = false);
         for b in st.buckets.iter_mut() {
             b.pending = b.params.len();
         }
@@ -908,7 +914,7 @@ impl ReducerInner {
             // Presumed unused ones were counted as zero when the pass began.
             let unready: Vec<usize> = unready
                 .into_iter()
-                .filter(|&i| !st.presumed_unused[i])
+                .filter(|&i| !st.presumed_unused(i))
                 .collect();
             count_as_zero(st, &unready);
             // In-place parameters without a gradient are launched as zeros.
@@ -978,20 +984,7 @@ impl ReducerInner {
         // others waiting in this pass.
         if let Some(seen) = &st.static_graph_used {
             if let Some(i) = (0..st.params.len()).find(|&i| seen.local[i] != st.ready[i]) {
-                let (was, now) = if seen.local[i] {
-                    ("got a gradient", "none")
-                } else {
-                    ("got no gradient", "one")
-                };
-                return Err(format!(
-                    "rank {}: replicate: the training graph changed in this iteration: `{}` {} \
-                     in the first iteration but {} in this one, which static_graph=true does \
-                     not allow",
-                    self.rank(),
-                    st.params[i].fqn,
-                    was,
-                    now
-                ));
+                return Err(graph_changed(self.rank(), &st.params[i].fqn, seen.local[i]));
             }
         }
         let first = st.first_launch.unwrap_or(done);
