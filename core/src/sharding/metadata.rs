@@ -433,6 +433,34 @@ impl Dtype {
             .map(|(_, name, _)| *name)
             .expect("every tch::Kind has a name")
     }
+
+    /// A small integer that identifies the dtype across processes (its position in PyTorch's
+    /// `c10::ScalarType` list as tch knows it), for metadata that ranks exchange as tensors.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tch::Kind;
+    /// use tch_dist_core::sharding::Dtype;
+    ///
+    /// let code = Dtype(Kind::BFloat16).code();
+    /// assert_eq!(Dtype::from_code(code), Some(Dtype(Kind::BFloat16)));
+    /// assert_eq!(Dtype::from_code(-1), None);
+    /// ```
+    pub fn code(self) -> i64 {
+        DTYPE_NAMES
+            .iter()
+            .position(|(k, _, _)| *k == self.0)
+            .expect("every tch::Kind is in the table") as i64
+    }
+
+    /// The dtype of a [`code`](Self::code), if it is one.
+    pub fn from_code(code: i64) -> Option<Dtype> {
+        usize::try_from(code)
+            .ok()
+            .and_then(|i| DTYPE_NAMES.get(i))
+            .map(|(kind, _, _)| Dtype(*kind))
+    }
 }
 
 impl From<Kind> for Dtype {
