@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 fn main() {
     println!("cargo:rerun-if-changed=csrc/shim.cpp");
+    println!("cargo:rerun-if-changed=csrc/shim.h");
     println!("cargo:rerun-if-changed=../build/link_libtorch.rs");
     let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         panic!(
@@ -29,6 +30,7 @@ fn main() {
         .std("c++17")
         .warnings(false)
         .file("csrc/shim.cpp")
+        .include("csrc")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .define("_GLIBCXX_USE_CXX11_ABI", "1")

@@ -28,33 +28,66 @@
 //! # Ok(()) }
 //! ```
 
-use tch::{Device, Kind, Tensor};
-use tch_dist_core::hooks::{register_fallible_forward_pre_hook, ForwardError, RemovableHandle};
+use tch::{Device, Tensor};
+use tch_dist_core::hooks::{
+    register_fallible_forward_pre_hook, ForwardError, HookError, RemovableHandle,
+};
 use tch_dist_core::{contract, registry, ContractError, ModuleKey, ModuleVisitor, Shardable};
 use tch_dist_runtime::{
-    default_group, CommHook, DistError, ProcessGroup, Reducer, ReducerOptions, ReducerStats,
+    check_bucket_cap, default_group, CommHook, DistError, ProcessGroup, Reducer, ReducerOptions,
+    ReducerStats, BROADCAST_BUCKET_BYTES,
 };
 
 /// Errors of `replicate`.
+///
+/// ```
+/// use tch_dist::replicate::ReplicateError;
+/// let e = ReplicateError::DeviceMismatch {
+///     rank: 1,
+///     device_id: tch::Device::Cuda(1),
+///     fqn: "fc.weight".into(),
+///     device: tch::Device::Cpu,
+/// };
+/// assert_eq!(
+///     e.to_string(),
+///     "rank 1: replicate: device_id is Cuda(1) but parameter `fc.weight` is on Cpu; move the module first"
+/// );
+/// ```
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ReplicateError {
     /// Applied twice, or together with a conflicting API, or the module's names changed.
     #[error(transparent)]
     Contract(#[from] ContractError),
-    /// The engine failed (rendezvous, a collective, a timeout).
+    /// The engine failed or refused (rendezvous, a collective, a timeout, a bad option,
+    /// parameters that differ across ranks, an unfinished or changed backward pass).
     #[error(transparent)]
     Dist(#[from] DistError),
-    /// The ranks do not hold the same parameters; every rank reports the first difference.
-    #[error("rank {rank}: replicate: parameters differ across ranks: {detail}")]
-    ParameterMismatch {
+    /// replicate's forward hook could not be registered.
+    #[error(transparent)]
+    Hook(#[from] HookError),
+    /// `Options::ignore` got a module without parameters or buffers, which cannot be
+    /// identified.
+    #[error("replicate: cannot ignore a `{module}`: it has no parameters or buffers")]
+    CannotIgnore {
+        /// The module's type name.
+        module: &'static str,
+    },
+    /// `device_id` names a CUDA device the module is not on.
+    #[error(
+        "rank {rank}: replicate: device_id is {device_id:?} but parameter `{fqn}` is on \
+         {device:?}; move the module first"
+    )]
+    DeviceMismatch {
         /// This rank.
         rank: usize,
-        /// The first differing FQN with both shapes and dtypes.
-        detail: String,
+        /// The option's device.
+        device_id: Device,
+        /// The first parameter elsewhere.
+        fqn: String,
+        /// Its device.
+        device: Device,
     },
-    /// A bad option or a module replicate cannot manage.
-    #[error("replicate: {0}")]
-    Invalid(String),
     /// The module was not passed to `replicate::apply`.
     #[error("replicate: this module is not managed by replicate (call replicate::apply first)")]
     NotReplicated,
@@ -153,11 +186,8 @@ impl std::fmt::Debug for Options {
 impl Options {
     /// Adds `module` to `ignored_modules`.
     pub fn ignore<M: Shardable + ?Sized>(mut self, module: &M) -> Result<Self, ReplicateError> {
-        let key = ModuleKey::of(module).ok_or_else(|| {
-            ReplicateError::Invalid(format!(
-                "cannot ignore a `{}`: it has no parameters or buffers",
-                module.type_name()
-            ))
+        let key = ModuleKey::of(module).ok_or(ReplicateError::CannotIgnore {
+            module: module.type_name(),
         })?;
         self.ignored_modules.push(key);
         Ok(self)
@@ -282,16 +312,15 @@ pub fn apply<M: Shardable + ?Sized>(
     module: &M,
     opts: Options,
 ) -> Result<ReplicateState, ReplicateError> {
-    if !opts.bucket_cap_mb.is_finite() || opts.bucket_cap_mb <= 0.0 {
-        return Err(ReplicateError::Invalid(format!(
-            "bucket_cap_mb must be positive, got {}",
-            opts.bucket_cap_mb
-        )));
-    }
     let group = match &opts.process_group {
         Some(g) => g.clone(),
         None => default_group()?,
     };
+    check_bucket_cap(opts.bucket_cap_mb).map_err(|problem| DistError::InvalidArgument {
+        rank: group.rank(),
+        op: "replicate",
+        problem: Box::new(problem),
+    })?;
     // The root itself may be ignored (then nothing is managed), like PyTorch.
     let root_ignored = ModuleKey::of(module).is_some_and(|k| opts.ignored_modules.contains(&k));
     let mut c = ParamCollector {
@@ -307,14 +336,22 @@ pub fn apply<M: Shardable + ?Sized>(
     let device = opts.device_id.map(DeviceId::device);
     if let Some(d) = device.filter(|d| d.is_cuda()) {
         if let Some((fqn, t)) = params.iter().find(|(_, t)| t.device() != d) {
-            return Err(ReplicateError::Invalid(format!(
-                "device_id is {d:?} but parameter `{fqn}` is on {:?}; move the module first",
-                t.device()
-            )));
+            return Err(ReplicateError::DeviceMismatch {
+                rank: group.rank(),
+                device_id: d,
+                fqn: fqn.clone(),
+                device: t.device(),
+            });
         }
     }
-    verify_same_parameters(&group, &params)?;
-    sync_from_rank0(&group, params.iter().chain(buffers.iter()).map(|(_, t)| t))?;
+    let named: Vec<(&str, &Tensor)> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    group.verify_same_tensors("replicate", "parameters", 0, &named)?;
+    let states: Vec<&Tensor> = params
+        .iter()
+        .chain(buffers.iter())
+        .map(|(_, t)| t)
+        .collect();
+    group.broadcast_coalesced(&states, 0, BROADCAST_BUCKET_BYTES)?;
 
     let reducer_opts = ReducerOptions {
         bucket_cap_mb: opts.bucket_cap_mb,
@@ -333,18 +370,22 @@ pub fn apply<M: Shardable + ?Sized>(
         // PyTorch raises from forward here: `f_call` returns the error, `call` panics with it
         // (`replicate::prepare_forward` checks the same ahead of the call).
         if let Some(s) = state(m) {
-            let fail = |e: &dyn std::fmt::Display| ForwardError::new(e.to_string());
-            s.reducer.prepare_for_forward().map_err(|e| fail(&e))?;
+            s.reducer
+                .prepare_for_forward()
+                .map_err(ForwardError::from_error)?;
             if broadcast_buffers {
                 let buffers = s.buffers.lock().unwrap_or_else(|e| e.into_inner());
-                sync_from_rank0(s.reducer.group(), buffers.iter()).map_err(|e| fail(&e))?;
+                let buffers: Vec<&Tensor> = buffers.iter().collect();
+                s.reducer
+                    .group()
+                    .broadcast_coalesced(&buffers, 0, BROADCAST_BUCKET_BYTES)
+                    .map_err(ForwardError::from_error)?;
             }
         }
         Ok(input_device
             .filter(|d| xs.device() != *d)
             .map(|d| xs.to_device(d)))
-    })
-    .map_err(|e| ReplicateError::Invalid(e.to_string()))?;
+    })?;
     Ok(ReplicateState {
         reducer,
         param_fqns,
@@ -387,105 +428,4 @@ pub fn no_sync<M: Shardable + ?Sized, R>(
     let _restore = Restore(&s.reducer, s.reducer.require_sync());
     s.reducer.set_require_sync(false);
     Ok(f())
-}
-
-/// One parameter as the ranks compare it: "fqn\tshape\tdtype".
-fn describe_param(line: Option<&str>) -> String {
-    match line.map(|l| l.split('\t').collect::<Vec<_>>()) {
-        Some(f) if f.len() == 3 => format!("`{}` with shape {} ({})", f[0], f[1], f[2]),
-        _ => "missing".to_string(),
-    }
-}
-
-/// Every rank gathers every rank's (FQN, shape, dtype) list and compares it with rank 0's,
-/// so that all ranks fail together, each naming the first difference.
-fn verify_same_parameters(
-    group: &ProcessGroup,
-    params: &[(String, Tensor)],
-) -> Result<(), ReplicateError> {
-    let encoded: String = params
-        .iter()
-        .map(|(n, t)| format!("{n}\t{:?}\t{:?}\n", t.size(), t.kind()))
-        .collect();
-    let all = all_gather_bytes(group, encoded.as_bytes())?;
-    let text: Vec<String> = all
-        .iter()
-        .map(|b| String::from_utf8_lossy(b).into_owned())
-        .collect();
-    let reference: Vec<&str> = text[0].lines().collect();
-    for (r, t) in text.iter().enumerate().skip(1) {
-        let lines: Vec<&str> = t.lines().collect();
-        let Some(i) =
-            (0..reference.len().max(lines.len())).find(|&i| reference.get(i) != lines.get(i))
-        else {
-            continue;
-        };
-        let fields =
-            |l: Option<&&str>| l.map(|l| l.split('\t').map(str::to_string).collect::<Vec<_>>());
-        let (a, b) = (fields(reference.get(i)), fields(lines.get(i)));
-        let detail = match (a, b) {
-            (Some(a), Some(b)) if a.len() == 3 && b.len() == 3 && a[0] == b[0] => format!(
-                "`{}` has shape {} ({}) on rank 0 but shape {} ({}) on rank {r}",
-                a[0], a[1], a[2], b[1], b[2]
-            ),
-            _ => format!(
-                "rank 0 has {} parameters and rank {r} has {}; parameter {i} is {} on rank 0 but {} on rank {r}",
-                reference.len(),
-                lines.len(),
-                describe_param(reference.get(i).copied()),
-                describe_param(lines.get(i).copied())
-            ),
-        };
-        return Err(ReplicateError::ParameterMismatch {
-            rank: group.rank(),
-            detail,
-        });
-    }
-    Ok(())
-}
-
-/// All-gathers a byte string of any length from every rank.
-fn all_gather_bytes(group: &ProcessGroup, bytes: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
-    let w = group.world_size();
-    let len = Tensor::from_slice(&[bytes.len() as i64]);
-    let lens: Vec<Tensor> = (0..w)
-        .map(|_| Tensor::zeros([1], (Kind::Int64, Device::Cpu)))
-        .collect();
-    group.all_gather(&lens, &len)?;
-    let lens: Vec<usize> = lens
-        .iter()
-        .map(|t| t.int64_value(&[0]).max(0) as usize)
-        .collect();
-    let max = lens.iter().copied().max().unwrap_or(0).max(1);
-    let mut padded = bytes.to_vec();
-    padded.resize(max, 0);
-    let mine = Tensor::from_slice(&padded);
-    let outs: Vec<Tensor> = (0..w)
-        .map(|_| Tensor::zeros([max as i64], (Kind::Uint8, Device::Cpu)))
-        .collect();
-    group.all_gather(&outs, &mine)?;
-    Ok(outs
-        .iter()
-        .zip(lens)
-        .map(|(t, n)| {
-            let v = Vec::<u8>::try_from(t).unwrap_or_default();
-            v[..n.min(v.len())].to_vec()
-        })
-        .collect())
-}
-
-/// Broadcasts tensors from rank 0 in place (all launched, then all awaited).
-fn sync_from_rank0<'a>(
-    group: &ProcessGroup,
-    tensors: impl Iterator<Item = &'a Tensor>,
-) -> Result<(), DistError> {
-    if group.world_size() == 1 {
-        return Ok(());
-    }
-    tch::no_grad(|| {
-        let works = tensors
-            .map(|t| group.broadcast_async(t, 0))
-            .collect::<Result<Vec<_>, _>>()?;
-        works.into_iter().try_for_each(|w| w.wait())
-    })
 }

@@ -60,10 +60,24 @@ pub enum HookError {
 /// Why a forward with hooks failed: a fallible hook's error (for example replicate's
 /// unfinished-reduction error, or a collective of a sharded layer). [`Call::f_call`] returns
 /// it; [`Call::call`] panics with its message, as PyTorch raises from `module(x)`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
+///
+/// A hook that fails with a typed error hands it over whole ([`ForwardError::from_error`]):
+/// the caller gets it back with [`ForwardError::downcast_ref`] (or as the
+/// [`source`](std::error::Error::source)).
+///
+/// ```
+/// use tch_dist_core::hooks::ForwardError;
+/// #[derive(Debug, thiserror::Error)]
+/// #[error("rank 0: all_reduce failed")]
+/// struct Failed;
+/// let e = ForwardError::from_error(Failed);
+/// assert_eq!(e.to_string(), "rank 0: all_reduce failed");
+/// assert!(e.downcast_ref::<Failed>().is_some());
+/// ```
+#[derive(Debug, Clone)]
 pub struct ForwardError {
     message: String,
+    source: Option<Arc<dyn std::error::Error + Send + Sync>>,
 }
 
 impl ForwardError {
@@ -71,6 +85,15 @@ impl ForwardError {
     pub fn new(message: impl Into<String>) -> Self {
         ForwardError {
             message: message.into(),
+            source: None,
+        }
+    }
+
+    /// The typed error `error`, with its message.
+    pub fn from_error(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        ForwardError {
+            message: error.to_string(),
+            source: Some(Arc::new(error)),
         }
     }
 
@@ -78,7 +101,35 @@ impl ForwardError {
     pub fn message(&self) -> &str {
         &self.message
     }
+
+    /// The typed error the hook failed with, if it is an `E`.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.source.as_deref()?.downcast_ref::<E>()
+    }
 }
+
+impl std::fmt::Display for ForwardError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ForwardError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// Two forward errors are equal when their messages are.
+impl PartialEq for ForwardError {
+    fn eq(&self, other: &Self) -> bool {
+        self.message == other.message
+    }
+}
+
+impl Eq for ForwardError {}
 
 /// Removes the hook it was returned for (PyTorch's `RemovableHandle`). Dropping the handle
 /// does not remove the hook.

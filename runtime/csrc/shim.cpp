@@ -1,11 +1,9 @@
 // tch-dist's C++ shim over libtorch: c10d process groups and collectives, autograd hooks.
 //
-// The boundary rules (see docs/ARCHITECTURE.md, "The shim boundary"):
-// - every entry point is `extern "C"` and returns `char*`: null on success, otherwise a
-//   malloc'ed message that Rust takes ownership of and frees with `tdr_string_free`;
-// - every C++ exception is caught here (TDR_TRY/TDR_CATCH) and nothing unwinds into Rust;
-// - tensors cross as `at::Tensor*`, the same pointer tch's `Tensor::as_ptr()` hands out;
-//   tensors created here are returned as `new at::Tensor` for `Tensor::from_ptr`.
+// shim.h is the contract (prototypes, enums, the boundary rules); src/ffi.rs mirrors it.
+// Every C++ exception is caught here (TDR_TRY/TDR_CATCH) and nothing unwinds into Rust.
+
+#include "shim.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
@@ -16,6 +14,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <gloo/common/error.h>
 #ifdef TDR_WITH_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -44,19 +43,39 @@ char* dup_message(const std::string& msg) { return dup_message(msg.c_str()); }
 
 }  // namespace
 
-// c10::Error's what() carries a C++ backtrace; users want the message only.
-#define TDR_TRY try {
-#define TDR_CATCH                                       \
-  }                                                     \
-  catch (const c10::Error& e) {                         \
-    return dup_message(e.what_without_backtrace());     \
-  }                                                     \
-  catch (const std::exception& e) {                     \
-    return dup_message(e.what());                       \
-  }                                                     \
-  catch (...) {                                         \
-    return dup_message("unknown C++ exception");        \
-  }                                                     \
+// What kind of failure the last entry point called on this thread returned (read with
+// tdr_last_error_kind right after the call).
+thread_local int last_error_kind = TDR_ERROR_NONE;
+
+char* fail(int kind, const char* msg) {
+  last_error_kind = kind;
+  return dup_message(msg);
+}
+
+// The one error-check pattern of every entry point: a body in TDR_TRY ... TDR_CATCH returns
+// null, or the message of the exception it threw, classified: a lost connection (c10d's
+// DistNetworkError, Gloo's IoException) or any other engine error. c10::Error's what()
+// carries a C++ backtrace; users want the message only.
+#define TDR_TRY         \
+  last_error_kind = TDR_ERROR_NONE; \
+  try {
+#define TDR_CATCH                                                       \
+  }                                                                     \
+  catch (const c10::DistNetworkError& e) {                              \
+    return fail(TDR_ERROR_NETWORK, e.what_without_backtrace());         \
+  }                                                                     \
+  catch (const c10::Error& e) {                                         \
+    return fail(TDR_ERROR_ENGINE, e.what_without_backtrace());          \
+  }                                                                     \
+  catch (const gloo::IoException& e) {                                  \
+    return fail(TDR_ERROR_NETWORK, e.what());                           \
+  }                                                                     \
+  catch (const std::exception& e) {                                     \
+    return fail(TDR_ERROR_ENGINE, e.what());                            \
+  }                                                                     \
+  catch (...) {                                                         \
+    return fail(TDR_ERROR_ENGINE, "unknown C++ exception");             \
+  }                                                                     \
   return nullptr;
 
 using Millis = std::chrono::milliseconds;
@@ -103,15 +122,15 @@ c10::intrusive_ptr<c10d::Backend> backend_for(TdrGroup* g, const at::Tensor& t) 
 
 c10d::ReduceOp to_reduce_op(int op) {
   switch (op) {
-    case 0:
+    case TDR_REDUCE_SUM:
       return c10d::ReduceOp::SUM;
-    case 1:
+    case TDR_REDUCE_AVG:
       return c10d::ReduceOp::AVG;
-    case 2:
+    case TDR_REDUCE_MIN:
       return c10d::ReduceOp::MIN;
-    case 3:
+    case TDR_REDUCE_MAX:
       return c10d::ReduceOp::MAX;
-    case 4:
+    case TDR_REDUCE_PRODUCT:
       return c10d::ReduceOp::PRODUCT;
     default:
       throw std::runtime_error("unknown reduce op code " + std::to_string(op));
@@ -125,7 +144,7 @@ bool is_gloo(TdrGroup* g, const c10::intrusive_ptr<c10d::Backend>& b) {
 // Gloo has no AVG: it reduces with SUM and the average is taken after completion.
 c10d::ReduceOp backend_reduce_op(TdrGroup* g, const c10::intrusive_ptr<c10d::Backend>& b,
                                  int op) {
-  if (op == 1 && is_gloo(g, b)) {
+  if (op == TDR_REDUCE_AVG && is_gloo(g, b)) {
     return c10d::ReduceOp::SUM;
   }
   return to_reduce_op(op);
@@ -174,7 +193,7 @@ TdrWork* make_work(c10::intrusive_ptr<c10d::Work> work, std::function<void()> fi
 TdrWork* make_reduction_work(TdrGroup* g, const c10::intrusive_ptr<c10d::Backend>& backend,
                              int op, c10::intrusive_ptr<c10d::Work> work,
                              std::shared_ptr<InOut> io, at::Tensor inputs = at::Tensor()) {
-  bool divide = op == 1 && is_gloo(g, backend);
+  bool divide = op == TDR_REDUCE_AVG && is_gloo(g, backend);
   int size = g->size;
   return make_work(std::move(work), [io, inputs, divide, size]() {
     if (divide) {
@@ -189,6 +208,8 @@ TdrWork* make_reduction_work(TdrGroup* g, const c10::intrusive_ptr<c10d::Backend
 extern "C" {
 
 void tdr_string_free(char* s) { std::free(s); }
+
+int tdr_last_error_kind() { return last_error_kind; }
 
 // ---------------------------------------------------------------------------------------
 // Stores
@@ -489,11 +510,22 @@ char* tdr_monitored_barrier(TdrGroup* g, int64_t timeout_ms, bool wait_all_ranks
   TDR_CATCH
 }
 
+// A wait that ends with the work still pending is a timeout (TDR_ERROR_TIMEOUT): c10d's
+// Work::wait throws then, and the work may be waited on again.
 char* tdr_work_wait(TdrWork* w, int64_t timeout_ms) {
   TDR_TRY
   if (!w->finished) {
-    if (!w->work->wait(Millis(timeout_ms))) {
-      throw std::runtime_error("timed out after " + std::to_string(timeout_ms) + " ms");
+    bool done = false;
+    try {
+      done = w->work->wait(Millis(timeout_ms));
+    } catch (...) {
+      if (!w->work->isCompleted()) {
+        return fail(TDR_ERROR_TIMEOUT, "the wait ended before the work completed");
+      }
+      throw;
+    }
+    if (!done) {
+      return fail(TDR_ERROR_TIMEOUT, "the wait ended before the work completed");
     }
     w->finished = true;
     if (w->finish) {
@@ -513,14 +545,11 @@ bool tdr_work_is_completed(TdrWork* w) {
 
 void tdr_work_free(TdrWork* w) { delete w; }
 
+}  // extern "C"
+
 // ---------------------------------------------------------------------------------------
 // Autograd: gradient-ready hooks and end-of-backward callbacks (the reducer's triggers).
 // ---------------------------------------------------------------------------------------
-
-// A Rust callback; returns null or a malloc'ed error message, which fails the backward pass.
-typedef char* (*TdrCallback)(void* ctx, size_t index);
-
-}  // extern "C"
 
 struct TdrHook {
   // Held so the accumulator (and the hook in it) lives as long as the registration.
@@ -611,8 +640,6 @@ char* tdr_set_grad(at::Tensor* param, at::Tensor* grad) {
 
 namespace {
 
-enum TdrParallelMode { kReduce = 0, kCopy = 1, kGather = 2, kSplit = 3, kReduceScatter = 4 };
-
 at::Tensor all_reduce_sum(const TdrGroup& g, const at::Tensor& x) {
   at::Tensor t = x.contiguous().clone();  // never write into the caller's tensor
   auto backend = backend_for(const_cast<TdrGroup*>(&g), t);
@@ -676,15 +703,15 @@ at::Tensor all_gather_uneven(const TdrGroup& g, const at::Tensor& x, int64_t dim
 at::Tensor parallel_forward(const TdrGroup& g, const at::Tensor& x, int mode, int64_t dim,
                             const std::vector<int64_t>& sizes) {
   switch (mode) {
-    case kReduce:
+    case TDR_PARALLEL_REDUCE:
       return all_reduce_sum(g, x);
-    case kCopy:
+    case TDR_PARALLEL_COPY:
       return x.clone();
-    case kGather:
+    case TDR_PARALLEL_GATHER:
       return all_gather_uneven(g, x, dim, sizes);
-    case kSplit:
+    case TDR_PARALLEL_SPLIT:
       return own_slice(g, x, dim, sizes);
-    case kReduceScatter:
+    case TDR_PARALLEL_REDUCE_SCATTER:
       return own_slice(g, all_reduce_sum(g, x), dim, sizes);
     default:
       throw std::runtime_error("unknown parallel op " + std::to_string(mode));
@@ -693,7 +720,7 @@ at::Tensor parallel_forward(const TdrGroup& g, const at::Tensor& x, int mode, in
 
 struct TdrParallelBackward : public torch::autograd::Node {
   TdrGroup group;
-  int mode = kReduce;
+  int mode = TDR_PARALLEL_REDUCE;
   int64_t dim = 0;
   std::vector<int64_t> sizes;
   std::vector<int64_t> output_shape;
@@ -706,14 +733,14 @@ struct TdrParallelBackward : public torch::autograd::Node {
     // Every rank must run the same collective: a missing gradient counts as zeros.
     at::Tensor g = grads[0].defined() ? grads[0] : at::zeros(output_shape, output_options);
     switch (mode) {
-      case kReduce:
+      case TDR_PARALLEL_REDUCE:
         return {g};
-      case kCopy:
+      case TDR_PARALLEL_COPY:
         return {all_reduce_sum(group, g)};
-      case kGather:
+      case TDR_PARALLEL_GATHER:
         return {own_slice(group, g, dim, sizes)};
-      case kSplit:
-      case kReduceScatter:
+      case TDR_PARALLEL_SPLIT:
+      case TDR_PARALLEL_REDUCE_SCATTER:
         return {all_gather_uneven(group, g.contiguous(), dim, sizes)};
       default:
         throw std::runtime_error("unknown parallel op " + std::to_string(mode));
@@ -730,7 +757,7 @@ char* tdr_parallel_op(TdrGroup* g, at::Tensor* input, int mode, int64_t dim,
   TDR_TRY
   const at::Tensor& x = *input;
   std::vector<int64_t> slices;
-  if (mode != kReduce && mode != kCopy) {
+  if (mode != TDR_PARALLEL_REDUCE && mode != TDR_PARALLEL_COPY) {
     if (static_cast<int>(n) != g->size) {
       throw std::runtime_error("expected one slice size per rank (" + std::to_string(g->size) +
                                "), got " + std::to_string(n));

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use tch::Tensor;
 use torch_sys::C_tensor;
 
-use crate::error::{DistError, Result};
-use crate::ffi;
+use crate::error::{ArgumentError, DistError, Result};
+use crate::ffi::{self, shim, FailureKind, ShimError};
 use crate::process_group::ProcessGroup;
 use crate::store::millis;
 
@@ -33,11 +33,43 @@ pub enum ReduceOp {
 impl ReduceOp {
     fn code(self) -> i32 {
         match self {
-            ReduceOp::Sum => 0,
-            ReduceOp::Avg => 1,
-            ReduceOp::Min => 2,
-            ReduceOp::Max => 3,
-            ReduceOp::Product => 4,
+            ReduceOp::Sum => ffi::TDR_REDUCE_SUM,
+            ReduceOp::Avg => ffi::TDR_REDUCE_AVG,
+            ReduceOp::Min => ffi::TDR_REDUCE_MIN,
+            ReduceOp::Max => ffi::TDR_REDUCE_MAX,
+            ReduceOp::Product => ffi::TDR_REDUCE_PRODUCT,
+        }
+    }
+}
+
+/// Who an operation failed for, to turn the shim's failure into the right [`DistError`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OpContext {
+    /// This process's rank in the group.
+    pub rank: usize,
+    /// The operation, named as in torch.distributed.
+    pub op: &'static str,
+    /// The peer whose loss would fail the operation, where there is exactly one (a group of
+    /// two, a point-to-point transfer).
+    pub peer: Option<usize>,
+}
+
+impl OpContext {
+    /// A failed launch or blocking call: a lost connection names the peer, anything else is
+    /// the engine's error.
+    pub fn failure(self, e: ShimError) -> DistError {
+        match e.kind {
+            FailureKind::Network => DistError::PeerGone {
+                rank: self.rank,
+                op: self.op,
+                peer: self.peer,
+                cause: e.message,
+            },
+            FailureKind::Engine | FailureKind::Timeout => DistError::Collective {
+                rank: self.rank,
+                op: self.op,
+                cause: e.message,
+            },
         }
     }
 }
@@ -48,9 +80,10 @@ impl ReduceOp {
 /// `torch.distributed` work object does.
 pub struct Work {
     ptr: NonNull<ffi::TdrWork>,
-    rank: usize,
-    op: &'static str,
+    context: OpContext,
+    /// The group's timeout, which also bounds the backend's own wait for its peers.
     timeout: Duration,
+    launched: Instant,
 }
 
 // SAFETY: c10d work objects may be waited on from any thread; we never share one between
@@ -58,35 +91,40 @@ pub struct Work {
 unsafe impl Send for Work {}
 
 impl Work {
-    /// Waits up to the group's timeout.
+    /// Waits until the group's timeout has passed since the operation was launched.
     pub fn wait(mut self) -> Result<()> {
-        let timeout = self.timeout;
-        self.wait_timeout(timeout)
+        let left = self.timeout.saturating_sub(self.launched.elapsed());
+        self.wait_for(left, self.timeout)
     }
 
-    /// Waits up to `timeout`; on time-out the work stays pending and may be waited on again.
+    /// Waits up to `timeout`; when it passes with the work still pending, the error is a
+    /// [`DistError::Timeout`] and the work may be waited on again.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<()> {
-        let start = Instant::now();
+        self.wait_for(timeout, timeout)
+    }
+
+    /// Waits up to `limit`; a timeout is reported as `reported`.
+    fn wait_for(&mut self, limit: Duration, reported: Duration) -> Result<()> {
+        // c10d reads a zero timeout as "no timeout": wait at least a millisecond.
+        let ms = millis(limit).max(1);
         // SAFETY: live work handle; exceptions are caught in the shim.
-        let err = unsafe { ffi::tdr_work_wait(self.ptr.as_ptr(), millis(timeout)) };
-        // SAFETY: `err` is the shim's return value.
-        unsafe { ffi::take_error(err) }.map_err(|cause| {
-            if cause.contains("timed out")
-                || cause.contains("Timed out")
-                || start.elapsed() >= timeout
-            {
-                DistError::Timeout {
-                    rank: self.rank,
-                    op: self.op,
-                    timeout,
-                }
-            } else {
-                DistError::Collective {
-                    rank: self.rank,
-                    op: self.op,
-                    cause,
-                }
-            }
+        let result = shim!(tdr_work_wait(self.ptr.as_ptr(), ms));
+        let OpContext { rank, op, .. } = self.context;
+        result.map_err(|e| match e.kind {
+            // Our wait ended first.
+            FailureKind::Timeout => DistError::Timeout {
+                rank,
+                op,
+                timeout: reported,
+            },
+            // The backend's own wait for a peer ended (it started at the launch or later,
+            // with the group's timeout): the same timeout, seen from inside.
+            _ if self.launched.elapsed() >= self.timeout => DistError::Timeout {
+                rank,
+                op,
+                timeout: self.timeout,
+            },
+            _ => self.context.failure(e),
         })
     }
 
@@ -98,7 +136,7 @@ impl Work {
 
     /// The operation's name, as in torch.distributed.
     pub fn op(&self) -> &'static str {
-        self.op
+        self.context.op
     }
 }
 
@@ -114,38 +152,49 @@ fn raw(t: &Tensor) -> *mut C_tensor {
 }
 
 impl ProcessGroup {
+    /// The context of a collective of this group: in a group of two, the other rank is the
+    /// one peer whose loss fails it.
+    pub(crate) fn op_context(&self, op: &'static str) -> OpContext {
+        OpContext {
+            rank: self.rank(),
+            op,
+            peer: (self.world_size() == 2).then(|| 1 - self.rank()),
+        }
+    }
+
     fn launch(
         &self,
-        op: &'static str,
+        context: OpContext,
         call: impl FnOnce(*mut ffi::TdrGroup, *mut *mut ffi::TdrWork) -> *mut std::ffi::c_char,
     ) -> Result<Work> {
         let mut out = std::ptr::null_mut();
+        let launched = Instant::now();
         let err = call(self.raw(), &mut out);
-        // SAFETY: `err` is the shim's return value.
-        unsafe { ffi::take_error(err) }.map_err(|cause| DistError::Collective {
-            rank: self.rank(),
-            op,
-            cause,
-        })?;
+        // SAFETY: `err` is the return value of the shim function `call` just called.
+        unsafe { ffi::take_error(err) }.map_err(|e| context.failure(e))?;
         let ptr = NonNull::new(out).ok_or_else(|| DistError::Collective {
-            rank: self.rank(),
-            op,
+            rank: context.rank,
+            op: context.op,
             cause: "the engine returned no work handle".into(),
         })?;
         Ok(Work {
             ptr,
-            rank: self.rank(),
-            op,
+            context,
             timeout: self.timeout(),
+            launched,
         })
     }
 
-    fn check_rank(&self, op: &'static str, what: &str, r: usize) -> Result<()> {
+    pub(crate) fn check_rank(&self, op: &'static str, what: &'static str, r: usize) -> Result<()> {
         if r >= self.world_size() {
             return Err(DistError::InvalidArgument {
                 rank: self.rank(),
                 op,
-                msg: format!("{what} {r} is not in a group of size {}", self.world_size()),
+                problem: Box::new(ArgumentError::RankNotInGroup {
+                    what,
+                    rank: r,
+                    world_size: self.world_size(),
+                }),
             });
         }
         Ok(())
@@ -154,7 +203,7 @@ impl ProcessGroup {
     /// Reduces `tensor` over all ranks, in place, asynchronously.
     pub fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         // SAFETY: live group and tensor; the shim keeps its own reference to the tensor.
-        self.launch("all_reduce", |g, out| unsafe {
+        self.launch(self.op_context("all_reduce"), |g, out| unsafe {
             ffi::tdr_all_reduce(g, raw(tensor), op.code(), out)
         })
     }
@@ -175,7 +224,7 @@ impl ProcessGroup {
     pub fn broadcast_async(&self, tensor: &Tensor, src: usize) -> Result<Work> {
         self.check_rank("broadcast", "source rank", src)?;
         // SAFETY: live group and tensor.
-        self.launch("broadcast", |g, out| unsafe {
+        self.launch(self.op_context("broadcast"), |g, out| unsafe {
             ffi::tdr_broadcast(g, raw(tensor), src as i32, out)
         })
     }
@@ -189,7 +238,7 @@ impl ProcessGroup {
     pub fn all_gather_async(&self, outputs: &[Tensor], input: &Tensor) -> Result<Work> {
         let ptrs: Vec<*mut C_tensor> = outputs.iter().map(raw).collect();
         // SAFETY: live group and tensors; `ptrs` outlives the call.
-        self.launch("all_gather", |g, out| unsafe {
+        self.launch(self.op_context("all_gather"), |g, out| unsafe {
             ffi::tdr_all_gather(g, ptrs.as_ptr(), ptrs.len(), raw(input), out)
         })
     }
@@ -202,7 +251,7 @@ impl ProcessGroup {
     /// Gathers every rank's `input` into `output`, concatenated along dim 0, asynchronously.
     pub fn all_gather_into_tensor_async(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
         // SAFETY: live group and tensors.
-        self.launch("all_gather_into_tensor", |g, out| unsafe {
+        self.launch(self.op_context("all_gather_into_tensor"), |g, out| unsafe {
             ffi::tdr_all_gather_flat(g, raw(output), raw(input), out)
         })
     }
@@ -221,7 +270,7 @@ impl ProcessGroup {
     ) -> Result<Work> {
         let ptrs: Vec<*mut C_tensor> = inputs.iter().map(raw).collect();
         // SAFETY: live group and tensors; `ptrs` outlives the call.
-        self.launch("reduce_scatter", |g, out| unsafe {
+        self.launch(self.op_context("reduce_scatter"), |g, out| unsafe {
             ffi::tdr_reduce_scatter(g, raw(output), ptrs.as_ptr(), ptrs.len(), op.code(), out)
         })
     }
@@ -239,7 +288,7 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Result<Work> {
         // SAFETY: live group and tensors.
-        self.launch("reduce_scatter_tensor", |g, out| unsafe {
+        self.launch(self.op_context("reduce_scatter_tensor"), |g, out| unsafe {
             ffi::tdr_reduce_scatter_flat(g, raw(output), raw(input), op.code(), out)
         })
     }
@@ -258,7 +307,7 @@ impl ProcessGroup {
     /// `output`'s chunk i receives rank i's chunk for this rank. Asynchronous.
     pub fn all_to_all_single_async(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
         // SAFETY: live group and tensors.
-        self.launch("all_to_all", |g, out| unsafe {
+        self.launch(self.op_context("all_to_all"), |g, out| unsafe {
             ffi::tdr_all_to_all(g, raw(output), raw(input), out)
         })
     }
@@ -272,7 +321,11 @@ impl ProcessGroup {
     pub fn send_async(&self, tensor: &Tensor, dst: usize, tag: i32) -> Result<Work> {
         self.check_peer("send", dst)?;
         // SAFETY: live group and tensor.
-        self.launch("send", |g, out| unsafe {
+        let context = OpContext {
+            peer: Some(dst),
+            ..self.op_context("send")
+        };
+        self.launch(context, |g, out| unsafe {
             ffi::tdr_send(g, raw(tensor), dst as i32, tag, out)
         })
     }
@@ -286,7 +339,11 @@ impl ProcessGroup {
     pub fn recv_async(&self, tensor: &Tensor, src: usize, tag: i32) -> Result<Work> {
         self.check_peer("recv", src)?;
         // SAFETY: live group and tensor.
-        self.launch("recv", |g, out| unsafe {
+        let context = OpContext {
+            peer: Some(src),
+            ..self.op_context("recv")
+        };
+        self.launch(context, |g, out| unsafe {
             ffi::tdr_recv(g, raw(tensor), src as i32, tag, out)
         })
     }
@@ -302,7 +359,7 @@ impl ProcessGroup {
             return Err(DistError::InvalidArgument {
                 rank: self.rank(),
                 op,
-                msg: "a rank cannot send to or receive from itself".into(),
+                problem: Box::new(ArgumentError::SelfPeer),
             });
         }
         Ok(())
@@ -311,7 +368,9 @@ impl ProcessGroup {
     /// Waits until every rank has reached the barrier, asynchronously.
     pub fn barrier_async(&self) -> Result<Work> {
         // SAFETY: live group.
-        self.launch("barrier", |g, out| unsafe { ffi::tdr_barrier(g, out) })
+        self.launch(self.op_context("barrier"), |g, out| unsafe {
+            ffi::tdr_barrier(g, out)
+        })
     }
 
     /// Waits until every rank has reached the barrier.
@@ -324,13 +383,15 @@ impl ProcessGroup {
     /// rather than the first).
     pub fn monitored_barrier(&self, timeout: Duration, wait_all_ranks: bool) -> Result<()> {
         // SAFETY: live group; blocking call bounded by `timeout` inside Gloo.
-        let err =
-            unsafe { ffi::tdr_monitored_barrier(self.raw(), millis(timeout), wait_all_ranks) };
-        // SAFETY: `err` is the shim's return value.
-        unsafe { ffi::take_error(err) }.map_err(|cause| DistError::Collective {
+        shim!(tdr_monitored_barrier(
+            self.raw(),
+            millis(timeout),
+            wait_all_ranks
+        ))
+        .map_err(|e| DistError::Collective {
             rank: self.rank(),
             op: "monitored_barrier",
-            cause,
+            cause: e.message,
         })
     }
 }

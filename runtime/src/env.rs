@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::error::{DistError, Result};
+use crate::error::{EnvError, Result};
 
 /// PyTorch's default timeout for process groups and their collectives (30 minutes).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
@@ -40,47 +40,41 @@ impl LaunchEnv {
 
     /// Reads the variables through `get`; torchrun's names win over Slurm's.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
-        let pick = |torchrun: &str, slurm: &str| -> Option<(String, String)> {
-            get(torchrun)
-                .map(|v| (torchrun.to_string(), v))
-                .or_else(|| get(slurm).map(|v| (slurm.to_string(), v)))
-        };
-        let (rank_var, rank) = pick("RANK", "SLURM_PROCID").ok_or_else(|| {
-            DistError::Env(
-                "neither RANK (torchrun, tch-dist-run) nor SLURM_PROCID is set; start the \
-                 program with tch-dist-run, torchrun or srun"
-                    .into(),
-            )
-        })?;
-        let rank = parse_usize(&rank_var, &rank)?;
-        let (world_var, world) = pick("WORLD_SIZE", "SLURM_NTASKS")
-            .ok_or_else(|| DistError::Env("neither WORLD_SIZE nor SLURM_NTASKS is set".into()))?;
-        let world_size = parse_usize(&world_var, &world)?;
+        let pick =
+            |torchrun: &'static str, slurm: &'static str| -> Option<(&'static str, String)> {
+                get(torchrun)
+                    .map(|v| (torchrun, v))
+                    .or_else(|| get(slurm).map(|v| (slurm, v)))
+            };
+        let (rank_var, rank) = pick("RANK", "SLURM_PROCID").ok_or(EnvError::NoRank)?;
+        let rank = parse_usize(rank_var, &rank)?;
+        let (world_var, world) = pick("WORLD_SIZE", "SLURM_NTASKS").ok_or(EnvError::NoWorldSize)?;
+        let world_size = parse_usize(world_var, &world)?;
         if world_size == 0 {
-            return Err(DistError::Env(format!(
-                "{world_var}=0: the world size must be at least 1"
-            )));
+            return Err(EnvError::ZeroWorldSize { var: world_var }.into());
         }
         if rank >= world_size {
-            return Err(DistError::Env(format!(
-                "{rank_var}={rank} is out of range for {world_var}={world_size} (ranks are 0..{world_size})"
-            )));
+            return Err(EnvError::RankOutOfRange {
+                rank_var,
+                rank,
+                world_var,
+                world_size,
+            }
+            .into());
         }
         let local_rank = match pick("LOCAL_RANK", "SLURM_LOCALID") {
-            Some((var, v)) => parse_usize(&var, &v)?,
+            Some((var, v)) => parse_usize(var, &v)?,
             None => rank,
         };
         let master_addr = match get("MASTER_ADDR") {
             Some(a) if !a.trim().is_empty() => a.trim().to_string(),
-            Some(_) => return Err(DistError::Env("MASTER_ADDR is empty".into())),
+            Some(_) => return Err(EnvError::EmptyMasterAddr.into()),
             None => {
                 let single_node = get("SLURM_NNODES").is_none_or(|n| n.trim() == "1");
                 if rank_var == "SLURM_PROCID" && single_node {
                     "127.0.0.1".to_string()
                 } else {
-                    return Err(DistError::Env(
-                        "MASTER_ADDR is not set (the rendezvous host, rank 0's address)".into(),
-                    ));
+                    return Err(EnvError::NoMasterAddr.into());
                 }
             }
         };
@@ -90,9 +84,7 @@ impl LaunchEnv {
                 .parse::<u16>()
                 .ok()
                 .filter(|p| *p != 0)
-                .ok_or_else(|| {
-                    DistError::Env(format!("MASTER_PORT={p:?} is not a port number (1-65535)"))
-                })?,
+                .ok_or_else(|| EnvError::BadPort { value: p.clone() })?,
             None => DEFAULT_MASTER_PORT,
         };
         Ok(Self {
@@ -105,11 +97,14 @@ impl LaunchEnv {
     }
 }
 
-fn parse_usize(var: &str, value: &str) -> Result<usize> {
-    value
-        .trim()
-        .parse::<usize>()
-        .map_err(|_| DistError::Env(format!("{var}={value:?} is not a non-negative integer")))
+fn parse_usize(var: &'static str, value: &str) -> Result<usize> {
+    value.trim().parse::<usize>().map_err(|_| {
+        EnvError::NotAnInteger {
+            var,
+            value: value.to_string(),
+        }
+        .into()
+    })
 }
 
 /// True when `addr` names this machine's loopback interface.
@@ -124,6 +119,7 @@ pub(crate) fn is_loopback(addr: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::DistError;
 
     fn env(vars: &[(&str, &str)]) -> Result<LaunchEnv> {
         LaunchEnv::from_vars(|k| {
@@ -174,7 +170,7 @@ mod tests {
             ("SLURM_NTASKS", "2"),
             ("SLURM_NNODES", "2"),
         ]);
-        assert!(matches!(err, Err(DistError::Env(m)) if m.contains("MASTER_ADDR")));
+        assert!(matches!(err, Err(DistError::Env(EnvError::NoMasterAddr))));
         // torchrun's names win.
         let e = env(&[
             ("RANK", "0"),

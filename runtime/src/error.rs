@@ -1,19 +1,29 @@
-//! The runtime's error type: every engine failure reaches Rust as one of these values.
+//! The runtime's errors: every engine failure and every refused argument reaches Rust as one
+//! of these values, with the rank, the operation and what went wrong as fields.
+//!
+//! Messages follow one shape, `rank R: OP ...: what`, and name the rank, the operation and the
+//! parameter (FQN) once. Text only enters where the engine speaks (`cause`: what c10d or
+//! Gloo said) and where a value crosses libtorch's autograd engine as a message (a failed
+//! backward pass); the reducer keeps the typed value and returns it from the next call.
 
+use std::fmt;
 use std::time::Duration;
 
-/// An error from tch-dist's runtime. Messages name the rank, the operation and the cause.
+use tch::{Device, Kind};
+
+/// An error from tch-dist's runtime.
 ///
 /// ```
 /// use tch_dist_runtime::DistError;
-/// let e = DistError::Collective { rank: 1, op: "all_reduce", cause: "Connection closed by peer".into() };
-/// assert_eq!(e.to_string(), "rank 1: all_reduce failed: Connection closed by peer");
+/// let e = DistError::PeerGone { rank: 0, op: "all_reduce", peer: Some(1), cause: "Connection closed by peer".into() };
+/// assert_eq!(e.to_string(), "rank 0: all_reduce failed: rank 1 closed the connection");
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DistError {
     /// A launch variable (RANK, WORLD_SIZE, MASTER_PORT, ...) is missing or malformed.
     #[error("invalid launch environment: {0}")]
-    Env(String),
+    Env(#[from] EnvError),
     /// Connecting to the rendezvous store or creating the backends failed.
     #[error("rank {rank}: rendezvous with {addr}:{port} failed: {cause}")]
     Rendezvous {
@@ -26,7 +36,8 @@ pub enum DistError {
         /// What the engine said.
         cause: String,
     },
-    /// A collective (or point-to-point operation) failed or timed out.
+    /// The engine failed an operation (a collective, a point-to-point transfer, a hook
+    /// registration) for a reason other than a timeout or a departed peer.
     #[error("rank {rank}: {op} failed: {cause}")]
     Collective {
         /// This process's rank in the group.
@@ -36,23 +47,20 @@ pub enum DistError {
         /// What the engine said.
         cause: String,
     },
-    /// An argument is out of range or inconsistent; nothing was sent.
-    #[error("rank {rank}: invalid argument to {op}: {msg}")]
-    InvalidArgument {
+    /// A peer closed its connection in the middle of an operation: it exited or crashed.
+    #[error("rank {rank}: {op} failed: {}", PeerText(*peer))]
+    PeerGone {
         /// This process's rank in the group.
         rank: usize,
         /// The operation.
         op: &'static str,
-        /// What is wrong.
-        msg: String,
+        /// The peer's rank in the group, where it is known (a group of two, a
+        /// point-to-point transfer).
+        peer: Option<usize>,
+        /// What the engine said.
+        cause: String,
     },
-    /// No default process group exists yet.
-    #[error("the default process group is not initialized; call init_process_group first")]
-    NotInitialized,
-    /// `init_process_group` was called while a default group exists.
-    #[error("the default process group is already initialized; call destroy_process_group first")]
-    AlreadyInitialized,
-    /// A wait gave up.
+    /// A wait gave up after `timeout`.
     #[error("rank {rank}: {op} timed out after {timeout:?}")]
     Timeout {
         /// This process's rank in the group.
@@ -62,7 +70,418 @@ pub enum DistError {
         /// The limit that passed.
         timeout: Duration,
     },
+    /// An argument is out of range or inconsistent; nothing was sent.
+    #[error("rank {rank}: invalid argument to {op}: {problem}")]
+    InvalidArgument {
+        /// This process's rank in the group.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// What is wrong (boxed: it keeps every `Result` of the runtime small).
+        problem: Box<ArgumentError>,
+    },
+    /// The ranks passed different things to an operation that needs the same on every rank;
+    /// every rank reports the first difference.
+    #[error("rank {rank}: {op}: {mismatch}")]
+    Mismatch {
+        /// This process's rank in the group.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// What differs, and on which ranks (boxed, as `problem` above).
+        mismatch: Box<Mismatch>,
+    },
+    /// `static_graph`: a parameter's use changed after the first iteration.
+    #[error(
+        "rank {rank}: replicate: the training graph changed in this iteration: `{fqn}` {} in \
+         the first iteration but {} in this one, which static_graph=true does not allow",
+        if *used_in_first_pass { "got a gradient" } else { "got no gradient" },
+        if *used_in_first_pass { "none" } else { "one" }
+    )]
+    GraphChanged {
+        /// This process's rank.
+        rank: usize,
+        /// The parameter whose use changed.
+        fqn: String,
+        /// Whether it got a gradient in the first iteration.
+        used_in_first_pass: bool,
+    },
+    /// The previous backward pass left parameters without a gradient (PyTorch's
+    /// "Expected to have finished reduction in the prior iteration" error, whose wording
+    /// names the rank again where it lists the parameters).
+    #[error(
+        "rank {rank}: replicate failed: Expected to have finished reduction in the prior iteration \
+         before starting a new one. This error indicates that your module has parameters that \
+         were not used in producing loss. You can enable unused parameter detection by passing \
+         `find_unused_parameters: true` in replicate::Options, and by making sure all forward \
+         outputs participate in calculating loss. Parameter indices which did not receive \
+         grad: {}. Parameters which did not receive grad for rank {rank}: {}",
+        Joined(indices, " "),
+        Joined(fqns, ", ")
+    )]
+    UnfinishedReduction {
+        /// This process's rank.
+        rank: usize,
+        /// The parameters' indices in registration order.
+        indices: Vec<usize>,
+        /// The parameters' FQNs, in the same order.
+        fqns: Vec<String>,
+    },
+    /// A parameter's gradient changed after its all-reduce had started (it was marked ready
+    /// twice in one backward pass).
+    #[error(
+        "rank {rank}: replicate: parameter `{fqn}` received a gradient after its all-reduce \
+         had started (it was marked ready twice in one backward pass, e.g. used in several \
+         reentrant backward passes or outside forward)"
+    )]
+    GradientAfterLaunch {
+        /// This process's rank.
+        rank: usize,
+        /// The parameter.
+        fqn: String,
+    },
+    /// A key-value store operation (c10d's TCPStore) failed or timed out.
+    #[error("store {op} of `{key}` failed: {cause}")]
+    Store {
+        /// The operation: `set`, `get`, `add`, `prefix`.
+        op: &'static str,
+        /// The key (or prefix).
+        key: String,
+        /// What the engine said.
+        cause: String,
+    },
+    /// No default process group exists yet.
+    #[error("the default process group is not initialized; call init_process_group first")]
+    NotInitialized,
+    /// `init_process_group` was called while a default group exists.
+    #[error("the default process group is already initialized; call destroy_process_group first")]
+    AlreadyInitialized,
 }
 
 /// The runtime's result type.
 pub type Result<T, E = DistError> = std::result::Result<T, E>;
+
+/// What is wrong with the launch environment (the variables torchrun, Slurm or
+/// `tch-dist-run` set, or the explicit [`InitOptions`](crate::InitOptions)).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EnvError {
+    /// Neither RANK nor SLURM_PROCID is set.
+    #[error(
+        "neither RANK (torchrun, tch-dist-run) nor SLURM_PROCID is set; start the program \
+         with tch-dist-run, torchrun or srun"
+    )]
+    NoRank,
+    /// Neither WORLD_SIZE nor SLURM_NTASKS is set.
+    #[error("neither WORLD_SIZE nor SLURM_NTASKS is set")]
+    NoWorldSize,
+    /// A variable that must hold a non-negative integer does not.
+    #[error("{var}={value:?} is not a non-negative integer")]
+    NotAnInteger {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+    },
+    /// The world size is zero.
+    #[error("{var}=0: the world size must be at least 1")]
+    ZeroWorldSize {
+        /// WORLD_SIZE or SLURM_NTASKS.
+        var: &'static str,
+    },
+    /// The rank is not below the world size.
+    #[error("{rank_var}={rank} is out of range for {world_var}={world_size} (ranks are 0..{world_size})")]
+    RankOutOfRange {
+        /// RANK or SLURM_PROCID (`rank` for explicit options).
+        rank_var: &'static str,
+        /// The rank.
+        rank: usize,
+        /// WORLD_SIZE or SLURM_NTASKS (`world_size` for explicit options).
+        world_var: &'static str,
+        /// The world size.
+        world_size: usize,
+    },
+    /// MASTER_ADDR is set but empty.
+    #[error("MASTER_ADDR is empty")]
+    EmptyMasterAddr,
+    /// MASTER_ADDR is needed and not set.
+    #[error("MASTER_ADDR is not set (the rendezvous host, rank 0's address)")]
+    NoMasterAddr,
+    /// MASTER_PORT is not a port number.
+    #[error("MASTER_PORT={value:?} is not a port number (1-65535)")]
+    BadPort {
+        /// Its value.
+        value: String,
+    },
+    /// TCH_DIST_TIMEOUT_SECS is not a positive number.
+    #[error("TCH_DIST_TIMEOUT_SECS={value:?} is not a positive number")]
+    BadTimeout {
+        /// Its value.
+        value: String,
+    },
+    /// NCCL was asked for, but this build of tch-dist has no NCCL support.
+    #[error("tch-dist was built without NCCL support")]
+    NcclNotCompiled,
+}
+
+/// What is wrong with an argument (the `problem` of [`DistError::InvalidArgument`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ArgumentError {
+    /// A rank argument (`what`: "source rank", "peer rank", "src_rank", "dst", ...) is not in
+    /// the group.
+    #[error("{what} {rank} is not in a group of size {world_size}")]
+    RankNotInGroup {
+        /// Which argument.
+        what: &'static str,
+        /// Its value.
+        rank: usize,
+        /// The group's size.
+        world_size: usize,
+    },
+    /// A point-to-point operation names this rank as its peer.
+    #[error("a rank cannot send to or receive from itself")]
+    SelfPeer,
+    /// `new_group` got no ranks.
+    #[error("the rank list is empty")]
+    EmptyRankList,
+    /// `new_group` got a rank twice.
+    #[error("rank {rank} is listed twice")]
+    DuplicateRank {
+        /// The repeated rank.
+        rank: usize,
+    },
+    /// A numeric option that must be positive is not.
+    #[error("{option} must be positive, got {value}")]
+    NotPositive {
+        /// The option's name.
+        option: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// PowerSGD's rank is zero.
+    #[error("PowerSGD: matrix_approximation_rank must be at least 1")]
+    PowerSgdRank,
+    /// PowerSGD with error feedback or warm start needs to start after the rebuild.
+    #[error(
+        "PowerSGD: expected start_powersgd_iter > 1 if use_error_feedback or warm_start is \
+         enabled (got {start_powersgd_iter}), because PowerSGD can only be applied after the \
+         buckets are rebuilt at the end of the first step"
+    )]
+    PowerSgdStartIter {
+        /// The value given.
+        start_powersgd_iter: u64,
+    },
+    /// PowerSGD's `min_compression_rate` is negative or not a number.
+    #[error("PowerSGD: min_compression_rate must be a non-negative number, got {value}")]
+    PowerSgdCompressionRate {
+        /// The value given.
+        value: f64,
+    },
+    /// A parameter handed to the reducer does not require grad.
+    #[error("parameter `{fqn}` does not require grad")]
+    NoGrad {
+        /// The parameter.
+        fqn: String,
+    },
+    /// The parameters handed to the reducer live on different devices.
+    #[error(
+        "parameter `{fqn}` is on {device:?} but `{first_fqn}` is on {first_device:?}; a \
+         replicated module lives on one device"
+    )]
+    MixedDevices {
+        /// The parameter on another device.
+        fqn: String,
+        /// Its device.
+        device: Device,
+        /// The first parameter.
+        first_fqn: String,
+        /// Its device.
+        first_device: Device,
+    },
+    /// A sharding spec or metadata does not fit (see [`ShardingError`]).
+    #[error(transparent)]
+    Sharding(#[from] tch_dist_core::sharding::ShardingError),
+    /// A placement names a rank outside the group.
+    #[error("placement `{placement}` names rank {}, but the group has {world_size} ranks", placement.rank())]
+    PlacementRank {
+        /// The placement.
+        placement: tch_dist_core::sharding::Placement,
+        /// The group's size.
+        world_size: usize,
+    },
+    /// A placement needs CUDA, which this process does not have.
+    #[error("placement `{placement}` needs CUDA, which is not available")]
+    PlacementNeedsCuda {
+        /// The placement.
+        placement: tch_dist_core::sharding::Placement,
+    },
+    /// The local shards handed over are not the ones the metadata places on this rank.
+    #[error(
+        "the global metadata places {expected} shard(s) on this rank, got {got} that do not \
+         match it"
+    )]
+    LocalShards {
+        /// How many the metadata places here.
+        expected: usize,
+        /// How many were given.
+        got: usize,
+    },
+    /// A local shard's shape or dtype differs from its metadata.
+    #[error("a local shard is {actual}, its metadata says {expected}")]
+    LocalShardSignature {
+        /// What the tensor is.
+        actual: TensorSignature,
+        /// What the metadata says.
+        expected: TensorSignature,
+    },
+    /// `local_tensor()` needs exactly one local shard.
+    #[error("local_tensor() needs exactly one local shard, this rank holds {held}")]
+    LocalTensorCount {
+        /// How many this rank holds.
+        held: usize,
+    },
+    /// This rank should hold a shard and does not.
+    #[error("this rank should hold the shard at offsets {offsets:?} but does not")]
+    MissingShard {
+        /// The shard's offsets.
+        offsets: Vec<i64>,
+    },
+}
+
+/// A tensor's shape and dtype, as ranks compare them (written `[8, 4] (Float)`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSignature {
+    /// The shape.
+    pub shape: Vec<i64>,
+    /// The element type.
+    pub kind: Kind,
+}
+
+impl fmt::Display for TensorSignature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?} ({:?})", self.shape, self.kind)
+    }
+}
+
+/// One entry of a list of tensors the ranks compare: its name and signature.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedSignature {
+    /// The tensor's FQN.
+    pub fqn: String,
+    /// Its shape and dtype.
+    pub signature: TensorSignature,
+}
+
+impl fmt::Display for NamedSignature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "`{}` with shape {:?} ({:?})",
+            self.fqn, self.signature.shape, self.signature.kind
+        )
+    }
+}
+
+/// What differs across ranks (the `mismatch` of [`DistError::Mismatch`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Mismatch {
+    /// A named tensor has another shape or dtype on `other_rank` than on `reference_rank`.
+    #[error(
+        "{what} differ across ranks: `{fqn}` has shape {:?} ({:?}) on rank {reference_rank} but \
+         shape {:?} ({:?}) on rank {other_rank}",
+        reference.shape, reference.kind, other.shape, other.kind
+    )]
+    Tensor {
+        /// What the list holds ("parameters", "buffers").
+        what: &'static str,
+        /// The tensor's FQN.
+        fqn: String,
+        /// The rank whose list is the reference.
+        reference_rank: usize,
+        /// The tensor there.
+        reference: TensorSignature,
+        /// The rank that differs.
+        other_rank: usize,
+        /// The tensor there.
+        other: TensorSignature,
+    },
+    /// The ranks' lists differ in length or names; `index` is the first entry that differs.
+    #[error(
+        "{what} differ across ranks: rank {reference_rank} has {reference_len} {what} and rank \
+         {other_rank} has {other_len}; entry {index} is {} on rank {reference_rank} but {} on \
+         rank {other_rank}",
+        Entry(reference_entry.as_ref()),
+        Entry(other_entry.as_ref())
+    )]
+    List {
+        /// What the list holds ("parameters", "buffers").
+        what: &'static str,
+        /// The rank whose list is the reference.
+        reference_rank: usize,
+        /// Its length.
+        reference_len: usize,
+        /// The rank that differs.
+        other_rank: usize,
+        /// Its length.
+        other_len: usize,
+        /// The first differing position.
+        index: usize,
+        /// The entry there on the reference rank (`None`: its list is shorter).
+        reference_entry: Option<NamedSignature>,
+        /// The entry there on the other rank.
+        other_entry: Option<NamedSignature>,
+    },
+    /// One unnamed tensor (the source of a scatter) differs.
+    #[error("rank {reference_rank} passes a tensor of shape {reference}, but rank {other_rank} passed {other}")]
+    Shape {
+        /// The rank whose tensor is the reference (the source).
+        reference_rank: usize,
+        /// Its tensor.
+        reference: TensorSignature,
+        /// The rank that differs.
+        other_rank: usize,
+        /// Its tensor.
+        other: TensorSignature,
+    },
+}
+
+/// `rank 1 closed the connection`, or `a peer ...` when the rank is not known.
+struct PeerText(Option<usize>);
+
+impl fmt::Display for PeerText {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(p) => write!(f, "rank {p} closed the connection"),
+            None => f.write_str("a peer closed the connection"),
+        }
+    }
+}
+
+/// Items joined by a separator.
+struct Joined<'a, T>(&'a [T], &'static str);
+
+impl<T: fmt::Display> fmt::Display for Joined<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, item) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(self.1)?;
+            }
+            write!(f, "{item}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A list entry, or `missing` past the list's end.
+struct Entry<'a>(Option<&'a NamedSignature>);
+
+impl fmt::Display for Entry<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(e) => write!(f, "{e}"),
+            None => f.write_str("missing"),
+        }
+    }
+}

@@ -1,8 +1,11 @@
-//! The `extern "C"` surface of csrc/shim.cpp and the one place its errors become Rust values.
+//! The `extern "C"` surface of csrc/shim.cpp, mirrored from its contract csrc/shim.h, and the
+//! one place its errors become Rust values.
 //!
-//! Every shim function returns a `char*`: null on success, else a malloc'ed message that
-//! [`take_error`] copies into a `String` and frees. All `unsafe` of the runtime that touches
-//! the shim goes through the declarations below; callers comment why each call is sound.
+//! Every fallible shim function returns a `char*`: null on success, else a malloc'ed message
+//! that [`take_error`] copies into a `String` and frees; [`shim!`] makes that call-and-check
+//! one expression. All `unsafe` of the runtime that touches the shim goes through the
+//! declarations below; callers comment why each call is sound. `tests::header_and_bindings_agree`
+//! reads shim.h and fails when a prototype or an enum code here differs from it.
 
 use std::ffi::{c_char, c_int, CStr};
 
@@ -32,6 +35,29 @@ pub struct TdrHook {
     _private: [u8; 0],
 }
 
+// `enum TdrErrorKind` (what `tdr_last_error_kind` reports about the last failure; the first
+// two are named for the contract check, `take_error` reads anything else as an engine error).
+#[allow(dead_code)]
+pub const TDR_ERROR_NONE: c_int = 0;
+#[allow(dead_code)]
+pub const TDR_ERROR_ENGINE: c_int = 1;
+pub const TDR_ERROR_NETWORK: c_int = 2;
+pub const TDR_ERROR_TIMEOUT: c_int = 3;
+
+// `enum TdrReduceOp` (the reductions of all_reduce and reduce_scatter).
+pub const TDR_REDUCE_SUM: c_int = 0;
+pub const TDR_REDUCE_AVG: c_int = 1;
+pub const TDR_REDUCE_MIN: c_int = 2;
+pub const TDR_REDUCE_MAX: c_int = 3;
+pub const TDR_REDUCE_PRODUCT: c_int = 4;
+
+// `enum TdrParallelMode` (the differentiable collectives of `tdr_parallel_op`).
+pub const TDR_PARALLEL_REDUCE: c_int = 0;
+pub const TDR_PARALLEL_COPY: c_int = 1;
+pub const TDR_PARALLEL_GATHER: c_int = 2;
+pub const TDR_PARALLEL_SPLIT: c_int = 3;
+pub const TDR_PARALLEL_REDUCE_SCATTER: c_int = 4;
+
 /// A callback the shim calls from libtorch's autograd threads with an opaque context; it
 /// returns null or a malloc'ed error message (which fails the backward pass).
 pub type TdrCallback =
@@ -39,6 +65,7 @@ pub type TdrCallback =
 
 extern "C" {
     pub fn tdr_string_free(s: *mut c_char);
+    pub fn tdr_last_error_kind() -> c_int;
     pub fn tdr_bytes_free(data: *mut u8);
 
     pub fn tdr_store_tcp(
@@ -183,6 +210,21 @@ extern "C" {
     ) -> *mut c_char;
 }
 
+/// Calls the fallible shim entry point `$f` and turns its returned message into
+/// `Result<(), ShimError>`: the one error-check pattern of every call into the shim.
+///
+/// The expansion is an `unsafe` call; the caller states above the macro, in a `// SAFETY:`
+/// comment, why the arguments are valid (live handles and tensors, valid out-pointers).
+/// What the shim returns is null or a message it has not freed, which `take_error` frees once.
+macro_rules! shim {
+    ($f:ident($($arg:expr),* $(,)?)) => {
+        // SAFETY: the arguments are vouched for at the call site; the return value goes
+        // straight to `take_error`, which frees it exactly once.
+        unsafe { $crate::ffi::take_error($crate::ffi::$f($($arg),*)) }
+    };
+}
+pub(crate) use shim;
+
 /// Copies `msg` into a malloc'ed C string the shim frees (for callback errors).
 pub fn malloc_message(msg: &str) -> *mut c_char {
     let bytes = msg.as_bytes();
@@ -198,18 +240,213 @@ pub fn malloc_message(msg: &str) -> *mut c_char {
     }
 }
 
+/// What kind of failure a shim call reported (`enum TdrErrorKind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Any engine error.
+    Engine,
+    /// A lost connection: a peer exited, crashed, or its side timed out.
+    Network,
+    /// A wait ended with the work still pending.
+    Timeout,
+}
+
+/// A failed shim call: what the engine said and what kind of failure it was.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShimError {
+    /// The engine's message (without C++ backtrace).
+    pub message: String,
+    /// Its kind.
+    pub kind: FailureKind,
+}
+
+impl From<ShimError> for String {
+    fn from(e: ShimError) -> String {
+        e.message
+    }
+}
+
 /// Turns a shim return value into a `Result`, freeing the message.
 ///
 /// # Safety
-/// `err` must be null or a message returned by a shim function and not yet freed.
-pub unsafe fn take_error(err: *mut c_char) -> Result<(), String> {
+/// `err` must be null or a message returned by the shim function called last on this
+/// thread, not yet freed.
+pub unsafe fn take_error(err: *mut c_char) -> Result<(), ShimError> {
     if err.is_null() {
         return Ok(());
     }
+    // SAFETY: the kind belongs to the call that just returned on this thread.
+    let kind = match unsafe { tdr_last_error_kind() } {
+        TDR_ERROR_NETWORK => FailureKind::Network,
+        TDR_ERROR_TIMEOUT => FailureKind::Timeout,
+        _ => FailureKind::Engine,
+    };
     // SAFETY: the shim returns NUL-terminated malloc'ed strings; we free it exactly once.
-    let msg = unsafe { CStr::from_ptr(err) }
+    let message = unsafe { CStr::from_ptr(err) }
         .to_string_lossy()
         .into_owned();
     unsafe { tdr_string_free(err) };
-    Err(msg)
+    Err(ShimError { message, kind })
+}
+
+#[cfg(test)]
+mod tests {
+    //! The contract check: shim.h and the declarations above must agree on every prototype
+    //! (name, parameter types, return type) and every enum code.
+
+    use std::collections::BTreeMap;
+
+    const HEADER: &str = include_str!("../csrc/shim.h");
+    const BINDINGS: &str = include_str!("ffi.rs");
+
+    /// A type as both languages spell it, reduced to its base name and pointer depth
+    /// (constness is not compared: Rust's `*const`/`*mut` and C's `const` differ in where
+    /// they may appear, not in layout).
+    fn c_type(t: &str) -> (String, usize) {
+        let t = t.replace("const ", "");
+        let depth = t.matches('*').count();
+        let base = t.replace('*', "").trim().to_string();
+        let base = match base.as_str() {
+            "int" => "c_int",
+            "int64_t" => "i64",
+            "uint16_t" => "u16",
+            "uint8_t" => "u8",
+            "size_t" => "usize",
+            "bool" => "bool",
+            "char" => "c_char",
+            "void" => "c_void",
+            "TdrTensor" => "C_tensor",
+            other => other,
+        };
+        (base.to_string(), depth)
+    }
+
+    fn rust_type(t: &str) -> (String, usize) {
+        let mut t = t.trim();
+        let mut depth = 0;
+        while let Some(rest) = t
+            .strip_prefix("*mut ")
+            .or_else(|| t.strip_prefix("*const "))
+        {
+            depth += 1;
+            t = rest.trim();
+        }
+        let base = t.rsplit("::").next().unwrap_or(t);
+        (base.to_string(), depth)
+    }
+
+    type Signature = (Vec<(String, usize)>, (String, usize));
+
+    /// `name -> (parameter types, return type)` of every `tdr_*` prototype in shim.h.
+    fn header_prototypes() -> BTreeMap<String, Signature> {
+        let code: String = HEADER
+            .lines()
+            .map(|l| l.split("//").next().unwrap_or(""))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let mut out = BTreeMap::new();
+        for decl in code.split(';') {
+            let decl = decl.split_whitespace().collect::<Vec<_>>().join(" ");
+            let Some(open) = decl.find("tdr_") else {
+                continue;
+            };
+            if decl.contains("typedef") || !decl.ends_with(')') {
+                continue;
+            }
+            let head = &decl[..open];
+            let rest = &decl[open..];
+            let (name, params) = rest.split_once('(').expect("a prototype has parameters");
+            let params = params.trim_end_matches(')');
+            let ret = head.rsplit(['{', '}']).next().unwrap_or(head);
+            let types = params
+                .split(',')
+                .map(str::trim)
+                .filter(|p| !p.is_empty() && *p != "void")
+                .map(|p| {
+                    let cut = p.rfind([' ', '*']).expect("a named parameter");
+                    c_type(&p[..=cut])
+                })
+                .collect();
+            out.insert(name.trim().to_string(), (types, c_type(ret)));
+        }
+        out
+    }
+
+    /// The same for the `extern "C"` block above.
+    fn binding_prototypes() -> BTreeMap<String, Signature> {
+        let block = BINDINGS
+            .split("extern \"C\" {")
+            .nth(1)
+            .and_then(|b| b.split("\n}\n").next())
+            .expect("ffi.rs has an extern block");
+        let code = block.split_whitespace().collect::<Vec<_>>().join(" ");
+        let mut out = BTreeMap::new();
+        for decl in code.split(';') {
+            let Some(start) = decl.find("pub fn ") else {
+                continue;
+            };
+            let decl = &decl[start + "pub fn ".len()..];
+            let (name, rest) = decl.split_once('(').expect("a declaration has parameters");
+            let (params, ret) = rest.rsplit_once(')').expect("closed parameter list");
+            let types = params
+                .split(',')
+                .map(str::trim)
+                .filter(|p| !p.is_empty())
+                .map(|p| rust_type(p.split_once(':').expect("name: type").1))
+                .collect();
+            let ret = match ret.trim().strip_prefix("->") {
+                Some(r) => rust_type(r),
+                None => ("c_void".to_string(), 0),
+            };
+            out.insert(name.trim().to_string(), (types, ret));
+        }
+        out
+    }
+
+    #[test]
+    fn header_and_bindings_agree() {
+        let header = header_prototypes();
+        let bindings = binding_prototypes();
+        assert!(
+            header.len() >= 30,
+            "parsed only {} prototypes",
+            header.len()
+        );
+        let names = |m: &BTreeMap<String, Signature>| m.keys().cloned().collect::<Vec<_>>();
+        assert_eq!(names(&header), names(&bindings), "the same entry points");
+        for (name, sig) in &header {
+            assert_eq!(Some(sig), bindings.get(name), "prototype of {name}");
+        }
+        let codes: BTreeMap<&str, i32> = HEADER
+            .lines()
+            .filter_map(|l| {
+                let code = l.split("//").next()?.trim().trim_end_matches(',');
+                let (name, value) = code.split_once(" = ")?;
+                Some((
+                    name.strip_prefix("TDR_").map(|_| name)?,
+                    value.parse().ok()?,
+                ))
+            })
+            .collect();
+        let rust = [
+            ("TDR_ERROR_NONE", super::TDR_ERROR_NONE),
+            ("TDR_ERROR_ENGINE", super::TDR_ERROR_ENGINE),
+            ("TDR_ERROR_NETWORK", super::TDR_ERROR_NETWORK),
+            ("TDR_ERROR_TIMEOUT", super::TDR_ERROR_TIMEOUT),
+            ("TDR_REDUCE_SUM", super::TDR_REDUCE_SUM),
+            ("TDR_REDUCE_AVG", super::TDR_REDUCE_AVG),
+            ("TDR_REDUCE_MIN", super::TDR_REDUCE_MIN),
+            ("TDR_REDUCE_MAX", super::TDR_REDUCE_MAX),
+            ("TDR_REDUCE_PRODUCT", super::TDR_REDUCE_PRODUCT),
+            ("TDR_PARALLEL_REDUCE", super::TDR_PARALLEL_REDUCE),
+            ("TDR_PARALLEL_COPY", super::TDR_PARALLEL_COPY),
+            ("TDR_PARALLEL_GATHER", super::TDR_PARALLEL_GATHER),
+            ("TDR_PARALLEL_SPLIT", super::TDR_PARALLEL_SPLIT),
+            (
+                "TDR_PARALLEL_REDUCE_SCATTER",
+                super::TDR_PARALLEL_REDUCE_SCATTER,
+            ),
+        ];
+        assert_eq!(codes, BTreeMap::from(rust), "the enum codes");
+    }
 }

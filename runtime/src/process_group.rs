@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::env::{is_loopback, LaunchEnv, DEFAULT_TIMEOUT};
-use crate::error::{DistError, Result};
-use crate::ffi;
+use crate::error::{ArgumentError, DistError, EnvError, Result};
+use crate::ffi::{self, shim};
 use crate::store::{millis, Store};
 
 /// Which c10d backend carries device tensors.
@@ -103,11 +103,7 @@ impl InitOptions {
                 .parse::<f64>()
                 .ok()
                 .filter(|s| s.is_finite() && *s > 0.0);
-            let secs = secs.ok_or_else(|| {
-                DistError::Env(format!(
-                    "TCH_DIST_TIMEOUT_SECS={t:?} is not a positive number"
-                ))
-            })?;
+            let secs = secs.ok_or_else(|| EnvError::BadTimeout { value: t.clone() })?;
             opts.timeout = Duration::from_secs_f64(secs);
         }
         Ok(opts)
@@ -178,13 +174,16 @@ impl ProcessGroup {
             cause,
         };
         if opts.world_size == 0 || opts.rank >= opts.world_size {
-            return Err(DistError::Env(format!(
-                "rank {} is out of range for world size {}",
-                opts.rank, opts.world_size
-            )));
+            return Err(EnvError::RankOutOfRange {
+                rank_var: "rank",
+                rank: opts.rank,
+                world_var: "world_size",
+                world_size: opts.world_size,
+            }
+            .into());
         }
         if opts.backend == Backend::Nccl && !Backend::nccl_compiled() {
-            return Err(rendezvous("tch-dist was built without NCCL support".into()));
+            return Err(EnvError::NcclNotCompiled.into());
         }
         let store = Store::tcp(
             &opts.master_addr,
@@ -194,7 +193,9 @@ impl ProcessGroup {
             opts.timeout,
         )
         .map_err(rendezvous)?;
-        let group_store = store.prefixed("default_pg/").map_err(rendezvous)?;
+        let group_store = store
+            .prefixed("default_pg/")
+            .map_err(|e| rendezvous(e.to_string()))?;
         let gloo_host = if is_loopback(&opts.master_addr) {
             "127.0.0.1"
         } else {
@@ -234,24 +235,25 @@ impl ProcessGroup {
     /// Every rank of this group must call it, in the same order relative to other
     /// `new_group` calls; members get `Some(group)`, the others `None`.
     pub fn new_group(&self, ranks: &[usize], backend: Backend) -> Result<Option<ProcessGroup>> {
-        let invalid = |msg: String| DistError::InvalidArgument {
+        let invalid = |problem: ArgumentError| DistError::InvalidArgument {
             rank: self.rank(),
             op: "new_group",
-            msg,
+            problem: Box::new(problem),
         };
         if ranks.is_empty() {
-            return Err(invalid("the rank list is empty".into()));
+            return Err(invalid(ArgumentError::EmptyRankList));
         }
         let mut seen = vec![false; self.world_size()];
         for &r in ranks {
             if r >= self.world_size() {
-                return Err(invalid(format!(
-                    "rank {r} is not in a group of size {}",
-                    self.world_size()
-                )));
+                return Err(invalid(ArgumentError::RankNotInGroup {
+                    what: "rank",
+                    rank: r,
+                    world_size: self.world_size(),
+                }));
             }
             if std::mem::replace(&mut seen[r], true) {
-                return Err(invalid(format!("rank {r} is listed twice")));
+                return Err(invalid(ArgumentError::DuplicateRank { rank: r }));
             }
         }
         let n = self.inner.subgroups.fetch_add(1, Ordering::SeqCst);
@@ -267,7 +269,11 @@ impl ProcessGroup {
         };
         let key: Vec<String> = ranks.iter().map(usize::to_string).collect();
         let prefix = format!("{}subgroup{n}[{}]/", self.store_prefix(), key.join(","));
-        let store = self.inner.store.prefixed(&prefix).map_err(rendezvous)?;
+        let store = self
+            .inner
+            .store
+            .prefixed(&prefix)
+            .map_err(|e| rendezvous(e.to_string()))?;
         let gloo_host = if is_loopback(&addr) { "127.0.0.1" } else { "" };
         let handle = new_group_handle(
             &store,
@@ -349,22 +355,18 @@ fn new_group_handle(
     let host = CString::new(gloo_host).map_err(|_| "host contains a NUL byte".to_string())?;
     let mut out = std::ptr::null_mut();
     // SAFETY: live store, valid C string and out-pointer; exceptions are caught in the shim.
-    let err = unsafe {
-        ffi::tdr_group_new(
-            store.raw(),
-            rank as i32,
-            world_size as i32,
-            millis(timeout),
-            host.as_ptr(),
-            backend == Backend::Nccl,
-            &mut out,
-        )
-    };
-    // SAFETY: `err` is the shim's return value.
-    unsafe { ffi::take_error(err) }?;
-    Ok(GroupHandle(
-        NonNull::new(out).expect("the shim returns a group on success"),
-    ))
+    shim!(tdr_group_new(
+        store.raw(),
+        rank as i32,
+        world_size as i32,
+        millis(timeout),
+        host.as_ptr(),
+        backend == Backend::Nccl,
+        &mut out,
+    ))?;
+    NonNull::new(out)
+        .map(GroupHandle)
+        .ok_or_else(|| "the engine returned no group".to_string())
 }
 
 static DEFAULT_GROUP: Mutex<Option<ProcessGroup>> = Mutex::new(None);

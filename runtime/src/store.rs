@@ -5,7 +5,8 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::ffi;
+use crate::error::{DistError, Result};
+use crate::ffi::{self, shim};
 
 /// A handle on a c10d store (TCPStore, or a PrefixStore over one). Cheap to clone.
 #[derive(Clone)]
@@ -27,34 +28,40 @@ impl Drop for StoreHandle {
     }
 }
 
-fn cstring(s: &str) -> Result<CString, String> {
-    CString::new(s).map_err(|_| format!("{s:?} contains a NUL byte"))
+/// A store operation's failure (`DistError::Store`).
+fn store_error(op: &'static str, key: &str, cause: impl Into<String>) -> DistError {
+    DistError::Store {
+        op,
+        key: key.to_string(),
+        cause: cause.into(),
+    }
+}
+
+fn cstring(op: &'static str, s: &str) -> Result<CString> {
+    CString::new(s).map_err(|_| store_error(op, s, "the key contains a NUL byte"))
 }
 
 impl Store {
-    /// Connects to (or, with `is_server`, hosts) a TCPStore at `host:port`.
-    pub fn tcp(
+    /// Connects to (or, with `is_server`, hosts) a TCPStore at `host:port`. The error is the
+    /// engine's message; the caller names the rendezvous.
+    pub(crate) fn tcp(
         host: &str,
         port: u16,
         is_server: bool,
         world_size: usize,
         timeout: Duration,
-    ) -> Result<Store, String> {
-        let host = cstring(host)?;
+    ) -> std::result::Result<Store, String> {
+        let host = CString::new(host).map_err(|_| format!("{host:?} contains a NUL byte"))?;
         let mut out = std::ptr::null_mut();
         // SAFETY: valid C string and out-pointer; the shim catches every exception.
-        let err = unsafe {
-            ffi::tdr_store_tcp(
-                host.as_ptr(),
-                port,
-                is_server,
-                world_size as i32,
-                millis(timeout),
-                &mut out,
-            )
-        };
-        // SAFETY: `err` is the shim's return value.
-        unsafe { ffi::take_error(err) }?;
+        shim!(tdr_store_tcp(
+            host.as_ptr(),
+            port,
+            is_server,
+            world_size as i32,
+            millis(timeout),
+            &mut out,
+        ))?;
         Ok(Self::from_raw(out))
     }
 
@@ -65,50 +72,70 @@ impl Store {
         }
     }
 
-    /// A view of this store whose keys are all prefixed with `prefix`.
-    pub fn prefixed(&self, prefix: &str) -> Result<Store, String> {
-        let prefix = cstring(prefix)?;
+    /// A view of this store whose keys are all prefixed with `prefix` (c10d's `PrefixStore`).
+    pub fn prefixed(&self, prefix: &str) -> Result<Store> {
+        const OP: &str = "prefix";
+        let c_prefix = cstring(OP, prefix)?;
         let mut out = std::ptr::null_mut();
         // SAFETY: live store handle, valid C string and out-pointer.
-        let err = unsafe { ffi::tdr_store_prefix(self.raw(), prefix.as_ptr(), &mut out) };
-        // SAFETY: `err` is the shim's return value.
-        unsafe { ffi::take_error(err) }?;
+        shim!(tdr_store_prefix(self.raw(), c_prefix.as_ptr(), &mut out))
+            .map_err(|e| store_error(OP, prefix, e))?;
         Ok(Self::from_raw(out))
     }
 
     /// Sets `key` to `value`.
-    pub fn set(&self, key: &str, value: &[u8]) -> Result<(), String> {
-        let key = cstring(key)?;
+    ///
+    /// ```no_run
+    /// # let pg = tch_dist_runtime::default_group()?;
+    /// let store = pg.store();
+    /// if pg.rank() == 0 {
+    ///     store.set("epoch", b"3")?;
+    /// }
+    /// assert_eq!(store.get("epoch")?, b"3"); // waits for rank 0's key
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        const OP: &str = "set";
+        let c_key = cstring(OP, key)?;
         // SAFETY: live store; `value` outlives the call, which copies it.
-        let err =
-            unsafe { ffi::tdr_store_set(self.raw(), key.as_ptr(), value.as_ptr(), value.len()) };
-        // SAFETY: `err` is the shim's return value.
-        unsafe { ffi::take_error(err) }
+        shim!(tdr_store_set(
+            self.raw(),
+            c_key.as_ptr(),
+            value.as_ptr(),
+            value.len()
+        ))
+        .map_err(|e| store_error(OP, key, e))
     }
 
     /// Gets `key`, waiting for it up to the store's timeout.
-    pub fn get(&self, key: &str) -> Result<Vec<u8>, String> {
-        let key = cstring(key)?;
+    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        const OP: &str = "get";
+        let c_key = cstring(OP, key)?;
         let mut data = std::ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: live store, valid out-pointers.
-        let err = unsafe { ffi::tdr_store_get(self.raw(), key.as_ptr(), &mut data, &mut len) };
-        // SAFETY: `err` is the shim's return value.
-        unsafe { ffi::take_error(err) }?;
+        shim!(tdr_store_get(
+            self.raw(),
+            c_key.as_ptr(),
+            &mut data,
+            &mut len
+        ))
+        .map_err(|e| store_error(OP, key, e))?;
         // SAFETY: on success `data` holds `len` malloc'ed bytes that we copy and free once.
         let value = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
         unsafe { ffi::tdr_bytes_free(data) };
         Ok(value)
     }
 
-    /// Atomically adds `delta` to the integer at `key` and returns the new value.
-    pub fn add(&self, key: &str, delta: i64) -> Result<i64, String> {
-        let key = cstring(key)?;
+    /// Atomically adds `delta` to the integer at `key` (0 when absent) and returns the new
+    /// value.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        const OP: &str = "add";
+        let c_key = cstring(OP, key)?;
         let mut out = 0i64;
         // SAFETY: live store, valid out-pointer.
-        let err = unsafe { ffi::tdr_store_add(self.raw(), key.as_ptr(), delta, &mut out) };
-        // SAFETY: `err` is the shim's return value.
-        unsafe { ffi::take_error(err) }?;
+        shim!(tdr_store_add(self.raw(), c_key.as_ptr(), delta, &mut out))
+            .map_err(|e| store_error(OP, key, e))?;
         Ok(out)
     }
 

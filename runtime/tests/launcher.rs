@@ -161,7 +161,7 @@ fn killed_rank_body(report_pid_to: Option<&str>) {
     let err = pg.all_reduce(&t, ReduceOp::Sum).unwrap_err();
     let msg = err.to_string();
     assert!(
-        matches!(&err, DistError::Collective { rank, op: "all_reduce", .. } if *rank == pg.rank()),
+        matches!(&err, DistError::PeerGone { rank, op: "all_reduce", peer: Some(1), .. } if *rank == pg.rank()),
         "{msg}"
     );
     assert!(start.elapsed() < Duration::from_secs(25), "{msg}");

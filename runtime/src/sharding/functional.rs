@@ -23,16 +23,16 @@ use std::ffi::c_int;
 use tch::Tensor;
 
 use crate::error::{DistError, Result};
-use crate::ffi;
+use crate::ffi::{self, shim};
 use crate::process_group::ProcessGroup;
 
 #[derive(Clone, Copy)]
 enum Mode {
-    Reduce = 0,
-    Copy = 1,
-    Gather = 2,
-    Split = 3,
-    ReduceScatter = 4,
+    Reduce = ffi::TDR_PARALLEL_REDUCE as isize,
+    Copy = ffi::TDR_PARALLEL_COPY as isize,
+    Gather = ffi::TDR_PARALLEL_GATHER as isize,
+    Split = ffi::TDR_PARALLEL_SPLIT as isize,
+    ReduceScatter = ffi::TDR_PARALLEL_REDUCE_SCATTER as isize,
 }
 
 fn run(
@@ -46,23 +46,16 @@ fn run(
     let mut out = std::ptr::null_mut();
     // SAFETY: a live group and tensor; `sizes` outlives the call; the shim catches every C++
     // exception and hands back a new tensor that we own.
-    let err = unsafe {
-        ffi::tdr_parallel_op(
-            group.raw(),
-            x.as_ptr() as *mut _,
-            mode as c_int,
-            dim,
-            sizes.as_ptr(),
-            sizes.len(),
-            &mut out,
-        )
-    };
-    // SAFETY: `err` is the shim's return value.
-    unsafe { ffi::take_error(err) }.map_err(|cause| DistError::Collective {
-        rank: group.rank(),
-        op,
-        cause,
-    })?;
+    shim!(tdr_parallel_op(
+        group.raw(),
+        x.as_ptr() as *mut _,
+        mode as c_int,
+        dim,
+        sizes.as_ptr(),
+        sizes.len(),
+        &mut out,
+    ))
+    .map_err(|e| group.op_context(op).failure(e))?;
     if out.is_null() {
         return Err(DistError::Collective {
             rank: group.rank(),

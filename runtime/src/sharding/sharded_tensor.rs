@@ -2,10 +2,10 @@
 //! [`ShardingSpec`], each rank holding its shards (PyTorch's
 //! `torch.distributed._shard.sharded_tensor.ShardedTensor`).
 
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 use tch_dist_core::sharding::{Dtype, ShardMetadata, ShardedTensorMetadata, ShardingSpec};
 
-use crate::error::{DistError, Result};
+use crate::error::{ArgumentError, DistError, Result, TensorSignature};
 use crate::process_group::ProcessGroup;
 
 /// One shard held by this rank: its data and where it sits in the global tensor.
@@ -39,33 +39,12 @@ pub struct ShardedTensor {
     group: ProcessGroup,
 }
 
-fn invalid(group: &ProcessGroup, op: &'static str, msg: String) -> DistError {
+fn invalid(group: &ProcessGroup, op: &'static str, problem: ArgumentError) -> DistError {
     DistError::InvalidArgument {
         rank: group.rank(),
         op,
-        msg,
+        problem: Box::new(problem),
     }
-}
-
-const KINDS: [Kind; 10] = [
-    Kind::Uint8,
-    Kind::Int8,
-    Kind::Int16,
-    Kind::Int,
-    Kind::Int64,
-    Kind::Half,
-    Kind::Float,
-    Kind::Double,
-    Kind::Bool,
-    Kind::BFloat16,
-];
-
-/// A number that identifies `kind` across processes.
-fn kind_code(kind: Kind) -> i64 {
-    KINDS
-        .iter()
-        .position(|k| *k == kind)
-        .map_or(100, |p| p as i64)
 }
 
 /// `t`'s region described by `m` (a view).
@@ -90,60 +69,14 @@ impl ShardedTensor {
         group: &ProcessGroup,
     ) -> Result<ShardedTensor> {
         const OP: &str = "shard_tensor";
-        if src_rank >= group.world_size() {
-            return Err(invalid(
-                group,
-                OP,
-                format!(
-                    "src_rank {src_rank} is not in a group of size {}",
-                    group.world_size()
-                ),
-            ));
-        }
-        let size = tensor.size();
+        group.check_rank(OP, "src_rank", src_rank)?;
         // Every rank sees every rank's shape and dtype, so that all fail together.
-        const MAX_DIMS: usize = 16;
-        let header = |size: &[i64], kind: Kind| {
-            let mut h = vec![size.len() as i64, kind_code(kind)];
-            h.extend(size.iter().take(MAX_DIMS));
-            h.resize(2 + MAX_DIMS, -1);
-            h
-        };
-        let mine = Tensor::from_slice(&header(&size, tensor.kind()));
-        let all: Vec<Tensor> = (0..group.world_size()).map(|_| mine.zeros_like()).collect();
-        group.all_gather(&all, &mine)?;
-        let describe = |h: &[i64]| {
-            let dims = &h[2..2 + (h[0].clamp(0, MAX_DIMS as i64) as usize)];
-            let kind = KINDS.get(h[1] as usize).map_or("?", |k| Dtype(*k).name());
-            format!("{dims:?} ({kind})")
-        };
-        let headers: Vec<Vec<i64>> = all
-            .iter()
-            .map(Vec::<i64>::try_from)
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|e| invalid(group, OP, e.to_string()))?;
-        if size.len() > MAX_DIMS {
-            return Err(invalid(
-                group,
-                OP,
-                format!("tensors of more than {MAX_DIMS} dims cannot be sharded"),
-            ));
-        }
-        if let Some(r) = (0..headers.len()).find(|&r| headers[r] != headers[src_rank]) {
-            return Err(invalid(
-                group,
-                OP,
-                format!(
-                    "rank {src_rank} shards a tensor of shape {}, but rank {r} passed {}",
-                    describe(&headers[src_rank]),
-                    describe(&headers[r])
-                ),
-            ));
-        }
+        group.verify_same_shape(OP, src_rank, tensor)?;
+        let size = tensor.size();
         let metadata = ShardedTensorMetadata {
             shards_metadata: spec
                 .shards_metadata(&size)
-                .map_err(|e| invalid(group, OP, e.to_string()))?,
+                .map_err(|e| invalid(group, OP, e.into()))?,
             size: size.clone(),
             dtype: Dtype(tensor.kind()),
         };
@@ -211,7 +144,7 @@ impl ShardedTensor {
         const OP: &str = "ShardedTensor::from_local_shards";
         metadata
             .validate()
-            .map_err(|e| invalid(group, OP, e.to_string()))?;
+            .map_err(|e| invalid(group, OP, e.into()))?;
         Self::check_placements(&metadata, group, OP)?;
         let expected = metadata.shards_for_rank(group.rank());
         if expected.len() != local_shards.len()
@@ -222,12 +155,10 @@ impl ShardedTensor {
             return Err(invalid(
                 group,
                 OP,
-                format!(
-                    "the global metadata places {} shard(s) on rank {}, got {} that do not match it",
-                    expected.len(),
-                    group.rank(),
-                    local_shards.len()
-                ),
+                ArgumentError::LocalShards {
+                    expected: expected.len(),
+                    got: local_shards.len(),
+                },
             ));
         }
         for s in &local_shards {
@@ -235,13 +166,16 @@ impl ShardedTensor {
                 return Err(invalid(
                     group,
                     OP,
-                    format!(
-                        "a local shard has shape {:?} ({:?}), its metadata says {:?} ({})",
-                        s.tensor.size(),
-                        s.tensor.kind(),
-                        s.metadata.shard_sizes,
-                        metadata.dtype.name()
-                    ),
+                    ArgumentError::LocalShardSignature {
+                        actual: TensorSignature {
+                            shape: s.tensor.size(),
+                            kind: s.tensor.kind(),
+                        },
+                        expected: TensorSignature {
+                            shape: s.metadata.shard_sizes.clone(),
+                            kind: metadata.dtype.0,
+                        },
+                    },
                 ));
             }
         }
@@ -262,12 +196,10 @@ impl ShardedTensor {
                 return Err(invalid(
                     group,
                     op,
-                    format!(
-                        "placement `{}` names rank {}, but the group has {} ranks",
-                        m.placement,
-                        m.placement.rank(),
-                        group.world_size()
-                    ),
+                    ArgumentError::PlacementRank {
+                        placement: m.placement,
+                        world_size: group.world_size(),
+                    },
                 ));
             }
             if let Device::Cuda(_) = m.placement.device() {
@@ -275,10 +207,9 @@ impl ShardedTensor {
                     return Err(invalid(
                         group,
                         op,
-                        format!(
-                            "placement `{}` needs CUDA, which is not available",
-                            m.placement
-                        ),
+                        ArgumentError::PlacementNeedsCuda {
+                            placement: m.placement,
+                        },
                     ));
                 }
             }
@@ -314,11 +245,7 @@ impl ShardedTensor {
             shards => Err(invalid(
                 &self.group,
                 "ShardedTensor::local_tensor",
-                format!(
-                    "local_tensor() needs exactly one local shard, rank {} holds {}",
-                    self.group.rank(),
-                    shards.len()
-                ),
+                ArgumentError::LocalTensorCount { held: shards.len() },
             )),
         }
     }
@@ -326,16 +253,7 @@ impl ShardedTensor {
     /// Assembles the whole tensor on rank `dst` (PyTorch's `gather`): `Some(full)` there,
     /// `None` on the other ranks. Every rank must call it.
     pub fn gather(&self, dst: usize) -> Result<Option<Tensor>> {
-        if dst >= self.group.world_size() {
-            return Err(invalid(
-                &self.group,
-                "ShardedTensor::gather",
-                format!(
-                    "dst {dst} is not in a group of size {}",
-                    self.group.world_size()
-                ),
-            ));
-        }
+        self.group.check_rank("ShardedTensor::gather", "dst", dst)?;
         let rank = self.group.rank();
         let device = self.home_device();
         let full = (rank == dst).then(|| {
@@ -407,7 +325,7 @@ impl ShardedTensor {
         const OP: &str = "ShardedTensor::reshard";
         let shards = spec
             .shards_metadata(&self.metadata.size)
-            .map_err(|e| invalid(&self.group, OP, e.to_string()))?;
+            .map_err(|e| invalid(&self.group, OP, e.into()))?;
         let metadata = ShardedTensorMetadata {
             shards_metadata: shards,
             size: self.metadata.size.clone(),
@@ -444,11 +362,9 @@ impl ShardedTensor {
                 invalid(
                     &self.group,
                     "ShardedTensor",
-                    format!(
-                        "rank {} should hold the shard at offsets {:?} but does not",
-                        self.group.rank(),
-                        m.shard_offsets
-                    ),
+                    ArgumentError::MissingShard {
+                        offsets: m.shard_offsets.clone(),
+                    },
                 )
             })
     }

@@ -23,7 +23,9 @@ use std::collections::HashMap;
 
 use tch::{Kind, Tensor};
 
+use super::{BucketHook, GradBucket, InFlight};
 use crate::collectives::ReduceOp;
+use crate::error::{ArgumentError, DistError, Result};
 use crate::process_group::ProcessGroup;
 
 /// PowerSGD's settings, with PyTorch's `PowerSGDState` names and defaults.
@@ -63,74 +65,98 @@ impl Default for PowerSgdOptions {
 
 impl PowerSgdOptions {
     /// Checks the settings, as `PowerSGDState.__init__` does.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ArgumentError> {
         if self.matrix_approximation_rank == 0 {
-            return Err("PowerSGD: matrix_approximation_rank must be at least 1".into());
+            return Err(ArgumentError::PowerSgdRank);
         }
         if (self.use_error_feedback || self.warm_start) && self.start_powersgd_iter <= 1 {
-            return Err(format!(
-                "PowerSGD: expected start_powersgd_iter > 1 if use_error_feedback or warm_start \
-                 is enabled (got {}), because PowerSGD can only be applied after the buckets \
-                 are rebuilt at the end of the first step",
-                self.start_powersgd_iter
-            ));
+            return Err(ArgumentError::PowerSgdStartIter {
+                start_powersgd_iter: self.start_powersgd_iter,
+            });
         }
         if !self.min_compression_rate.is_finite() || self.min_compression_rate < 0.0 {
-            return Err(format!(
-                "PowerSGD: min_compression_rate must be a non-negative number, got {}",
-                self.min_compression_rate
-            ));
+            return Err(ArgumentError::PowerSgdCompressionRate {
+                value: self.min_compression_rate,
+            });
         }
         Ok(())
     }
 }
 
-/// What PowerSGD remembers between steps, per bucket.
-#[derive(Default)]
-pub(crate) struct PowerSgdState {
+/// The hook: its settings and what it remembers between steps, per bucket.
+pub(crate) struct PowerSgd {
+    opts: PowerSgdOptions,
     /// Synchronised steps completed.
-    pub iter: u64,
+    iter: u64,
     errors: HashMap<usize, Tensor>,
     qs: HashMap<usize, Vec<Tensor>>,
     /// Draws of the shared random generator so far (keeps ranks in lockstep).
     draws: u64,
 }
 
-impl PowerSgdState {
-    /// Whether this step compresses (false during the exact warm-up steps).
-    pub fn compressing(&self, opts: &PowerSgdOptions) -> bool {
-        self.iter >= opts.start_powersgd_iter
+impl BucketHook for PowerSgd {
+    /// During the exact warm-up steps, an all-reduce overlapped with backward; afterwards
+    /// nothing yet: the three collectives depend on each other and run in `complete`.
+    fn launch(&mut self, group: &ProcessGroup, bucket: &GradBucket) -> Result<InFlight> {
+        if self.compressing() {
+            return Ok(InFlight::deferred());
+        }
+        Ok(InFlight {
+            work: Some(group.all_reduce_async(bucket.buffer, ReduceOp::Avg)?),
+            result: None,
+        })
     }
 
-    /// Forgets per-bucket memory (after the buckets were rebuilt).
-    pub fn reset_buckets(&mut self) {
+    fn complete(
+        &mut self,
+        group: &ProcessGroup,
+        bucket: &GradBucket,
+        mut in_flight: InFlight,
+    ) -> Result<()> {
+        if in_flight.work.is_some() {
+            return in_flight.wait();
+        }
+        tch::no_grad(|| self.reduce_bucket(group, bucket.index, bucket.buffer, bucket.gradients))
+    }
+
+    fn step_done(&mut self) {
+        self.iter += 1;
+    }
+
+    /// Forgets per-bucket memory.
+    fn buckets_rebuilt(&mut self) {
         self.errors.clear();
         self.qs.clear();
+    }
+}
+
+impl PowerSgd {
+    pub fn new(opts: PowerSgdOptions) -> PowerSgd {
+        PowerSgd {
+            opts,
+            iter: 0,
+            errors: HashMap::new(),
+            qs: HashMap::new(),
+            draws: 0,
+        }
+    }
+
+    /// Whether this step compresses (false during the exact warm-up steps).
+    fn compressing(&self) -> bool {
+        self.iter >= self.opts.start_powersgd_iter
     }
 
     /// Replaces the gradients held in bucket `index` (`flat`, whose per-parameter slices are
     /// `views`) by their PowerSGD average over `group`.
-    pub fn reduce_bucket(
+    fn reduce_bucket(
         &mut self,
-        opts: &PowerSgdOptions,
         group: &ProcessGroup,
         index: usize,
         flat: &Tensor,
         views: &[Tensor],
-    ) -> Result<(), String> {
-        tch::no_grad(|| self.reduce_bucket_inner(opts, group, index, flat, views))
-    }
-
-    fn reduce_bucket_inner(
-        &mut self,
-        opts: &PowerSgdOptions,
-        group: &ProcessGroup,
-        index: usize,
-        flat: &Tensor,
-        views: &[Tensor],
-    ) -> Result<(), String> {
+    ) -> Result<()> {
+        let opts = self.opts;
         let world = group.world_size() as f64;
-        let err = |e: crate::DistError| e.to_string();
         let input_copy = if opts.use_error_feedback {
             match self.errors.get(&index) {
                 Some(e) if e.size() == flat.size() => {
@@ -169,7 +195,7 @@ impl PowerSgdState {
                 &exact.iter().map(|v| v.reshape([-1])).collect::<Vec<_>>(),
                 0,
             );
-            group.all_reduce(&cat, ReduceOp::Sum).map_err(err)?;
+            group.all_reduce(&cat, ReduceOp::Sum)?;
             let _ = cat.shallow_clone().g_div_scalar_(world);
             let mut off = 0i64;
             for v in &exact {
@@ -209,7 +235,14 @@ impl PowerSgdState {
             }
             self.qs.insert(index, qs);
         }
-        let qs = self.qs.get_mut(&index).ok_or("PowerSGD: lost Q memory")?;
+        let qs = self
+            .qs
+            .get_mut(&index)
+            .ok_or_else(|| DistError::Collective {
+                rank: group.rank(),
+                op: "PowerSGD",
+                cause: "the warm-start Q memory of this bucket was lost".into(),
+            })?;
 
         // P = M Q, summed over ranks (one all-reduce for the whole bucket).
         let ps: Vec<Tensor> = matrices
@@ -218,7 +251,7 @@ impl PowerSgdState {
             .map(|((mat, ..), q)| mat.matmul(q))
             .collect();
         let p_flat = Tensor::cat(&ps.iter().map(|p| p.reshape([-1])).collect::<Vec<_>>(), 0);
-        group.all_reduce(&p_flat, ReduceOp::Sum).map_err(err)?;
+        group.all_reduce(&p_flat, ReduceOp::Sum)?;
         let mut off = 0i64;
         let mut ps_sum = Vec::with_capacity(ps.len());
         for (_, n, _, r) in &matrices {
@@ -238,7 +271,7 @@ impl PowerSgdState {
             &new_qs.iter().map(|q| q.reshape([-1])).collect::<Vec<_>>(),
             0,
         );
-        group.all_reduce(&q_flat, ReduceOp::Sum).map_err(err)?;
+        group.all_reduce(&q_flat, ReduceOp::Sum)?;
         let _ = q_flat.shallow_clone().g_div_scalar_(world);
         let mut off = 0i64;
         for (q, (_, _, m, r)) in qs.iter_mut().zip(&matrices) {
@@ -290,8 +323,9 @@ fn orthogonalize(matrix: &Tensor, epsilon: f64) {
     let cols = matrix.size()[1];
     for i in 0..cols {
         let mut col = matrix.narrow(1, i, 1);
-        let norm = col.norm().to_kind(Kind::Double).double_value(&[]);
-        let _ = col.g_div_scalar_(norm + epsilon);
+        // On the tensor's device: reading each norm back to the host would stall a GPU.
+        let norm = col.norm() + epsilon;
+        let _ = col.g_div_(&norm);
         if i + 1 < cols {
             let mut rest = matrix.narrow(1, i + 1, cols - i - 1);
             let proj = (&col * &rest).sum_dim_intlist([0i64].as_slice(), true, None::<Kind>);
@@ -315,7 +349,8 @@ mod tests {
 
     #[test]
     fn shared_normals_repeat_for_equal_seeds() {
-        let (mut a, mut b) = (PowerSgdState::default(), PowerSgdState::default());
+        let new = || PowerSgd::new(PowerSgdOptions::default());
+        let (mut a, mut b) = (new(), new());
         let xs = a.standard_normal(7, 1000);
         assert_eq!(xs, b.standard_normal(7, 1000));
         let mean = xs.iter().sum::<f32>() / 1000.0;
@@ -334,6 +369,7 @@ mod tests {
         assert!(bad
             .validate()
             .unwrap_err()
+            .to_string()
             .contains("start_powersgd_iter > 1"));
         let rank0 = PowerSgdOptions {
             matrix_approximation_rank: 0,

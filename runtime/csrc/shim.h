@@ -1,0 +1,121 @@
+// tch-dist's shim over libtorch: the C contract between csrc/shim.cpp and src/ffi.rs.
+//
+// Every declaration here is mirrored, name for name and code for code, in src/ffi.rs; a unit
+// test there (`ffi::tests::header_and_bindings_agree`) reads this file and fails when the two
+// drift apart. The rules of the boundary:
+// - every entry point returning `char*` returns null on success, otherwise a malloc'ed
+//   message that the caller owns and frees with `tdr_string_free`;
+// - no C++ exception leaves an entry point (each body runs inside TDR_TRY/TDR_CATCH);
+// - tensors cross as `at::Tensor*`, the pointer tch's `Tensor::as_ptr()` hands out; tensors
+//   created here are returned as `new at::Tensor` for `Tensor::from_ptr`;
+// - objects owned by C++ are opaque handles with a matching `*_free` (or `*_remove`).
+
+#ifndef TCH_DIST_SHIM_H
+#define TCH_DIST_SHIM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+namespace at {
+class Tensor;
+}
+typedef at::Tensor TdrTensor;
+extern "C" {
+#else
+typedef struct TdrTensor TdrTensor;
+#endif
+
+// Reductions of all_reduce and reduce_scatter (`ReduceOp` in src/collectives.rs).
+enum TdrReduceOp {
+  TDR_REDUCE_SUM = 0,
+  TDR_REDUCE_AVG = 1,
+  TDR_REDUCE_MIN = 2,
+  TDR_REDUCE_MAX = 3,
+  TDR_REDUCE_PRODUCT = 4,
+};
+
+// The differentiable collectives of tdr_parallel_op (src/sharding/functional.rs).
+enum TdrParallelMode {
+  TDR_PARALLEL_REDUCE = 0,
+  TDR_PARALLEL_COPY = 1,
+  TDR_PARALLEL_GATHER = 2,
+  TDR_PARALLEL_SPLIT = 3,
+  TDR_PARALLEL_REDUCE_SCATTER = 4,
+};
+
+// What failed, for the message an entry point returned (tdr_last_error_kind).
+enum TdrErrorKind {
+  TDR_ERROR_NONE = 0,
+  TDR_ERROR_ENGINE = 1,   // any engine error
+  TDR_ERROR_NETWORK = 2,  // a lost connection (a peer exited, crashed or timed out)
+  TDR_ERROR_TIMEOUT = 3,  // tdr_work_wait ended with the work still pending
+};
+
+typedef struct TdrStore TdrStore;  // a c10d Store (TCPStore, or a PrefixStore over one)
+typedef struct TdrGroup TdrGroup;  // a Gloo backend and optionally an NCCL backend
+typedef struct TdrWork TdrWork;    // an in-flight collective
+typedef struct TdrHook TdrHook;    // a gradient-accumulator post hook's registration
+
+// A Rust callback run on libtorch's autograd threads; returns null or a malloc'ed message,
+// which fails the backward pass.
+typedef char* (*TdrCallback)(void* ctx, size_t index);
+
+// Memory handed to Rust, and the kind of the last failure on this thread.
+void tdr_string_free(char* s);
+int tdr_last_error_kind(void);
+void tdr_bytes_free(uint8_t* data);
+
+// Stores.
+char* tdr_store_tcp(const char* host, uint16_t port, bool is_server, int world_size,
+                    int64_t timeout_ms, TdrStore** out);
+char* tdr_store_prefix(TdrStore* base, const char* prefix, TdrStore** out);
+char* tdr_store_set(TdrStore* s, const char* key, const uint8_t* data, size_t len);
+char* tdr_store_get(TdrStore* s, const char* key, uint8_t** data, size_t* len);
+char* tdr_store_add(TdrStore* s, const char* key, int64_t delta, int64_t* out);
+void tdr_store_free(TdrStore* s);
+
+// Process groups.
+bool tdr_nccl_compiled(void);
+char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
+                    const char* gloo_host, bool with_nccl, TdrGroup** out);
+void tdr_group_free(TdrGroup* g);
+
+// Collectives: each returns a TdrWork for tdr_work_wait.
+char* tdr_all_reduce(TdrGroup* g, TdrTensor* t, int op, TdrWork** out);
+char* tdr_broadcast(TdrGroup* g, TdrTensor* t, int root, TdrWork** out);
+char* tdr_all_gather(TdrGroup* g, TdrTensor** outputs, size_t n, TdrTensor* input,
+                     TdrWork** out);
+char* tdr_all_gather_flat(TdrGroup* g, TdrTensor* output, TdrTensor* input, TdrWork** out);
+char* tdr_reduce_scatter(TdrGroup* g, TdrTensor* output, TdrTensor** inputs, size_t n, int op,
+                         TdrWork** out);
+char* tdr_reduce_scatter_flat(TdrGroup* g, TdrTensor* output, TdrTensor* input, int op,
+                              TdrWork** out);
+char* tdr_all_to_all(TdrGroup* g, TdrTensor* output, TdrTensor* input, TdrWork** out);
+char* tdr_send(TdrGroup* g, TdrTensor* t, int dst, int tag, TdrWork** out);
+char* tdr_recv(TdrGroup* g, TdrTensor* t, int src, int tag, TdrWork** out);
+char* tdr_barrier(TdrGroup* g, TdrWork** out);
+char* tdr_monitored_barrier(TdrGroup* g, int64_t timeout_ms, bool wait_all_ranks);
+
+// Works.
+char* tdr_work_wait(TdrWork* w, int64_t timeout_ms);
+bool tdr_work_is_completed(TdrWork* w);
+void tdr_work_free(TdrWork* w);
+
+// Autograd: gradient-ready hooks and end-of-backward callbacks (the reducer's triggers).
+char* tdr_add_grad_ready_hook(TdrTensor* param, TdrCallback cb, void* ctx, size_t index,
+                              TdrHook** out);
+void tdr_hook_remove(TdrHook* h);
+char* tdr_queue_end_of_backward(TdrCallback cb, void* ctx, size_t index);
+char* tdr_set_grad(TdrTensor* param, TdrTensor* grad);
+
+// Differentiable collectives for tensor parallelism (mode: a TdrParallelMode).
+char* tdr_parallel_op(TdrGroup* g, TdrTensor* input, int mode, int64_t dim,
+                      const int64_t* sizes, size_t n, TdrTensor** out);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // TCH_DIST_SHIM_H

@@ -1,0 +1,311 @@
+//! The gradient reducer beneath `replicate` (PyTorch DDP's `Reducer`, re-created), split as
+//! c10d splits it:
+//!
+//! | file | what it holds | PyTorch |
+//! |---|---|---|
+//! | `mod.rs` | [`Reducer`], its state across passes, [`ReducerStats`] | `reducer.hpp` |
+//! | `options.rs` | [`ReducerOptions`], [`CommHook`] (which hook) | `DistributedDataParallel.__init__` |
+//! | `buckets.rs` | bucket assignment, the flat buffers and their aliases, the rebuild | `compute_bucket_assignment_by_size`, `initialize_buckets` |
+//! | `pass.rs` | one backward pass's state, created fresh for each pass | the per-iteration fields `prepare_for_backward` resets |
+//! | `backward.rs` | the state machine: gradient ready, launch order, end of backward | `autograd_hook`, `mark_variable_ready`, `finalize_backward` |
+//! | `grads.rs` | moving gradients between `.grad` and the buckets | `copy_grad_to_bucket`, `finalize_bucket_dense` |
+//! | `unused.rs` | `find_unused_parameters` and `static_graph` | `search_unused_parameters`, `static_graph_` |
+//! | `comm_hooks/` | the hook interface and one file per hook | `comm.hpp`, `default_comm_hooks.cpp`, `powerSGD_hook.py` |
+//! | `autograd.rs` | the engine's hooks and callbacks | `grad_accumulator()->add_post_hook`, `queue_callback` |
+//!
+//! How a pass goes:
+//!
+//! - **Hooks.** A post hook on each parameter's gradient accumulator tells the reducer that
+//!   the parameter's gradient is final for this backward pass.
+//! - **Buckets.** Parameters are grouped into flat buckets (reverse registration order, per
+//!   dtype and device, the first capped at 1 MiB and the rest at `bucket_cap_mb`, a
+//!   parameter never split). A ready gradient is copied into its bucket slice — or, with
+//!   `gradient_as_bucket_view`, *is* its bucket slice.
+//! - **In place.** With the default hook, a gradient of at least `in_place_min_bytes`
+//!   (1 MiB) is not copied at all: its `.grad` is all-reduced in place, as its own collective,
+//!   as soon as it is ready and everything before it in bucket order has been launched. Only
+//!   small gradients go through the flat buffer, where batching them pays. In a group of one
+//!   the average is the gradient itself, so nothing is copied or communicated.
+//! - **Launch order.** A bucket's in-place gradients (in bucket order), then its flat buffer
+//!   (through the communication hook), are launched asynchronously as soon as they are ready
+//!   and everything earlier has been launched, so communication overlaps the rest of
+//!   backward and every rank launches the same collectives in the same order.
+//! - **End of backward.** The first hook of a pass creates the pass's state and queues a
+//!   callback that the autograd engine runs before `backward()` returns: it launches what is
+//!   left (unused parameters count as zero with `find_unused_parameters`), waits for every
+//!   bucket, and writes the averaged gradients back into `.grad`.
+//! - **Rebuild.** After the first iteration the buckets are rebuilt once from the order in
+//!   which gradients became ready (rank 0's order, adopted by all ranks).
+
+mod autograd;
+mod backward;
+mod buckets;
+pub(crate) mod comm_hooks;
+mod grads;
+mod options;
+mod pass;
+mod unused;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tch::Tensor;
+
+use crate::error::{ArgumentError, DistError, Result};
+use crate::process_group::ProcessGroup;
+use autograd::GradReadyHook;
+use buckets::{Layout, Param};
+use comm_hooks::BucketHook;
+use pass::Pass;
+use unused::StaticGraphUse;
+
+pub use comm_hooks::PowerSgdOptions;
+pub use options::{
+    check_bucket_cap, CommHook, ReducerOptions, DEFAULT_FIRST_BUCKET_BYTES,
+    DEFAULT_IN_PLACE_MIN_BYTES,
+};
+
+/// Per-step figures, for benchmarks and `replicate::state`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ReducerStats {
+    /// Synchronised backward passes so far.
+    pub steps: u64,
+    /// Number of buckets.
+    pub buckets: usize,
+    /// Bytes all-reduced per step.
+    pub bytes: usize,
+    /// Last step: from the first bucket's launch until every bucket was done.
+    pub comm_time: Duration,
+    /// Last step: the part of `comm_time` that ran while backward was still computing.
+    pub overlapped_time: Duration,
+    /// Whether the buckets were rebuilt from the observed gradient order.
+    pub rebuilt: bool,
+}
+
+/// The reducer's state across passes.
+pub(crate) struct State {
+    layout: Layout,
+    hook: Box<dyn BucketHook>,
+    /// The backward pass in progress (from its first gradient-ready hook to its end).
+    pass: Option<Pass>,
+    /// Which copied members had no `.grad` at the last `prepare_for_forward`, for the next
+    /// pass (see `grads::release_fresh_grad`).
+    fresh_grads: Vec<bool>,
+    /// The order in which gradients became ready, recorded until the one rebuild (`None`
+    /// once rebuilt).
+    ready_order: Option<Vec<usize>>,
+    /// `static_graph`, after the first synchronised pass: what it saw.
+    static_graph: Option<StaticGraphUse>,
+    /// The last pass left parameters without a gradient: the next forward fails with this.
+    unfinished: Option<DistError>,
+    /// An engine failure or a changed static graph; every later pass reports it.
+    failed: Option<DistError>,
+    stats: ReducerStats,
+}
+
+pub(crate) struct ReducerInner {
+    group: ProcessGroup,
+    opts: ReducerOptions,
+    require_sync: AtomicBool,
+    state: Mutex<State>,
+}
+
+/// Averages gradients across a process group while backward runs. See the module docs.
+pub struct Reducer {
+    inner: Arc<ReducerInner>,
+    hooks: Vec<GradReadyHook>,
+}
+
+impl std::fmt::Debug for Reducer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reducer")
+            .field("buckets", &self.bucket_fqns())
+            .finish()
+    }
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    // A panic inside a hook is caught and turned into an error; the state stays usable.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Reducer {
+    /// Buckets `params` (in registration order, with their FQNs) and installs the hooks.
+    ///
+    /// ```no_run
+    /// use tch_dist_runtime::{Reducer, ReducerOptions};
+    /// # let pg = tch_dist_runtime::default_group()?;
+    /// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let w = vs.root().var("w", &[4, 4], tch::nn::Init::Const(1.0));
+    /// let reducer = Reducer::new(vec![("w".into(), w)], pg, ReducerOptions::default())?;
+    /// assert_eq!(reducer.bucket_fqns(), vec![vec!["w".to_string()]]);
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
+    pub fn new(
+        params: Vec<(String, Tensor)>,
+        group: ProcessGroup,
+        opts: ReducerOptions,
+    ) -> Result<Reducer> {
+        let rank = group.rank();
+        let invalid = |problem: ArgumentError| DistError::InvalidArgument {
+            rank,
+            op: "replicate",
+            problem: Box::new(problem),
+        };
+        opts.validate().map_err(invalid)?;
+        if let Some((first_fqn, first)) = params.first() {
+            for (fqn, t) in &params {
+                if !t.requires_grad() {
+                    return Err(invalid(ArgumentError::NoGrad { fqn: fqn.clone() }));
+                }
+                // All CUDA devices count as one: a module may sit on several GPUs of a node.
+                if t.device() != first.device()
+                    && !(t.device().is_cuda() && first.device().is_cuda())
+                {
+                    return Err(invalid(ArgumentError::MixedDevices {
+                        fqn: fqn.clone(),
+                        device: t.device(),
+                        first_fqn: first_fqn.clone(),
+                        first_device: first.device(),
+                    }));
+                }
+            }
+        }
+        let hook = comm_hooks::for_options(&opts.comm_hook);
+        // In a group of one the average is the gradient itself: every gradient is "in place".
+        let in_place_min_bytes = hook.reduces_in_place().then(|| {
+            if group.world_size() == 1 {
+                0
+            } else {
+                opts.in_place_min_bytes
+            }
+        });
+        let params: Vec<Param> = params
+            .into_iter()
+            .map(|(fqn, tensor)| Param::new(fqn, tensor))
+            .collect();
+        let reverse: Vec<usize> = (0..params.len()).rev().collect();
+        let layout = Layout::new(
+            params,
+            &reverse,
+            opts.first_cap_bytes(),
+            opts.cap_bytes(),
+            in_place_min_bytes,
+        );
+        let stats = ReducerStats {
+            buckets: layout.buckets.len(),
+            bytes: layout.params.iter().map(Param::bytes).sum(),
+            ..Default::default()
+        };
+        let state = State {
+            layout,
+            hook,
+            pass: None,
+            fresh_grads: Vec::new(),
+            ready_order: Some(Vec::new()),
+            static_graph: None,
+            unfinished: None,
+            failed: None,
+            stats,
+        };
+        if opts.gradient_as_bucket_view {
+            grads::adopt_bucket_views(&state.layout, rank)?;
+        }
+        let tensors: Vec<(String, Tensor)> = state
+            .layout
+            .params
+            .iter()
+            .map(|p| (p.fqn.clone(), p.tensor.shallow_clone()))
+            .collect();
+        let inner = Arc::new(ReducerInner {
+            group,
+            opts,
+            require_sync: AtomicBool::new(true),
+            state: Mutex::new(state),
+        });
+        let mut hooks = Vec::with_capacity(tensors.len());
+        for (i, (fqn, tensor)) in tensors.iter().enumerate() {
+            // SAFETY: the hook's context is the ReducerInner, kept alive by `inner` for as
+            // long as the hooks exist (Drop removes them before `inner` can go away).
+            let hook =
+                unsafe { GradReadyHook::add(tensor, Arc::as_ptr(&inner), i) }.map_err(|e| {
+                    DistError::Collective {
+                        rank,
+                        op: "replicate",
+                        cause: format!("registering the gradient hook of `{fqn}`: {}", e.message),
+                    }
+                })?;
+            hooks.push(hook);
+        }
+        Ok(Reducer { inner, hooks })
+    }
+
+    /// Called before each forward: fails with the previous iteration's error — PyTorch's
+    /// "Expected to have finished reduction in the prior iteration..." when it left
+    /// parameters without a gradient (and unused parameters were not allowed), or the
+    /// failure of an earlier pass. Also notes which copied members have no `.grad` yet.
+    pub fn prepare_for_forward(&self) -> Result<()> {
+        let mut st = lock(&self.inner.state);
+        if !self.inner.opts.gradient_as_bucket_view {
+            st.fresh_grads = st
+                .layout
+                .params
+                .iter()
+                .map(|p| !p.in_place && !p.tensor.grad().defined())
+                .collect();
+        }
+        if let Some(e) = st.failed.as_ref().or(st.unfinished.as_ref()) {
+            return Err(e.clone());
+        }
+        Ok(())
+    }
+
+    /// Whether the next backward passes synchronise (false inside `no_sync`).
+    pub fn set_require_sync(&self, sync: bool) {
+        self.inner.require_sync.store(sync, Ordering::SeqCst);
+    }
+
+    /// Whether backward passes currently synchronise.
+    pub fn require_sync(&self) -> bool {
+        self.inner.require_sync.load(Ordering::SeqCst)
+    }
+
+    /// The managed parameters' FQNs, in registration order.
+    pub fn param_fqns(&self) -> Vec<String> {
+        lock(&self.inner.state)
+            .layout
+            .params
+            .iter()
+            .map(|p| p.fqn.clone())
+            .collect()
+    }
+
+    /// The bucket layout: the FQNs of each bucket, in launch order.
+    pub fn bucket_fqns(&self) -> Vec<Vec<String>> {
+        lock(&self.inner.state).layout.bucket_fqns()
+    }
+
+    /// Figures of the last synchronised step.
+    pub fn stats(&self) -> ReducerStats {
+        lock(&self.inner.state).stats.clone()
+    }
+
+    /// The process group the gradients are averaged over.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.inner.group
+    }
+}
+
+impl Drop for Reducer {
+    fn drop(&mut self) {
+        // Hooks first: after this no callback can reach `inner`.
+        self.hooks.clear();
+    }
+}
+
+impl ReducerInner {
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
+}
