@@ -1,10 +1,13 @@
 //! Start-up through `tch-dist-run` and through torchrun, and failures: a rank killed with
 //! SIGKILL mid-collective, nobody listening at MASTER_ADDR:MASTER_PORT, a port already taken.
+//! The launcher's hold on its ranks' whole process trees: SIGTERM to it, ranks that leave
+//! background processes behind, a rank failing while another's grandchild runs.
 //!
-//! The ranks are this test binary itself, re-executed with `TCH_DIST_TEST_WORKER` set.
+//! The ranks are this test binary itself, re-executed with `TCH_DIST_TEST_WORKER` set, or
+//! `sh -c` scripts whose processes carry a marker variable that /proc shows.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use tch::Tensor;
@@ -18,11 +21,17 @@ fn launcher() -> &'static str {
 /// Runs `cmd` with a hard wall-clock limit (killing it at the deadline).
 fn run_bounded(mut cmd: Command, limit: Duration) -> (Output, Duration) {
     let start = Instant::now();
-    let mut child = cmd
+    let child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn");
+    wait_bounded(child, start, limit)
+}
+
+/// Waits for `child` until `limit` after `start` (killing it then); returns its output and
+/// the time from `start`.
+fn wait_bounded(mut child: Child, start: Instant, limit: Duration) -> (Output, Duration) {
     loop {
         if child.try_wait().expect("try_wait").is_some() {
             break;
@@ -339,4 +348,194 @@ fn cuda_tensor_on_gloo_only_group_is_an_error() {
     let x = Tensor::from_slice(&[4.0f32]);
     pg.all_reduce(&x, ReduceOp::Avg).unwrap();
     assert_eq!(x.double_value(&[0]), 4.0);
+}
+
+/// The variable that marks the processes of one test's ranks (the launcher passes its
+/// environment on, and every process started below inherits it).
+const MARKER_ENV: &str = "TCH_DIST_TEST_MARKER";
+
+/// One test's marker; dropping it SIGKILLs whatever still carries it, so that a failing
+/// test leaves nothing behind either.
+struct Marker(String);
+
+impl Marker {
+    fn new(test: &str) -> Marker {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos();
+        Marker(format!("{test}-{}-{nanos}", std::process::id()))
+    }
+
+    /// Live processes carrying the marker, as (pid, command line), except `but`.
+    fn processes(&self, but: Option<u32>) -> Vec<(u32, String)> {
+        let needle = format!("{MARKER_ENV}={}", self.0);
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            // A zombie's environment reads as empty: only live processes match.
+            let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
+                continue;
+            };
+            if Some(pid) != but && env.split(|&b| b == 0).any(|v| v == needle.as_bytes()) {
+                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+                found.push((pid, cmdline.trim_end().to_string()));
+            }
+        }
+        found
+    }
+
+    /// Waits (bounded) until no process carries the marker; returns those left.
+    fn wait_gone(&self) -> Vec<(u32, String)> {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            let left = self.processes(None);
+            if left.is_empty() || Instant::now() > deadline {
+                return left;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// `tch-dist-run --nproc-per-node N -- sh -c SCRIPT`, marked, with `$SYNC` a fresh
+    /// directory the scripts may use.
+    fn sh_ranks(&self, nproc: usize, script: &str) -> Command {
+        let sync = self.sync_dir();
+        std::fs::create_dir_all(&sync).unwrap();
+        let mut cmd = Command::new(launcher());
+        cmd.env(MARKER_ENV, &self.0)
+            .env("SYNC", &sync)
+            .args(["--nproc-per-node", &nproc.to_string()])
+            .args(["--master-port", &free_port().to_string(), "--"])
+            .args(["sh", "-c", script]);
+        cmd
+    }
+
+    fn sync_dir(&self) -> PathBuf {
+        std::env::temp_dir().join(format!("tch-dist-sync-{}", self.0))
+    }
+}
+
+impl Drop for Marker {
+    fn drop(&mut self) {
+        for (pid, _) in self.processes(None) {
+            // SAFETY: kill(2) on a process of this test's own.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+        let _ = std::fs::remove_dir_all(self.sync_dir());
+    }
+}
+
+fn spawn_piped(mut cmd: Command) -> Child {
+    cmd.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn")
+}
+
+#[test]
+fn sigterm_to_the_launcher_stops_the_ranks_process_trees() {
+    let marker = Marker::new("sigterm");
+    // Each rank is a shell waiting for its "trainer": two processes in the rank's group.
+    let child = spawn_piped(marker.sh_ranks(2, "sleep 300; echo done"));
+    let launcher_pid = child.id();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while marker
+        .processes(Some(launcher_pid))
+        .iter()
+        .filter(|(_, cmd)| cmd == "sleep 300")
+        .count()
+        < 2
+    {
+        assert!(Instant::now() < deadline, "{:?}", marker.processes(None));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let signalled = Instant::now();
+    // SAFETY: kill(2) on the launcher this test started.
+    unsafe { libc::kill(launcher_pid as i32, libc::SIGTERM) };
+    let (out, elapsed) = wait_bounded(child, signalled, Duration::from_secs(30));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(128 + libc::SIGTERM),
+        "{stdout}\n{stderr}"
+    );
+    assert!(
+        stderr.contains("received signal 15 (SIGTERM), stopping all ranks"),
+        "{stderr}"
+    );
+    // The shells got SIGTERM with their trainers (no SIGKILL after the grace period).
+    assert!(elapsed < Duration::from_secs(4), "{elapsed:?}\n{stderr}");
+    assert!(!stdout.contains("done"), "{stdout}");
+    let left = marker.wait_gone();
+    assert!(left.is_empty(), "left running: {left:?}");
+}
+
+#[test]
+fn ranks_that_leave_background_processes_do_not_hold_the_launcher() {
+    let marker = Marker::new("background");
+    // Rank 0 leaves a `sleep 30 &` in its group; rank 1 one that left the group (setsid),
+    // which it waits to see in its own session before exiting.
+    let script = r#"if [ "$RANK" = 0 ]; then sleep 30 &
+else setsid sh -c 'touch "$SYNC/bg"; exec sleep 30' &
+  while [ ! -e "$SYNC/bg" ]; do sleep 0.01; done
+fi
+echo hi"#;
+    let (out, elapsed) = run_bounded(marker.sh_ranks(2, script), Duration::from_secs(60));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("[rank0]: hi") && stdout.contains("[rank1]: hi"),
+        "{stdout}"
+    );
+    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}\n{stderr}");
+    assert!(
+        stderr.contains(
+            "rank 0 exited; terminating the processes it left running in its process group"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("terminating 1 process(es) that left their rank's process group"),
+        "{stderr}"
+    );
+    let left = marker.wait_gone();
+    assert!(left.is_empty(), "left running: {left:?}");
+}
+
+#[test]
+fn failing_rank_stops_the_others_process_trees() {
+    let marker = Marker::new("failing");
+    // Rank 0 runs a trainer and a grandchild that left its group and ignores SIGTERM;
+    // rank 1 fails once that grandchild is in place.
+    let script = r#"if [ "$RANK" = 0 ]; then
+  (trap '' TERM; exec setsid sh -c 'touch "$SYNC/bg"; exec sleep 300') &
+  sleep 300; echo done
+else
+  while [ ! -e "$SYNC/bg" ]; do sleep 0.01; done
+  exit 3
+fi"#;
+    let (out, elapsed) = run_bounded(marker.sh_ranks(2, script), Duration::from_secs(60));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("rank 1 failed (exit status: 3); stopping the other ranks"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("terminating 1 process(es) that left their rank's process group"),
+        "{stderr}"
+    );
+    // The grandchild ignores SIGTERM: SIGKILL 5 s later.
+    assert!(stderr.contains("sending SIGKILL"), "{stderr}");
+    assert!(elapsed < Duration::from_secs(15), "{elapsed:?}\n{stderr}");
+    assert!(!stdout.contains("done"), "{stdout}");
+    let left = marker.wait_gone();
+    assert!(left.is_empty(), "left running: {left:?}");
 }

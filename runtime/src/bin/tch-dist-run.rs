@@ -7,17 +7,69 @@
 //! Starts N copies of CMD with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
 //! LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), prefixes each line they print with
 //! `[rankR]: `, and when one rank fails, stops the others and exits with that rank's status.
-//! Children die with the launcher (PR_SET_PDEATHSIG), so nothing is left behind.
+//!
+//! # Process trees
+//!
+//! A rank is the whole process tree CMD starts (`sh -c "trainer; echo done"`, a data loader's
+//! workers, a `sleep 30 &`), and nothing it starts outlives the launcher:
+//!
+//! - Each rank runs in a process group of its own (its pid is the group's id, in the
+//!   launcher's session), and every signal the launcher sends goes to the whole group.
+//! - The launcher is a child subreaper (`PR_SET_CHILD_SUBREAPER`): a process whose parent
+//!   exits is re-parented to the launcher instead of init, so processes that left their
+//!   rank's group (`setsid`, a daemon's double fork) are still among the launcher's
+//!   descendants, which it finds through /proc's parent links when it stops.
+//! - When a rank exits (with any status), SIGTERM goes to what is left of its group.
+//! - When a rank fails (non-zero status or a signal), the launcher prints
+//!   `rank R failed (...); stopping the other ranks`, stops everything as below and exits
+//!   with that rank's status (128+N for signal N).
+//! - On SIGTERM, SIGINT, SIGHUP or SIGQUIT (torchrun's default set), the launcher prints
+//!   `received signal ...`, stops everything as below and exits with 128+N, as a shell
+//!   reports a job killed by signal N (torchrun instead exits 1 with a SignalException).
+//!   The ranks get SIGTERM whatever the signal was. Ranks are not in the terminal's
+//!   foreground group, so Ctrl-C reaches them only through the launcher (and Ctrl-Z stops
+//!   only the launcher).
+//! - Stopping, also after every rank succeeded: SIGTERM to every rank's group and to every
+//!   other live descendant of the launcher; 5 s later (at once on a further signal), SIGKILL
+//!   to whatever is left. Background processes a successful rank left running are killed too.
+//! - The launcher exits once its descendants are gone (it gives up on any that survive
+//!   SIGKILL for 1 s, e.g. in uninterruptible sleep). It then copies what is left in the
+//!   ranks' pipes for at most 1 s, without waiting for an end of file that a process out of
+//!   its reach could hold off.
+//!
+//! Not covered: SIGKILL to the launcher (each rank's first process dies with it through
+//! `PR_SET_PDEATHSIG`, but that process's children are left running), and processes started
+//! outside the launcher's process tree on a rank's behalf (`systemd-run`, `ssh`, a container
+//! engine's daemon). Processes outside the ranks' groups are only looked for when stopping:
+//! one that a rank left while other ranks still run lives until then, and one forking faster
+//! than the 20 ms loop could outrun their SIGKILL (a group's members cannot: a signal to a
+//! group reaches all of them at once).
 
+use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 const USAGE: &str = "usage: tch-dist-run --nproc-per-node N [--master-addr ADDR] [--master-port PORT] -- CMD [ARGS...]";
 
+const HELP: &str = "\
+Starts N ranks of CMD with torchrun's variables and prefixes their output with [rankR]: .
+Each rank runs in its own process group. When a rank fails, or the launcher gets SIGTERM,
+SIGINT, SIGHUP or SIGQUIT, every rank's group gets SIGTERM (SIGKILL 5 s later) and the
+launcher exits with the failed rank's status, or 128+N after signal N. Nothing a rank starts
+outlives the launcher: what ranks left running (a `sleep 30 &`) is killed once all ranks have
+exited, even successfully.";
+
 /// How long ranks get to exit after SIGTERM before SIGKILL.
 const GRACE: Duration = Duration::from_secs(5);
+/// How long processes get to die after SIGKILL before the launcher gives up on them.
+const KILL_WAIT: Duration = Duration::from_secs(1);
+/// How long the ranks' pipes are still read once their processes are gone.
+const DRAIN: Duration = Duration::from_secs(1);
+/// The supervision loop's period.
+const TICK: Duration = Duration::from_millis(20);
 
 struct Args {
     nproc: usize,
@@ -117,62 +169,340 @@ fn pump(
 }
 
 fn exit_code(status: ExitStatus) -> i32 {
-    use std::os::unix::process::ExitStatusExt;
     status
         .code()
         .unwrap_or_else(|| 128 + status.signal().unwrap_or(1))
 }
 
-static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+/// The first signal the launcher got (0: none yet).
+static FIRST_SIGNAL: AtomicI32 = AtomicI32::new(0);
+/// How many signals the launcher got.
+static SIGNALS: AtomicUsize = AtomicUsize::new(0);
 
 extern "C" fn on_signal(sig: libc::c_int) {
-    SIGNALLED.store(sig, Ordering::SeqCst);
+    // Only lock-free atomics: async-signal-safe. The supervision loop polls them.
+    let _ = FIRST_SIGNAL.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst);
+    SIGNALS.fetch_add(1, Ordering::SeqCst);
 }
 
-fn signal_all(children: &mut [Option<Child>], sig: libc::c_int) {
-    for c in children.iter().flatten() {
-        // SAFETY: kill(2) on our own child's pid; harmless if it already exited.
-        unsafe { libc::kill(c.id() as libc::pid_t, sig) };
+const HANDLED_SIGNALS: [libc::c_int; 4] =
+    [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT];
+
+fn install_signal_handlers() -> Result<(), String> {
+    for sig in HANDLED_SIGNALS {
+        // SAFETY: a zeroed sigaction is valid; the handler only touches atomics. SA_RESTART
+        // keeps the pumps' reads and writes from failing with EINTR.
+        let ok = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as *const () as libc::sighandler_t;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut()) == 0
+        };
+        if !ok {
+            return Err(format!(
+                "cannot install a handler for {}: {}",
+                signal_name(sig),
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn signal_name(sig: libc::c_int) -> &'static str {
+    match sig {
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGINT => "SIGINT",
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGKILL => "SIGKILL",
+        _ => "signal",
     }
 }
 
-/// SIGTERM the running ranks, then SIGKILL whatever is left after the grace period.
-fn stop_all(children: &mut [Option<Child>]) {
-    signal_all(children, libc::SIGTERM);
-    let deadline = Instant::now() + GRACE;
-    while Instant::now() < deadline {
-        for slot in children.iter_mut() {
-            if let Some(c) = slot {
-                if !matches!(c.try_wait(), Ok(None)) {
-                    *slot = None;
-                }
+fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// One rank: its first process and the process group it leads.
+struct Rank {
+    /// The rank's first process, which is also its process group's id.
+    pid: libc::pid_t,
+    /// Set once the first process has exited and been reaped.
+    status: Option<ExitStatus>,
+    /// Whether the group has had its SIGTERM.
+    term_sent: bool,
+    /// False once a signal to the group found nobody.
+    group_alive: bool,
+}
+
+impl Rank {
+    fn new(pid: libc::pid_t) -> Rank {
+        Rank {
+            pid,
+            status: None,
+            term_sent: false,
+            group_alive: true,
+        }
+    }
+
+    /// Sends `sig` to the rank's process group (0: only checks it), and returns whether
+    /// anything of the rank is left to signal.
+    fn signal(&mut self, sig: libc::c_int) -> bool {
+        if self.group_alive {
+            // SAFETY: kill(2). While any process is in the group its id cannot be reused,
+            // and once the group is empty (ESRCH) it is never signalled again.
+            if unsafe { libc::kill(-self.pid, sig) } == 0 || errno() != libc::ESRCH {
+                return true;
+            }
+            self.group_alive = false;
+        }
+        if self.status.is_none() {
+            // The first process left its group (setpgid) and still runs; it is an unreaped
+            // child of the launcher, so its pid is still its own.
+            // SAFETY: kill(2) on our own unreaped child.
+            unsafe { libc::kill(self.pid, sig) };
+            return true;
+        }
+        false
+    }
+
+    /// SIGTERM to the rank's group, once; returns whether anything was there to get it.
+    fn terminate(&mut self) -> bool {
+        if self.term_sent {
+            return false;
+        }
+        self.term_sent = true;
+        self.signal(libc::SIGTERM)
+    }
+}
+
+/// Reaps every exited child of the launcher: its ranks' first processes (recording their
+/// status) and orphaned descendants re-parented to it. Returns the ranks that exited.
+fn reap(ranks: &mut [Rank]) -> Vec<usize> {
+    let mut exited = Vec::new();
+    loop {
+        let mut raw = 0;
+        // SAFETY: waitpid(2) with a valid status pointer; WNOHANG never blocks.
+        let pid = unsafe { libc::waitpid(-1, &mut raw, libc::WNOHANG) };
+        if pid <= 0 {
+            // 0: children still run; -1: none left (ECHILD), or EINTR (next tick retries).
+            return exited;
+        }
+        if let Some(r) = ranks.iter().position(|r| r.pid == pid) {
+            ranks[r].status = Some(ExitStatus::from_raw(raw));
+            exited.push(r);
+        }
+    }
+}
+
+/// The launcher's live (not zombie) descendants as (pid, process group), from /proc.
+fn descendants() -> Vec<(libc::pid_t, libc::pid_t)> {
+    let mut procs = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<libc::pid_t>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        let Some(close) = stat.iter().rposition(|&b| b == b')') else {
+            continue;
+        };
+        let rest = String::from_utf8_lossy(&stat[close + 1..]);
+        let mut fields = rest.split_whitespace();
+        let state = fields.next().unwrap_or("Z");
+        let ppid = fields.next().and_then(|f| f.parse::<libc::pid_t>().ok());
+        let pgrp = fields.next().and_then(|f| f.parse::<libc::pid_t>().ok());
+        if let (false, Some(ppid), Some(pgrp)) = (matches!(state, "Z" | "X"), ppid, pgrp) {
+            procs.push((pid, ppid, pgrp));
+        }
+    }
+    let mut found = Vec::new();
+    let mut parents = vec![std::process::id() as libc::pid_t];
+    while let Some(parent) = parents.pop() {
+        for &(pid, ppid, pgrp) in &procs {
+            if ppid == parent {
+                found.push((pid, pgrp));
+                parents.push(pid);
             }
         }
-        if children.iter().all(Option::is_none) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
     }
-    for c in children.iter_mut().flatten() {
-        let _ = c.kill();
-        let _ = c.wait();
+    found
+}
+
+/// The launcher is stopping everything, and will exit with `code`.
+struct Stopping {
+    code: i32,
+    since: Instant,
+    /// The signal count when stopping began: one more skips the grace period.
+    signals: usize,
+    /// When SIGKILL was first sent.
+    killing_since: Option<Instant>,
+    /// Processes outside the ranks' groups that got SIGTERM.
+    termed: HashSet<libc::pid_t>,
+}
+
+impl Stopping {
+    fn new(code: i32) -> Stopping {
+        Stopping {
+            code,
+            since: Instant::now(),
+            signals: SIGNALS.load(Ordering::SeqCst),
+            killing_since: None,
+            termed: HashSet::new(),
+        }
+    }
+}
+
+/// Watches the ranks until they have all exited or one failed or a signal came, then stops
+/// every process the launcher started (directly or not). Returns the exit status.
+fn supervise(ranks: &mut [Rank], mut stopping: Option<Stopping>) -> i32 {
+    loop {
+        for r in reap(ranks) {
+            let status = ranks[r].status.expect("reaped");
+            let leftovers = ranks[r].terminate();
+            if stopping.is_some() {
+                continue;
+            }
+            if !status.success() {
+                eprintln!("tch-dist-run: rank {r} failed ({status}); stopping the other ranks");
+                stopping = Some(Stopping::new(exit_code(status)));
+            } else if leftovers {
+                eprintln!(
+                    "tch-dist-run: rank {r} exited; terminating the processes it left running \
+                     in its process group"
+                );
+            }
+        }
+        if stopping.is_none() {
+            let sig = FIRST_SIGNAL.load(Ordering::SeqCst);
+            if sig != 0 {
+                eprintln!(
+                    "tch-dist-run: received signal {sig} ({}), stopping all ranks",
+                    signal_name(sig)
+                );
+                stopping = Some(Stopping::new(128 + sig));
+            } else if ranks.iter().all(|r| r.status.is_some()) {
+                stopping = Some(Stopping::new(0));
+            }
+        }
+        if let Some(s) = &mut stopping {
+            if let Some(code) = stop_step(ranks, s) {
+                return code;
+            }
+        }
+        std::thread::sleep(TICK);
+    }
+}
+
+/// One tick of stopping: SIGTERM to everything not yet signalled, SIGKILL once the grace
+/// period is over. Returns the exit status once nothing is left.
+fn stop_step(ranks: &mut [Rank], s: &mut Stopping) -> Option<i32> {
+    for r in ranks.iter_mut() {
+        r.terminate();
+    }
+    // Descendants in a rank's group are reached through the group; the others left it.
+    let groups: HashSet<libc::pid_t> = ranks.iter().map(|r| r.pid).collect();
+    let strays: Vec<libc::pid_t> = descendants()
+        .into_iter()
+        .filter(|(_, pgrp)| !groups.contains(pgrp))
+        .map(|(pid, _)| pid)
+        .collect();
+    let groups_left = ranks
+        .iter_mut()
+        .map(|r| r.signal(0))
+        .filter(|&alive| alive)
+        .count();
+    if groups_left == 0 && strays.is_empty() {
+        return Some(s.code);
+    }
+    let skip_grace = SIGNALS.load(Ordering::SeqCst) > s.signals;
+    if s.killing_since.is_none() && (s.since.elapsed() >= GRACE || skip_grace) {
+        eprintln!(
+            "tch-dist-run: {} still running {}; sending SIGKILL",
+            describe_left(groups_left, strays.len()),
+            if skip_grace {
+                "after a second signal".to_string()
+            } else {
+                format!("{} s after SIGTERM", GRACE.as_secs())
+            }
+        );
+        s.killing_since = Some(Instant::now());
+    }
+    match s.killing_since {
+        Some(since) => {
+            if since.elapsed() >= KILL_WAIT {
+                eprintln!(
+                    "tch-dist-run: giving up on {}, still there {} s after SIGKILL",
+                    describe_left(groups_left, strays.len()),
+                    KILL_WAIT.as_secs()
+                );
+                return Some(s.code);
+            }
+            for r in ranks.iter_mut() {
+                r.signal(libc::SIGKILL);
+            }
+            for &pid in &strays {
+                // SAFETY: kill(2) on a descendant found live just now.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        None => {
+            let new: Vec<libc::pid_t> = strays
+                .into_iter()
+                .filter(|pid| s.termed.insert(*pid))
+                .collect();
+            if !new.is_empty() {
+                eprintln!(
+                    "tch-dist-run: terminating {} process(es) that left their rank's process group",
+                    new.len()
+                );
+            }
+            for pid in new {
+                // SAFETY: kill(2) on a descendant found live just now.
+                unsafe { libc::kill(pid, libc::SIGTERM) };
+            }
+        }
+    }
+    None
+}
+
+fn describe_left(groups: usize, strays: usize) -> String {
+    match (groups, strays) {
+        (g, 0) => format!("{g} rank process group(s)"),
+        (0, p) => format!("{p} process(es) outside the ranks' groups"),
+        (g, p) => format!("{g} rank process group(s) and {p} other process(es)"),
     }
 }
 
 fn run(args: Args) -> Result<i32, String> {
-    use std::os::unix::process::CommandExt;
     let port = match args.master_port {
         Some(p) => p,
         None => free_port(&args.master_addr)?,
     };
-    // SAFETY: installing async-signal-safe handlers that only store an integer.
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-    }
-    let mut children: Vec<Option<Child>> = Vec::new();
+    install_signal_handlers()?;
+    // Orphaned descendants come to the launcher instead of init, so that it can still stop
+    // them. Without it (kernels before 3.4) only the ranks' groups are reached.
+    // SAFETY: prctl(2) on the launcher itself.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    let launcher = std::process::id() as libc::pid_t;
+    let mut ranks = Vec::new();
     let mut pumps = Vec::new();
+    let mut start_error = None;
     for rank in 0..args.nproc {
+        if FIRST_SIGNAL.load(Ordering::SeqCst) != 0 {
+            break;
+        }
         let mut cmd = Command::new(&args.cmd[0]);
         cmd.args(&args.cmd[1..])
             .env("RANK", rank.to_string())
@@ -185,11 +515,19 @@ fn run(args: Args) -> Result<i32, String> {
             .env("TORCHELASTIC_RUN_ID", "tch-dist-run")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        // SAFETY: prctl in the forked child before exec; async-signal-safe.
+            .stderr(Stdio::piped())
+            // A group of its own, led by the rank's first process (set before exec, so it
+            // is in place when spawn returns).
+            .process_group(0);
+        // SAFETY: prctl(2) and getppid(2) in the forked child before exec; both are
+        // async-signal-safe, and the error is built without allocating.
         unsafe {
-            cmd.pre_exec(|| {
+            cmd.pre_exec(move || {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                // The launcher died before the death signal was armed.
+                if libc::getppid() != launcher {
+                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+                }
                 Ok(())
             });
         }
@@ -201,50 +539,26 @@ fn run(args: Args) -> Result<i32, String> {
                 if let Some(err) = child.stderr.take() {
                     pumps.push(pump(rank, err, true));
                 }
-                children.push(Some(child));
+                // `child` is dropped without waiting: `reap` waits for every child.
+                ranks.push(Rank::new(child.id() as libc::pid_t));
             }
             Err(e) => {
-                stop_all(&mut children);
-                return Err(format!("cannot start {:?}: {e}", args.cmd[0]));
+                start_error = Some(format!("cannot start {:?}: {e}", args.cmd[0]));
+                break;
             }
         }
     }
-    let mut code = 0;
-    loop {
-        let sig = SIGNALLED.load(Ordering::SeqCst);
-        if sig != 0 {
-            eprintln!("tch-dist-run: received signal {sig}, stopping all ranks");
-            stop_all(&mut children);
-            code = 128 + sig;
-            break;
-        }
-        let mut failed = None;
-        for (rank, slot) in children.iter_mut().enumerate() {
-            if let Some(c) = slot {
-                if let Ok(Some(status)) = c.try_wait() {
-                    *slot = None;
-                    if !status.success() {
-                        failed = Some((rank, status));
-                        break;
-                    }
-                }
-            }
-        }
-        if let Some((rank, status)) = failed {
-            eprintln!("tch-dist-run: rank {rank} failed ({status}); stopping the other ranks");
-            stop_all(&mut children);
-            code = exit_code(status);
-            break;
-        }
-        if children.iter().all(Option::is_none) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    let code = supervise(&mut ranks, start_error.as_ref().map(|_| Stopping::new(1)));
+    // The ranks' processes are gone: copy what is still in their pipes, for a bounded time
+    // (a process out of reach holding a pipe open would keep its end of file away forever).
+    let deadline = Instant::now() + DRAIN;
+    while !pumps.iter().all(|p| p.is_finished()) && Instant::now() < deadline {
+        std::thread::sleep(TICK);
     }
-    for p in pumps {
-        let _ = p.join();
+    match start_error {
+        Some(e) => Err(e),
+        None => Ok(code),
     }
-    Ok(code)
 }
 
 fn main() {
@@ -252,7 +566,7 @@ fn main() {
         Ok(a) => a,
         Err(msg) => {
             if msg.is_empty() {
-                println!("{USAGE}");
+                println!("{USAGE}\n\n{HELP}");
                 std::process::exit(0);
             }
             eprintln!("tch-dist-run: {msg}\n{USAGE}");
@@ -260,6 +574,7 @@ fn main() {
         }
     };
     match run(args) {
+        // Exit without waiting for pumps still blocked on a pipe held open out of reach.
         Ok(code) => std::process::exit(code),
         Err(msg) => {
             eprintln!("tch-dist-run: {msg}");
