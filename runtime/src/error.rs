@@ -485,3 +485,362 @@ impl fmt::Display for Entry<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The exact text of every variant: messages name the rank, the operation and the
+    //! parameter once, in one shape.
+
+    use super::*;
+    use tch_dist_core::sharding::Placement;
+
+    fn sig(shape: &[i64]) -> TensorSignature {
+        TensorSignature {
+            shape: shape.to_vec(),
+            kind: Kind::Float,
+        }
+    }
+
+    fn invalid(problem: ArgumentError) -> String {
+        DistError::InvalidArgument {
+            rank: 1,
+            op: "op",
+            problem: Box::new(problem),
+        }
+        .to_string()
+    }
+
+    #[test]
+    fn dist_error_texts() {
+        let cases: Vec<(DistError, &str)> = vec![
+            (
+                EnvError::NoRank.into(),
+                "invalid launch environment: neither RANK (torchrun, tch-dist-run) nor \
+                 SLURM_PROCID is set; start the program with tch-dist-run, torchrun or srun",
+            ),
+            (
+                DistError::Rendezvous {
+                    rank: 1,
+                    addr: "10.0.0.1".into(),
+                    port: 29500,
+                    cause: "Connection refused".into(),
+                },
+                "rank 1: rendezvous with 10.0.0.1:29500 failed: Connection refused",
+            ),
+            (
+                DistError::Collective {
+                    rank: 1,
+                    op: "all_gather",
+                    cause: "bad sizes".into(),
+                },
+                "rank 1: all_gather failed: bad sizes",
+            ),
+            (
+                DistError::PeerGone {
+                    rank: 0,
+                    op: "all_reduce",
+                    peer: Some(1),
+                    cause: "Connection closed by peer".into(),
+                },
+                "rank 0: all_reduce failed: rank 1 closed the connection",
+            ),
+            (
+                DistError::PeerGone {
+                    rank: 0,
+                    op: "all_reduce",
+                    peer: None,
+                    cause: "Connection closed by peer".into(),
+                },
+                "rank 0: all_reduce failed: a peer closed the connection",
+            ),
+            (
+                DistError::Timeout {
+                    rank: 2,
+                    op: "barrier",
+                    timeout: Duration::from_secs(10),
+                },
+                "rank 2: barrier timed out after 10s",
+            ),
+            (
+                DistError::InvalidArgument {
+                    rank: 1,
+                    op: "send",
+                    problem: Box::new(ArgumentError::SelfPeer),
+                },
+                "rank 1: invalid argument to send: a rank cannot send to or receive from itself",
+            ),
+            (
+                DistError::Mismatch {
+                    rank: 1,
+                    op: "replicate",
+                    mismatch: Box::new(Mismatch::Tensor {
+                        what: "parameters",
+                        fqn: "fc1.weight".into(),
+                        reference_rank: 0,
+                        reference: sig(&[8, 4]),
+                        other_rank: 1,
+                        other: sig(&[9, 4]),
+                    }),
+                },
+                "rank 1: replicate: parameters differ across ranks: `fc1.weight` has shape [8, 4] \
+                 (Float) on rank 0 but shape [9, 4] (Float) on rank 1",
+            ),
+            (
+                DistError::GraphChanged {
+                    rank: 1,
+                    fqn: "b".into(),
+                    used_in_first_pass: true,
+                },
+                "rank 1: replicate: the training graph changed in this iteration: `b` got a \
+                 gradient in the first iteration but none in this one, which static_graph=true \
+                 does not allow",
+            ),
+            (
+                DistError::GraphChanged {
+                    rank: 1,
+                    fqn: "b".into(),
+                    used_in_first_pass: false,
+                },
+                "rank 1: replicate: the training graph changed in this iteration: `b` got no \
+                 gradient in the first iteration but one in this one, which static_graph=true \
+                 does not allow",
+            ),
+            (
+                DistError::UnfinishedReduction {
+                    rank: 0,
+                    indices: vec![2, 3],
+                    fqns: vec!["head.weight".into(), "head.bias".into()],
+                },
+                "rank 0: replicate failed: Expected to have finished reduction in the prior \
+                 iteration before starting a new one. This error indicates that your module has \
+                 parameters that were not used in producing loss. You can enable unused \
+                 parameter detection by passing `find_unused_parameters: true` in \
+                 replicate::Options, and by making sure all forward outputs participate in \
+                 calculating loss. Parameter indices which did not receive grad: 2 3. \
+                 Parameters which did not receive grad for rank 0: head.weight, head.bias",
+            ),
+            (
+                DistError::GradientAfterLaunch {
+                    rank: 1,
+                    fqn: "fc.weight".into(),
+                },
+                "rank 1: replicate: parameter `fc.weight` received a gradient after its \
+                 all-reduce had started (it was marked ready twice in one backward pass, e.g. \
+                 used in several reentrant backward passes or outside forward)",
+            ),
+            (
+                DistError::Store {
+                    op: "get",
+                    key: "epoch".into(),
+                    cause: "wait timeout after 1000ms".into(),
+                },
+                "store get of `epoch` failed: wait timeout after 1000ms",
+            ),
+            (
+                DistError::NotInitialized,
+                "the default process group is not initialized; call init_process_group first",
+            ),
+            (
+                DistError::AlreadyInitialized,
+                "the default process group is already initialized; call destroy_process_group \
+                 first",
+            ),
+        ];
+        for (e, text) in cases {
+            assert_eq!(e.to_string(), text);
+        }
+    }
+
+    #[test]
+    fn env_error_texts() {
+        let cases: Vec<(EnvError, &str)> = vec![
+            (
+                EnvError::NoWorldSize,
+                "neither WORLD_SIZE nor SLURM_NTASKS is set",
+            ),
+            (
+                EnvError::NotAnInteger {
+                    var: "RANK",
+                    value: "x".into(),
+                },
+                "RANK=\"x\" is not a non-negative integer",
+            ),
+            (
+                EnvError::ZeroWorldSize { var: "WORLD_SIZE" },
+                "WORLD_SIZE=0: the world size must be at least 1",
+            ),
+            (
+                EnvError::RankOutOfRange {
+                    rank_var: "RANK",
+                    rank: 2,
+                    world_var: "WORLD_SIZE",
+                    world_size: 2,
+                },
+                "RANK=2 is out of range for WORLD_SIZE=2 (ranks are 0..2)",
+            ),
+            (EnvError::EmptyMasterAddr, "MASTER_ADDR is empty"),
+            (
+                EnvError::NoMasterAddr,
+                "MASTER_ADDR is not set (the rendezvous host, rank 0's address)",
+            ),
+            (
+                EnvError::BadPort {
+                    value: "99999".into(),
+                },
+                "MASTER_PORT=\"99999\" is not a port number (1-65535)",
+            ),
+            (
+                EnvError::BadTimeout { value: "-1".into() },
+                "TCH_DIST_TIMEOUT_SECS=\"-1\" is not a positive number",
+            ),
+            (
+                EnvError::NcclNotCompiled,
+                "tch-dist was built without NCCL support",
+            ),
+        ];
+        for (e, text) in cases {
+            assert_eq!(e.to_string(), text);
+        }
+    }
+
+    #[test]
+    fn argument_error_texts() {
+        let on = |rank| Placement::new(rank, Device::Cpu);
+        let cases: Vec<(ArgumentError, &str)> = vec![
+            (
+                ArgumentError::RankNotInGroup {
+                    what: "src_rank",
+                    rank: 2,
+                    world_size: 2,
+                },
+                "src_rank 2 is not in a group of size 2",
+            ),
+            (ArgumentError::EmptyRankList, "the rank list is empty"),
+            (
+                ArgumentError::DuplicateRank { rank: 1 },
+                "rank 1 is listed twice",
+            ),
+            (
+                ArgumentError::NotPositive {
+                    option: "bucket_cap_mb",
+                    value: -1.0,
+                },
+                "bucket_cap_mb must be positive, got -1",
+            ),
+            (
+                ArgumentError::PowerSgdRank,
+                "PowerSGD: matrix_approximation_rank must be at least 1",
+            ),
+            (
+                ArgumentError::PowerSgdStartIter {
+                    start_powersgd_iter: 1,
+                },
+                "PowerSGD: expected start_powersgd_iter > 1 if use_error_feedback or warm_start \
+                 is enabled (got 1), because PowerSGD can only be applied after the buckets are \
+                 rebuilt at the end of the first step",
+            ),
+            (
+                ArgumentError::PowerSgdCompressionRate { value: -2.0 },
+                "PowerSGD: min_compression_rate must be a non-negative number, got -2",
+            ),
+            (
+                ArgumentError::NoGrad { fqn: "w".into() },
+                "parameter `w` does not require grad",
+            ),
+            (
+                ArgumentError::MixedDevices {
+                    fqn: "b".into(),
+                    device: Device::Cuda(0),
+                    first_fqn: "a".into(),
+                    first_device: Device::Cpu,
+                },
+                "parameter `b` is on Cuda(0) but `a` is on Cpu; a replicated module lives on one \
+                 device",
+            ),
+            (
+                ArgumentError::PlacementRank {
+                    placement: on(3),
+                    world_size: 2,
+                },
+                "placement `rank:3/cpu` names rank 3, but the group has 2 ranks",
+            ),
+            (
+                ArgumentError::PlacementNeedsCuda {
+                    placement: Placement::new(0, Device::Cuda(0)),
+                },
+                "placement `rank:0/cuda:0` needs CUDA, which is not available",
+            ),
+            (
+                ArgumentError::LocalShards {
+                    expected: 1,
+                    got: 2,
+                },
+                "the global metadata places 1 shard(s) on this rank, got 2 that do not match it",
+            ),
+            (
+                ArgumentError::LocalShardSignature {
+                    actual: sig(&[2, 2]),
+                    expected: sig(&[3, 2]),
+                },
+                "a local shard is [2, 2] (Float), its metadata says [3, 2] (Float)",
+            ),
+            (
+                ArgumentError::LocalTensorCount { held: 0 },
+                "local_tensor() needs exactly one local shard, this rank holds 0",
+            ),
+            (
+                ArgumentError::MissingShard {
+                    offsets: vec![4, 0],
+                },
+                "this rank should hold the shard at offsets [4, 0] but does not",
+            ),
+        ];
+        for (e, text) in cases {
+            assert_eq!(
+                invalid(e),
+                format!("rank 1: invalid argument to op: {text}")
+            );
+        }
+        let sharding = tch_dist_core::sharding::ShardingError::UnknownDtype { name: "f33".into() };
+        assert_eq!(
+            invalid(sharding.clone().into()),
+            format!("rank 1: invalid argument to op: {sharding}")
+        );
+    }
+
+    #[test]
+    fn mismatch_texts() {
+        let named = |fqn: &str, shape: &[i64]| NamedSignature {
+            fqn: fqn.into(),
+            signature: sig(shape),
+        };
+        let cases: Vec<(Mismatch, &str)> = vec![
+            (
+                Mismatch::List {
+                    what: "parameters",
+                    reference_rank: 0,
+                    reference_len: 2,
+                    other_rank: 1,
+                    other_len: 1,
+                    index: 1,
+                    reference_entry: Some(named("fc.bias", &[4])),
+                    other_entry: None,
+                },
+                "parameters differ across ranks: rank 0 has 2 parameters and rank 1 has 1; entry 1 \
+                 is `fc.bias` with shape [4] (Float) on rank 0 but missing on rank 1",
+            ),
+            (
+                Mismatch::Shape {
+                    reference_rank: 0,
+                    reference: sig(&[10, 2]),
+                    other_rank: 2,
+                    other: sig(&[9, 2]),
+                },
+                "rank 0 passes a tensor of shape [10, 2] (Float), but rank 2 passed [9, 2] (Float)",
+            ),
+        ];
+        for (m, text) in cases {
+            assert_eq!(m.to_string(), text);
+        }
+    }
+}

@@ -238,12 +238,17 @@ fn drain(pipe: Option<impl Read + Send + 'static>) -> JoinHandle<String> {
     })
 }
 
+/// What a rank prints once its body has run, so that the parent can tell a rank that ran
+/// the test from one whose filter matched nothing (a `test` name that is not the test's
+/// exact path runs zero tests in the child, which passes).
+const RAN_MARKER: &str = "tch-dist-test: rank body finished:";
+
 /// Runs `body` as every rank of a `world_size`-process Gloo group (also made the default
 /// process group).
 ///
 /// In the parent (a normal `cargo test` run) this spawns the ranks and panics, with every
-/// rank's output, unless all of them pass within [`DEFAULT_TEST_TIMEOUT`]. `test` must be
-/// the test's exact name.
+/// rank's output, unless all of them run the body and pass within [`DEFAULT_TEST_TIMEOUT`].
+/// `test` must be the test's exact name; a child that ran no test fails the parent.
 pub fn run_ranks(test: &str, world_size: usize, body: impl FnOnce(ProcessGroup)) {
     run_ranks_with(&Launch::new(test, world_size), Backend::Gloo, body)
 }
@@ -255,13 +260,29 @@ pub fn run_ranks_with(launch: &Launch, backend: Backend, body: impl FnOnce(Proce
             // The default group, as a program started by torchrun would create it.
             let pg = crate::init_process_group(backend)
                 .unwrap_or_else(|e| panic!("creating the test's process group: {e}"));
+            let rank = pg.rank();
             body(pg);
+            println!("{RAN_MARKER} {} {rank}", launch.test);
         }
         Some(_) => {}
         None => {
             let outputs = launch.run();
             if !outputs.iter().all(RankOutput::success) {
                 panic!("a rank of {} failed:\n{}", launch.test, describe(&outputs));
+            }
+            let marker = |rank: usize| format!("{RAN_MARKER} {} {rank}", launch.test);
+            if let Some(o) = outputs
+                .iter()
+                .find(|o| !o.stdout.lines().any(|l| l.ends_with(&marker(o.rank))))
+            {
+                panic!(
+                    "rank {} of {} ran no test body: is {:?} the test's exact path (as \
+                     `cargo test -- --exact` names it)?\n{}",
+                    o.rank,
+                    launch.test,
+                    launch.test,
+                    describe(&outputs)
+                );
             }
         }
     }

@@ -264,6 +264,20 @@ fn unused_parameter_without_detection_fails_next_iteration() {
                 "{err}"
             );
             assert!(err.contains("find_unused_parameters: true"), "{err}");
+            // Typed, with the indices filled in (no "see names" placeholder).
+            let typed = reducer.prepare_for_forward().unwrap_err();
+            assert_eq!(
+                typed,
+                tch_dist_runtime::DistError::UnfinishedReduction {
+                    rank: pg.rank(),
+                    indices: vec![4],
+                    fqns: vec!["unused.weight".into()]
+                }
+            );
+            assert!(
+                err.contains("Parameter indices which did not receive grad: 4."),
+                "{err}"
+            );
         },
     );
 }

@@ -223,8 +223,19 @@ fn static_graph_reuses_the_first_pass_and_refuses_a_changed_graph() {
                     pg.rank()
                 );
                 assert!(err.contains(&expected), "{err}");
-                let again = reducer.prepare_for_forward().unwrap_err().to_string();
-                assert!(again.contains(&expected), "{again}");
+                let again = reducer.prepare_for_forward().unwrap_err();
+                assert!(again.to_string().contains(&expected), "{again}");
+                // The typed value, with the rank and the op said once (not "rank R: replicate
+                // failed: rank R: replicate: ...").
+                assert_eq!(again.to_string(), expected);
+                assert_eq!(
+                    again,
+                    tch_dist_runtime::DistError::GraphChanged {
+                        rank: pg.rank(),
+                        fqn: "b".into(),
+                        used_in_first_pass: false
+                    }
+                );
             }
         },
     );

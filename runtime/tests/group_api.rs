@@ -1,0 +1,215 @@
+//! The rest of a process group's public surface, as real processes over 127.0.0.1: the
+//! rendezvous store, subgroup ranks, work handles and their timeouts, checking that ranks
+//! pass the same tensors, coalesced broadcasts, and the multi-process harness's own guard.
+
+use std::time::{Duration, Instant};
+
+use tch::{Kind, Tensor};
+use tch_dist_runtime::testing::{run_ranks, worker};
+use tch_dist_runtime::{Backend, DistError, Mismatch, BROADCAST_BUCKET_BYTES};
+
+#[test]
+fn store_set_get_add() {
+    run_ranks("store_set_get_add", 3, |pg| {
+        let store = pg.store();
+        store
+            .set(
+                &format!("from{}", pg.rank()),
+                format!("hello {}", pg.rank()).as_bytes(),
+            )
+            .unwrap();
+        // Every rank reads every rank's key, waiting for it.
+        for r in 0..3 {
+            assert_eq!(
+                store.get(&format!("from{r}")).unwrap(),
+                format!("hello {r}").as_bytes()
+            );
+        }
+        // add is atomic: the three increments of 1, 2, 3 sum to 6 whatever the order.
+        let mine = store.add("counter", pg.rank() as i64 + 1).unwrap();
+        assert!((1..=6).contains(&mine), "{mine}");
+        pg.barrier().unwrap();
+        assert_eq!(store.add("counter", 0).unwrap(), 6);
+        // A prefixed view has keys of its own.
+        let other = store.prefixed(&format!("rank{}/", pg.rank())).unwrap();
+        assert_eq!(other.add("counter", 5).unwrap(), 5);
+    });
+}
+
+#[test]
+fn subgroup_global_ranks_and_work_handles() {
+    run_ranks("subgroup_global_ranks_and_work_handles", 3, |pg| {
+        assert_eq!(pg.global_ranks(), &[0, 1, 2]);
+        let sub = pg.new_group(&[0, 2], Backend::Gloo).unwrap();
+        match pg.rank() {
+            1 => assert!(sub.is_none()),
+            r => {
+                let sub = sub.unwrap();
+                // Global rank 2 is the subgroup's rank 1.
+                assert_eq!(sub.global_ranks(), &[0, 2]);
+                assert_eq!(sub.rank(), if r == 2 { 1 } else { 0 });
+                let x = Tensor::from_slice(&[r as f32]);
+                let work = sub
+                    .all_reduce_async(&x, tch_dist_runtime::ReduceOp::Sum)
+                    .unwrap();
+                assert_eq!(work.op(), "all_reduce");
+                work.wait().unwrap();
+                assert_eq!(x.double_value(&[0]), 2.0);
+            }
+        }
+        // A barrier only rank 0 has entered is pending; the wait gives up with a Timeout and
+        // the same work completes once everyone has arrived.
+        if pg.rank() == 0 {
+            let mut work = pg.barrier_async().unwrap();
+            assert_eq!(work.op(), "barrier");
+            assert!(!work.is_completed());
+            let err = work.wait_timeout(Duration::from_millis(200)).unwrap_err();
+            assert_eq!(
+                err,
+                DistError::Timeout {
+                    rank: 0,
+                    op: "barrier",
+                    timeout: Duration::from_millis(200)
+                }
+            );
+            pg.send(&Tensor::from_slice(&[1i64]), 1, 7).unwrap();
+            work.wait_timeout(Duration::from_secs(30)).unwrap();
+            assert!(work.is_completed());
+        } else {
+            if pg.rank() == 1 {
+                let go = Tensor::zeros([1], (Kind::Int64, tch::Device::Cpu));
+                pg.recv(&go, 0, 7).unwrap();
+            }
+            pg.barrier().unwrap();
+        }
+    });
+}
+
+#[test]
+fn verify_same_tensors_names_the_first_difference_on_every_rank() {
+    run_ranks(
+        "verify_same_tensors_names_the_first_difference_on_every_rank",
+        3,
+        |pg| {
+            let w = Tensor::zeros([4, 2], (Kind::Float, tch::Device::Cpu));
+            let b = Tensor::zeros([4], (Kind::Float, tch::Device::Cpu));
+            pg.verify_same_tensors("test", "parameters", 0, &[("w", &w), ("b", &b)])
+                .unwrap();
+            // Rank 2's bias is a double: every rank reports it, against rank 0's.
+            let b2 = if pg.rank() == 2 {
+                b.to_kind(Kind::Double)
+            } else {
+                b.shallow_clone()
+            };
+            let err = pg
+                .verify_same_tensors("test", "parameters", 0, &[("w", &w), ("b", &b2)])
+                .unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!(
+                "rank {}: test: parameters differ across ranks: `b` has shape [4] (Float) on rank \
+                 0 but shape [4] (Double) on rank 2",
+                pg.rank()
+            )
+            );
+            // Rank 1 has one tensor fewer.
+            let list: Vec<(&str, &Tensor)> = if pg.rank() == 1 {
+                vec![("w", &w)]
+            } else {
+                vec![("w", &w), ("b", &b)]
+            };
+            let err = pg
+                .verify_same_tensors("test", "buffers", 0, &list)
+                .unwrap_err();
+            let DistError::Mismatch { rank, op, mismatch } = &err else {
+                panic!("{err}")
+            };
+            assert_eq!((*rank, *op), (pg.rank(), "test"));
+            assert!(
+                matches!(
+                    mismatch.as_ref(),
+                    Mismatch::List {
+                        other_rank: 1,
+                        reference_len: 2,
+                        other_len: 1,
+                        index: 1,
+                        other_entry: None,
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+        },
+    );
+}
+
+#[test]
+fn broadcast_coalesced_copies_every_tensor_from_the_source() {
+    run_ranks(
+        "broadcast_coalesced_copies_every_tensor_from_the_source",
+        3,
+        |pg| {
+            let r = pg.rank() as f64;
+            let cpu = tch::Device::Cpu;
+            // Mixed dtypes, a scalar, an empty tensor and a non-contiguous one.
+            let tensors = [
+                Tensor::full([3], r, (Kind::Float, cpu)),
+                Tensor::full([2, 2], r * 10.0, (Kind::Double, cpu)),
+                Tensor::full([] as [i64; 0], r + 100.0, (Kind::Float, cpu)),
+                Tensor::zeros([0], (Kind::Float, cpu)),
+                Tensor::arange(6, (Kind::Int64, cpu)).view([2, 3]) * (pg.rank() as i64 + 1),
+                Tensor::full([4, 2], r, (Kind::Float, cpu)).tr(),
+            ];
+            let refs: Vec<&Tensor> = tensors.iter().collect();
+            // Small buckets, so that the floats take several buffers.
+            pg.broadcast_coalesced(&refs, 1, 16).unwrap();
+            assert_eq!(Vec::<f32>::try_from(&tensors[0]).unwrap(), [1.0; 3]);
+            assert_eq!(tensors[1].sum(Kind::Double).double_value(&[]), 40.0);
+            assert_eq!(tensors[2].double_value(&[]), 101.0);
+            assert_eq!(tensors[3].numel(), 0);
+            assert_eq!(
+                Vec::<i64>::try_from(&tensors[4].reshape([-1])).unwrap(),
+                [0, 2, 4, 6, 8, 10]
+            );
+            assert_eq!(tensors[5].size(), [2, 4]);
+            assert_eq!(tensors[5].sum(Kind::Double).double_value(&[]), 8.0);
+            // One buffer per dtype by default; rank 0 as the source now.
+            if pg.rank() == 0 {
+                let _ = tensors[2].shallow_clone().fill_(-5.0);
+            }
+            pg.broadcast_coalesced(&refs, 0, BROADCAST_BUCKET_BYTES)
+                .unwrap();
+            assert_eq!(tensors[2].double_value(&[]), -5.0);
+            assert_eq!(Vec::<f32>::try_from(&tensors[0]).unwrap(), [1.0; 3]);
+            let err = pg
+                .broadcast_coalesced(&refs, 3, BROADCAST_BUCKET_BYTES)
+                .unwrap_err();
+            assert!(
+                err.to_string()
+                    .ends_with("source rank 3 is not in a group of size 3"),
+                "{err}"
+            );
+        },
+    );
+}
+
+/// A multi-process test whose name does not match its own path runs zero tests in each
+/// child; the harness must fail it instead of passing.
+#[test]
+fn a_misnamed_multi_process_test_fails() {
+    if worker().is_some() {
+        return;
+    }
+    let start = Instant::now();
+    let result = std::panic::catch_unwind(|| run_ranks("no_such_test", 2, |_| {}));
+    let msg = result
+        .expect_err("the parent must fail")
+        .downcast_ref::<String>()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        msg.contains("rank 0 of no_such_test ran no test body"),
+        "{msg}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(60));
+}
