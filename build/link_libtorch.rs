@@ -1,5 +1,5 @@
 //! Build script shared by every package that builds binaries, tests or examples linked
-//! against libtorch (see ../shared/LIBTORCH.md, "CUDA needs an explicit link").
+//! against libtorch (see docs/LIBTORCH.md, "CUDA needs an explicit link").
 //!
 //! torch-sys publishes its library folder as `DEP_TCH_LIBTORCH_LIB` to packages that depend
 //! on it directly. We turn it into an rpath so binaries find libtorch without

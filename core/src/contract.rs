@@ -15,8 +15,8 @@ use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
+use crate::instances::InstanceTable;
 use crate::key::{identify, ModuleKey};
-use crate::store::Store;
 use crate::walk::{FqnSnapshot, Shardable};
 
 /// A composable API declared with `#[contract]`: an entry of the [`catalogue`].
@@ -68,7 +68,7 @@ pub fn registry<M: Shardable + ?Sized>(module: &M) -> Vec<&'static str> {
     let Some((key, first)) = identify(module.as_dyn_shardable()) else {
         return Vec::new();
     };
-    let mut store = Store::lock();
+    let mut store = InstanceTable::lock();
     store
         .get(&key, first)
         .map(|e| e.applied.clone())
@@ -84,7 +84,7 @@ where
 {
     let (key, first) = identify(module.as_dyn_shardable())?;
     let state = {
-        let mut store = Store::lock();
+        let mut store = InstanceTable::lock();
         let entry = store.get(&key, first)?;
         entry
             .states
@@ -101,7 +101,7 @@ where
 /// reclaimed lazily.
 pub fn release<M: Shardable + ?Sized>(module: &M) -> bool {
     match identify(module.as_dyn_shardable()) {
-        Some((key, first)) => Store::lock().release(&key, first),
+        Some((key, first)) => InstanceTable::lock().release(&key, first),
         None => false,
     }
 }
@@ -290,7 +290,7 @@ impl ContractGuard {
         })?;
         let (before, modules) = FqnSnapshot::of(module);
         {
-            let mut store = Store::lock();
+            let mut store = InstanceTable::lock();
             let applied = store
                 .get(&key, first)
                 .map(|e| e.applied.clone())
@@ -324,7 +324,7 @@ impl ContractGuard {
             api: self.api.name,
             module: module.type_name(),
         })?;
-        let mut store = Store::lock();
+        let mut store = InstanceTable::lock();
         for (old, m) in self.keys.iter().zip(&modules) {
             if let (Some(old), Some((new, new_first))) = (old, identify(*m)) {
                 store.rekey(old, &new, new_first);

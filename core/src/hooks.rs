@@ -39,8 +39,8 @@ use std::sync::Arc;
 use tch::nn::{Module, ModuleT};
 use tch::Tensor;
 
+use crate::instances::{any_hooks, InstanceTable, PostHook, PreHook};
 use crate::key::{identify, ModuleKey};
-use crate::store::{any_hooks, PostHook, PreHook, Store};
 use crate::walk::Shardable;
 
 /// Why a hook could not be registered.
@@ -142,7 +142,7 @@ pub struct RemovableHandle {
 impl RemovableHandle {
     /// Removes the hook; returns whether it was still registered.
     pub fn remove(&self) -> bool {
-        Store::lock().remove_hook(&self.key, self.id)
+        InstanceTable::lock().remove_hook(&self.key, self.id)
     }
 
     /// A process-unique id of the hook.
@@ -198,7 +198,7 @@ where
 {
     let (key, first) = resolve(module)?;
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-    Store::lock().add_pre_hook(&key, first, id, Arc::new(hook) as PreHook);
+    InstanceTable::lock().add_pre_hook(&key, first, id, Arc::new(hook) as PreHook);
     Ok(RemovableHandle { key, id })
 }
 
@@ -227,7 +227,7 @@ where
 {
     let (key, first) = resolve(module)?;
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-    Store::lock().add_post_hook(&key, first, id, Arc::new(hook) as PostHook);
+    InstanceTable::lock().add_post_hook(&key, first, id, Arc::new(hook) as PostHook);
     Ok(RemovableHandle { key, id })
 }
 
@@ -239,7 +239,7 @@ pub fn num_forward_hooks<M: Shardable + ?Sized>(module: &M) -> (usize, usize) {
     let Some((key, first)) = identify(module.as_dyn_shardable()) else {
         return (0, 0);
     };
-    let mut store = Store::lock();
+    let mut store = InstanceTable::lock();
     store
         .get(&key, first)
         .map_or((0, 0), |e| (e.pre_hooks.len(), e.post_hooks.len()))
@@ -248,7 +248,7 @@ pub fn num_forward_hooks<M: Shardable + ?Sized>(module: &M) -> (usize, usize) {
 /// The pre-hooks and forward hooks of the instance `(key, first)`, copied out so
 /// that none runs under the store's lock.
 fn hooks_of(key: &ModuleKey, first: &Tensor) -> (Vec<PreHook>, Vec<PostHook>) {
-    let mut store = Store::lock();
+    let mut store = InstanceTable::lock();
     match store.get(key, first) {
         Some(e) => (
             e.pre_hooks.iter().map(|(_, h)| Arc::clone(h)).collect(),

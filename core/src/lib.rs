@@ -19,11 +19,11 @@
 
 pub mod contract;
 pub mod hooks;
+mod instances;
 mod key;
 pub mod nn;
 pub mod path;
 pub mod sharding;
-mod store;
 mod var_store;
 mod walk;
 

@@ -8,6 +8,8 @@
 //! Generated code uses absolute paths rooted at `::tch_dist`; `crate = "path"` changes that
 //! root (the core crate uses `crate = "crate"`).
 
+#![warn(missing_docs)]
+
 mod contract;
 mod ctxt;
 mod meta;

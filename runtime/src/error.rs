@@ -299,7 +299,8 @@ pub enum ArgumentError {
         /// Its device.
         first_device: Device,
     },
-    /// A sharding spec or metadata does not fit (see [`ShardingError`]).
+    /// A sharding spec or metadata does not fit (see
+    /// [`ShardingError`](tch_dist_core::sharding::ShardingError)).
     #[error(transparent)]
     Sharding(#[from] tch_dist_core::sharding::ShardingError),
     /// A placement names a rank outside the group.

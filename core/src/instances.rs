@@ -1,8 +1,8 @@
-//! The per-instance store: one entry per keyed module instance holding what composable APIs
+//! The instance table: one entry per keyed module instance holding what composable APIs
 //! attached to it (the applied APIs in order, each API's typed state) and its forward hooks.
 //!
 //! One `Mutex<HashMap<ModuleKey, Entry>>` for everything, so that moving an instance to a new
-//! key ([`Store::rekey`]) moves its registry, states and hooks together. A `Mutex` rather
+//! key ([`InstanceTable::rekey`]) moves its registry, states and hooks together. A `Mutex` rather
 //! than an `RwLock` because entries pin a `tch::Tensor`, which is `Send` but not `Sync`;
 //! the lock is only held to read or update entries, never while user code (an API body, a
 //! hook) runs.
@@ -73,13 +73,13 @@ pub(crate) fn any_hooks() -> bool {
     NUM_HOOKS.load(Ordering::Acquire) > 0
 }
 
-pub(crate) struct Store {
+pub(crate) struct InstanceTable {
     map: MutexGuard<'static, HashMap<ModuleKey, Entry>>,
 }
 
-impl Store {
-    pub(crate) fn lock() -> Store {
-        Store {
+impl InstanceTable {
+    pub(crate) fn lock() -> InstanceTable {
+        InstanceTable {
             map: STORE.lock().unwrap_or_else(PoisonError::into_inner),
         }
     }
