@@ -34,8 +34,8 @@ use tch_dist_core::hooks::{
 };
 use tch_dist_core::{contract, registry, ContractError, ModuleKey, ModuleVisitor, Shardable};
 use tch_dist_runtime::{
-    check_bucket_cap, default_group, CommHook, DistError, ProcessGroup, Reducer, ReducerOptions,
-    ReducerStats, BROADCAST_BUCKET_BYTES,
+    default_group, CommHook, DistError, ProcessGroup, Reducer, ReducerOptions, ReducerStats,
+    BROADCAST_BUCKET_BYTES,
 };
 
 /// Errors of `replicate`.
@@ -87,6 +87,17 @@ pub enum ReplicateError {
         fqn: String,
         /// Its device.
         device: Device,
+    },
+    /// No parameter requires a gradient once ignored and sharded ones are left out (PyTorch:
+    /// "DistributedDataParallel is not needed when a module doesn't have any parameter that
+    /// requires a gradient").
+    #[error(
+        "rank {rank}: replicate: the module has no parameter that requires a gradient (all are \
+         frozen, ignored or sharded), so there is nothing to replicate"
+    )]
+    NothingToReplicate {
+        /// This rank.
+        rank: usize,
     },
     /// The module was not passed to `replicate::apply`.
     #[error("replicate: this module is not managed by replicate (call replicate::apply first)")]
@@ -316,11 +327,16 @@ pub fn apply<M: Shardable + ?Sized>(
         Some(g) => g.clone(),
         None => default_group()?,
     };
-    check_bucket_cap(opts.bucket_cap_mb).map_err(|problem| DistError::InvalidArgument {
-        rank: group.rank(),
-        op: "replicate",
-        problem: Box::new(problem),
-    })?;
+    // Every option is checked before anything is sent or changed.
+    let reducer_opts = ReducerOptions {
+        bucket_cap_mb: opts.bucket_cap_mb,
+        find_unused_parameters: opts.find_unused_parameters,
+        gradient_as_bucket_view: opts.gradient_as_bucket_view,
+        static_graph: opts.static_graph,
+        comm_hook: opts.comm_hook,
+        ..ReducerOptions::default()
+    };
+
     // The root itself may be ignored (then nothing is managed), like PyTorch.
     let root_ignored = ModuleKey::of(module).is_some_and(|k| opts.ignored_modules.contains(&k));
     let mut c = ParamCollector {
@@ -334,16 +350,47 @@ pub fn apply<M: Shardable + ?Sized>(
     module.visit(&mut c);
     let (params, buffers) = (c.params, c.buffers);
     let device = opts.device_id.map(DeviceId::device);
-    if let Some(d) = device.filter(|d| d.is_cuda()) {
-        if let Some((fqn, t)) = params.iter().find(|(_, t)| t.device() != d) {
-            return Err(ReplicateError::DeviceMismatch {
-                rank: group.rank(),
-                device_id: d,
-                fqn: fqn.clone(),
-                device: t.device(),
-            });
-        }
-    }
+    // Checks each rank makes on its own, shared so that every rank fails together before
+    // anything is sent or changed.
+    let rank = group.rank();
+    let misplaced = device
+        .filter(|d| d.is_cuda())
+        .and_then(|d| params.iter().find(|(_, t)| t.device() != d).map(|p| (d, p)));
+    let local = match (reducer_opts.validate(), misplaced) {
+        (Err(problem), _) => Err(ReplicateError::from(DistError::InvalidArgument {
+            rank,
+            op: "replicate",
+            problem: Box::new(problem),
+        })),
+        (Ok(()), Some((device_id, (fqn, t)))) => Err(ReplicateError::DeviceMismatch {
+            rank,
+            device_id,
+            fqn: fqn.clone(),
+            device: t.device(),
+        }),
+        (Ok(()), None) if params.is_empty() => Err(ReplicateError::NothingToReplicate { rank }),
+        (Ok(()), None) => Ok(()),
+    };
+    group.agree("replicate", local)?;
+    // The same options on every rank, or ranks would bucket, wait and reduce differently
+    // (mismatched collectives abort Gloo or hang until the timeout).
+    group.verify_same_options(
+        "replicate",
+        &[
+            ("bucket_cap_mb", opts.bucket_cap_mb.to_string()),
+            (
+                "find_unused_parameters",
+                opts.find_unused_parameters.to_string(),
+            ),
+            ("static_graph", opts.static_graph.to_string()),
+            (
+                "gradient_as_bucket_view",
+                opts.gradient_as_bucket_view.to_string(),
+            ),
+            ("broadcast_buffers", opts.broadcast_buffers.to_string()),
+            ("comm_hook", format!("{:?}", opts.comm_hook)),
+        ],
+    )?;
     let named: Vec<(&str, &Tensor)> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
     group.verify_same_tensors("replicate", "parameters", 0, &named)?;
     let states: Vec<&Tensor> = params
@@ -353,14 +400,6 @@ pub fn apply<M: Shardable + ?Sized>(
         .collect();
     group.broadcast_coalesced(&states, 0, BROADCAST_BUCKET_BYTES)?;
 
-    let reducer_opts = ReducerOptions {
-        bucket_cap_mb: opts.bucket_cap_mb,
-        find_unused_parameters: opts.find_unused_parameters,
-        gradient_as_bucket_view: opts.gradient_as_bucket_view,
-        static_graph: opts.static_graph,
-        comm_hook: opts.comm_hook,
-        ..ReducerOptions::default()
-    };
     let param_fqns: Vec<String> = params.iter().map(|(n, _)| n.clone()).collect();
     let reducer = Reducer::new(params, group.clone(), reducer_opts)?;
     let buffer_handles: Vec<Tensor> = buffers.iter().map(|(_, t)| t.shallow_clone()).collect();

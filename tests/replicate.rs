@@ -130,6 +130,82 @@ fn shape_mismatch_fails_on_every_rank() {
     });
 }
 
+/// Options that differ across ranks are an error on every rank naming the option and each
+/// rank's value (before: a different `bucket_cap_mb` aborted Gloo, a different
+/// `find_unused_parameters` hung until the timeout); a check that fails on one rank fails
+/// every rank; nothing is changed.
+#[test]
+fn options_and_local_checks_agree_across_ranks() {
+    run_ranks("options_and_local_checks_agree_across_ranks", 2, |pg| {
+        let r = pg.rank();
+        tch::manual_seed(r as i64);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = net(&vs, 8, false);
+        let before = nn::VarStore::new(Device::Cpu);
+        let _ = net(&before, 8, false);
+        let mut before = before;
+        before.copy(&vs).unwrap();
+        let apply =
+            |opts: replicate::Options| replicate::apply(&model, opts).unwrap_err().to_string();
+
+        let err = apply(replicate::Options {
+            bucket_cap_mb: if r == 0 { 25.0 } else { 10.0 },
+            ..Default::default()
+        });
+        assert_eq!(
+            err,
+            format!(
+                "rank {r}: replicate: option `bucket_cap_mb` differs across ranks: rank 0 has 25, \
+                 rank 1 has 10"
+            )
+        );
+        let err = apply(replicate::Options {
+            find_unused_parameters: r == 1,
+            ..Default::default()
+        });
+        assert_eq!(
+            err,
+            format!(
+                "rank {r}: replicate: option `find_unused_parameters` differs across ranks: rank \
+                 0 has false, rank 1 has true"
+            )
+        );
+        let err = apply(replicate::Options {
+            bucket_cap_mb: if r == 1 { -1.0 } else { 25.0 },
+            ..Default::default()
+        });
+        let expected = if r == 1 {
+            "rank 1: invalid argument to replicate: bucket_cap_mb must be positive, got -1"
+        } else {
+            "rank 0: replicate: rank 1 failed its own check (see its error); nothing was changed"
+        };
+        assert_eq!(err, expected);
+        // Nothing was registered or broadcast: each rank keeps its own weights.
+        assert!(tch_dist::registry(&model).is_empty());
+        assert_eq!(replicate_net::max_diff(&before, &vs), 0.0);
+    });
+}
+
+/// PyTorch: "DistributedDataParallel is not needed when a module doesn't have any parameter
+/// that requires a gradient".
+#[test]
+fn an_all_frozen_model_is_an_error_on_every_rank() {
+    run_ranks("an_all_frozen_model_is_an_error_on_every_rank", 2, |pg| {
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let model = net(&vs, 8, false);
+        vs.freeze();
+        let err = replicate::apply(&model, replicate::Options::default()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "rank {}: replicate: the module has no parameter that requires a gradient (all \
+                 are frozen, ignored or sharded), so there is nothing to replicate",
+                pg.rank()
+            )
+        );
+    });
+}
+
 #[test]
 fn unused_parameter_fails_the_next_iteration() {
     run_ranks("unused_parameter_fails_the_next_iteration", 2, |pg| {

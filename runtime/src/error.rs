@@ -91,6 +91,22 @@ pub enum DistError {
         /// What differs, and on which ranks (boxed, as `problem` above).
         mismatch: Box<Mismatch>,
     },
+    /// Other ranks failed a check of their own (their errors say which), so this rank
+    /// stopped too; nothing was sent or changed.
+    #[error(
+        "rank {rank}: {op}: {} failed {} (see {} error); nothing was changed",
+        RankList(ranks),
+        if ranks.len() == 1 { "its own check" } else { "their own checks" },
+        if ranks.len() == 1 { "its" } else { "their" }
+    )]
+    PeersFailed {
+        /// This process's rank.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// The ranks that failed.
+        ranks: Vec<usize>,
+    },
     /// `static_graph`: a parameter's use changed after the first iteration.
     #[error(
         "rank {rank}: replicate: the training graph changed in this iteration: `{fqn}` {} in \
@@ -434,6 +450,14 @@ pub enum Mismatch {
         /// The entry there on the other rank.
         other_entry: Option<NamedSignature>,
     },
+    /// An option has different values on different ranks.
+    #[error("option `{option}` differs across ranks: {}", RankValues(values))]
+    Option {
+        /// The option's name.
+        option: &'static str,
+        /// Its value on each rank, in rank order.
+        values: Vec<String>,
+    },
     /// One unnamed tensor (the source of a scatter) differs.
     #[error("rank {reference_rank} passes a tensor of shape {reference}, but rank {other_rank} passed {other}")]
     Shape {
@@ -457,6 +481,43 @@ impl fmt::Display for PeerText {
             Some(p) => write!(f, "rank {p} closed the connection"),
             None => f.write_str("a peer closed the connection"),
         }
+    }
+}
+
+/// `rank 1`, `ranks 1 and 3`, `ranks 1, 2 and 3`.
+struct RankList<'a>(&'a [usize]);
+
+impl fmt::Display for RankList<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            [one] => write!(f, "rank {one}"),
+            [rest @ .., last] => {
+                f.write_str("ranks ")?;
+                for (i, r) in rest.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(", ")?;
+                    }
+                    write!(f, "{r}")?;
+                }
+                write!(f, " and {last}")
+            }
+            [] => f.write_str("no rank"),
+        }
+    }
+}
+
+/// `rank 0 has 25, rank 1 has 10`.
+struct RankValues<'a>(&'a [String]);
+
+impl fmt::Display for RankValues<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (rank, value) in self.0.iter().enumerate() {
+            if rank > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "rank {rank} has {value}")?;
+        }
+        Ok(())
     }
 }
 
@@ -585,6 +646,24 @@ mod tests {
                 },
                 "rank 1: replicate: parameters differ across ranks: `fc1.weight` has shape [8, 4] \
                  (Float) on rank 0 but shape [9, 4] (Float) on rank 1",
+            ),
+            (
+                DistError::PeersFailed {
+                    rank: 0,
+                    op: "replicate",
+                    ranks: vec![1],
+                },
+                "rank 0: replicate: rank 1 failed its own check (see its error); nothing was \
+                 changed",
+            ),
+            (
+                DistError::PeersFailed {
+                    rank: 0,
+                    op: "replicate",
+                    ranks: vec![1, 2, 3],
+                },
+                "rank 0: replicate: ranks 1, 2 and 3 failed their own checks (see their error); \
+                 nothing was changed",
             ),
             (
                 DistError::GraphChanged {
@@ -829,6 +908,13 @@ mod tests {
                 },
                 "parameters differ across ranks: rank 0 has 2 parameters and rank 1 has 1; entry 1 \
                  is `fc.bias` with shape [4] (Float) on rank 0 but missing on rank 1",
+            ),
+            (
+                Mismatch::Option {
+                    option: "bucket_cap_mb",
+                    values: vec!["25".into(), "10".into()],
+                },
+                "option `bucket_cap_mb` differs across ranks: rank 0 has 25, rank 1 has 10",
             ),
             (
                 Mismatch::Shape {

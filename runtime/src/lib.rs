@@ -31,7 +31,7 @@ pub use process_group::{
     is_initialized, Backend, InitOptions, ProcessGroup,
 };
 pub use reducer::{
-    check_bucket_cap, CommHook, PowerSgdOptions, Reducer, ReducerOptions, ReducerStats,
-    DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
+    CommHook, PowerSgdOptions, Reducer, ReducerOptions, ReducerStats, DEFAULT_FIRST_BUCKET_BYTES,
+    DEFAULT_IN_PLACE_MIN_BYTES,
 };
 pub use store::Store;

@@ -60,6 +60,93 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// Turns a check each rank made on its own into a verdict every rank shares: when
+    /// `local` failed on this rank it is returned as it is; when it passed here but failed on
+    /// other ranks, this rank returns [`DistError::PeersFailed`] naming them. So bad input on
+    /// one rank is an error on every rank, before anything is sent or changed.
+    ///
+    /// ```no_run
+    /// # let pg = tch_dist_runtime::default_group()?;
+    /// let local: Result<(), tch_dist_runtime::DistError> = Ok(()); // e.g. a device check
+    /// pg.agree("replicate", local)?;
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
+    pub fn agree<T, E: From<DistError>>(
+        &self,
+        op: &'static str,
+        local: std::result::Result<T, E>,
+    ) -> std::result::Result<T, E> {
+        let mine = Tensor::from_slice(&[local.is_err() as i64]);
+        let all: Vec<Tensor> = (0..self.world_size()).map(|_| mine.zeros_like()).collect();
+        self.all_gather(&all, &mine)?;
+        let failed: Vec<usize> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.int64_value(&[0]) != 0)
+            .map(|(r, _)| r)
+            .collect();
+        match local {
+            Ok(_) if !failed.is_empty() => Err(DistError::PeersFailed {
+                rank: self.rank(),
+                op,
+                ranks: failed,
+            }
+            .into()),
+            local => local,
+        }
+    }
+
+    /// Fails on every rank, with a [`DistError::Mismatch`] naming the first option that
+    /// differs and every rank's value of it, unless every rank passes the same `options`
+    /// (name, value as text), in the same order.
+    ///
+    /// ```no_run
+    /// # let pg = tch_dist_runtime::default_group()?;
+    /// pg.verify_same_options("replicate", &[("bucket_cap_mb", "25".into())])?;
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
+    pub fn verify_same_options(
+        &self,
+        op: &'static str,
+        options: &[(&'static str, String)],
+    ) -> Result<()> {
+        let encoded: String = options
+            .iter()
+            .map(|(name, value)| format!("{name}\t{}\n", value.replace(['\t', '\n'], " ")))
+            .collect();
+        let texts = self
+            .all_gather_bytes(op, encoded.as_bytes())?
+            .into_iter()
+            .map(|b| String::from_utf8(b).map_err(|_| self.garbled(op)))
+            .collect::<Result<Vec<String>>>()?;
+        let values: Vec<Vec<&str>> = texts
+            .iter()
+            .map(|t| {
+                t.lines()
+                    .map(|l| l.split_once('\t').map_or(l, |(_, v)| v))
+                    .collect()
+            })
+            .collect();
+        let Some(i) =
+            (0..options.len()).find(|&i| values.iter().any(|v| v.get(i) != values[0].get(i)))
+        else {
+            return Ok(());
+        };
+        Err(self.mismatch(
+            op,
+            Mismatch::Option {
+                option: options[i].0,
+                values: values
+                    .iter()
+                    .map(|v| {
+                        v.get(i)
+                            .map_or_else(|| "nothing".to_string(), |s| s.to_string())
+                    })
+                    .collect(),
+            },
+        ))
+    }
+
     /// Fails on every rank unless every rank passes a tensor of the same shape and dtype as
     /// `reference_rank` (the source of a scatter).
     pub(crate) fn verify_same_shape(

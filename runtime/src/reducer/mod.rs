@@ -62,8 +62,7 @@ use unused::StaticGraphUse;
 
 pub use comm_hooks::PowerSgdOptions;
 pub use options::{
-    check_bucket_cap, CommHook, ReducerOptions, DEFAULT_FIRST_BUCKET_BYTES,
-    DEFAULT_IN_PLACE_MIN_BYTES,
+    CommHook, ReducerOptions, DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
 };
 
 /// Per-step figures, for benchmarks and `replicate::state`.

@@ -100,8 +100,8 @@ impl ReducerOptions {
     }
 }
 
-/// `bucket_cap_mb` must be a positive number (replicate checks it before anything else).
-pub fn check_bucket_cap(bucket_cap_mb: f64) -> Result<(), ArgumentError> {
+/// `bucket_cap_mb` must be a positive number.
+fn check_bucket_cap(bucket_cap_mb: f64) -> Result<(), ArgumentError> {
     if !bucket_cap_mb.is_finite() || bucket_cap_mb <= 0.0 {
         return Err(ArgumentError::NotPositive {
             option: "bucket_cap_mb",
