@@ -7,8 +7,8 @@ use tch::{Device, Kind, Tensor};
 use tch_dist::hooks::num_forward_hooks;
 use tch_dist::sharding::{
     shard_module, shard_module_state, ChunkShardingSpec, ColwiseLinear, EnumerableShardingSpec,
-    MegatronPlanner, Placement, RowwiseLinear, ShardMetadata, ShardedTensor, ShardingPlan,
-    ShardingPlanner, ShardingSpec,
+    ForwardProblem, HookSite, MegatronPlanner, Placement, PlanProblem, RowwiseLinear, ShardError,
+    ShardMetadata, ShardedTensor, ShardingPlan, ShardingPlanner, ShardingSpec,
 };
 use tch_dist::testing::run_ranks;
 use tch_dist::{registry, replicate, Call, ProcessGroup, Shardable};
@@ -151,6 +151,23 @@ fn sharded_mlp_matches_the_unsharded_model() {
                  slice of 4), got 5",
                 pg.rank()
             )
+        );
+        // The hook's error is typed: `f_call` callers get the ShardError back.
+        assert!(
+            matches!(
+                err.downcast_ref::<ShardError>(),
+                Some(ShardError::Forward {
+                    rank,
+                    fqn,
+                    site: HookSite::RowParallel,
+                    problem: ForwardProblem::InputWidth {
+                        full: 8,
+                        local: 4,
+                        width: 5
+                    },
+                }) if *rank == pg.rank() && fqn == "fc2"
+            ),
+            "{err:?}"
         );
 
         // 2. Parameter specs, uneven (7 hidden over 2 ranks: 4 + 3), outputs materialised.
@@ -432,9 +449,27 @@ fn every_plan_error_is_reported_before_anything_changes() {
                     err.starts_with(&format!("rank {}: shard_module", pg.rank())),
                     "{err}"
                 );
+                // Named once: no doubled `rank R:` prefix.
+                assert_eq!(
+                    err.matches(&format!("rank {}:", pg.rank())).count(),
+                    1,
+                    "{err}"
+                );
+                assert_eq!(err.matches("shard_module").count(), 1, "{err}");
             }
+            // The errors are typed.
+            let plan = ShardingPlan::builder()
+                .shard_module("fc2.bias", RowwiseLinear)
+                .build();
+            let err = shard_module(&mut model, &plan, 0, &pg).unwrap_err();
+            assert!(
+                matches!(&err, ShardError::Plan { rank, fqn, problem: PlanProblem::SharderOnParameter }
+                    if *rank == pg.rank() && fqn == "fc2.bias"),
+                "{err:?}"
+            );
             let err = shard_module(&mut model, &ShardingPlan::default(), 2, &pg).unwrap_err();
             assert!(err.to_string().contains("src_rank 2"), "{err}");
+            assert!(matches!(err, ShardError::InvalidArgument { .. }), "{err:?}");
             // Nothing changed: whole parameters, no hooks, no registration.
             assert_eq!(model.fc1.ws.size(), [8, 6]);
             assert_eq!(num_forward_hooks(&model.fc1), (0, 0));
