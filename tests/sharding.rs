@@ -663,3 +663,40 @@ fn shard_then_replicate_trains_like_one_process() {
         },
     );
 }
+
+#[test]
+fn removed_hooks_leave_local_layers_that_do_not_communicate() {
+    run_ranks(
+        "removed_hooks_leave_local_layers_that_do_not_communicate",
+        2,
+        |pg| {
+            let (_rvs, reference, _vs, mut model) = twin_models(&pg, |vs| mlp(vs, 6, 8, 5));
+            let plan = ShardingPlan::builder()
+                .shard_module(Mlp::path().fc1(), ColwiseLinear::default())
+                .shard_module(Mlp::path().fc2(), RowwiseLinear)
+                .return_local_tensor(Mlp::path().fc1())
+                .build();
+            let state = shard_module(&mut model, &plan, 0, &pg).unwrap();
+            let x = input(&[4, 6]);
+            assert!(max_diff(&model.call(&x), &reference.forward(&x)) < 1e-5);
+            assert_ne!(num_forward_hooks(&model.fc2), (0, 0));
+            state.remove_hooks();
+            for layer in [&model.fc1, &model.fc2] {
+                assert_eq!(num_forward_hooks(layer), (0, 0));
+            }
+            // Only rank 1 calls the model now: a collective would wait for rank 0 forever
+            // (and fail when rank 0 exits). Without hooks each layer is its local shard.
+            if pg.rank() == 1 {
+                let h = model.fc1.call(&x);
+                assert_eq!(h.size(), [4, 4]); // this rank's 4 of the 8 hidden features
+                assert!(h.equal(&model.fc1.forward(&x)));
+                let y = model.call(&x);
+                assert!(y.equal(&model.fc2.forward(&model.fc1.forward(&x).gelu("none"))));
+                // A partial sum: not the unsharded output.
+                assert!(max_diff(&y, &reference.forward(&x)) > 1e-3);
+            }
+            // The parameters stay sharded.
+            assert_eq!(model.fc2.ws.size(), [5, 4]);
+        },
+    );
+}
