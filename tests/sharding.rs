@@ -7,8 +7,8 @@ use tch::{Device, Kind, Tensor};
 use tch_dist::hooks::num_forward_hooks;
 use tch_dist::sharding::{
     shard_module, shard_module_state, ChunkShardingSpec, ColwiseLinear, EnumerableShardingSpec,
-    MegatronPlanner, Placement, RowwiseLinear, ShardMetadata, ShardedTensor, ShardingPlan,
-    ShardingPlanner, ShardingSpec,
+    ForwardProblem, HookSite, MegatronPlanner, Placement, PlanProblem, RowwiseLinear, ShardError,
+    ShardMetadata, ShardedTensor, ShardingPlan, ShardingPlanner, ShardingSpec,
 };
 use tch_dist::testing::run_ranks;
 use tch_dist::{registry, replicate, Call, ProcessGroup, Shardable};
@@ -151,6 +151,23 @@ fn sharded_mlp_matches_the_unsharded_model() {
                  slice of 4), got 5",
                 pg.rank()
             )
+        );
+        // The hook's error is typed: `f_call` callers get the ShardError back.
+        assert!(
+            matches!(
+                err.downcast_ref::<ShardError>(),
+                Some(ShardError::Forward {
+                    rank,
+                    fqn,
+                    site: HookSite::RowParallel,
+                    problem: ForwardProblem::InputWidth {
+                        full: 8,
+                        local: 4,
+                        width: 5
+                    },
+                }) if *rank == pg.rank() && fqn == "fc2"
+            ),
+            "{err:?}"
         );
 
         // 2. Parameter specs, uneven (7 hidden over 2 ranks: 4 + 3), outputs materialised.
@@ -432,9 +449,27 @@ fn every_plan_error_is_reported_before_anything_changes() {
                     err.starts_with(&format!("rank {}: shard_module", pg.rank())),
                     "{err}"
                 );
+                // Named once: no doubled `rank R:` prefix.
+                assert_eq!(
+                    err.matches(&format!("rank {}:", pg.rank())).count(),
+                    1,
+                    "{err}"
+                );
+                assert_eq!(err.matches("shard_module").count(), 1, "{err}");
             }
+            // The errors are typed.
+            let plan = ShardingPlan::builder()
+                .shard_module("fc2.bias", RowwiseLinear)
+                .build();
+            let err = shard_module(&mut model, &plan, 0, &pg).unwrap_err();
+            assert!(
+                matches!(&err, ShardError::Plan { rank, fqn, problem: PlanProblem::SharderOnParameter }
+                    if *rank == pg.rank() && fqn == "fc2.bias"),
+                "{err:?}"
+            );
             let err = shard_module(&mut model, &ShardingPlan::default(), 2, &pg).unwrap_err();
             assert!(err.to_string().contains("src_rank 2"), "{err}");
+            assert!(matches!(err, ShardError::InvalidArgument { .. }), "{err:?}");
             // Nothing changed: whole parameters, no hooks, no registration.
             assert_eq!(model.fc1.ws.size(), [8, 6]);
             assert_eq!(num_forward_hooks(&model.fc1), (0, 0));
@@ -625,6 +660,43 @@ fn shard_then_replicate_trains_like_one_process() {
                 let d = max_diff(&whole, reference);
                 assert!(d < 1e-5, "rank {}: {fqn} differs by {d}", pg.rank());
             }
+        },
+    );
+}
+
+#[test]
+fn removed_hooks_leave_local_layers_that_do_not_communicate() {
+    run_ranks(
+        "removed_hooks_leave_local_layers_that_do_not_communicate",
+        2,
+        |pg| {
+            let (_rvs, reference, _vs, mut model) = twin_models(&pg, |vs| mlp(vs, 6, 8, 5));
+            let plan = ShardingPlan::builder()
+                .shard_module(Mlp::path().fc1(), ColwiseLinear::default())
+                .shard_module(Mlp::path().fc2(), RowwiseLinear)
+                .return_local_tensor(Mlp::path().fc1())
+                .build();
+            let state = shard_module(&mut model, &plan, 0, &pg).unwrap();
+            let x = input(&[4, 6]);
+            assert!(max_diff(&model.call(&x), &reference.forward(&x)) < 1e-5);
+            assert_ne!(num_forward_hooks(&model.fc2), (0, 0));
+            state.remove_hooks();
+            for layer in [&model.fc1, &model.fc2] {
+                assert_eq!(num_forward_hooks(layer), (0, 0));
+            }
+            // Only rank 1 calls the model now: a collective would wait for rank 0 forever
+            // (and fail when rank 0 exits). Without hooks each layer is its local shard.
+            if pg.rank() == 1 {
+                let h = model.fc1.call(&x);
+                assert_eq!(h.size(), [4, 4]); // this rank's 4 of the 8 hidden features
+                assert!(h.equal(&model.fc1.forward(&x)));
+                let y = model.call(&x);
+                assert!(y.equal(&model.fc2.forward(&model.fc1.forward(&x).gelu("none"))));
+                // A partial sum: not the unsharded output.
+                assert!(max_diff(&y, &reference.forward(&x)) > 1e-3);
+            }
+            // The parameters stay sharded.
+            assert_eq!(model.fc2.ws.size(), [5, 4]);
         },
     );
 }

@@ -5,15 +5,18 @@ use std::sync::Arc;
 
 use tch::{Device, Tensor};
 use tch_dist_core::hooks::{register_fallible_forward_pre_hook, ForwardError, RemovableHandle};
+use tch_dist_core::path::join_fqn;
+use tch_dist_core::sharding::chunk::{chunk_offsets, chunk_sizes, normalize_dim};
 use tch_dist_core::sharding::{
     ChunkShardingSpec, EnumerableShardingSpec, Placement, ShardMetadata, ShardedTensorMetadata,
-    ShardingSpec,
+    ShardingError, ShardingSpec,
 };
 use tch_dist_core::Shardable;
 use tch_dist_runtime::sharding::{functional, ShardedTensor};
 use tch_dist_runtime::ProcessGroup;
 
-use super::ShardError;
+use super::error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError};
+use super::output::OutputLayout;
 
 /// Shards a whole submodule (PyTorch's `Sharder`): replaces its parameters by this rank's
 /// shards (in place, so FQNs, `VarStore` entries and module identity stay) and installs the
@@ -26,9 +29,14 @@ pub trait Sharder: Send + Sync {
     /// The name plan files use for this sharder (`"colwise_linear"`).
     fn name(&self) -> String;
 
-    /// Whether `module` (at `fqn`) can be sharded over `group`; changes nothing. The message
-    /// names what is wrong.
-    fn check(&self, fqn: &str, module: &dyn Shardable, group: &ProcessGroup) -> Result<(), String>;
+    /// Whether `module` (at `fqn`) can be sharded over `group`; changes nothing. A
+    /// third-party sharder gives its own reasons as [`SharderError::Custom`].
+    fn check(
+        &self,
+        fqn: &str,
+        module: &dyn Shardable,
+        group: &ProcessGroup,
+    ) -> Result<(), SharderError>;
 
     /// Shards `module` with the values of rank `src_rank` and installs its hooks.
     fn shard(
@@ -38,30 +46,6 @@ pub trait Sharder: Send + Sync {
         src_rank: usize,
         group: &ProcessGroup,
     ) -> Result<ShardedModule, ShardError>;
-}
-
-/// What a module's forward returns on each rank once it is sharded.
-#[derive(Debug)]
-pub enum OutputLayout {
-    /// The whole output, the same on every rank.
-    Replicated,
-    /// This rank's slice along `dim`: rank `r` holds `sizes[r]` entries, the slices in rank
-    /// order make up the output (reordered by `order` when given).
-    Sharded {
-        /// The dim the output is split along (negative counts from the end).
-        dim: i64,
-        /// Entries along `dim` per rank.
-        sizes: Vec<i64>,
-        /// When the ranks' slices interleave: entry `i` of the unsharded output is entry
-        /// `order[i]` of the slices concatenated in rank order.
-        order: Option<Vec<i64>>,
-    },
-    /// A partial sum: the output is the sum over ranks, plus `replicated` (added on every
-    /// rank by the forward, to be counted once).
-    Partial {
-        /// A term every rank added (a row-parallel layer's bias).
-        replicated: Option<Tensor>,
-    },
 }
 
 /// The result of [`Sharder::shard`].
@@ -144,17 +128,14 @@ struct LinearParams {
     bias: Option<Tensor>,
 }
 
-fn linear_params(module: &dyn Shardable) -> Result<LinearParams, String> {
+fn linear_params(module: &dyn Shardable) -> Result<LinearParams, SharderError> {
     let kind = module.type_name();
     if let Some((child, _)) = module
         .named_modules()
         .into_iter()
         .find(|(n, _)| !n.is_empty())
     {
-        return Err(format!(
-            "a linear sharder needs a linear layer (`weight` and optional `bias`), but this \
-             `{kind}` has a submodule `{child}`"
-        ));
+        return Err(SharderError::Submodule { kind, child });
     }
     let mut weight = None;
     let mut bias = None;
@@ -162,41 +143,23 @@ fn linear_params(module: &dyn Shardable) -> Result<LinearParams, String> {
         match name.as_str() {
             "weight" => weight = Some(t.shallow_clone()),
             "bias" => bias = Some(t.shallow_clone()),
-            other => {
-                return Err(format!(
-                    "a linear sharder needs a linear layer (`weight` and optional `bias`), but \
-                     this `{kind}` has a parameter `{other}`"
-                ))
-            }
+            _ => return Err(SharderError::ExtraParameter { kind, name }),
         }
     }
-    let weight = weight.ok_or_else(|| format!("this `{kind}` has no `weight` parameter"))?;
+    let weight = weight.ok_or(SharderError::NoWeight { kind })?;
     if weight.dim() != 2 {
-        return Err(format!(
-            "`weight` has shape {:?}; a linear layer's weight is [out_features, in_features]",
-            weight.size()
-        ));
+        let shape = weight.size();
+        return Err(SharderError::WeightShape { shape });
     }
     if let Some(b) = &bias {
         if b.size() != [weight.size()[0]] {
-            return Err(format!(
-                "`bias` has shape {:?}; expected [{}] for a weight of shape {:?}",
-                b.size(),
-                weight.size()[0],
-                weight.size()
-            ));
+            return Err(SharderError::BiasShape {
+                shape: b.size(),
+                weight: weight.size(),
+            });
         }
     }
     Ok(LinearParams { weight, bias })
-}
-
-/// torch.chunk's split of `len` entries into `parts`: sizes in order.
-pub(crate) fn chunk_sizes(len: i64, parts: usize) -> Vec<i64> {
-    let parts = parts.max(1) as i64;
-    let chunk = (len + parts - 1) / parts;
-    (0..parts)
-        .map(|i| (len - i * chunk).clamp(0, chunk))
-        .collect()
 }
 
 impl ChunkedLinear {
@@ -216,28 +179,26 @@ impl ChunkedLinear {
         })
     }
 
-    pub fn check(&self, module: &dyn Shardable, group: &ProcessGroup) -> Result<(), String> {
+    pub fn check(&self, module: &dyn Shardable, group: &ProcessGroup) -> Result<(), SharderError> {
         let p = linear_params(module)?;
         if let Some(pl) = &self.placements {
-            if pl.len() != group.world_size() || pl.iter().enumerate().any(|(i, p)| p.rank() != i) {
-                let shown: Vec<String> = pl.iter().map(|p| p.to_string()).collect();
-                return Err(format!(
-                    "placements [{}] do not match the group of {} ranks: a linear layer is \
-                     split into one chunk per rank, chunk i on rank i",
-                    shown.join(", "),
-                    group.world_size()
-                ));
+            let world_size = group.world_size();
+            if pl.len() != world_size || pl.iter().enumerate().any(|(i, p)| p.rank() != i) {
+                return Err(SharderError::Placements {
+                    placements: pl.clone(),
+                    world_size,
+                });
             }
         }
         if self.fused == 0 {
-            return Err("fused must be at least 1".into());
+            return Err(SharderError::ZeroFused);
         }
-        let out = p.weight.size()[0];
-        if self.colwise && out % self.fused as i64 != 0 {
-            return Err(format!(
-                "`weight` has {out} output features, not divisible into fused={} parts",
-                self.fused
-            ));
+        let out_features = p.weight.size()[0];
+        if self.colwise && out_features % self.fused as i64 != 0 {
+            return Err(SharderError::NotDivisible {
+                out_features,
+                fused: self.fused,
+            });
         }
         Ok(())
     }
@@ -249,33 +210,28 @@ impl ChunkedLinear {
         if self.colwise {
             let part = out / self.fused as i64;
             let sizes = chunk_sizes(part, placements.len());
+            let offsets = chunk_offsets(part, placements.len());
             let mut shards = Vec::new();
             for j in 0..self.fused as i64 {
-                let mut off = j * part;
-                for (p, &s) in placements.iter().zip(&sizes) {
+                for ((p, &s), &off) in placements.iter().zip(&sizes).zip(&offsets) {
                     shards.push(ShardMetadata {
-                        shard_offsets: vec![off, 0],
+                        shard_offsets: vec![j * part + off, 0],
                         shard_sizes: vec![s, inp],
                         placement: *p,
                     });
-                    off += s;
                 }
             }
             shards
         } else {
             let sizes = chunk_sizes(inp, placements.len());
-            let mut off = 0;
+            let offsets = chunk_offsets(inp, placements.len());
             placements
                 .iter()
-                .zip(&sizes)
-                .map(|(p, &s)| {
-                    let m = ShardMetadata {
-                        shard_offsets: vec![0, off],
-                        shard_sizes: vec![out, s],
-                        placement: *p,
-                    };
-                    off += s;
-                    m
+                .zip(sizes.iter().zip(&offsets))
+                .map(|(p, (&s, &off))| ShardMetadata {
+                    shard_offsets: vec![0, off],
+                    shard_sizes: vec![out, s],
+                    placement: *p,
                 })
                 .collect()
         }
@@ -288,7 +244,13 @@ impl ChunkedLinear {
         src_rank: usize,
         group: &ProcessGroup,
     ) -> Result<ShardedModule, ShardError> {
-        let p = linear_params(module).map_err(|msg| ShardError::plan(group, fqn, msg))?;
+        let p = linear_params(module).map_err(|source| {
+            let sharder = self.name();
+            ShardError::plan(group, fqn, PlanProblem::Sharder { sharder, source })
+        })?;
+        let layout = |e: ShardingError| {
+            ShardError::plan(group, fqn, PlanProblem::Layout { source: e.into() })
+        };
         let placements = self.placements(group, p.weight.device());
         let world = group.world_size();
         let rank = group.rank();
@@ -296,12 +258,13 @@ impl ChunkedLinear {
         let weight_shards = self.weight_shards(&shape, &placements);
         let mut params = Vec::new();
         let weight_spec = ShardingSpec::Enumerable(
-            EnumerableShardingSpec::new(weight_shards.clone())
-                .map_err(|e| ShardError::plan(group, fqn, e.to_string()))?,
+            EnumerableShardingSpec::new(weight_shards.clone()).map_err(layout)?,
         );
-        let weight_local = scatter_local(&p.weight, &weight_spec, src_rank, group, 0)?;
+        let weight_fqn = join_fqn(fqn, "weight");
+        let weight_local = scatter_local(&p.weight, &weight_spec, src_rank, group, &weight_fqn)?;
         params.push(("weight".to_string(), weight_local.1));
         let mut hooks = Vec::new();
+        let unhookable = |source| ShardError::plan(group, fqn, PlanProblem::Unhookable { source });
         let output;
         if self.colwise {
             let part = shape[0] / self.fused as i64;
@@ -319,10 +282,9 @@ impl ChunkedLinear {
                     })
                     .collect();
                 let spec = ShardingSpec::Enumerable(
-                    EnumerableShardingSpec::new(bias_shards)
-                        .map_err(|e| ShardError::plan(group, fqn, e.to_string()))?,
+                    EnumerableShardingSpec::new(bias_shards).map_err(layout)?,
                 );
-                let local = scatter_local(b, &spec, src_rank, group, 0)?;
+                let local = scatter_local(b, &spec, src_rank, group, &join_fqn(fqn, "bias"))?;
                 params.push(("bias".to_string(), local.1));
                 set_local(b, &local.0);
             }
@@ -330,14 +292,13 @@ impl ChunkedLinear {
             // Gathered in rank order, rank r's slice holds its chunk of every fused part.
             let order = (self.fused > 1).then(|| {
                 let sizes = chunk_sizes(part, world);
+                let offsets = chunk_offsets(part, world);
                 // Gathered entries are rank-major, then part, then row within the chunk.
                 let mut gathered_from = Vec::new();
-                let mut chunk_off = 0;
-                for &s in &sizes {
+                for (&s, &off) in sizes.iter().zip(&offsets) {
                     for j in 0..self.fused as i64 {
-                        gathered_from.extend((0..s).map(|i| j * part + chunk_off + i));
+                        gathered_from.extend((0..s).map(|i| j * part + off + i));
                     }
-                    chunk_off += s;
                 }
                 let mut order = vec![0i64; gathered_from.len()];
                 for (g, &orig) in gathered_from.iter().enumerate() {
@@ -355,16 +316,18 @@ impl ChunkedLinear {
             hooks.push(
                 register_fallible_forward_pre_hook(module, move |_m, xs| {
                     functional::copy_to_ranks(xs, &g).map(Some).map_err(|e| {
-                        ForwardError::new(format!("shard_module: column-parallel `{name}`: {e}"))
+                        let problem = ForwardProblem::Collective(e);
+                        hook_error(&g, &name, HookSite::ColumnParallel, problem)
                     })
                 })
-                .map_err(|e| ShardError::plan(group, fqn, e.to_string()))?,
+                .map_err(unhookable)?,
             );
         } else {
             set_local(&p.weight, &weight_local.0);
             // The bias stays whole on every rank: the source rank's.
             if let Some(b) = &p.bias {
-                tch::no_grad(|| group.broadcast(b, src_rank))?;
+                tch::no_grad(|| group.broadcast(b, src_rank))
+                    .map_err(|e| ShardError::dist(group, &join_fqn(fqn, "bias"), e))?;
             }
             let sizes = chunk_sizes(shape[1], world);
             let full = shape[1];
@@ -378,18 +341,17 @@ impl ChunkedLinear {
                         return Ok(None); // already this rank's slice of the features
                     }
                     if width != full {
-                        return Err(ForwardError::new(format!(
-                            "shard_module: row-parallel `{name}` on rank {rank} expects {full} \
-                             input features (or its slice of {local}), got {width}"
-                        )));
+                        let problem = ForwardProblem::InputWidth { full, local, width };
+                        return Err(hook_error(&g, &name, HookSite::RowParallel, problem));
                     }
                     functional::split(xs, -1, &sizes, &g)
                         .map(Some)
                         .map_err(|e| {
-                            ForwardError::new(format!("shard_module: row-parallel `{name}`: {e}"))
+                            let problem = ForwardProblem::Collective(e);
+                            hook_error(&g, &name, HookSite::RowParallel, problem)
                         })
                 })
-                .map_err(|e| ShardError::plan(group, fqn, e.to_string()))?,
+                .map_err(unhookable)?,
             );
             output = OutputLayout::Partial {
                 replicated: p.bias.as_ref().map(|b| b.shallow_clone()),
@@ -403,20 +365,32 @@ impl ChunkedLinear {
     }
 }
 
-/// Scatters `t` by `spec` from `src_rank`; this rank's shards concatenated along `cat_dim`
-/// (in metadata order), and the global metadata.
+/// A failed hook's error: a typed [`ShardError::Forward`] that `f_call` callers can
+/// downcast.
+fn hook_error(
+    g: &ProcessGroup,
+    fqn: &str,
+    site: HookSite,
+    problem: ForwardProblem,
+) -> ForwardError {
+    ForwardError::from_error(ShardError::forward(g, fqn, site, problem))
+}
+
+/// Scatters parameter `fqn` (`t`) by `spec` from `src_rank`; this rank's shards
+/// concatenated along dim 0 (in metadata order), and the global metadata.
 fn scatter_local(
     t: &Tensor,
     spec: &ShardingSpec,
     src_rank: usize,
     group: &ProcessGroup,
-    cat_dim: i64,
+    fqn: &str,
 ) -> Result<(Tensor, ShardedTensorMetadata), ShardError> {
-    let st = ShardedTensor::scatter(t, spec, src_rank, group)?;
+    let st = ShardedTensor::scatter(t, spec, src_rank, group)
+        .map_err(|e| ShardError::dist(group, fqn, e))?;
     let pieces: Vec<&Tensor> = st.local_shards().iter().map(|s| &s.tensor).collect();
     let local = match pieces.as_slice() {
         [one] => one.shallow_clone(),
-        many => Tensor::cat(many, cat_dim),
+        many => Tensor::cat(many, 0),
     };
     Ok((local, st.metadata().clone()))
 }
@@ -443,7 +417,7 @@ macro_rules! delegate_to_chunked_linear {
                 _fqn: &str,
                 module: &dyn Shardable,
                 group: &ProcessGroup,
-            ) -> Result<(), String> {
+            ) -> Result<(), SharderError> {
                 self.as_chunked().check(module, group)
             }
             fn shard(
@@ -483,22 +457,14 @@ impl RowwiseLinear {
 
 /// A parameter spec on a linear layer's `weight`, as the equivalent sharder: chunks along
 /// dim 0 are column-parallel, along dim 1 row-parallel.
-pub(crate) fn sharder_for_weight_spec(spec: &ShardingSpec) -> Result<ChunkedLinear, String> {
+pub(crate) fn sharder_for_weight_spec(spec: &ShardingSpec) -> Result<ChunkedLinear, PlanProblem> {
     let ShardingSpec::Chunk(ChunkShardingSpec { dim, placements }) = spec else {
-        return Err(
-            "a linear layer's weight is sharded with a ChunkShardingSpec (dim 0: column-parallel, \
-             dim 1: row-parallel); an EnumerableShardingSpec has no sharded forward"
-                .into(),
-        );
+        return Err(PlanProblem::EnumerableWeightSpec);
     };
-    let colwise = match dim {
-        0 | -2 => true,
-        1 | -1 => false,
-        d => {
-            return Err(format!(
-                "dim {d} out of range for a linear layer's weight of 2 dims"
-            ))
-        }
+    let colwise = match normalize_dim(*dim, 2) {
+        Some(0) => true,
+        Some(_) => false,
+        None => return Err(PlanProblem::WeightDim { dim: *dim }),
     };
     Ok(ChunkedLinear {
         colwise,

@@ -9,6 +9,8 @@
 //! * [`ShardingSpec`] — either of the two, with serde (`{"type": "chunk", ...}`).
 //! * [`ShardedTensorMetadata`] — every shard of a tensor, its size and [`Dtype`].
 //! * [`ShardingError`] — what can be wrong, naming the offending values.
+//! * [`chunk`] — `torch.chunk`'s split sizes and offsets, and negative-dim normalisation,
+//!   which everything that splits a dim uses.
 //!
 //! Everything here is checked arithmetic on shapes; the runtime uses it to decide which
 //! slice of a tensor each rank holds.
@@ -27,6 +29,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod chunk;
 mod error;
 mod metadata;
 mod placement;

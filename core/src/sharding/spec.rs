@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::chunk::{chunk_bounds, normalize_dim};
 use super::error::ShardingError;
 use super::metadata::{check_cover, check_shape, validate_shards, ShardMetadata};
 use super::placement::Placement;
@@ -21,7 +22,8 @@ use super::placement::Placement;
 /// offset `split * i` even when that lies past the end (2 rows over 4 ranks: offsets
 /// `[0, 1, 2, 3]`), which `torch.narrow` refuses; here the offset is clamped to `len`
 /// (`[0, 1, 2, 2]`), so every shard lies inside the tensor and the shards pass the same
-/// checks as an enumerable spec. Sizes are PyTorch's.
+/// checks as an enumerable spec. Sizes are PyTorch's. (The arithmetic is
+/// [`chunk`](super::chunk)'s.)
 ///
 /// # Examples
 ///
@@ -86,17 +88,10 @@ impl ChunkShardingSpec {
     /// # Ok::<(), ShardingError>(())
     /// ```
     pub fn normalized_dim(&self, ndim: usize) -> Result<usize, ShardingError> {
-        let out_of_range = ShardingError::DimOutOfRange {
+        normalize_dim(self.dim, ndim).ok_or(ShardingError::DimOutOfRange {
             dim: self.dim,
             ndim,
-        };
-        let n = i64::try_from(ndim).map_err(|_| out_of_range.clone())?;
-        let d = if self.dim < 0 { self.dim + n } else { self.dim };
-        if (0..n).contains(&d) {
-            Ok(d as usize)
-        } else {
-            Err(out_of_range)
-        }
+        })
     }
 
     /// The shard of every placement for a tensor of shape `global_shape`, in placement order
@@ -128,13 +123,13 @@ impl ChunkShardingSpec {
             return Err(ShardingError::NoPlacements);
         }
         let len = global_shape[dim];
-        let split = split_size(len, self.placements.len());
+        let parts = self.placements.len();
         Ok(self
             .placements
             .iter()
             .enumerate()
             .map(|(idx, placement)| {
-                let (offset, size) = chunk_bounds(len, split, idx);
+                let (offset, size) = chunk_bounds(len, parts, idx);
                 let mut shard_offsets = vec![0; global_shape.len()];
                 let mut shard_sizes = global_shape.to_vec();
                 shard_offsets[dim] = offset;
@@ -227,21 +222,6 @@ impl ChunkShardingSpec {
         }
         Ok(())
     }
-}
-
-/// PyTorch's `get_split_size`: `ceil(len / chunks)`.
-fn split_size(len: i64, chunks: usize) -> i64 {
-    let chunks = i64::try_from(chunks).unwrap_or(i64::MAX);
-    len / chunks + i64::from(len % chunks != 0)
-}
-
-/// `(offset, size)` of chunk `idx`: PyTorch's `get_chunked_dim_size` for the size, the
-/// offset `split * idx` clamped to `len`.
-fn chunk_bounds(len: i64, split: i64, idx: usize) -> (i64, i64) {
-    let idx = i64::try_from(idx).unwrap_or(i64::MAX);
-    let start = split.saturating_mul(idx).min(len);
-    let end = split.saturating_mul(idx.saturating_add(1)).min(len);
-    (start, end - start)
 }
 
 /// Every placement's rank is `< world_size`.

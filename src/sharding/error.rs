@@ -1,0 +1,992 @@
+//! The errors of tensor parallelism: [`ShardError`] (what [`shard_module`](super::shard_module),
+//! the sharders and the sharded layers' hooks fail with), [`PlanProblem`] (what is wrong with
+//! one plan entry), [`SharderError`] (why a [`Sharder`](super::Sharder) refuses a module) and
+//! [`ForwardProblem`] (why a sharded layer's forward hook failed).
+//!
+//! Every message names the rank, the operation (`shard_module`) and the FQN at fault once.
+//! Plan errors read `rank R: shard_module: `FQN`: what`; a failing hook reads
+//! `shard_module: <part> `FQN` on rank R: what`, as PyTorch's module call raises it. A
+//! [`DistError`] inside keeps its own text after its `rank R: ` prefix, which is not repeated.
+
+use std::fmt;
+use std::sync::Arc;
+
+use tch_dist_core::hooks::HookError;
+use tch_dist_core::sharding::{Placement, ShardingError};
+use tch_dist_core::ContractError;
+use tch_dist_runtime::{ArgumentError, DistError, ProcessGroup};
+
+/// Errors of [`shard_module`](super::shard_module), of the sharders and of the sharded
+/// layers' forward hooks (which hand them to [`ForwardError`](crate::ForwardError): a
+/// caller of `f_call` gets them back with
+/// [`ForwardError::downcast_ref`](crate::ForwardError::downcast_ref)).
+///
+/// ```
+/// use tch_dist::sharding::{PlanProblem, ShardError};
+/// let e = ShardError::Plan { rank: 1, fqn: "fc3.weight".into(), problem: PlanProblem::NotAParameter };
+/// assert_eq!(e.to_string(), "rank 1: shard_module: `fc3.weight`: is not a parameter of the model");
+/// ```
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShardError {
+    /// The plan does not fit the model or the group; nothing was changed.
+    #[error("rank {rank}: shard_module: {}: {problem}", Key(fqn))]
+    Plan {
+        /// This rank.
+        rank: usize,
+        /// The plan key (FQN) at fault (`""`: the root module).
+        fqn: String,
+        /// What is wrong.
+        problem: PlanProblem,
+    },
+    /// An argument of [`shard_module`](super::shard_module) is out of range (`src_rank`);
+    /// nothing was changed.
+    #[error("rank {rank}: shard_module: {problem}")]
+    InvalidArgument {
+        /// This rank.
+        rank: usize,
+        /// What is wrong.
+        problem: ArgumentError,
+    },
+    /// The engine failed while sharding `fqn` (scattering or broadcasting its values, or
+    /// rebuilding a sharded tensor); the modules sharded before it stay sharded.
+    #[error("rank {rank}: shard_module: {}: {}", Key(fqn), WithoutRank(source, *rank))]
+    Dist {
+        /// This rank.
+        rank: usize,
+        /// The module or parameter being sharded.
+        fqn: String,
+        /// What the engine said.
+        source: DistError,
+    },
+    /// A sharded module's forward hook failed: the module call (`f_call`) returns this
+    /// error inside a [`ForwardError`](crate::ForwardError), `call` panics with its message.
+    #[error("shard_module: {site} {} on rank {rank}{}", Key(fqn), Detail(problem, *rank))]
+    Forward {
+        /// This rank.
+        rank: usize,
+        /// The module whose hook failed.
+        fqn: String,
+        /// Which of its hooks.
+        site: HookSite,
+        /// What went wrong.
+        problem: ForwardProblem,
+    },
+    /// Applied twice, or the module's names changed (the message names `shard_module`).
+    #[error(transparent)]
+    Contract(#[from] ContractError),
+}
+
+impl ShardError {
+    /// A plan error of this rank of `group`.
+    pub fn plan(group: &ProcessGroup, fqn: &str, problem: PlanProblem) -> ShardError {
+        ShardError::Plan {
+            rank: group.rank(),
+            fqn: fqn.to_string(),
+            problem,
+        }
+    }
+
+    /// An engine failure of this rank of `group` while sharding `fqn` (for a
+    /// [`Sharder`](super::Sharder)'s collectives).
+    pub fn dist(group: &ProcessGroup, fqn: &str, source: DistError) -> ShardError {
+        ShardError::Dist {
+            rank: group.rank(),
+            fqn: fqn.to_string(),
+            source,
+        }
+    }
+
+    pub(crate) fn forward(
+        group: &ProcessGroup,
+        fqn: &str,
+        site: HookSite,
+        problem: ForwardProblem,
+    ) -> ShardError {
+        ShardError::Forward {
+            rank: group.rank(),
+            fqn: fqn.to_string(),
+            site,
+            problem,
+        }
+    }
+}
+
+/// What is wrong with one entry of a [`ShardingPlan`](super::ShardingPlan) (or with the key
+/// a [`ShardState`](super::ShardState) method was given), checked before anything changes.
+/// (Spec errors are boxed: they keep every `Result` of sharding small.)
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanProblem {
+    /// A spec's key is neither a parameter nor a module of the model.
+    #[error("is not a parameter of the model")]
+    NotAParameter,
+    /// A sharder's key is neither a module nor a parameter of the model.
+    #[error("is not a module of the model")]
+    NotAModule,
+    /// A spec's key names a module.
+    #[error(
+        "names a module, but a ShardingSpec shards a parameter; shard a module with a Sharder"
+    )]
+    SpecOnModule,
+    /// A sharder's key names a parameter.
+    #[error(
+        "names a parameter, but a Sharder shards a module; shard a parameter with a \
+         ShardingSpec"
+    )]
+    SharderOnParameter,
+    /// A spec's placements name ranks outside the group (or a rank twice).
+    #[error("placements do not match the group: {source}")]
+    Placements {
+        /// What the spec check said.
+        source: Box<ShardingError>,
+    },
+    /// A spec does not fit its parameter's shape (its dim is out of range, ...).
+    #[error("the spec does not fit the parameter's shape {shape:?}: {source}")]
+    SpecShape {
+        /// The parameter's shape.
+        shape: Vec<i64>,
+        /// What the spec check said.
+        source: Box<ShardingError>,
+    },
+    /// A spec names a parameter other than a linear layer's `weight`.
+    #[error(
+        "only a linear layer's `weight` can be sharded by a spec (its forward is rewritten; \
+         the bias follows the weight); `{name}` cannot"
+    )]
+    NotAWeight {
+        /// The parameter's local name.
+        name: String,
+    },
+    /// A linear layer's weight has an enumerable spec.
+    #[error(
+        "a linear layer's weight is sharded with a ChunkShardingSpec (dim 0: column-parallel, \
+         dim 1: row-parallel); an EnumerableShardingSpec has no sharded forward"
+    )]
+    EnumerableWeightSpec,
+    /// A weight spec's dim is not a dim of a linear layer's weight.
+    #[error("dim {dim} out of range for a linear layer's weight of 2 dims")]
+    WeightDim {
+        /// The dim as given.
+        dim: i64,
+    },
+    /// A parameter's module is missing from the model's module list.
+    #[error("its module `{module}` is not in the model")]
+    NoParentModule {
+        /// The module's FQN.
+        module: String,
+    },
+    /// A spec on `module`'s weight: the layer cannot be sharded so.
+    #[error("`{module}`: {source}")]
+    Layer {
+        /// The layer's FQN.
+        module: String,
+        /// Why.
+        source: SharderError,
+    },
+    /// A sharder refused the module ([`Sharder::check`](super::Sharder::check)).
+    #[error("{sharder}: {source}")]
+    Sharder {
+        /// The sharder's name.
+        sharder: String,
+        /// Why.
+        source: SharderError,
+    },
+    /// A parameter spec inside a module that a sharder shards whole.
+    #[error(
+        "a parameter spec inside {}, which sharder `{sharder}` shards whole",
+        Key(owner)
+    )]
+    SpecInsideSharder {
+        /// The module the sharder owns.
+        owner: String,
+        /// The sharder's name.
+        sharder: String,
+    },
+    /// A sharder inside a module that another sharder shards whole.
+    #[error(
+        "a sharder inside {}, which sharder `{sharder}` shards whole",
+        Key(owner)
+    )]
+    SharderInsideSharder {
+        /// The module the outer sharder owns.
+        owner: String,
+        /// The outer sharder's name.
+        sharder: String,
+    },
+    /// Two entries shard the same module.
+    #[error("is sharded by two plan entries")]
+    ShardedTwice,
+    /// An `output_plan` key is not a module of the model.
+    #[error("output_plan names a module that is not in the model")]
+    OutputNotAModule,
+    /// An `output_plan` spec is not a chunk spec.
+    #[error("output_plan: only a ChunkShardingSpec can lay out a module output")]
+    OutputNotChunk,
+    /// An `output_plan` spec's placements name ranks outside the group (or a rank twice).
+    #[error("output_plan: placements do not match the group: {source}")]
+    OutputPlacements {
+        /// What the spec check said.
+        source: Box<ShardingError>,
+    },
+    /// An `output_plan` spec does not put chunk `i` on rank `i`.
+    #[error(
+        "output_plan: an output is split into one chunk per rank, chunk i on rank i \
+         ({world_size} placements, rank:0 first), not [{}]",
+        Placements(placements)
+    )]
+    OutputChunkOrder {
+        /// The spec's placements.
+        placements: Vec<Placement>,
+        /// The group's size.
+        world_size: usize,
+    },
+    /// A `return_local_tensor` entry is not a module of the model.
+    #[error("return_local_tensor names a module that is not in the model")]
+    LocalNotAModule,
+    /// A `return_local_tensor` module's output is whole on every rank and has no
+    /// `output_plan` spec.
+    #[error(
+        "return_local_tensor: this module's output is not split across ranks; give it an \
+         output_plan spec saying how"
+    )]
+    LocalNotSharded,
+    /// The module needs a hook (for its output), and hooks cannot be registered on it.
+    #[error("its output cannot be hooked: {source}")]
+    Unhookable {
+        /// Why.
+        source: HookError,
+    },
+    /// The shards a sharder computed for a parameter do not form a valid layout.
+    #[error("invalid shard layout: {source}")]
+    Layout {
+        /// What the layout check said.
+        source: Box<ShardingError>,
+    },
+    /// A [`ShardState`](super::ShardState) was asked for a parameter it did not shard.
+    #[error("is not a sharded parameter")]
+    NotSharded,
+}
+
+/// Why a [`Sharder`](super::Sharder) refuses a module: the built-in linear sharders' reasons,
+/// and [`Custom`](SharderError::Custom) for third-party sharders.
+///
+/// ```
+/// use tch_dist::sharding::SharderError;
+/// #[derive(Debug, thiserror::Error)]
+/// #[error("an embedding needs {0} rows per rank")]
+/// struct TooFewRows(usize);
+/// let e = SharderError::custom(TooFewRows(2));
+/// assert_eq!(e.to_string(), "an embedding needs 2 rows per rank");
+/// ```
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum SharderError {
+    /// A linear sharder got a module with a submodule.
+    #[error(
+        "a linear sharder needs a linear layer (`weight` and optional `bias`), but this \
+         `{kind}` has a submodule `{child}`"
+    )]
+    Submodule {
+        /// The module's type name.
+        kind: &'static str,
+        /// The submodule's FQN within it.
+        child: String,
+    },
+    /// A linear sharder got a module with a parameter other than `weight` and `bias`.
+    #[error(
+        "a linear sharder needs a linear layer (`weight` and optional `bias`), but this \
+         `{kind}` has a parameter `{name}`"
+    )]
+    ExtraParameter {
+        /// The module's type name.
+        kind: &'static str,
+        /// The parameter.
+        name: String,
+    },
+    /// A linear sharder got a module without `weight`.
+    #[error("this `{kind}` has no `weight` parameter")]
+    NoWeight {
+        /// The module's type name.
+        kind: &'static str,
+    },
+    /// `weight` is not a matrix.
+    #[error(
+        "`weight` has shape {shape:?}; a linear layer's weight is [out_features, in_features]"
+    )]
+    WeightShape {
+        /// Its shape.
+        shape: Vec<i64>,
+    },
+    /// `bias` does not match `weight`'s output features.
+    #[error(
+        "`bias` has shape {shape:?}; expected [{}] for a weight of shape {weight:?}",
+        weight.first().copied().unwrap_or(0)
+    )]
+    BiasShape {
+        /// The bias's shape.
+        shape: Vec<i64>,
+        /// The weight's shape.
+        weight: Vec<i64>,
+    },
+    /// A linear layer's spec does not put chunk `i` on rank `i` of the group.
+    #[error(
+        "placements [{}] do not match the group of {world_size} ranks: a linear layer is split \
+         into one chunk per rank, chunk i on rank i",
+        Placements(placements)
+    )]
+    Placements {
+        /// The spec's placements.
+        placements: Vec<Placement>,
+        /// The group's size.
+        world_size: usize,
+    },
+    /// `ColwiseLinear { fused: 0 }`.
+    #[error("fused must be at least 1")]
+    ZeroFused,
+    /// A fused layer's output features do not split into its parts.
+    #[error("`weight` has {out_features} output features, not divisible into fused={fused} parts")]
+    NotDivisible {
+        /// The weight's output features.
+        out_features: i64,
+        /// The number of parts.
+        fused: usize,
+    },
+    /// A third-party sharder's own reason.
+    #[error(transparent)]
+    Custom(Arc<dyn std::error::Error + Send + Sync>),
+}
+
+impl SharderError {
+    /// A third-party sharder's reason, kept whole ([`Custom`](SharderError::Custom)).
+    pub fn custom(error: impl std::error::Error + Send + Sync + 'static) -> SharderError {
+        SharderError::Custom(Arc::new(error))
+    }
+}
+
+/// Which hook of a sharded module failed (the part of the message before its FQN).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HookSite {
+    /// A column-parallel layer's input hook.
+    ColumnParallel,
+    /// A row-parallel layer's input hook.
+    RowParallel,
+    /// The output hook that restores or reshards a module's output.
+    Output,
+}
+
+impl fmt::Display for HookSite {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            HookSite::ColumnParallel => "column-parallel",
+            HookSite::RowParallel => "row-parallel",
+            HookSite::Output => "output of",
+        })
+    }
+}
+
+/// Why a sharded module's forward hook failed (the `problem` of [`ShardError::Forward`]).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum ForwardProblem {
+    /// A row-parallel layer's input is neither its whole input width nor this rank's slice.
+    #[error("expects {full} input features (or its slice of {local}), got {width}")]
+    InputWidth {
+        /// The layer's input features.
+        full: i64,
+        /// This rank's slice of them.
+        local: i64,
+        /// The input's last dim.
+        width: i64,
+    },
+    /// The `output_plan` spec's dim is not a dim of the module's output.
+    #[error("output_plan's dim {dim} is out of range for an output of {ndim} dims")]
+    OutputDim {
+        /// The spec's dim.
+        dim: i64,
+        /// The output's number of dims.
+        ndim: usize,
+    },
+    /// A collective failed.
+    #[error(transparent)]
+    Collective(DistError),
+}
+
+/// A plan key in backquotes, the root module by name.
+struct Key<'a>(&'a str);
+
+impl fmt::Display for Key<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            f.write_str("the root module")
+        } else {
+            write!(f, "`{}`", self.0)
+        }
+    }
+}
+
+/// A [`DistError`]'s message without its leading `rank R: `, which the outer message names.
+struct WithoutRank<'a>(&'a DistError, usize);
+
+impl fmt::Display for WithoutRank<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = self.0.to_string();
+        let prefix = format!("rank {}: ", self.1);
+        f.write_str(text.strip_prefix(&prefix).unwrap_or(&text))
+    }
+}
+
+/// A forward problem after `... on rank R`: ` expects ...` for a width, `: ...` otherwise.
+struct Detail<'a>(&'a ForwardProblem, usize);
+
+impl fmt::Display for Detail<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            ForwardProblem::InputWidth { .. } => write!(f, " {}", self.0),
+            ForwardProblem::Collective(e) => write!(f, ": {}", WithoutRank(e, self.1)),
+            other => write!(f, ": {other}"),
+        }
+    }
+}
+
+/// Placements joined by `, `.
+struct Placements<'a>(&'a [Placement]);
+
+impl fmt::Display for Placements<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, p) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{p}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+    use tch_dist_core::sharding::ShardMetadata;
+
+    fn cpu(rank: usize) -> Placement {
+        Placement::new(rank, Device::Cpu)
+    }
+
+    fn dist() -> DistError {
+        DistError::PeerGone {
+            rank: 1,
+            op: "all_gather (differentiable)",
+            peer: Some(0),
+            cause: "Connection closed by peer".into(),
+        }
+    }
+
+    fn dim_error() -> Box<ShardingError> {
+        Box::new(ShardingError::DimOutOfRange { dim: 2, ndim: 2 })
+    }
+
+    /// The variant's name; exhaustive, so a new variant fails to compile until it is
+    /// pinned below.
+    fn plan_name(p: &PlanProblem) -> &'static str {
+        match p {
+            PlanProblem::NotAParameter => "NotAParameter",
+            PlanProblem::NotAModule => "NotAModule",
+            PlanProblem::SpecOnModule => "SpecOnModule",
+            PlanProblem::SharderOnParameter => "SharderOnParameter",
+            PlanProblem::Placements { .. } => "Placements",
+            PlanProblem::SpecShape { .. } => "SpecShape",
+            PlanProblem::NotAWeight { .. } => "NotAWeight",
+            PlanProblem::EnumerableWeightSpec => "EnumerableWeightSpec",
+            PlanProblem::WeightDim { .. } => "WeightDim",
+            PlanProblem::NoParentModule { .. } => "NoParentModule",
+            PlanProblem::Layer { .. } => "Layer",
+            PlanProblem::Sharder { .. } => "Sharder",
+            PlanProblem::SpecInsideSharder { .. } => "SpecInsideSharder",
+            PlanProblem::SharderInsideSharder { .. } => "SharderInsideSharder",
+            PlanProblem::ShardedTwice => "ShardedTwice",
+            PlanProblem::OutputNotAModule => "OutputNotAModule",
+            PlanProblem::OutputNotChunk => "OutputNotChunk",
+            PlanProblem::OutputPlacements { .. } => "OutputPlacements",
+            PlanProblem::OutputChunkOrder { .. } => "OutputChunkOrder",
+            PlanProblem::LocalNotAModule => "LocalNotAModule",
+            PlanProblem::LocalNotSharded => "LocalNotSharded",
+            PlanProblem::Unhookable { .. } => "Unhookable",
+            PlanProblem::Layout { .. } => "Layout",
+            PlanProblem::NotSharded => "NotSharded",
+        }
+    }
+
+    fn sharder_name(e: &SharderError) -> &'static str {
+        match e {
+            SharderError::Submodule { .. } => "Submodule",
+            SharderError::ExtraParameter { .. } => "ExtraParameter",
+            SharderError::NoWeight { .. } => "NoWeight",
+            SharderError::WeightShape { .. } => "WeightShape",
+            SharderError::BiasShape { .. } => "BiasShape",
+            SharderError::Placements { .. } => "Placements",
+            SharderError::ZeroFused => "ZeroFused",
+            SharderError::NotDivisible { .. } => "NotDivisible",
+            SharderError::Custom(_) => "Custom",
+        }
+    }
+
+    fn forward_name(p: &ForwardProblem) -> &'static str {
+        match p {
+            ForwardProblem::InputWidth { .. } => "InputWidth",
+            ForwardProblem::OutputDim { .. } => "OutputDim",
+            ForwardProblem::Collective(_) => "Collective",
+        }
+    }
+
+    fn shard_name(e: &ShardError) -> &'static str {
+        match e {
+            ShardError::Plan { .. } => "Plan",
+            ShardError::InvalidArgument { .. } => "InvalidArgument",
+            ShardError::Dist { .. } => "Dist",
+            ShardError::Forward { .. } => "Forward",
+            ShardError::Contract(_) => "Contract",
+        }
+    }
+
+    /// Checks that `cases` pins every variant `name` knows of, each once, and its text.
+    fn pin<T: fmt::Display>(cases: Vec<(T, &str)>, name: fn(&T) -> &'static str, all: &[&str]) {
+        let mut seen: Vec<&str> = cases.iter().map(|(v, _)| name(v)).collect();
+        seen.sort_unstable();
+        let mut all = all.to_vec();
+        all.sort_unstable();
+        assert_eq!(seen, all, "every variant pinned once");
+        for (value, text) in cases {
+            assert_eq!(value.to_string(), text, "{}", name(&value));
+        }
+    }
+
+    #[test]
+    fn every_plan_problem_has_its_text() {
+        let linear = SharderError::NotDivisible {
+            out_features: 8,
+            fused: 3,
+        };
+        pin(
+            vec![
+                (
+                    PlanProblem::NotAParameter,
+                    "is not a parameter of the model",
+                ),
+                (PlanProblem::NotAModule, "is not a module of the model"),
+                (
+                    PlanProblem::SpecOnModule,
+                    "names a module, but a ShardingSpec shards a parameter; shard a module with \
+                     a Sharder",
+                ),
+                (
+                    PlanProblem::SharderOnParameter,
+                    "names a parameter, but a Sharder shards a module; shard a parameter with a \
+                     ShardingSpec",
+                ),
+                (
+                    PlanProblem::Placements {
+                        source: Box::new(ShardingError::RankOutOfRange {
+                            placement: cpu(2),
+                            world_size: 2,
+                        }),
+                    },
+                    "placements do not match the group: placement `rank:2/cpu`: rank 2 is out of \
+                     range for a world of 2 ranks",
+                ),
+                (
+                    PlanProblem::SpecShape {
+                        shape: vec![8, 6],
+                        source: dim_error(),
+                    },
+                    "the spec does not fit the parameter's shape [8, 6]: dim 2 out of range for a \
+                     tensor of 2 dims (expected a dim in -2..=1)",
+                ),
+                (
+                    PlanProblem::NotAWeight {
+                        name: "bias".into(),
+                    },
+                    "only a linear layer's `weight` can be sharded by a spec (its forward is \
+                     rewritten; the bias follows the weight); `bias` cannot",
+                ),
+                (
+                    PlanProblem::EnumerableWeightSpec,
+                    "a linear layer's weight is sharded with a ChunkShardingSpec (dim 0: \
+                     column-parallel, dim 1: row-parallel); an EnumerableShardingSpec has no \
+                     sharded forward",
+                ),
+                (
+                    PlanProblem::WeightDim { dim: 3 },
+                    "dim 3 out of range for a linear layer's weight of 2 dims",
+                ),
+                (
+                    PlanProblem::NoParentModule {
+                        module: "fc1".into(),
+                    },
+                    "its module `fc1` is not in the model",
+                ),
+                (
+                    PlanProblem::Layer {
+                        module: "fc1".into(),
+                        source: SharderError::ZeroFused,
+                    },
+                    "`fc1`: fused must be at least 1",
+                ),
+                (
+                    PlanProblem::Sharder {
+                        sharder: "colwise_linear(fused=3)".into(),
+                        source: linear,
+                    },
+                    "colwise_linear(fused=3): `weight` has 8 output features, not divisible into \
+                     fused=3 parts",
+                ),
+                (
+                    PlanProblem::SpecInsideSharder {
+                        owner: "fc1".into(),
+                        sharder: "colwise_linear".into(),
+                    },
+                    "a parameter spec inside `fc1`, which sharder `colwise_linear` shards whole",
+                ),
+                (
+                    PlanProblem::SharderInsideSharder {
+                        owner: "".into(),
+                        sharder: "colwise_linear".into(),
+                    },
+                    "a sharder inside the root module, which sharder `colwise_linear` shards whole",
+                ),
+                (PlanProblem::ShardedTwice, "is sharded by two plan entries"),
+                (
+                    PlanProblem::OutputNotAModule,
+                    "output_plan names a module that is not in the model",
+                ),
+                (
+                    PlanProblem::OutputNotChunk,
+                    "output_plan: only a ChunkShardingSpec can lay out a module output",
+                ),
+                (
+                    PlanProblem::OutputPlacements {
+                        source: Box::new(ShardingError::DuplicateRank {
+                            rank: 0,
+                            first: 0,
+                            second: 1,
+                        }),
+                    },
+                    "output_plan: placements do not match the group: placements 0 and 1 both \
+                     name rank 0: a ChunkShardingSpec holds at most one chunk per rank",
+                ),
+                (
+                    PlanProblem::OutputChunkOrder {
+                        placements: vec![cpu(1), cpu(0)],
+                        world_size: 2,
+                    },
+                    "output_plan: an output is split into one chunk per rank, chunk i on rank i \
+                     (2 placements, rank:0 first), not [rank:1/cpu, rank:0/cpu]",
+                ),
+                (
+                    PlanProblem::LocalNotAModule,
+                    "return_local_tensor names a module that is not in the model",
+                ),
+                (
+                    PlanProblem::LocalNotSharded,
+                    "return_local_tensor: this module's output is not split across ranks; give \
+                     it an output_plan spec saying how",
+                ),
+                (
+                    PlanProblem::Unhookable {
+                        source: HookError::NoIdentity { module: "Gelu" },
+                    },
+                    "its output cannot be hooked: cannot register a hook on a `Gelu`: it has no \
+                     parameters or buffers, so the module instance cannot be identified",
+                ),
+                (
+                    PlanProblem::Layout {
+                        source: Box::new(ShardingError::Overlap {
+                            first: 0,
+                            second: 1,
+                            first_shard: Box::new(
+                                ShardMetadata::new(vec![0], vec![2], cpu(0)).unwrap(),
+                            ),
+                            second_shard: Box::new(
+                                ShardMetadata::new(vec![1], vec![2], cpu(1)).unwrap(),
+                            ),
+                        }),
+                    },
+                    "invalid shard layout: shards 0 and 1 overlap: offsets [0], sizes [2] on \
+                     rank:0/cpu and offsets [1], sizes [2] on rank:1/cpu",
+                ),
+                (PlanProblem::NotSharded, "is not a sharded parameter"),
+            ],
+            plan_name,
+            &[
+                "NotAParameter",
+                "NotAModule",
+                "SpecOnModule",
+                "SharderOnParameter",
+                "Placements",
+                "SpecShape",
+                "NotAWeight",
+                "EnumerableWeightSpec",
+                "WeightDim",
+                "NoParentModule",
+                "Layer",
+                "Sharder",
+                "SpecInsideSharder",
+                "SharderInsideSharder",
+                "ShardedTwice",
+                "OutputNotAModule",
+                "OutputNotChunk",
+                "OutputPlacements",
+                "OutputChunkOrder",
+                "LocalNotAModule",
+                "LocalNotSharded",
+                "Unhookable",
+                "Layout",
+                "NotSharded",
+            ],
+        );
+    }
+
+    #[test]
+    fn every_sharder_error_has_its_text() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("an embedding needs at least 2 rows per rank")]
+        struct TooFewRows;
+        pin(
+            vec![
+                (
+                    SharderError::Submodule {
+                        kind: "Mlp",
+                        child: "fc1".into(),
+                    },
+                    "a linear sharder needs a linear layer (`weight` and optional `bias`), but \
+                     this `Mlp` has a submodule `fc1`",
+                ),
+                (
+                    SharderError::ExtraParameter {
+                        kind: "LayerNorm",
+                        name: "gamma".into(),
+                    },
+                    "a linear sharder needs a linear layer (`weight` and optional `bias`), but \
+                     this `LayerNorm` has a parameter `gamma`",
+                ),
+                (
+                    SharderError::NoWeight { kind: "Embedding" },
+                    "this `Embedding` has no `weight` parameter",
+                ),
+                (
+                    SharderError::WeightShape { shape: vec![8] },
+                    "`weight` has shape [8]; a linear layer's weight is [out_features, \
+                     in_features]",
+                ),
+                (
+                    SharderError::BiasShape {
+                        shape: vec![4],
+                        weight: vec![8, 6],
+                    },
+                    "`bias` has shape [4]; expected [8] for a weight of shape [8, 6]",
+                ),
+                (
+                    SharderError::Placements {
+                        placements: vec![cpu(1), cpu(0)],
+                        world_size: 2,
+                    },
+                    "placements [rank:1/cpu, rank:0/cpu] do not match the group of 2 ranks: a \
+                     linear layer is split into one chunk per rank, chunk i on rank i",
+                ),
+                (SharderError::ZeroFused, "fused must be at least 1"),
+                (
+                    SharderError::NotDivisible {
+                        out_features: 8,
+                        fused: 3,
+                    },
+                    "`weight` has 8 output features, not divisible into fused=3 parts",
+                ),
+                (
+                    SharderError::custom(TooFewRows),
+                    "an embedding needs at least 2 rows per rank",
+                ),
+            ],
+            sharder_name,
+            &[
+                "Submodule",
+                "ExtraParameter",
+                "NoWeight",
+                "WeightShape",
+                "BiasShape",
+                "Placements",
+                "ZeroFused",
+                "NotDivisible",
+                "Custom",
+            ],
+        );
+        let custom = SharderError::custom(TooFewRows);
+        assert!(std::error::Error::source(&custom).is_none()); // transparent: TooFewRows's
+        let SharderError::Custom(inner) = custom else {
+            unreachable!()
+        };
+        assert!(inner.downcast_ref::<TooFewRows>().is_some());
+    }
+
+    #[test]
+    fn every_forward_problem_has_its_text() {
+        pin(
+            vec![
+                (
+                    ForwardProblem::InputWidth {
+                        full: 8,
+                        local: 4,
+                        width: 5,
+                    },
+                    "expects 8 input features (or its slice of 4), got 5",
+                ),
+                (
+                    ForwardProblem::OutputDim { dim: 3, ndim: 2 },
+                    "output_plan's dim 3 is out of range for an output of 2 dims",
+                ),
+                (
+                    ForwardProblem::Collective(dist()),
+                    "rank 1: all_gather (differentiable) failed: rank 0 closed the connection",
+                ),
+            ],
+            forward_name,
+            &["InputWidth", "OutputDim", "Collective"],
+        );
+        let sites = [
+            (HookSite::ColumnParallel, "column-parallel"),
+            (HookSite::RowParallel, "row-parallel"),
+            (HookSite::Output, "output of"),
+        ];
+        for (site, text) in sites {
+            // Exhaustive: a new site fails to compile until it is pinned here.
+            match site {
+                HookSite::ColumnParallel | HookSite::RowParallel | HookSite::Output => {}
+            }
+            assert_eq!(site.to_string(), text);
+        }
+    }
+
+    /// Each message names the rank, `shard_module` and the FQN once.
+    #[test]
+    fn every_shard_error_names_rank_op_and_fqn_once() {
+        let forward = |site, problem| ShardError::Forward {
+            rank: 1,
+            fqn: "fc2".into(),
+            site,
+            problem,
+        };
+        pin(
+            vec![
+                (
+                    ShardError::Plan {
+                        rank: 1,
+                        fqn: "fc3.weight".into(),
+                        problem: PlanProblem::NotAParameter,
+                    },
+                    "rank 1: shard_module: `fc3.weight`: is not a parameter of the model",
+                ),
+                (
+                    ShardError::InvalidArgument {
+                        rank: 1,
+                        problem: ArgumentError::RankNotInGroup {
+                            what: "src_rank",
+                            rank: 2,
+                            world_size: 2,
+                        },
+                    },
+                    "rank 1: shard_module: src_rank 2 is not in a group of size 2",
+                ),
+                (
+                    ShardError::Dist {
+                        rank: 1,
+                        fqn: "fc1.weight".into(),
+                        source: DistError::Collective {
+                            rank: 1,
+                            op: "scatter",
+                            cause: "Connection reset".into(),
+                        },
+                    },
+                    "rank 1: shard_module: `fc1.weight`: scatter failed: Connection reset",
+                ),
+                (
+                    forward(
+                        HookSite::RowParallel,
+                        ForwardProblem::InputWidth {
+                            full: 8,
+                            local: 4,
+                            width: 5,
+                        },
+                    ),
+                    "shard_module: row-parallel `fc2` on rank 1 expects 8 input features (or its \
+                     slice of 4), got 5",
+                ),
+                (
+                    ShardError::Contract(ContractError::AlreadyApplied {
+                        api: "shard_module",
+                        module: "Mlp",
+                    }),
+                    "Each distinct composable distributed API can only be applied to a module \
+                     once. shard_module has already been applied to the following module: Mlp",
+                ),
+            ],
+            shard_name,
+            &["Plan", "InvalidArgument", "Dist", "Forward", "Contract"],
+        );
+        // The other shapes of the variants that carry a FQN or a DistError.
+        let root = ShardError::Plan {
+            rank: 0,
+            fqn: String::new(),
+            problem: PlanProblem::Sharder {
+                sharder: "rowwise_linear".into(),
+                source: SharderError::NoWeight { kind: "Mlp" },
+            },
+        };
+        assert_eq!(
+            root.to_string(),
+            "rank 0: shard_module: the root module: rowwise_linear: this `Mlp` has no `weight` \
+             parameter"
+        );
+        let collective = forward(HookSite::Output, ForwardProblem::Collective(dist()));
+        assert_eq!(
+            collective.to_string(),
+            "shard_module: output of `fc2` on rank 1: all_gather (differentiable) failed: rank \
+             0 closed the connection"
+        );
+        let dim = forward(
+            HookSite::Output,
+            ForwardProblem::OutputDim { dim: -3, ndim: 2 },
+        );
+        assert_eq!(
+            dim.to_string(),
+            "shard_module: output of `fc2` on rank 1: output_plan's dim -3 is out of range for an \
+             output of 2 dims"
+        );
+        let column = forward(HookSite::ColumnParallel, ForwardProblem::Collective(dist()));
+        assert!(column
+            .to_string()
+            .starts_with("shard_module: column-parallel `fc2` on rank 1: all_gather"));
+        // A DistError without the rank prefix (not from this group) is kept whole.
+        let other = ShardError::Dist {
+            rank: 1,
+            fqn: "fc1".into(),
+            source: DistError::NotInitialized,
+        };
+        assert_eq!(
+            other.to_string(),
+            "rank 1: shard_module: `fc1`: the default process group is not initialized; call \
+             init_process_group first"
+        );
+        for e in [root, collective, dim, column, other] {
+            let text = e.to_string();
+            assert_eq!(text.matches("shard_module").count(), 1, "{text}");
+            let rank = if text.contains("rank 0:") { 0 } else { 1 };
+            assert_eq!(
+                text.matches(&format!("rank {rank}")).count()
+                    - text.matches(&format!("rank {rank} closed")).count(),
+                1,
+                "{text}"
+            );
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! [`ShardState`]: what [`shard_module`](super::shard_module) did to a module.
+
+use std::collections::BTreeMap;
+
+use tch_dist_core::hooks::RemovableHandle;
+use tch_dist_core::sharding::ShardedTensorMetadata;
+use tch_dist_core::Shardable;
+use tch_dist_runtime::sharding::{Shard, ShardedTensor};
+use tch_dist_runtime::ProcessGroup;
+
+use super::error::{PlanProblem, ShardError};
+
+/// What [`shard_module`](super::shard_module) did to a module:
+/// [`shard_module_state`](super::shard_module_state) returns it.
+pub struct ShardState {
+    pub(super) sharded: BTreeMap<String, ShardedTensorMetadata>,
+    pub(super) hooks: Vec<RemovableHandle>,
+    pub(super) group: ProcessGroup,
+}
+
+impl std::fmt::Debug for ShardState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardState")
+            .field("sharded", &self.sharded.keys().collect::<Vec<_>>())
+            .field("hooks", &self.hooks.len())
+            .finish()
+    }
+}
+
+impl ShardState {
+    /// The FQNs (relative to the sharded module) of the parameters now held as shards.
+    pub fn sharded_params(&self) -> impl Iterator<Item = &str> {
+        self.sharded.keys().map(String::as_str)
+    }
+
+    /// The global layout of sharded parameter `fqn`.
+    pub fn metadata(&self, fqn: &str) -> Option<&ShardedTensorMetadata> {
+        self.sharded.get(fqn)
+    }
+
+    /// The process group the parameters are sharded over.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// Sharded parameter `fqn` of `module` (the module passed to
+    /// [`shard_module`](super::shard_module)) as a [`ShardedTensor`] over this rank's live
+    /// parameter, for example to gather it for a checkpoint.
+    pub fn sharded_tensor<M: Shardable + ?Sized>(
+        &self,
+        module: &M,
+        fqn: &str,
+    ) -> Result<ShardedTensor, ShardError> {
+        let meta = self
+            .sharded
+            .get(fqn)
+            .ok_or_else(|| ShardError::plan(&self.group, fqn, PlanProblem::NotSharded))?;
+        let param = module
+            .named_parameters()
+            .into_iter()
+            .find(|(n, _)| n == fqn)
+            .map(|(_, t)| t.detach())
+            .ok_or_else(|| ShardError::plan(&self.group, fqn, PlanProblem::NotAParameter))?;
+        // A single shard is the whole local parameter; several (a fused layer's parts) are
+        // concatenated along dim 0 in metadata order.
+        let mine = meta.shards_for_rank(self.group.rank());
+        let shards = match mine.as_slice() {
+            [one] => vec![Shard {
+                tensor: param,
+                metadata: (*one).clone(),
+            }],
+            several => {
+                let mut off = 0;
+                several
+                    .iter()
+                    .map(|m| {
+                        let rows = m.shard_sizes[0];
+                        let tensor = param.narrow(0, off, rows);
+                        off += rows;
+                        Shard {
+                            tensor,
+                            metadata: (*m).clone(),
+                        }
+                    })
+                    .collect()
+            }
+        };
+        ShardedTensor::from_local_shards(shards, meta.clone(), &self.group)
+            .map_err(|e| ShardError::dist(&self.group, fqn, e))
+    }
+
+    /// Removes the forward hooks (the parameters stay sharded): a call then runs each
+    /// layer's forward on its local shard, without communication.
+    pub fn remove_hooks(&self) {
+        for h in &self.hooks {
+            h.remove();
+        }
+    }
+}
