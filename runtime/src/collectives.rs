@@ -100,10 +100,11 @@ impl OpContext {
 ///   timeout), so what that stream runs next sees the result, and anything that reads it on
 ///   the host (`.to(Cpu)`, `f64::try_from`) waits for it there. The bound is NCCL's
 ///   watchdog, which times the operation out once the group's timeout has passed since the
-///   launch: it then aborts the communicator, and the next wait on any of the group's NCCL
-///   works fails with the same [`DistError::Timeout`] (op, the group's timeout) a Gloo wait
-///   gives. [`Work::wait_timeout`] blocks the CPU until the operation is done, at most for
-///   the given time, and a timeout leaves the work pending, as with Gloo.
+///   launch: a wait on that work then fails with the same [`DistError::Timeout`] (op, the
+///   group's timeout) a Gloo wait gives, and the group's NCCL communicator is aborted, so
+///   later NCCL operations on it fail. [`Work::wait_timeout`] blocks the CPU until the
+///   operation is done, at most for the given time, and a timeout leaves the work pending, as
+///   with Gloo.
 pub struct Work {
     ptr: NonNull<ffi::TdrWork>,
     context: OpContext,

@@ -673,7 +673,13 @@ fn default_slot() -> std::sync::MutexGuard<'static, Option<ProcessGroup>> {
 }
 
 /// Creates the default process group from the launch environment (torchrun's RANK,
-/// WORLD_SIZE, MASTER_ADDR, MASTER_PORT, else Slurm's) and returns it.
+/// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, else Slurm's) and returns it.
+///
+/// With `Backend::Nccl` the group binds CUDA device LOCAL_RANK (PyTorch's
+/// `torch.cuda.set_device(local_rank)` plus `device_id`): it becomes this thread's current
+/// device, NCCL's bound device and [`ProcessGroup::bound_device`]. For an explicit device,
+/// eager connection or the test switches, use [`init_process_group_with`] with
+/// [`InitOptions::from_env`] and its builders.
 ///
 /// ```no_run
 /// let pg = tch_dist_runtime::init_process_group(tch_dist_runtime::Backend::Gloo)?;
