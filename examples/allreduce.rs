@@ -7,7 +7,11 @@
 use tch_dist::{init_process_group, Backend, ReduceOp};
 
 fn main() {
-    if let Err(e) = run() {
+    let result = run();
+    // Before the process exits, whatever happened: the default group's backends are shut
+    // down (NCCL's threads must not outlive CUDA's teardown).
+    tch_dist::destroy_process_group();
+    if let Err(e) = result {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
@@ -23,6 +27,5 @@ fn run() -> Result<(), tch_dist::DistError> {
         pg.world_size(),
         t.double_value(&[0])
     );
-    tch_dist::destroy_process_group();
     Ok(())
 }

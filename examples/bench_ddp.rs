@@ -114,6 +114,7 @@ fn parse_args() -> Result<Args, String> {
             "--device" => {
                 a.device = match value()?.as_str() {
                     "cpu" => Device::Cpu,
+                    // The rank's own GPU: its group's bound device (LOCAL_RANK), see `run`.
                     "cuda" => Device::Cuda(0),
                     d => return Err(format!("unknown --device {d} (cpu or cuda)")),
                 }
@@ -149,7 +150,11 @@ fn parse_args() -> Result<Args, String> {
 }
 
 fn main() {
-    if let Err(e) = run() {
+    let result = run();
+    // Before the process exits, whatever happened: the default group's backends are shut
+    // down (NCCL's threads must not outlive CUDA's teardown).
+    tch_dist::destroy_process_group();
+    if let Err(e) = result {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
@@ -253,25 +258,42 @@ fn ms(t: Instant) -> f64 {
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let args = parse_args()?;
+    let mut args = parse_args()?;
     if args.threads > 0 {
         tch::set_num_threads(args.threads);
     }
     if args.device.is_cuda() && !tch::Cuda::is_available() {
         return Err("--device cuda but CUDA is not available".into());
     }
+    let group = |args: &mut Args| -> Result<ProcessGroup, tch_dist::DistError> {
+        let backend = if args.device.is_cuda() {
+            Backend::Nccl
+        } else {
+            Backend::Gloo
+        };
+        let pg = init_process_group(backend)?;
+        // Each rank on its own GPU: the device the group bound (LOCAL_RANK).
+        if let (true, Some(d)) = (args.device.is_cuda(), pg.bound_device()) {
+            args.device = d;
+        }
+        Ok(pg)
+    };
     match args.mode.as_str() {
-        "plain" => train(&args, None),
+        "plain" => {
+            if args.device.is_cuda() {
+                let local = tch_dist::LaunchEnv::from_process_env().map_or(0, |e| e.local_rank);
+                args.device = Device::Cuda(local);
+            }
+            train(&args, None)
+        }
         "replicate" => {
-            let backend = if args.device.is_cuda() {
-                Backend::Nccl
-            } else {
-                Backend::Gloo
-            };
-            let pg = init_process_group(backend)?;
+            let pg = group(&mut args)?;
             train(&args, Some(pg))
         }
-        "allreduce" => allreduce(&args),
+        "allreduce" => {
+            let pg = group(&mut args)?;
+            allreduce(&args, pg)
+        }
         other => Err(format!("unknown --mode {other} (plain, replicate or allreduce)").into()),
     }
 }
@@ -384,6 +406,9 @@ fn train(args: &Args, pg: Option<ProcessGroup>) -> Result<(), Box<dyn std::error
             .iter()
             .map(|b| b.iter().map(|f| size_of.get(f).copied().unwrap_or(0)).sum())
             .collect();
+        // False with the test switch TCH_DIST_NO_SHORTCUTS=1 at world size 1: every bucket
+        // communicates, as PyTorch DDP's do.
+        out["skips_communication"] = s.group().skips_communication().into();
         out["bucket_cap_mb"] = args.bucket_cap_mb.into();
         out["gradient_as_bucket_view"] = args.as_view.into();
         out["buckets"] = st.buckets.into();
@@ -417,13 +442,7 @@ fn train(args: &Args, pg: Option<ProcessGroup>) -> Result<(), Box<dyn std::error
 /// Raw all-reduce times: the whole gradient as one tensor (SUM, with its CPU time, and AVG),
 /// each of `--sizes` alone (AVG, as the reducer), and all of them launched back to back then
 /// awaited (what the reducer does, without backward around it).
-fn allreduce(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
-    let backend = if args.device.is_cuda() {
-        Backend::Nccl
-    } else {
-        Backend::Gloo
-    };
-    let pg = init_process_group(backend)?;
+fn allreduce(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error>> {
     let (w, _) = widths(&args.model)?;
     let numel: i64 = w.windows(2).map(|io| io[0] * io[1] + io[1]).sum();
     let total = numel as usize * 4;

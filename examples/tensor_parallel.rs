@@ -79,7 +79,11 @@ fn arg<T: std::str::FromStr>(name: &str, default: T) -> Result<T, String> {
 }
 
 fn main() {
-    if let Err(e) = run() {
+    let result = run();
+    // Before the process exits, whatever happened: the default group's backends are shut
+    // down (NCCL's threads must not outlive CUDA's teardown).
+    tch_dist::destroy_process_group();
+    if let Err(e) = result {
         eprintln!("error: {e}");
         std::process::exit(1);
     }

@@ -93,11 +93,12 @@
 // --- the engine: process groups, collectives, the reducer (tch-dist-runtime) ---
 
 pub use tch_dist_runtime::{
-    default_group, destroy_process_group, init_process_group, init_process_group_with,
-    is_initialized, ArgumentError, Backend, CommHook, DistError, EnvError, InitOptions, LaunchEnv,
-    Mismatch, NamedSignature, PowerSgdOptions, ProcessGroup, ReduceOp, Reducer, ReducerOptions,
-    ReducerStats, Result, Store, TensorSignature, Work, BROADCAST_BUCKET_BYTES,
-    DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES, DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT,
+    default_group, destroy_process_group, first_shared_gpu, init_process_group,
+    init_process_group_with, is_initialized, ArgumentError, Backend, CommHook, DeviceClaim,
+    DistError, EnvError, InitOptions, LaunchEnv, Mismatch, NamedSignature, PowerSgdOptions,
+    ProcessGroup, ReduceOp, Reducer, ReducerOptions, ReducerStats, Result, Store, TensorSignature,
+    Work, BROADCAST_BUCKET_BYTES, CUDA_VIA_GLOO_ENV, DEFAULT_FIRST_BUCKET_BYTES,
+    DEFAULT_IN_PLACE_MIN_BYTES, DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT, NO_SHORTCUTS_ENV,
 };
 
 pub mod replicate;

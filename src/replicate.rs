@@ -141,7 +141,10 @@ pub struct Options {
     pub bucket_cap_mb: f64,
     /// Modules whose parameters replicate leaves alone (and their children).
     pub ignored_modules: Vec<ModuleKey>,
-    /// The device of the module (CUDA index or device; CPU means none).
+    /// The device of the module (CUDA index or device; CPU means none): inputs are moved
+    /// there and every parameter must be there. Default: for a module on CUDA, the group's
+    /// bound device ([`ProcessGroup::bound_device`]: LOCAL_RANK, or `init_process_group`'s
+    /// device_id); none for a CPU module.
     pub device_id: Option<DeviceId>,
     /// Broadcast rank 0's buffers before each forward (default true).
     pub broadcast_buffers: bool,
@@ -316,6 +319,15 @@ fn sharded_params<M: Shardable + ?Sized>(module: &M) -> std::collections::HashSe
     out
 }
 
+/// `device_id`'s default: a module on CUDA uses its group's bound device (the device
+/// `init_process_group` bound from LOCAL_RANK or its `device_id`), as PyTorch users pass
+/// `device_ids=[local_rank]`; a CPU module (or a group without a device) has none.
+fn default_device(group: &ProcessGroup, params: &[(String, Tensor)]) -> Option<Device> {
+    group
+        .bound_device()
+        .filter(|_| params.iter().any(|(_, t)| t.device().is_cuda()))
+}
+
 /// Applies replicate to `module`: checks and synchronises parameters across ranks and
 /// installs the gradient reducer and forward hook. See the module docs for an example.
 #[contract(crate = "crate", conflicts(fully_shard))]
@@ -349,7 +361,10 @@ pub fn apply<M: Shardable + ?Sized>(
     };
     module.visit(&mut c);
     let (params, buffers) = (c.params, c.buffers);
-    let device = opts.device_id.map(DeviceId::device);
+    let device = opts
+        .device_id
+        .map(DeviceId::device)
+        .or_else(|| default_device(&group, &params));
     // Checks each rank makes on its own, shared so that every rank fails together before
     // anything is sent or changed.
     let rank = group.rank();
@@ -403,7 +418,8 @@ pub fn apply<M: Shardable + ?Sized>(
     let param_fqns: Vec<String> = params.iter().map(|(n, _)| n.clone()).collect();
     let reducer = Reducer::new(params, group.clone(), reducer_opts)?;
     let buffer_handles: Vec<Tensor> = buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
-    let broadcast_buffers = opts.broadcast_buffers && group.world_size() > 1 && !buffers.is_empty();
+    let broadcast_buffers =
+        opts.broadcast_buffers && !group.skips_communication() && !buffers.is_empty();
     let input_device = device.filter(|d| d.is_cuda());
     let pre_hook = register_fallible_forward_pre_hook(module, move |m, xs| {
         // PyTorch raises from forward here: `f_call` returns the error, `call` panics with it

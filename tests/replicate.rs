@@ -284,3 +284,91 @@ fn apply_twice_and_conflicts_are_refused() {
         },
     );
 }
+
+/// Trains `steps` replicated steps at world size 1 with `opts` and returns how many
+/// collectives each step after the first launched.
+fn collectives_per_step(pg: &ProcessGroup, opts: replicate::Options, steps: usize) -> Vec<u64> {
+    use tch::nn::OptimizerConfig;
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = net(&vs, 8, false);
+    replicate::apply(&model, opts).unwrap();
+    let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
+    let mut launched = Vec::new();
+    for step in 0..steps {
+        let before = pg.launched_collectives();
+        opt.backward_step(&local_loss(&model, &batch(step, Device::Cpu), pg));
+        if step > 0 {
+            launched.push(pg.launched_collectives() - before);
+        }
+    }
+    launched
+}
+
+/// At world size 1 replicate trains as one process and, by default, communicates nothing.
+#[test]
+fn world_size_one_takes_the_shortcuts() {
+    run_ranks("world_size_one_takes_the_shortcuts", 1, |pg| {
+        assert!(pg.skips_communication());
+        let d = train_both(&pg, replicate::Options::default(), false, 3);
+        assert!(d < 1e-6, "{d}");
+        assert_eq!(
+            collectives_per_step(&pg, replicate::Options::default(), 3),
+            vec![0, 0]
+        );
+    });
+}
+
+/// The test switch TCH_DIST_NO_SHORTCUTS=1: at world size 1 every replicate case runs its
+/// bucket collectives (one per bucket and step here) and still equals one process.
+#[test]
+fn world_size_one_without_shortcuts_communicates_and_matches() {
+    let launch = Launch::new(
+        "world_size_one_without_shortcuts_communicates_and_matches",
+        1,
+    )
+    .env(tch_dist::NO_SHORTCUTS_ENV, "1");
+    run_ranks_with(&launch, Backend::Gloo, |pg| {
+        assert!(!pg.skips_communication());
+        let per_param = || replicate::Options {
+            bucket_cap_mb: 1e-9,
+            ..Default::default()
+        };
+        let cases: Vec<(&str, replicate::Options, bool)> = vec![
+            ("defaults", replicate::Options::default(), false),
+            ("a bucket per parameter", per_param(), false),
+            (
+                "gradient_as_bucket_view",
+                replicate::Options {
+                    gradient_as_bucket_view: true,
+                    ..per_param()
+                },
+                false,
+            ),
+            (
+                "find_unused_parameters",
+                replicate::Options {
+                    find_unused_parameters: true,
+                    ..Default::default()
+                },
+                true,
+            ),
+            (
+                "static_graph",
+                replicate::Options {
+                    static_graph: true,
+                    ..Default::default()
+                },
+                true,
+            ),
+        ];
+        for (what, opts, head) in cases {
+            let d = train_both(&pg, opts, head, 3);
+            assert!(d < 1e-6, "{what}: {d}");
+        }
+        assert_eq!(
+            collectives_per_step(&pg, replicate::Options::default(), 3),
+            vec![1, 1]
+        );
+        assert_eq!(collectives_per_step(&pg, per_param(), 3), vec![4, 4]);
+    });
+}

@@ -16,16 +16,22 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <gloo/common/error.h>
 #ifdef TDR_WITH_NCCL
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <shared_mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -41,6 +47,29 @@ char* dup_message(const char* msg) {
 
 char* dup_message(const std::string& msg) { return dup_message(msg.c_str()); }
 
+// A collective on a group that was shut down (TDR_ERROR_SHUT_DOWN).
+struct ShutDownError : std::runtime_error {
+  ShutDownError()
+      : std::runtime_error(
+            "the process group was shut down (ProcessGroup::shutdown or "
+            "destroy_process_group)") {}
+};
+
+// c10d reports a backend's own timeout as an ordinary error; its text tells: NCCL's watchdog
+// ("Watchdog caught collective operation timeout: WorkNCCL(...) ran for N milliseconds
+// before timing out"), or a blocking wait (TORCH_NCCL_BLOCKING_WAIT=1). A peer that exited
+// shows as NCCL's remote error.
+int classify(const std::string& msg, int fallback) {
+  if (msg.find("collective operation timeout") != std::string::npos ||
+      msg.find("timed out in blocking wait") != std::string::npos) {
+    return TDR_ERROR_BACKEND_TIMEOUT;
+  }
+  if (msg.find("remote process exited or there was a network error") != std::string::npos) {
+    return TDR_ERROR_NETWORK;
+  }
+  return fallback;
+}
+
 }  // namespace
 
 // What kind of failure the last entry point called on this thread returned (read with
@@ -54,28 +83,33 @@ char* fail(int kind, const char* msg) {
 
 // The one error-check pattern of every entry point: a body in TDR_TRY ... TDR_CATCH returns
 // null, or the message of the exception it threw, classified: a lost connection (c10d's
-// DistNetworkError, Gloo's IoException) or any other engine error. c10::Error's what()
-// carries a C++ backtrace; users want the message only.
+// DistNetworkError, Gloo's IoException, NCCL's remote error), a backend's own timeout, a
+// shut-down group, or any other engine error. c10::Error's what() carries a C++ backtrace;
+// users want the message only.
 #define TDR_TRY         \
   last_error_kind = TDR_ERROR_NONE; \
   try {
-#define TDR_CATCH                                                       \
-  }                                                                     \
-  catch (const c10::DistNetworkError& e) {                              \
-    return fail(TDR_ERROR_NETWORK, e.what_without_backtrace());         \
-  }                                                                     \
-  catch (const c10::Error& e) {                                         \
-    return fail(TDR_ERROR_ENGINE, e.what_without_backtrace());          \
-  }                                                                     \
-  catch (const gloo::IoException& e) {                                  \
-    return fail(TDR_ERROR_NETWORK, e.what());                           \
-  }                                                                     \
-  catch (const std::exception& e) {                                     \
-    return fail(TDR_ERROR_ENGINE, e.what());                            \
-  }                                                                     \
-  catch (...) {                                                         \
-    return fail(TDR_ERROR_ENGINE, "unknown C++ exception");             \
-  }                                                                     \
+#define TDR_CATCH                                                            \
+  }                                                                          \
+  catch (const c10::DistNetworkError& e) {                                   \
+    return fail(TDR_ERROR_NETWORK, e.what_without_backtrace());              \
+  }                                                                          \
+  catch (const c10::Error& e) {                                              \
+    std::string msg = e.what_without_backtrace();                            \
+    return fail(classify(msg, TDR_ERROR_ENGINE), msg.c_str());               \
+  }                                                                          \
+  catch (const gloo::IoException& e) {                                       \
+    return fail(TDR_ERROR_NETWORK, e.what());                                \
+  }                                                                          \
+  catch (const ShutDownError& e) {                                           \
+    return fail(TDR_ERROR_SHUT_DOWN, e.what());                              \
+  }                                                                          \
+  catch (const std::exception& e) {                                          \
+    return fail(classify(e.what(), TDR_ERROR_ENGINE), e.what());             \
+  }                                                                          \
+  catch (...) {                                                              \
+    return fail(TDR_ERROR_ENGINE, "unknown C++ exception");                  \
+  }                                                                          \
   return nullptr;
 
 using Millis = std::chrono::milliseconds;
@@ -84,40 +118,88 @@ struct TdrStore {
   c10::intrusive_ptr<c10d::Store> store;
 };
 
-// One process group as the Rust side sees it: Gloo always (CPU tensors, control traffic
-// such as monitored barriers and metadata checks), NCCL when asked for (CUDA tensors).
-struct TdrGroup {
-  int rank;
-  int size;
-  Millis timeout;
+// A group's backends, shared by the group's handle and by every autograd node that
+// communicates over it. Launches hold `mutex` shared; shutting down holds it exclusively,
+// after which no backend is reachable.
+struct Backends {
+  std::shared_mutex mutex;
+  bool shut_down = false;
   c10::intrusive_ptr<c10d::Backend> gloo;
   c10::intrusive_ptr<c10d::Backend> nccl;
 };
 
+// One process group as the Rust side sees it: Gloo always (CPU tensors, control traffic
+// such as monitored barriers and metadata checks), NCCL when asked for (CUDA tensors), the
+// CUDA device it is bound to.
+struct TdrGroup {
+  int rank;
+  int size;
+  Millis timeout;
+  int device;          // the bound CUDA device; -1: none
+  bool cuda_via_gloo;  // CUDA tensors through Gloo, copied through host memory
+  std::shared_ptr<Backends> backends;
+};
+
 // An in-flight collective. `finish` runs once, after a successful wait: it copies results
-// back into non-contiguous user tensors and divides for AVG where the backend cannot.
+// back into non-contiguous user tensors (or from host copies to the device) and divides for
+// AVG where the backend cannot. `on_stream`: an NCCL work, waited on the current stream.
 struct TdrWork {
   c10::intrusive_ptr<c10d::Work> work;
   std::function<void()> finish;
+  bool on_stream = false;
   bool finished = false;
 };
 
 namespace {
 
-c10::intrusive_ptr<c10d::Backend> backend_for(TdrGroup* g, const at::Tensor& t) {
+// The backend a tensor goes through, held for the launch (the group cannot be shut down
+// meanwhile). `staged`: a CUDA tensor through Gloo, communicated as a host copy.
+struct Route {
+  std::shared_lock<std::shared_mutex> lock;
+  c10::intrusive_ptr<c10d::Backend> backend;
+  bool gloo = true;
+  bool staged = false;
+};
+
+Route lock_backends(const TdrGroup& g) {
+  Route r;
+  r.lock = std::shared_lock<std::shared_mutex>(g.backends->mutex);
+  if (g.backends->shut_down) {
+    throw ShutDownError();
+  }
+  return r;
+}
+
+// Gloo, for control traffic (barriers).
+Route route_gloo(const TdrGroup& g) {
+  Route r = lock_backends(g);
+  r.backend = g.backends->gloo;
+  return r;
+}
+
+Route route(const TdrGroup& g, const at::Tensor& t) {
+  Route r = lock_backends(g);
   if (t.is_cuda()) {
-    if (!g->nccl) {
+    if (g.cuda_via_gloo) {
+      r.backend = g.backends->gloo;
+      r.staged = true;
+      return r;
+    }
+    if (!g.backends->nccl) {
       throw std::runtime_error(
           "tensor is on " + t.device().str() +
           " but this process group has no NCCL backend (it is Gloo-only); create the "
           "group with Backend::Nccl to communicate CUDA tensors");
     }
-    return g->nccl;
+    r.backend = g.backends->nccl;
+    r.gloo = false;
+    return r;
   }
   if (!t.device().is_cpu()) {
     throw std::runtime_error("unsupported tensor device " + t.device().str());
   }
-  return g->gloo;
+  r.backend = g.backends->gloo;
+  return r;
 }
 
 c10d::ReduceOp to_reduce_op(int op) {
@@ -137,14 +219,9 @@ c10d::ReduceOp to_reduce_op(int op) {
   }
 }
 
-bool is_gloo(TdrGroup* g, const c10::intrusive_ptr<c10d::Backend>& b) {
-  return b.get() == g->gloo.get();
-}
-
 // Gloo has no AVG: it reduces with SUM and the average is taken after completion.
-c10d::ReduceOp backend_reduce_op(TdrGroup* g, const c10::intrusive_ptr<c10d::Backend>& b,
-                                 int op) {
-  if (op == TDR_REDUCE_AVG && is_gloo(g, b)) {
+c10d::ReduceOp backend_reduce_op(const Route& r, int op) {
+  if (op == TDR_REDUCE_AVG && r.gloo) {
     return c10d::ReduceOp::SUM;
   }
   return to_reduce_op(op);
@@ -158,13 +235,32 @@ void divide_by(at::Tensor& t, int64_t n) {
   }
 }
 
-// A contiguous stand-in for a user tensor the backend writes into, plus the copy back.
+// A host copy of `t` (synchronous: it follows what the current stream queued before).
+at::Tensor host_copy(const at::Tensor& t) {
+  return t.to(t.options().device(at::kCPU), /*non_blocking=*/false, /*copy=*/true)
+      .contiguous();
+}
+
+// What the backend reads: contiguous, and in host memory when staged.
+at::Tensor backend_input(const at::Tensor& t, bool staged) {
+  return staged ? host_copy(t) : t.contiguous();
+}
+
+// A stand-in for a user tensor the backend writes into (contiguous, in host memory when
+// staged), plus the copy back. `read`: the backend also reads it (all_reduce, broadcast).
 struct InOut {
   at::Tensor user;
   at::Tensor work;
   bool copy_back;
-  explicit InOut(const at::Tensor& t)
-      : user(t), work(t.is_contiguous() ? t : t.contiguous()), copy_back(!t.is_contiguous()) {}
+  InOut(const at::Tensor& t, bool staged, bool read = true) : user(t) {
+    if (staged) {
+      work = read ? host_copy(t) : at::empty(t.sizes(), t.options().device(at::kCPU));
+      copy_back = true;
+    } else {
+      work = t.is_contiguous() ? t : t.contiguous();
+      copy_back = !t.is_contiguous();
+    }
+  }
   void finish() {
     if (copy_back) {
       user.copy_(work);
@@ -181,26 +277,70 @@ void check_same_size(const at::Tensor& a, const at::Tensor& b, const char* what)
   }
 }
 
-TdrWork* make_work(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish) {
+TdrWork* make_work(const Route& r, c10::intrusive_ptr<c10d::Work> work,
+                   std::function<void()> finish) {
   auto* w = new TdrWork();
   w->work = std::move(work);
   w->finish = std::move(finish);
+  w->on_stream = !r.gloo;
   return w;
 }
 
 // The work of a reduction into `io`: on completion, Gloo's SUM is divided for AVG, then the
 // result is copied back. `inputs` are kept alive until then (the backend reads them).
-TdrWork* make_reduction_work(TdrGroup* g, const c10::intrusive_ptr<c10d::Backend>& backend,
-                             int op, c10::intrusive_ptr<c10d::Work> work,
-                             std::shared_ptr<InOut> io, at::Tensor inputs = at::Tensor()) {
-  bool divide = op == TDR_REDUCE_AVG && is_gloo(g, backend);
-  int size = g->size;
-  return make_work(std::move(work), [io, inputs, divide, size]() {
+TdrWork* make_reduction_work(const TdrGroup& g, const Route& r, int op,
+                             c10::intrusive_ptr<c10d::Work> work, std::shared_ptr<InOut> io,
+                             at::Tensor inputs = at::Tensor()) {
+  bool divide = op == TDR_REDUCE_AVG && r.gloo;
+  int size = g.size;
+  return make_work(r, std::move(work), [io, inputs, divide, size]() {
     if (divide) {
       divide_by(io->work, size);
     }
     io->finish();
   });
+}
+
+#ifdef TDR_WITH_NCCL
+// tch-dist surfaces NCCL's failures and watchdog timeouts as error values from the next
+// wait, as Gloo's: unless the user chose otherwise, NCCL's watchdog aborts the communicators
+// and leaves the process up (CleanUpOnly) instead of PyTorch's default of taking the process
+// down (SkipCleanUp). Set once, before the first ProcessGroupNCCL reads it.
+void default_nccl_error_handling() {
+  static std::once_flag once;
+  std::call_once(once, []() { setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", /*overwrite=*/0); });
+}
+
+at::Device cuda_device(int device) {
+  return at::Device(at::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+}
+#endif
+
+// Shuts the backends down, once: NCCL's communicators are flushed and destroyed (aborted if
+// that fails), then the group lets go of both backends (Gloo's is destroyed once no autograd
+// node holds it, after its queued work). Launches that follow fail with ShutDownError.
+void shutdown_backends(Backends& b) {
+  c10::intrusive_ptr<c10d::Backend> gloo;
+  c10::intrusive_ptr<c10d::Backend> nccl;
+  {
+    std::unique_lock<std::shared_mutex> lock(b.mutex);
+    if (b.shut_down) {
+      return;
+    }
+    b.shut_down = true;
+    gloo = std::move(b.gloo);
+    nccl = std::move(b.nccl);
+  }
+  if (nccl) {
+    try {
+      nccl->shutdown();
+    } catch (...) {
+      try {
+        nccl->abort();
+      } catch (...) {
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -268,6 +408,46 @@ void tdr_bytes_free(uint8_t* data) { std::free(data); }
 void tdr_store_free(TdrStore* s) { delete s; }
 
 // ---------------------------------------------------------------------------------------
+// CUDA devices
+// ---------------------------------------------------------------------------------------
+
+// torch.cuda.set_device: the calling thread's current CUDA device.
+char* tdr_cuda_set_device(int device) {
+  TDR_TRY
+#ifdef TDR_WITH_NCCL
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
+#else
+  (void)device;
+  throw std::runtime_error("tch-dist was built without CUDA support (no NCCL headers)");
+#endif
+  TDR_CATCH
+}
+
+// The GPU's UUID as nvidia-smi prints it ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"):
+// the same physical GPU has the same UUID whatever CUDA_VISIBLE_DEVICES calls it.
+char* tdr_cuda_device_uuid(int device, char** out) {
+  TDR_TRY
+#ifdef TDR_WITH_NCCL
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device));
+  const auto* b = reinterpret_cast<const unsigned char*>(prop->uuid.bytes);
+  char text[64];
+  std::snprintf(text, sizeof(text),
+                "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
+                b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+                b[14], b[15]);
+  *out = dup_message(text);
+  if (*out == nullptr) {
+    throw std::runtime_error("out of memory");
+  }
+#else
+  (void)device;
+  (void)out;
+  throw std::runtime_error("tch-dist was built without CUDA support (no NCCL headers)");
+#endif
+  TDR_CATCH
+}
+
+// ---------------------------------------------------------------------------------------
 // Process groups
 // ---------------------------------------------------------------------------------------
 
@@ -280,11 +460,23 @@ bool tdr_nccl_compiled() {
 }
 
 // `gloo_host` names the address Gloo binds to; empty means c10d's default device (this
-// machine's hostname, falling back to loopback).
+// machine's hostname, falling back to loopback). A `device` of 0 or more becomes this
+// thread's current CUDA device (torch.cuda.set_device) and NCCL's bound device
+// (init_process_group's device_id); NCCL connects lazily, at the first collective, unless
+// tdr_group_connect is called.
 char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
-                    const char* gloo_host, bool with_nccl, TdrGroup** out) {
+                    const char* gloo_host, bool with_nccl, int device, bool cuda_via_gloo,
+                    TdrGroup** out) {
   TDR_TRY
   auto timeout = Millis(timeout_ms);
+  if (device >= 0) {
+    char* err = tdr_cuda_set_device(device);
+    if (err != nullptr) {
+      std::string msg(err);
+      std::free(err);
+      throw std::runtime_error("binding CUDA device " + std::to_string(device) + ": " + msg);
+    }
+  }
   auto gloo_opts = c10d::ProcessGroupGloo::Options::create(timeout);
   std::string host(gloo_host);
   if (host.empty()) {
@@ -293,20 +485,45 @@ char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
     gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
   }
   auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo/", store->store);
-  c10::intrusive_ptr<c10d::Backend> gloo =
-      c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, rank, size, gloo_opts);
-  c10::intrusive_ptr<c10d::Backend> nccl;
-  if (with_nccl) {
+  auto backends = std::make_shared<Backends>();
+  backends->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, rank, size, gloo_opts);
+  if (with_nccl && !cuda_via_gloo) {
 #ifdef TDR_WITH_NCCL
+    if (device < 0) {
+      throw std::runtime_error("an NCCL group needs a CUDA device to bind");
+    }
+    default_nccl_error_handling();
     auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
     nccl_opts->timeout = timeout;
     auto nccl_store = c10::make_intrusive<c10d::PrefixStore>("nccl/", store->store);
-    nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(nccl_store, rank, size, nccl_opts);
+    backends->nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(nccl_store, rank, size, nccl_opts);
+    backends->nccl->setBoundDeviceId(cuda_device(device));
 #else
     throw std::runtime_error("tch-dist was built without NCCL support");
 #endif
   }
-  *out = new TdrGroup{rank, size, timeout, gloo, nccl};
+  *out = new TdrGroup{rank, size, timeout, device, cuda_via_gloo, std::move(backends)};
+  TDR_CATCH
+}
+
+// init_process_group's eager init: NCCL creates its communicator on the bound device now
+// (ncclCommInitRank with every rank) instead of at the first collective. A group without
+// NCCL has nothing to connect.
+char* tdr_group_connect(TdrGroup* g) {
+  TDR_TRY
+  Route r = lock_backends(*g);
+#ifdef TDR_WITH_NCCL
+  if (g->backends->nccl) {
+    g->backends->nccl->eagerConnectSingleDevice(cuda_device(g->device));
+  }
+#endif
+  TDR_CATCH
+}
+
+// Shuts the backends down now, whoever else holds the group (see shutdown_backends).
+char* tdr_group_shutdown(TdrGroup* g) {
+  TDR_TRY
+  shutdown_backends(*g->backends);
   TDR_CATCH
 }
 
@@ -315,11 +532,7 @@ void tdr_group_free(TdrGroup* g) {
     return;
   }
   try {
-#ifdef TDR_WITH_NCCL
-    if (g->nccl) {
-      g->nccl->shutdown();
-    }
-#endif
+    shutdown_backends(*g->backends);
   } catch (...) {
     // Shutting down a broken communicator may throw; the group is going away regardless.
   }
@@ -332,27 +545,27 @@ void tdr_group_free(TdrGroup* g) {
 
 char* tdr_all_reduce(TdrGroup* g, at::Tensor* t, int op, TdrWork** out) {
   TDR_TRY
-  auto backend = backend_for(g, *t);
-  auto io = std::make_shared<InOut>(*t);
+  Route r = route(*g, *t);
+  auto io = std::make_shared<InOut>(*t, r.staged);
   std::vector<at::Tensor> tensors{io->work};
   c10d::AllreduceOptions opts;
-  opts.reduceOp = backend_reduce_op(g, backend, op);
+  opts.reduceOp = backend_reduce_op(r, op);
   opts.timeout = g->timeout;
-  auto work = backend->allreduce(tensors, opts);
-  *out = make_reduction_work(g, backend, op, work, io);
+  auto work = r.backend->allreduce(tensors, opts);
+  *out = make_reduction_work(*g, r, op, work, io);
   TDR_CATCH
 }
 
 char* tdr_broadcast(TdrGroup* g, at::Tensor* t, int root, TdrWork** out) {
   TDR_TRY
-  auto backend = backend_for(g, *t);
-  auto io = std::make_shared<InOut>(*t);
+  Route r = route(*g, *t);
+  auto io = std::make_shared<InOut>(*t, r.staged);
   std::vector<at::Tensor> tensors{io->work};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = g->timeout;
-  auto work = backend->broadcast(tensors, opts);
-  *out = make_work(work, [io]() { io->finish(); });
+  auto work = r.backend->broadcast(tensors, opts);
+  *out = make_work(r, work, [io]() { io->finish(); });
   TDR_CATCH
 }
 
@@ -364,19 +577,19 @@ char* tdr_all_gather(TdrGroup* g, at::Tensor** outputs, size_t n, at::Tensor* in
     throw std::runtime_error("all_gather: expected " + std::to_string(g->size) +
                              " output tensors (one per rank), got " + std::to_string(n));
   }
-  auto backend = backend_for(g, *input);
+  Route r = route(*g, *input);
   std::vector<std::shared_ptr<InOut>> ios;
   std::vector<std::vector<at::Tensor>> outs(1);
   for (size_t i = 0; i < n; ++i) {
     check_same_size(*input, *outputs[i], "all_gather output");
-    ios.push_back(std::make_shared<InOut>(*outputs[i]));
+    ios.push_back(std::make_shared<InOut>(*outputs[i], r.staged, /*read=*/false));
     outs[0].push_back(ios.back()->work);
   }
-  std::vector<at::Tensor> ins{input->contiguous()};
+  std::vector<at::Tensor> ins{backend_input(*input, r.staged)};
   c10d::AllgatherOptions opts;
   opts.timeout = g->timeout;
-  auto work = backend->allgather(outs, ins, opts);
-  *out = make_work(work, [ios]() {
+  auto work = r.backend->allgather(outs, ins, opts);
+  *out = make_work(r, work, [ios, ins]() {
     for (auto& io : ios) {
       io->finish();
     }
@@ -387,7 +600,7 @@ char* tdr_all_gather(TdrGroup* g, at::Tensor** outputs, size_t n, at::Tensor* in
 // Flat form: `output` has world_size times the rows of `input` (dim 0).
 char* tdr_all_gather_flat(TdrGroup* g, at::Tensor* output, at::Tensor* input, TdrWork** out) {
   TDR_TRY
-  auto backend = backend_for(g, *input);
+  Route r = route(*g, *input);
   if (output->scalar_type() != input->scalar_type() ||
       output->numel() != input->numel() * g->size || output->dim() == 0 ||
       output->size(0) != (input->dim() == 0 ? 1 : input->size(0)) * g->size) {
@@ -396,12 +609,12 @@ char* tdr_all_gather_flat(TdrGroup* g, at::Tensor* output, at::Tensor* input, Td
                              c10::str(input->sizes()) + " and its dtype, got " +
                              c10::str(output->sizes()));
   }
-  auto io = std::make_shared<InOut>(*output);
-  at::Tensor in = input->contiguous();
+  auto io = std::make_shared<InOut>(*output, r.staged, /*read=*/false);
+  at::Tensor in = backend_input(*input, r.staged);
   c10d::AllgatherOptions opts;
   opts.timeout = g->timeout;
-  auto work = backend->_allgather_base(io->work, in, opts);
-  *out = make_work(work, [io]() { io->finish(); });
+  auto work = r.backend->_allgather_base(io->work, in, opts);
+  *out = make_work(r, work, [io, in]() { io->finish(); });
   TDR_CATCH
 }
 
@@ -413,21 +626,21 @@ char* tdr_reduce_scatter(TdrGroup* g, at::Tensor* output, at::Tensor** inputs, s
     throw std::runtime_error("reduce_scatter: expected " + std::to_string(g->size) +
                              " input tensors (one per rank), got " + std::to_string(n));
   }
-  auto backend = backend_for(g, *output);
+  Route r = route(*g, *output);
   // One flat input lets both backends use their tensor-form reduce-scatter.
   std::vector<at::Tensor> parts;
   for (size_t i = 0; i < n; ++i) {
     check_same_size(*output, *inputs[i], "reduce_scatter input");
     parts.push_back(inputs[i]->reshape({-1}));
   }
-  at::Tensor flat = at::cat(parts);
-  auto io = std::make_shared<InOut>(*output);
+  at::Tensor flat = backend_input(at::cat(parts), r.staged);
+  auto io = std::make_shared<InOut>(*output, r.staged, /*read=*/false);
   at::Tensor out_flat = io->work.view({-1});
   c10d::ReduceScatterOptions opts;
-  opts.reduceOp = backend_reduce_op(g, backend, op);
+  opts.reduceOp = backend_reduce_op(r, op);
   opts.timeout = g->timeout;
-  auto work = backend->_reduce_scatter_base(out_flat, flat, opts);
-  *out = make_reduction_work(g, backend, op, work, io, flat);
+  auto work = r.backend->_reduce_scatter_base(out_flat, flat, opts);
+  *out = make_reduction_work(*g, r, op, work, io, flat);
   TDR_CATCH
 }
 
@@ -435,7 +648,7 @@ char* tdr_reduce_scatter(TdrGroup* g, at::Tensor* output, at::Tensor** inputs, s
 char* tdr_reduce_scatter_flat(TdrGroup* g, at::Tensor* output, at::Tensor* input, int op,
                               TdrWork** out) {
   TDR_TRY
-  auto backend = backend_for(g, *output);
+  Route r = route(*g, *output);
   if (output->scalar_type() != input->scalar_type() ||
       input->numel() != output->numel() * g->size) {
     throw std::runtime_error("reduce_scatter_tensor: input must have world_size (" +
@@ -443,89 +656,109 @@ char* tdr_reduce_scatter_flat(TdrGroup* g, at::Tensor* output, at::Tensor* input
                              c10::str(output->sizes()) + " and its dtype, got " +
                              c10::str(input->sizes()));
   }
-  auto io = std::make_shared<InOut>(*output);
-  at::Tensor in = input->contiguous();
+  auto io = std::make_shared<InOut>(*output, r.staged, /*read=*/false);
+  at::Tensor in = backend_input(*input, r.staged);
   c10d::ReduceScatterOptions opts;
-  opts.reduceOp = backend_reduce_op(g, backend, op);
+  opts.reduceOp = backend_reduce_op(r, op);
   opts.timeout = g->timeout;
-  auto work = backend->_reduce_scatter_base(io->work, in, opts);
-  *out = make_reduction_work(g, backend, op, work, io, in);
+  auto work = r.backend->_reduce_scatter_base(io->work, in, opts);
+  *out = make_reduction_work(*g, r, op, work, io, in);
   TDR_CATCH
 }
 
 // Equal splits along dim 0: chunk j of rank i's input lands in chunk i of rank j's output.
 char* tdr_all_to_all(TdrGroup* g, at::Tensor* output, at::Tensor* input, TdrWork** out) {
   TDR_TRY
-  auto backend = backend_for(g, *input);
+  Route r = route(*g, *input);
   check_same_size(*input, *output, "all_to_all output");
   if (input->dim() == 0 || input->size(0) % g->size != 0) {
     throw std::runtime_error("all_to_all: dim 0 of the input " + c10::str(input->sizes()) +
                              " must be divisible by the world size " +
                              std::to_string(g->size));
   }
-  auto io = std::make_shared<InOut>(*output);
-  at::Tensor in = input->contiguous();
+  auto io = std::make_shared<InOut>(*output, r.staged, /*read=*/false);
+  at::Tensor in = backend_input(*input, r.staged);
   std::vector<int64_t> splits;
   c10d::AllToAllOptions opts;
   opts.timeout = g->timeout;
-  auto work = backend->alltoall_base(io->work, in, splits, splits, opts);
-  *out = make_work(work, [io, in]() { io->finish(); });
+  auto work = r.backend->alltoall_base(io->work, in, splits, splits, opts);
+  *out = make_work(r, work, [io, in]() { io->finish(); });
   TDR_CATCH
 }
 
 char* tdr_send(TdrGroup* g, at::Tensor* t, int dst, int tag, TdrWork** out) {
   TDR_TRY
-  auto backend = backend_for(g, *t);
-  std::vector<at::Tensor> tensors{t->contiguous()};
-  auto work = backend->send(tensors, dst, tag);
-  *out = make_work(work, []() {});
+  Route r = route(*g, *t);
+  std::vector<at::Tensor> tensors{backend_input(*t, r.staged)};
+  auto work = r.backend->send(tensors, dst, tag);
+  *out = make_work(r, work, [tensors]() {});
   TDR_CATCH
 }
 
 char* tdr_recv(TdrGroup* g, at::Tensor* t, int src, int tag, TdrWork** out) {
   TDR_TRY
-  auto backend = backend_for(g, *t);
-  auto io = std::make_shared<InOut>(*t);
+  Route r = route(*g, *t);
+  auto io = std::make_shared<InOut>(*t, r.staged, /*read=*/false);
   std::vector<at::Tensor> tensors{io->work};
-  auto work = backend->recv(tensors, src, tag);
-  *out = make_work(work, [io]() { io->finish(); });
+  auto work = r.backend->recv(tensors, src, tag);
+  *out = make_work(r, work, [io]() { io->finish(); });
   TDR_CATCH
 }
 
 char* tdr_barrier(TdrGroup* g, TdrWork** out) {
   TDR_TRY
+  Route r = route_gloo(*g);
   c10d::BarrierOptions opts;
   opts.timeout = g->timeout;
-  auto work = g->gloo->barrier(opts);
-  *out = make_work(work, []() {});
+  auto work = r.backend->barrier(opts);
+  *out = make_work(r, work, []() {});
   TDR_CATCH
 }
 
 // Gloo's monitored barrier: on timeout its message names the ranks that did not arrive.
 char* tdr_monitored_barrier(TdrGroup* g, int64_t timeout_ms, bool wait_all_ranks) {
   TDR_TRY
+  c10::intrusive_ptr<c10d::Backend> gloo = route_gloo(*g).backend;
   c10d::BarrierOptions opts;
   opts.timeout = Millis(timeout_ms);
-  g->gloo->monitoredBarrier(opts, wait_all_ranks);
+  gloo->monitoredBarrier(opts, wait_all_ranks);
   TDR_CATCH
 }
 
-// A wait that ends with the work still pending is a timeout (TDR_ERROR_TIMEOUT): c10d's
-// Work::wait throws then, and the work may be waited on again.
-char* tdr_work_wait(TdrWork* w, int64_t timeout_ms) {
+// A wait that ends with the work still pending is a timeout (TDR_ERROR_TIMEOUT), and the
+// work may be waited on again. Gloo's works are waited on the CPU: c10d's Work::wait throws
+// when the time passes. NCCL's are waited on the caller's current stream (WorkNCCL::wait
+// without a timeout: the stream waits for NCCL's end event, the CPU does not); a timeout
+// given to WorkNCCL::wait would block the CPU and abort the communicator when it passes, so
+// a CPU-bounded wait polls for completion first. A failure or a watchdog timeout that NCCL
+// recorded on the work is thrown by WorkNCCL::wait.
+char* tdr_work_wait(TdrWork* w, int64_t timeout_ms, bool cpu_bound) {
   TDR_TRY
   if (!w->finished) {
-    bool done = false;
-    try {
-      done = w->work->wait(Millis(timeout_ms));
-    } catch (...) {
-      if (!w->work->isCompleted()) {
+    if (w->on_stream) {
+      if (cpu_bound) {
+        auto deadline = std::chrono::steady_clock::now() + Millis(timeout_ms);
+        while (!w->work->isCompleted()) {
+          if (std::chrono::steady_clock::now() >= deadline) {
+            return fail(TDR_ERROR_TIMEOUT, "the wait ended before the work completed");
+          }
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
+      }
+      w->work->wait(kNoTimeout);
+    } else {
+      bool done = false;
+      try {
+        done = w->work->wait(Millis(std::max<int64_t>(timeout_ms, 1)));
+      } catch (...) {
+        if (!w->work->isCompleted()) {
+          return fail(TDR_ERROR_TIMEOUT, "the wait ended before the work completed");
+        }
+        throw;
+      }
+      if (!done) {
         return fail(TDR_ERROR_TIMEOUT, "the wait ended before the work completed");
       }
-      throw;
-    }
-    if (!done) {
-      return fail(TDR_ERROR_TIMEOUT, "the wait ended before the work completed");
     }
     w->finished = true;
     if (w->finish) {
@@ -534,6 +767,8 @@ char* tdr_work_wait(TdrWork* w, int64_t timeout_ms) {
   }
   TDR_CATCH
 }
+
+bool tdr_work_on_stream(TdrWork* w) { return w->on_stream; }
 
 bool tdr_work_is_completed(TdrWork* w) {
   try {
@@ -642,13 +877,19 @@ namespace {
 
 at::Tensor all_reduce_sum(const TdrGroup& g, const at::Tensor& x) {
   at::Tensor t = x.contiguous().clone();  // never write into the caller's tensor
-  auto backend = backend_for(const_cast<TdrGroup*>(&g), t);
-  std::vector<at::Tensor> ts{t};
-  c10d::AllreduceOptions o;
-  o.reduceOp = c10d::ReduceOp::SUM;
-  o.timeout = g.timeout;
-  backend->allreduce(ts, o)->wait();
-  return t;
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor buf;
+  {
+    Route r = route(g, t);
+    buf = r.staged ? host_copy(t) : t;
+    std::vector<at::Tensor> ts{buf};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::SUM;
+    o.timeout = g.timeout;
+    work = r.backend->allreduce(ts, o);
+  }
+  work->wait();
+  return buf.device() == t.device() ? buf : buf.to(t.device());
 }
 
 int64_t slice_offset(const std::vector<int64_t>& sizes, int rank) {
@@ -684,20 +925,26 @@ at::Tensor all_gather_uneven(const TdrGroup& g, const at::Tensor& x, int64_t dim
   if (sizes[g.rank] > 0) {
     padded.narrow(dim, 0, sizes[g.rank]).copy_(x);
   }
-  auto backend = backend_for(const_cast<TdrGroup*>(&g), padded);
   std::vector<std::vector<at::Tensor>> outs(1);
-  for (int r = 0; r < g.size; ++r) {
-    outs[0].push_back(at::empty_like(padded));
+  std::vector<at::Tensor> ins;
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    Route r = route(g, padded);
+    ins.push_back(r.staged ? host_copy(padded) : padded);
+    for (int i = 0; i < g.size; ++i) {
+      outs[0].push_back(at::empty_like(ins[0]));
+    }
+    c10d::AllgatherOptions o;
+    o.timeout = g.timeout;
+    work = r.backend->allgather(outs, ins, o);
   }
-  std::vector<at::Tensor> ins{padded};
-  c10d::AllgatherOptions o;
-  o.timeout = g.timeout;
-  backend->allgather(outs, ins, o)->wait();
+  work->wait();
   std::vector<at::Tensor> pieces;
   for (int r = 0; r < g.size; ++r) {
     pieces.push_back(outs[0][r].narrow(dim, 0, sizes[r]));
   }
-  return at::cat(pieces, dim);
+  at::Tensor whole = at::cat(pieces, dim);
+  return whole.device() == x.device() ? whole : whole.to(x.device());
 }
 
 at::Tensor parallel_forward(const TdrGroup& g, const at::Tensor& x, int mode, int64_t dim,

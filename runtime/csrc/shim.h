@@ -51,10 +51,12 @@ enum TdrErrorKind {
   TDR_ERROR_ENGINE = 1,   // any engine error
   TDR_ERROR_NETWORK = 2,  // a lost connection (a peer exited, crashed or timed out)
   TDR_ERROR_TIMEOUT = 3,  // tdr_work_wait ended with the work still pending
+  TDR_ERROR_BACKEND_TIMEOUT = 4,  // the backend's own timeout passed (NCCL's watchdog)
+  TDR_ERROR_SHUT_DOWN = 5,        // the group was shut down (tdr_group_shutdown)
 };
 
 typedef struct TdrStore TdrStore;  // a c10d Store (TCPStore, or a PrefixStore over one)
-typedef struct TdrGroup TdrGroup;  // a Gloo backend and optionally an NCCL backend
+typedef struct TdrGroup TdrGroup;  // a Gloo backend, optionally an NCCL backend, a CUDA device
 typedef struct TdrWork TdrWork;    // an in-flight collective
 typedef struct TdrHook TdrHook;    // a gradient-accumulator post hook's registration
 
@@ -76,10 +78,19 @@ char* tdr_store_get(TdrStore* s, const char* key, uint8_t** data, size_t* len);
 char* tdr_store_add(TdrStore* s, const char* key, int64_t delta, int64_t* out);
 void tdr_store_free(TdrStore* s);
 
-// Process groups.
+// CUDA devices (built with NCCL only; otherwise each fails with a message).
+char* tdr_cuda_set_device(int device);
+char* tdr_cuda_device_uuid(int device, char** out);
+
+// Process groups. `device` is the CUDA device the group is bound to (-1: none): it becomes
+// this thread's current device and NCCL's bound device. With `cuda_via_gloo`, CUDA tensors
+// go through Gloo (copied through host memory) and no NCCL backend is created.
 bool tdr_nccl_compiled(void);
 char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
-                    const char* gloo_host, bool with_nccl, TdrGroup** out);
+                    const char* gloo_host, bool with_nccl, int device, bool cuda_via_gloo,
+                    TdrGroup** out);
+char* tdr_group_connect(TdrGroup* g);
+char* tdr_group_shutdown(TdrGroup* g);
 void tdr_group_free(TdrGroup* g);
 
 // Collectives: each returns a TdrWork for tdr_work_wait.
@@ -98,8 +109,12 @@ char* tdr_recv(TdrGroup* g, TdrTensor* t, int src, int tag, TdrWork** out);
 char* tdr_barrier(TdrGroup* g, TdrWork** out);
 char* tdr_monitored_barrier(TdrGroup* g, int64_t timeout_ms, bool wait_all_ranks);
 
-// Works.
-char* tdr_work_wait(TdrWork* w, int64_t timeout_ms);
+// Works. A work on a CUDA stream (NCCL) is waited on that stream: with `cpu_bound` false the
+// caller's current stream waits and the CPU does not (NCCL's watchdog bounds it); with
+// `cpu_bound` the CPU waits at most `timeout_ms` for it and a timeout leaves it pending.
+// Other works (Gloo) are waited on the CPU for at most `timeout_ms` either way.
+char* tdr_work_wait(TdrWork* w, int64_t timeout_ms, bool cpu_bound);
+bool tdr_work_on_stream(TdrWork* w);
 bool tdr_work_is_completed(TdrWork* w);
 void tdr_work_free(TdrWork* w);
 

@@ -52,6 +52,8 @@ pub(crate) struct OpContext {
     /// The peer whose loss would fail the operation, where there is exactly one (a group of
     /// two, a point-to-point transfer).
     pub peer: Option<usize>,
+    /// The group's timeout (what a backend's own timeout reports).
+    pub timeout: Duration,
 }
 
 impl OpContext {
@@ -64,6 +66,15 @@ impl OpContext {
                 op: self.op,
                 peer: self.peer,
                 cause: e.message,
+            },
+            FailureKind::BackendTimeout => DistError::Timeout {
+                rank: self.rank,
+                op: self.op,
+                timeout: self.timeout,
+            },
+            FailureKind::ShutDown => DistError::ShutDown {
+                rank: self.rank,
+                op: self.op,
             },
             FailureKind::Engine | FailureKind::Timeout => DistError::Collective {
                 rank: self.rank,
@@ -78,6 +89,22 @@ impl OpContext {
 ///
 /// Dropping it without waiting lets the operation finish in the background, as dropping a
 /// `torch.distributed` work object does.
+///
+/// How a wait waits depends on the backend, as in PyTorch:
+///
+/// - **Gloo** (CPU tensors): the CPU waits until the operation is done, at most until the
+///   group's timeout has passed since the launch ([`Work::wait`]) or for the given time
+///   ([`Work::wait_timeout`]).
+/// - **NCCL** (CUDA tensors): [`Work::wait`] does not block the CPU. It makes the calling
+///   thread's current CUDA stream wait for NCCL's stream (`WorkNCCL::wait` without a
+///   timeout), so what that stream runs next sees the result, and anything that reads it on
+///   the host (`.to(Cpu)`, `f64::try_from`) waits for it there. The bound is NCCL's
+///   watchdog, which times the operation out once the group's timeout has passed since the
+///   launch: a wait on that work then fails with the same [`DistError::Timeout`] (op, the
+///   group's timeout) a Gloo wait gives, and the group's NCCL communicator is aborted, so
+///   later NCCL operations on it fail. [`Work::wait_timeout`] blocks the CPU until the
+///   operation is done, at most for the given time, and a timeout leaves the work pending, as
+///   with Gloo.
 pub struct Work {
     ptr: NonNull<ffi::TdrWork>,
     context: OpContext,
@@ -91,24 +118,28 @@ pub struct Work {
 unsafe impl Send for Work {}
 
 impl Work {
-    /// Waits until the group's timeout has passed since the operation was launched.
+    /// Waits for the operation: on the CPU until the group's timeout has passed since the
+    /// launch (Gloo), or on the current CUDA stream with NCCL's watchdog as the bound (NCCL;
+    /// see the type's docs).
     pub fn wait(mut self) -> Result<()> {
         let left = self.timeout.saturating_sub(self.launched.elapsed());
-        self.wait_for(left, self.timeout)
+        self.wait_for(left, self.timeout, false)
     }
 
-    /// Waits up to `timeout`; when it passes with the work still pending, the error is a
-    /// [`DistError::Timeout`] and the work may be waited on again.
+    /// Waits on the CPU up to `timeout`; when it passes with the work still pending, the
+    /// error is a [`DistError::Timeout`] and the work may be waited on again (Gloo and NCCL
+    /// alike).
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<()> {
-        self.wait_for(timeout, timeout)
+        self.wait_for(timeout, timeout, true)
     }
 
-    /// Waits up to `limit`; a timeout is reported as `reported`.
-    fn wait_for(&mut self, limit: Duration, reported: Duration) -> Result<()> {
+    /// Waits up to `limit` (on the CPU when `cpu_bound` or on Gloo); a timeout of the wait
+    /// itself is reported as `reported`.
+    fn wait_for(&mut self, limit: Duration, reported: Duration, cpu_bound: bool) -> Result<()> {
         // c10d reads a zero timeout as "no timeout": wait at least a millisecond.
         let ms = millis(limit).max(1);
         // SAFETY: live work handle; exceptions are caught in the shim.
-        let result = shim!(tdr_work_wait(self.ptr.as_ptr(), ms));
+        let result = shim!(tdr_work_wait(self.ptr.as_ptr(), ms, cpu_bound));
         let OpContext { rank, op, .. } = self.context;
         result.map_err(|e| match e.kind {
             // Our wait ended first.
@@ -119,13 +150,24 @@ impl Work {
             },
             // The backend's own wait for a peer ended (it started at the launch or later,
             // with the group's timeout): the same timeout, seen from inside.
-            _ if self.launched.elapsed() >= self.timeout => DistError::Timeout {
-                rank,
-                op,
-                timeout: self.timeout,
-            },
+            FailureKind::Network | FailureKind::Engine
+                if self.launched.elapsed() >= self.timeout =>
+            {
+                DistError::Timeout {
+                    rank,
+                    op,
+                    timeout: self.timeout,
+                }
+            }
             _ => self.context.failure(e),
         })
+    }
+
+    /// Whether the operation runs on a CUDA stream (NCCL), so that [`Work::wait`] orders the
+    /// current stream after it instead of blocking the CPU.
+    pub fn is_on_stream(&self) -> bool {
+        // SAFETY: live work handle.
+        unsafe { ffi::tdr_work_on_stream(self.ptr.as_ptr()) }
     }
 
     /// Whether the work has finished (successfully or not).
@@ -159,6 +201,7 @@ impl ProcessGroup {
             rank: self.rank(),
             op,
             peer: (self.world_size() == 2).then(|| 1 - self.rank()),
+            timeout: self.timeout(),
         }
     }
 
@@ -167,6 +210,7 @@ impl ProcessGroup {
         context: OpContext,
         call: impl FnOnce(*mut ffi::TdrGroup, *mut *mut ffi::TdrWork) -> *mut std::ffi::c_char,
     ) -> Result<Work> {
+        self.check_open(context.op)?;
         let mut out = std::ptr::null_mut();
         let launched = Instant::now();
         let err = call(self.raw(), &mut out);
@@ -177,6 +221,7 @@ impl ProcessGroup {
             op: context.op,
             cause: "the engine returned no work handle".into(),
         })?;
+        self.note_launch();
         Ok(Work {
             ptr,
             context,
@@ -382,16 +427,24 @@ impl ProcessGroup {
     /// (rank 0 checks in every other rank; with `wait_all_ranks` it lists all missing ranks
     /// rather than the first).
     pub fn monitored_barrier(&self, timeout: Duration, wait_all_ranks: bool) -> Result<()> {
+        const OP: &str = "monitored_barrier";
+        self.check_open(OP)?;
         // SAFETY: live group; blocking call bounded by `timeout` inside Gloo.
         shim!(tdr_monitored_barrier(
             self.raw(),
             millis(timeout),
             wait_all_ranks
         ))
-        .map_err(|e| DistError::Collective {
-            rank: self.rank(),
-            op: "monitored_barrier",
-            cause: e.message,
+        .map_err(|e| match e.kind {
+            FailureKind::ShutDown => DistError::ShutDown {
+                rank: self.rank(),
+                op: OP,
+            },
+            _ => DistError::Collective {
+                rank: self.rank(),
+                op: OP,
+                cause: e.message,
+            },
         })
     }
 }

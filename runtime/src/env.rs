@@ -107,6 +107,20 @@ fn parse_usize(var: &'static str, value: &str) -> Result<usize> {
     })
 }
 
+/// Reads an on/off switch through `get`: unset or empty is off; `1`, `true`, `yes`, `on` are
+/// on and `0`, `false`, `no`, `off` are off (any case); anything else is an error naming the
+/// variable.
+pub(crate) fn read_switch(var: &'static str, get: impl Fn(&str) -> Option<String>) -> Result<bool> {
+    let Some(value) = get(var) else {
+        return Ok(false);
+    };
+    match value.trim().to_ascii_lowercase().as_str() {
+        "" | "0" | "false" | "no" | "off" => Ok(false),
+        "1" | "true" | "yes" | "on" => Ok(true),
+        _ => Err(EnvError::BadSwitch { var, value }.into()),
+    }
+}
+
 /// True when `addr` names this machine's loopback interface.
 pub(crate) fn is_loopback(addr: &str) -> bool {
     addr == "localhost"
@@ -208,5 +222,76 @@ mod tests {
         let err = env(&[("WORLD_SIZE", "1")]).unwrap_err();
         assert!(err.to_string().contains("RANK"), "{err}");
         assert!(is_loopback("127.0.0.1") && is_loopback("localhost") && !is_loopback("10.1.1.1"));
+    }
+
+    #[test]
+    fn switches() {
+        let get = |v: &'static str| move |_: &str| Some(v.to_string());
+        for on in ["1", "true", "YES", " on "] {
+            assert!(read_switch("TCH_DIST_X", get(on)).unwrap(), "{on}");
+        }
+        for off in ["", "0", "False", "no", "off"] {
+            assert!(!read_switch("TCH_DIST_X", get(off)).unwrap(), "{off}");
+        }
+        assert!(!read_switch("TCH_DIST_X", |_| None).unwrap());
+        let err = read_switch("TCH_DIST_X", get("2")).unwrap_err();
+        assert!(
+            matches!(&err, DistError::Env(EnvError::BadSwitch { var: "TCH_DIST_X", value }) if value == "2"),
+            "{err}"
+        );
+    }
+
+    /// LOCAL_RANK (or SLURM_LOCALID) is the CUDA device an NCCL group binds by default.
+    #[test]
+    fn local_rank_picks_the_default_device() {
+        use crate::process_group::{Backend, InitOptions};
+        let e = env(&[
+            ("RANK", "5"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "h"),
+        ])
+        .unwrap();
+        let opts = InitOptions::new(Backend::Nccl, e.rank, e.world_size, e.master_addr, 1)
+            .with_local_rank(e.local_rank);
+        assert_eq!(opts.cuda_device(4).unwrap(), Some(1));
+        assert!(!opts.eager_connect);
+        // An explicit device_id wins, and connects eagerly (PyTorch's eager init).
+        let explicit = opts.clone().with_device_id(3);
+        assert_eq!(explicit.cuda_device(4).unwrap(), Some(3));
+        assert!(explicit.eager_connect);
+        // A device the process does not see is an error naming where the index came from.
+        let err = opts.cuda_device(1).unwrap_err();
+        assert_eq!(
+            err,
+            DistError::Env(EnvError::DeviceOutOfRange {
+                from: "LOCAL_RANK",
+                device: 1,
+                count: 1
+            })
+        );
+        let err = explicit.cuda_device(2).unwrap_err();
+        assert!(matches!(
+            err,
+            DistError::Env(EnvError::DeviceOutOfRange {
+                from: "device_id",
+                device: 3,
+                count: 2
+            })
+        ));
+        // Without LOCAL_RANK, the local rank is the rank (a single node).
+        let e = env(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")]).unwrap();
+        let opts = InitOptions::new(Backend::Nccl, e.rank, e.world_size, "h", 1)
+            .with_local_rank(e.local_rank);
+        assert_eq!(opts.cuda_device(2).unwrap(), Some(1));
+        // Gloo binds nothing; CUDA through Gloo shares the GPUs round-robin (none on CPU).
+        let gloo = InitOptions::new(Backend::Gloo, 5, 8, "h", 1).with_local_rank(3);
+        assert_eq!(gloo.cuda_device(4).unwrap(), None);
+        let shared = gloo.clone().with_cuda_via_gloo();
+        assert_eq!(shared.cuda_device(1).unwrap(), Some(0));
+        assert_eq!(shared.cuda_device(2).unwrap(), Some(1));
+        assert_eq!(shared.cuda_device(0).unwrap(), None);
+        let nccl_shared = InitOptions::new(Backend::Nccl, 1, 2, "h", 1).with_cuda_via_gloo();
+        assert_eq!(nccl_shared.cuda_device(1).unwrap(), Some(0));
     }
 }

@@ -166,6 +166,44 @@ pub enum DistError {
         /// What the engine said.
         cause: String,
     },
+    /// The group was shut down ([`ProcessGroup::shutdown`](crate::ProcessGroup::shutdown) or
+    /// [`destroy_process_group`](crate::destroy_process_group)) before this operation, on
+    /// this handle or on any clone of it.
+    #[error(
+        "rank {rank}: {op} failed: the process group was shut down (ProcessGroup::shutdown or \
+         destroy_process_group)"
+    )]
+    ShutDown {
+        /// This process's rank in the group.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+    },
+    /// Two ranks of an NCCL group would use the same GPU (NCCL refuses them with "Duplicate
+    /// GPU detected"); every rank reports the same pair, the first in rank order.
+    #[error(
+        "rank {rank}: init_process_group: rank {first} (cuda:{first_device}) and rank {second} \
+         (cuda:{second_device}) on {host} use the same GPU{}; NCCL needs a GPU per rank: start at \
+         most one rank per GPU, or give each rank its own device_id",
+        gpu.as_ref().map(|g| format!(" ({g})")).unwrap_or_default()
+    )]
+    DuplicateDevice {
+        /// This process's rank.
+        rank: usize,
+        /// The lower rank of the pair.
+        first: usize,
+        /// Its CUDA device index.
+        first_device: usize,
+        /// The higher rank of the pair.
+        second: usize,
+        /// Its CUDA device index (another index can name the same GPU under another
+        /// CUDA_VISIBLE_DEVICES).
+        second_device: usize,
+        /// The host both run on.
+        host: String,
+        /// The GPU's UUID, where CUDA reported it.
+        gpu: Option<String>,
+    },
     /// No default process group exists yet.
     #[error("the default process group is not initialized; call init_process_group first")]
     NotInitialized,
@@ -238,6 +276,29 @@ pub enum EnvError {
     /// NCCL was asked for, but this build of tch-dist has no NCCL support.
     #[error("tch-dist was built without NCCL support")]
     NcclNotCompiled,
+    /// The CUDA device a rank would bind (its local rank, or an explicit `device_id`) does
+    /// not exist in this process.
+    #[error(
+        "{from} {device} names CUDA device {device}, but this process sees {count} CUDA \
+         device(s); start at most one rank per GPU (or set device_id, CUDA_VISIBLE_DEVICES)"
+    )]
+    DeviceOutOfRange {
+        /// Where the index came from: `LOCAL_RANK` (the local rank) or `device_id`.
+        from: &'static str,
+        /// The index.
+        device: usize,
+        /// How many CUDA devices this process sees.
+        count: usize,
+    },
+    /// A test switch (TCH_DIST_NO_SHORTCUTS, TCH_DIST_CUDA_VIA_GLOO) has a value that is not
+    /// a switch.
+    #[error("{var}={value:?} is not a switch (1, true, yes, on; or 0, false, no, off)")]
+    BadSwitch {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+    },
 }
 
 /// What is wrong with an argument (the `problem` of [`DistError::InvalidArgument`]).
@@ -452,7 +513,7 @@ pub enum Mismatch {
     },
     /// An option has different values on different ranks.
     #[error("option `{option}` differs across ranks: {}", RankValues(values))]
-    Option {
+    OptionValue {
         /// The option's name.
         option: &'static str,
         /// Its value on each rank, in rank order.
@@ -717,6 +778,42 @@ mod tests {
                 "store get of `epoch` failed: wait timeout after 1000ms",
             ),
             (
+                DistError::ShutDown {
+                    rank: 1,
+                    op: "all_reduce",
+                },
+                "rank 1: all_reduce failed: the process group was shut down \
+                 (ProcessGroup::shutdown or destroy_process_group)",
+            ),
+            (
+                DistError::DuplicateDevice {
+                    rank: 1,
+                    first: 0,
+                    first_device: 0,
+                    second: 1,
+                    second_device: 0,
+                    host: "gpu-node-3".into(),
+                    gpu: Some("GPU-5e7c2a1b-0d3f-4c1e-9a2b-7f6e5d4c3b2a".into()),
+                },
+                "rank 1: init_process_group: rank 0 (cuda:0) and rank 1 (cuda:0) on gpu-node-3 \
+                 use the same GPU (GPU-5e7c2a1b-0d3f-4c1e-9a2b-7f6e5d4c3b2a); NCCL needs a GPU per \
+                 rank: start at most one rank per GPU, or give each rank its own device_id",
+            ),
+            (
+                DistError::DuplicateDevice {
+                    rank: 0,
+                    first: 0,
+                    first_device: 1,
+                    second: 2,
+                    second_device: 1,
+                    host: "h".into(),
+                    gpu: None,
+                },
+                "rank 0: init_process_group: rank 0 (cuda:1) and rank 2 (cuda:1) on h use the \
+                 same GPU; NCCL needs a GPU per rank: start at most one rank per GPU, or give \
+                 each rank its own device_id",
+            ),
+            (
                 DistError::NotInitialized,
                 "the default process group is not initialized; call init_process_group first",
             ),
@@ -776,6 +873,23 @@ mod tests {
             (
                 EnvError::NcclNotCompiled,
                 "tch-dist was built without NCCL support",
+            ),
+            (
+                EnvError::DeviceOutOfRange {
+                    from: "LOCAL_RANK",
+                    device: 1,
+                    count: 1,
+                },
+                "LOCAL_RANK 1 names CUDA device 1, but this process sees 1 CUDA device(s); start \
+                 at most one rank per GPU (or set device_id, CUDA_VISIBLE_DEVICES)",
+            ),
+            (
+                EnvError::BadSwitch {
+                    var: "TCH_DIST_NO_SHORTCUTS",
+                    value: "maybe".into(),
+                },
+                "TCH_DIST_NO_SHORTCUTS=\"maybe\" is not a switch (1, true, yes, on; or 0, false, \
+                 no, off)",
             ),
         ];
         for (e, text) in cases {
@@ -910,7 +1024,7 @@ mod tests {
                  is `fc.bias` with shape [4] (Float) on rank 0 but missing on rank 1",
             ),
             (
-                Mismatch::Option {
+                Mismatch::OptionValue {
                     option: "bucket_cap_mb",
                     values: vec!["25".into(), "10".into()],
                 },

@@ -17,7 +17,7 @@ pub struct TdrStore {
     _private: [u8; 0],
 }
 
-/// Opaque process group: a Gloo backend and optionally an NCCL backend.
+/// Opaque process group: a Gloo backend, optionally an NCCL backend, a bound CUDA device.
 #[repr(C)]
 pub struct TdrGroup {
     _private: [u8; 0],
@@ -43,6 +43,8 @@ pub const TDR_ERROR_NONE: c_int = 0;
 pub const TDR_ERROR_ENGINE: c_int = 1;
 pub const TDR_ERROR_NETWORK: c_int = 2;
 pub const TDR_ERROR_TIMEOUT: c_int = 3;
+pub const TDR_ERROR_BACKEND_TIMEOUT: c_int = 4;
+pub const TDR_ERROR_SHUT_DOWN: c_int = 5;
 
 // `enum TdrReduceOp` (the reductions of all_reduce and reduce_scatter).
 pub const TDR_REDUCE_SUM: c_int = 0;
@@ -101,6 +103,9 @@ extern "C" {
     ) -> *mut c_char;
     pub fn tdr_store_free(s: *mut TdrStore);
 
+    pub fn tdr_cuda_set_device(device: c_int) -> *mut c_char;
+    pub fn tdr_cuda_device_uuid(device: c_int, out: *mut *mut c_char) -> *mut c_char;
+
     pub fn tdr_nccl_compiled() -> bool;
     pub fn tdr_group_new(
         store: *mut TdrStore,
@@ -109,8 +114,12 @@ extern "C" {
         timeout_ms: i64,
         gloo_host: *const c_char,
         with_nccl: bool,
+        device: c_int,
+        cuda_via_gloo: bool,
         out: *mut *mut TdrGroup,
     ) -> *mut c_char;
+    pub fn tdr_group_connect(g: *mut TdrGroup) -> *mut c_char;
+    pub fn tdr_group_shutdown(g: *mut TdrGroup) -> *mut c_char;
     pub fn tdr_group_free(g: *mut TdrGroup);
 
     pub fn tdr_all_reduce(
@@ -180,7 +189,8 @@ extern "C" {
         wait_all_ranks: bool,
     ) -> *mut c_char;
 
-    pub fn tdr_work_wait(w: *mut TdrWork, timeout_ms: i64) -> *mut c_char;
+    pub fn tdr_work_wait(w: *mut TdrWork, timeout_ms: i64, cpu_bound: bool) -> *mut c_char;
+    pub fn tdr_work_on_stream(w: *mut TdrWork) -> bool;
     pub fn tdr_work_is_completed(w: *mut TdrWork) -> bool;
     pub fn tdr_work_free(w: *mut TdrWork);
 
@@ -249,6 +259,10 @@ pub enum FailureKind {
     Network,
     /// A wait ended with the work still pending.
     Timeout,
+    /// The backend's own timeout passed (NCCL's watchdog, or a blocking NCCL wait).
+    BackendTimeout,
+    /// The group was shut down.
+    ShutDown,
 }
 
 /// A failed shim call: what the engine said and what kind of failure it was.
@@ -279,6 +293,8 @@ pub unsafe fn take_error(err: *mut c_char) -> Result<(), ShimError> {
     let kind = match unsafe { tdr_last_error_kind() } {
         TDR_ERROR_NETWORK => FailureKind::Network,
         TDR_ERROR_TIMEOUT => FailureKind::Timeout,
+        TDR_ERROR_BACKEND_TIMEOUT => FailureKind::BackendTimeout,
+        TDR_ERROR_SHUT_DOWN => FailureKind::ShutDown,
         _ => FailureKind::Engine,
     };
     // SAFETY: the shim returns NUL-terminated malloc'ed strings; we free it exactly once.
@@ -433,6 +449,11 @@ mod tests {
             ("TDR_ERROR_ENGINE", super::TDR_ERROR_ENGINE),
             ("TDR_ERROR_NETWORK", super::TDR_ERROR_NETWORK),
             ("TDR_ERROR_TIMEOUT", super::TDR_ERROR_TIMEOUT),
+            (
+                "TDR_ERROR_BACKEND_TIMEOUT",
+                super::TDR_ERROR_BACKEND_TIMEOUT,
+            ),
+            ("TDR_ERROR_SHUT_DOWN", super::TDR_ERROR_SHUT_DOWN),
             ("TDR_REDUCE_SUM", super::TDR_REDUCE_SUM),
             ("TDR_REDUCE_AVG", super::TDR_REDUCE_AVG),
             ("TDR_REDUCE_MIN", super::TDR_REDUCE_MIN),

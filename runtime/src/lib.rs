@@ -10,6 +10,7 @@
 
 mod coalesced;
 mod collectives;
+mod devices;
 mod env;
 mod error;
 mod ffi;
@@ -22,13 +23,14 @@ mod verify;
 
 pub use coalesced::BROADCAST_BUCKET_BYTES;
 pub use collectives::{ReduceOp, Work};
+pub use devices::{first_shared_gpu, DeviceClaim};
 pub use env::{LaunchEnv, DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT};
 pub use error::{
     ArgumentError, DistError, EnvError, Mismatch, NamedSignature, Result, TensorSignature,
 };
 pub use process_group::{
     default_group, destroy_process_group, init_process_group, init_process_group_with,
-    is_initialized, Backend, InitOptions, ProcessGroup,
+    is_initialized, Backend, InitOptions, ProcessGroup, CUDA_VIA_GLOO_ENV, NO_SHORTCUTS_ENV,
 };
 pub use reducer::{
     CommHook, PowerSgdOptions, Reducer, ReducerOptions, ReducerStats, DEFAULT_FIRST_BUCKET_BYTES,

@@ -3,14 +3,25 @@
 
 use std::ffi::CString;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use crate::env::{is_loopback, LaunchEnv, DEFAULT_TIMEOUT};
+use tch::Device;
+
+use crate::devices::DeviceClaim;
+use crate::env::{is_loopback, read_switch, LaunchEnv, DEFAULT_TIMEOUT};
 use crate::error::{ArgumentError, DistError, EnvError, Result};
 use crate::ffi::{self, shim};
 use crate::store::{millis, Store};
+
+/// Test switch: `TCH_DIST_NO_SHORTCUTS=1` turns off the shortcuts of a group of one (see
+/// [`InitOptions::shortcuts`]).
+pub const NO_SHORTCUTS_ENV: &str = "TCH_DIST_NO_SHORTCUTS";
+
+/// Test switch: `TCH_DIST_CUDA_VIA_GLOO=1` routes CUDA tensors through Gloo (see
+/// [`InitOptions::cuda_via_gloo`]).
+pub const CUDA_VIA_GLOO_ENV: &str = "TCH_DIST_CUDA_VIA_GLOO";
 
 /// Which c10d backend carries device tensors.
 ///
@@ -52,6 +63,21 @@ impl Backend {
 /// let pg = ProcessGroup::new(&opts)?;
 /// # Ok::<(), tch_dist_runtime::DistError>(())
 /// ```
+///
+/// An NCCL group binds one CUDA device, as `init_process_group(device_id=...)` with
+/// `torch.cuda.set_device(local_rank)` does in PyTorch: `device_id` when given, else the
+/// local rank (LOCAL_RANK). It becomes the creating thread's current device and NCCL's bound
+/// device, and [`ProcessGroup::bound_device`] reports it.
+///
+/// ```
+/// use tch_dist_runtime::{Backend, InitOptions};
+/// let opts = InitOptions::new(Backend::Nccl, 3, 8, "10.0.0.1", 29500).with_local_rank(1);
+/// assert_eq!(opts.cuda_device(4).unwrap(), Some(1)); // LOCAL_RANK=1 on a node of 4 GPUs
+/// assert_eq!(opts.clone().with_device_id(2).cuda_device(4).unwrap(), Some(2));
+/// assert!(opts.cuda_device(1).is_err()); // no cuda:1 here
+/// let gloo = InitOptions::new(Backend::Gloo, 3, 8, "10.0.0.1", 29500);
+/// assert_eq!(gloo.cuda_device(4).unwrap(), None);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InitOptions {
     /// The device backend.
@@ -60,16 +86,36 @@ pub struct InitOptions {
     pub rank: usize,
     /// Number of processes.
     pub world_size: usize,
+    /// This process's rank on its node (LOCAL_RANK, SLURM_LOCALID): the CUDA device an NCCL
+    /// group binds when `device_id` is `None`. [`InitOptions::new`] sets it to `rank`.
+    pub local_rank: usize,
+    /// The CUDA device this rank uses (PyTorch's `device_id`); `None`: `local_rank`.
+    pub device_id: Option<usize>,
+    /// Create NCCL's communicator while the group is created, instead of at its first
+    /// collective (PyTorch's eager init, which `init_process_group(device_id=...)` does).
+    /// [`InitOptions::with_device_id`] sets it.
+    pub eager_connect: bool,
     /// Rendezvous host (rank 0 hosts the TCPStore there).
     pub master_addr: String,
     /// Rendezvous port.
     pub master_port: u16,
     /// Limit for the rendezvous and for every collective (default 30 minutes, as PyTorch).
     pub timeout: Duration,
+    /// Whether a group of one may skip communicating (default true): the average of one rank
+    /// is its own value, so the gradient reducer communicates nothing and `replicate` skips
+    /// its broadcasts. **A test switch**: `false` (`TCH_DIST_NO_SHORTCUTS=1`) makes a group of
+    /// one run every bucket path, so that one GPU checks what a node of GPUs would run.
+    pub shortcuts: bool,
+    /// **A test switch** (`TCH_DIST_CUDA_VIA_GLOO=1`): CUDA tensors go through Gloo, copied
+    /// through host memory, and no NCCL backend is created, so that several ranks can share
+    /// one GPU (each binds `local_rank % device count`, or `device_id`). Slow; never for
+    /// training.
+    pub cuda_via_gloo: bool,
 }
 
 impl InitOptions {
-    /// Options with PyTorch's default timeout.
+    /// Options with PyTorch's default timeout, the local rank equal to `rank`, no
+    /// `device_id`, lazy NCCL connection and no test switch.
     pub fn new(
         backend: Backend,
         rank: usize,
@@ -81,13 +127,20 @@ impl InitOptions {
             backend,
             rank,
             world_size,
+            local_rank: rank,
+            device_id: None,
+            eager_connect: false,
             master_addr: master_addr.into(),
             master_port,
             timeout: DEFAULT_TIMEOUT,
+            shortcuts: true,
+            cuda_via_gloo: false,
         }
     }
 
-    /// Options from the launch environment (torchrun's or Slurm's variables).
+    /// Options from the launch environment (torchrun's or Slurm's variables, LOCAL_RANK
+    /// included), `TCH_DIST_TIMEOUT_SECS`, and the test switches `TCH_DIST_NO_SHORTCUTS` and
+    /// `TCH_DIST_CUDA_VIA_GLOO`.
     pub fn from_env(backend: Backend) -> Result<Self> {
         let env = LaunchEnv::from_process_env()?;
         let mut opts = Self::new(
@@ -96,7 +149,8 @@ impl InitOptions {
             env.world_size,
             env.master_addr,
             env.master_port,
-        );
+        )
+        .with_local_rank(env.local_rank);
         if let Ok(t) = std::env::var("TCH_DIST_TIMEOUT_SECS") {
             let secs = t
                 .trim()
@@ -106,6 +160,9 @@ impl InitOptions {
             let secs = secs.ok_or_else(|| EnvError::BadTimeout { value: t.clone() })?;
             opts.timeout = Duration::from_secs_f64(secs);
         }
+        let switch = |var| read_switch(var, |k| std::env::var(k).ok());
+        opts.shortcuts = !switch(NO_SHORTCUTS_ENV)?;
+        opts.cuda_via_gloo = switch(CUDA_VIA_GLOO_ENV)?;
         Ok(opts)
     }
 
@@ -113,6 +170,67 @@ impl InitOptions {
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
+    }
+
+    /// Replaces the local rank (the default CUDA device).
+    pub fn with_local_rank(mut self, local_rank: usize) -> Self {
+        self.local_rank = local_rank;
+        self
+    }
+
+    /// Binds CUDA device `device` and connects NCCL eagerly, as PyTorch's
+    /// `init_process_group(device_id=...)`.
+    pub fn with_device_id(mut self, device: usize) -> Self {
+        self.device_id = Some(device);
+        self.eager_connect = true;
+        self
+    }
+
+    /// Turns off the shortcuts of a group of one (the test switch `shortcuts`).
+    pub fn without_shortcuts(mut self) -> Self {
+        self.shortcuts = false;
+        self
+    }
+
+    /// Routes CUDA tensors through Gloo (the test switch `cuda_via_gloo`).
+    pub fn with_cuda_via_gloo(mut self) -> Self {
+        self.cuda_via_gloo = true;
+        self
+    }
+
+    /// The CUDA device this rank binds, in a process that sees `device_count` CUDA devices:
+    /// for NCCL, `device_id` or else `local_rank`, which must exist; with `cuda_via_gloo`
+    /// the same modulo `device_count` (ranks share GPUs; none without CUDA); for Gloo,
+    /// none.
+    pub fn cuda_device(&self, device_count: usize) -> Result<Option<usize>> {
+        let (from, device) = match self.device_id {
+            Some(d) => ("device_id", d),
+            None => ("LOCAL_RANK", self.local_rank),
+        };
+        if self.cuda_via_gloo {
+            return Ok(match (self.device_id, device_count) {
+                (_, 0) => None,
+                (Some(d), n) if d >= n => {
+                    return Err(EnvError::DeviceOutOfRange {
+                        from,
+                        device: d,
+                        count: n,
+                    }
+                    .into())
+                }
+                (_, n) => Some(device % n),
+            });
+        }
+        match self.backend {
+            Backend::Gloo => Ok(None),
+            Backend::Nccl if device < device_count => Ok(Some(device)),
+            Backend::Nccl => Err(EnvError::DeviceOutOfRange {
+                from,
+                device,
+                count: device_count,
+            }
+            .into()),
+        }
     }
 }
 
@@ -150,6 +268,65 @@ struct GroupInner {
     /// Counts `new_group` calls so every subgroup gets its own store prefix.
     subgroups: AtomicUsize,
     master: (String, u16),
+    /// The bound CUDA device.
+    device: Option<usize>,
+    shortcuts: bool,
+    cuda_via_gloo: bool,
+    /// Set by `shutdown`: every later operation fails with `DistError::ShutDown`.
+    shut_down: AtomicBool,
+    /// Collectives and transfers launched so far.
+    launched: AtomicU64,
+    /// The subgroups created from this group, shut down with it.
+    children: Mutex<Vec<Weak<GroupInner>>>,
+}
+
+/// What a new group's `GroupInner` takes beyond its handle.
+struct Shape {
+    rank: usize,
+    world_size: usize,
+    backend: Backend,
+    timeout: Duration,
+    global_ranks: Vec<usize>,
+    master: (String, u16),
+    device: Option<usize>,
+    shortcuts: bool,
+    cuda_via_gloo: bool,
+}
+
+impl GroupInner {
+    fn new(handle: GroupHandle, store: Store, s: Shape) -> GroupInner {
+        GroupInner {
+            handle,
+            store,
+            rank: s.rank,
+            world_size: s.world_size,
+            backend: s.backend,
+            timeout: s.timeout,
+            global_ranks: s.global_ranks,
+            subgroups: AtomicUsize::new(0),
+            master: s.master,
+            device: s.device,
+            shortcuts: s.shortcuts,
+            cuda_via_gloo: s.cuda_via_gloo,
+            shut_down: AtomicBool::new(false),
+            launched: AtomicU64::new(0),
+            children: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Shuts this group's backends down, and its subgroups' first.
+    fn shutdown(&self) {
+        let children =
+            std::mem::take(&mut *self.children.lock().unwrap_or_else(|e| e.into_inner()));
+        for child in children.iter().filter_map(Weak::upgrade) {
+            child.shutdown();
+        }
+        if !self.shut_down.swap(true, Ordering::SeqCst) {
+            // SAFETY: live handle; the shim takes its backends out under an exclusive lock,
+            // so launches on other threads either finished or fail with ShutDownError.
+            let _ = shim!(tdr_group_shutdown(self.handle.0.as_ptr()));
+        }
+    }
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -166,6 +343,11 @@ impl std::fmt::Debug for ProcessGroup {
 impl ProcessGroup {
     /// Creates a group explicitly: rank 0 hosts the TCPStore at `master_addr:master_port`,
     /// every rank connects to it, then the backends connect to each other.
+    ///
+    /// An NCCL group binds its CUDA device ([`InitOptions::cuda_device`]) before anything
+    /// else, checks with every rank that no two ranks share a GPU (every rank fails with
+    /// [`DistError::DuplicateDevice`] naming both, before NCCL would refuse them), and, with
+    /// `eager_connect`, creates NCCL's communicator.
     pub fn new(opts: &InitOptions) -> Result<ProcessGroup> {
         let rendezvous = |cause: String| DistError::Rendezvous {
             rank: opts.rank,
@@ -185,6 +367,11 @@ impl ProcessGroup {
         if opts.backend == Backend::Nccl && !Backend::nccl_compiled() {
             return Err(EnvError::NcclNotCompiled.into());
         }
+        let device = if opts.backend == Backend::Nccl || opts.cuda_via_gloo {
+            opts.cuda_device(tch::Cuda::device_count().max(0) as usize)?
+        } else {
+            None
+        };
         let store = Store::tcp(
             &opts.master_addr,
             opts.master_port,
@@ -208,21 +395,37 @@ impl ProcessGroup {
             opts.timeout,
             gloo_host,
             opts.backend,
+            device,
+            opts.cuda_via_gloo,
         )
         .map_err(rendezvous)?;
-        Ok(ProcessGroup {
-            inner: Arc::new(GroupInner {
+        let pg = ProcessGroup {
+            inner: Arc::new(GroupInner::new(
                 handle,
                 store,
-                rank: opts.rank,
-                world_size: opts.world_size,
-                backend: opts.backend,
-                timeout: opts.timeout,
-                global_ranks: (0..opts.world_size).collect(),
-                subgroups: AtomicUsize::new(0),
-                master: (opts.master_addr.clone(), opts.master_port),
-            }),
-        })
+                Shape {
+                    rank: opts.rank,
+                    world_size: opts.world_size,
+                    backend: opts.backend,
+                    timeout: opts.timeout,
+                    global_ranks: (0..opts.world_size).collect(),
+                    master: (opts.master_addr.clone(), opts.master_port),
+                    device,
+                    shortcuts: opts.shortcuts,
+                    cuda_via_gloo: opts.cuda_via_gloo,
+                },
+            )),
+        };
+        if pg.uses_nccl() {
+            if let Some(d) = device.filter(|_| opts.world_size > 1) {
+                pg.verify_distinct_devices(&DeviceClaim::of_cuda_device(d)?)?;
+            }
+            if opts.eager_connect {
+                // SAFETY: live group handle; exceptions are caught in the shim.
+                shim!(tdr_group_connect(pg.raw())).map_err(|e| rendezvous(e.message))?;
+            }
+        }
+        Ok(pg)
     }
 
     /// Creates a group from torchrun's (or Slurm's) variables.
@@ -240,6 +443,7 @@ impl ProcessGroup {
             op: "new_group",
             problem: Box::new(problem),
         };
+        self.check_open("new_group")?;
         if ranks.is_empty() {
             return Err(invalid(ArgumentError::EmptyRankList));
         }
@@ -282,21 +486,33 @@ impl ProcessGroup {
             self.inner.timeout,
             gloo_host,
             backend,
+            self.inner.device,
+            self.inner.cuda_via_gloo,
         )
         .map_err(rendezvous)?;
-        Ok(Some(ProcessGroup {
-            inner: Arc::new(GroupInner {
-                handle,
-                store: self.inner.store.clone(),
+        let inner = Arc::new(GroupInner::new(
+            handle,
+            self.inner.store.clone(),
+            Shape {
                 rank: sub_rank,
                 world_size: ranks.len(),
                 backend,
                 timeout: self.inner.timeout,
                 global_ranks: ranks.iter().map(|&r| self.inner.global_ranks[r]).collect(),
-                subgroups: AtomicUsize::new(0),
                 master: self.inner.master.clone(),
-            }),
-        }))
+                device: self.inner.device,
+                shortcuts: self.inner.shortcuts,
+                cuda_via_gloo: self.inner.cuda_via_gloo,
+            },
+        ));
+        let mut children = self
+            .inner
+            .children
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        children.retain(|c| c.strong_count() > 0);
+        children.push(Arc::downgrade(&inner));
+        Ok(Some(ProcessGroup { inner }))
     }
 
     fn store_prefix(&self) -> String {
@@ -339,11 +555,87 @@ impl ProcessGroup {
         &self.inner.store
     }
 
+    /// The CUDA device this group is bound to (PyTorch's `bound_device_id`): NCCL groups,
+    /// and groups with the test switch `cuda_via_gloo` on a machine with CUDA.
+    pub fn bound_device(&self) -> Option<Device> {
+        self.inner.device.map(Device::Cuda)
+    }
+
+    /// Whether this group may skip communicating because it has one rank: true for a group
+    /// of one unless it was created without shortcuts ([`InitOptions::shortcuts`], the test
+    /// switch `TCH_DIST_NO_SHORTCUTS=1`). Where the gradient reducer and `replicate` decide
+    /// to communicate nothing; collectives called directly always run.
+    pub fn skips_communication(&self) -> bool {
+        self.inner.world_size == 1 && self.inner.shortcuts
+    }
+
+    /// Whether CUDA tensors go through Gloo (the test switch [`InitOptions::cuda_via_gloo`]).
+    pub fn cuda_via_gloo(&self) -> bool {
+        self.inner.cuda_via_gloo
+    }
+
+    /// How many collectives and point-to-point transfers were launched on this group so far
+    /// (through any clone of it; barriers included, monitored barriers not).
+    pub fn launched_collectives(&self) -> u64 {
+        self.inner.launched.load(Ordering::Relaxed)
+    }
+
+    /// Shuts the group's backends down now, even while clones of it are alive (the
+    /// reducer's, a sharded tensor's), with the subgroups created from it: NCCL's
+    /// communicators are flushed and destroyed, Gloo is released once its queued work is
+    /// done. Every later operation on this group, through any clone, fails with
+    /// [`DistError::ShutDown`]; works already launched may still be waited on. Call it (or
+    /// [`destroy_process_group`]) before the process exits: NCCL's threads must not outlive
+    /// CUDA's teardown. Idempotent.
+    ///
+    /// ```no_run
+    /// # let pg = tch_dist_runtime::default_group()?;
+    /// let clone = pg.clone();
+    /// pg.shutdown();
+    /// let t = tch::Tensor::from_slice(&[1.0f32]);
+    /// assert!(matches!(
+    ///     clone.all_reduce(&t, tch_dist_runtime::ReduceOp::Sum),
+    ///     Err(tch_dist_runtime::DistError::ShutDown { .. })
+    /// ));
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
+    pub fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+
+    /// Whether [`shutdown`](Self::shutdown) was called on this group (or on the group it was
+    /// created from).
+    pub fn is_shut_down(&self) -> bool {
+        self.inner.shut_down.load(Ordering::SeqCst)
+    }
+
+    /// `Err(ShutDown)` once the group was shut down.
+    pub(crate) fn check_open(&self, op: &'static str) -> Result<()> {
+        if self.is_shut_down() {
+            return Err(DistError::ShutDown {
+                rank: self.rank(),
+                op,
+            });
+        }
+        Ok(())
+    }
+
+    /// Counts a launched collective.
+    pub(crate) fn note_launch(&self) {
+        self.inner.launched.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether CUDA tensors go through an NCCL backend.
+    fn uses_nccl(&self) -> bool {
+        self.inner.backend == Backend::Nccl && !self.inner.cuda_via_gloo
+    }
+
     pub(crate) fn raw(&self) -> *mut ffi::TdrGroup {
         self.inner.handle.0.as_ptr()
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn new_group_handle(
     store: &Store,
     rank: usize,
@@ -351,6 +643,8 @@ fn new_group_handle(
     timeout: Duration,
     gloo_host: &str,
     backend: Backend,
+    device: Option<usize>,
+    cuda_via_gloo: bool,
 ) -> std::result::Result<GroupHandle, String> {
     let host = CString::new(gloo_host).map_err(|_| "host contains a NUL byte".to_string())?;
     let mut out = std::ptr::null_mut();
@@ -362,6 +656,8 @@ fn new_group_handle(
         millis(timeout),
         host.as_ptr(),
         backend == Backend::Nccl,
+        device.map_or(-1, |d| d as i32),
+        cuda_via_gloo,
         &mut out,
     ))?;
     NonNull::new(out)
@@ -377,7 +673,13 @@ fn default_slot() -> std::sync::MutexGuard<'static, Option<ProcessGroup>> {
 }
 
 /// Creates the default process group from the launch environment (torchrun's RANK,
-/// WORLD_SIZE, MASTER_ADDR, MASTER_PORT, else Slurm's) and returns it.
+/// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, else Slurm's) and returns it.
+///
+/// With `Backend::Nccl` the group binds CUDA device LOCAL_RANK (PyTorch's
+/// `torch.cuda.set_device(local_rank)` plus `device_id`): it becomes this thread's current
+/// device, NCCL's bound device and [`ProcessGroup::bound_device`]. For an explicit device,
+/// eager connection or the test switches, use [`init_process_group_with`] with
+/// [`InitOptions::from_env`] and its builders.
 ///
 /// ```no_run
 /// let pg = tch_dist_runtime::init_process_group(tch_dist_runtime::Backend::Gloo)?;
@@ -412,7 +714,12 @@ pub fn is_initialized() -> bool {
     default_slot().is_some()
 }
 
-/// Forgets the default group; it is torn down once no clone of it is left.
+/// Shuts the default group down (see [`ProcessGroup::shutdown`]: even while clones of it
+/// are alive, with every subgroup created from it) and forgets it, so that
+/// `init_process_group` may be called again. Call it before the process exits.
 pub fn destroy_process_group() {
-    default_slot().take();
+    let group = default_slot().take();
+    if let Some(pg) = group {
+        pg.shutdown();
+    }
 }

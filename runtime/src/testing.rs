@@ -244,7 +244,7 @@ fn drain(pipe: Option<impl Read + Send + 'static>) -> JoinHandle<String> {
 const RAN_MARKER: &str = "tch-dist-test: rank body finished:";
 
 /// Runs `body` as every rank of a `world_size`-process Gloo group (also made the default
-/// process group).
+/// process group, and destroyed once the body returns).
 ///
 /// In the parent (a normal `cargo test` run) this spawns the ranks and panics, with every
 /// rank's output, unless all of them run the body and pass within [`DEFAULT_TEST_TIMEOUT`].
@@ -262,6 +262,10 @@ pub fn run_ranks_with(launch: &Launch, backend: Backend, body: impl FnOnce(Proce
                 .unwrap_or_else(|e| panic!("creating the test's process group: {e}"));
             let rank = pg.rank();
             body(pg);
+            // As every program should before it exits: the default group's backends are shut
+            // down even where the body kept clones of it (a test binary ends with the
+            // process's exit, which runs no destructor of the default group).
+            crate::destroy_process_group();
             println!("{RAN_MARKER} {} {rank}", launch.test);
         }
         Some(_) => {}

@@ -134,7 +134,7 @@ impl ProcessGroup {
         };
         Err(self.mismatch(
             op,
-            Mismatch::Option {
+            Mismatch::OptionValue {
                 option: options[i].0,
                 values: values
                     .iter()

@@ -213,3 +213,160 @@ fn a_misnamed_multi_process_test_fails() {
     );
     assert!(start.elapsed() < Duration::from_secs(60));
 }
+
+/// `destroy_process_group` (and `ProcessGroup::shutdown`) shut the backends down while clones
+/// of the group are alive — a subgroup's, a reducer's — and every later operation through any
+/// of them is a `ShutDown` error value; work launched before may still be waited on.
+#[test]
+fn shutdown_with_clones_alive_fails_later_operations_cleanly() {
+    run_ranks(
+        "shutdown_with_clones_alive_fails_later_operations_cleanly",
+        2,
+        |pg| {
+            let rank = pg.rank();
+            let clone = pg.clone();
+            let sub = pg.new_group(&[0, 1], Backend::Gloo).unwrap().unwrap();
+            let w = (Tensor::ones([3], (Kind::Float, tch::Device::Cpu))).set_requires_grad(true);
+            let reducer = tch_dist_runtime::Reducer::new(
+                vec![("w".into(), w.shallow_clone())],
+                pg.clone(),
+                Default::default(),
+            )
+            .unwrap();
+            let x = Tensor::from_slice(&[rank as f32 + 1.0]);
+            let before = clone
+                .all_reduce_async(&x, tch_dist_runtime::ReduceOp::Sum)
+                .unwrap();
+            // Both ranks have launched before either shuts down.
+            pg.barrier().unwrap();
+            before.wait().unwrap();
+            assert_eq!(x.double_value(&[0]), 3.0);
+            let launched = pg.launched_collectives();
+            drop(pg);
+
+            tch_dist_runtime::destroy_process_group();
+            assert!(!tch_dist_runtime::is_initialized());
+            assert!(clone.is_shut_down() && sub.is_shut_down());
+            let shut = |op| DistError::ShutDown { rank, op };
+            assert_eq!(
+                clone.all_reduce(&x, tch_dist_runtime::ReduceOp::Sum),
+                Err(shut("all_reduce"))
+            );
+            assert_eq!(clone.broadcast(&x, 0), Err(shut("broadcast")));
+            assert_eq!(clone.barrier(), Err(shut("barrier")));
+            assert_eq!(
+                clone.monitored_barrier(Duration::from_secs(1), false),
+                Err(shut("monitored_barrier"))
+            );
+            assert_eq!(
+                clone.new_group(&[0, 1], Backend::Gloo).unwrap_err(),
+                shut("new_group")
+            );
+            assert_eq!(
+                sub.all_reduce(&x, tch_dist_runtime::ReduceOp::Sum),
+                Err(shut("all_reduce"))
+            );
+            assert_eq!(
+                clone.verify_same_tensors("replicate", "parameters", 0, &[("x", &x)]),
+                Err(shut("all_gather"))
+            );
+            // A refused launch is not counted.
+            assert_eq!(clone.launched_collectives(), launched);
+            // The reducer's next backward pass fails with the same error instead of crashing.
+            reducer.prepare_for_forward().unwrap();
+            let err = (&w * 2.0).sum(Kind::Float).f_backward().unwrap_err();
+            assert!(
+                err.to_string().contains("the process group was shut down"),
+                "{err}"
+            );
+            assert!(matches!(
+                reducer.prepare_for_forward(),
+                Err(DistError::ShutDown {
+                    op: "all_reduce",
+                    ..
+                })
+            ));
+            // Idempotent, and the store is still there.
+            clone.shutdown();
+            clone.store().set("after", b"1").unwrap();
+        },
+    );
+}
+
+/// What an NCCL group checks while it is created, with claims made up: ranks 0 and 2 claim
+/// one GPU, and every rank fails naming both (the pure pair search is unit-tested in
+/// `devices.rs`); distinct claims pass.
+#[test]
+fn ranks_claiming_one_gpu_fail_on_every_rank_naming_both() {
+    run_ranks(
+        "ranks_claiming_one_gpu_fail_on_every_rank_naming_both",
+        3,
+        |pg| {
+            let claim = |device| tch_dist_runtime::DeviceClaim {
+                host: "node-a".into(),
+                device,
+                uuid: None,
+            };
+            pg.verify_distinct_devices(&claim(pg.rank())).unwrap();
+            let mine = if pg.rank() == 1 { 1 } else { 0 };
+            let err = pg.verify_distinct_devices(&claim(mine)).unwrap_err();
+            assert_eq!(
+                err,
+                DistError::DuplicateDevice {
+                    rank: pg.rank(),
+                    first: 0,
+                    first_device: 0,
+                    second: 2,
+                    second_device: 0,
+                    host: "node-a".into(),
+                    gpu: None,
+                }
+            );
+            assert!(
+                err.to_string()
+                    .contains("rank 0 (cuda:0) and rank 2 (cuda:0) on node-a"),
+                "{err}"
+            );
+            // With UUIDs, they decide: all called cuda:0, three GPUs; then ranks 0 and 1 on one.
+            let renamed = tch_dist_runtime::DeviceClaim {
+                host: "node-a".into(),
+                device: 0,
+                uuid: Some(format!("GPU-{}", pg.rank())),
+            };
+            pg.verify_distinct_devices(&renamed).unwrap();
+            let same = tch_dist_runtime::DeviceClaim {
+                uuid: Some(if pg.rank() < 2 { "GPU-x" } else { "GPU-z" }.into()),
+                ..renamed
+            };
+            assert!(matches!(
+                pg.verify_distinct_devices(&same),
+                Err(DistError::DuplicateDevice {
+                    first: 0,
+                    second: 1,
+                    ..
+                })
+            ));
+        },
+    );
+}
+
+/// LOCAL_RANK as the launcher sets it is the CUDA device an NCCL group of this process would
+/// bind; here the ranks' local ranks are swapped, so each would take the other's GPU.
+#[test]
+fn local_rank_from_the_environment_picks_the_device() {
+    let launch = tch_dist_runtime::testing::Launch::new(
+        "local_rank_from_the_environment_picks_the_device",
+        2,
+    )
+    .rank_env(0, "LOCAL_RANK", "1")
+    .rank_env(1, "LOCAL_RANK", "0");
+    tch_dist_runtime::testing::run_ranks_with(&launch, Backend::Gloo, |pg| {
+        let opts = tch_dist_runtime::InitOptions::from_env(Backend::Nccl).unwrap();
+        assert_eq!(opts.local_rank, 1 - pg.rank());
+        assert_eq!(opts.cuda_device(2).unwrap(), Some(1 - pg.rank()));
+        assert_eq!(opts.with_device_id(0).cuda_device(2).unwrap(), Some(0));
+        // A Gloo group binds no device.
+        assert_eq!(pg.bound_device(), None);
+        assert!(!pg.cuda_via_gloo());
+    });
+}

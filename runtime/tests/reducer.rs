@@ -2,8 +2,10 @@
 //! slice of the batch end with the same parameters as one process on the whole batch.
 
 use tch::Tensor;
-use tch_dist_runtime::testing::run_ranks;
-use tch_dist_runtime::{CommHook, PowerSgdOptions, ProcessGroup, Reducer, ReducerOptions};
+use tch_dist_runtime::testing::{run_ranks, run_ranks_with, Launch};
+use tch_dist_runtime::{
+    Backend, CommHook, PowerSgdOptions, ProcessGroup, Reducer, ReducerOptions, NO_SHORTCUTS_ENV,
+};
 
 #[path = "common/model.rs"]
 mod model;
@@ -20,25 +22,31 @@ fn new_model(with_aux: bool, with_unused: bool) -> Model {
 }
 
 /// Trains a replicated copy on this rank's slice and a reference on the whole batch, then
-/// compares every parameter.
+/// compares every parameter. Returns how many collectives the group launched in each step
+/// after the first (which also rebuilds the buckets).
 fn check_equivalence(
     pg: ProcessGroup,
     opts: ReducerOptions,
     with_aux: bool,
     with_unused: bool,
     tol: f64,
-) {
+) -> Vec<u64> {
     let reference = new_model(with_aux, with_unused);
     let model = new_model(with_aux, with_unused);
     let reducer = Reducer::new(model.handles(), pg.clone(), opts).unwrap();
+    let mut launched = Vec::new();
     for step in 0..STEPS {
         let (x, y) = data(step);
         reference.loss(&x, &y).backward();
         reference.sgd_step(false);
 
+        let before = pg.launched_collectives();
         reducer.prepare_for_forward().unwrap();
         model.loss(&slice(&x, &pg), &slice(&y, &pg)).backward();
         model.sgd_step(false);
+        if step > 0 {
+            launched.push(pg.launched_collectives() - before);
+        }
     }
     let (diff, name) = model.max_diff(&reference);
     assert!(diff <= tol, "{name}: max |ddp - single| = {diff} > {tol}");
@@ -51,6 +59,7 @@ fn check_equivalence(
     let stats = reducer.stats();
     assert_eq!(stats.steps, STEPS as u64);
     assert!(stats.rebuilt);
+    launched
 }
 
 #[test]
@@ -280,4 +289,141 @@ fn unused_parameter_without_detection_fails_next_iteration() {
             );
         },
     );
+}
+
+/// At world size 1 the average is the gradient: by default the reducer communicates nothing.
+#[test]
+fn world_size_one_takes_the_shortcuts() {
+    run_ranks("world_size_one_takes_the_shortcuts", 1, |pg| {
+        assert!(pg.skips_communication());
+        let per_step = check_equivalence(pg, ReducerOptions::default(), true, false, 1e-6);
+        assert_eq!(per_step, vec![0; STEPS - 1]);
+    });
+}
+
+/// The test switch TCH_DIST_NO_SHORTCUTS=1: at world size 1 every bucket path communicates —
+/// flat buffers through each hook, in-place gradients one collective each, the used-map of
+/// unused parameters — and training still equals single-process training.
+#[test]
+fn world_size_one_without_shortcuts_runs_every_bucket_path() {
+    let launch = Launch::new("world_size_one_without_shortcuts_runs_every_bucket_path", 1)
+        .env(NO_SHORTCUTS_ENV, "1");
+    run_ranks_with(&launch, Backend::Gloo, |pg| {
+        assert!(!pg.skips_communication());
+        let per_param = ReducerOptions {
+            bucket_cap_mb: 1e-9,
+            first_bucket_bytes: 1,
+            ..Default::default()
+        };
+        let powersgd = PowerSgdOptions {
+            matrix_approximation_rank: 8,
+            start_powersgd_iter: 2,
+            min_compression_rate: 0.0,
+            ..Default::default()
+        };
+        // (what, options, unused parameter, tolerance, collectives per step)
+        let cases: Vec<(&str, ReducerOptions, bool, f64, Option<u64>)> = vec![
+            (
+                "one flat bucket",
+                ReducerOptions::default(),
+                false,
+                1e-6,
+                Some(1),
+            ),
+            (
+                "a bucket per parameter",
+                per_param.clone(),
+                false,
+                1e-6,
+                Some(4),
+            ),
+            (
+                "bucket views",
+                ReducerOptions {
+                    gradient_as_bucket_view: true,
+                    ..per_param.clone()
+                },
+                false,
+                1e-6,
+                Some(4),
+            ),
+            (
+                "everything in place",
+                ReducerOptions {
+                    in_place_min_bytes: 0,
+                    ..Default::default()
+                },
+                false,
+                1e-6,
+                Some(4),
+            ),
+            (
+                "nothing in place",
+                ReducerOptions {
+                    in_place_min_bytes: usize::MAX,
+                    ..per_param
+                },
+                false,
+                1e-6,
+                Some(4),
+            ),
+            (
+                "find_unused_parameters: a bucket and the used-map",
+                ReducerOptions {
+                    find_unused_parameters: true,
+                    ..Default::default()
+                },
+                true,
+                1e-6,
+                Some(2),
+            ),
+            (
+                "static_graph: the used-map only in the first step",
+                ReducerOptions {
+                    static_graph: true,
+                    ..Default::default()
+                },
+                true,
+                1e-6,
+                Some(1),
+            ),
+            (
+                "fp16 compression",
+                ReducerOptions {
+                    comm_hook: CommHook::Fp16Compress,
+                    ..Default::default()
+                },
+                false,
+                2e-3,
+                Some(1),
+            ),
+            (
+                "bf16 compression",
+                ReducerOptions {
+                    comm_hook: CommHook::Bf16Compress,
+                    ..Default::default()
+                },
+                false,
+                2e-2,
+                Some(1),
+            ),
+            (
+                "PowerSGD at full rank",
+                ReducerOptions {
+                    comm_hook: CommHook::PowerSgd(powersgd),
+                    ..Default::default()
+                },
+                false,
+                1e-5,
+                None,
+            ),
+        ];
+        for (what, opts, unused, tol, expected) in cases {
+            let per_step = check_equivalence(pg.clone(), opts, false, unused, tol);
+            match expected {
+                Some(n) => assert_eq!(per_step, vec![n; STEPS - 1], "{what}"),
+                None => assert!(per_step.iter().all(|&n| n > 0), "{what}: {per_step:?}"),
+            }
+        }
+    });
 }

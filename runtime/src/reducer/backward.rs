@@ -85,7 +85,7 @@ impl ReducerInner {
             // The same parameter accumulated twice in one pass (e.g. reentrant backward): its
             // bucket slice already took the first gradient; refresh it with the final one. An
             // in-place gradient is read at launch, so only a launched one is a problem.
-            if in_place && pass.params[index].launched && self.group.world_size() > 1 {
+            if in_place && pass.params[index].launched && !self.group.skips_communication() {
                 return Err(DistError::GradientAfterLaunch {
                     rank: self.rank(),
                     fqn: layout.params[index].fqn.clone(),
@@ -149,10 +149,10 @@ impl ReducerInner {
 
     /// All-reduces parameter `i`'s gradient in place (a zero buffer when it has none; a
     /// contiguous copy when `.grad` is not contiguous). In a group of one the gradient already
-    /// is the average: nothing to do.
+    /// is the average: nothing to do (unless the group takes no shortcuts).
     fn launch_in_place(&self, layout: &Layout, pass: &mut Pass, i: usize) -> Result<()> {
         pass.params[i].launched = true;
-        if self.group.world_size() == 1 {
+        if self.group.skips_communication() {
             return Ok(());
         }
         let p = &layout.params[i];

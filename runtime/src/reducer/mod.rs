@@ -172,9 +172,10 @@ impl Reducer {
             }
         }
         let hook = comm_hooks::for_options(&opts.comm_hook);
-        // In a group of one the average is the gradient itself: every gradient is "in place".
+        // In a group of one the average is the gradient itself: every gradient is "in place"
+        // (unless the group was created without shortcuts, a test switch).
         let in_place_min_bytes = hook.reduces_in_place().then(|| {
-            if group.world_size() == 1 {
+            if group.skips_communication() {
                 0
             } else {
                 opts.in_place_min_bytes

@@ -56,6 +56,29 @@ fn region(t: &Tensor, m: &ShardMetadata) -> Tensor {
     view
 }
 
+/// The device of every transfer of a sharded tensor's collectives, decided from what every
+/// rank knows alike — the global metadata — so that all ranks pick the same backend: CPU
+/// (Gloo) when every shard is placed on the CPU, else CUDA (NCCL) on this rank's device:
+/// `own` (a CUDA shard it holds, or the CUDA tensor it passed), else the group's `bound`
+/// device, else `cuda:0`. A rank that holds no shard of a CUDA tensor thus still
+/// communicates through NCCL, as its peers do.
+fn transfer_device(
+    metadata: &ShardedTensorMetadata,
+    own: Option<Device>,
+    bound: Option<Device>,
+) -> Device {
+    let on_cuda = metadata
+        .shards_metadata
+        .iter()
+        .any(|m| m.placement.device().is_cuda());
+    if !on_cuda {
+        return Device::Cpu;
+    }
+    own.filter(|d| d.is_cuda())
+        .or(bound)
+        .unwrap_or(Device::Cuda(0))
+}
+
 impl ShardedTensor {
     /// Shards `tensor` as `spec` says, taking the values from rank `src_rank` (PyTorch's
     /// `_shard_tensor`): every rank passes a tensor of the same shape and dtype, and keeps
@@ -83,6 +106,8 @@ impl ShardedTensor {
         Self::check_placements(&metadata, group, OP)?;
         let rank = group.rank();
         let source = tensor.detach();
+        // Sender and receivers transfer on devices of one kind (see `transfer_device`).
+        let wire = transfer_device(&metadata, Some(source.device()), group.bound_device());
         let mut local_shards = Vec::new();
         let mut sends = Vec::new();
         tch::no_grad(|| -> Result<()> {
@@ -109,11 +134,10 @@ impl ShardedTensor {
                         metadata: m.clone(),
                     });
                 } else if rank == src_rank {
-                    let piece = region(&source, m).contiguous();
+                    let piece = region(&source, m).to_device(wire).contiguous();
                     sends.push((group.send_async(&piece, owner, 0)?, piece));
                 } else if rank == owner {
-                    let buf =
-                        Tensor::empty(m.shard_sizes.as_slice(), (tensor.kind(), source.device()));
+                    let buf = Tensor::empty(m.shard_sizes.as_slice(), (tensor.kind(), wire));
                     group.recv(&buf, src_rank, 0)?;
                     local_shards.push(Shard {
                         tensor: buf.to_device(m.placement.device()),
@@ -369,11 +393,65 @@ impl ShardedTensor {
             })
     }
 
-    /// Where gathered tensors are assembled: the device of this rank's first shard (CPU
-    /// when it holds none).
+    /// Where gathered tensors are assembled and transferred (see [`transfer_device`]): on
+    /// CUDA when any shard is placed on CUDA, this rank's own CUDA shard's device first.
     fn home_device(&self) -> Device {
-        self.local_shards
-            .first()
-            .map_or(Device::Cpu, |s| s.tensor.device())
+        let own = self
+            .local_shards
+            .iter()
+            .map(|s| s.tensor.device())
+            .find(|d| d.is_cuda());
+        transfer_device(&self.metadata, own, self.group.bound_device())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch_dist_core::sharding::{ChunkShardingSpec, Placement};
+
+    fn metadata(devices: &[Device]) -> ShardedTensorMetadata {
+        let placements = devices
+            .iter()
+            .enumerate()
+            .map(|(r, &d)| Placement::new(r, d))
+            .collect();
+        let spec = ShardingSpec::Chunk(ChunkShardingSpec::new(0, placements));
+        ShardedTensorMetadata {
+            shards_metadata: spec.shards_metadata(&[4, 2]).unwrap(),
+            size: vec![4, 2],
+            dtype: Dtype(tch::Kind::Float),
+        }
+    }
+
+    /// Every rank decides from the shared metadata: a rank holding no shard of a CUDA tensor
+    /// transfers on CUDA (NCCL) like its peers, never on the CPU (Gloo), which would hang them.
+    #[test]
+    fn the_transfer_device_follows_the_placements_not_the_local_shards() {
+        let cuda = metadata(&[Device::Cuda(0), Device::Cuda(1)]);
+        // Rank 1's own shard decides its device; a rank with none takes its bound device,
+        // else cuda:0.
+        assert_eq!(
+            transfer_device(&cuda, Some(Device::Cuda(1)), Some(Device::Cuda(1))),
+            Device::Cuda(1)
+        );
+        assert_eq!(
+            transfer_device(&cuda, None, Some(Device::Cuda(3))),
+            Device::Cuda(3)
+        );
+        assert_eq!(
+            transfer_device(&cuda, Some(Device::Cpu), None),
+            Device::Cuda(0)
+        );
+        // All on the CPU: Gloo, whatever this rank passed.
+        let host = metadata(&[Device::Cpu, Device::Cpu]);
+        assert_eq!(
+            transfer_device(&host, Some(Device::Cuda(0)), Some(Device::Cuda(0))),
+            Device::Cpu
+        );
+        assert_eq!(transfer_device(&host, None, None), Device::Cpu);
+        // Rows 0-1 on cuda:0, rows 2-3 on rank 1's CPU: CUDA for both.
+        let mixed = metadata(&[Device::Cuda(0), Device::Cpu]);
+        assert_eq!(transfer_device(&mixed, None, None), Device::Cuda(0));
     }
 }
