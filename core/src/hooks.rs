@@ -10,6 +10,10 @@
 //! [`Call::f_call`] returns the [`ForwardError`] (also one raised by a child's hook inside
 //! `forward`), [`Call::call`] panics with its message, as PyTorch's `module(x)` raises.
 //!
+//! A [`CallScope`] ([`register_call_scope`]) brackets every hooked call of a module with a
+//! pre-hook and a forward hook that share a per-call mark, for APIs that must see what a
+//! call did between its start and its end.
+//!
 //! Hooks are stored per module instance (by [`ModuleKey`]) in the same store as composable
 //! API state, so they follow the instance when it moves. When no hook is registered anywhere
 //! in the program, `call` is `forward` plus one atomic load.
@@ -38,6 +42,10 @@ use std::sync::Arc;
 
 use tch::nn::{Module, ModuleT};
 use tch::Tensor;
+
+mod scope;
+
+pub use scope::{register_call_scope, CallScope};
 
 use crate::instances::{any_hooks, InstanceTable, PostHook, PreHook};
 use crate::key::{identify, ModuleKey};
@@ -269,6 +277,7 @@ fn run_hooked(
     let Some((key, first)) = identify(module) else {
         return Ok(forward(xs));
     };
+    let _depth = CallDepth::enter();
     let (pre, _) = hooks_of(&key, first);
     let mut replaced: Option<Tensor> = None;
     for h in &pre {
@@ -292,6 +301,31 @@ fn run_hooked(
 thread_local! {
     /// How many `f_call`/`f_call_t` are running on this thread.
     static F_CALL_DEPTH: Cell<usize> = const { Cell::new(0) };
+    /// How many calls of hooked modules are running on this thread.
+    static HOOKED_DEPTH: Cell<usize> = const { Cell::new(0) };
+}
+
+/// One running call of a hooked module, counted in [`HOOKED_DEPTH`] until it returns or
+/// unwinds.
+struct CallDepth;
+
+impl CallDepth {
+    fn enter() -> CallDepth {
+        HOOKED_DEPTH.with(|d| d.set(d.get() + 1));
+        CallDepth
+    }
+}
+
+impl Drop for CallDepth {
+    fn drop(&mut self) {
+        HOOKED_DEPTH.with(|d| d.set(d.get() - 1));
+    }
+}
+
+/// How many calls of hooked modules are running on this thread (1 inside the hooks of an
+/// outermost one).
+pub(crate) fn hooked_depth() -> usize {
+    HOOKED_DEPTH.with(Cell::get)
 }
 
 /// The end of a call whose hook failed: inside an `f_call` (a child called from its

@@ -25,6 +25,13 @@
 //! rows, averaged over ranks as `replicate` averages gradients, so the gradient flowing
 //! back into the tensor-parallel part is divided by the world size.
 //!
+//! **Call sharded layers with `call`.** A sharded layer computes the unsharded layer's
+//! result only through its hooks, so a model's `forward` must call it as
+//! `self.fc1.call(&x)` (or `call_t`/`f_call`). `x.apply(&self.fc1)` and
+//! `self.fc1.forward(&x)` run `Module::forward` alone, which computes with this rank's shard:
+//! the outputs are wrong, differently on every rank, and no error says so. A layer that a
+//! forward does not use at all is fine.
+//!
 //! ```no_run
 //! use tch::nn;
 //! use tch_dist::sharding::{shard_module, ColwiseLinear, RowwiseLinear, ShardingPlan};

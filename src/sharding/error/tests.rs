@@ -1,0 +1,524 @@
+//! The exact text of every error variant, each built directly.
+
+use super::*;
+use tch::Device;
+use tch_dist_core::sharding::ShardMetadata;
+
+fn cpu(rank: usize) -> Placement {
+    Placement::new(rank, Device::Cpu)
+}
+
+fn dist() -> DistError {
+    DistError::PeerGone {
+        rank: 1,
+        op: "all_gather (differentiable)",
+        peer: Some(0),
+        cause: "Connection closed by peer".into(),
+    }
+}
+
+fn dim_error() -> Box<ShardingError> {
+    Box::new(ShardingError::DimOutOfRange { dim: 2, ndim: 2 })
+}
+
+/// The variant's name; exhaustive, so a new variant fails to compile until it is
+/// pinned below.
+fn plan_name(p: &PlanProblem) -> &'static str {
+    match p {
+        PlanProblem::NotAParameter => "NotAParameter",
+        PlanProblem::NotAModule => "NotAModule",
+        PlanProblem::SpecOnModule => "SpecOnModule",
+        PlanProblem::SharderOnParameter => "SharderOnParameter",
+        PlanProblem::Placements { .. } => "Placements",
+        PlanProblem::SpecShape { .. } => "SpecShape",
+        PlanProblem::NotAWeight { .. } => "NotAWeight",
+        PlanProblem::EnumerableWeightSpec => "EnumerableWeightSpec",
+        PlanProblem::WeightDim { .. } => "WeightDim",
+        PlanProblem::NoParentModule { .. } => "NoParentModule",
+        PlanProblem::Layer { .. } => "Layer",
+        PlanProblem::Sharder { .. } => "Sharder",
+        PlanProblem::SpecInsideSharder { .. } => "SpecInsideSharder",
+        PlanProblem::SharderInsideSharder { .. } => "SharderInsideSharder",
+        PlanProblem::ShardedTwice => "ShardedTwice",
+        PlanProblem::OutputNotAModule => "OutputNotAModule",
+        PlanProblem::OutputNotChunk => "OutputNotChunk",
+        PlanProblem::OutputPlacements { .. } => "OutputPlacements",
+        PlanProblem::OutputChunkOrder { .. } => "OutputChunkOrder",
+        PlanProblem::LocalNotAModule => "LocalNotAModule",
+        PlanProblem::LocalNotSharded => "LocalNotSharded",
+        PlanProblem::Unhookable { .. } => "Unhookable",
+        PlanProblem::Layout { .. } => "Layout",
+        PlanProblem::NotSharded => "NotSharded",
+    }
+}
+
+fn sharder_name(e: &SharderError) -> &'static str {
+    match e {
+        SharderError::Submodule { .. } => "Submodule",
+        SharderError::ExtraParameter { .. } => "ExtraParameter",
+        SharderError::NoWeight { .. } => "NoWeight",
+        SharderError::WeightShape { .. } => "WeightShape",
+        SharderError::BiasShape { .. } => "BiasShape",
+        SharderError::Placements { .. } => "Placements",
+        SharderError::ZeroFused => "ZeroFused",
+        SharderError::NotDivisible { .. } => "NotDivisible",
+        SharderError::Custom(_) => "Custom",
+    }
+}
+
+fn forward_name(p: &ForwardProblem) -> &'static str {
+    match p {
+        ForwardProblem::InputWidth { .. } => "InputWidth",
+        ForwardProblem::OutputDim { .. } => "OutputDim",
+        ForwardProblem::Collective(_) => "Collective",
+    }
+}
+
+fn shard_name(e: &ShardError) -> &'static str {
+    match e {
+        ShardError::Plan { .. } => "Plan",
+        ShardError::InvalidArgument { .. } => "InvalidArgument",
+        ShardError::Dist { .. } => "Dist",
+        ShardError::Forward { .. } => "Forward",
+        ShardError::Contract(_) => "Contract",
+    }
+}
+
+/// Checks that `cases` pins every variant `name` knows of, each once, and its text.
+fn pin<T: fmt::Display>(cases: Vec<(T, &str)>, name: fn(&T) -> &'static str, all: &[&str]) {
+    let mut seen: Vec<&str> = cases.iter().map(|(v, _)| name(v)).collect();
+    seen.sort_unstable();
+    let mut all = all.to_vec();
+    all.sort_unstable();
+    assert_eq!(seen, all, "every variant pinned once");
+    for (value, text) in cases {
+        assert_eq!(value.to_string(), text, "{}", name(&value));
+    }
+}
+
+#[test]
+fn every_plan_problem_has_its_text() {
+    let linear = SharderError::NotDivisible {
+        out_features: 8,
+        fused: 3,
+    };
+    pin(
+        vec![
+            (
+                PlanProblem::NotAParameter,
+                "is not a parameter of the model",
+            ),
+            (PlanProblem::NotAModule, "is not a module of the model"),
+            (
+                PlanProblem::SpecOnModule,
+                "names a module, but a ShardingSpec shards a parameter; shard a module with \
+                 a Sharder",
+            ),
+            (
+                PlanProblem::SharderOnParameter,
+                "names a parameter, but a Sharder shards a module; shard a parameter with a \
+                 ShardingSpec",
+            ),
+            (
+                PlanProblem::Placements {
+                    source: Box::new(ShardingError::RankOutOfRange {
+                        placement: cpu(2),
+                        world_size: 2,
+                    }),
+                },
+                "placements do not match the group: placement `rank:2/cpu`: rank 2 is out of \
+                 range for a world of 2 ranks",
+            ),
+            (
+                PlanProblem::SpecShape {
+                    shape: vec![8, 6],
+                    source: dim_error(),
+                },
+                "the spec does not fit the parameter's shape [8, 6]: dim 2 out of range for a \
+                 tensor of 2 dims (expected a dim in -2..=1)",
+            ),
+            (
+                PlanProblem::NotAWeight {
+                    name: "bias".into(),
+                },
+                "only a linear layer's `weight` can be sharded by a spec (its forward is \
+                 rewritten; the bias follows the weight); `bias` cannot",
+            ),
+            (
+                PlanProblem::EnumerableWeightSpec,
+                "a linear layer's weight is sharded with a ChunkShardingSpec (dim 0: \
+                 column-parallel, dim 1: row-parallel); an EnumerableShardingSpec has no \
+                 sharded forward",
+            ),
+            (
+                PlanProblem::WeightDim { dim: 3 },
+                "dim 3 out of range for a linear layer's weight of 2 dims",
+            ),
+            (
+                PlanProblem::NoParentModule {
+                    module: "fc1".into(),
+                },
+                "its module `fc1` is not in the model",
+            ),
+            (
+                PlanProblem::Layer {
+                    module: "fc1".into(),
+                    source: SharderError::ZeroFused,
+                },
+                "`fc1`: fused must be at least 1",
+            ),
+            (
+                PlanProblem::Sharder {
+                    sharder: "colwise_linear(fused=3)".into(),
+                    source: linear,
+                },
+                "colwise_linear(fused=3): `weight` has 8 output features, not divisible into \
+                 fused=3 parts",
+            ),
+            (
+                PlanProblem::SpecInsideSharder {
+                    owner: "fc1".into(),
+                    sharder: "colwise_linear".into(),
+                },
+                "a parameter spec inside `fc1`, which sharder `colwise_linear` shards whole",
+            ),
+            (
+                PlanProblem::SharderInsideSharder {
+                    owner: "".into(),
+                    sharder: "colwise_linear".into(),
+                },
+                "a sharder inside the root module, which sharder `colwise_linear` shards whole",
+            ),
+            (PlanProblem::ShardedTwice, "is sharded by two plan entries"),
+            (
+                PlanProblem::OutputNotAModule,
+                "output_plan names a module that is not in the model",
+            ),
+            (
+                PlanProblem::OutputNotChunk,
+                "output_plan: only a ChunkShardingSpec can lay out a module output",
+            ),
+            (
+                PlanProblem::OutputPlacements {
+                    source: Box::new(ShardingError::DuplicateRank {
+                        rank: 0,
+                        first: 0,
+                        second: 1,
+                    }),
+                },
+                "output_plan: placements do not match the group: placements 0 and 1 both \
+                 name rank 0: a ChunkShardingSpec holds at most one chunk per rank",
+            ),
+            (
+                PlanProblem::OutputChunkOrder {
+                    placements: vec![cpu(1), cpu(0)],
+                    world_size: 2,
+                },
+                "output_plan: an output is split into one chunk per rank, chunk i on rank i \
+                 (2 placements, rank:0 first), not [rank:1/cpu, rank:0/cpu]",
+            ),
+            (
+                PlanProblem::LocalNotAModule,
+                "return_local_tensor names a module that is not in the model",
+            ),
+            (
+                PlanProblem::LocalNotSharded,
+                "return_local_tensor: this module's output is not split across ranks; give \
+                 it an output_plan spec saying how",
+            ),
+            (
+                PlanProblem::Unhookable {
+                    source: HookError::NoIdentity { module: "Gelu" },
+                },
+                "its output cannot be hooked: cannot register a hook on a `Gelu`: it has no \
+                 parameters or buffers, so the module instance cannot be identified",
+            ),
+            (
+                PlanProblem::Layout {
+                    source: Box::new(ShardingError::Overlap {
+                        first: 0,
+                        second: 1,
+                        first_shard: Box::new(
+                            ShardMetadata::new(vec![0], vec![2], cpu(0)).unwrap(),
+                        ),
+                        second_shard: Box::new(
+                            ShardMetadata::new(vec![1], vec![2], cpu(1)).unwrap(),
+                        ),
+                    }),
+                },
+                "invalid shard layout: shards 0 and 1 overlap: offsets [0], sizes [2] on \
+                 rank:0/cpu and offsets [1], sizes [2] on rank:1/cpu",
+            ),
+            (PlanProblem::NotSharded, "is not a sharded parameter"),
+        ],
+        plan_name,
+        &[
+            "NotAParameter",
+            "NotAModule",
+            "SpecOnModule",
+            "SharderOnParameter",
+            "Placements",
+            "SpecShape",
+            "NotAWeight",
+            "EnumerableWeightSpec",
+            "WeightDim",
+            "NoParentModule",
+            "Layer",
+            "Sharder",
+            "SpecInsideSharder",
+            "SharderInsideSharder",
+            "ShardedTwice",
+            "OutputNotAModule",
+            "OutputNotChunk",
+            "OutputPlacements",
+            "OutputChunkOrder",
+            "LocalNotAModule",
+            "LocalNotSharded",
+            "Unhookable",
+            "Layout",
+            "NotSharded",
+        ],
+    );
+}
+
+#[test]
+fn every_sharder_error_has_its_text() {
+    #[derive(Debug, thiserror::Error)]
+    #[error("an embedding needs at least 2 rows per rank")]
+    struct TooFewRows;
+    pin(
+        vec![
+            (
+                SharderError::Submodule {
+                    kind: "Mlp",
+                    child: "fc1".into(),
+                },
+                "a linear sharder needs a linear layer (`weight` and optional `bias`), but \
+                 this `Mlp` has a submodule `fc1`",
+            ),
+            (
+                SharderError::ExtraParameter {
+                    kind: "LayerNorm",
+                    name: "gamma".into(),
+                },
+                "a linear sharder needs a linear layer (`weight` and optional `bias`), but \
+                 this `LayerNorm` has a parameter `gamma`",
+            ),
+            (
+                SharderError::NoWeight { kind: "Embedding" },
+                "this `Embedding` has no `weight` parameter",
+            ),
+            (
+                SharderError::WeightShape { shape: vec![8] },
+                "`weight` has shape [8]; a linear layer's weight is [out_features, \
+                 in_features]",
+            ),
+            (
+                SharderError::BiasShape {
+                    shape: vec![4],
+                    weight: vec![8, 6],
+                },
+                "`bias` has shape [4]; expected [8] for a weight of shape [8, 6]",
+            ),
+            (
+                SharderError::Placements {
+                    placements: vec![cpu(1), cpu(0)],
+                    world_size: 2,
+                },
+                "placements [rank:1/cpu, rank:0/cpu] do not match the group of 2 ranks: a \
+                 linear layer is split into one chunk per rank, chunk i on rank i",
+            ),
+            (SharderError::ZeroFused, "fused must be at least 1"),
+            (
+                SharderError::NotDivisible {
+                    out_features: 8,
+                    fused: 3,
+                },
+                "`weight` has 8 output features, not divisible into fused=3 parts",
+            ),
+            (
+                SharderError::custom(TooFewRows),
+                "an embedding needs at least 2 rows per rank",
+            ),
+        ],
+        sharder_name,
+        &[
+            "Submodule",
+            "ExtraParameter",
+            "NoWeight",
+            "WeightShape",
+            "BiasShape",
+            "Placements",
+            "ZeroFused",
+            "NotDivisible",
+            "Custom",
+        ],
+    );
+    let custom = SharderError::custom(TooFewRows);
+    assert!(std::error::Error::source(&custom).is_none()); // transparent: TooFewRows's
+    let SharderError::Custom(inner) = custom else {
+        unreachable!()
+    };
+    assert!(inner.downcast_ref::<TooFewRows>().is_some());
+}
+
+#[test]
+fn every_forward_problem_has_its_text() {
+    pin(
+        vec![
+            (
+                ForwardProblem::InputWidth {
+                    full: 8,
+                    local: 4,
+                    width: 5,
+                },
+                "expects 8 input features (or its slice of 4), got 5",
+            ),
+            (
+                ForwardProblem::OutputDim { dim: 3, ndim: 2 },
+                "output_plan's dim 3 is out of range for an output of 2 dims",
+            ),
+            (
+                ForwardProblem::Collective(dist()),
+                "rank 1: all_gather (differentiable) failed: rank 0 closed the connection",
+            ),
+        ],
+        forward_name,
+        &["InputWidth", "OutputDim", "Collective"],
+    );
+    let sites = [
+        (HookSite::ColumnParallel, "column-parallel"),
+        (HookSite::RowParallel, "row-parallel"),
+        (HookSite::Output, "output of"),
+    ];
+    for (site, text) in sites {
+        // Exhaustive: a new site fails to compile until it is pinned here.
+        match site {
+            HookSite::ColumnParallel | HookSite::RowParallel | HookSite::Output => {}
+        }
+        assert_eq!(site.to_string(), text);
+    }
+}
+
+/// Each message names the rank, `shard_module` and the FQN once.
+#[test]
+fn every_shard_error_names_rank_op_and_fqn_once() {
+    let forward = |site, problem| ShardError::Forward {
+        rank: 1,
+        fqn: "fc2".into(),
+        site,
+        problem,
+    };
+    pin(
+        vec![
+            (
+                ShardError::Plan {
+                    rank: 1,
+                    fqn: "fc3.weight".into(),
+                    problem: PlanProblem::NotAParameter,
+                },
+                "rank 1: shard_module: `fc3.weight`: is not a parameter of the model",
+            ),
+            (
+                ShardError::InvalidArgument {
+                    rank: 1,
+                    problem: ArgumentError::RankNotInGroup {
+                        what: "src_rank",
+                        rank: 2,
+                        world_size: 2,
+                    },
+                },
+                "rank 1: shard_module: src_rank 2 is not in a group of size 2",
+            ),
+            (
+                ShardError::Dist {
+                    rank: 1,
+                    fqn: "fc1.weight".into(),
+                    source: DistError::Collective {
+                        rank: 1,
+                        op: "scatter",
+                        cause: "Connection reset".into(),
+                    },
+                },
+                "rank 1: shard_module: `fc1.weight`: scatter failed: Connection reset",
+            ),
+            (
+                forward(
+                    HookSite::RowParallel,
+                    ForwardProblem::InputWidth {
+                        full: 8,
+                        local: 4,
+                        width: 5,
+                    },
+                ),
+                "shard_module: row-parallel `fc2` on rank 1 expects 8 input features (or its \
+                 slice of 4), got 5",
+            ),
+            (
+                ShardError::Contract(ContractError::AlreadyApplied {
+                    api: "shard_module",
+                    module: "Mlp",
+                }),
+                "Each distinct composable distributed API can only be applied to a module \
+                 once. shard_module has already been applied to the following module: Mlp",
+            ),
+        ],
+        shard_name,
+        &["Plan", "InvalidArgument", "Dist", "Forward", "Contract"],
+    );
+    // The other shapes of the variants that carry a FQN or a DistError.
+    let root = ShardError::Plan {
+        rank: 0,
+        fqn: String::new(),
+        problem: PlanProblem::Sharder {
+            sharder: "rowwise_linear".into(),
+            source: SharderError::NoWeight { kind: "Mlp" },
+        },
+    };
+    assert_eq!(
+        root.to_string(),
+        "rank 0: shard_module: the root module: rowwise_linear: this `Mlp` has no `weight` \
+         parameter"
+    );
+    let collective = forward(HookSite::Output, ForwardProblem::Collective(dist()));
+    assert_eq!(
+        collective.to_string(),
+        "shard_module: output of `fc2` on rank 1: all_gather (differentiable) failed: rank \
+         0 closed the connection"
+    );
+    let dim = forward(
+        HookSite::Output,
+        ForwardProblem::OutputDim { dim: -3, ndim: 2 },
+    );
+    assert_eq!(
+        dim.to_string(),
+        "shard_module: output of `fc2` on rank 1: output_plan's dim -3 is out of range for an \
+         output of 2 dims"
+    );
+    let column = forward(HookSite::ColumnParallel, ForwardProblem::Collective(dist()));
+    assert!(column
+        .to_string()
+        .starts_with("shard_module: column-parallel `fc2` on rank 1: all_gather"));
+    // A DistError without the rank prefix (not from this group) is kept whole.
+    let other = ShardError::Dist {
+        rank: 1,
+        fqn: "fc1".into(),
+        source: DistError::NotInitialized,
+    };
+    assert_eq!(
+        other.to_string(),
+        "rank 1: shard_module: `fc1`: the default process group is not initialized; call \
+         init_process_group first"
+    );
+    for e in [root, collective, dim, column, other] {
+        let text = e.to_string();
+        assert_eq!(text.matches("shard_module").count(), 1, "{text}");
+        let rank = if text.contains("rank 0:") { 0 } else { 1 };
+        assert_eq!(
+            text.matches(&format!("rank {rank}")).count()
+                - text.matches(&format!("rank {rank} closed")).count(),
+            1,
+            "{text}"
+        );
+    }
+}
