@@ -85,6 +85,12 @@
 //! # Ok(()) }
 //! ```
 //!
+//! **Call hooked layers with `call`.** APIs such as replicate and sharding work through
+//! forward hooks, which only `call` runs: a model's `forward` calls a sharded layer as
+//! `self.fc1.call(&x)`, not `x.apply(&self.fc1)` or `self.fc1.forward(&x)` (a sharded layer
+//! computes the unsharded layer's result only through its hooks). `shard_module` makes a
+//! bypass an error naming the layer and the fix (see [`sharding`]).
+//!
 //! See docs/ARCHITECTURE.md for how the crates fit together and docs/PERFORMANCE.md for the
 //! benchmarks against PyTorch DDP.
 

@@ -700,3 +700,156 @@ fn removed_hooks_leave_local_layers_that_do_not_communicate() {
         },
     );
 }
+
+/// The MLP a user wrote with `apply`, which calls `Module::forward` and skips the hooks.
+#[derive(Debug, Shardable)]
+struct ApplyMlp {
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+impl Module for ApplyMlp {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        xs.apply(&self.fc1).gelu("none").apply(&self.fc2)
+    }
+}
+
+/// The message of a panic payload.
+fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+    match payload.downcast::<String>() {
+        Ok(s) => *s,
+        Err(p) => p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .unwrap_or_default(),
+    }
+}
+
+#[test]
+fn hooked_layers_used_without_their_hooks_fail_on_every_rank() {
+    run_ranks(
+        "hooked_layers_used_without_their_hooks_fail_on_every_rank",
+        2,
+        |pg| {
+            let x = input(&[4, 6]);
+            let expected = format!(
+                "rank {}: shard_module: parameter `fc1.weight` of `fc1` was used outside a call \
+                 of the module through its forward hooks, where this rank's shard alone gives a \
+                 wrong result; call the module as `self.fc1.call(&x)`, not \
+                 `x.apply(&self.fc1)` or `self.fc1.forward(&x)` (a deliberate direct use goes \
+                 in ShardState::allow_direct_use)",
+                pg.rank()
+            );
+            // 1. The user's model, Megatron-planned, called with `call`: the forward fails.
+            let vs = nn::VarStore::new(Device::Cpu);
+            let r = vs.root();
+            let mut model = ApplyMlp {
+                fc1: nn::linear(&r / "fc1", 6, 8, Default::default()),
+                fc2: nn::linear(&r / "fc2", 8, 5, Default::default()),
+            };
+            let plan = MegatronPlanner::default().build_plan(&model).unwrap();
+            shard_module(&mut model, &plan, 0, &pg).unwrap();
+            let err = model.f_call(&x).unwrap_err();
+            assert_eq!(err.message(), expected);
+            assert!(
+                matches!(
+                    err.downcast_ref::<ShardError>(),
+                    Some(ShardError::HooksBypassed { rank, module, param })
+                        if *rank == pg.rank() && module == "fc1" && param == "fc1.weight"
+                ),
+                "{err:?}"
+            );
+            let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let _ = model.call(&x);
+            }));
+            assert_eq!(panic_text(panicked.unwrap_err()), expected);
+
+            // 2. Called with `forward`, past that check: backward fails before any gradient
+            // of a guarded parameter, so the optimizer never steps.
+            let mut opt = nn::Sgd::default().build(&vs, 0.5).unwrap();
+            let mut names: Vec<String> = vs.variables().into_keys().collect();
+            names.sort();
+            let before: Vec<Tensor> = names.iter().map(|n| vs.variables()[n].copy()).collect();
+            let loss = model.forward(&x).square().mean(Kind::Float);
+            let failed =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| opt.backward_step(&loss)));
+            let text = panic_text(failed.unwrap_err());
+            assert!(text.contains(&expected), "{text}");
+            for (name, old) in names.iter().zip(&before) {
+                let now = &vs.variables()[name];
+                assert!(now.equal(old), "rank {}: {name} changed", pg.rank());
+                assert!(
+                    !now.grad().defined(),
+                    "rank {}: {name} has a gradient",
+                    pg.rank()
+                );
+            }
+
+            // 3. A deliberate direct use (a regularizer on the shards) passes when declared.
+            let state = shard_module_state(&model).unwrap();
+            let l2 = || model.fc1.ws.square().sum(Kind::Float);
+            let err = l2().f_backward().unwrap_err().to_string();
+            assert!(err.contains(&expected), "{err}");
+            state.allow_direct_use(l2).unwrap().backward();
+            assert!(model.fc1.ws.grad().equal(&(&model.fc1.ws * 2.0)));
+        },
+    );
+}
+
+#[test]
+fn called_layers_train_exactly_and_unused_ones_are_fine() {
+    #[derive(Debug, Shardable)]
+    struct WithSpare {
+        fc1: nn::Linear,
+        fc2: nn::Linear,
+        spare: nn::Linear,
+    }
+    impl Module for WithSpare {
+        fn forward(&self, xs: &Tensor) -> Tensor {
+            self.fc2.call(&self.fc1.call(xs).gelu("none")) // `spare` is not used
+        }
+    }
+    let build = |vs: &nn::VarStore| WithSpare {
+        fc1: nn::linear(vs.root() / "fc1", 6, 8, Default::default()),
+        fc2: nn::linear(vs.root() / "fc2", 8, 5, Default::default()),
+        spare: nn::linear(vs.root() / "spare", 6, 4, Default::default()),
+    };
+    run_ranks(
+        "called_layers_train_exactly_and_unused_ones_are_fine",
+        2,
+        move |pg| {
+            let values = shard_check(&pg, 1e-5, false);
+            let (ref_vs, reference, vs, mut model) = twin_models(&pg, build);
+            let mut plan = MegatronPlanner::default().build_plan(&model).unwrap();
+            plan.plan.insert(
+                "spare".into(),
+                tch_dist::sharding::PlanEntry::Sharder(std::sync::Arc::new(
+                    ColwiseLinear::default(),
+                )),
+            );
+            shard_module(&mut model, &plan, 0, &pg).unwrap();
+            let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
+            let mut ref_opt = nn::Sgd::default().build(&ref_vs, 0.1).unwrap();
+            for step in 0..3 {
+                let x = input(&[4 + step, 6]);
+                let y = model.f_call(&x).unwrap();
+                let y_ref = reference.forward(&x);
+                assert!(max_diff(&y, &y_ref) < 1e-5, "step {step}: forward");
+                opt.backward_step(&y.square().mean(Kind::Float));
+                ref_opt.backward_step(&y_ref.square().mean(Kind::Float));
+            }
+            values("fc1.weight", &model.fc1.ws, &reference.fc1.ws, Some(0));
+            values("fc2.weight", &model.fc2.ws, &reference.fc2.ws, Some(1));
+            assert!(
+                !model.spare.ws.grad().defined(),
+                "the unused layer has no gradient"
+            );
+            values(
+                "spare.weight",
+                &model.spare.ws,
+                &reference.spare.ws,
+                Some(0),
+            );
+        },
+    );
+}

@@ -59,6 +59,7 @@ typedef struct TdrStore TdrStore;  // a c10d Store (TCPStore, or a PrefixStore o
 typedef struct TdrGroup TdrGroup;  // a Gloo backend, optionally an NCCL backend, a CUDA device
 typedef struct TdrWork TdrWork;    // an in-flight collective
 typedef struct TdrHook TdrHook;    // a gradient-accumulator post hook's registration
+typedef struct TdrGuard TdrGuard;  // a use guard over one module's parameters
 
 // A Rust callback run on libtorch's autograd threads; returns null or a malloc'ed message,
 // which fails the backward pass.
@@ -124,6 +125,23 @@ char* tdr_add_grad_ready_hook(TdrTensor* param, TdrCallback cb, void* ctx, size_
 void tdr_hook_remove(TdrHook* h);
 char* tdr_queue_end_of_backward(TdrCallback cb, void* ctx, size_t index);
 char* tdr_set_grad(TdrTensor* param, TdrTensor* grad);
+
+// Use guards (src/use_guard.rs): the parameters of a hooked module may only be used, in the
+// autograd graph, by nodes made inside a call of that module through its hooks. A call's
+// pre-hook takes a mark (autograd's sequence number on this thread), its forward hook claims
+// the nodes made since that use a guarded parameter and that the output depends on. A
+// backward pass through an unclaimed use fails before any guarded gradient is accumulated,
+// with the message cb(ctx, index) returns for the first such parameter (index: its position
+// in `params`); tdr_guard_first_unclaimed finds one in an output's graph (forward).
+uint64_t tdr_autograd_mark(void);
+char* tdr_guard_new(TdrTensor** params, size_t n, TdrCallback cb, void* ctx, TdrGuard** out);
+// g == NULL claims the uses of every guard's parameters (a deliberate direct use).
+char* tdr_guard_claim(TdrGuard* g, TdrTensor* output, uint64_t mark);
+// *guard = SIZE_MAX when every use is claimed; otherwise the position in `guards` of the
+// first guard with an unclaimed use, and *index the first such parameter's.
+char* tdr_guard_first_unclaimed(TdrGuard** guards, size_t n, TdrTensor* output,
+                                uint64_t mark, size_t* guard, size_t* index);
+void tdr_guard_free(TdrGuard* g);
 
 // Differentiable collectives for tensor parallelism (mode: a TdrParallelMode).
 char* tdr_parallel_op(TdrGroup* g, TdrTensor* input, int mode, int64_t dim,

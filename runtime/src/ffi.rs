@@ -35,6 +35,12 @@ pub struct TdrHook {
     _private: [u8; 0],
 }
 
+/// Opaque use guard over one module's parameters.
+#[repr(C)]
+pub struct TdrGuard {
+    _private: [u8; 0],
+}
+
 // `enum TdrErrorKind` (what `tdr_last_error_kind` reports about the last failure; the first
 // two are named for the contract check, `take_error` reads anything else as an engine error).
 #[allow(dead_code)]
@@ -209,6 +215,25 @@ extern "C" {
     ) -> *mut c_char;
     pub fn tdr_set_grad(param: *mut C_tensor, grad: *mut C_tensor) -> *mut c_char;
 
+    pub fn tdr_autograd_mark() -> u64;
+    pub fn tdr_guard_new(
+        params: *mut *mut C_tensor,
+        n: usize,
+        cb: TdrCallback,
+        ctx: *mut std::ffi::c_void,
+        out: *mut *mut TdrGuard,
+    ) -> *mut c_char;
+    pub fn tdr_guard_claim(g: *mut TdrGuard, output: *mut C_tensor, mark: u64) -> *mut c_char;
+    pub fn tdr_guard_first_unclaimed(
+        guards: *mut *mut TdrGuard,
+        n: usize,
+        output: *mut C_tensor,
+        mark: u64,
+        guard: *mut usize,
+        index: *mut usize,
+    ) -> *mut c_char;
+    pub fn tdr_guard_free(g: *mut TdrGuard);
+
     pub fn tdr_parallel_op(
         g: *mut TdrGroup,
         input: *mut C_tensor,
@@ -325,6 +350,7 @@ mod tests {
         let base = match base.as_str() {
             "int" => "c_int",
             "int64_t" => "i64",
+            "uint64_t" => "u64",
             "uint16_t" => "u16",
             "uint8_t" => "u8",
             "size_t" => "usize",

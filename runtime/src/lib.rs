@@ -19,6 +19,7 @@ mod reducer;
 pub mod sharding;
 mod store;
 pub mod testing;
+mod use_guard;
 mod verify;
 
 pub use coalesced::BROADCAST_BUCKET_BYTES;
@@ -37,3 +38,4 @@ pub use reducer::{
     DEFAULT_IN_PLACE_MIN_BYTES,
 };
 pub use store::Store;
+pub use use_guard::{autograd_mark, UseGuard};

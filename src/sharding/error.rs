@@ -72,6 +72,26 @@ pub enum ShardError {
         /// What went wrong.
         problem: ForwardProblem,
     },
+    /// A module `shard_module` hooked ran without its hooks: `param` was used (in the
+    /// autograd graph) outside a call of `module` through them, where this rank's shard
+    /// alone gives a wrong result. Raised by the check of the sharded model's call (`f_call`
+    /// returns it in a [`ForwardError`](crate::ForwardError)) or, as its message, by the
+    /// backward pass, before any guarded parameter gets a gradient.
+    #[error(
+        "rank {rank}: shard_module: parameter `{param}` of {} was used outside a call of the \
+         module through its forward hooks, where this rank's shard alone gives a wrong result; \
+         {} (a deliberate direct use goes in ShardState::allow_direct_use)",
+        Key(module),
+        Fix(module)
+    )]
+    HooksBypassed {
+        /// This rank.
+        rank: usize,
+        /// The hooked module.
+        module: String,
+        /// The parameter used outside its calls (its FQN).
+        param: String,
+    },
     /// Applied twice, or the module's names changed (the message names `shard_module`).
     #[error(transparent)]
     Contract(#[from] ContractError),
@@ -422,6 +442,24 @@ impl fmt::Display for Key<'_> {
             f.write_str("the root module")
         } else {
             write!(f, "`{}`", self.0)
+        }
+    }
+}
+
+/// How to call a hooked module: with `call`, as its parent's field.
+struct Fix<'a>(&'a str);
+
+impl fmt::Display for Fix<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.rsplit('.').next().filter(|s| !s.is_empty()) {
+            Some(field) => write!(
+                f,
+                "call the module as `self.{field}.call(&x)`, not `x.apply(&self.{field})` or \
+                 `self.{field}.forward(&x)`"
+            ),
+            None => {
+                f.write_str("call the module with `.call(&x)`, not `x.apply(..)` or `.forward(..)`")
+            }
         }
     }
 }

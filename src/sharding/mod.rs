@@ -10,7 +10,8 @@
 //! * [`shard_module`] validates the whole plan, then scatters each sharded parameter from
 //!   `src_rank` so that every rank keeps its shard — in place: FQNs, `VarStore` entries and
 //!   optimizers built afterwards see the shards — and installs forward hooks: the sharders'
-//!   input hooks and one output hook per module whose output layout changes.
+//!   input hooks, one output hook per module whose output layout changes, and the check
+//!   that hooked modules are not run without their hooks (see below).
 //! * The hooks communicate with the differentiable collectives of
 //!   [`functional`], so backward produces each rank's gradient shard.
 //!
@@ -28,9 +29,18 @@
 //! **Call sharded layers with `call`.** A sharded layer computes the unsharded layer's
 //! result only through its hooks, so a model's `forward` must call it as
 //! `self.fc1.call(&x)` (or `call_t`/`f_call`). `x.apply(&self.fc1)` and
-//! `self.fc1.forward(&x)` run `Module::forward` alone, which computes with this rank's shard:
-//! the outputs are wrong, differently on every rank, and no error says so. A layer that a
-//! forward does not use at all is fine.
+//! `self.fc1.forward(&x)` run `Module::forward` alone, which computes with this rank's
+//! shard, and `shard_module` makes that an error on every rank: a parameter of a module it
+//! hooked, used (in the autograd graph) outside a call of that module through its hooks, is
+//! a [`ShardError::HooksBypassed`] naming the module and the fix. `f_call` of the module
+//! passed to `shard_module` returns it (`call` panics with it); where that check cannot see
+//! the use (that module called with `forward`, a use outside it), the backward pass fails
+//! with it before
+//! any gradient of those parameters is accumulated, so no optimizer step applies a wrong
+//! gradient. A layer that a forward does not use is fine; a deliberate direct use (a
+//! regularizer over this rank's shards) goes in [`ShardState::allow_direct_use`]. Autograd
+//! is what sees the uses: nothing is checked under `no_grad` (inference), nor for
+//! parameters that do not require grad.
 //!
 //! ```no_run
 //! use tch::nn;
@@ -64,6 +74,7 @@
 //! ```
 
 mod error;
+mod guard;
 mod output;
 mod plan;
 mod planner;
@@ -117,12 +128,21 @@ pub fn shard_module<M: Shardable + ?Sized>(
         hooks.extend(done.hooks);
         layouts.insert(fqn, done.output);
     }
+    let mut hooked: Vec<String> = layouts.keys().cloned().collect();
+    let local_only = plan.return_local_tensor.iter();
+    hooked.extend(local_only.filter(|f| !layouts.contains_key(*f)).cloned());
     hooks.extend(output::install_output_hooks(
         &modules, layouts, plan, group,
     )?);
+    // Last, so that each scope sees a call's whole work, after the sharders' hooks and the
+    // output hooks.
+    let root = module.as_dyn_shardable();
+    let (scopes, guards) = guard::install(root, &modules, &hooked, group)?;
+    hooks.extend(scopes);
     Ok(ShardState {
         sharded,
         hooks,
+        guards: std::sync::Mutex::new(guards),
         group: group.clone(),
     })
 }

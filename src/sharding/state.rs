@@ -1,12 +1,15 @@
 //! [`ShardState`]: what [`shard_module`](super::shard_module) did to a module.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use tch::Tensor;
 
 use tch_dist_core::hooks::RemovableHandle;
 use tch_dist_core::sharding::ShardedTensorMetadata;
 use tch_dist_core::Shardable;
 use tch_dist_runtime::sharding::{Shard, ShardedTensor};
-use tch_dist_runtime::ProcessGroup;
+use tch_dist_runtime::{autograd_mark, ProcessGroup, UseGuard};
 
 use super::error::{PlanProblem, ShardError};
 
@@ -15,6 +18,8 @@ use super::error::{PlanProblem, ShardError};
 pub struct ShardState {
     pub(super) sharded: BTreeMap<String, ShardedTensorMetadata>,
     pub(super) hooks: Vec<RemovableHandle>,
+    /// The bypass check's guards (dropped by `remove_hooks`).
+    pub(super) guards: Mutex<Vec<Arc<UseGuard>>>,
     pub(super) group: ProcessGroup,
 }
 
@@ -23,6 +28,7 @@ impl std::fmt::Debug for ShardState {
         f.debug_struct("ShardState")
             .field("sharded", &self.sharded.keys().collect::<Vec<_>>())
             .field("hooks", &self.hooks.len())
+            .field("guards", &self.lock_guards().len())
             .finish()
     }
 }
@@ -89,11 +95,33 @@ impl ShardState {
             .map_err(|e| ShardError::dist(&self.group, fqn, e))
     }
 
-    /// Removes the forward hooks (the parameters stay sharded): a call then runs each
-    /// layer's forward on its local shard, without communication.
+    /// Runs `f`, whose result may use the sharded modules' parameters directly, outside
+    /// their modules' calls (a regularizer over this rank's shards): the uses that the tensor
+    /// `f` returns depends on pass the bypass check (see [`ShardError::HooksBypassed`]).
+    ///
+    /// ```no_run
+    /// # fn f(state: &tch_dist::sharding::ShardState, w: &tch::Tensor) -> Result<(), tch_dist::sharding::ShardError> {
+    /// let l2 = state.allow_direct_use(|| w.pow_tensor_scalar(2).sum(tch::Kind::Float))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn allow_direct_use(&self, f: impl FnOnce() -> Tensor) -> Result<Tensor, ShardError> {
+        let mark = autograd_mark();
+        let out = f();
+        UseGuard::claim_any(self.group.rank(), "shard_module", &out, mark)
+            .map_err(|e| ShardError::dist(&self.group, "", e))?;
+        Ok(out)
+    }
+
+    /// Removes the forward hooks and the bypass check (the parameters stay sharded): a call
+    /// then runs each layer's forward on its local shard, without communication.
     pub fn remove_hooks(&self) {
         for h in &self.hooks {
             h.remove();
         }
+        self.lock_guards().clear();
+    }
+
+    fn lock_guards(&self) -> std::sync::MutexGuard<'_, Vec<Arc<UseGuard>>> {
+        self.guards.lock().unwrap_or_else(|e| e.into_inner())
     }
 }

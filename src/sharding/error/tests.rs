@@ -80,6 +80,7 @@ fn shard_name(e: &ShardError) -> &'static str {
         ShardError::InvalidArgument { .. } => "InvalidArgument",
         ShardError::Dist { .. } => "Dist",
         ShardError::Forward { .. } => "Forward",
+        ShardError::HooksBypassed { .. } => "HooksBypassed",
         ShardError::Contract(_) => "Contract",
     }
 }
@@ -455,6 +456,18 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
                  slice of 4), got 5",
             ),
             (
+                ShardError::HooksBypassed {
+                    rank: 1,
+                    module: "blocks.0.fc1".into(),
+                    param: "blocks.0.fc1.weight".into(),
+                },
+                "rank 1: shard_module: parameter `blocks.0.fc1.weight` of `blocks.0.fc1` was \
+                 used outside a call of the module through its forward hooks, where this \
+                 rank's shard alone gives a wrong result; call the module as \
+                 `self.fc1.call(&x)`, not `x.apply(&self.fc1)` or `self.fc1.forward(&x)` (a \
+                 deliberate direct use goes in ShardState::allow_direct_use)",
+            ),
+            (
                 ShardError::Contract(ContractError::AlreadyApplied {
                     api: "shard_module",
                     module: "Mlp",
@@ -464,7 +477,14 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
             ),
         ],
         shard_name,
-        &["Plan", "InvalidArgument", "Dist", "Forward", "Contract"],
+        &[
+            "Plan",
+            "InvalidArgument",
+            "Dist",
+            "Forward",
+            "HooksBypassed",
+            "Contract",
+        ],
     );
     // The other shapes of the variants that carry a FQN or a DistError.
     let root = ShardError::Plan {
@@ -510,7 +530,19 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
         "rank 1: shard_module: `fc1`: the default process group is not initialized; call \
          init_process_group first"
     );
-    for e in [root, collective, dim, column, other] {
+    let root_bypassed = ShardError::HooksBypassed {
+        rank: 0,
+        module: String::new(),
+        param: "weight".into(),
+    };
+    assert_eq!(
+        root_bypassed.to_string(),
+        "rank 0: shard_module: parameter `weight` of the root module was used outside a call \
+         of the module through its forward hooks, where this rank's shard alone gives a \
+         wrong result; call the module with `.call(&x)`, not `x.apply(..)` or `.forward(..)` \
+         (a deliberate direct use goes in ShardState::allow_direct_use)"
+    );
+    for e in [root, collective, dim, column, other, root_bypassed] {
         let text = e.to_string();
         assert_eq!(text.matches("shard_module").count(), 1, "{text}");
         let rank = if text.contains("rank 0:") { 0 } else { 1 };
