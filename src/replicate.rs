@@ -389,23 +389,25 @@ pub fn apply<M: Shardable + ?Sized>(
     group.agree("replicate", local)?;
     // The same options on every rank, or ranks would bucket, wait and reduce differently
     // (mismatched collectives abort Gloo or hang until the timeout).
-    group.verify_same_options(
-        "replicate",
-        &[
-            ("bucket_cap_mb", opts.bucket_cap_mb.to_string()),
-            (
-                "find_unused_parameters",
-                opts.find_unused_parameters.to_string(),
-            ),
-            ("static_graph", opts.static_graph.to_string()),
-            (
-                "gradient_as_bucket_view",
-                opts.gradient_as_bucket_view.to_string(),
-            ),
-            ("broadcast_buffers", opts.broadcast_buffers.to_string()),
-            ("comm_hook", format!("{:?}", opts.comm_hook)),
-        ],
-    )?;
+    let options = [
+        ("bucket_cap_mb", opts.bucket_cap_mb.to_string()),
+        (
+            "find_unused_parameters",
+            opts.find_unused_parameters.to_string(),
+        ),
+        ("static_graph", opts.static_graph.to_string()),
+        (
+            "gradient_as_bucket_view",
+            opts.gradient_as_bucket_view.to_string(),
+        ),
+        ("broadcast_buffers", opts.broadcast_buffers.to_string()),
+        ("comm_hook", format!("{:?}", opts.comm_hook)),
+    ];
+    let options: Vec<(String, String)> = options
+        .into_iter()
+        .map(|(name, value)| (name.to_string(), value))
+        .collect();
+    group.verify_same_options("replicate", &options)?;
     let named: Vec<(&str, &Tensor)> = params.iter().map(|(n, t)| (n.as_str(), t)).collect();
     group.verify_same_tensors("replicate", "parameters", 0, &named)?;
     let states: Vec<&Tensor> = params

@@ -470,6 +470,31 @@ fn every_plan_error_is_reported_before_anything_changes() {
             let err = shard_module(&mut model, &ShardingPlan::default(), 2, &pg).unwrap_err();
             assert!(err.to_string().contains("src_rank 2"), "{err}");
             assert!(matches!(err, ShardError::InvalidArgument { .. }), "{err:?}");
+            // Ranks with different plans fail together, naming the entry and each rank's
+            // value (before, each rank sharded its own way and they hung or computed garbage).
+            let plan = if pg.rank() == 0 {
+                ShardingPlan::builder().shard_module(Mlp::path().fc1(), ColwiseLinear::default())
+            } else {
+                ShardingPlan::builder().shard_module(Mlp::path().fc1(), RowwiseLinear)
+            }
+            .build();
+            let err = shard_module(&mut model, &plan, 0, &pg).unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!(
+                    "rank {}: shard_module: option `plan[\"fc1\"]` differs across ranks: rank 0 \
+                     has Sharder(\"colwise_linear\"), rank 1 has Sharder(\"rowwise_linear\")",
+                    pg.rank()
+                )
+            );
+            // A different source rank is a difference too.
+            let err = shard_module(&mut model, &ShardingPlan::default(), pg.rank(), &pg)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.ends_with("option `src_rank` differs across ranks: rank 0 has 0, rank 1 has 1"),
+                "{err}"
+            );
             // Nothing changed: whole parameters, no hooks, no registration.
             assert_eq!(model.fc1.ws.size(), [8, 6]);
             assert_eq!(num_forward_hooks(&model.fc1), (0, 0));

@@ -515,7 +515,7 @@ pub enum Mismatch {
     #[error("option `{option}` differs across ranks: {}", RankValues(values))]
     OptionValue {
         /// The option's name.
-        option: &'static str,
+        option: String,
         /// Its value on each rank, in rank order.
         values: Vec<String>,
     },
@@ -1025,7 +1025,7 @@ mod tests {
             ),
             (
                 Mismatch::OptionValue {
-                    option: "bucket_cap_mb",
+                    option: "bucket_cap_mb".into(),
                     values: vec!["25".into(), "10".into()],
                 },
                 "option `bucket_cap_mb` differs across ranks: rank 0 has 25, rank 1 has 10",

@@ -76,15 +76,7 @@ impl ProcessGroup {
         op: &'static str,
         local: std::result::Result<T, E>,
     ) -> std::result::Result<T, E> {
-        let mine = Tensor::from_slice(&[local.is_err() as i64]);
-        let all: Vec<Tensor> = (0..self.world_size()).map(|_| mine.zeros_like()).collect();
-        self.all_gather(&all, &mine)?;
-        let failed: Vec<usize> = all
-            .iter()
-            .enumerate()
-            .filter(|(_, t)| t.int64_value(&[0]) != 0)
-            .map(|(r, _)| r)
-            .collect();
+        let failed = self.failed_ranks(local.is_err())?;
         match local {
             Ok(_) if !failed.is_empty() => Err(DistError::PeersFailed {
                 rank: self.rank(),
@@ -102,49 +94,76 @@ impl ProcessGroup {
     ///
     /// ```no_run
     /// # let pg = tch_dist_runtime::default_group()?;
-    /// pg.verify_same_options("replicate", &[("bucket_cap_mb", "25".into())])?;
+    /// pg.verify_same_options("replicate", &[("bucket_cap_mb".into(), "25".into())])?;
     /// # Ok::<(), tch_dist_runtime::DistError>(())
     /// ```
     pub fn verify_same_options(
         &self,
         op: &'static str,
-        options: &[(&'static str, String)],
+        options: &[(String, String)],
     ) -> Result<()> {
         let encoded: String = options
             .iter()
-            .map(|(name, value)| format!("{name}\t{}\n", value.replace(['\t', '\n'], " ")))
+            .map(|(name, value)| {
+                let clean = |s: &str| s.replace(['\t', '\n'], " ");
+                format!("{}\t{}\n", clean(name), clean(value))
+            })
             .collect();
         let texts = self
             .all_gather_bytes(op, encoded.as_bytes())?
             .into_iter()
             .map(|b| String::from_utf8(b).map_err(|_| self.garbled(op)))
             .collect::<Result<Vec<String>>>()?;
-        let values: Vec<Vec<&str>> = texts
+        let lists: Vec<Vec<(&str, &str)>> = texts
             .iter()
             .map(|t| {
                 t.lines()
-                    .map(|l| l.split_once('\t').map_or(l, |(_, v)| v))
+                    .map(|l| l.split_once('\t').unwrap_or((l, "")))
                     .collect()
             })
             .collect();
-        let Some(i) =
-            (0..options.len()).find(|&i| values.iter().any(|v| v.get(i) != values[0].get(i)))
+        let longest = lists.iter().map(Vec::len).max().unwrap_or(0);
+        let Some(i) = (0..longest).find(|&i| lists.iter().any(|l| l.get(i) != lists[0].get(i)))
         else {
             return Ok(());
         };
-        Err(self.mismatch(
-            op,
-            Mismatch::OptionValue {
-                option: options[i].0,
-                values: values
-                    .iter()
-                    .map(|v| {
-                        v.get(i)
-                            .map_or_else(|| "nothing".to_string(), |s| s.to_string())
-                    })
-                    .collect(),
-            },
-        ))
+        // The option at the first difference (the reference rank's name, or the first rank
+        // that has one there), and every rank's value of that option.
+        let option = lists
+            .iter()
+            .find_map(|l| l.get(i))
+            .map_or("", |(name, _)| *name)
+            .to_string();
+        let values = lists
+            .iter()
+            .map(|l| {
+                l.iter()
+                    .find(|(name, _)| *name == option)
+                    .map_or_else(|| "nothing".to_string(), |(_, v)| v.to_string())
+            })
+            .collect();
+        Err(self.mismatch(op, Mismatch::OptionValue { option, values }))
+    }
+
+    /// The ranks (of every rank's `failed` flag) whose own check failed; every rank calls
+    /// it, so every rank learns the same list.
+    ///
+    /// ```no_run
+    /// # let pg = tch_dist_runtime::default_group()?;
+    /// let failed = pg.failed_ranks(false)?; // this rank's check passed
+    /// assert!(!failed.contains(&pg.rank()));
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
+    pub fn failed_ranks(&self, failed: bool) -> Result<Vec<usize>> {
+        let mine = Tensor::from_slice(&[failed as i64]);
+        let all: Vec<Tensor> = (0..self.world_size()).map(|_| mine.zeros_like()).collect();
+        self.all_gather(&all, &mine)?;
+        Ok(all
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.int64_value(&[0]) != 0)
+            .map(|(r, _)| r)
+            .collect())
     }
 
     /// Fails on every rank unless every rank passes a tensor of the same shape and dtype as

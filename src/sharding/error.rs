@@ -95,6 +95,14 @@ pub enum ShardError {
     /// Applied twice, or the module's names changed (the message names `shard_module`).
     #[error(transparent)]
     Contract(#[from] ContractError),
+    /// The ranks disagree: their plans differ, or a check failed on other ranks; nothing
+    /// was changed on any rank.
+    #[error(transparent)]
+    Disagreement {
+        /// What every rank shares ([`DistError::Mismatch`] naming the plan entry and each
+        /// rank's value, or [`DistError::PeersFailed`] naming the ranks whose check failed).
+        source: DistError,
+    },
 }
 
 impl ShardError {

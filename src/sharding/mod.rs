@@ -110,7 +110,23 @@ pub fn shard_module<M: Shardable + ?Sized>(
     src_rank: usize,
     group: &ProcessGroup,
 ) -> Result<ShardState, ShardError> {
-    let targets = validate(&*module, plan, src_rank, group)?;
+    // The same plan and source on every rank, or ranks would scatter and hook differently;
+    // then each rank's own validation, shared, so that all ranks fail together before
+    // anything changes.
+    let disagreement = |source| ShardError::Disagreement { source };
+    group
+        .verify_same_options("shard_module", &plan_entries(plan, src_rank))
+        .map_err(disagreement)?;
+    let local = validate(&*module, plan, src_rank, group);
+    let failed = group.failed_ranks(local.is_err()).map_err(disagreement)?;
+    let targets = local?;
+    if !failed.is_empty() {
+        return Err(disagreement(tch_dist_runtime::DistError::PeersFailed {
+            rank: group.rank(),
+            op: "shard_module",
+            ranks: failed,
+        }));
+    }
     let module: &M = module;
     let modules: BTreeMap<String, &dyn Shardable> = module.named_modules().into_iter().collect();
     let mut sharded = BTreeMap::new();
@@ -145,4 +161,24 @@ pub fn shard_module<M: Shardable + ?Sized>(
         guards: std::sync::Mutex::new(guards),
         group: group.clone(),
     })
+}
+
+/// The plan as the ranks compare it: one entry per plan key, output-plan key and
+/// local-tensor module, and the source rank.
+fn plan_entries(plan: &ShardingPlan, src_rank: usize) -> Vec<(String, String)> {
+    let mut entries: Vec<(String, String)> = plan
+        .plan
+        .iter()
+        .map(|(fqn, entry)| (format!("plan[{fqn:?}]"), format!("{entry:?}")))
+        .collect();
+    entries.extend(
+        plan.output_plan
+            .iter()
+            .map(|(fqn, spec)| (format!("output_plan[{fqn:?}]"), format!("{spec:?}"))),
+    );
+    let mut local: Vec<&String> = plan.return_local_tensor.iter().collect();
+    local.sort();
+    entries.push(("return_local_tensor".into(), format!("{local:?}")));
+    entries.push(("src_rank".into(), src_rank.to_string()));
+    entries
 }

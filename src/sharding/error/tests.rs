@@ -82,6 +82,7 @@ fn shard_name(e: &ShardError) -> &'static str {
         ShardError::Forward { .. } => "Forward",
         ShardError::HooksBypassed { .. } => "HooksBypassed",
         ShardError::Contract(_) => "Contract",
+        ShardError::Disagreement { .. } => "Disagreement",
     }
 }
 
@@ -475,6 +476,20 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
                 "Each distinct composable distributed API can only be applied to a module \
                  once. shard_module has already been applied to the following module: Mlp",
             ),
+            (
+                ShardError::Disagreement {
+                    source: DistError::Mismatch {
+                        rank: 1,
+                        op: "shard_module",
+                        mismatch: Box::new(tch_dist_runtime::Mismatch::OptionValue {
+                            option: "plan[\"fc1\"]".into(),
+                            values: vec!["Sharder(\"colwise_linear\")".into(), "nothing".into()],
+                        }),
+                    },
+                },
+                "rank 1: shard_module: option `plan[\"fc1\"]` differs across ranks: rank 0 has \
+                 Sharder(\"colwise_linear\"), rank 1 has nothing",
+            ),
         ],
         shard_name,
         &[
@@ -484,6 +499,7 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
             "Forward",
             "HooksBypassed",
             "Contract",
+            "Disagreement",
         ],
     );
     // The other shapes of the variants that carry a FQN or a DistError.
