@@ -1,11 +1,23 @@
 """The DDP benchmark driver: tch-dist `replicate` against PyTorch DDP (see docs/PERFORMANCE.md).
 
-CPU (`make bench`): 2 ranks on this machine's cores, Gloo, one torch thread per rank, the MLP
-1024-2048-2048-1024-10, batch 64 per rank, SGD. PyTorch DDP (bench/pytorch_ddp.py) and
-tch-dist (examples/bench_ddp.rs) run in alternating order for several rounds, so that machine
-noise hits both; plain single-process training (tch and PyTorch) and the raw Gloo all-reduce
-of the same bytes (the floor) are measured beside them. Prints a table and, as its last line,
-`tch_dist_vs_pytorch_ddp=<ratio>` (tch-dist step time / PyTorch DDP step time; lower is better).
+CPU (`make bench`): a suite of three models, each defined identically in
+examples/bench_ddp.rs and bench/pytorch_ddp.py: `mlp` (1024-2048-2048-1024-10, 8.4M
+parameters in 8 tensors, batch 64), `transformer` (GPT-2-style, 6 blocks of width 256, 4.8M
+parameters in 78 tensors, batch 2 x 64 tokens) and `convnet` (nine conv + BatchNorm2d + ReLU
+blocks on 32x32 images, 0.48M parameters in 29 tensors and 18 BatchNorm buffers, batch 8);
+SGD, 2 ranks on this machine's cores, Gloo, one torch thread per rank. Per model, PyTorch
+DDP (bench/pytorch_ddp.py) and tch-dist (examples/bench_ddp.rs) run in alternating order for
+several rounds, so that machine noise hits both, with and without gradient_as_bucket_view;
+plain single-process training (tch and PyTorch), two plain processes at once and the raw
+Gloo all-reduce of the same bytes (the floor) are measured beside them. Prints a table per
+model, then per model
+
+    model=NAME tch_dist_vs_pytorch_ddp=R tch_dist_vs_best_pytorch=R tch_dist_vs_floor=R
+
+(ratios of median step times: tch-dist default / PyTorch DDP default, / the faster of PyTorch
+DDP's two configurations, / the floor = two plain processes at once + the raw all-reduce's
+CPU time per rank) and, as its last line, `tch_dist_vs_pytorch_ddp=<ratio>` of the first
+model (the MLP; lower is better).
 
 GPU (`--gpu`, run by target/gpu-check/run.sh on the GPU machine): world size 1, NCCL, the
 403M-parameter MLP (12 blocks 2048-8192-2048), batch 64, SGD; plain tch, tch-dist and PyTorch
@@ -17,7 +29,8 @@ Every run reports its own CPU time and the machine's busy time over its timed wi
 during which other programs used more than --max-foreign of the CPUs is repeated (this machine
 is shared), up to --retries times, and the table shows what remained.
 
-    python3 bench/driver.py [--rounds 4] [--steps 30] [--warmup 5] [-v]
+    python3 bench/driver.py [--models mlp,transformer,convnet] [--rounds N] [--steps N]
+                            [--warmup N] [--budget SECONDS] [-v]
     python3 bench/driver.py --gpu --bin-dir DIR --script DIR/pytorch_ddp.py --python python3
 """
 
@@ -30,6 +43,35 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The CPU suite: what each model is, and its rounds / timed steps / warm-up steps (chosen so
+# that the whole `make bench` stays under 10 minutes here; --rounds/--steps/--warmup override).
+MODELS = {
+    "mlp": dict(
+        desc="MLP 1024-2048-2048-1024-10 (8.4M parameters in 8 tensors), batch 64/rank",
+        rounds=4,
+        steps=30,
+        warmup=5,
+        trim=True,
+    ),
+    "transformer": dict(
+        desc="GPT-2-style transformer, 6 blocks d=256, 4 heads, vocabulary 128 "
+        "(4.8M parameters in 78 tensors), batch 2 x 64 tokens/rank",
+        rounds=4,
+        steps=30,
+        warmup=5,
+        trim=False,
+    ),
+    "convnet": dict(
+        desc="convnet, 9 x (3x3 conv + BatchNorm2d + ReLU) 32-64-128 channels on 3x32x32 "
+        "(0.48M parameters in 29 tensors, 18 BatchNorm buffers broadcast per forward), "
+        "batch 8/rank",
+        rounds=4,
+        steps=30,
+        warmup=5,
+        trim=False,
+    ),
+}
 
 
 def parse_bench(output):
@@ -80,12 +122,29 @@ class Runner:
         self.ncpu = os.cpu_count() or 1
         self.results = {}  # configuration -> rank-0 records, one per run
         self.retried = 0
+        self.model = a.model  # what --model the runs get (None: the programs' default)
+        self.steps, self.warmup = a.steps, a.warmup
+        # The time budget (--budget): waiting for a quiet machine and repeating runs stop
+        # when what is left would not fit the runs still planned at the pace so far.
+        # The caller sets, per part of the suite, its deadline and how many runs it plans.
+        self.deadline = float("inf")
+        self.planned = 0
+        self.done = 0  # runs of the current part
+        self.total_runs = 0
+        self.run_seconds = 0.0
+        self.not_repeated = 0
+
+    def slack(self):
+        """Seconds before the deadline that the planned runs leave for waits and repeats."""
+        pace = self.run_seconds / self.total_runs if self.total_runs else 8.0
+        left = self.deadline - time.time()
+        return left - max(0, self.planned - self.done) * pace
 
     def run(self, name, cmd, distributed, env=None):
         if distributed:
             cmd = [self.launcher, "--nproc-per-node", str(self.a.nproc), "--"] + cmd
         for attempt in range(self.a.retries + 1):
-            wait_until_quiet(self.a.quiet_wait)
+            wait_until_quiet(min(self.a.quiet_wait, max(0.0, self.slack())))
             t = time.time()
             p = subprocess.run(
                 cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, **(env or {}))
@@ -101,15 +160,25 @@ class Runner:
             foreign = foreign_fraction(recs, self.ncpu)
             rank0["foreign"] = foreign
             rank0["peak_rss_mib_max"] = max(r["peak_rss_mib"] for r in recs)
+            self.run_seconds += time.time() - t
+            self.total_runs += 1
             if foreign <= self.a.max_foreign or attempt == self.a.retries:
                 break
+            if self.slack() < self.run_seconds / self.total_runs:
+                self.not_repeated += 1
+                break  # no time left for a repeat
             self.retried += 1
             if self.a.verbose:
-                print(f"  {name}: other programs used {foreign:.0%} of the CPUs; again", flush=True)
+                print(
+                    f"  {self.model or ''} {name}: other programs used {foreign:.0%} of the CPUs; again",
+                    flush=True,
+                )
+        self.done += 1
         self.results.setdefault(name, []).append(rank0)
         if self.a.verbose:
             print(
-                f"  {name:<22} {rank0.get('median_ms', rank0.get('sum_ms', 0)):8.2f} ms"
+                f"  {self.model or ''} {name:<22} "
+                f"{rank0.get('median_ms', rank0.get('sum_ms', 0)):8.2f} ms"
                 f"  foreign {foreign:4.0%}  ({time.time() - t:.1f} s)",
                 flush=True,
             )
@@ -117,11 +186,11 @@ class Runner:
 
     def common(self):
         a = self.a
-        out = ["--steps", str(a.steps), "--warmup", str(a.warmup)]
+        out = ["--steps", str(self.steps), "--warmup", str(self.warmup)]
         if a.gpu:
             out += ["--device", a.device, "--threads", "0"]
-        if a.model:
-            out += ["--model", a.model]
+        if self.model:
+            out += ["--model", self.model]
         return out
 
     def tch(self, name, mode, *extra, launch=None, env=None):
@@ -184,15 +253,21 @@ def floor_lines(floor, label):
     )
 
 
-def cpu_bench(a, r):
+def cpu_model(a, r, model):
+    """One model of the CPU suite: its runs, table and figures; returns its summary ratios."""
+    m = MODELS[model]
+    pick = lambda k: m[k] if getattr(a, k) is None else getattr(a, k)
+    rounds = pick("rounds")
+    r.model, r.steps, r.warmup = model, pick("steps"), pick("warmup")
+    r.results = {}
     cap = ["--bucket-cap-mb", a.bucket_cap_mb]
     view = cap + ["--grad-as-bucket-view"]
     print(
-        f"bench: MLP 1024-2048-2048-1024-10 (8.4M parameters), batch 64/rank, SGD, {a.nproc} ranks, "
-        f"Gloo, 1 torch thread/rank; {a.rounds} rounds x {a.steps} timed steps (+{a.warmup} warm-up)",
+        f"bench {model}: {m['desc']}, SGD, {a.nproc} ranks, Gloo, 1 torch thread/rank; "
+        f"{rounds} rounds x {r.steps} timed steps (+{r.warmup} warm-up)",
         flush=True,
     )
-    for i in range(a.rounds):
+    for i in range(rounds):
         pair = [
             lambda: r.torch("pytorch_ddp", "ddp", *cap),
             lambda: r.tch("tch_dist", "replicate", *cap),
@@ -213,31 +288,34 @@ def cpu_bench(a, r):
                 x.reverse()
         for f in pair:
             f()
-        if i < max(1, (a.rounds + 1) // 2):
+        if i < max(1, (rounds + 1) // 2):
             for f in views + plains:
                 f()
-    # Peak memory with glibc returning every freed block of 1 MiB or more to the system, so
-    # that RSS follows the live tensors rather than what the allocator keeps.
-    trim = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    r.tch("tch_plain_trim", "plain", env=trim)
-    r.tch("tch_dist_view_trim", "replicate", *view, env=trim)
+    keys = [
+        "tch_plain",
+        "pytorch_plain",
+        "tch_plain_2proc",
+        "tch_dist",
+        "pytorch_ddp",
+        "tch_dist_view",
+        "pytorch_ddp_view",
+    ]
+    if m["trim"]:
+        # Peak memory with glibc returning every freed block of 1 MiB or more to the system,
+        # so that RSS follows the live tensors rather than what the allocator keeps.
+        trim = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+        r.tch("tch_plain_trim", "plain", env=trim)
+        r.tch("tch_dist_view_trim", "replicate", *view, env=trim)
+        keys += ["tch_plain_trim", "tch_dist_view_trim"]
     sizes = r.results["tch_dist"][-1].get("collective_bytes", [])
     floor = r.tch("allreduce", "allreduce", "--sizes", ",".join(map(str, sizes)))
 
-    med, peak = table(
-        r,
-        [
-            "tch_plain",
-            "pytorch_plain",
-            "tch_plain_2proc",
-            "tch_dist",
-            "pytorch_ddp",
-            "tch_dist_view",
-            "pytorch_ddp_view",
-            "tch_plain_trim",
-            "tch_dist_view_trim",
-        ],
+    t0 = r.results["tch_plain"][-1]
+    print(
+        f"\n== {model}: {t0['params'] / 1e6:.2f}M parameters in {t0['param_tensors']} tensors, "
+        f"{t0['buffers']} buffers, batch {t0['batch']}"
     )
+    med, peak = table(r, keys)
     t = r.results["tch_dist"]
     comm = statistics.median(x["comm_ms"] for x in t)
     overlapped = statistics.median(x["overlapped_ms"] for x in t)
@@ -251,10 +329,13 @@ def cpu_bench(a, r):
     exposed = med["tch_dist"] - med["tch_plain"]
     exposed_torch = med["pytorch_ddp"] - med["pytorch_plain"]
     comm_cost = med["tch_dist"] - med["tch_plain_2proc"]
+    floor_ms = med["tch_plain_2proc"] + floor["sum_cpu_ms"]
     print(
         f"step time over plain: tch-dist {exposed:.2f} ms, PyTorch DDP {exposed_torch:.2f} ms; "
         f"tch-dist over two plain processes at once {comm_cost:.2f} ms; "
-        f"raw all_reduce of the same bytes {floor['sum_ms']:.2f} ms"
+        f"raw all_reduce of the same bytes {floor['sum_ms']:.2f} ms "
+        f"({floor['sum_cpu_ms']:.2f} ms CPU per rank); floor {floor_ms:.2f} ms "
+        "(two plain processes at once + that CPU time)"
     )
     after = statistics.median(x["comm_ms"] - x["overlapped_ms"] for x in t)
     print()
@@ -279,11 +360,13 @@ def cpu_bench(a, r):
         f"peak_rss_default_vs_plain={peak['tch_dist'] / peak['tch_plain']:.3f}  "
         f"({peak['tch_dist']:.1f} / {peak['tch_plain']:.1f} MiB)"
     )
-    print(
-        f"peak_rss_view_vs_plain_trim={peak['tch_dist_view_trim'] / peak['tch_plain_trim']:.3f}  "
-        f"({peak['tch_dist_view_trim']:.1f} / {peak['tch_plain_trim']:.1f} MiB, both with "
-        "MALLOC_MMAP_THRESHOLD_=1048576: the live memory)"
-    )
+    if m["trim"]:
+        print(
+            "peak_rss_view_vs_plain_trim="
+            f"{peak['tch_dist_view_trim'] / peak['tch_plain_trim']:.3f}  "
+            f"({peak['tch_dist_view_trim']:.1f} / {peak['tch_plain_trim']:.1f} MiB, both with "
+            "MALLOC_MMAP_THRESHOLD_=1048576: the live memory)"
+        )
     print(
         f"tch_dist_vs_pytorch_ddp_view={med['tch_dist_view'] / med['pytorch_ddp_view']:.3f}  "
         "(both with gradient_as_bucket_view)"
@@ -292,7 +375,40 @@ def cpu_bench(a, r):
         f"paired_ratio={paired_ratio(r.results['tch_dist'], r.results['pytorch_ddp']):.3f}  "
         "(median over rounds of each tch-dist run / the PyTorch DDP run beside it)"
     )
-    return med["tch_dist"] / med["pytorch_ddp"]
+    print(flush=True)
+    return {
+        "tch_dist_vs_pytorch_ddp": med["tch_dist"] / med["pytorch_ddp"],
+        "tch_dist_vs_best_pytorch": med["tch_dist"]
+        / min(med["pytorch_ddp"], med["pytorch_ddp_view"]),
+        "tch_dist_vs_floor": med["tch_dist"] / floor_ms,
+    }
+
+
+def planned_runs(a, m):
+    """How many runs cpu_model makes for model settings `m`."""
+    rounds = m["rounds"] if a.rounds is None else a.rounds
+    return 2 * rounds + 5 * min(rounds, max(1, (rounds + 1) // 2)) + 2 * m["trim"] + 1
+
+
+def cpu_bench(a, r):
+    models = [m for m in a.models.split(",") if m]
+    for m in models:
+        if m not in MODELS:
+            raise SystemExit(f"bench: unknown model {m} ({', '.join(MODELS)})")
+    # Each model gets the share of what is left of the budget that its runs are of the runs
+    # still to come.
+    end = time.time() + a.budget if a.budget else float("inf")
+    planned = [planned_runs(a, MODELS[m]) for m in models]
+    summary = {}
+    for i, m in enumerate(models):
+        start = time.time()
+        r.planned, r.done = planned[i], 0
+        r.deadline = start + (end - start) * planned[i] / sum(planned[i:])
+        summary[m] = cpu_model(a, r, m)
+        print(f"bench {m} took {time.time() - start:.0f} s", flush=True)
+    for m, s in summary.items():
+        print(f"model={m} " + " ".join(f"{k}={v:.3f}" for k, v in s.items()))
+    return summary[models[0]]["tch_dist_vs_pytorch_ddp"]
 
 
 def gpu_bench(a, r):
@@ -334,25 +450,51 @@ def main():
     p.add_argument("--nproc", type=int, default=None)
     p.add_argument("--bucket-cap-mb", default="25")
     p.add_argument("--device", default="cuda", help="with --gpu (cpu: a smoke test of the flow)")
-    p.add_argument("--model", default=None, help="cpu or gpu (default: the mode's own)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="with --gpu: the MLP to run (cpu or gpu, default gpu); on CPU: one model of the suite",
+    )
+    p.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help="the CPU suite's models, in order (default: %(default)s); the last line is the "
+        "first one's tch_dist_vs_pytorch_ddp",
+    )
     p.add_argument("--bin-dir", default=os.path.join(ROOT, "target", "release"))
     p.add_argument("--script", default=os.path.join(ROOT, "bench", "pytorch_ddp.py"))
     p.add_argument("--python", default=os.path.join(ROOT, ".venv", "bin", "python"))
     p.add_argument("--max-foreign", type=float, default=0.08)
     p.add_argument("--retries", type=int, default=3)
     p.add_argument("--quiet-wait", type=float, default=20.0)
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for the whole CPU suite (default 540; 0: none): waits for a quiet "
+        "machine and repeated runs are cut short when the remaining runs would not fit",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args()
-    defaults = (2, 30, 5, 1) if a.gpu else (4, 30, 5, 2)
+    # On CPU, rounds/steps/warm-up default per model (MODELS); --rounds etc. override them.
+    defaults = (2, 30, 5, 1) if a.gpu else (None, None, None, 2)
     for k, d in zip(("rounds", "steps", "warmup", "nproc"), defaults):
         if getattr(a, k) is None:
             setattr(a, k, d)
+    if a.budget is None:
+        a.budget = 0.0 if a.gpu else 540.0
     if a.gpu:
         a.quiet_wait = 0.0
+    elif a.model:
+        a.models, a.model = ("mlp" if a.model == "cpu" else a.model), None
     start = time.time()
     r = Runner(a)
     ratio = gpu_bench(a, r) if a.gpu else cpu_bench(a, r)
-    print(f"bench took {time.time() - start:.0f} s ({r.retried} runs repeated for foreign load)")
+    print(
+        f"bench took {time.time() - start:.0f} s ({r.retried} runs repeated for foreign load"
+        + (f"; {r.not_repeated} not repeated for lack of time" if r.not_repeated else "")
+        + ")"
+    )
     print(f"tch_dist_vs_pytorch_ddp={ratio:.3f}")
 
 

@@ -1,6 +1,8 @@
-"""The DDP benchmark's PyTorch side: the same models, batch and loop as examples/bench_ddp.rs.
+"""The DDP benchmark's PyTorch side: the same models, batch and loop as examples/bench_ddp.rs
+(`--model mlp|transformer|convnet|gpu`; see there for what each is).
 
-    tch-dist-run --nproc-per-node 2 -- python3 bench/pytorch_ddp.py --mode ddp [--bucket-cap-mb 25]
+    tch-dist-run --nproc-per-node 2 -- python3 bench/pytorch_ddp.py --mode ddp [--model NAME] [--bucket-cap-mb 25]
+        [--grad-as-bucket-view] [--no-broadcast-buffers]
     python3 bench/pytorch_ddp.py --mode plain
 
 Reads torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; tch-dist-run sets
@@ -10,6 +12,7 @@ the peak RSS (VmHWM).
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 
 
 def widths(model):
-    if model == "cpu":
+    if model == "mlp":
         return [1024, 2048, 2048, 1024, 10], [True, True, True, False]
     if model == "gpu":
         w, relu = [2048], []
@@ -30,7 +33,7 @@ def widths(model):
             w += [8192, 2048]
             relu += [True, False]
         return w, relu
-    raise SystemExit(f"unknown --model {model}")
+    raise SystemExit(f"{model} is not an MLP")
 
 
 class Mlp(nn.Module):
@@ -45,6 +48,113 @@ class Mlp(nn.Module):
             if relu:
                 x = F.relu(x)
         return x
+
+
+# The transformer's shape (examples/bench_ddp.rs: T_DIM, T_BLOCKS, T_HEADS, T_VOCAB, T_SEQ).
+T_DIM, T_BLOCKS, T_HEADS, T_VOCAB, T_SEQ = 256, 6, 4, 128, 64
+
+
+class Block(nn.Module):
+    """A GPT-2 block: x + proj(attn(ln1(x))), then x + fc2(gelu(fc1(ln2(x))))."""
+
+    def __init__(self):
+        super().__init__()
+        d = T_DIM
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        dh = d // T_HEADS
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, T_HEADS, dh).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(dh))
+        att = F.softmax(att.masked_fill(mask, float("-inf")), dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, d)
+        x = x + self.proj(y)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Transformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(T_VOCAB, T_DIM)
+        self.pos = nn.Embedding(T_SEQ, T_DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(T_BLOCKS))
+        self.ln_f = nn.LayerNorm(T_DIM)
+        self.head = nn.Linear(T_DIM, T_VOCAB)
+        # Plain attributes, not buffers (nothing for DDP to broadcast), as in bench_ddp.rs.
+        self.mask = torch.ones(T_SEQ, T_SEQ, dtype=torch.bool).triu(1)
+        self.positions = torch.arange(T_SEQ)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(self.positions)
+        for b in self.blocks:
+            x = b(x, self.mask)
+        return self.head(self.ln_f(x))
+
+
+# Output channels and stride of the convnet's nine blocks (bench_ddp.rs: CONV).
+CONV = [(32, 1), (32, 1), (32, 1), (64, 2), (64, 1), (64, 1), (128, 2), (128, 1), (128, 1)]
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(cout)
+
+
+class Convnet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        blocks, cin = [], 3
+        for cout, stride in CONV:
+            blocks.append(ConvBlock(cin, cout, stride))
+            cin = cout
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(cin, 10)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = F.relu(b.bn(b.conv(x)))
+        return self.head(x.mean((2, 3)))
+
+
+DEFAULT_BATCH = {"mlp": 64, "gpu": 64, "transformer": 2, "convnet": 8}
+
+
+def build(model):
+    if model in ("mlp", "gpu"):
+        return Mlp(model)
+    if model == "transformer":
+        return Transformer()
+    if model == "convnet":
+        return Convnet()
+    raise SystemExit(f"unknown --model {model} (mlp, transformer, convnet or gpu)")
+
+
+def batch_of(model, batch, device):
+    """One fixed batch per rank: inputs, targets and the loss (as bench_ddp.rs)."""
+    if model in ("mlp", "gpu"):
+        w, _ = widths(model)
+        x = torch.randn(batch, w[0], device=device)
+        y_class = torch.randint(10, (batch,), device=device)
+        y_reg = torch.randn(batch, w[-1], device=device)
+        if model == "mlp":
+            return x, y_class, F.cross_entropy
+        return x, y_reg, F.mse_loss
+    if model == "transformer":
+        idx = torch.randint(T_VOCAB, (batch, T_SEQ), device=device)
+        nxt = torch.randint(T_VOCAB, (batch, T_SEQ), device=device)
+        return idx, nxt, lambda out, y: F.cross_entropy(out.view(-1, T_VOCAB), y.view(-1))
+    x = torch.randn(batch, 3, 32, 32, device=device)
+    y = torch.randint(10, (batch,), device=device)
+    return x, y, F.cross_entropy
 
 
 def rss_mib():
@@ -79,15 +189,18 @@ def main():
     p.add_argument("--mode", default="ddp", choices=["ddp", "plain"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--model", default=None)
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=0, help="default: the model's own")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--grad-as-bucket-view", action="store_true")
+    p.add_argument("--no-broadcast-buffers", action="store_true")
     p.add_argument("--tag", default="")
     a = p.parse_args()
-    model_name = a.model or ("gpu" if a.device == "cuda" else "cpu")
+    model_name = a.model or ("gpu" if a.device == "cuda" else "mlp")
+    if model_name == "cpu":
+        model_name = "mlp"  # the old name of the CPU MLP
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     device = torch.device("cuda:0" if a.device == "cuda" else "cpu")
@@ -100,7 +213,8 @@ def main():
 
     torch.manual_seed(0)
     with device:  # build the weights where they live (403M parameters on the GPU)
-        model = Mlp(model_name)
+        model = build(model_name)
+    model.train()
     n_params = sum(t.numel() for t in model.parameters())
     if a.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -110,18 +224,15 @@ def main():
             device_ids=[0] if a.device == "cuda" else None,
             bucket_cap_mb=a.bucket_cap_mb,
             gradient_as_bucket_view=a.grad_as_bucket_view,
+            broadcast_buffers=not a.no_broadcast_buffers,
         )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     torch.manual_seed(1 + rank)
-    w, _ = widths(model_name)
-    x = torch.randn(a.batch, w[0], device=device)
-    y_class = torch.randint(10, (a.batch,), device=device)
-    y_reg = torch.randn(a.batch, w[-1], device=device)
+    batch = a.batch or DEFAULT_BATCH.get(model_name, 64)
+    x, target, loss_fn = batch_of(model_name, batch, device)
 
     def loss_of(out):
-        if model_name == "cpu":
-            return F.cross_entropy(out, y_class)
-        return F.mse_loss(out, y_reg)
+        return loss_fn(out, target)
 
     steps, fwd, bwd, upd = [], [], [], []
     if a.mode == "ddp":
@@ -164,6 +275,9 @@ def main():
         "device": str(device),
         "model": model_name,
         "params": n_params,
+        "param_tensors": len(list(model.parameters())),
+        "buffers": len(list(model.buffers())),
+        "batch": batch,
         "rank": rank,
         "world": world,
         "threads": torch.get_num_threads(),
@@ -179,6 +293,7 @@ def main():
     if a.mode == "ddp":
         out["bucket_cap_mb"] = a.bucket_cap_mb
         out["gradient_as_bucket_view"] = a.grad_as_bucket_view
+        out["broadcast_buffers"] = not a.no_broadcast_buffers
     print("BENCH " + json.dumps(out), flush=True)
     if a.mode == "ddp":
         dist.barrier()

@@ -1,8 +1,8 @@
 //! The DDP benchmark's tch side (see docs/PERFORMANCE.md; `make bench` runs it).
 //!
 //! ```text
-//! bench_ddp --mode plain      [--device cpu|cuda] [--model cpu|gpu] [options]
-//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode replicate [--bucket-cap-mb 25] [--grad-as-bucket-view]
+//! bench_ddp --mode plain      [--device cpu|cuda] [--model NAME] [options]
+//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode replicate [--bucket-cap-mb 25] [--grad-as-bucket-view] [--no-broadcast-buffers]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode allreduce [--sizes BYTES,BYTES,...]
 //! ```
 //!
@@ -11,16 +11,33 @@
 //! - `allreduce`: the floor: raw all-reduces of the model's gradient bytes, one tensor and
 //!   per bucket size, in the same kind of process group.
 //!
-//! Models: `cpu` is the MLP 1024-2048-2048-1024-10 (8.4M parameters), `gpu` is 12 blocks of
-//! 2048-8192-2048 (403M parameters); batch 64, SGD (lr 0.01), cross-entropy on 10 classes
-//! (`cpu`) or MSE (`gpu`), the same as bench/pytorch_ddp.py. Every rank prints one
-//! `BENCH {json}` line with per-step times (ms), phase medians and its peak RSS (VmHWM).
+//! Models (`--model`), each defined exactly as in bench/pytorch_ddp.py (same shapes, the
+//! same parameter registration order, batch, loss and SGD with lr 0.01):
+//!
+//! - `mlp` (alias `cpu`, the default on CPU): 1024-2048-2048-1024-10 with ReLUs (8.4M
+//!   parameters in 8 tensors), batch 64, cross-entropy on 10 classes;
+//! - `transformer`: GPT-2-style, 6 pre-LayerNorm blocks of width 256 (4 heads, fused qkv,
+//!   causal attention from matmuls and softmax, GELU MLP at 4x), token and position
+//!   embeddings, final LayerNorm and head; vocabulary 128, sequence 64 (4.8M parameters in
+//!   78 tensors), batch 2 sequences, cross-entropy on the next token;
+//! - `convnet`: nine 3x3 conv (no bias) + BatchNorm2d + ReLU blocks on 3x32x32 images,
+//!   channels 32-32-32 / 64-64-64 (stride 2 at the first) / 128-128-128 (stride 2), global
+//!   average pooling and a Linear head (0.48M parameters in 29 tensors, 18 BatchNorm
+//!   buffers, broadcast before each forward by default), batch 8, cross-entropy on 10
+//!   classes, trained with `forward_t(xs, true)`;
+//! - `gpu` (the default on CUDA): 12 blocks of 2048-8192-2048 (403M parameters), batch 64,
+//!   MSE.
+//!
+//! Every rank prints one `BENCH {json}` line with per-step times (ms), phase medians and its
+//! peak RSS (VmHWM).
 
 use std::time::Instant;
 
-use tch::nn::{self, Module, OptimizerConfig};
+use tch::nn::{self, Module, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
-use tch_dist::{init_process_group, replicate, Backend, Call, ProcessGroup, ReduceOp, Shardable};
+use tch_dist::{
+    init_process_group, replicate, Backend, Call, CallT, ProcessGroup, ReduceOp, Shardable,
+};
 
 #[derive(Debug, Shardable)]
 struct Mlp {
@@ -43,11 +60,11 @@ impl Module for Mlp {
     }
 }
 
-/// Layer widths and where ReLUs go for the two models.
+/// Layer widths and where ReLUs go for the two MLPs.
 fn widths(model: &str) -> Result<(Vec<i64>, Vec<bool>), String> {
     match model {
         // 1024-2048-2048-1024-10: ReLU after every layer but the last.
-        "cpu" => Ok((
+        "mlp" => Ok((
             vec![1024, 2048, 2048, 1024, 10],
             vec![true, true, true, false],
         )),
@@ -61,11 +78,11 @@ fn widths(model: &str) -> Result<(Vec<i64>, Vec<bool>), String> {
             }
             Ok((w, relu))
         }
-        other => Err(format!("unknown --model {other} (cpu or gpu)")),
+        other => Err(format!("{other} is not an MLP")),
     }
 }
 
-fn build(vs: &nn::Path, model: &str) -> Result<Mlp, String> {
+fn build_mlp(vs: &nn::Path, model: &str) -> Result<Mlp, String> {
     let (w, relu_after) = widths(model)?;
     let layers = w
         .windows(2)
@@ -73,6 +90,236 @@ fn build(vs: &nn::Path, model: &str) -> Result<Mlp, String> {
         .map(|(i, io)| nn::linear(vs / "layers" / i, io[0], io[1], Default::default()))
         .collect();
     Ok(Mlp { layers, relu_after })
+}
+
+// ---- transformer ------------------------------------------------------------------------
+
+/// The transformer's shape: width, blocks, heads, vocabulary, sequence length.
+const T_DIM: i64 = 256;
+const T_BLOCKS: usize = 6;
+const T_HEADS: i64 = 4;
+const T_VOCAB: i64 = 128;
+const T_SEQ: i64 = 64;
+
+/// A GPT-2 block: `x + proj(attn(ln1(x)))`, then `x + fc2(gelu(fc1(ln2(x))))`.
+#[derive(Debug, Shardable)]
+struct Block {
+    ln1: nn::LayerNorm,
+    qkv: nn::Linear,
+    proj: nn::Linear,
+    ln2: nn::LayerNorm,
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+impl Block {
+    fn new(p: nn::Path) -> Block {
+        let d = T_DIM;
+        Block {
+            ln1: nn::layer_norm(&p / "ln1", vec![d], Default::default()),
+            qkv: nn::linear(&p / "qkv", d, 3 * d, Default::default()),
+            proj: nn::linear(&p / "proj", d, d, Default::default()),
+            ln2: nn::layer_norm(&p / "ln2", vec![d], Default::default()),
+            fc1: nn::linear(&p / "fc1", d, 4 * d, Default::default()),
+            fc2: nn::linear(&p / "fc2", 4 * d, d, Default::default()),
+        }
+    }
+
+    /// `x` is `[batch, seq, dim]`; `mask` is true above the diagonal (future positions).
+    fn forward(&self, x: &Tensor, mask: &Tensor) -> Tensor {
+        let (b, t, d) = x.size3().expect("[batch, seq, dim]");
+        let dh = d / T_HEADS;
+        let qkv = self.qkv.call(&self.ln1.call(x)).split(d, 2);
+        let heads = |z: &Tensor| z.view([b, t, T_HEADS, dh]).transpose(1, 2);
+        let (q, k, v) = (heads(&qkv[0]), heads(&qkv[1]), heads(&qkv[2]));
+        let att = q.matmul(&k.transpose(-2, -1)) * (1.0 / (dh as f64).sqrt());
+        let att = att
+            .masked_fill(mask, f64::NEG_INFINITY)
+            .softmax(-1, Kind::Float);
+        let y = att.matmul(&v).transpose(1, 2).contiguous().view([b, t, d]);
+        let x = x + self.proj.call(&y);
+        let h = self.fc1.call(&self.ln2.call(&x)).gelu("none");
+        &x + self.fc2.call(&h)
+    }
+}
+
+#[derive(Debug, Shardable)]
+struct Transformer {
+    tok: nn::Embedding,
+    pos: nn::Embedding,
+    blocks: Vec<Block>,
+    ln_f: nn::LayerNorm,
+    head: nn::Linear,
+    /// The causal mask `[seq, seq]` (not a buffer: nothing to broadcast).
+    #[shardable(skip)]
+    mask: Tensor,
+    /// Positions 0..seq.
+    #[shardable(skip)]
+    positions: Tensor,
+}
+
+impl Transformer {
+    fn new(p: &nn::Path) -> Transformer {
+        let d = T_DIM;
+        let dev = p.device();
+        Transformer {
+            tok: nn::embedding(p / "tok", T_VOCAB, d, Default::default()),
+            pos: nn::embedding(p / "pos", T_SEQ, d, Default::default()),
+            blocks: (0..T_BLOCKS)
+                .map(|i| Block::new(p / "blocks" / i))
+                .collect(),
+            ln_f: nn::layer_norm(p / "ln_f", vec![d], Default::default()),
+            head: nn::linear(p / "head", d, T_VOCAB, Default::default()),
+            mask: Tensor::ones([T_SEQ, T_SEQ], (Kind::Bool, dev)).triu(1),
+            positions: Tensor::arange(T_SEQ, (Kind::Int64, dev)),
+        }
+    }
+}
+
+impl Module for Transformer {
+    /// Token ids `[batch, seq]` to logits `[batch, seq, vocab]`.
+    fn forward(&self, idx: &Tensor) -> Tensor {
+        let mut x = self.tok.call(idx) + self.pos.call(&self.positions);
+        for b in &self.blocks {
+            x = b.forward(&x, &self.mask);
+        }
+        self.head.call(&self.ln_f.call(&x))
+    }
+}
+
+// ---- convnet ----------------------------------------------------------------------------
+
+/// Output channels and stride of the convnet's nine blocks (3x3 convolutions, padding 1).
+const CONV: [(i64, i64); 9] = [
+    (32, 1),
+    (32, 1),
+    (32, 1),
+    (64, 2),
+    (64, 1),
+    (64, 1),
+    (128, 2),
+    (128, 1),
+    (128, 1),
+];
+
+/// conv (no bias) + BatchNorm2d; a ReLU follows.
+#[derive(Debug, Shardable)]
+struct ConvBlock {
+    conv: nn::Conv2D,
+    bn: nn::BatchNorm,
+}
+
+#[derive(Debug, Shardable)]
+struct Convnet {
+    blocks: Vec<ConvBlock>,
+    head: nn::Linear,
+}
+
+impl Convnet {
+    fn new(p: &nn::Path) -> Convnet {
+        let mut cin = 3;
+        let mut blocks = Vec::new();
+        for (i, &(cout, stride)) in CONV.iter().enumerate() {
+            let q = p / "blocks" / i;
+            let cfg = nn::ConvConfig {
+                stride,
+                padding: 1,
+                bias: false,
+                ..Default::default()
+            };
+            blocks.push(ConvBlock {
+                conv: nn::conv2d(&q / "conv", cin, cout, 3, cfg),
+                bn: nn::batch_norm2d(&q / "bn", cout, Default::default()),
+            });
+            cin = cout;
+        }
+        let head = nn::linear(p / "head", cin, 10, Default::default());
+        Convnet { blocks, head }
+    }
+}
+
+impl ModuleT for Convnet {
+    /// Images `[batch, 3, 32, 32]` to logits `[batch, 10]`.
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        let mut h = xs.shallow_clone();
+        for b in &self.blocks {
+            h = b.bn.call_t(&b.conv.call(&h), train).relu();
+        }
+        let pooled = h.mean_dim(&[2i64, 3][..], false, Kind::Float);
+        self.head.call(&pooled)
+    }
+}
+
+// ---- what each benchmark needs of a model ------------------------------------------------
+
+/// A benchmark model: built into a `VarStore` path, with one fixed batch of inputs and
+/// targets per rank and its loss.
+trait BenchModel: ModuleT + Shardable + Sized {
+    fn build(vs: &nn::Path, name: &str) -> Result<Self, String>;
+    /// The model's default batch size (per rank).
+    fn default_batch() -> i64;
+    /// One batch of inputs and targets.
+    fn batch(name: &str, batch: i64, device: Device) -> Result<(Tensor, Tensor), String>;
+    fn loss(name: &str, out: &Tensor, target: &Tensor) -> Tensor;
+}
+
+impl BenchModel for Mlp {
+    fn build(vs: &nn::Path, name: &str) -> Result<Self, String> {
+        build_mlp(vs, name)
+    }
+    fn default_batch() -> i64 {
+        64
+    }
+    fn batch(name: &str, batch: i64, device: Device) -> Result<(Tensor, Tensor), String> {
+        let w = widths(name)?.0;
+        let x = Tensor::randn([batch, w[0]], (Kind::Float, device));
+        // Drawn in this order on both sides (the class targets, then the regression ones).
+        let y_class = Tensor::randint(10, [batch], (Kind::Int64, device));
+        let y_reg = Tensor::randn([batch, w[w.len() - 1]], (Kind::Float, device));
+        Ok((x, if name == "mlp" { y_class } else { y_reg }))
+    }
+    fn loss(name: &str, out: &Tensor, target: &Tensor) -> Tensor {
+        if name == "mlp" {
+            out.cross_entropy_for_logits(target)
+        } else {
+            out.mse_loss(target, tch::Reduction::Mean)
+        }
+    }
+}
+
+impl BenchModel for Transformer {
+    fn build(vs: &nn::Path, _name: &str) -> Result<Self, String> {
+        Ok(Transformer::new(vs))
+    }
+    fn default_batch() -> i64 {
+        2
+    }
+    fn batch(_name: &str, batch: i64, device: Device) -> Result<(Tensor, Tensor), String> {
+        let idx = Tensor::randint(T_VOCAB, [batch, T_SEQ], (Kind::Int64, device));
+        let next = Tensor::randint(T_VOCAB, [batch, T_SEQ], (Kind::Int64, device));
+        Ok((idx, next))
+    }
+    fn loss(_name: &str, out: &Tensor, target: &Tensor) -> Tensor {
+        out.view([-1, T_VOCAB])
+            .cross_entropy_for_logits(&target.view([-1]))
+    }
+}
+
+impl BenchModel for Convnet {
+    fn build(vs: &nn::Path, _name: &str) -> Result<Self, String> {
+        Ok(Convnet::new(vs))
+    }
+    fn default_batch() -> i64 {
+        8
+    }
+    fn batch(_name: &str, batch: i64, device: Device) -> Result<(Tensor, Tensor), String> {
+        let x = Tensor::randn([batch, 3, 32, 32], (Kind::Float, device));
+        let y = Tensor::randint(10, [batch], (Kind::Int64, device));
+        Ok((x, y))
+    }
+    fn loss(_name: &str, out: &Tensor, target: &Tensor) -> Tensor {
+        out.cross_entropy_for_logits(target)
+    }
 }
 
 struct Args {
@@ -85,6 +332,7 @@ struct Args {
     threads: i32,
     bucket_cap_mb: f64,
     as_view: bool,
+    broadcast_buffers: bool,
     sizes: Vec<usize>,
     tag: String,
 }
@@ -94,12 +342,13 @@ fn parse_args() -> Result<Args, String> {
         mode: "plain".into(),
         device: Device::Cpu,
         model: String::new(),
-        batch: 64,
+        batch: 0,
         warmup: 5,
         steps: 30,
         threads: 1,
         bucket_cap_mb: 25.0,
         as_view: false,
+        broadcast_buffers: true,
         sizes: Vec::new(),
         tag: String::new(),
     };
@@ -126,6 +375,7 @@ fn parse_args() -> Result<Args, String> {
             "--threads" => a.threads = num(value()?, "--threads")? as i32,
             "--bucket-cap-mb" => a.bucket_cap_mb = num(value()?, "--bucket-cap-mb")?,
             "--grad-as-bucket-view" => a.as_view = true,
+            "--no-broadcast-buffers" => a.broadcast_buffers = false,
             "--sizes" => {
                 a.sizes = value()?
                     .split(',')
@@ -141,7 +391,10 @@ fn parse_args() -> Result<Args, String> {
         }
     }
     if a.model.is_empty() {
-        a.model = if a.device.is_cuda() { "gpu" } else { "cpu" }.into();
+        a.model = if a.device.is_cuda() { "gpu" } else { "mlp" }.into();
+    }
+    if a.model == "cpu" {
+        a.model = "mlp".into(); // the old name of the CPU MLP
     }
     if a.steps == 0 {
         return Err("--steps must be positive".into());
@@ -265,50 +518,64 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if args.device.is_cuda() && !tch::Cuda::is_available() {
         return Err("--device cuda but CUDA is not available".into());
     }
-    let group = |args: &mut Args| -> Result<ProcessGroup, tch_dist::DistError> {
-        let backend = if args.device.is_cuda() {
-            Backend::Nccl
-        } else {
-            Backend::Gloo
-        };
-        let pg = init_process_group(backend)?;
-        // Each rank on its own GPU: the device the group bound (LOCAL_RANK).
-        if let (true, Some(d)) = (args.device.is_cuda(), pg.bound_device()) {
-            args.device = d;
-        }
-        Ok(pg)
-    };
-    match args.mode.as_str() {
+    let pg = match args.mode.as_str() {
         "plain" => {
             if args.device.is_cuda() {
                 let local = tch_dist::LaunchEnv::from_process_env().map_or(0, |e| e.local_rank);
                 args.device = Device::Cuda(local);
             }
-            train(&args, None)
+            None
         }
-        "replicate" => {
-            let pg = group(&mut args)?;
-            train(&args, Some(pg))
+        "replicate" | "allreduce" => {
+            let backend = if args.device.is_cuda() {
+                Backend::Nccl
+            } else {
+                Backend::Gloo
+            };
+            let pg = init_process_group(backend)?;
+            // Each rank on its own GPU: the device the group bound (LOCAL_RANK).
+            if let (true, Some(d)) = (args.device.is_cuda(), pg.bound_device()) {
+                args.device = d;
+            }
+            Some(pg)
         }
-        "allreduce" => {
-            let pg = group(&mut args)?;
-            allreduce(&args, pg)
+        other => {
+            return Err(format!("unknown --mode {other} (plain, replicate or allreduce)").into())
         }
-        other => Err(format!("unknown --mode {other} (plain, replicate or allreduce)").into()),
+    };
+    match args.model.as_str() {
+        "mlp" | "gpu" => dispatch::<Mlp>(&args, pg),
+        "transformer" => dispatch::<Transformer>(&args, pg),
+        "convnet" => dispatch::<Convnet>(&args, pg),
+        other => Err(format!("unknown --model {other} (mlp, transformer, convnet or gpu)").into()),
     }
 }
 
-fn train(args: &Args, pg: Option<ProcessGroup>) -> Result<(), Box<dyn std::error::Error>> {
+fn dispatch<M: BenchModel>(
+    args: &Args,
+    pg: Option<ProcessGroup>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    match (args.mode.as_str(), pg) {
+        ("allreduce", Some(pg)) => allreduce::<M>(args, pg),
+        (_, pg) => train::<M>(args, pg),
+    }
+}
+
+fn train<M: BenchModel>(
+    args: &Args,
+    pg: Option<ProcessGroup>,
+) -> Result<(), Box<dyn std::error::Error>> {
     let (rank, world) = pg.as_ref().map_or((0, 1), |g| (g.rank(), g.world_size()));
     tch::manual_seed(0);
     let vs = nn::VarStore::new(args.device);
-    let model = build(&vs.root(), &args.model)?;
+    let model = M::build(&vs.root(), &args.model)?;
     let params = vs.trainable_variables();
     let n_params: i64 = params.iter().map(|t| t.numel() as i64).sum();
     if pg.is_some() {
         let opts = replicate::Options {
             bucket_cap_mb: args.bucket_cap_mb,
             gradient_as_bucket_view: args.as_view,
+            broadcast_buffers: args.broadcast_buffers,
             ..Default::default()
         };
         replicate::apply(&model, opts)?;
@@ -316,18 +583,13 @@ fn train(args: &Args, pg: Option<ProcessGroup>) -> Result<(), Box<dyn std::error
     let mut opt = nn::Sgd::default().build(&vs, 0.01)?;
     // One fixed batch per rank (the data pipeline is not what is measured).
     tch::manual_seed(1 + rank as i64);
-    let in_dim = widths(&args.model)?.0[0];
-    let out_dim = *widths(&args.model)?.0.last().unwrap_or(&10);
-    let x = Tensor::randn([args.batch, in_dim], (Kind::Float, args.device));
-    let y_class = Tensor::randint(10, [args.batch], (Kind::Int64, args.device));
-    let y_reg = Tensor::randn([args.batch, out_dim], (Kind::Float, args.device));
-    let loss_of = |out: &Tensor| {
-        if args.model == "cpu" {
-            out.cross_entropy_for_logits(&y_class)
-        } else {
-            out.mse_loss(&y_reg, tch::Reduction::Mean)
-        }
+    let batch = if args.batch > 0 {
+        args.batch
+    } else {
+        M::default_batch()
     };
+    let (x, target) = M::batch(&args.model, batch, args.device)?;
+    let loss_of = |out: &Tensor| M::loss(&args.model, out, &target);
 
     let (mut steps, mut fwd, mut bwd, mut upd) = (vec![], vec![], vec![], vec![]);
     let (mut comm, mut overlap) = (vec![], vec![]);
@@ -343,7 +605,8 @@ fn train(args: &Args, pg: Option<ProcessGroup>) -> Result<(), Box<dyn std::error
         }
         let t0 = Instant::now();
         opt.zero_grad();
-        let loss = loss_of(&model.call(&x));
+        // `call_t` runs replicate's forward hook (buffer broadcast); train mode for BatchNorm.
+        let loss = loss_of(&model.call_t(&x, true));
         sync(args.device);
         let f = ms(t0);
         let t1 = Instant::now();
@@ -383,6 +646,9 @@ fn train(args: &Args, pg: Option<ProcessGroup>) -> Result<(), Box<dyn std::error
         "device": format!("{:?}", args.device),
         "model": args.model,
         "params": n_params,
+        "param_tensors": params.len(),
+        "buffers": vs.variables().len() - params.len(),
+        "batch": batch,
         "rank": rank,
         "world": world,
         "threads": tch::get_num_threads(),
@@ -411,6 +677,7 @@ fn train(args: &Args, pg: Option<ProcessGroup>) -> Result<(), Box<dyn std::error
         out["skips_communication"] = s.group().skips_communication().into();
         out["bucket_cap_mb"] = args.bucket_cap_mb.into();
         out["gradient_as_bucket_view"] = args.as_view.into();
+        out["broadcast_buffers"] = args.broadcast_buffers.into();
         out["buckets"] = st.buckets.into();
         // The collectives replicate launches with its defaults: per bucket, each gradient of
         // at least 1 MiB alone (in place), then the rest together (`in_place_min_bytes`).
@@ -442,10 +709,22 @@ fn train(args: &Args, pg: Option<ProcessGroup>) -> Result<(), Box<dyn std::error
 /// Raw all-reduce times: the whole gradient as one tensor (SUM, with its CPU time, and AVG),
 /// each of `--sizes` alone (AVG, as the reducer), and all of them launched back to back then
 /// awaited (what the reducer does, without backward around it).
-fn allreduce(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error>> {
-    let (w, _) = widths(&args.model)?;
-    let numel: i64 = w.windows(2).map(|io| io[0] * io[1] + io[1]).sum();
-    let total = numel as usize * 4;
+fn allreduce<M: BenchModel>(
+    args: &Args,
+    pg: ProcessGroup,
+) -> Result<(), Box<dyn std::error::Error>> {
+    // The model's gradient bytes (fp32); the GPU MLP is counted, not built.
+    let total = match widths(&args.model) {
+        Ok((w, _)) => w.windows(2).map(|io| io[0] * io[1] + io[1]).sum::<i64>() as usize * 4,
+        Err(_) => {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let _model = M::build(&vs.root(), &args.model)?;
+            vs.trainable_variables()
+                .iter()
+                .map(|t| t.numel() * t.kind().elt_size_in_bytes())
+                .sum()
+        }
+    };
     let sizes = if args.sizes.is_empty() {
         vec![total]
     } else {
