@@ -50,7 +50,9 @@ doc: setup
 	$(CARGO) doc --workspace --no-deps
 
 # Benchmarks against PyTorch DDP (docs/PERFORMANCE.md); never timed tests.
-# CPU: 2 ranks, Gloo, one torch thread per rank; the last line is tch_dist_vs_pytorch_ddp=<ratio>.
+# CPU: the model suite (mlp, transformer, convnet), 2 ranks, Gloo, one torch thread per rank,
+# under 10 minutes; a model=NAME line of ratios per model, the last line is the MLP's
+# tch_dist_vs_pytorch_ddp=<ratio>.
 bench: setup
 	$(CARGO) build --release --bin tch-dist-run --example bench_ddp
 	$(PY) bench/driver.py $(BENCH_ARGS)
