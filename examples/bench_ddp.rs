@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! bench_ddp --mode plain      [--device cpu|cuda] [--model NAME] [options]
-//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode replicate [--bucket-cap-mb 25] [--grad-as-bucket-view] [--no-broadcast-buffers]
+//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode replicate [--bucket-cap-mb 25] [--grad-as-bucket-view] [--no-broadcast-buffers] [--in-place-min-bytes N]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode allreduce [--sizes BYTES,BYTES,...]
 //! ```
 //!
@@ -331,6 +331,7 @@ struct Args {
     steps: usize,
     threads: i32,
     bucket_cap_mb: f64,
+    in_place_min_bytes: usize,
     as_view: bool,
     broadcast_buffers: bool,
     sizes: Vec<usize>,
@@ -347,6 +348,7 @@ fn parse_args() -> Result<Args, String> {
         steps: 30,
         threads: 1,
         bucket_cap_mb: 25.0,
+        in_place_min_bytes: tch_dist::DEFAULT_IN_PLACE_MIN_BYTES,
         as_view: false,
         broadcast_buffers: true,
         sizes: Vec::new(),
@@ -374,6 +376,12 @@ fn parse_args() -> Result<Args, String> {
             "--steps" => a.steps = num(value()?, "--steps")? as usize,
             "--threads" => a.threads = num(value()?, "--threads")? as i32,
             "--bucket-cap-mb" => a.bucket_cap_mb = num(value()?, "--bucket-cap-mb")?,
+            "--in-place-min-bytes" => {
+                let v = value()?;
+                a.in_place_min_bytes = v
+                    .parse()
+                    .map_err(|e| format!("--in-place-min-bytes {v:?}: {e}"))?;
+            }
             "--grad-as-bucket-view" => a.as_view = true,
             "--no-broadcast-buffers" => a.broadcast_buffers = false,
             "--sizes" => {
@@ -576,6 +584,7 @@ fn train<M: BenchModel>(
             bucket_cap_mb: args.bucket_cap_mb,
             gradient_as_bucket_view: args.as_view,
             broadcast_buffers: args.broadcast_buffers,
+            in_place_min_bytes: args.in_place_min_bytes,
             ..Default::default()
         };
         replicate::apply(&model, opts)?;
@@ -676,19 +685,21 @@ fn train<M: BenchModel>(
         // communicates, as PyTorch DDP's do.
         out["skips_communication"] = s.group().skips_communication().into();
         out["bucket_cap_mb"] = args.bucket_cap_mb.into();
+        out["in_place_min_bytes"] = args.in_place_min_bytes.into();
         out["gradient_as_bucket_view"] = args.as_view.into();
         out["broadcast_buffers"] = args.broadcast_buffers.into();
         out["buckets"] = st.buckets.into();
-        // The collectives replicate launches with its defaults: per bucket, each gradient of
-        // at least 1 MiB alone (in place), then the rest together (`in_place_min_bytes`).
+        // The collectives replicate launches: per bucket, each gradient of at least
+        // `in_place_min_bytes` alone (in place), then the rest together.
+        let min = args.in_place_min_bytes;
         let mut collectives = Vec::new();
         for b in s.buckets() {
             let sizes: Vec<usize> = b
                 .iter()
                 .map(|f| size_of.get(f).copied().unwrap_or(0))
                 .collect();
-            collectives.extend(sizes.iter().copied().filter(|&n| n >= 1 << 20));
-            let packed: usize = sizes.iter().copied().filter(|&n| n < 1 << 20).sum();
+            collectives.extend(sizes.iter().copied().filter(|&n| n >= min));
+            let packed: usize = sizes.iter().copied().filter(|&n| n < min).sum();
             if packed > 0 {
                 collectives.push(packed);
             }

@@ -162,6 +162,11 @@ pub struct Options {
     /// `CommHook::Bf16Compress` and `CommHook::PowerSgd(PowerSgdOptions { .. })` as PyTorch's
     /// `register_comm_hook` with its default hooks).
     pub comm_hook: CommHook,
+    /// With the default hook, a gradient of at least this many bytes is all-reduced on its
+    /// own, in place in `.grad`, instead of being copied into its bucket and back (default
+    /// [`DEFAULT_IN_PLACE_MIN_BYTES`](crate::DEFAULT_IN_PLACE_MIN_BYTES); `usize::MAX` copies
+    /// every gradient, as PyTorch does). A tch-dist tuning knob, not a DDP option.
+    pub in_place_min_bytes: usize,
     /// The group to average over (default: the default process group).
     pub process_group: Option<ProcessGroup>,
 }
@@ -177,6 +182,7 @@ impl Default for Options {
             static_graph: false,
             gradient_as_bucket_view: false,
             comm_hook: CommHook::AllReduceMean,
+            in_place_min_bytes: tch_dist_runtime::DEFAULT_IN_PLACE_MIN_BYTES,
             process_group: None,
         }
     }
@@ -193,6 +199,7 @@ impl std::fmt::Debug for Options {
             .field("static_graph", &self.static_graph)
             .field("gradient_as_bucket_view", &self.gradient_as_bucket_view)
             .field("comm_hook", &self.comm_hook)
+            .field("in_place_min_bytes", &self.in_place_min_bytes)
             .finish()
     }
 }
@@ -346,6 +353,7 @@ pub fn apply<M: Shardable + ?Sized>(
         gradient_as_bucket_view: opts.gradient_as_bucket_view,
         static_graph: opts.static_graph,
         comm_hook: opts.comm_hook,
+        in_place_min_bytes: opts.in_place_min_bytes,
         ..ReducerOptions::default()
     };
 
@@ -402,6 +410,7 @@ pub fn apply<M: Shardable + ?Sized>(
         ),
         ("broadcast_buffers", opts.broadcast_buffers.to_string()),
         ("comm_hook", format!("{:?}", opts.comm_hook)),
+        ("in_place_min_bytes", opts.in_place_min_bytes.to_string()),
     ];
     let options: Vec<(String, String)> = options
         .into_iter()
