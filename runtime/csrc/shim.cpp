@@ -232,10 +232,11 @@ Route route(const TdrGroup& g, const at::Tensor& t) {
 struct Call {
   const char* op;
   std::vector<at::Tensor> tensors;
+  int root = -1;  // a broadcast's source rank
 };
 
-// `rank \t seq \t op \t tensors`, tensors separated by `|`, each `d0,d1,...;Dtype;device`
-// (src/error.rs parses it).
+// `rank \t seq \t op \t tensors \t root`, tensors separated by `|`, each
+// `d0,d1,...;Dtype;device`, the root empty when the op has none (src/desync.rs parses it).
 std::string encode_call(int rank, uint64_t seq, const Call& c) {
   std::string out = std::to_string(rank) + "\t" + std::to_string(seq) + "\t" + c.op + "\t";
   for (size_t i = 0; i < c.tensors.size(); ++i) {
@@ -248,6 +249,7 @@ std::string encode_call(int rank, uint64_t seq, const Call& c) {
     }
     out += std::string(";") + c10::toString(t.scalar_type()) + ";" + t.device().str();
   }
+  out += "\t" + (c.root >= 0 ? std::to_string(c.root) : std::string());
   return out;
 }
 
@@ -281,6 +283,87 @@ std::string gather_calls(const c10::intrusive_ptr<c10d::Backend>& check, const s
     out += std::string(data, static_cast<size_t>(lens[0][i].item<int64_t>())) + "\n";
   }
   return out;
+}
+
+// DETAIL: sits between c10d's ProcessGroupWrapper and the backend it wraps, forwarding what
+// the shim uses. The wrapper's fingerprint leaves out a broadcast's root (mismatched roots
+// leave both ranks waiting out the timeout); once the wrapper's check has passed, every rank
+// is at the same broadcast, and this compares the roots over the check backend first.
+class RootCheck : public c10d::Backend {
+ public:
+  RootCheck(c10::intrusive_ptr<c10d::Backend> inner, c10::intrusive_ptr<c10d::Backend> check)
+      : Backend(inner->getRank(), inner->getSize()),
+        inner_(std::move(inner)),
+        check_(std::move(check)) {}
+
+  const std::string getBackendName() const override { return inner_->getBackendName(); }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& data,
+                                           const c10d::BroadcastOptions& opts) override {
+    at::Tensor root = at::full({1}, opts.rootRank, at::kLong);
+    std::vector<std::vector<at::Tensor>> roots(1);
+    for (int i = 0; i < getSize(); ++i) {
+      roots[0].push_back(at::zeros_like(root));
+    }
+    std::vector<at::Tensor> in{root};
+    check_->allgather(roots, in)->wait();
+    for (const auto& r : roots[0]) {
+      if (r.item<int64_t>() != opts.rootRank) {
+        Call call{"broadcast", data, static_cast<int>(opts.rootRank)};
+        std::string mine = encode_call(getRank(), inner_->getSequenceNumberForGroup(), call);
+        throw DesyncError("tdr-desync:differ\n" + gather_calls(check_, mine));
+      }
+    }
+    return inner_->broadcast(data, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& t,
+                                           const c10d::AllreduceOptions& o) override {
+    return inner_->allreduce(t, o);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& out,
+                                           std::vector<at::Tensor>& in,
+                                           const c10d::AllgatherOptions& o) override {
+    return inner_->allgather(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                 const c10d::AllgatherOptions& o) override {
+    return inner_->_allgather_base(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) override {
+    return inner_->_reduce_scatter_base(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in,
+                                               std::vector<int64_t>& out_splits,
+                                               std::vector<int64_t>& in_splits,
+                                               const c10d::AllToAllOptions& o) override {
+    return inner_->alltoall_base(out, in, out_splits, in_splits, o);
+  }
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& t, int dst, int tag) override {
+    return inner_->send(t, dst, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& t, int src, int tag) override {
+    return inner_->recv(t, src, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& o) override {
+    return inner_->barrier(o);
+  }
+  void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all_ranks) override {
+    inner_->monitoredBarrier(o, wait_all_ranks);
+  }
+  void setSequenceNumberForGroup() override { inner_->setSequenceNumberForGroup(); }
+  uint64_t getSequenceNumberForGroup() override { return inner_->getSequenceNumberForGroup(); }
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> inner_;
+  c10::intrusive_ptr<c10d::Backend> check_;
+};
+
+// c10d's ProcessGroupWrapper around `inner`, checking over `check`, with the root check.
+c10::intrusive_ptr<c10d::Backend> wrap_checked(const c10::intrusive_ptr<c10d::Backend>& inner,
+                                               const c10::intrusive_ptr<c10d::Backend>& check) {
+  auto roots = c10::make_intrusive<RootCheck>(inner, check);
+  return c10::make_intrusive<c10d::ProcessGroupWrapper>(roots, check);
 }
 
 // Launches a collective; with DETAIL, the wrapper's failed check becomes a DesyncError whose
@@ -661,8 +744,7 @@ char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
     // so that their traffic never interleaves with the collectives they check.
     backends->gloo_check =
         new_gloo(store->store, "gloo_check/", rank, size, left(), timeout, host);
-    backends->gloo =
-        c10::make_intrusive<c10d::ProcessGroupWrapper>(backends->gloo, backends->gloo_check);
+    backends->gloo = wrap_checked(backends->gloo, backends->gloo_check);
   }
   if (with_nccl && !cuda_via_gloo) {
 #ifdef TDR_WITH_NCCL
@@ -680,8 +762,7 @@ char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
     if (detail) {
       backends->nccl_check =
           new_gloo(store->store, "nccl_check/", rank, size, left(), timeout, host);
-      backends->nccl = c10::make_intrusive<c10d::ProcessGroupWrapper>(backends->nccl_raw,
-                                                                      backends->nccl_check);
+      backends->nccl = wrap_checked(backends->nccl_raw, backends->nccl_check);
     }
 #else
     throw std::runtime_error("tch-dist was built without NCCL support");
@@ -750,7 +831,7 @@ char* tdr_broadcast(TdrGroup* g, at::Tensor* t, int root, TdrWork** out) {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = g->timeout;
-  auto work = checked(*g, r, {"broadcast", tensors},
+  auto work = checked(*g, r, {"broadcast", tensors, root},
                       [&]() { return r.backend->broadcast(tensors, opts); });
   *out = make_work(r, work, [io]() { io->finish(); });
   TDR_CATCH

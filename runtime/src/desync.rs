@@ -11,19 +11,21 @@
 //!
 //! ```text
 //! tdr-desync:differ
-//! RANK \t SEQ \t OP \t TENSORS        (one line per rank, in rank order)
+//! RANK \t SEQ \t OP \t TENSORS \t ROOT        (one line per rank, in rank order)
 //! ```
 //!
 //! or, when the monitored barrier failed (a rank did not arrive, or left),
 //!
 //! ```text
 //! tdr-desync:missing
-//! RANK \t SEQ \t OP \t TENSORS        (this rank's call)
+//! RANK \t SEQ \t OP \t TENSORS \t ROOT        (this rank's call)
 //! what c10d said
 //! ```
 //!
 //! where TENSORS is `|`-separated `d0,d1,...;Dtype;device` (c10's dtype names, c10's device
-//! strings).
+//! strings) and ROOT a broadcast's source rank (empty for other ops). c10d's fingerprint has
+//! no root: the shim compares broadcasts' roots itself once the wrapper's check has passed,
+//! and reports a difference the same way.
 
 use std::time::Duration;
 
@@ -90,7 +92,7 @@ fn parse_tensor(s: &str) -> Option<CallTensor> {
     })
 }
 
-/// One `RANK \t SEQ \t OP \t TENSORS` line.
+/// One `RANK \t SEQ \t OP \t TENSORS \t ROOT` line.
 fn parse_call(line: &str) -> Option<CollectiveCall> {
     let mut fields = line.split('\t');
     let rank = fields.next()?.parse().ok()?;
@@ -100,11 +102,16 @@ fn parse_call(line: &str) -> Option<CollectiveCall> {
         "" => Vec::new(),
         t => t.split('|').map(parse_tensor).collect::<Option<Vec<_>>>()?,
     };
+    let root = match fields.next()? {
+        "" => None,
+        r => Some(r.parse().ok()?),
+    };
     Some(CollectiveCall {
         rank,
         seq,
         op,
         tensors,
+        root,
     })
 }
 
@@ -184,6 +191,7 @@ mod tests {
                     device: Device::Cpu,
                 })
                 .collect(),
+            root: None,
         }
     }
 
@@ -192,7 +200,7 @@ mod tests {
     #[test]
     fn differing_calls() {
         let report =
-            "tdr-desync:differ\n0\t3\tall_reduce\t4;Float;cpu\n1\t3\tall_reduce\t4;Int;cpu\n";
+            "tdr-desync:differ\n0\t3\tall_reduce\t4;Float;cpu\t\n1\t3\tall_reduce\t4;Int;cpu\t\n";
         assert_eq!(
             parse(report, T, Duration::ZERO),
             Some(Desync::Differ {
@@ -203,7 +211,7 @@ mod tests {
             })
         );
         // No tensors (a barrier), two tensors, a scalar, CUDA.
-        let report = "tdr-desync:differ\n0\t7\tbarrier\t\n1\t7\treduce_scatter_tensor\t8,2;Double;cpu|4,2;Double;cpu\n2\t7\tall_reduce\t;BFloat16;cuda:1\n";
+        let report = "tdr-desync:differ\n0\t7\tbarrier\t\t\n1\t7\treduce_scatter_tensor\t8,2;Double;cpu|4,2;Double;cpu\t\n2\t7\tbroadcast\t;BFloat16;cuda:1\t1\n";
         let Some(Desync::Differ { calls }) = parse(report, T, Duration::ZERO) else {
             panic!("not parsed");
         };
@@ -219,12 +227,17 @@ mod tests {
         );
         assert_eq!(calls[2].tensors[0].signature.shape, Vec::<i64>::new());
         assert_eq!(calls[2].tensors[0].device, Device::Cuda(1));
+        assert_eq!(
+            (calls[2].op.as_str(), calls[2].root),
+            ("broadcast", Some(1))
+        );
+        assert_eq!(calls[0].root, None);
     }
 
     #[test]
     fn missing_and_unconfirmed() {
         let mine = call(0, 2, "all_reduce", &[(&[4], Kind::Float)]);
-        let report = "tdr-desync:missing\n0\t2\tall_reduce\t4;Float;cpu\n[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 5000 ms";
+        let report = "tdr-desync:missing\n0\t2\tall_reduce\t4;Float;cpu\t\n[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 5000 ms";
         let cause = "[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 5000 ms".to_string();
         assert_eq!(
             parse(report, T, Duration::from_millis(5004)),
@@ -245,7 +258,7 @@ mod tests {
                 cause,
             })
         );
-        let report = "tdr-desync:missing\n1\t2\tall_reduce\t4;Float;cpu\nRank 1 successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0.";
+        let report = "tdr-desync:missing\n1\t2\tall_reduce\t4;Float;cpu\t\nRank 1 successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0.";
         assert!(matches!(
             parse(report, T, Duration::from_secs(6)),
             Some(Desync::Unconfirmed {
@@ -263,10 +276,13 @@ mod tests {
     #[test]
     fn other_text_is_not_a_report() {
         assert_eq!(parse("Detected mismatch between collectives", T, T), None);
-        assert_eq!(parse("tdr-desync:differ\n0\tx\tall_reduce\t\n", T, T), None);
+        assert_eq!(
+            parse("tdr-desync:differ\n0\tx\tall_reduce\t\t\n", T, T),
+            None
+        );
         assert_eq!(
             parse(
-                "tdr-desync:differ\n0\t1\tall_reduce\t4;Quaternion;cpu\n",
+                "tdr-desync:differ\n0\t1\tall_reduce\t4;Quaternion;cpu\t\n",
                 T,
                 T
             ),

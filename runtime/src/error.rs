@@ -434,7 +434,8 @@ pub enum Desync {
 }
 
 /// One rank's collective as `TCH_DIST_DEBUG=DETAIL` checks it (c10d's collective
-/// fingerprint): written `all_reduce of [4] (Float) on Cpu as its collective 3`.
+/// fingerprint, and a broadcast's root): written `all_reduce of [4] (Float) on Cpu as its
+/// collective 3`, `broadcast from rank 1 of [4] (Float) on Cpu as its collective 0`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CollectiveCall {
     /// The rank that called it.
@@ -445,6 +446,8 @@ pub struct CollectiveCall {
     pub op: String,
     /// The tensors the check compares (none for a barrier or an all-to-all).
     pub tensors: Vec<CallTensor>,
+    /// A broadcast's source rank.
+    pub root: Option<usize>,
 }
 
 /// A tensor of a [`CollectiveCall`]: its shape, dtype and device.
@@ -467,6 +470,9 @@ impl CollectiveCall {
     /// `all_reduce of [4] (Float) on Cpu`: the call without its rank and number.
     fn describe(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.op)?;
+        if let Some(root) = self.root {
+            write!(f, " from rank {root}")?;
+        }
         let Some(first) = self.tensors.first() else {
             return Ok(());
         };
@@ -489,7 +495,8 @@ impl CollectiveCall {
 
     /// The same call, ignoring the rank.
     fn same_as(&self, other: &CollectiveCall) -> bool {
-        (self.seq, &self.op, &self.tensors) == (other.seq, &other.op, &other.tensors)
+        (self.seq, &self.op, &self.tensors, self.root)
+            == (other.seq, &other.op, &other.tensors, other.root)
     }
 }
 
@@ -1118,6 +1125,28 @@ mod tests {
             (
                 DistError::Desync {
                     rank: 0,
+                    op: "broadcast",
+                    desync: Box::new(Desync::Differ {
+                        calls: vec![
+                            CollectiveCall {
+                                root: Some(0),
+                                ..call(0, 1, "broadcast", &[(&[4], Kind::Float)])
+                            },
+                            CollectiveCall {
+                                root: Some(1),
+                                ..call(1, 1, "broadcast", &[(&[4], Kind::Float)])
+                            },
+                        ],
+                    }),
+                },
+                "rank 0: broadcast: the ranks called different collectives (TCH_DIST_DEBUG=DETAIL \
+                 checks each one before it runs): rank 0 called broadcast from rank 0 of [4] \
+                 (Float) on Cpu as its collective 1, rank 1 called broadcast from rank 1 of [4] \
+                 (Float) on Cpu as its collective 1; nothing was sent",
+            ),
+            (
+                DistError::Desync {
+                    rank: 0,
                     op: "all_reduce",
                     desync: Box::new(Desync::Missing {
                         call: call(0, 12, "all_reduce", &[(&[10], Kind::Float)]),
@@ -1208,6 +1237,7 @@ mod tests {
                     device: Device::Cpu,
                 })
                 .collect(),
+            root: None,
         }
     }
 

@@ -3,7 +3,8 @@
 //!
 //! Without DETAIL these return garbage with Ok (float32 against int32), abort a rank with
 //! SIGABRT (an uncaught gloo::EnforceNotMet: [4] against [8], float against double), or end
-//! in a bare timeout (all_reduce against broadcast, a rank that skips a step). Every test
+//! in a bare timeout (all_reduce against broadcast, broadcasts from different roots, a rank
+//! that skips a step). Every test
 //! here also checks that no tensor changed and that the group still works afterwards (every
 //! rank failed the same check, so the ranks are still in step). `run_ranks_with` fails the
 //! test if a rank exited non-zero, died by a signal or was still running at the deadline.
@@ -117,13 +118,45 @@ fn all_reduce_against_broadcast() {
                 format!(
                     "rank {}: {op}: the ranks called different collectives (TCH_DIST_DEBUG=DETAIL \
                  checks each one before it runs): rank 0 called all_reduce of [4] (Float) on Cpu \
-                 as its collective 0, rank 1 called broadcast of [4] (Float) on Cpu as its \
-                 collective 0; nothing was sent",
+                 as its collective 0, rank 1 called broadcast from rank 1 of [4] (Float) on Cpu \
+                 as its collective 0; nothing was sent",
                     pg.rank()
                 )
             );
             assert!(t.equal(&before), "the tensor changed");
             still_works(&pg);
+        },
+    );
+}
+
+/// Broadcasts from different roots (without DETAIL: both ranks send, and both wait out the
+/// timeout). c10d's fingerprint has no root; the shim compares the roots once it passed.
+#[test]
+fn broadcasts_from_different_roots() {
+    run_ranks_with(
+        &detail("broadcasts_from_different_roots"),
+        Backend::Gloo,
+        |pg| {
+            let t = Tensor::from_slice(&[pg.rank() as f32 + 1.0; 4]);
+            let err = pg.broadcast(&t, pg.rank()).unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!(
+                    "rank {}: broadcast: the ranks called different collectives \
+                 (TCH_DIST_DEBUG=DETAIL checks each one before it runs): rank 0 called broadcast \
+                 from rank 0 of [4] (Float) on Cpu as its collective 0, rank 1 called broadcast \
+                 from rank 1 of [4] (Float) on Cpu as its collective 0; nothing was sent",
+                    pg.rank()
+                )
+            );
+            assert_eq!(
+                Vec::<f32>::try_from(&t).unwrap(),
+                [pg.rank() as f32 + 1.0; 4]
+            );
+            still_works(&pg);
+            // The same root on both: the broadcast runs.
+            pg.broadcast(&t, 1).unwrap();
+            assert_eq!(Vec::<f32>::try_from(&t).unwrap(), [2.0; 4]);
         },
     );
 }
