@@ -53,6 +53,7 @@ MODELS = {
         steps=30,
         warmup=5,
         trim=True,
+        detail=True,
     ),
     "transformer": dict(
         desc="GPT-2-style transformer, 6 blocks d=256, 4 heads, vocabulary 128 "
@@ -61,6 +62,7 @@ MODELS = {
         steps=30,
         warmup=5,
         trim=False,
+        detail=False,
     ),
     "convnet": dict(
         desc="convnet, 9 x (3x3 conv + BatchNorm2d + ReLU) 32-64-128 channels on 3x32x32 "
@@ -70,6 +72,7 @@ MODELS = {
         steps=30,
         warmup=5,
         trim=False,
+        detail=False,
     ),
 }
 
@@ -317,6 +320,10 @@ def cpu_model(a, r, model):
         r.tch("tch_plain_trim", "plain", env=trim)
         r.tch("tch_dist_view_trim", "replicate", *view, env=trim)
         keys += ["tch_plain_trim", "tch_dist_view_trim"]
+    if m["detail"]:
+        # TCH_DIST_DEBUG=DETAIL's cost: one run beside the default one of the last round.
+        r.tch("tch_dist_detail", "replicate", *cap, env={"TCH_DIST_DEBUG": "DETAIL"})
+        keys.append("tch_dist_detail")
     sizes = r.results["tch_dist"][-1].get("collective_bytes", [])
     floor = r.tch("allreduce", "allreduce", "--sizes", ",".join(map(str, sizes)))
 
@@ -381,6 +388,12 @@ def cpu_model(a, r, model):
         f"tch_dist_vs_pytorch_ddp_view={med['tch_dist_view'] / med['pytorch_ddp_view']:.3f}  "
         "(both with gradient_as_bucket_view)"
     )
+    if m["detail"]:
+        d = r.results["tch_dist_detail"][-1]["median_ms"] / r.results["tch_dist"][-1]["median_ms"]
+        print(
+            f"detail_vs_default={d:.3f}  (TCH_DIST_DEBUG=DETAIL, which checks every collective "
+            "across the ranks first, against the default run beside it)"
+        )
     print(
         f"paired_ratio={paired_ratio(r.results['tch_dist'], r.results['pytorch_ddp']):.3f}  "
         "(median over rounds of each tch-dist run / the PyTorch DDP run beside it)"
@@ -398,7 +411,7 @@ def planned_runs(a, m):
     """How many runs cpu_model makes for model settings `m`."""
     rounds = m["rounds"] if a.rounds is None else a.rounds
     view_rounds = min(rounds, max(1, (rounds + 1) // 2))
-    return 2 * rounds + 5 * view_rounds + 2 * m["trim"] + 1
+    return 2 * rounds + 5 * view_rounds + 2 * m["trim"] + m["detail"] + 1
 
 
 def cpu_bench(a, r):

@@ -615,11 +615,17 @@ fn train<M: BenchModel>(
         let t0 = Instant::now();
         opt.zero_grad();
         // `call_t` runs replicate's forward hook (buffer broadcast); train mode for BatchNorm.
-        let loss = loss_of(&model.call_t(&x, true));
+        let loss = loss_of(&model.f_call_t(&x, true)?);
         sync(args.device);
         let f = ms(t0);
         let t1 = Instant::now();
-        loss.backward();
+        if let Err(e) = loss.f_backward() {
+            // A collective that failed during backward: the reducer's typed error.
+            if pg.is_some() {
+                replicate::prepare_forward(&model)?;
+            }
+            return Err(e.into());
+        }
         sync(args.device);
         let b = ms(t1);
         let t2 = Instant::now();
@@ -661,6 +667,7 @@ fn train<M: BenchModel>(
         "rank": rank,
         "world": world,
         "threads": tch::get_num_threads(),
+        "debug": format!("{:?}", pg.as_ref().map_or(tch_dist::DebugLevel::Off, |g| g.debug_level())),
         "median_ms": median(&steps),
         "fwd_ms": median(&fwd),
         "bwd_ms": median(&bwd),

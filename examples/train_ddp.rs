@@ -3,12 +3,19 @@
 //! Trains an MLP on scikit-learn's handwritten digits (8x8 images, 1797 samples, shipped in
 //! the `.venv`'s scikit-learn), each rank on its shard of every batch; rank 0 shows a progress
 //! bar, prints `test_accuracy=0.xx`, and saves a safetensors checkpoint under PyTorch's
-//! parameter names (`fc1.weight`, ...). `--resume` continues from it.
+//! parameter names (`fc1.weight`, ...). `--resume` continues from it, once it has checked
+//! that the checkpoint has exactly the model's keys, shapes and dtypes.
 //!
 //! ```text
 //! target/release/tch-dist-run --nproc-per-node 2 -- target/release/examples/train_ddp [--epochs N] [--resume]
 //! ```
+//!
+//! Every failure ends the program with one line, `error: ...`, and exit status 1: a peer
+//! that dies mid-training is `error: rank 0: all_reduce failed: rank 1 closed the
+//! connection`, not a panic (tch's `backward_step` unwraps the backward pass; this loop
+//! uses `f_backward` and hands on the reducer's typed error).
 
+use std::error::Error;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -16,6 +23,8 @@ use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::{init_process_group, replicate, Backend, Call, Shardable};
 
+#[path = "common/checkpoint.rs"]
+mod checkpoint;
 #[path = "common/digits.rs"]
 mod digits;
 use digits::load_digits;
@@ -89,7 +98,23 @@ fn main() {
     }
 }
 
-fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// `opt.backward_step(&loss)` with failures as values: a collective that failed during
+/// backward (a dead peer) is the reducer's typed error, which it keeps for the next forward.
+fn backward_step(
+    model: &Net,
+    opt: &mut nn::Optimizer,
+    loss: &Tensor,
+) -> Result<(), Box<dyn Error>> {
+    opt.zero_grad();
+    if let Err(e) = loss.f_backward() {
+        replicate::prepare_forward(model)?;
+        return Err(e.into());
+    }
+    opt.step();
+    Ok(())
+}
+
+fn run() -> Result<(), Box<dyn Error>> {
     let args = parse_args()?;
     tch::set_num_threads(1);
     let pg = init_process_group(Backend::Gloo)?;
@@ -100,11 +125,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let n_train = x_train.size()[0];
 
     tch::manual_seed(42);
-    let mut vs = nn::VarStore::new(Device::Cpu);
+    let vs = nn::VarStore::new(Device::Cpu);
     let model = Net::new(&vs.root());
     if args.resume {
-        vs.load(&args.checkpoint)
-            .map_err(|e| format!("--resume: {}: {e}", args.checkpoint.display()))?;
+        checkpoint::load_exact(&vs, &args.checkpoint)?;
     }
     tch_dist::check_against_var_store(&model, &vs)?;
     replicate::apply(&model, replicate::Options::default())?;
@@ -124,6 +148,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         );
         b
     });
+    if rank == 0 {
+        println!(
+            "training on {world} ranks: {n_train} samples, {steps_per_epoch} steps per epoch, {} \
+             epochs",
+            args.epochs
+        );
+    }
     let start = Instant::now();
     let mut seen = 0i64;
     for epoch in 0..args.epochs {
@@ -142,9 +173,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 );
             }
             let loss = model
-                .call(&x_train.index_select(0, &mine))
+                .f_call(&x_train.index_select(0, &mine))?
                 .cross_entropy_for_logits(&y_train.index_select(0, &mine));
-            opt.backward_step(&loss);
+            backward_step(&model, &mut opt, &loss)?;
             seen += len;
             if let Some(b) = &bar {
                 b.set_prefix(format!("{}/{}", epoch + 1, args.epochs));

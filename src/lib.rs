@@ -100,11 +100,12 @@
 
 pub use tch_dist_runtime::{
     default_group, destroy_process_group, first_shared_gpu, init_process_group,
-    init_process_group_with, is_initialized, ArgumentError, Backend, CommHook, DeviceClaim,
-    DistError, EnvError, InitOptions, LaunchEnv, Mismatch, NamedSignature, PowerSgdOptions,
-    ProcessGroup, ReduceOp, Reducer, ReducerOptions, ReducerStats, Result, Store, TensorSignature,
-    Work, BROADCAST_BUCKET_BYTES, CUDA_VIA_GLOO_ENV, DEFAULT_FIRST_BUCKET_BYTES,
-    DEFAULT_IN_PLACE_MIN_BYTES, DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT, NO_SHORTCUTS_ENV,
+    init_process_group_with, is_initialized, ArgumentError, Backend, CallTensor, CollectiveCall,
+    CommHook, DebugLevel, Desync, DeviceClaim, DistError, EnvError, InitOptions, LaunchEnv,
+    Mismatch, NamedSignature, PowerSgdOptions, ProcessGroup, ReduceOp, Reducer, ReducerOptions,
+    ReducerStats, RendezvousError, Result, Store, TensorSignature, Work, BROADCAST_BUCKET_BYTES,
+    CUDA_VIA_GLOO_ENV, DEBUG_ENV, DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
+    DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT, NO_SHORTCUTS_ENV, RUN_ID_ENV, TORCH_DEBUG_ENV,
 };
 
 pub mod replicate;

@@ -16,7 +16,9 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupWrapper.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <c10/util/Logging.h>
 #include <gloo/common/error.h>
 #ifdef TDR_WITH_NCCL
 #include <ATen/cuda/CUDAContext.h>
@@ -52,6 +54,13 @@ char* dup_message(const char* msg) {
 }
 
 char* dup_message(const std::string& msg) { return dup_message(msg.c_str()); }
+
+// TCH_DIST_DEBUG=DETAIL found that the ranks' collectives differ, or that a rank did not
+// reach the check (TDR_ERROR_DESYNC); the message is the report `desync_report` builds, which
+// src/error.rs parses.
+struct DesyncError : std::runtime_error {
+  explicit DesyncError(const std::string& report) : std::runtime_error(report) {}
+};
 
 // A collective on a group that was shut down (TDR_ERROR_SHUT_DOWN).
 struct ShutDownError : std::runtime_error {
@@ -110,6 +119,9 @@ char* fail(int kind, const char* msg) {
   catch (const ShutDownError& e) {                                           \
     return fail(TDR_ERROR_SHUT_DOWN, e.what());                              \
   }                                                                          \
+  catch (const DesyncError& e) {                                             \
+    return fail(TDR_ERROR_DESYNC, e.what());                                 \
+  }                                                                          \
   catch (const std::exception& e) {                                          \
     return fail(classify(e.what(), TDR_ERROR_ENGINE), e.what());             \
   }                                                                          \
@@ -127,11 +139,18 @@ struct TdrStore {
 // A group's backends, shared by the group's handle and by every autograd node that
 // communicates over it. Launches hold `mutex` shared; shutting down holds it exclusively,
 // after which no backend is reachable.
+// With DETAIL, `gloo` and `nccl` are c10d ProcessGroupWrappers (what collectives go
+// through) and `nccl_raw` the NCCL backend they wrap (what shutdown reaches: the wrapper does
+// not forward it).
 struct Backends {
   std::shared_mutex mutex;
   bool shut_down = false;
   c10::intrusive_ptr<c10d::Backend> gloo;
   c10::intrusive_ptr<c10d::Backend> nccl;
+  c10::intrusive_ptr<c10d::Backend> nccl_raw;
+  // DETAIL: the Gloo backends the wrappers check over (null otherwise).
+  c10::intrusive_ptr<c10d::Backend> gloo_check;
+  c10::intrusive_ptr<c10d::Backend> nccl_check;
 };
 
 // One process group as the Rust side sees it: Gloo always (CPU tensors, control traffic
@@ -163,6 +182,8 @@ namespace {
 struct Route {
   std::shared_lock<std::shared_mutex> lock;
   c10::intrusive_ptr<c10d::Backend> backend;
+  // DETAIL: the Gloo backend `backend`'s wrapper checks over (null otherwise).
+  c10::intrusive_ptr<c10d::Backend> check;
   bool gloo = true;
   bool staged = false;
 };
@@ -180,6 +201,7 @@ Route lock_backends(const TdrGroup& g) {
 Route route_gloo(const TdrGroup& g) {
   Route r = lock_backends(g);
   r.backend = g.backends->gloo;
+  r.check = g.backends->gloo_check;
   return r;
 }
 
@@ -188,6 +210,7 @@ Route route(const TdrGroup& g, const at::Tensor& t) {
   if (t.is_cuda()) {
     if (g.cuda_via_gloo) {
       r.backend = g.backends->gloo;
+      r.check = g.backends->gloo_check;
       r.staged = true;
       return r;
     }
@@ -198,6 +221,7 @@ Route route(const TdrGroup& g, const at::Tensor& t) {
           "group with Backend::Nccl to communicate CUDA tensors");
     }
     r.backend = g.backends->nccl;
+    r.check = g.backends->nccl_check;
     r.gloo = false;
     return r;
   }
@@ -205,7 +229,174 @@ Route route(const TdrGroup& g, const at::Tensor& t) {
     throw std::runtime_error("unsupported tensor device " + t.device().str());
   }
   r.backend = g.backends->gloo;
+  r.check = g.backends->gloo_check;
   return r;
+}
+
+// One rank's side of a collective, as a desync report names it: torch.distributed's name of
+// the operation, and the tensors its fingerprint covers.
+struct Call {
+  const char* op;
+  std::vector<at::Tensor> tensors;
+  int root = -1;  // a broadcast's source rank
+};
+
+// `rank \t seq \t op \t tensors \t root`, tensors separated by `|`, each
+// `d0,d1,...;Dtype;device`, the root empty when the op has none (src/desync.rs parses it).
+std::string encode_call(int rank, uint64_t seq, const Call& c) {
+  std::string out = std::to_string(rank) + "\t" + std::to_string(seq) + "\t" + c.op + "\t";
+  for (size_t i = 0; i < c.tensors.size(); ++i) {
+    const at::Tensor& t = c.tensors[i];
+    if (i > 0) {
+      out += "|";
+    }
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      out += (d > 0 ? "," : "") + std::to_string(t.size(d));
+    }
+    out += std::string(";") + c10::toString(t.scalar_type()) + ";" + t.device().str();
+  }
+  out += "\t" + (c.root >= 0 ? std::to_string(c.root) : std::string());
+  return out;
+}
+
+// Every rank's encoded call, one line each in rank order, gathered over the check backend.
+// Only called once the wrapper found a mismatch: every rank found it at the same step of the
+// check (each compared the same gathered fingerprints with its own), so all of them are here.
+std::string gather_calls(const c10::intrusive_ptr<c10d::Backend>& check, const std::string& mine) {
+  int n = check->getSize();
+  at::Tensor len = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+  std::vector<std::vector<at::Tensor>> lens(1);
+  for (int i = 0; i < n; ++i) {
+    lens[0].push_back(at::zeros_like(len));
+  }
+  std::vector<at::Tensor> len_in{len};
+  check->allgather(lens, len_in)->wait();
+  int64_t longest = 1;
+  for (const auto& l : lens[0]) {
+    longest = std::max(longest, l.item<int64_t>());
+  }
+  at::Tensor buf = at::zeros({longest}, at::kByte);
+  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+  std::vector<std::vector<at::Tensor>> bufs(1);
+  for (int i = 0; i < n; ++i) {
+    bufs[0].push_back(at::zeros_like(buf));
+  }
+  std::vector<at::Tensor> buf_in{buf};
+  check->allgather(bufs, buf_in)->wait();
+  std::string out;
+  for (int i = 0; i < n; ++i) {
+    const char* data = static_cast<const char*>(bufs[0][i].data_ptr());
+    out += std::string(data, static_cast<size_t>(lens[0][i].item<int64_t>())) + "\n";
+  }
+  return out;
+}
+
+// DETAIL: sits between c10d's ProcessGroupWrapper and the backend it wraps, forwarding what
+// the shim uses. The wrapper's fingerprint leaves out a broadcast's root (mismatched roots
+// leave both ranks waiting out the timeout); once the wrapper's check has passed, every rank
+// is at the same broadcast, and this compares the roots over the check backend first.
+class RootCheck : public c10d::Backend {
+ public:
+  RootCheck(c10::intrusive_ptr<c10d::Backend> inner, c10::intrusive_ptr<c10d::Backend> check)
+      : Backend(inner->getRank(), inner->getSize()),
+        inner_(std::move(inner)),
+        check_(std::move(check)) {}
+
+  const std::string getBackendName() const override { return inner_->getBackendName(); }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& data,
+                                           const c10d::BroadcastOptions& opts) override {
+    at::Tensor root = at::full({1}, opts.rootRank, at::kLong);
+    std::vector<std::vector<at::Tensor>> roots(1);
+    for (int i = 0; i < getSize(); ++i) {
+      roots[0].push_back(at::zeros_like(root));
+    }
+    std::vector<at::Tensor> in{root};
+    check_->allgather(roots, in)->wait();
+    for (const auto& r : roots[0]) {
+      if (r.item<int64_t>() != opts.rootRank) {
+        Call call{"broadcast", data, static_cast<int>(opts.rootRank)};
+        std::string mine = encode_call(getRank(), inner_->getSequenceNumberForGroup(), call);
+        throw DesyncError("tdr-desync:differ\n" + gather_calls(check_, mine));
+      }
+    }
+    return inner_->broadcast(data, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& t,
+                                           const c10d::AllreduceOptions& o) override {
+    return inner_->allreduce(t, o);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& out,
+                                           std::vector<at::Tensor>& in,
+                                           const c10d::AllgatherOptions& o) override {
+    return inner_->allgather(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                 const c10d::AllgatherOptions& o) override {
+    return inner_->_allgather_base(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) override {
+    return inner_->_reduce_scatter_base(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in,
+                                               std::vector<int64_t>& out_splits,
+                                               std::vector<int64_t>& in_splits,
+                                               const c10d::AllToAllOptions& o) override {
+    return inner_->alltoall_base(out, in, out_splits, in_splits, o);
+  }
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& t, int dst, int tag) override {
+    return inner_->send(t, dst, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& t, int src, int tag) override {
+    return inner_->recv(t, src, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& o) override {
+    return inner_->barrier(o);
+  }
+  void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all_ranks) override {
+    inner_->monitoredBarrier(o, wait_all_ranks);
+  }
+  void setSequenceNumberForGroup() override { inner_->setSequenceNumberForGroup(); }
+  uint64_t getSequenceNumberForGroup() override { return inner_->getSequenceNumberForGroup(); }
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> inner_;
+  c10::intrusive_ptr<c10d::Backend> check_;
+};
+
+// c10d's ProcessGroupWrapper around `inner`, checking over `check`, with the root check.
+c10::intrusive_ptr<c10d::Backend> wrap_checked(const c10::intrusive_ptr<c10d::Backend>& inner,
+                                               const c10::intrusive_ptr<c10d::Backend>& check) {
+  auto roots = c10::make_intrusive<RootCheck>(inner, check);
+  return c10::make_intrusive<c10d::ProcessGroupWrapper>(roots, check);
+}
+
+// Launches a collective; with DETAIL, the wrapper's failed check becomes a DesyncError whose
+// report src/error.rs reads: `tdr-desync:differ` and every rank's call, or
+// `tdr-desync:missing`, this rank's call and the monitored barrier's message (a rank did not
+// arrive, or closed its connection).
+template <typename F>
+c10::intrusive_ptr<c10d::Work> checked(const TdrGroup& g, const Route& r, const Call& call,
+                                       F&& launch) {
+  if (!r.check) {
+    return launch();
+  }
+  uint64_t seq = r.backend->getSequenceNumberForGroup();
+  try {
+    return launch();
+  } catch (const c10::Error& e) {
+    std::string msg = e.what_without_backtrace();
+    std::string mine = encode_call(g.rank, seq, call);
+    if (msg.find("Detected mismatch between collectives on ranks") != std::string::npos) {
+      throw DesyncError("tdr-desync:differ\n" + gather_calls(r.check, mine));
+    }
+    if (msg.find("monitoredBarrier") != std::string::npos ||
+        msg.find("ProcessGroupWrapper: Monitored Barrier") != std::string::npos) {
+      throw DesyncError("tdr-desync:missing\n" + mine + "\n" + msg);
+    }
+    throw;
+  }
 }
 
 c10d::ReduceOp to_reduce_op(int op) {
@@ -335,7 +526,10 @@ void shutdown_backends(Backends& b) {
     }
     b.shut_down = true;
     gloo = std::move(b.gloo);
-    nccl = std::move(b.nccl);
+    nccl = std::move(b.nccl_raw);
+    b.nccl.reset();
+    b.gloo_check.reset();
+    b.nccl_check.reset();
   }
   if (nccl) {
     try {
@@ -347,6 +541,38 @@ void shutdown_backends(Backends& b) {
       }
     }
   }
+}
+
+// c10::Error's what() carries a C++ backtrace, and c10d logs what() when it retries (the
+// TCPStore client's connect loop prints about 40 lines per try). As PyTorch's Python
+// bindings do, the backtrace is left out unless TORCH_SHOW_CPP_STACKTRACES=1; c10d's one-line
+// log messages stay (TORCH_CPP_LOG_LEVEL controls them).
+void configure_logging() {
+  static std::once_flag once;
+  std::call_once(once, []() {
+    const char* show = std::getenv("TORCH_SHOW_CPP_STACKTRACES");
+    if (show == nullptr || std::string(show) != "1") {
+      c10::SetStackTraceFetcher([]() { return std::string(); });
+    }
+  });
+}
+
+// A Gloo backend over `prefix` of `store`: its rendezvous waits at most `rendezvous`, then
+// its timeout (every collective's default, the monitored barrier's) is `timeout`.
+c10::intrusive_ptr<c10d::ProcessGroupGloo> new_gloo(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    const std::string& prefix, int rank,
+                                                    int size, Millis rendezvous, Millis timeout,
+                                                    const std::string& host) {
+  auto opts = c10d::ProcessGroupGloo::Options::create(rendezvous);
+  if (host.empty()) {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  } else {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
+  }
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, opts);
+  gloo->setTimeout(timeout);
+  return gloo;
 }
 
 }  // namespace
@@ -362,15 +588,17 @@ int tdr_last_error_kind() { return last_error_kind; }
 // ---------------------------------------------------------------------------------------
 
 char* tdr_store_tcp(const char* host, uint16_t port, bool is_server, int world_size,
-                    int64_t timeout_ms, TdrStore** out) {
+                    int64_t connect_timeout_ms, int64_t timeout_ms, TdrStore** out) {
   TDR_TRY
+  configure_logging();
   c10d::TCPStoreOptions opts;
   opts.port = port;
   opts.isServer = is_server;
   opts.numWorkers = world_size;
   opts.waitWorkers = false;
-  opts.timeout = Millis(timeout_ms);
+  opts.timeout = Millis(connect_timeout_ms);
   auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
+  store->setTimeout(Millis(timeout_ms));
   *out = new TdrStore{store};
   TDR_CATCH
 }
@@ -406,6 +634,30 @@ char* tdr_store_get(TdrStore* s, const char* key, uint8_t** data, size_t* len) {
 char* tdr_store_add(TdrStore* s, const char* key, int64_t delta, int64_t* out) {
   TDR_TRY
   *out = s->store->add(std::string(key), delta);
+  TDR_CATCH
+}
+
+char* tdr_store_compare_set(TdrStore* s, const char* key, const uint8_t* expected,
+                            size_t expected_len, const uint8_t* desired, size_t desired_len,
+                            uint8_t** data, size_t* len) {
+  TDR_TRY
+  auto value = s->store->compareSet(std::string(key),
+                                    std::vector<uint8_t>(expected, expected + expected_len),
+                                    std::vector<uint8_t>(desired, desired + desired_len));
+  *len = value.size();
+  *data = static_cast<uint8_t*>(std::malloc(value.empty() ? 1 : value.size()));
+  if (*data == nullptr) {
+    throw std::runtime_error("out of memory");
+  }
+  if (!value.empty()) {
+    std::memcpy(*data, value.data(), value.size());
+  }
+  TDR_CATCH
+}
+
+char* tdr_store_check(TdrStore* s, const char* key, bool* out) {
+  TDR_TRY
+  *out = s->store->check({std::string(key)});
   TDR_CATCH
 }
 
@@ -471,10 +723,17 @@ bool tdr_nccl_compiled() {
 // (init_process_group's device_id); NCCL connects lazily, at the first collective, unless
 // tdr_group_connect is called.
 char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
-                    const char* gloo_host, bool with_nccl, int device, bool cuda_via_gloo,
-                    TdrGroup** out) {
+                    int64_t rendezvous_ms, const char* gloo_host, bool with_nccl, int device,
+                    bool cuda_via_gloo, bool detail, TdrGroup** out) {
   TDR_TRY
+  configure_logging();
   auto timeout = Millis(timeout_ms);
+  auto deadline = std::chrono::steady_clock::now() + Millis(rendezvous_ms);
+  // What is left of the rendezvous' time (at least a millisecond: 0 reads as "no limit").
+  auto left = [deadline]() {
+    auto d = std::chrono::duration_cast<Millis>(deadline - std::chrono::steady_clock::now());
+    return std::max(d, Millis(1));
+  };
   if (device >= 0) {
     char* err = tdr_cuda_set_device(device);
     if (err != nullptr) {
@@ -483,16 +742,16 @@ char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
       throw std::runtime_error("binding CUDA device " + std::to_string(device) + ": " + msg);
     }
   }
-  auto gloo_opts = c10d::ProcessGroupGloo::Options::create(timeout);
   std::string host(gloo_host);
-  if (host.empty()) {
-    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  } else {
-    gloo_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
-  }
-  auto gloo_store = c10::make_intrusive<c10d::PrefixStore>("gloo/", store->store);
   auto backends = std::make_shared<Backends>();
-  backends->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(gloo_store, rank, size, gloo_opts);
+  backends->gloo = new_gloo(store->store, "gloo/", rank, size, left(), timeout, host);
+  if (detail) {
+    // The checks' own Gloo backend (PyTorch's helper group of TORCH_DISTRIBUTED_DEBUG=DETAIL),
+    // so that their traffic never interleaves with the collectives they check.
+    backends->gloo_check =
+        new_gloo(store->store, "gloo_check/", rank, size, left(), timeout, host);
+    backends->gloo = wrap_checked(backends->gloo, backends->gloo_check);
+  }
   if (with_nccl && !cuda_via_gloo) {
 #ifdef TDR_WITH_NCCL
     if (device < 0) {
@@ -502,8 +761,15 @@ char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
     auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
     nccl_opts->timeout = timeout;
     auto nccl_store = c10::make_intrusive<c10d::PrefixStore>("nccl/", store->store);
-    backends->nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(nccl_store, rank, size, nccl_opts);
-    backends->nccl->setBoundDeviceId(cuda_device(device));
+    backends->nccl_raw =
+        c10::make_intrusive<c10d::ProcessGroupNCCL>(nccl_store, rank, size, nccl_opts);
+    backends->nccl_raw->setBoundDeviceId(cuda_device(device));
+    backends->nccl = backends->nccl_raw;
+    if (detail) {
+      backends->nccl_check =
+          new_gloo(store->store, "nccl_check/", rank, size, left(), timeout, host);
+      backends->nccl = wrap_checked(backends->nccl_raw, backends->nccl_check);
+    }
 #else
     throw std::runtime_error("tch-dist was built without NCCL support");
 #endif
@@ -520,7 +786,7 @@ char* tdr_group_connect(TdrGroup* g) {
   Route r = lock_backends(*g);
 #ifdef TDR_WITH_NCCL
   if (g->backends->nccl) {
-    g->backends->nccl->eagerConnectSingleDevice(cuda_device(g->device));
+    g->backends->nccl_raw->eagerConnectSingleDevice(cuda_device(g->device));
   }
 #endif
   TDR_CATCH
@@ -557,7 +823,8 @@ char* tdr_all_reduce(TdrGroup* g, at::Tensor* t, int op, TdrWork** out) {
   c10d::AllreduceOptions opts;
   opts.reduceOp = backend_reduce_op(r, op);
   opts.timeout = g->timeout;
-  auto work = r.backend->allreduce(tensors, opts);
+  auto work = checked(*g, r, {"all_reduce", tensors},
+                      [&]() { return r.backend->allreduce(tensors, opts); });
   *out = make_reduction_work(*g, r, op, work, io);
   TDR_CATCH
 }
@@ -570,7 +837,8 @@ char* tdr_broadcast(TdrGroup* g, at::Tensor* t, int root, TdrWork** out) {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = g->timeout;
-  auto work = r.backend->broadcast(tensors, opts);
+  auto work = checked(*g, r, {"broadcast", tensors, root},
+                      [&]() { return r.backend->broadcast(tensors, opts); });
   *out = make_work(r, work, [io]() { io->finish(); });
   TDR_CATCH
 }
@@ -594,7 +862,8 @@ char* tdr_all_gather(TdrGroup* g, at::Tensor** outputs, size_t n, at::Tensor* in
   std::vector<at::Tensor> ins{backend_input(*input, r.staged)};
   c10d::AllgatherOptions opts;
   opts.timeout = g->timeout;
-  auto work = r.backend->allgather(outs, ins, opts);
+  auto work = checked(*g, r, {"all_gather", ins},
+                      [&]() { return r.backend->allgather(outs, ins, opts); });
   *out = make_work(r, work, [ios, ins]() {
     for (auto& io : ios) {
       io->finish();
@@ -619,7 +888,8 @@ char* tdr_all_gather_flat(TdrGroup* g, at::Tensor* output, at::Tensor* input, Td
   at::Tensor in = backend_input(*input, r.staged);
   c10d::AllgatherOptions opts;
   opts.timeout = g->timeout;
-  auto work = r.backend->_allgather_base(io->work, in, opts);
+  auto work = checked(*g, r, {"all_gather_into_tensor", {in}},
+                      [&]() { return r.backend->_allgather_base(io->work, in, opts); });
   *out = make_work(r, work, [io, in]() { io->finish(); });
   TDR_CATCH
 }
@@ -645,7 +915,8 @@ char* tdr_reduce_scatter(TdrGroup* g, at::Tensor* output, at::Tensor** inputs, s
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = backend_reduce_op(r, op);
   opts.timeout = g->timeout;
-  auto work = r.backend->_reduce_scatter_base(out_flat, flat, opts);
+  auto work = checked(*g, r, {"reduce_scatter", {flat, out_flat}},
+                      [&]() { return r.backend->_reduce_scatter_base(out_flat, flat, opts); });
   *out = make_reduction_work(*g, r, op, work, io, flat);
   TDR_CATCH
 }
@@ -667,7 +938,8 @@ char* tdr_reduce_scatter_flat(TdrGroup* g, at::Tensor* output, at::Tensor* input
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = backend_reduce_op(r, op);
   opts.timeout = g->timeout;
-  auto work = r.backend->_reduce_scatter_base(io->work, in, opts);
+  auto work = checked(*g, r, {"reduce_scatter_tensor", {in, io->work}},
+                      [&]() { return r.backend->_reduce_scatter_base(io->work, in, opts); });
   *out = make_reduction_work(*g, r, op, work, io, in);
   TDR_CATCH
 }
@@ -687,7 +959,9 @@ char* tdr_all_to_all(TdrGroup* g, at::Tensor* output, at::Tensor* input, TdrWork
   std::vector<int64_t> splits;
   c10d::AllToAllOptions opts;
   opts.timeout = g->timeout;
-  auto work = r.backend->alltoall_base(io->work, in, splits, splits, opts);
+  auto work = checked(*g, r, {"all_to_all", {}}, [&]() {
+    return r.backend->alltoall_base(io->work, in, splits, splits, opts);
+  });
   *out = make_work(r, work, [io, in]() { io->finish(); });
   TDR_CATCH
 }
@@ -716,7 +990,7 @@ char* tdr_barrier(TdrGroup* g, TdrWork** out) {
   Route r = route_gloo(*g);
   c10d::BarrierOptions opts;
   opts.timeout = g->timeout;
-  auto work = r.backend->barrier(opts);
+  auto work = checked(*g, r, {"barrier", {}}, [&]() { return r.backend->barrier(opts); });
   *out = make_work(r, work, []() {});
   TDR_CATCH
 }
@@ -1149,7 +1423,7 @@ at::Tensor all_reduce_sum(const TdrGroup& g, const at::Tensor& x) {
     c10d::AllreduceOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
     o.timeout = g.timeout;
-    work = r.backend->allreduce(ts, o);
+    work = checked(g, r, {"all_reduce", ts}, [&]() { return r.backend->allreduce(ts, o); });
   }
   work->wait();
   return buf.device() == t.device() ? buf : buf.to(t.device());
@@ -1199,7 +1473,7 @@ at::Tensor all_gather_uneven(const TdrGroup& g, const at::Tensor& x, int64_t dim
     }
     c10d::AllgatherOptions o;
     o.timeout = g.timeout;
-    work = r.backend->allgather(outs, ins, o);
+    work = checked(g, r, {"all_gather", ins}, [&]() { return r.backend->allgather(outs, ins, o); });
   }
   work->wait();
   std::vector<at::Tensor> pieces;

@@ -53,6 +53,8 @@ enum TdrErrorKind {
   TDR_ERROR_TIMEOUT = 3,  // tdr_work_wait ended with the work still pending
   TDR_ERROR_BACKEND_TIMEOUT = 4,  // the backend's own timeout passed (NCCL's watchdog)
   TDR_ERROR_SHUT_DOWN = 5,        // the group was shut down (tdr_group_shutdown)
+  TDR_ERROR_DESYNC = 6,  // TCH_DIST_DEBUG=DETAIL: the ranks' collectives differ, or a rank
+                         // did not arrive at the check before the collective
 };
 
 typedef struct TdrStore TdrStore;  // a c10d Store (TCPStore, or a PrefixStore over one)
@@ -70,13 +72,23 @@ void tdr_string_free(char* s);
 int tdr_last_error_kind(void);
 void tdr_bytes_free(uint8_t* data);
 
-// Stores.
+// Stores. A client waits at most `connect_timeout_ms` for the server (the caller makes sure
+// one listens, so that c10d's retry loop does not run); `timeout_ms` bounds every later wait.
+// The first store created in the process also configures c10's logging (no C++ backtraces
+// unless TORCH_SHOW_CPP_STACKTRACES=1).
 char* tdr_store_tcp(const char* host, uint16_t port, bool is_server, int world_size,
-                    int64_t timeout_ms, TdrStore** out);
+                    int64_t connect_timeout_ms, int64_t timeout_ms, TdrStore** out);
 char* tdr_store_prefix(TdrStore* base, const char* prefix, TdrStore** out);
 char* tdr_store_set(TdrStore* s, const char* key, const uint8_t* data, size_t len);
 char* tdr_store_get(TdrStore* s, const char* key, uint8_t** data, size_t* len);
 char* tdr_store_add(TdrStore* s, const char* key, int64_t delta, int64_t* out);
+// Sets `key` to `desired` if it holds `expected` (or is absent and `expected` is empty), and
+// returns the value it holds afterwards (malloc'ed for Rust).
+char* tdr_store_compare_set(TdrStore* s, const char* key, const uint8_t* expected,
+                            size_t expected_len, const uint8_t* desired, size_t desired_len,
+                            uint8_t** data, size_t* len);
+// Whether `key` exists, without waiting.
+char* tdr_store_check(TdrStore* s, const char* key, bool* out);
 void tdr_store_free(TdrStore* s);
 
 // CUDA devices (built with NCCL only; otherwise each fails with a message).
@@ -85,11 +97,14 @@ char* tdr_cuda_device_uuid(int device, char** out);
 
 // Process groups. `device` is the CUDA device the group is bound to (-1: none): it becomes
 // this thread's current device and NCCL's bound device. With `cuda_via_gloo`, CUDA tensors
-// go through Gloo (copied through host memory) and no NCCL backend is created.
+// go through Gloo (copied through host memory) and no NCCL backend is created. The backends'
+// rendezvous waits at most `rendezvous_ms`; their collectives' limit is `timeout_ms`. With
+// `detail` (TCH_DIST_DEBUG=DETAIL) each backend is wrapped in c10d's ProcessGroupWrapper,
+// which checks every collective's fingerprint across the ranks over a Gloo backend of its own.
 bool tdr_nccl_compiled(void);
 char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
-                    const char* gloo_host, bool with_nccl, int device, bool cuda_via_gloo,
-                    TdrGroup** out);
+                    int64_t rendezvous_ms, const char* gloo_host, bool with_nccl, int device,
+                    bool cuda_via_gloo, bool detail, TdrGroup** out);
 char* tdr_group_connect(TdrGroup* g);
 char* tdr_group_shutdown(TdrGroup* g);
 void tdr_group_free(TdrGroup* g);

@@ -54,6 +54,9 @@ pub(crate) struct OpContext {
     pub peer: Option<usize>,
     /// The group's timeout (what a backend's own timeout reports).
     pub timeout: Duration,
+    /// When the operation was about to be launched (a desync check that failed before the
+    /// timeout failed because a connection closed).
+    pub started: Instant,
 }
 
 impl OpContext {
@@ -76,6 +79,20 @@ impl OpContext {
                 rank: self.rank,
                 op: self.op,
             },
+            FailureKind::Desync => {
+                match crate::desync::parse(&e.message, self.timeout, self.started.elapsed()) {
+                    Some(desync) => DistError::Desync {
+                        rank: self.rank,
+                        op: self.op,
+                        desync: Box::new(desync),
+                    },
+                    None => DistError::Collective {
+                        rank: self.rank,
+                        op: self.op,
+                        cause: e.message,
+                    },
+                }
+            }
             FailureKind::Engine | FailureKind::Timeout => DistError::Collective {
                 rank: self.rank,
                 op: self.op,
@@ -202,6 +219,7 @@ impl ProcessGroup {
             op,
             peer: (self.world_size() == 2).then(|| 1 - self.rank()),
             timeout: self.timeout(),
+            started: Instant::now(),
         }
     }
 

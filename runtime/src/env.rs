@@ -10,6 +10,59 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// torchrun's default MASTER_PORT.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
+/// The run id a launcher gives its ranks (torchrun's variable; `tch-dist-run` sets it too):
+/// ranks that carry one refuse to join the rendezvous of a run with another id.
+pub const RUN_ID_ENV: &str = "TORCHELASTIC_RUN_ID";
+
+/// `TCH_DIST_DEBUG=OFF|INFO|DETAIL`: the [`DebugLevel`] (wins over [`TORCH_DEBUG_ENV`]).
+pub const DEBUG_ENV: &str = "TCH_DIST_DEBUG";
+
+/// PyTorch's `TORCH_DISTRIBUTED_DEBUG`, read when [`DEBUG_ENV`] is not set.
+pub const TORCH_DEBUG_ENV: &str = "TORCH_DISTRIBUTED_DEBUG";
+
+/// How much a process group checks, as PyTorch's `TORCH_DISTRIBUTED_DEBUG` levels.
+///
+/// ```
+/// use tch_dist_runtime::DebugLevel;
+/// let get = |k: &str| (k == "TORCH_DISTRIBUTED_DEBUG").then(|| "detail".to_string());
+/// assert_eq!(DebugLevel::from_vars(get).unwrap(), DebugLevel::Detail);
+/// assert_eq!(DebugLevel::from_vars(|_| None).unwrap(), DebugLevel::Off);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DebugLevel {
+    /// No checks beyond the ones tch-dist always makes (the default, as in PyTorch).
+    #[default]
+    Off,
+    /// Accepted for PyTorch's `INFO`, which adds logs; tch-dist checks nothing more.
+    Info,
+    /// Every collective's fingerprint (op, sequence number, shapes, dtypes, devices) is
+    /// checked across the group before it runs, by c10d's `ProcessGroupWrapper` over a Gloo
+    /// backend of its own: a mismatch, or a rank that does not arrive, is a
+    /// [`DistError::Desync`](crate::DistError::Desync) on every rank instead of garbage, an
+    /// abort or a bare timeout. It costs a monitored barrier and two small all-gathers per
+    /// collective (docs/PERFORMANCE.md).
+    Detail,
+}
+
+impl DebugLevel {
+    /// Reads `TCH_DIST_DEBUG`, else `TORCH_DISTRIBUTED_DEBUG`, through `get` (unset or empty:
+    /// `Off`; values in any case).
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<DebugLevel> {
+        let Some((var, value)) = [DEBUG_ENV, TORCH_DEBUG_ENV]
+            .into_iter()
+            .find_map(|var| get(var).map(|v| (var, v)))
+        else {
+            return Ok(DebugLevel::Off);
+        };
+        match value.trim().to_ascii_uppercase().as_str() {
+            "" | "OFF" => Ok(DebugLevel::Off),
+            "INFO" => Ok(DebugLevel::Info),
+            "DETAIL" => Ok(DebugLevel::Detail),
+            _ => Err(EnvError::BadDebugLevel { var, value }.into()),
+        }
+    }
+}
+
 /// Where this process sits in the job, as torchrun or Slurm describes it.
 ///
 /// ```
@@ -30,6 +83,8 @@ pub struct LaunchEnv {
     pub master_addr: String,
     /// Rendezvous port (MASTER_PORT, default 29500).
     pub master_port: u16,
+    /// The launcher's run id (TORCHELASTIC_RUN_ID), if any.
+    pub run_id: Option<String>,
 }
 
 impl LaunchEnv {
@@ -87,12 +142,16 @@ impl LaunchEnv {
                 .ok_or_else(|| EnvError::BadPort { value: p.clone() })?,
             None => DEFAULT_MASTER_PORT,
         };
+        let run_id = get(RUN_ID_ENV)
+            .map(|id| id.trim().to_string())
+            .filter(|id| !id.is_empty());
         Ok(Self {
             rank,
             world_size,
             local_rank,
             master_addr,
             master_port,
+            run_id,
         })
     }
 }
@@ -160,7 +219,8 @@ mod tests {
                 world_size: 4,
                 local_rank: 1,
                 master_addr: "10.0.0.1".into(),
-                master_port: 1234
+                master_port: 1234,
+                run_id: None,
             }
         );
     }
@@ -222,6 +282,54 @@ mod tests {
         let err = env(&[("WORLD_SIZE", "1")]).unwrap_err();
         assert!(err.to_string().contains("RANK"), "{err}");
         assert!(is_loopback("127.0.0.1") && is_loopback("localhost") && !is_loopback("10.1.1.1"));
+    }
+
+    #[test]
+    fn run_id_and_debug_level() {
+        let e = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "h"),
+            ("TORCHELASTIC_RUN_ID", " job-7 "),
+        ])
+        .unwrap();
+        assert_eq!(e.run_id.as_deref(), Some("job-7"));
+        let e = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "h")]).unwrap();
+        assert_eq!(e.run_id, None);
+
+        let level = |vars: &[(&str, &str)]| {
+            let vars: Vec<(String, String)> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            DebugLevel::from_vars(move |k| {
+                vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+            })
+        };
+        assert_eq!(level(&[]).unwrap(), DebugLevel::Off);
+        assert_eq!(
+            level(&[("TCH_DIST_DEBUG", "Detail")]).unwrap(),
+            DebugLevel::Detail
+        );
+        assert_eq!(
+            level(&[("TORCH_DISTRIBUTED_DEBUG", "INFO")]).unwrap(),
+            DebugLevel::Info
+        );
+        // tch-dist's variable wins over PyTorch's.
+        assert_eq!(
+            level(&[
+                ("TCH_DIST_DEBUG", "off"),
+                ("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+            ])
+            .unwrap(),
+            DebugLevel::Off
+        );
+        let err = level(&[("TORCH_DISTRIBUTED_DEBUG", "verbose")]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid launch environment: TORCH_DISTRIBUTED_DEBUG=\"verbose\" is not a debug level \
+             (OFF, INFO or DETAIL)"
+        );
     }
 
     #[test]

@@ -25,7 +25,7 @@ pub enum DistError {
     #[error("invalid launch environment: {0}")]
     Env(#[from] EnvError),
     /// Connecting to the rendezvous store or creating the backends failed.
-    #[error("rank {rank}: rendezvous with {addr}:{port} failed: {cause}")]
+    #[error("rank {rank}: rendezvous with {addr}:{port} failed: {problem}")]
     Rendezvous {
         /// This process's rank.
         rank: usize,
@@ -33,8 +33,8 @@ pub enum DistError {
         addr: String,
         /// MASTER_PORT.
         port: u16,
-        /// What the engine said.
-        cause: String,
+        /// What went wrong (boxed, as `problem` below).
+        problem: Box<RendezvousError>,
     },
     /// The engine failed an operation (a collective, a point-to-point transfer, a hook
     /// registration) for a reason other than a timeout or a departed peer.
@@ -90,6 +90,18 @@ pub enum DistError {
         op: &'static str,
         /// What differs, and on which ranks (boxed, as `problem` above).
         mismatch: Box<Mismatch>,
+    },
+    /// With `TCH_DIST_DEBUG=DETAIL` (PyTorch's `TORCH_DISTRIBUTED_DEBUG=DETAIL`): the ranks
+    /// called different collectives, or a rank did not reach the check that runs before each
+    /// collective; nothing was sent.
+    #[error("rank {rank}: {op}: {desync}")]
+    Desync {
+        /// This process's rank in the group.
+        rank: usize,
+        /// The operation this rank called.
+        op: &'static str,
+        /// What each rank called (boxed, as `problem` above).
+        desync: Box<Desync>,
     },
     /// Other ranks failed a check of their own (their errors say which), so this rank
     /// stopped too; nothing was sent or changed.
@@ -290,6 +302,14 @@ pub enum EnvError {
         /// How many CUDA devices this process sees.
         count: usize,
     },
+    /// TCH_DIST_DEBUG (or TORCH_DISTRIBUTED_DEBUG) is not a debug level.
+    #[error("{var}={value:?} is not a debug level (OFF, INFO or DETAIL)")]
+    BadDebugLevel {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+    },
     /// A test switch (TCH_DIST_NO_SHORTCUTS, TCH_DIST_CUDA_VIA_GLOO) has a value that is not
     /// a switch.
     #[error("{var}={value:?} is not a switch (1, true, yes, on; or 0, false, no, off)")]
@@ -299,6 +319,277 @@ pub enum EnvError {
         /// Its value.
         value: String,
     },
+}
+
+/// Why a rendezvous failed (the `problem` of [`DistError::Rendezvous`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RendezvousError {
+    /// MASTER_ADDR names no host the resolver knows.
+    #[error("MASTER_ADDR `{host}` does not resolve: {cause}")]
+    UnresolvableHost {
+        /// MASTER_ADDR.
+        host: String,
+        /// What the resolver said.
+        cause: String,
+    },
+    /// Nothing accepted a connection at MASTER_ADDR:MASTER_PORT within the timeout.
+    #[error(
+        "no rendezvous store accepted a connection within {timeout:?} (last attempt: {cause}); \
+         rank 0 hosts it: is rank 0 running, with the same MASTER_ADDR and MASTER_PORT?"
+    )]
+    NobodyListening {
+        /// The timeout that passed.
+        timeout: Duration,
+        /// What the last connection attempt got.
+        cause: String,
+    },
+    /// Ranks of the group never joined its rendezvous within the timeout.
+    #[error(
+        "{} never joined within {timeout:?}{}",
+        RankList(ranks),
+        Refused(refused)
+    )]
+    NeverJoined {
+        /// The ranks that never joined.
+        ranks: Vec<usize>,
+        /// The timeout that passed.
+        timeout: Duration,
+        /// Processes of other runs that came as one of those ranks and were refused, as
+        /// (rank, their run id).
+        refused: Vec<(usize, String)>,
+    },
+    /// The store at MASTER_ADDR:MASTER_PORT belongs to another run (TORCHELASTIC_RUN_ID,
+    /// which `tch-dist-run` and torchrun set); this rank did not join it.
+    #[error(
+        "this rank belongs to run `{mine}` but the rendezvous store there belongs to run \
+         `{theirs}` (TORCHELASTIC_RUN_ID): is MASTER_PORT another job's?"
+    )]
+    OtherRun {
+        /// This rank's run id.
+        mine: String,
+        /// The run id of the ranks that created the store.
+        theirs: String,
+    },
+    /// The engine failed the rendezvous for another reason.
+    #[error("{cause}")]
+    Engine {
+        /// What the engine said.
+        cause: String,
+    },
+}
+
+/// What `TCH_DIST_DEBUG=DETAIL` found (the `desync` of [`DistError::Desync`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Desync {
+    /// The ranks called different collectives, or the same with other tensors: each rank's
+    /// call, in rank order.
+    #[error(
+        "the ranks called different collectives (TCH_DIST_DEBUG=DETAIL checks each one before \
+         it runs): {}; nothing was sent",
+        Calls(calls)
+    )]
+    Differ {
+        /// Every rank's call, in rank order.
+        calls: Vec<CollectiveCall>,
+    },
+    /// Seen from rank 0, which runs the check: ranks did not reach this collective.
+    #[error(
+        "{} {} (rank {} called {}; TCH_DIST_DEBUG=DETAIL checks that every rank calls each \
+         collective before it runs)",
+        MaybeRanks(ranks),
+        Gone(*within, "without reaching this collective", "did not reach this collective"),
+        call.rank,
+        call
+    )]
+    Missing {
+        /// This rank's call.
+        call: CollectiveCall,
+        /// The ranks that did not reach it (empty: the engine did not say).
+        ranks: Vec<usize>,
+        /// `Some(timeout)`: they did not arrive within it; `None`: a connection closed
+        /// before the timeout (a rank left).
+        within: Option<Duration>,
+        /// What the engine said.
+        cause: String,
+    },
+    /// Seen from the other ranks: rank 0, which runs the check, did not confirm that every
+    /// rank reached this collective.
+    #[error(
+        "rank {} called {}, but rank 0 {} that every rank called it (see rank 0's error; \
+         TCH_DIST_DEBUG=DETAIL checks each collective before it runs)",
+        call.rank,
+        call,
+        Confirm(*within)
+    )]
+    Unconfirmed {
+        /// This rank's call.
+        call: CollectiveCall,
+        /// `Some(timeout)`: rank 0 did not answer within it; `None`: its connection closed.
+        within: Option<Duration>,
+        /// What the engine said.
+        cause: String,
+    },
+}
+
+/// One rank's collective as `TCH_DIST_DEBUG=DETAIL` checks it (c10d's collective
+/// fingerprint, and a broadcast's root): written `all_reduce of [4] (Float) on Cpu as its
+/// collective 3`, `broadcast from rank 1 of [4] (Float) on Cpu as its collective 0`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CollectiveCall {
+    /// The rank that called it.
+    pub rank: usize,
+    /// How many collectives the rank's backend ran before it (c10d's sequence number).
+    pub seq: u64,
+    /// The operation, named as in torch.distributed.
+    pub op: String,
+    /// The tensors the check compares (none for a barrier or an all-to-all).
+    pub tensors: Vec<CallTensor>,
+    /// A broadcast's source rank.
+    pub root: Option<usize>,
+}
+
+/// A tensor of a [`CollectiveCall`]: its shape, dtype and device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallTensor {
+    /// Shape and dtype.
+    pub signature: TensorSignature,
+    /// Device.
+    pub device: Device,
+}
+
+impl fmt::Display for CollectiveCall {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.describe(f)?;
+        write!(f, " as its collective {}", self.seq)
+    }
+}
+
+impl CollectiveCall {
+    /// `all_reduce of [4] (Float) on Cpu`: the call without its rank and number.
+    fn describe(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.op)?;
+        if let Some(root) = self.root {
+            write!(f, " from rank {root}")?;
+        }
+        let Some(first) = self.tensors.first() else {
+            return Ok(());
+        };
+        f.write_str(" of ")?;
+        let one_device = self.tensors.iter().all(|t| t.device == first.device);
+        for (i, t) in self.tensors.iter().enumerate() {
+            if i > 0 {
+                f.write_str(" and ")?;
+            }
+            write!(f, "{}", t.signature)?;
+            if !one_device {
+                write!(f, " on {:?}", t.device)?;
+            }
+        }
+        if one_device {
+            write!(f, " on {:?}", first.device)?;
+        }
+        Ok(())
+    }
+
+    /// The same call, ignoring the rank.
+    fn same_as(&self, other: &CollectiveCall) -> bool {
+        (self.seq, &self.op, &self.tensors, self.root)
+            == (other.seq, &other.op, &other.tensors, other.root)
+    }
+}
+
+/// `rank 0 called X as its collective 3, ranks 1 and 2 called Y as their collective 3`:
+/// consecutive ranks with the same call are named together.
+struct Calls<'a>(&'a [CollectiveCall]);
+
+impl fmt::Display for Calls<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut rest = self.0;
+        let mut first = true;
+        while let Some(call) = rest.first() {
+            let n = rest.iter().take_while(|c| c.same_as(call)).count();
+            let ranks: Vec<usize> = rest[..n].iter().map(|c| c.rank).collect();
+            if !first {
+                f.write_str(", ")?;
+            }
+            first = false;
+            write!(f, "{} called ", RankList(&ranks))?;
+            struct Described<'a>(&'a CollectiveCall);
+            impl fmt::Display for Described<'_> {
+                fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    self.0.describe(f)
+                }
+            }
+            write!(
+                f,
+                "{} as {} collective {}",
+                Described(call),
+                if n == 1 { "its" } else { "their" },
+                call.seq
+            )?;
+            rest = &rest[n..];
+        }
+        Ok(())
+    }
+}
+
+/// `rank 1` / `ranks 1 and 2` / `a rank` (not known).
+struct MaybeRanks<'a>(&'a [usize]);
+
+impl fmt::Display for MaybeRanks<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            f.write_str("a rank")
+        } else {
+            write!(f, "{}", RankList(self.0))
+        }
+    }
+}
+
+/// `did not reach this collective within 5s`, or `left (closed its connection) without
+/// reaching this collective`.
+struct Gone(Option<Duration>, &'static str, &'static str);
+
+impl fmt::Display for Gone {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(t) => write!(f, "{} within {t:?}", self.2),
+            None => write!(f, "left (closed the connection) {}", self.1),
+        }
+    }
+}
+
+/// `did not confirm within 5s` or `closed its connection before confirming`.
+struct Confirm(Option<Duration>);
+
+impl fmt::Display for Confirm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(t) => write!(f, "did not confirm within {t:?}"),
+            None => f.write_str("closed its connection before confirming"),
+        }
+    }
+}
+
+/// ` (a process of run `b` came as rank 1 and was refused)`, or nothing.
+struct Refused<'a>(&'a [(usize, String)]);
+
+impl fmt::Display for Refused<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, (rank, run)) in self.0.iter().enumerate() {
+            f.write_str(if i == 0 { " (" } else { "; " })?;
+            write!(
+                f,
+                "a process of run `{run}` came as rank {rank} and was refused"
+            )?;
+        }
+        if !self.0.is_empty() {
+            f.write_str(")")?;
+        }
+        Ok(())
+    }
 }
 
 /// What is wrong with an argument (the `problem` of [`DistError::InvalidArgument`]).
@@ -646,7 +937,9 @@ mod tests {
                     rank: 1,
                     addr: "10.0.0.1".into(),
                     port: 29500,
-                    cause: "Connection refused".into(),
+                    problem: Box::new(RendezvousError::Engine {
+                        cause: "Connection refused".into(),
+                    }),
                 },
                 "rank 1: rendezvous with 10.0.0.1:29500 failed: Connection refused",
             ),
@@ -814,6 +1107,107 @@ mod tests {
                  each rank its own device_id",
             ),
             (
+                DistError::Desync {
+                    rank: 1,
+                    op: "all_reduce",
+                    desync: Box::new(Desync::Differ {
+                        calls: vec![
+                            call(0, 3, "all_reduce", &[(&[4], Kind::Float)]),
+                            call(1, 3, "all_reduce", &[(&[4], Kind::Int)]),
+                        ],
+                    }),
+                },
+                "rank 1: all_reduce: the ranks called different collectives (TCH_DIST_DEBUG=DETAIL \
+                 checks each one before it runs): rank 0 called all_reduce of [4] (Float) on Cpu \
+                 as its collective 3, rank 1 called all_reduce of [4] (Int) on Cpu as its \
+                 collective 3; nothing was sent",
+            ),
+            (
+                DistError::Desync {
+                    rank: 0,
+                    op: "broadcast",
+                    desync: Box::new(Desync::Differ {
+                        calls: vec![
+                            CollectiveCall {
+                                root: Some(0),
+                                ..call(0, 1, "broadcast", &[(&[4], Kind::Float)])
+                            },
+                            CollectiveCall {
+                                root: Some(1),
+                                ..call(1, 1, "broadcast", &[(&[4], Kind::Float)])
+                            },
+                        ],
+                    }),
+                },
+                "rank 0: broadcast: the ranks called different collectives (TCH_DIST_DEBUG=DETAIL \
+                 checks each one before it runs): rank 0 called broadcast from rank 0 of [4] \
+                 (Float) on Cpu as its collective 1, rank 1 called broadcast from rank 1 of [4] \
+                 (Float) on Cpu as its collective 1; nothing was sent",
+            ),
+            (
+                DistError::Desync {
+                    rank: 0,
+                    op: "all_reduce",
+                    desync: Box::new(Desync::Missing {
+                        call: call(0, 12, "all_reduce", &[(&[10], Kind::Float)]),
+                        ranks: vec![1],
+                        within: Some(Duration::from_secs(5)),
+                        cause: "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 5000 ms"
+                            .into(),
+                    }),
+                },
+                "rank 0: all_reduce: rank 1 did not reach this collective within 5s (rank 0 \
+                 called all_reduce of [10] (Float) on Cpu as its collective 12; \
+                 TCH_DIST_DEBUG=DETAIL checks that every rank calls each collective before it \
+                 runs)",
+            ),
+            (
+                DistError::Desync {
+                    rank: 0,
+                    op: "barrier",
+                    desync: Box::new(Desync::Missing {
+                        call: call(0, 2, "barrier", &[]),
+                        ranks: vec![1, 2],
+                        within: None,
+                        cause: String::new(),
+                    }),
+                },
+                "rank 0: barrier: ranks 1 and 2 left (closed the connection) without reaching \
+                 this collective (rank 0 called barrier as its collective 2; \
+                 TCH_DIST_DEBUG=DETAIL checks that every rank calls each collective before it \
+                 runs)",
+            ),
+            (
+                DistError::Desync {
+                    rank: 1,
+                    op: "broadcast",
+                    desync: Box::new(Desync::Unconfirmed {
+                        call: call(1, 0, "broadcast", &[(&[2, 2], Kind::Double)]),
+                        within: Some(Duration::from_secs(3)),
+                        cause: String::new(),
+                    }),
+                },
+                "rank 1: broadcast: rank 1 called broadcast of [2, 2] (Double) on Cpu as its \
+                 collective 0, but rank 0 did not confirm within 3s that every rank called it \
+                 (see rank 0's error; TCH_DIST_DEBUG=DETAIL checks each collective before it \
+                 runs)",
+            ),
+            (
+                DistError::Desync {
+                    rank: 2,
+                    op: "all_gather",
+                    desync: Box::new(Desync::Unconfirmed {
+                        call: call(2, 0, "all_gather", &[(&[1], Kind::Int64)]),
+                        within: None,
+                        cause: String::new(),
+                    }),
+                },
+                "rank 2: all_gather: rank 2 called all_gather of [1] (Int64) on Cpu as its \
+                 collective 0, but rank 0 closed its connection before confirming that every \
+                 rank called it (see rank 0's error; TCH_DIST_DEBUG=DETAIL checks each \
+                 collective before it runs)",
+            ),
+            (
                 DistError::NotInitialized,
                 "the default process group is not initialized; call init_process_group first",
             ),
@@ -825,6 +1219,120 @@ mod tests {
         ];
         for (e, text) in cases {
             assert_eq!(e.to_string(), text);
+        }
+    }
+
+    fn call(rank: usize, seq: u64, op: &str, tensors: &[(&[i64], Kind)]) -> CollectiveCall {
+        CollectiveCall {
+            rank,
+            seq,
+            op: op.into(),
+            tensors: tensors
+                .iter()
+                .map(|(shape, kind)| CallTensor {
+                    signature: TensorSignature {
+                        shape: shape.to_vec(),
+                        kind: *kind,
+                    },
+                    device: Device::Cpu,
+                })
+                .collect(),
+            root: None,
+        }
+    }
+
+    /// Ranks with the same call are named together; a call's tensors on several devices
+    /// name each device.
+    #[test]
+    fn desync_calls_group_ranks() {
+        let mut on_cuda = call(
+            2,
+            5,
+            "reduce_scatter_tensor",
+            &[(&[8], Kind::Half), (&[4], Kind::Half)],
+        );
+        on_cuda.tensors[1].device = Device::Cuda(1);
+        let d = Desync::Differ {
+            calls: vec![
+                call(0, 5, "barrier", &[]),
+                call(1, 5, "barrier", &[]),
+                on_cuda,
+                call(3, 4, "barrier", &[]),
+            ],
+        };
+        assert_eq!(
+            d.to_string(),
+            "the ranks called different collectives (TCH_DIST_DEBUG=DETAIL checks each one \
+             before it runs): ranks 0 and 1 called barrier as their collective 5, rank 2 called \
+             reduce_scatter_tensor of [8] (Half) on Cpu and [4] (Half) on Cuda(1) as its \
+             collective 5, rank 3 called barrier as its collective 4; nothing was sent"
+        );
+    }
+
+    #[test]
+    fn rendezvous_error_texts() {
+        let cases: Vec<(RendezvousError, &str)> = vec![
+            (
+                RendezvousError::UnresolvableHost {
+                    host: "no-such-host.invalid".into(),
+                    cause: "failed to lookup address information: Name or service not known".into(),
+                },
+                "MASTER_ADDR `no-such-host.invalid` does not resolve: failed to lookup address \
+                 information: Name or service not known",
+            ),
+            (
+                RendezvousError::NobodyListening {
+                    timeout: Duration::from_secs(3),
+                    cause: "Connection refused (os error 111)".into(),
+                },
+                "no rendezvous store accepted a connection within 3s (last attempt: Connection \
+                 refused (os error 111)); rank 0 hosts it: is rank 0 running, with the same \
+                 MASTER_ADDR and MASTER_PORT?",
+            ),
+            (
+                RendezvousError::NeverJoined {
+                    ranks: vec![1],
+                    timeout: Duration::from_secs(10),
+                    refused: vec![],
+                },
+                "rank 1 never joined within 10s",
+            ),
+            (
+                RendezvousError::NeverJoined {
+                    ranks: vec![1, 3],
+                    timeout: Duration::from_millis(2500),
+                    refused: vec![(3, "job-b".into())],
+                },
+                "ranks 1 and 3 never joined within 2.5s (a process of run `job-b` came as rank 3 \
+                 and was refused)",
+            ),
+            (
+                RendezvousError::OtherRun {
+                    mine: "job-b".into(),
+                    theirs: "job-a".into(),
+                },
+                "this rank belongs to run `job-b` but the rendezvous store there belongs to run \
+                 `job-a` (TORCHELASTIC_RUN_ID): is MASTER_PORT another job's?",
+            ),
+            (
+                RendezvousError::Engine {
+                    cause: "wait timeout".into(),
+                },
+                "wait timeout",
+            ),
+        ];
+        for (e, text) in cases {
+            assert_eq!(e.to_string(), text);
+            let full = DistError::Rendezvous {
+                rank: 1,
+                addr: "h".into(),
+                port: 1,
+                problem: Box::new(e),
+            };
+            assert_eq!(
+                full.to_string(),
+                format!("rank 1: rendezvous with h:1 failed: {text}")
+            );
         }
     }
 
@@ -882,6 +1390,13 @@ mod tests {
                 },
                 "LOCAL_RANK 1 names CUDA device 1, but this process sees 1 CUDA device(s); start \
                  at most one rank per GPU (or set device_id, CUDA_VISIBLE_DEVICES)",
+            ),
+            (
+                EnvError::BadDebugLevel {
+                    var: "TCH_DIST_DEBUG",
+                    value: "all".into(),
+                },
+                "TCH_DIST_DEBUG=\"all\" is not a debug level (OFF, INFO or DETAIL)",
             ),
             (
                 EnvError::BadSwitch {

@@ -51,6 +51,7 @@ pub const TDR_ERROR_NETWORK: c_int = 2;
 pub const TDR_ERROR_TIMEOUT: c_int = 3;
 pub const TDR_ERROR_BACKEND_TIMEOUT: c_int = 4;
 pub const TDR_ERROR_SHUT_DOWN: c_int = 5;
+pub const TDR_ERROR_DESYNC: c_int = 6;
 
 // `enum TdrReduceOp` (the reductions of all_reduce and reduce_scatter).
 pub const TDR_REDUCE_SUM: c_int = 0;
@@ -81,6 +82,7 @@ extern "C" {
         port: u16,
         is_server: bool,
         world_size: c_int,
+        connect_timeout_ms: i64,
         timeout_ms: i64,
         out: *mut *mut TdrStore,
     ) -> *mut c_char;
@@ -107,6 +109,17 @@ extern "C" {
         delta: i64,
         out: *mut i64,
     ) -> *mut c_char;
+    pub fn tdr_store_compare_set(
+        s: *mut TdrStore,
+        key: *const c_char,
+        expected: *const u8,
+        expected_len: usize,
+        desired: *const u8,
+        desired_len: usize,
+        data: *mut *mut u8,
+        len: *mut usize,
+    ) -> *mut c_char;
+    pub fn tdr_store_check(s: *mut TdrStore, key: *const c_char, out: *mut bool) -> *mut c_char;
     pub fn tdr_store_free(s: *mut TdrStore);
 
     pub fn tdr_cuda_set_device(device: c_int) -> *mut c_char;
@@ -118,10 +131,12 @@ extern "C" {
         rank: c_int,
         size: c_int,
         timeout_ms: i64,
+        rendezvous_ms: i64,
         gloo_host: *const c_char,
         with_nccl: bool,
         device: c_int,
         cuda_via_gloo: bool,
+        detail: bool,
         out: *mut *mut TdrGroup,
     ) -> *mut c_char;
     pub fn tdr_group_connect(g: *mut TdrGroup) -> *mut c_char;
@@ -288,6 +303,9 @@ pub enum FailureKind {
     BackendTimeout,
     /// The group was shut down.
     ShutDown,
+    /// With `TCH_DIST_DEBUG=DETAIL`: c10d's ProcessGroupWrapper found that the ranks'
+    /// collectives differ, or its monitored barrier failed.
+    Desync,
 }
 
 /// A failed shim call: what the engine said and what kind of failure it was.
@@ -320,6 +338,7 @@ pub unsafe fn take_error(err: *mut c_char) -> Result<(), ShimError> {
         TDR_ERROR_TIMEOUT => FailureKind::Timeout,
         TDR_ERROR_BACKEND_TIMEOUT => FailureKind::BackendTimeout,
         TDR_ERROR_SHUT_DOWN => FailureKind::ShutDown,
+        TDR_ERROR_DESYNC => FailureKind::Desync,
         _ => FailureKind::Engine,
     };
     // SAFETY: the shim returns NUL-terminated malloc'ed strings; we free it exactly once.
@@ -480,6 +499,7 @@ mod tests {
                 super::TDR_ERROR_BACKEND_TIMEOUT,
             ),
             ("TDR_ERROR_SHUT_DOWN", super::TDR_ERROR_SHUT_DOWN),
+            ("TDR_ERROR_DESYNC", super::TDR_ERROR_DESYNC),
             ("TDR_REDUCE_SUM", super::TDR_REDUCE_SUM),
             ("TDR_REDUCE_AVG", super::TDR_REDUCE_AVG),
             ("TDR_REDUCE_MIN", super::TDR_REDUCE_MIN),

@@ -10,12 +10,14 @@
 
 mod coalesced;
 mod collectives;
+mod desync;
 mod devices;
 mod env;
 mod error;
 mod ffi;
 mod process_group;
 mod reducer;
+mod rendezvous;
 pub mod sharding;
 mod store;
 pub mod testing;
@@ -25,9 +27,13 @@ mod verify;
 pub use coalesced::BROADCAST_BUCKET_BYTES;
 pub use collectives::{ReduceOp, Work};
 pub use devices::{first_shared_gpu, DeviceClaim};
-pub use env::{LaunchEnv, DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT};
+pub use env::{
+    DebugLevel, LaunchEnv, DEBUG_ENV, DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT, RUN_ID_ENV,
+    TORCH_DEBUG_ENV,
+};
 pub use error::{
-    ArgumentError, DistError, EnvError, Mismatch, NamedSignature, Result, TensorSignature,
+    ArgumentError, CallTensor, CollectiveCall, Desync, DistError, EnvError, Mismatch,
+    NamedSignature, RendezvousError, Result, TensorSignature,
 };
 pub use process_group::{
     default_group, destroy_process_group, init_process_group, init_process_group_with,

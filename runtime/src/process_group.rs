@@ -10,9 +10,10 @@ use std::time::Duration;
 use tch::Device;
 
 use crate::devices::DeviceClaim;
-use crate::env::{is_loopback, read_switch, LaunchEnv, DEFAULT_TIMEOUT};
-use crate::error::{ArgumentError, DistError, EnvError, Result};
+use crate::env::{is_loopback, read_switch, DebugLevel, LaunchEnv, DEFAULT_TIMEOUT};
+use crate::error::{ArgumentError, DistError, EnvError, RendezvousError, Result};
 use crate::ffi::{self, shim};
+use crate::rendezvous::{self, Deadline};
 use crate::store::{millis, Store};
 
 /// Test switch: `TCH_DIST_NO_SHORTCUTS=1` turns off the shortcuts of a group of one (see
@@ -111,6 +112,15 @@ pub struct InitOptions {
     /// one GPU (each binds `local_rank % device count`, or `device_id`). Slow; never for
     /// training.
     pub cuda_via_gloo: bool,
+    /// The checks made before each collective (`TCH_DIST_DEBUG`, else PyTorch's
+    /// `TORCH_DISTRIBUTED_DEBUG`; default [`DebugLevel::Off`]): with
+    /// [`DebugLevel::Detail`] every collective's fingerprint is checked across the group
+    /// first. Subgroups inherit it.
+    pub debug: DebugLevel,
+    /// The launcher's run id (TORCHELASTIC_RUN_ID, which `tch-dist-run` and torchrun set):
+    /// a rank that carries one refuses to join a rendezvous store claimed by a run with
+    /// another id. `None` (a PyTorch rank, a hand-started one) is never checked.
+    pub run_id: Option<String>,
 }
 
 impl InitOptions {
@@ -135,11 +145,14 @@ impl InitOptions {
             timeout: DEFAULT_TIMEOUT,
             shortcuts: true,
             cuda_via_gloo: false,
+            debug: DebugLevel::Off,
+            run_id: None,
         }
     }
 
     /// Options from the launch environment (torchrun's or Slurm's variables, LOCAL_RANK
-    /// included), `TCH_DIST_TIMEOUT_SECS`, and the test switches `TCH_DIST_NO_SHORTCUTS` and
+    /// and TORCHELASTIC_RUN_ID included), `TCH_DIST_TIMEOUT_SECS`, `TCH_DIST_DEBUG` (or
+    /// `TORCH_DISTRIBUTED_DEBUG`), and the test switches `TCH_DIST_NO_SHORTCUTS` and
     /// `TCH_DIST_CUDA_VIA_GLOO`.
     pub fn from_env(backend: Backend) -> Result<Self> {
         let env = LaunchEnv::from_process_env()?;
@@ -151,6 +164,8 @@ impl InitOptions {
             env.master_port,
         )
         .with_local_rank(env.local_rank);
+        opts.run_id = env.run_id;
+        opts.debug = DebugLevel::from_vars(|k| std::env::var(k).ok())?;
         if let Ok(t) = std::env::var("TCH_DIST_TIMEOUT_SECS") {
             let secs = t
                 .trim()
@@ -183,6 +198,18 @@ impl InitOptions {
     pub fn with_device_id(mut self, device: usize) -> Self {
         self.device_id = Some(device);
         self.eager_connect = true;
+        self
+    }
+
+    /// Sets the debug level (see [`InitOptions::debug`]).
+    pub fn with_debug(mut self, debug: DebugLevel) -> Self {
+        self.debug = debug;
+        self
+    }
+
+    /// Sets the run id (see [`InitOptions::run_id`]).
+    pub fn with_run_id(mut self, run_id: impl Into<String>) -> Self {
+        self.run_id = Some(run_id.into());
         self
     }
 
@@ -272,6 +299,7 @@ struct GroupInner {
     device: Option<usize>,
     shortcuts: bool,
     cuda_via_gloo: bool,
+    debug: DebugLevel,
     /// Set by `shutdown`: every later operation fails with `DistError::ShutDown`.
     shut_down: AtomicBool,
     /// Collectives and transfers launched so far.
@@ -291,6 +319,7 @@ struct Shape {
     device: Option<usize>,
     shortcuts: bool,
     cuda_via_gloo: bool,
+    debug: DebugLevel,
 }
 
 impl GroupInner {
@@ -308,6 +337,7 @@ impl GroupInner {
             device: s.device,
             shortcuts: s.shortcuts,
             cuda_via_gloo: s.cuda_via_gloo,
+            debug: s.debug,
             shut_down: AtomicBool::new(false),
             launched: AtomicU64::new(0),
             children: Mutex::new(Vec::new()),
@@ -349,12 +379,14 @@ impl ProcessGroup {
     /// [`DistError::DuplicateDevice`] naming both, before NCCL would refuse them), and, with
     /// `eager_connect`, creates NCCL's communicator.
     pub fn new(opts: &InitOptions) -> Result<ProcessGroup> {
-        let rendezvous = |cause: String| DistError::Rendezvous {
+        let deadline = Deadline::after(opts.timeout);
+        let rendezvous = |problem: RendezvousError| DistError::Rendezvous {
             rank: opts.rank,
             addr: opts.master_addr.clone(),
             port: opts.master_port,
-            cause,
+            problem: Box::new(problem),
         };
+        let engine = |cause: String| rendezvous(RendezvousError::Engine { cause });
         if opts.world_size == 0 || opts.rank >= opts.world_size {
             return Err(EnvError::RankOutOfRange {
                 rank_var: "rank",
@@ -372,17 +404,28 @@ impl ProcessGroup {
         } else {
             None
         };
+        // Every step below ends by the deadline: the host resolves, something listens (rank
+        // 0's store), then the store client connects, the run id is checked, and the
+        // backends rendezvous with what is left.
+        let addrs = rendezvous::resolve(&opts.master_addr, opts.master_port, deadline)
+            .map_err(rendezvous)?;
+        if opts.rank != 0 {
+            rendezvous::wait_for_listener(&addrs, deadline).map_err(rendezvous)?;
+        }
         let store = Store::tcp(
             &opts.master_addr,
             opts.master_port,
             opts.rank == 0,
             opts.world_size,
+            deadline.left(),
             opts.timeout,
         )
-        .map_err(rendezvous)?;
+        .map_err(engine)?;
+        rendezvous::check_run(&store, opts.rank, opts.run_id.as_deref()).map_err(rendezvous)?;
         let group_store = store
             .prefixed("default_pg/")
-            .map_err(|e| rendezvous(e.to_string()))?;
+            .map_err(|e| engine(e.to_string()))?;
+        rendezvous::join(&group_store, opts.rank).map_err(rendezvous)?;
         let gloo_host = if is_loopback(&opts.master_addr) {
             "127.0.0.1"
         } else {
@@ -392,13 +435,22 @@ impl ProcessGroup {
             &group_store,
             opts.rank,
             opts.world_size,
-            opts.timeout,
+            GroupTimes {
+                timeout: opts.timeout,
+                rendezvous: deadline.left(),
+            },
             gloo_host,
             opts.backend,
             device,
             opts.cuda_via_gloo,
+            opts.debug,
         )
-        .map_err(rendezvous)?;
+        .map_err(|cause| {
+            rendezvous(
+                rendezvous::never_joined(&store, &group_store, opts.world_size, opts.timeout)
+                    .unwrap_or(RendezvousError::Engine { cause }),
+            )
+        })?;
         let pg = ProcessGroup {
             inner: Arc::new(GroupInner::new(
                 handle,
@@ -413,6 +465,7 @@ impl ProcessGroup {
                     device,
                     shortcuts: opts.shortcuts,
                     cuda_via_gloo: opts.cuda_via_gloo,
+                    debug: opts.debug,
                 },
             )),
         };
@@ -422,7 +475,7 @@ impl ProcessGroup {
             }
             if opts.eager_connect {
                 // SAFETY: live group handle; exceptions are caught in the shim.
-                shim!(tdr_group_connect(pg.raw())).map_err(|e| rendezvous(e.message))?;
+                shim!(tdr_group_connect(pg.raw())).map_err(|e| engine(e.message))?;
             }
         }
         Ok(pg)
@@ -464,32 +517,62 @@ impl ProcessGroup {
         let Some(sub_rank) = ranks.iter().position(|&r| r == self.rank()) else {
             return Ok(None);
         };
+        let deadline = Deadline::after(self.inner.timeout);
         let (addr, port) = self.inner.master.clone();
-        let rendezvous = |cause: String| DistError::Rendezvous {
+        let rendezvous = |problem: RendezvousError| DistError::Rendezvous {
             rank: self.rank(),
             addr: addr.clone(),
             port,
-            cause,
+            problem: Box::new(problem),
         };
+        let engine = |cause: String| rendezvous(RendezvousError::Engine { cause });
         let key: Vec<String> = ranks.iter().map(usize::to_string).collect();
         let prefix = format!("{}subgroup{n}[{}]/", self.store_prefix(), key.join(","));
         let store = self
             .inner
             .store
             .prefixed(&prefix)
-            .map_err(|e| rendezvous(e.to_string()))?;
+            .map_err(|e| engine(e.to_string()))?;
+        rendezvous::join(&store, sub_rank).map_err(rendezvous)?;
         let gloo_host = if is_loopback(&addr) { "127.0.0.1" } else { "" };
         let handle = new_group_handle(
             &store,
             sub_rank,
             ranks.len(),
-            self.inner.timeout,
+            GroupTimes {
+                timeout: self.inner.timeout,
+                rendezvous: deadline.left(),
+            },
             gloo_host,
             backend,
             self.inner.device,
             self.inner.cuda_via_gloo,
+            self.inner.debug,
         )
-        .map_err(rendezvous)?;
+        .map_err(|cause| {
+            rendezvous(
+                rendezvous::never_joined(
+                    &self.inner.store,
+                    &store,
+                    ranks.len(),
+                    self.inner.timeout,
+                )
+                .map(|e| match e {
+                    // The subgroup's ranks, named as the caller named them.
+                    RendezvousError::NeverJoined {
+                        ranks: missing,
+                        timeout,
+                        ..
+                    } => RendezvousError::NeverJoined {
+                        ranks: missing.iter().map(|&r| ranks[r]).collect(),
+                        timeout,
+                        refused: Vec::new(),
+                    },
+                    e => e,
+                })
+                .unwrap_or(RendezvousError::Engine { cause }),
+            )
+        })?;
         let inner = Arc::new(GroupInner::new(
             handle,
             self.inner.store.clone(),
@@ -503,6 +586,7 @@ impl ProcessGroup {
                 device: self.inner.device,
                 shortcuts: self.inner.shortcuts,
                 cuda_via_gloo: self.inner.cuda_via_gloo,
+                debug: self.inner.debug,
             },
         ));
         let mut children = self
@@ -567,6 +651,11 @@ impl ProcessGroup {
     /// to communicate nothing; collectives called directly always run.
     pub fn skips_communication(&self) -> bool {
         self.inner.world_size == 1 && self.inner.shortcuts
+    }
+
+    /// The checks this group makes before each collective ([`InitOptions::debug`]).
+    pub fn debug_level(&self) -> DebugLevel {
+        self.inner.debug
     }
 
     /// Whether CUDA tensors go through Gloo (the test switch [`InitOptions::cuda_via_gloo`]).
@@ -635,16 +724,23 @@ impl ProcessGroup {
     }
 }
 
+/// A new group's limits: its collectives' timeout, and what is left for its rendezvous.
+struct GroupTimes {
+    timeout: Duration,
+    rendezvous: Duration,
+}
+
 #[allow(clippy::too_many_arguments)]
 fn new_group_handle(
     store: &Store,
     rank: usize,
     world_size: usize,
-    timeout: Duration,
+    times: GroupTimes,
     gloo_host: &str,
     backend: Backend,
     device: Option<usize>,
     cuda_via_gloo: bool,
+    debug: DebugLevel,
 ) -> std::result::Result<GroupHandle, String> {
     let host = CString::new(gloo_host).map_err(|_| "host contains a NUL byte".to_string())?;
     let mut out = std::ptr::null_mut();
@@ -653,11 +749,13 @@ fn new_group_handle(
         store.raw(),
         rank as i32,
         world_size as i32,
-        millis(timeout),
+        millis(times.timeout),
+        millis(times.rendezvous).max(1),
         host.as_ptr(),
         backend == Backend::Nccl,
         device.map_or(-1, |d| d as i32),
         cuda_via_gloo,
+        debug == DebugLevel::Detail,
         &mut out,
     ))?;
     NonNull::new(out)

@@ -42,13 +42,15 @@ fn cstring(op: &'static str, s: &str) -> Result<CString> {
 }
 
 impl Store {
-    /// Connects to (or, with `is_server`, hosts) a TCPStore at `host:port`. The error is the
-    /// engine's message; the caller names the rendezvous.
+    /// Connects to (or, with `is_server`, hosts) a TCPStore at `host:port`, waiting at most
+    /// `connect_timeout` for the connection; `timeout` bounds every later wait. The error is
+    /// the engine's message; the caller names the rendezvous.
     pub(crate) fn tcp(
         host: &str,
         port: u16,
         is_server: bool,
         world_size: usize,
+        connect_timeout: Duration,
         timeout: Duration,
     ) -> std::result::Result<Store, String> {
         let host = CString::new(host).map_err(|_| format!("{host:?} contains a NUL byte"))?;
@@ -59,6 +61,7 @@ impl Store {
             port,
             is_server,
             world_size as i32,
+            millis(connect_timeout).max(1),
             millis(timeout),
             &mut out,
         ))?;
@@ -135,6 +138,51 @@ impl Store {
         let mut out = 0i64;
         // SAFETY: live store, valid out-pointer.
         shim!(tdr_store_add(self.raw(), c_key.as_ptr(), delta, &mut out))
+            .map_err(|e| store_error(OP, key, e))?;
+        Ok(out)
+    }
+
+    /// Sets `key` to `desired` if it holds `expected`, or if it is absent and `expected` is
+    /// empty, and returns what it holds afterwards (c10d's `compare_set`): `desired` when
+    /// the swap happened.
+    ///
+    /// ```no_run
+    /// # let pg = tch_dist_runtime::default_group()?;
+    /// // The first rank to get here claims the key; the others read the winner's value.
+    /// let winner = pg.store().compare_set("leader", b"", pg.rank().to_string().as_bytes())?;
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
+    pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        const OP: &str = "compare_set";
+        let c_key = cstring(OP, key)?;
+        let mut data = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: live store; both slices outlive the call, which copies them; valid
+        // out-pointers.
+        shim!(tdr_store_compare_set(
+            self.raw(),
+            c_key.as_ptr(),
+            expected.as_ptr(),
+            expected.len(),
+            desired.as_ptr(),
+            desired.len(),
+            &mut data,
+            &mut len
+        ))
+        .map_err(|e| store_error(OP, key, e))?;
+        // SAFETY: on success `data` holds `len` malloc'ed bytes that we copy and free once.
+        let value = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
+        unsafe { ffi::tdr_bytes_free(data) };
+        Ok(value)
+    }
+
+    /// Whether `key` exists, without waiting for it.
+    pub fn check(&self, key: &str) -> Result<bool> {
+        const OP: &str = "check";
+        let c_key = cstring(OP, key)?;
+        let mut out = false;
+        // SAFETY: live store, valid C string and out-pointer.
+        shim!(tdr_store_check(self.raw(), c_key.as_ptr(), &mut out))
             .map_err(|e| store_error(OP, key, e))?;
         Ok(out)
     }

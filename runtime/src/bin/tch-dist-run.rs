@@ -5,8 +5,14 @@
 //! ```
 //!
 //! Starts N copies of CMD with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
-//! LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), prefixes each line they print with
-//! `[rankR]: `, and when one rank fails, stops the others and exits with that rank's status.
+//! LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID), prefixes each line they
+//! print with `[rankR]: `, and when one rank fails, stops the others and exits with that
+//! rank's status.
+//!
+//! The run id is the launcher's own TORCHELASTIC_RUN_ID when it has one (torchrun's, or a
+//! job script's), else a new one (`tch-dist-run-<pid>-<time>`). Ranks that carry a run id
+//! refuse to join the rendezvous of a run with another id, so a rank started with another
+//! job's MASTER_PORT fails at once, naming both ids, instead of joining that job.
 //!
 //! # Process trees
 //!
@@ -485,11 +491,30 @@ fn describe_left(groups: usize, strays: usize) -> String {
     }
 }
 
+/// The launcher's TORCHELASTIC_RUN_ID when set, else a new one.
+fn run_id() -> String {
+    match std::env::var("TORCHELASTIC_RUN_ID") {
+        Ok(id) if !id.trim().is_empty() => id,
+        _ => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            format!(
+                "tch-dist-run-{}-{:x}{:08x}",
+                std::process::id(),
+                now.as_secs(),
+                now.subsec_nanos()
+            )
+        }
+    }
+}
+
 fn run(args: Args) -> Result<i32, String> {
     let port = match args.master_port {
         Some(p) => p,
         None => free_port(&args.master_addr)?,
     };
+    let run_id = run_id();
     install_signal_handlers()?;
     // Orphaned descendants come to the launcher instead of init, so that it can still stop
     // them. Without it (kernels before 3.4) only the ranks' groups are reached.
@@ -512,7 +537,7 @@ fn run(args: Args) -> Result<i32, String> {
             .env("LOCAL_WORLD_SIZE", args.nproc.to_string())
             .env("MASTER_ADDR", &args.master_addr)
             .env("MASTER_PORT", port.to_string())
-            .env("TORCHELASTIC_RUN_ID", "tch-dist-run")
+            .env("TORCHELASTIC_RUN_ID", &run_id)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -1,0 +1,261 @@
+//! The examples end cleanly: a dead peer ends a training example with one line and exit
+//! status 1, not a panic; `train_ddp --resume` refuses a checkpoint that does not fit the
+//! model, naming every key that differs, before training.
+//!
+//! The examples are run as the programs users run (built here with `cargo build
+//! --example`, a no-op when they are up to date), their ranks started directly with
+//! torchrun's variables, so that no launcher stops rank 0 before it reports.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use tch::{Kind, Tensor};
+use tch_dist::testing::free_port;
+
+/// The example binaries, built once per test binary in its own profile.
+fn example(name: &str) -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    let dir = BUILT.get_or_init(|| {
+        // target/<profile>/deps/examples-HASH -> target/<profile>
+        let exe = std::env::current_exe().unwrap();
+        let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args(["build", "--quiet", "--manifest-path"])
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
+            .args(["--example", "train_ddp", "--example", "tensor_parallel"]);
+        if profile_dir.ends_with("release") {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("running cargo build --example");
+        assert!(status.success(), "cargo build --example failed");
+        profile_dir.join("examples")
+    });
+    dir.join(name)
+}
+
+/// A fresh directory for one test's files.
+fn temp_dir(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tch-dist-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Rank `rank` of `world` of an example, with its output piped.
+fn start_rank(exe: &Path, rank: usize, world: usize, port: u16, args: &[&str]) -> Child {
+    Command::new(exe)
+        .args(args)
+        .env("RANK", rank.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("TCH_DIST_TIMEOUT_SECS", "20")
+        .env_remove("TORCHELASTIC_RUN_ID")
+        .env_remove("TCH_DIST_DEBUG")
+        .env_remove("TORCH_DISTRIBUTED_DEBUG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting an example")
+}
+
+/// Waits (bounded) for `child`, killing it at the deadline; returns (status, stdout, stderr).
+fn finish(mut child: Child, limit: Duration) -> (std::process::ExitStatus, String, String) {
+    let deadline = Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "still running after {limit:?}:\n{}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Starts 2 ranks of `name`, waits until rank 0 prints a line containing `started`, lets
+/// it train `train_for`, SIGKILLs rank 1 and returns rank 0's end.
+fn kill_rank_1(
+    name: &str,
+    args: &[&str],
+    started: &str,
+    train_for: Duration,
+) -> (std::process::ExitStatus, String) {
+    let exe = example(name);
+    let port = free_port();
+    let mut rank0 = start_rank(&exe, 0, 2, port, args);
+    let mut rank1 = start_rank(&exe, 1, 2, port, args);
+    // Rank 0's stdout, line by line, until the marker.
+    let stdout = rank0.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let line = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .unwrap_or_else(|_| {
+                let _ = rank0.kill();
+                let _ = rank1.kill();
+                panic!("rank 0 of {name} did not print {started:?}");
+            });
+        if line.contains(started) {
+            break;
+        }
+    }
+    std::thread::sleep(train_for);
+    rank1.kill().unwrap();
+    let status1 = rank1.wait().unwrap();
+    assert_eq!(status1.signal(), Some(libc::SIGKILL));
+    let (status, _, stderr) = finish(rank0, Duration::from_secs(60));
+    (status, stderr)
+}
+
+#[test]
+fn a_dead_peer_ends_train_ddp_with_one_line() {
+    let dir = temp_dir("dead-peer-ddp");
+    let ck = dir.join("ck.safetensors");
+    let (status, stderr) = kill_rank_1(
+        "train_ddp",
+        &["--epochs", "100000", "--checkpoint", ck.to_str().unwrap()],
+        "training on 2 ranks",
+        Duration::from_secs(1),
+    );
+    assert_eq!(status.code(), Some(1), "{status:?}\n{stderr}");
+    assert_eq!(
+        stderr,
+        "error: rank 0: all_reduce failed: rank 1 closed the connection\n"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_dead_peer_ends_tensor_parallel_with_one_line() {
+    let (status, stderr) = kill_rank_1(
+        "tensor_parallel",
+        &["--epochs", "100000"],
+        "parameters (blocks.0.fc1.weight",
+        Duration::from_secs(1),
+    );
+    assert_eq!(status.code(), Some(1), "{status:?}\n{stderr}");
+    // Where rank 0 was decides the failing collective (a sharded layer's forward hook, or
+    // its backward); either way one line, no panic.
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    assert!(
+        stderr.contains("Connection reset by peer") || stderr.contains("closed the connection"),
+        "{stderr}"
+    );
+}
+
+/// The model's variables: fc1 64->128, fc2 128->10.
+fn net_tensors(kind: Kind) -> Vec<(String, Tensor)> {
+    [
+        ("fc1.weight", vec![128, 64]),
+        ("fc1.bias", vec![128]),
+        ("fc2.weight", vec![10, 128]),
+        ("fc2.bias", vec![10]),
+    ]
+    .into_iter()
+    .map(|(k, shape)| {
+        (
+            k.to_string(),
+            Tensor::zeros(shape, (kind, tch::Device::Cpu)),
+        )
+    })
+    .collect()
+}
+
+fn write(path: &Path, tensors: &[(String, Tensor)]) {
+    let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    Tensor::write_safetensors(&named, path).unwrap();
+}
+
+/// `train_ddp` at world size 1 with `args`: (exit status, stdout, stderr).
+fn train_ddp_alone(args: &[&str]) -> (std::process::ExitStatus, String, String) {
+    let child = start_rank(&example("train_ddp"), 0, 1, free_port(), args);
+    finish(child, Duration::from_secs(120))
+}
+
+#[test]
+fn resume_checks_dtype_shape_and_keys_first() {
+    let dir = temp_dir("resume");
+    let resume = |path: &Path| {
+        train_ddp_alone(&[
+            "--resume",
+            "--epochs",
+            "1",
+            "--checkpoint",
+            path.to_str().unwrap(),
+        ])
+    };
+
+    // float64 where the model is float32: every key is named.
+    let doubles = dir.join("doubles.safetensors");
+    write(&doubles, &net_tensors(Kind::Double));
+    let (status, stdout, stderr) = resume(&doubles);
+    assert_eq!(status.code(), Some(1), "{stdout}\n{stderr}");
+    assert_eq!(
+        stderr,
+        format!(
+            "error: --resume: {} does not fit the model: `fc1.bias` has dtype Double in the \
+             checkpoint but Float in the model; `fc1.weight` has dtype Double in the checkpoint \
+             but Float in the model; `fc2.bias` has dtype Double in the checkpoint but Float in \
+             the model; `fc2.weight` has dtype Double in the checkpoint but Float in the model\n",
+            doubles.display()
+        )
+    );
+    assert!(
+        !stdout.contains("training on"),
+        "refused before training: {stdout}"
+    );
+
+    // A wrong shape, a missing key and an extra one.
+    let mut tensors = net_tensors(Kind::Float);
+    tensors.retain(|(k, _)| k != "fc2.weight");
+    tensors[2].1 = Tensor::zeros([7], (Kind::Float, tch::Device::Cpu)); // fc2.bias
+    tensors.push((
+        "fc3.weight".into(),
+        Tensor::zeros([1], (Kind::Float, tch::Device::Cpu)),
+    ));
+    let mixed = dir.join("mixed.safetensors");
+    write(&mixed, &tensors);
+    let (status, stdout, stderr) = resume(&mixed);
+    assert_eq!(status.code(), Some(1), "{stdout}\n{stderr}");
+    assert_eq!(
+        stderr,
+        format!(
+            "error: --resume: {} does not fit the model: `fc2.bias` has shape [7] in the \
+             checkpoint but [10] in the model; `fc2.weight` is missing from the checkpoint; \
+             `fc3.weight` is in the checkpoint but not in the model\n",
+            mixed.display()
+        )
+    );
+
+    // A checkpoint the example wrote itself resumes.
+    let own = dir.join("own.safetensors");
+    let (status, stdout, stderr) =
+        train_ddp_alone(&["--epochs", "1", "--checkpoint", own.to_str().unwrap()]);
+    assert!(status.success(), "{stdout}\n{stderr}");
+    let (status, stdout, stderr) = resume(&own);
+    assert!(status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("test_accuracy="), "{stdout}");
+    let _ = std::fs::remove_dir_all(dir);
+}
