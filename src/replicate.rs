@@ -276,7 +276,8 @@ impl std::fmt::Debug for ReplicateState {
 
 impl ReplicateState {
     /// FQNs of the parameters whose gradients replicate averages, in registration order
-    /// (walk order for [`apply`], the `VarStore`'s creation order for [`wrap`]).
+    /// (walk order for [`apply`]; for [`wrap`], the `VarStore`'s creation order with each
+    /// layer's `weight` before its `bias`, the same order for the same model).
     ///
     /// ```no_run
     /// # use tch::nn;

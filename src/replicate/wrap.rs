@@ -17,8 +17,8 @@ use super::{
 };
 
 /// What replicate manages in `vs`: parameters are its trainable variables that require a
-/// gradient, in creation order (the order `nn::linear` and friends create them, as PyTorch
-/// registers parameters), under their store names; buffers are its other variables, sorted by
+/// gradient, in creation order (as PyTorch registers parameters; a layer's weight before its
+/// bias, see [`weight_before_bias`]), under their store names; buffers are its other variables, sorted by
 /// name (the same order on every rank). Trainable variables that are frozen are neither, as
 /// frozen parameters are left alone by the derive form.
 fn found_in(vs: &VarStore, opts: &Options, rank: usize) -> Found {
@@ -33,7 +33,7 @@ fn found_in(vs: &VarStore, opts: &Options, rank: usize) -> Found {
         by_ptr.entry(t.data_ptr() as usize).or_default().push(i);
     }
     let mut trainable = vec![false; named.len()];
-    let mut params = Vec::new();
+    let mut created: Vec<(String, Tensor)> = Vec::new();
     for t in vs.trainable_variables() {
         let candidates = by_ptr.get(&(t.data_ptr() as usize));
         let index = candidates.and_then(|c| {
@@ -44,11 +44,13 @@ fn found_in(vs: &VarStore, opts: &Options, rank: usize) -> Found {
         // Every trainable variable is also a named one (`Path::add` inserts both).
         let Some(i) = index else { continue };
         trainable[i] = true;
-        let name = &named[i].0;
-        if t.requires_grad() && !is_ignored(name, &opts.ignored_params) {
-            params.push((name.clone(), t));
-        }
+        created.push((named[i].0.clone(), t));
     }
+    weight_before_bias(&mut created);
+    let params = created
+        .into_iter()
+        .filter(|(name, t)| t.requires_grad() && !is_ignored(name, &opts.ignored_params))
+        .collect();
     let buffers = named
         .into_iter()
         .zip(trainable)
@@ -75,6 +77,28 @@ fn found_in(vs: &VarStore, opts: &Options, rank: usize) -> Found {
     }
 }
 
+/// PyTorch registers a layer's `weight` before its `bias`; tch's `nn::linear` and
+/// `nn::conv*` create the bias first. A `P.bias` created just before `P.weight` is put after
+/// it, so that the wrapper lists a store's parameters as the derive form (and PyTorch) lists
+/// the same model's.
+fn weight_before_bias(vars: &mut [(String, Tensor)]) {
+    let module = |name: &str, leaf: &str| {
+        name.strip_suffix(leaf)
+            .filter(|p| p.is_empty() || p.ends_with('.'))
+            .map(str::to_owned)
+    };
+    let mut i = 0;
+    while i + 1 < vars.len() {
+        let bias = module(&vars[i].0, "bias");
+        if bias.is_some() && bias == module(&vars[i + 1].0, "weight") {
+            vars.swap(i, i + 1);
+            i += 2;
+        } else {
+            i += 1;
+        }
+    }
+}
+
 fn state_for(vs: &VarStore, opts: Options) -> Result<ReplicateState, ReplicateError> {
     let group = group_of(&opts)?;
     let found = found_in(vs, &opts, group.rank());
@@ -87,7 +111,7 @@ fn state_for(vs: &VarStore, opts: Options) -> Result<ReplicateState, ReplicateEr
 ///
 /// Parameters are the trainable variables of `vs` that require a gradient, under their store
 /// names (PyTorch's FQNs when the model was built with `vs.root() / "name"`), in creation
-/// order; buffers are its other variables. Everything else is [`apply`](super::apply)'s, by
+/// order (a layer's `weight` before its `bias`, as PyTorch registers them); buffers are its other variables. Everything else is [`apply`](super::apply)'s, by
 /// the same code: every option (except `ignored_modules`, which needs a walk: name variables
 /// in `ignored_params` instead), the checks across ranks (a variable that differs is named),
 /// the broadcast of rank 0's parameters and buffers, and the reducer. The returned wrapper
