@@ -3,8 +3,19 @@
 //! Applied to a module, it checks that every rank holds the same parameters, broadcasts
 //! rank 0's parameters and buffers, and installs a [`Reducer`] whose gradient hooks average
 //! gradients across ranks in buckets while backward is still running. The training loop
-//! stays an ordinary tch loop; forward goes through [`Call::call`](crate::Call) so that
-//! replicate's forward hooks run.
+//! stays an ordinary tch loop.
+//!
+//! Two forms, one implementation (the same checks, broadcast, reducer and options):
+//!
+//! - [`apply`], the composable form (PyTorch's `replicate(module)`), for a
+//!   `#[derive(Shardable)]` model: forward goes through [`Call::call`](crate::Call) so that
+//!   replicate's forward hook runs; [`state`], [`no_sync`] and [`prepare_forward`] take the
+//!   model;
+//! - [`wrap`] / [`wrap_t`], the wrapper form (PyTorch's `DistributedDataParallel(module)`),
+//!   for any `impl Module` / `impl ModuleT` (`nn::seq()`, `nn::func`) with the `VarStore`
+//!   that owns its variables: the returned [`Replicated`] / [`ReplicatedT`] owns the model
+//!   and its `forward` does the hook's work; `state`, `no_sync` and `prepare_forward` are
+//!   its methods.
 //!
 //! ```no_run
 //! use tch::nn::{self, Module, OptimizerConfig};
