@@ -415,7 +415,9 @@ fn move_input(device: Option<Device>, xs: &Tensor) -> Option<Tensor> {
 fn is_ignored(fqn: &str, ignored: &[String]) -> bool {
     ignored.iter().any(|i| {
         fqn == i
-            || (fqn.len() > i.len() && fqn.starts_with(i.as_str()) && fqn.as_bytes()[i.len()] == b'.')
+            || (fqn.len() > i.len()
+                && fqn.starts_with(i.as_str())
+                && fqn.as_bytes()[i.len()] == b'.')
     })
 }
 
@@ -659,13 +661,12 @@ pub fn apply<M: Shardable + ?Sized>(
         buffers: Vec::new(),
     };
     module.visit(&mut c);
-    let problem =
-        unknown_ignored(&opts.ignored_params, &c.seen).map(|name| {
-            ReplicateError::UnknownIgnoredParam {
-                rank: group.rank(),
-                name: name.clone(),
-            }
-        });
+    let problem = unknown_ignored(&opts.ignored_params, &c.seen).map(|name| {
+        ReplicateError::UnknownIgnoredParam {
+            rank: group.rank(),
+            name: name.clone(),
+        }
+    });
     let found = Found {
         params: c.params,
         buffers: c.buffers,

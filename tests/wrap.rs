@@ -133,7 +133,10 @@ fn seq_cases(pg: &ProcessGroup) {
     for (what, opts) in cases {
         let (d, moved) = train_wrapped(pg, |vs| seq_net(vs, 8, false), opts, 4);
         assert!(d < 1e-5, "{what}: {d}");
-        assert!(moved > 1e-3, "{what}: training moved the weights by {moved}");
+        assert!(
+            moved > 1e-3,
+            "{what}: training moved the weights by {moved}"
+        );
     }
 }
 
@@ -181,7 +184,10 @@ fn closure_cases(pg: &ProcessGroup) {
         5,
     );
     assert!(d < 1e-5, "closure: {d}");
-    assert!(moved > 1e-3, "closure: training moved the weights by {moved}");
+    assert!(
+        moved > 1e-3,
+        "closure: training moved the weights by {moved}"
+    );
     let d = no_sync_vs_one_step(pg, 3);
     assert!(d < 1e-5, "no_sync: {d}");
 }
@@ -216,8 +222,7 @@ fn unused_variables_fail_the_next_forward_as_in_the_derive_form() {
             let xy = batch(0, Device::Cpu);
             let vs = nn::VarStore::new(Device::Cpu);
             let model =
-                replicate::wrap(seq_net(&vs, 8, true), &vs, replicate::Options::default())
-                    .unwrap();
+                replicate::wrap(seq_net(&vs, 8, true), &vs, replicate::Options::default()).unwrap();
             wrapped_loss(&model, &xy, &pg).backward();
             let err = model.prepare_forward().unwrap_err().to_string();
 
@@ -225,7 +230,9 @@ fn unused_variables_fail_the_next_forward_as_in_the_derive_form() {
             let derived = net(&dvs, 8, true);
             replicate::apply(&derived, replicate::Options::default()).unwrap();
             local_loss(&derived, &xy, &pg).backward();
-            let derive_err = replicate::prepare_forward(&derived).unwrap_err().to_string();
+            let derive_err = replicate::prepare_forward(&derived)
+                .unwrap_err()
+                .to_string();
             assert_eq!(err, derive_err);
             assert!(
                 err.contains("Expected to have finished reduction in the prior iteration"),
@@ -330,13 +337,20 @@ fn batch_norm_buffers_are_broadcast_from_rank_0() {
     run_ranks("batch_norm_buffers_are_broadcast_from_rank_0", 2, |pg| {
         let vs = nn::VarStore::new(Device::Cpu);
         let model = wrapped_bn(&pg, &vs, replicate::Options::default());
-        assert_eq!(model.state().param_fqns(), ["fc.weight", "fc.bias", "bn.weight", "bn.bias"]);
+        assert_eq!(
+            model.state().param_fqns(),
+            ["fc.weight", "fc.bias", "bn.weight", "bn.bias"]
+        );
         assert_eq!(
             model.state().buffer_fqns(),
             ["bn.running_mean", "bn.running_var"]
         );
         let rm = || vs.variables()["bn.running_mean"].shallow_clone();
-        assert_close(&rm(), &Tensor::ones([4], tch::kind::FLOAT_CPU), "after wrap_t");
+        assert_close(
+            &rm(),
+            &Tensor::ones([4], tch::kind::FLOAT_CPU),
+            "after wrap_t",
+        );
         // A training forward on this rank's rows moves the statistics locally...
         let (x, _) = batch(0, Device::Cpu);
         let _ = model.forward_t(&slice(&x, &pg), true);
@@ -347,7 +361,10 @@ fn batch_norm_buffers_are_broadcast_from_rank_0() {
         assert_close(&rm(), &running_mean_after(&vs, &rank0_rows), "rank 0's");
         if pg.rank() == 1 {
             let own = running_mean_after(&vs, &slice(&x, &pg));
-            assert!(!rm().allclose(&own, 1e-6, 1e-6, false), "rank 1 took rank 0's");
+            assert!(
+                !rm().allclose(&own, 1e-6, 1e-6, false),
+                "rank 1 took rank 0's"
+            );
         }
     });
 }
@@ -364,7 +381,11 @@ fn without_broadcast_buffers_statistics_stay_local() {
         };
         let model = wrapped_bn(&pg, &vs, opts);
         let rm = || vs.variables()["bn.running_mean"].shallow_clone();
-        assert_close(&rm(), &Tensor::ones([4], tch::kind::FLOAT_CPU), "after wrap_t");
+        assert_close(
+            &rm(),
+            &Tensor::ones([4], tch::kind::FLOAT_CPU),
+            "after wrap_t",
+        );
         let (x, _) = batch(0, Device::Cpu);
         let _ = model.forward_t(&slice(&x, &pg), true);
         let _ = model.forward_t(&x, false);
@@ -517,7 +538,10 @@ fn ignored_params_and_refusals() {
         pg.all_reduce(&a1, ReduceOp::Avg).unwrap();
         pg.all_reduce(&a2, ReduceOp::Avg).unwrap();
         assert!(g2.allclose(&a2, 1e-6, 1e-7, false), "fc2 is synchronised");
-        assert!(!g1.allclose(&a1, 1e-6, 1e-7, false), "fc1 keeps its gradient");
+        assert!(
+            !g1.allclose(&a1, 1e-6, 1e-7, false),
+            "fc1 keeps its gradient"
+        );
 
         // The derive form takes the same option, here one FQN.
         let dvs = nn::VarStore::new(Device::Cpu);
@@ -558,7 +582,9 @@ fn ignored_params_and_refusals() {
             matches!(&err, ReplicateError::IgnoredModulesInWrap { modules, .. } if modules.len() == 1),
             "{err:?}"
         );
-        assert!(err.to_string().contains("name their variables in ignored_params"));
+        assert!(err
+            .to_string()
+            .contains("name their variables in ignored_params"));
 
         let mut vs = nn::VarStore::new(Device::Cpu);
         let model = seq_net(&vs, 8, false);

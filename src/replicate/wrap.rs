@@ -12,8 +12,7 @@ use tch::Tensor;
 use tch_dist_core::hooks::{catch_forward_errors, raise_forward_error, ForwardError};
 
 use super::{
-    group_of, is_ignored, set_up, unknown_ignored, Found, Options, ReplicateError,
-    ReplicateState,
+    group_of, is_ignored, set_up, unknown_ignored, Found, Options, ReplicateError, ReplicateState,
 };
 
 /// What replicate manages in `vs`: parameters are its trainable variables that require a
