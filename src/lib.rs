@@ -8,6 +8,8 @@
 //!   composable-API registries ([`macro@contract`], [`registry()`]);
 //! - [`replicate`]: data parallelism (PyTorch's composable `replicate` / DDP), gradients
 //!   averaged in buckets while backward runs, with DDP's options and communication hooks;
+//!   [`replicate::apply`] for `#[derive(Shardable)]` models, [`replicate::wrap`] for any
+//!   `impl Module` (`nn::seq()`, `nn::func`) with its `VarStore`;
 //! - [`sharding`]: tensor parallelism (`ShardingPlan`, sharders, planners, `shard_module`,
 //!   `ShardedTensor`).
 //!
@@ -91,7 +93,23 @@
 //! computes the unsharded layer's result only through its hooks). `shard_module` makes a
 //! bypass an error naming the layer and the fix (see [`sharding`]).
 //!
-//! See docs/ARCHITECTURE.md for how the crates fit together and docs/PERFORMANCE.md for the
+//! For a model that is not a `Shardable` struct (`nn::seq()`, `nn::func`, any `impl Module`),
+//! [`replicate::wrap`] is PyTorch's `DistributedDataParallel(model)`:
+//!
+//! ```no_run
+//! # use tch::nn::{self, Module};
+//! # use tch_dist::replicate;
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
+//! let vs = nn::VarStore::new(tch::Device::Cpu);
+//! let net = nn::seq().add(nn::linear(vs.root() / "fc", 4, 2, Default::default()));
+//! let model = replicate::wrap(net, &vs, replicate::Options::default())?;
+//! let ys = model.forward(&tch::Tensor::ones([8, 4], tch::kind::FLOAT_CPU));
+//! # Ok(()) }
+//! ```
+//!
+//! See docs/FROM_PYTORCH.md for each `torch.distributed` call and its tch-dist line,
+//! docs/ARCHITECTURE.md for how the crates fit together and docs/PERFORMANCE.md for the
 //! benchmarks against PyTorch DDP.
 
 #![warn(missing_docs)]
@@ -122,6 +140,17 @@ pub use tch_dist_core::{
     ContractError, FqnPath, ModuleKey, ModuleVisitor, ModuleVisitorMut, Shardable, TensorField,
     TensorKind, VarStoreMismatch,
 };
+
+/// The Rust blocks of README.md, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
+/// docs/FROM_PYTORCH.md (each `torch.distributed` call and its tch-dist line), compiled as
+/// doctests: every Rust block there must build against this crate.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/FROM_PYTORCH.md")]
+struct FromPytorchDoctests;
 
 /// Multi-process test helpers (ranks as real processes) and stand-in composable APIs.
 pub mod testing {

@@ -362,6 +362,43 @@ fn catching_hook_errors(
     }
 }
 
+/// Runs `f`, a forward that does hook-like work outside [`Call`], as [`Call::f_call`] runs
+/// one: a hook failing in a child that `f` calls with `call` comes back as the `Err` (not as
+/// a panic), any other panic goes on. For wrappers (`tch_dist::replicate::Replicated`) whose
+/// fallible forward must behave as `f_call`.
+///
+/// ```
+/// use tch::{nn, Device, Tensor};
+/// use tch_dist_core::hooks::{catch_forward_errors, register_fallible_forward_pre_hook};
+/// use tch_dist_core::hooks::{Call, ForwardError};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let fc = nn::linear(vs.root() / "fc", 3, 2, Default::default());
+/// register_fallible_forward_pre_hook(&fc, |_m, _xs| Err(ForwardError::new("refused"))).unwrap();
+/// // `call` inside would panic; inside `catch_forward_errors` the error is a value.
+/// let err = catch_forward_errors(|| Ok(fc.call(&Tensor::ones([1, 3], tch::kind::FLOAT_CPU))));
+/// assert_eq!(err.unwrap_err().message(), "refused");
+/// ```
+pub fn catch_forward_errors(
+    f: impl FnOnce() -> Result<Tensor, ForwardError>,
+) -> Result<Tensor, ForwardError> {
+    catching_hook_errors(f)
+}
+
+/// Ends a forward that cannot return its error (`Module::forward`) as [`Call::call`] does:
+/// inside an `f_call` or [`catch_forward_errors`] the error unwinds to it and is returned
+/// there; at the top, a panic with its message (as PyTorch's `module(x)` raises).
+///
+/// ```
+/// use tch_dist_core::hooks::{catch_forward_errors, raise_forward_error, ForwardError};
+///
+/// let r = catch_forward_errors(|| raise_forward_error(ForwardError::new("rank 0: failed")));
+/// assert_eq!(r.unwrap_err().message(), "rank 0: failed");
+/// ```
+pub fn raise_forward_error(e: ForwardError) -> ! {
+    fail(e)
+}
+
 /// `module(x)`: forward with hooks, for any [`Module`] that is [`Shardable`].
 pub trait Call {
     /// Runs the pre-hooks, `forward`, then the forward hooks of this instance.
