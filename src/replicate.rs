@@ -138,6 +138,31 @@ pub enum ReplicateError {
         /// The type names of the modules in `ignored_modules`.
         modules: Vec<&'static str>,
     },
+    /// A parameter is already managed by another replicate (the derive form on the model
+    /// and the wrapper on its store, or two wrappers over one store): two reducers would
+    /// all-reduce the same gradients at once.
+    #[error(
+        "rank {rank}: replicate: parameter `{fqn}` is already managed by replicate (apply or \
+         wrap of the same variables); replicate a model once"
+    )]
+    AlreadyReplicated {
+        /// This rank.
+        rank: usize,
+        /// The first such parameter.
+        fqn: String,
+    },
+}
+
+/// The data pointers of the parameters every live [`ReplicateState`] manages, across both
+/// forms: a parameter can be managed once. A state's reducer holds its parameters, so their
+/// memory (and pointer) cannot be reused while the entry exists; `Drop` removes it.
+static MANAGED: std::sync::LazyLock<std::sync::Mutex<std::collections::HashSet<usize>>> =
+    std::sync::LazyLock::new(Default::default);
+
+fn managed() -> std::sync::MutexGuard<'static, std::collections::HashSet<usize>> {
+    MANAGED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// `device_id` accepts an index or a device, as PyTorch's replicate does.
@@ -274,6 +299,17 @@ pub struct ReplicateState {
     /// The derive form's forward pre-hook; `None` for a wrapper, whose `forward` does its
     /// work.
     pre_hook: Option<RemovableHandle>,
+    /// This state's entries in [`MANAGED`].
+    managed: Vec<usize>,
+}
+
+impl Drop for ReplicateState {
+    fn drop(&mut self) {
+        let mut m = managed();
+        for p in &self.managed {
+            m.remove(p);
+        }
+    }
 }
 
 impl std::fmt::Debug for ReplicateState {
@@ -564,9 +600,24 @@ fn set_up(
     // Checks each rank makes on its own, shared so that every rank fails together before
     // anything is sent or changed.
     let rank = group.rank();
+    // Empty tensors have no memory of their own to tell them apart (pointer 0).
+    let pointers: Vec<(usize, &String)> = params
+        .iter()
+        .map(|(fqn, t)| (t.data_ptr() as usize, fqn))
+        .filter(|(p, _)| *p != 0)
+        .collect();
+    let taken = {
+        let m = managed();
+        pointers
+            .iter()
+            .find(|(p, _)| m.contains(p))
+            .map(|(_, fqn)| (*fqn).clone())
+    };
+    let pointers: Vec<usize> = pointers.into_iter().map(|(p, _)| p).collect();
     let misplaced = device
         .filter(|d| d.is_cuda())
         .and_then(|d| params.iter().find(|(_, t)| t.device() != d).map(|p| (d, p)));
+    let problem = problem.or(taken.map(|fqn| ReplicateError::AlreadyReplicated { rank, fqn }));
     let local = match (reducer_opts.validate(), problem, misplaced) {
         (Err(problem), _, _) => Err(ReplicateError::from(DistError::InvalidArgument {
             rank,
@@ -625,6 +676,11 @@ fn set_up(
     let param_fqns: Vec<String> = params.iter().map(|(n, _)| n.clone()).collect();
     let buffer_fqns: Vec<String> = buffers.iter().map(|(n, _)| n.clone()).collect();
     let reducer = Reducer::new(params, group.clone(), reducer_opts)?;
+    // Registered only once nothing can fail any more; the check above ran on every rank.
+    {
+        let mut m = managed();
+        m.extend(pointers.iter().copied());
+    }
     let broadcast_buffers =
         opts.broadcast_buffers && !group.skips_communication() && !buffers.is_empty();
     Ok(ReplicateState {
@@ -635,6 +691,7 @@ fn set_up(
         broadcast_buffers,
         input_device: device.filter(|d| d.is_cuda()),
         pre_hook: None,
+        managed: pointers,
     })
 }
 

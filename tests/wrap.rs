@@ -596,3 +596,47 @@ fn ignored_params_and_refusals() {
         );
     });
 }
+
+/// A parameter is managed by one replicate at a time: the derive form and then the wrapper
+/// over the same store, or two wrappers over one store, would run two reducers over the same
+/// gradients. The second is an error on every rank; once the first is gone, replicating the
+/// variables again works.
+#[test]
+fn the_same_variables_are_replicated_once() {
+    run_ranks("the_same_variables_are_replicated_once", 2, |pg| {
+        let r = pg.rank();
+        let taken = |err: &ReplicateError| {
+            assert!(
+                matches!(err, ReplicateError::AlreadyReplicated { rank, fqn } if *rank == r && fqn == "fc1.weight"),
+                "{err:?}"
+            );
+            assert_eq!(
+                err.to_string(),
+                format!(
+                    "rank {r}: replicate: parameter `fc1.weight` is already managed by \
+                     replicate (apply or wrap of the same variables); replicate a model once"
+                )
+            );
+        };
+        let vs = nn::VarStore::new(Device::Cpu);
+        let derived = net(&vs, 8, false);
+        replicate::apply(&derived, Default::default()).unwrap();
+        taken(&replicate::wrap(derived, &vs, Default::default()).unwrap_err());
+
+        // Two wrappers over one store (the second model adds fc1__1, ... beside fc1, ...).
+        let vs = nn::VarStore::new(Device::Cpu);
+        let first = replicate::wrap(seq_net(&vs, 8, false), &vs, Default::default()).unwrap();
+        taken(&replicate::wrap(seq_net(&vs, 8, false), &vs, Default::default()).unwrap_err());
+        // The refused wrapper changed nothing: the first still trains, and averages.
+        wrapped_loss(&first, &batch(0, Device::Cpu), &pg).backward();
+        let g = vs.variables()["fc1.weight"].grad();
+        let avg = g.copy();
+        pg.all_reduce(&avg, ReduceOp::Avg).unwrap();
+        assert!(g.allclose(&avg, 1e-6, 1e-7, false), "fc1 is synchronised");
+
+        // Once the first wrapper is gone, its variables can be replicated again.
+        let net = first.into_inner();
+        let again = replicate::wrap(net, &vs, Default::default()).unwrap();
+        assert_eq!(again.state().param_fqns()[0], "fc1.weight");
+    });
+}
