@@ -1,7 +1,8 @@
 //! The main job: data-parallel training of a digit classifier with `replicate`.
 //!
 //! Trains an MLP on scikit-learn's handwritten digits (8x8 images, 1797 samples, shipped in
-//! the `.venv`'s scikit-learn), each rank on its shard of every batch; rank 0 shows a progress
+//! the `.venv`'s scikit-learn), each rank on its `DistributedSampler` share of every epoch, in
+//! batches of its share of the global batch; rank 0 shows a progress
 //! bar, prints `test_accuracy=0.xx`, and saves a safetensors checkpoint under PyTorch's
 //! parameter names (`fc1.weight`, ...). `--resume` continues from it, once it has checked
 //! that the checkpoint has exactly the model's keys, shapes and dtypes.
@@ -20,7 +21,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use tch::nn::{self, Module, OptimizerConfig};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
+use tch_dist::data::{DistributedSampler, SamplerOptions};
 use tch_dist::{init_process_group, replicate, Backend, Call, Shardable};
 
 #[path = "common/checkpoint.rs"]
@@ -138,7 +140,21 @@ fn run() -> Result<(), Box<dyn Error>> {
     }
     .build(&vs, args.lr)?;
 
-    let steps_per_epoch = (n_train + args.batch - 1) / args.batch;
+    // Each rank reads its own share of every epoch's shuffled rows (PyTorch's
+    // DistributedSampler: the same rows a PyTorch rank with the same seed would read), in
+    // batches of its share of the global batch.
+    let mut sampler = DistributedSampler::new(
+        n_train as usize,
+        SamplerOptions {
+            seed: 1000,
+            ..Default::default()
+        },
+    )?;
+    if sampler.is_empty() {
+        return Err("no training sample for this rank; lower the world size".into());
+    }
+    let per = (args.batch + world - 1) / world;
+    let steps_per_epoch = (sampler.len() as i64 + per - 1) / per;
     let total = steps_per_epoch as u64 * args.epochs as u64;
     let bar = (rank == 0).then(|| {
         let b = indicatif::ProgressBar::new(total);
@@ -158,20 +174,12 @@ fn run() -> Result<(), Box<dyn Error>> {
     let start = Instant::now();
     let mut seen = 0i64;
     for epoch in 0..args.epochs {
-        tch::manual_seed(1000 + epoch as i64);
-        let order = Tensor::randperm(n_train, (Kind::Int64, Device::Cpu));
+        sampler.set_epoch(epoch as u64);
+        let order = Tensor::from_slice(&sampler.indices()?);
         for step in 0..steps_per_epoch {
-            let len = args.batch.min(n_train - step * args.batch);
-            let idx = order.narrow(0, step * args.batch, len);
-            // This rank's shard of the global batch.
-            let per = (len + world - 1) / world;
-            let lo = (rank * per).min(len);
-            let mine = idx.narrow(0, lo, per.min(len - lo));
-            if mine.size()[0] == 0 {
-                return Err(
-                    "a batch too small to give every rank a sample; lower the world size".into(),
-                );
-            }
+            let lo = step * per;
+            let mine = order.narrow(0, lo, per.min(sampler.len() as i64 - lo));
+            let len = mine.size()[0] * world;
             let loss = model
                 .f_call(&x_train.index_select(0, &mine))?
                 .cross_entropy_for_logits(&y_train.index_select(0, &mine));

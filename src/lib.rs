@@ -129,6 +129,11 @@ pub use tch_dist_runtime::{
 pub mod replicate;
 pub mod sharding;
 
+/// Data loading for distributed training (PyTorch's `torch.utils.data.distributed`).
+pub mod data {
+    pub use tch_dist_runtime::{DistributedSampler, SamplerError, SamplerOptions};
+}
+
 // --- macros and core (issue 3) ---
 
 #[doc(hidden)]

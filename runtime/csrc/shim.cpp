@@ -6,6 +6,7 @@
 #include "shim.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/engine.h>
@@ -1581,6 +1582,19 @@ char* tdr_parallel_op(TdrGroup* g, at::Tensor* input, int mode, int64_t dim,
     torch::autograd::set_history(y, node);
   }
   *out = new at::Tensor(std::move(y));
+  TDR_CATCH
+}
+
+}  // extern "C"
+
+extern "C" {
+
+char* tdr_randperm(int64_t n, uint64_t seed, at::Tensor** out) {
+  TDR_TRY
+  // A generator of its own, seeded as torch.Generator().manual_seed(seed): the same
+  // mt19937 stream, so the same permutation as PyTorch's DistributedSampler.
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  *out = new at::Tensor(at::randperm(n, gen, at::TensorOptions().dtype(at::kLong)));
   TDR_CATCH
 }
 

@@ -162,6 +162,10 @@ void tdr_guard_free(TdrGuard* g);
 char* tdr_parallel_op(TdrGroup* g, TdrTensor* input, int mode, int64_t dim,
                       const int64_t* sizes, size_t n, TdrTensor** out);
 
+// torch.randperm(n, generator=torch.Generator().manual_seed(seed)): a new int64 CPU tensor
+// (DistributedSampler's shuffle, from a generator of its own: the default one is untouched).
+char* tdr_randperm(int64_t n, uint64_t seed, TdrTensor** out);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif

@@ -258,6 +258,8 @@ extern "C" {
         n: usize,
         out: *mut *mut C_tensor,
     ) -> *mut c_char;
+
+    pub fn tdr_randperm(n: i64, seed: u64, out: *mut *mut C_tensor) -> *mut c_char;
 }
 
 /// Calls the fallible shim entry point `$f` and turns its returned message into

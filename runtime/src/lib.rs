@@ -18,6 +18,7 @@ mod ffi;
 mod process_group;
 mod reducer;
 mod rendezvous;
+mod sampler;
 pub mod sharding;
 mod store;
 pub mod testing;
@@ -43,5 +44,6 @@ pub use reducer::{
     CommHook, PowerSgdOptions, Reducer, ReducerOptions, ReducerStats, DEFAULT_FIRST_BUCKET_BYTES,
     DEFAULT_IN_PLACE_MIN_BYTES,
 };
+pub use sampler::{DistributedSampler, SamplerError, SamplerOptions};
 pub use store::Store;
 pub use use_guard::{autograd_mark, UseGuard};
