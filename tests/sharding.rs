@@ -878,3 +878,117 @@ fn called_layers_train_exactly_and_unused_ones_are_fine() {
         },
     );
 }
+
+/// `clip_grad_norm` over a model with a tensor-parallel submodule (3 ranks: uneven shards
+/// of 3, 3 and 2 rows) and a plain head: the total norm is the unsharded model's, on every
+/// rank, for the 2-norm and the largest entry, and every gradient (shard) is the unsharded
+/// one scaled as PyTorch's `clip_grad_norm_` scales it.
+#[test]
+fn clip_grad_norm_over_shards_is_the_unsharded_models() {
+    use tch_dist::utils::{clip_grad_norm, ClipGradError};
+    #[derive(Debug, Shardable)]
+    struct Net {
+        mlp: Mlp,
+        head: nn::Linear,
+    }
+    impl Module for Net {
+        fn forward(&self, xs: &Tensor) -> Tensor {
+            self.head.call(&self.mlp.call(xs).relu())
+        }
+    }
+    let net = |vs: &nn::VarStore| Net {
+        mlp: Mlp {
+            fc1: nn::linear(vs.root() / "mlp" / "fc1", 4, 8, Default::default()),
+            fc2: nn::linear(vs.root() / "mlp" / "fc2", 8, 6, Default::default()),
+        },
+        head: nn::linear(vs.root() / "head", 6, 3, Default::default()),
+    };
+    run_ranks(
+        "clip_grad_norm_over_shards_is_the_unsharded_models",
+        3,
+        move |pg| {
+            let world = pg.world_size();
+            for (norm_type, max_norm) in [(2.0, 0.05), (f64::INFINITY, 0.01), (2.0, 1e9)] {
+                let (_rvs, reference, _vs, mut model) = twin_models(&pg, net);
+                let plan = ShardingPlan::builder()
+                    .shard_module(Mlp::path().fc1(), ColwiseLinear::default())
+                    .shard_module(Mlp::path().fc2(), RowwiseLinear)
+                    .return_local_tensor(Mlp::path().fc1())
+                    .build();
+                shard_module(&mut model.mlp, &plan, 0, &pg).unwrap();
+                // The head is not sharded: the same values as the reference's on every rank
+                // (as replicate's start-up broadcast would make them).
+                tch::no_grad(|| {
+                    model.head.ws.copy_(&reference.head.ws);
+                    model
+                        .head
+                        .bs
+                        .as_mut()
+                        .unwrap()
+                        .copy_(reference.head.bs.as_ref().unwrap());
+                });
+                let x = input(&[5, 4]);
+                model.call(&x).sin().sum(Kind::Float).backward();
+                reference.forward(&x).sin().sum(Kind::Float).backward();
+                // The unsharded model's norm and scale, by hand.
+                let grads: Vec<Tensor> = reference
+                    .named_parameters()
+                    .iter()
+                    .map(|(_, p)| p.grad().to_kind(Kind::Double))
+                    .collect();
+                let expected = if norm_type.is_infinite() {
+                    grads
+                        .iter()
+                        .map(|g| g.abs().max().double_value(&[]))
+                        .fold(0.0, f64::max)
+                } else {
+                    grads
+                        .iter()
+                        .map(|g| g.square().sum(Kind::Double).double_value(&[]))
+                        .sum::<f64>()
+                        .sqrt()
+                };
+                let norm = clip_grad_norm(&model, max_norm, norm_type).unwrap();
+                assert!(
+                    (norm - expected).abs() <= 1e-6 * expected,
+                    "rank {}: norm {norm}, unsharded {expected}",
+                    pg.rank()
+                );
+                let coef = (max_norm / (expected + 1e-6)).min(1.0);
+                for (fqn, p) in model.named_parameters() {
+                    let r = &reference
+                        .named_parameters()
+                        .into_iter()
+                        .find(|(n, _)| *n == fqn)
+                        .unwrap()
+                        .1;
+                    let whole = r.grad() * coef;
+                    let dim = match fqn.as_str() {
+                        "mlp.fc1.weight" | "mlp.fc1.bias" => Some(0),
+                        "mlp.fc2.weight" => Some(1),
+                        _ => None,
+                    };
+                    let expected = match dim {
+                        Some(d) => chunk(&whole, d, world, pg.rank()),
+                        None => whole,
+                    };
+                    let d = max_diff(&p.grad(), &expected);
+                    assert!(d < 1e-6, "rank {}: {fqn}: {d}", pg.rank());
+                }
+            }
+            // Bad arguments change nothing and need no collective.
+            let (_rvs, _reference, _vs, model) = twin_models(&pg, net);
+            assert!(matches!(
+                clip_grad_norm(&model, f64::NAN, 2.0),
+                Err(ClipGradError::InvalidMaxNorm { .. })
+            ));
+            let err = clip_grad_norm(&model, 1.0, 0.0).unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                "clip_grad_norm: norm_type must be positive (or f64::INFINITY), got 0"
+            );
+            // No gradient yet: a norm of 0.
+            assert_eq!(clip_grad_norm(&model, 1.0, 2.0).unwrap(), 0.0);
+        },
+    );
+}
