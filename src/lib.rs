@@ -128,6 +128,7 @@ pub use tch_dist_runtime::{
 
 pub mod replicate;
 pub mod sharding;
+pub mod sync_batch_norm;
 pub mod utils;
 
 /// Data loading for distributed training (PyTorch's `torch.utils.data.distributed`).
