@@ -570,3 +570,139 @@ fi"#;
     let left = marker.wait_gone();
     assert!(left.is_empty(), "left running: {left:?}");
 }
+
+/// `--max-restarts`: rank 1 fails on the first start; the launcher stops rank 0, starts both
+/// again with TORCHELASTIC_RESTART_COUNT=1, and exits 0 when they succeed. Without restarts
+/// left, the failing rank's status is the launcher's.
+#[test]
+fn max_restarts_starts_every_rank_again() {
+    let script = r#"if [ "$TORCHELASTIC_RESTART_COUNT" -lt 1 ] && [ "$RANK" = 1 ]; then exit 3; fi
+if [ "$TORCHELASTIC_RESTART_COUNT" -lt 1 ]; then sleep 30; fi
+echo "rank $RANK start $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS""#;
+    let mut cmd = Command::new(launcher());
+    cmd.args([
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]);
+    let (out, took) = run_bounded(cmd, Duration::from_secs(60));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(stderr.contains("tch-dist-run: rank 1 failed"), "{stderr}");
+    assert!(
+        stderr.contains("tch-dist-run: starting the ranks again (restart 1 of 2)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("restart 2 of 2"), "{stderr}");
+    for r in 0..2 {
+        assert!(
+            stdout.contains(&format!("[rank{r}]: rank {r} start 1 of 2")),
+            "{stdout}"
+        );
+    }
+    // Rank 0's `sleep 30` of the first start was stopped, not waited for.
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+
+    // Always failing: one restart, then the rank's status.
+    let mut cmd = Command::new(launcher());
+    cmd.args([
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--",
+        "sh",
+        "-c",
+    ])
+    .arg(r#"[ "$RANK" = 1 ] && exit 3; sleep 30"#);
+    let (out, _) = run_bounded(cmd, Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert_eq!(
+        stderr.matches("starting the ranks again").count(),
+        1,
+        "{stderr}"
+    );
+}
+
+/// `--nnodes 2 --node-rank R`: two launchers, one rank each, make one world of 2 (global
+/// ranks from the node rank, one run id derived alike on both), and all-reduce across them.
+#[test]
+fn two_nodes_make_one_world() {
+    if worker().as_deref() == Some("two_nodes_make_one_world") {
+        println!(
+            "group_rank={} local_rank={}",
+            std::env::var("GROUP_RANK").unwrap(),
+            std::env::var("LOCAL_RANK").unwrap()
+        );
+        return allreduce_rank();
+    }
+    let port = free_port().to_string();
+    let node = |r: &str| {
+        let mut cmd = Command::new(launcher());
+        cmd.env(WORKER_ENV, "two_nodes_make_one_world")
+            .env_remove("TORCHELASTIC_RUN_ID")
+            .args(["--nnodes", "2", "--node-rank", r, "--nproc-per-node", "1"])
+            .args(["--master-port", &port, "--"])
+            .arg(std::env::current_exe().unwrap())
+            .args([
+                "two_nodes_make_one_world",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd.spawn().expect("spawn")
+    };
+    let start = Instant::now();
+    let (a, b) = (node("0"), node("1"));
+    let (a, _) = wait_bounded(a, start, Duration::from_secs(60));
+    let (b, _) = wait_bounded(b, start, Duration::from_secs(60));
+    for (out, rank) in [(a, 0), (b, 1)] {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains(&format!("group_rank={rank} local_rank=0")),
+            "{stdout}"
+        );
+        assert!(
+            stdout.contains(&format!("[rank{rank}]: rank={rank} world=2 sum=3")),
+            "{stdout}"
+        );
+    }
+    // Several nodes need the port every node shares, and a node rank below the node count.
+    for args in [
+        &["--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1"][..],
+        &[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            "1234",
+        ],
+        &["--nnodes", "1:2", "--nproc-per-node", "1"],
+    ] {
+        let out = Command::new(launcher())
+            .args(args)
+            .args(["--", "true"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+    }
+}

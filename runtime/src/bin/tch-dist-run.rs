@@ -2,7 +2,13 @@
 //!
 //! ```text
 //! tch-dist-run --nproc-per-node N [--master-addr A] [--master-port P] -- CMD ARGS...
+//! tch-dist-run --nproc-per-node N --max-restarts M -- CMD ARGS...
+//! tch-dist-run --nnodes K --node-rank R --nproc-per-node N --master-addr A --master-port P -- CMD ARGS...
 //! ```
+//!
+//! `--max-restarts M` starts every rank again after a failure, up to M times
+//! (TORCHELASTIC_RESTART_COUNT says which start it is); `--nnodes`/`--node-rank` make this
+//! launcher one node of a static multi-node job (global ranks `R*N ..`).
 //!
 //! Starts N copies of CMD with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
 //! LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID), prefixes each line they
@@ -58,7 +64,7 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-const USAGE: &str = "usage: tch-dist-run --nproc-per-node N [--master-addr ADDR] [--master-port PORT] -- CMD [ARGS...]";
+const USAGE: &str = "usage: tch-dist-run --nproc-per-node N [--nnodes K --node-rank R] [--master-addr ADDR] [--master-port PORT] [--max-restarts M] [--rdzv-id ID] -- CMD [ARGS...]";
 
 const HELP: &str = "\
 Starts N ranks of CMD with torchrun's variables and prefixes their output with [rankR]: .
@@ -66,7 +72,13 @@ Each rank runs in its own process group. When a rank fails, or the launcher gets
 SIGINT, SIGHUP or SIGQUIT, every rank's group gets SIGTERM (SIGKILL 5 s later) and the
 launcher exits with the failed rank's status, or 128+N after signal N. Nothing a rank starts
 outlives the launcher: what ranks left running (a `sleep 30 &`) is killed once all ranks have
-exited, even successfully.";
+exited, even successfully.
+
+--max-restarts M: after a rank fails, all ranks are stopped and started again, up to M times
+(TORCHELASTIC_RESTART_COUNT tells them which start they are). --nnodes K --node-rank R: this
+launcher starts ranks R*N .. R*N+N-1 of K*N, with the same --master-addr and --master-port
+(required) on every node. --rdzv-id ID: the run id (default: TORCHELASTIC_RUN_ID, else a new
+one; with K > 1, one derived from the master's address and port, the same on every node).";
 
 /// How long ranks get to exit after SIGTERM before SIGKILL.
 const GRACE: Duration = Duration::from_secs(5);
@@ -79,8 +91,12 @@ const TICK: Duration = Duration::from_millis(20);
 
 struct Args {
     nproc: usize,
+    nnodes: usize,
+    node_rank: usize,
     master_addr: String,
     master_port: Option<u16>,
+    max_restarts: u32,
+    rdzv_id: Option<String>,
     cmd: Vec<String>,
 }
 
@@ -88,6 +104,7 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
     let mut nproc = None;
     let mut master_addr = "127.0.0.1".to_string();
     let mut master_port = None;
+    let (mut nnodes, mut node_rank, mut max_restarts, mut rdzv_id) = (1, 0, 0, None);
     let mut cmd = Vec::new();
     while let Some(a) = args.next() {
         let (flag, inline) = match a.split_once('=') {
@@ -116,6 +133,37 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
                 master_port =
                     Some(p.ok_or_else(|| format!("--master-port {v:?} is not a port number"))?);
             }
+            "--nnodes" => {
+                // torchrun's MIN:MAX form, with MIN = MAX (no elastic membership here).
+                let v = value("--nnodes")?;
+                let n = match v.split_once(':') {
+                    Some((lo, hi)) if lo == hi => lo.parse::<usize>().ok(),
+                    Some(_) => None,
+                    None => v.parse::<usize>().ok(),
+                };
+                nnodes = n.filter(|n| *n > 0).ok_or_else(|| {
+                    format!("--nnodes {v:?} is not a positive integer (or N:N; elastic ranges are not supported)")
+                })?;
+            }
+            "--node-rank" | "--node_rank" => {
+                let v = value("--node-rank")?;
+                node_rank = v
+                    .parse::<usize>()
+                    .map_err(|_| format!("--node-rank {v:?} is not a non-negative integer"))?;
+            }
+            "--max-restarts" | "--max_restarts" => {
+                let v = value("--max-restarts")?;
+                max_restarts = v
+                    .parse::<u32>()
+                    .map_err(|_| format!("--max-restarts {v:?} is not a non-negative integer"))?;
+            }
+            "--rdzv-id" | "--rdzv_id" => {
+                let v = value("--rdzv-id")?;
+                if v.trim().is_empty() {
+                    return Err("--rdzv-id needs a non-empty value".into());
+                }
+                rdzv_id = Some(v);
+            }
             "-h" | "--help" => return Err(String::new()),
             "--" => {
                 cmd.extend(args.by_ref());
@@ -133,10 +181,27 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
     if cmd.is_empty() {
         return Err("no command given after --".into());
     }
+    if node_rank >= nnodes {
+        return Err(format!(
+            "--node-rank {node_rank} is not below --nnodes {nnodes}"
+        ));
+    }
+    if nnodes > 1 && master_port.is_none() {
+        return Err("--nnodes above 1 needs --master-port (the same on every node)".into());
+    }
+    if nnodes > 1 && max_restarts > 0 {
+        // Restarting one node's ranks alone cannot meet the other nodes' running ranks:
+        // that takes torchrun's elastic agents.
+        return Err("--max-restarts with --nnodes above 1 is not supported (use torchrun)".into());
+    }
     Ok(Args {
         nproc,
+        nnodes,
+        node_rank,
         master_addr,
         master_port,
+        max_restarts,
+        rdzv_id,
         cmd,
     })
 }
@@ -349,6 +414,8 @@ fn descendants() -> Vec<(libc::pid_t, libc::pid_t)> {
 /// The launcher is stopping everything, and will exit with `code`.
 struct Stopping {
     code: i32,
+    /// Whether a rank's failure started it (a restart may follow).
+    rank_failed: bool,
     since: Instant,
     /// The signal count when stopping began: one more skips the grace period.
     signals: usize,
@@ -362,6 +429,7 @@ impl Stopping {
     fn new(code: i32) -> Stopping {
         Stopping {
             code,
+            rank_failed: false,
             since: Instant::now(),
             signals: SIGNALS.load(Ordering::SeqCst),
             killing_since: None,
@@ -371,8 +439,9 @@ impl Stopping {
 }
 
 /// Watches the ranks until they have all exited or one failed or a signal came, then stops
-/// every process the launcher started (directly or not). Returns the exit status.
-fn supervise(ranks: &mut [Rank], mut stopping: Option<Stopping>) -> i32 {
+/// every process the launcher started (directly or not). Returns the exit status and
+/// whether a rank's failure (not a signal to the launcher) ended the run.
+fn supervise(ranks: &mut [Rank], mut stopping: Option<Stopping>) -> (i32, bool) {
     loop {
         for r in reap(ranks) {
             let status = ranks[r].status.expect("reaped");
@@ -382,7 +451,9 @@ fn supervise(ranks: &mut [Rank], mut stopping: Option<Stopping>) -> i32 {
             }
             if !status.success() {
                 eprintln!("tch-dist-run: rank {r} failed ({status}); stopping the other ranks");
-                stopping = Some(Stopping::new(exit_code(status)));
+                let mut s = Stopping::new(exit_code(status));
+                s.rank_failed = true;
+                stopping = Some(s);
             } else if leftovers {
                 eprintln!(
                     "tch-dist-run: rank {r} exited; terminating the processes it left running \
@@ -404,7 +475,7 @@ fn supervise(ranks: &mut [Rank], mut stopping: Option<Stopping>) -> i32 {
         }
         if let Some(s) = &mut stopping {
             if let Some(code) = stop_step(ranks, s) {
-                return code;
+                return (code, s.rank_failed);
             }
         }
         std::thread::sleep(TICK);
@@ -491,10 +562,16 @@ fn describe_left(groups: usize, strays: usize) -> String {
     }
 }
 
-/// The launcher's TORCHELASTIC_RUN_ID when set, else a new one.
-fn run_id() -> String {
+/// The run id: `--rdzv-id`, else the launcher's TORCHELASTIC_RUN_ID, else (several nodes)
+/// one derived from the master's address and port, which every node's launcher derives
+/// alike, else a new one.
+fn run_id(args: &Args, port: u16) -> String {
+    if let Some(id) = &args.rdzv_id {
+        return id.clone();
+    }
     match std::env::var("TORCHELASTIC_RUN_ID") {
         Ok(id) if !id.trim().is_empty() => id,
+        _ if args.nnodes > 1 => format!("tch-dist-run-{}-{port}", args.master_addr),
         _ => {
             let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -510,34 +587,65 @@ fn run_id() -> String {
 }
 
 fn run(args: Args) -> Result<i32, String> {
-    let port = match args.master_port {
-        Some(p) => p,
-        None => free_port(&args.master_addr)?,
-    };
-    let run_id = run_id();
     install_signal_handlers()?;
     // Orphaned descendants come to the launcher instead of init, so that it can still stop
     // them. Without it (kernels before 3.4) only the ranks' groups are reached.
     // SAFETY: prctl(2) on the launcher itself.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    let mut port = match args.master_port {
+        Some(p) => p,
+        None => free_port(&args.master_addr)?,
+    };
+    let run_id = run_id(&args, port);
+    let mut restart = 0;
+    loop {
+        let (code, rank_failed) = start_and_supervise(&args, port, &run_id, restart)?;
+        if !rank_failed || restart >= args.max_restarts || FIRST_SIGNAL.load(Ordering::SeqCst) != 0
+        {
+            return Ok(code);
+        }
+        restart += 1;
+        eprintln!(
+            "tch-dist-run: starting the ranks again (restart {restart} of {})",
+            args.max_restarts
+        );
+        if args.master_port.is_none() {
+            // A fresh port: the last run's store may still hold the old one.
+            port = free_port(&args.master_addr)?;
+        }
+    }
+}
+
+/// One start of every rank of this node, supervised until it ends: the exit status and
+/// whether a rank's failure ended it.
+fn start_and_supervise(
+    args: &Args,
+    port: u16,
+    run_id: &str,
+    restart: u32,
+) -> Result<(i32, bool), String> {
     let launcher = std::process::id() as libc::pid_t;
+    let world = args.nnodes * args.nproc;
     let mut ranks = Vec::new();
     let mut pumps = Vec::new();
     let mut start_error = None;
-    for rank in 0..args.nproc {
+    for local in 0..args.nproc {
         if FIRST_SIGNAL.load(Ordering::SeqCst) != 0 {
             break;
         }
+        let rank = args.node_rank * args.nproc + local;
         let mut cmd = Command::new(&args.cmd[0]);
         cmd.args(&args.cmd[1..])
             .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("GROUP_RANK", "0")
-            .env("WORLD_SIZE", args.nproc.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("GROUP_RANK", args.node_rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_WORLD_SIZE", args.nproc.to_string())
             .env("MASTER_ADDR", &args.master_addr)
             .env("MASTER_PORT", port.to_string())
-            .env("TORCHELASTIC_RUN_ID", &run_id)
+            .env("TORCHELASTIC_RUN_ID", run_id)
+            .env("TORCHELASTIC_RESTART_COUNT", restart.to_string())
+            .env("TORCHELASTIC_MAX_RESTARTS", args.max_restarts.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -573,7 +681,7 @@ fn run(args: Args) -> Result<i32, String> {
             }
         }
     }
-    let code = supervise(&mut ranks, start_error.as_ref().map(|_| Stopping::new(1)));
+    let (code, rank_failed) = supervise(&mut ranks, start_error.as_ref().map(|_| Stopping::new(1)));
     // The ranks' processes are gone: copy what is still in their pipes, for a bounded time
     // (a process out of reach holding a pipe open would keep its end of file away forever).
     let deadline = Instant::now() + DRAIN;
@@ -582,7 +690,7 @@ fn run(args: Args) -> Result<i32, String> {
     }
     match start_error {
         Some(e) => Err(e),
-        None => Ok(code),
+        None => Ok((code, rank_failed)),
     }
 }
 
