@@ -126,6 +126,7 @@ pub use tch_dist_runtime::{
     DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT, NO_SHORTCUTS_ENV, RUN_ID_ENV, TORCH_DEBUG_ENV,
 };
 
+pub mod checkpoint;
 pub mod replicate;
 pub mod sharding;
 pub mod sync_batch_norm;

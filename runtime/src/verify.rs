@@ -216,8 +216,15 @@ impl ProcessGroup {
     }
 
     /// All-gathers a byte string of any length from every rank (lengths first, then the
-    /// bytes padded to the longest).
-    pub(crate) fn all_gather_bytes(&self, op: &'static str, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+    /// bytes padded to the longest), in rank order.
+    ///
+    /// ```no_run
+    /// # let pg = tch_dist_runtime::default_group()?;
+    /// let all = pg.all_gather_bytes("checkpoint", b"my file's checksum")?;
+    /// assert_eq!(all.len(), pg.world_size());
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
+    pub fn all_gather_bytes(&self, op: &'static str, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         let w = self.world_size();
         let len = Tensor::from_slice(&[bytes.len() as i64]);
         let lens: Vec<Tensor> = (0..w)

@@ -1,0 +1,124 @@
+//! [`CheckpointError`]: what can go wrong saving or loading a checkpoint, naming the rank,
+//! the file and the FQN.
+
+use std::path::PathBuf;
+
+use tch_dist_runtime::DistError;
+
+/// Why [`save`](super::save) or [`load`](super::load) failed. A failed `load` changed no
+/// tensor; a failed `save` left no checkpoint in place (its temporary folder aside).
+///
+/// ```
+/// use tch_dist::checkpoint::CheckpointError;
+/// let e = CheckpointError::MissingKey { rank: 1, fqn: "fc.weight".into() };
+/// assert_eq!(e.to_string(), "rank 1: checkpoint: `fc.weight` is not in the checkpoint");
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// Reading or writing a file or folder failed.
+    #[error("rank {rank}: checkpoint: {path}: {cause}")]
+    Io {
+        /// This rank.
+        rank: usize,
+        /// The file or folder.
+        path: PathBuf,
+        /// What the system said.
+        cause: String,
+    },
+    /// A file is not a checkpoint file this version reads (bad safetensors, bad JSON).
+    #[error("rank {rank}: checkpoint: {path}: {cause}")]
+    Format {
+        /// This rank.
+        rank: usize,
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        cause: String,
+    },
+    /// The folder has no manifest: no checkpoint, or one whose save did not finish.
+    #[error(
+        "rank {rank}: checkpoint: {dir} holds no complete checkpoint (no manifest.json: never \
+         saved there, or the save was interrupted)"
+    )]
+    NotACheckpoint {
+        /// This rank.
+        rank: usize,
+        /// The folder.
+        dir: PathBuf,
+    },
+    /// A file listed in the manifest is missing, truncated or changed.
+    #[error("rank {rank}: checkpoint: {file} is corrupted: {cause}")]
+    Corrupted {
+        /// This rank.
+        rank: usize,
+        /// The file.
+        file: PathBuf,
+        /// How it differs from the manifest.
+        cause: String,
+    },
+    /// The model has a tensor the checkpoint lacks.
+    #[error("rank {rank}: checkpoint: `{fqn}` is not in the checkpoint")]
+    MissingKey {
+        /// This rank.
+        rank: usize,
+        /// The tensor's FQN.
+        fqn: String,
+    },
+    /// The checkpoint has a tensor the model lacks (a checkpoint of another model).
+    #[error("rank {rank}: checkpoint: `{fqn}` is in the checkpoint but not in the model")]
+    UnexpectedKey {
+        /// This rank.
+        rank: usize,
+        /// The tensor's FQN.
+        fqn: String,
+    },
+    /// A tensor's global shape differs.
+    #[error(
+        "rank {rank}: checkpoint: `{fqn}` is {found:?} in the checkpoint but {expected:?} in \
+         the model"
+    )]
+    Shape {
+        /// This rank.
+        rank: usize,
+        /// The tensor's FQN.
+        fqn: String,
+        /// The model's (global) shape.
+        expected: Vec<i64>,
+        /// The checkpoint's.
+        found: Vec<i64>,
+    },
+    /// A tensor's dtype differs.
+    #[error(
+        "rank {rank}: checkpoint: `{fqn}` is {found} in the checkpoint but {expected} in the \
+         model"
+    )]
+    Dtype {
+        /// This rank.
+        rank: usize,
+        /// The tensor's FQN.
+        fqn: String,
+        /// The model's dtype (safetensors' name).
+        expected: String,
+        /// The checkpoint's.
+        found: String,
+    },
+    /// The saved pieces of a tensor do not cover the part this rank needs.
+    #[error(
+        "rank {rank}: checkpoint: the saved pieces of `{fqn}` cover {covered} of the {needed} \
+         values this rank needs"
+    )]
+    Incomplete {
+        /// This rank.
+        rank: usize,
+        /// The tensor's FQN.
+        fqn: String,
+        /// Values covered.
+        covered: i64,
+        /// Values needed.
+        needed: i64,
+    },
+    /// A collective between the ranks failed, or another rank failed (`PeersFailed`).
+    #[error(transparent)]
+    Dist(#[from] DistError),
+}

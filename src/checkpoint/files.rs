@@ -1,0 +1,245 @@
+//! The on-disk layout: PyTorch's distributed-checkpoint layout for safetensors (what
+//! `torch.distributed.checkpoint.HuggingFaceStorageReader` reads), plus tch-dist's manifest.
+//!
+//! - one `shard-{rank+1:05}-model-00001-of-00001.safetensors` per rank; its `__metadata__`
+//!   holds `DCP_SHARDING_INFO`, a JSON string `{fqn: {"saved_offsets": [...]}}` giving where
+//!   each saved piece starts in the global tensor, and `DCP_VERSION` `1.0`, `format` `pt`;
+//! - `manifest.json`, written last: every file with its length and SHA-256, every tensor
+//!   with its global shape and dtype, the world size that wrote it. PyTorch's reader only
+//!   lists `*.safetensors` files, so it ignores the manifest.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tch::{Kind, Tensor};
+
+use super::CheckpointError;
+
+/// The manifest's name in a checkpoint folder.
+pub const MANIFEST: &str = "manifest.json";
+/// What the manifest's `format` says.
+pub(super) const FORMAT: &str = "tch-dist checkpoint 1";
+
+/// Rank `rank`'s file name (PyTorch's `shard-00001-model-00001-of-00001.safetensors` for
+/// rank 0).
+///
+/// ```
+/// assert_eq!(tch_dist::checkpoint::file_name(1), "shard-00002-model-00001-of-00001.safetensors");
+/// ```
+pub fn file_name(rank: usize) -> String {
+    format!("shard-{:05}-model-00001-of-00001.safetensors", rank + 1)
+}
+
+/// `manifest.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(super) struct Manifest {
+    pub format: String,
+    pub world_size: usize,
+    /// File name -> its length and SHA-256 (hex).
+    pub files: BTreeMap<String, FileEntry>,
+    /// FQN -> its global shape and dtype.
+    pub tensors: BTreeMap<String, TensorEntry>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(super) struct FileEntry {
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(super) struct TensorEntry {
+    pub shape: Vec<i64>,
+    pub dtype: String,
+}
+
+/// `DCP_SHARDING_INFO`'s value per FQN.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct ShardingInfo {
+    saved_offsets: Vec<i64>,
+}
+
+/// One saved piece of a tensor: where it starts in the global tensor, and its values.
+pub(super) struct Piece {
+    pub offsets: Vec<i64>,
+    pub values: Tensor,
+}
+
+/// safetensors' dtype for a tch kind (the kinds a checkpoint can hold).
+pub(super) fn st_dtype(kind: Kind) -> Option<StDtype> {
+    Some(match kind {
+        Kind::Bool => StDtype::BOOL,
+        Kind::Uint8 => StDtype::U8,
+        Kind::Int8 => StDtype::I8,
+        Kind::Int16 => StDtype::I16,
+        Kind::Int => StDtype::I32,
+        Kind::Int64 => StDtype::I64,
+        Kind::Half => StDtype::F16,
+        Kind::BFloat16 => StDtype::BF16,
+        Kind::Float => StDtype::F32,
+        Kind::Double => StDtype::F64,
+        _ => return None,
+    })
+}
+
+fn tch_kind(dtype: StDtype) -> Option<Kind> {
+    Some(match dtype {
+        StDtype::BOOL => Kind::Bool,
+        StDtype::U8 => Kind::Uint8,
+        StDtype::I8 => Kind::Int8,
+        StDtype::I16 => Kind::Int16,
+        StDtype::I32 => Kind::Int,
+        StDtype::I64 => Kind::Int64,
+        StDtype::F16 => Kind::Half,
+        StDtype::BF16 => Kind::BFloat16,
+        StDtype::F32 => Kind::Float,
+        StDtype::F64 => Kind::Double,
+        _ => return None,
+    })
+}
+
+/// The dtype's name as the manifest and the errors write it (safetensors' names: `F32`).
+pub(super) fn dtype_name(kind: Kind) -> String {
+    st_dtype(kind).map_or_else(|| format!("{kind:?}"), |d| format!("{d:?}"))
+}
+
+/// The SHA-256 of `bytes`, in hex.
+pub(super) fn sha256(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A rank's file as bytes: `tensors` (FQN, values on the CPU, contiguous; offsets in the
+/// global tensor) and their `DCP_SHARDING_INFO`.
+pub(super) fn encode(
+    rank: usize,
+    path: &Path,
+    tensors: &[(String, Tensor, Vec<i64>)],
+) -> Result<Vec<u8>, CheckpointError> {
+    let format = |cause: String| CheckpointError::Format {
+        rank,
+        path: path.to_path_buf(),
+        cause,
+    };
+    let mut bytes: Vec<(String, Vec<u8>, StDtype, Vec<usize>)> = Vec::new();
+    let mut info = BTreeMap::new();
+    for (fqn, t, offsets) in tensors {
+        let dtype = st_dtype(t.kind()).ok_or_else(|| {
+            format(format!(
+                "`{fqn}` has a dtype safetensors cannot hold ({:?})",
+                t.kind()
+            ))
+        })?;
+        let mut data = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
+        t.f_copy_data_u8(&mut data, t.numel())
+            .map_err(|e| format(format!("`{fqn}`: {e}")))?;
+        let shape = t.size().iter().map(|&d| d as usize).collect();
+        bytes.push((fqn.clone(), data, dtype, shape));
+        info.insert(
+            fqn.clone(),
+            ShardingInfo {
+                saved_offsets: offsets.clone(),
+            },
+        );
+    }
+    let views = bytes
+        .iter()
+        .map(|(fqn, data, dtype, shape)| {
+            TensorView::new(*dtype, shape.clone(), data)
+                .map(|v| (fqn.clone(), v))
+                .map_err(|e| format(format!("`{fqn}`: {e:?}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let sharding = serde_json::to_string(&info).map_err(|e| format(e.to_string()))?;
+    let metadata = HashMap::from([
+        ("DCP_SHARDING_INFO".to_string(), sharding),
+        ("DCP_VERSION".to_string(), "1.0".to_string()),
+        ("format".to_string(), "pt".to_string()),
+    ]);
+    safetensors::tensor::serialize(views, &Some(metadata)).map_err(|e| format(format!("{e:?}")))
+}
+
+/// The pieces of a safetensors file's tensors, by FQN: with `DCP_SHARDING_INFO`, at its
+/// offsets; without (a one-file `VarStore::save`), whole tensors at offset 0.
+pub(super) fn decode(
+    rank: usize,
+    path: &Path,
+    bytes: &[u8],
+) -> Result<HashMap<String, Piece>, CheckpointError> {
+    let format = |cause: String| CheckpointError::Format {
+        rank,
+        path: path.to_path_buf(),
+        cause,
+    };
+    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| format(format!("{e:?}")))?;
+    let info: HashMap<String, ShardingInfo> = match meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("DCP_SHARDING_INFO"))
+    {
+        Some(json) => {
+            serde_json::from_str(json).map_err(|e| format(format!("DCP_SHARDING_INFO: {e}")))?
+        }
+        None => HashMap::new(),
+    };
+    let st = SafeTensors::deserialize(bytes).map_err(|e| format(format!("{e:?}")))?;
+    let mut out = HashMap::new();
+    for (fqn, view) in st.tensors() {
+        let kind = tch_kind(view.dtype()).ok_or_else(|| {
+            format(format!(
+                "`{fqn}` has dtype {:?}, which tch cannot hold",
+                view.dtype()
+            ))
+        })?;
+        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        let values = Tensor::f_from_data_size(view.data(), &shape, kind)
+            .map_err(|e| format(format!("`{fqn}`: {e}")))?;
+        let offsets = match info.get(&fqn) {
+            Some(i) if i.saved_offsets.len() == shape.len() => i.saved_offsets.clone(),
+            Some(i) => {
+                return Err(format(format!(
+                    "`{fqn}`: saved_offsets {:?} do not fit its shape {shape:?}",
+                    i.saved_offsets
+                )))
+            }
+            None => vec![0; shape.len()],
+        };
+        out.insert(fqn, Piece { offsets, values });
+    }
+    Ok(out)
+}
+
+/// Reads `path`.
+pub(super) fn read(rank: usize, path: &Path) -> Result<Vec<u8>, CheckpointError> {
+    std::fs::read(path).map_err(|e| CheckpointError::Io {
+        rank,
+        path: path.to_path_buf(),
+        cause: e.to_string(),
+    })
+}
+
+/// Writes `bytes` to `path`.
+pub(super) fn write(rank: usize, path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    std::fs::write(path, bytes).map_err(|e| CheckpointError::Io {
+        rank,
+        path: path.to_path_buf(),
+        cause: e.to_string(),
+    })
+}
+
+/// `dir` with `suffix` added to its name: `DIR.partial`, the temporary folder a save
+/// writes into before it is renamed to `DIR`, and `DIR.old`, an older checkpoint being
+/// replaced.
+pub(super) fn sibling(dir: &Path, suffix: &str) -> PathBuf {
+    let mut name = dir
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_default();
+    name.push(suffix);
+    dir.with_file_name(name)
+}

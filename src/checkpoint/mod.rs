@@ -1,0 +1,408 @@
+//! Distributed checkpoints of a model's parameters and buffers that PyTorch can load
+//! (`torch.distributed.checkpoint`'s safetensors layout), written without gathering
+//! anything onto one rank, loaded at any world size.
+//!
+//! [`save`] writes one file per rank into a folder (none for a rank with nothing of its
+//! own): each rank its shards of the parameters
+//! [`shard_module`](crate::sharding::shard_module) sharded (anywhere in the model), rank 0
+//! the replicated tensors, each file's `DCP_SHARDING_INFO` saying where its pieces sit in
+//! the global tensors (the layout in [`file_name`] and `files.rs`). So
+//!
+//! ```python
+//! dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(dir))
+//! ```
+//!
+//! loads a tch-dist checkpoint into a PyTorch model, plain or `fully_shard`ed, at any world
+//! size. [`load`] reads such a folder (or a one-file `VarStore::save`) back into a model at
+//! any world size, replicated or tensor-parallel: each rank assembles the part it holds
+//! from whichever saved pieces overlap it.
+//!
+//! Crash safety: a save writes into `DIR.partial` and, once every rank's file is written
+//! (the ranks agree on it), rank 0 writes `manifest.json` (every file's length and SHA-256,
+//! every tensor's global shape and dtype) and renames the folder to `DIR` (an older `DIR`
+//! is replaced). `load` refuses a folder without a manifest (an interrupted save is never
+//! loaded) and every file whose length or checksum differs, and checks the key set, global
+//! shapes and dtypes against the model before changing anything, each a
+//! [`CheckpointError`] naming the FQN, on every rank. All ranks must see the same folder (one
+//! machine, or a shared file system).
+//!
+//! Not yet: optimizer state and a training state (step, data position), `keep_last`
+//! pruning, `fully_shard` models.
+//!
+//! ```no_run
+//! use tch::nn;
+//! use tch_dist::{checkpoint, Shardable};
+//!
+//! #[derive(Debug, Shardable)]
+//! struct Net { fc: nn::Linear }
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
+//! let vs = nn::VarStore::new(tch::Device::Cpu);
+//! let model = Net { fc: nn::linear(vs.root() / "fc", 4, 2, Default::default()) };
+//! checkpoint::save("ckpt/step-00000100", &model, &pg)?;
+//! checkpoint::load("ckpt/step-00000100", &model, &pg)?;
+//! # Ok(()) }
+//! ```
+
+mod error;
+mod files;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+
+use tch::{Kind, Tensor};
+use tch_dist_core::path::join_fqn;
+use tch_dist_core::Shardable;
+use tch_dist_runtime::ProcessGroup;
+
+pub use error::CheckpointError;
+pub use files::{file_name, MANIFEST};
+
+use files::{FileEntry, Manifest, Piece, TensorEntry};
+
+/// One tensor of the model as a checkpoint sees it: this rank's part of a global tensor.
+struct Target {
+    fqn: String,
+    tensor: Tensor,
+    /// Where this rank's part starts in the global tensor.
+    offsets: Vec<i64>,
+    global: Vec<i64>,
+    /// Whether the part is a shard (written by its holder) or the whole tensor (by rank 0).
+    sharded: bool,
+}
+
+/// The model's parameters and buffers, with this rank's place in each global tensor.
+fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
+    let mut shards: HashMap<String, (Vec<i64>, Vec<i64>)> = HashMap::new();
+    for (prefix, m) in module.named_modules() {
+        if let Some(state) = crate::sharding::shard_module_state(m) {
+            let rank = state.group().rank();
+            for fqn in state.sharded_params() {
+                let Some(meta) = state.metadata(fqn) else {
+                    continue;
+                };
+                if let Some(mine) = meta
+                    .shards_metadata
+                    .iter()
+                    .find(|s| s.placement.rank() == rank)
+                {
+                    shards.insert(
+                        join_fqn(&prefix, fqn),
+                        (mine.shard_offsets.clone(), meta.size.clone()),
+                    );
+                }
+            }
+        }
+    }
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for (fqn, t) in module
+        .named_parameters()
+        .into_iter()
+        .chain(module.named_buffers())
+    {
+        if !seen.insert(fqn.clone()) {
+            continue;
+        }
+        let (offsets, global, sharded) = match shards.get(&fqn) {
+            Some((o, g)) => (o.clone(), g.clone(), true),
+            None => (vec![0; t.dim()], t.size(), false),
+        };
+        out.push(Target {
+            fqn,
+            tensor: t.shallow_clone(),
+            offsets,
+            global,
+            sharded,
+        });
+    }
+    out
+}
+
+/// Saves `module`'s parameters and buffers into the folder `dir` over `group`'s ranks (see
+/// the [module docs](self)). Every rank of `group` calls it.
+pub fn save<M: Shardable + ?Sized>(
+    dir: impl AsRef<Path>,
+    module: &M,
+    group: &ProcessGroup,
+) -> Result<(), CheckpointError> {
+    const OP: &str = "checkpoint.save";
+    let (dir, rank) = (dir.as_ref(), group.rank());
+    let tmp = files::sibling(dir, ".partial");
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |e: std::io::Error| CheckpointError::Io {
+            rank,
+            path,
+            cause: e.to_string(),
+        }
+    };
+    // 1. Rank 0 makes an empty temporary folder.
+    let local = if rank == 0 {
+        (|| {
+            if tmp.exists() {
+                std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+            }
+            std::fs::create_dir_all(&tmp).map_err(io(&tmp))
+        })()
+    } else {
+        Ok(())
+    };
+    group.agree(OP, local)?;
+    // 2. Every rank writes its file: its shards, and rank 0 the whole tensors.
+    let targets = targets(module);
+    let path = tmp.join(file_name(rank));
+    let local = (|| {
+        let mine: Vec<(String, Tensor, Vec<i64>)> = targets
+            .iter()
+            .filter(|t| t.sharded || rank == 0)
+            .map(|t| {
+                let values = t.tensor.detach().to_device(tch::Device::Cpu).contiguous();
+                (t.fqn.clone(), values, t.offsets.clone())
+            })
+            .collect();
+        if mine.is_empty() {
+            // Nothing of its own to write (every tensor replicated, written by rank 0).
+            return Ok(String::new());
+        }
+        let bytes = files::encode(rank, &path, &mine)?;
+        files::write(rank, &path, &bytes)?;
+        Ok::<_, CheckpointError>(format!("{} {}", bytes.len(), files::sha256(&bytes)))
+    })();
+    let entry = group.agree(OP, local)?;
+    // 3. Rank 0 writes the manifest and puts the folder in place.
+    let entries = group.all_gather_bytes(OP, entry.as_bytes())?;
+    let local = if rank == 0 {
+        (|| {
+            let mut files_ = BTreeMap::new();
+            for (r, e) in entries.iter().enumerate().filter(|(_, e)| !e.is_empty()) {
+                let text = String::from_utf8_lossy(e);
+                let (bytes, sha256) = text.split_once(' ').unwrap_or(("0", ""));
+                files_.insert(
+                    file_name(r),
+                    FileEntry {
+                        bytes: bytes.parse().unwrap_or(0),
+                        sha256: sha256.to_string(),
+                    },
+                );
+            }
+            let tensors = targets
+                .iter()
+                .map(|t| {
+                    (
+                        t.fqn.clone(),
+                        TensorEntry {
+                            shape: t.global.clone(),
+                            dtype: files::dtype_name(t.tensor.kind()),
+                        },
+                    )
+                })
+                .collect();
+            let manifest = Manifest {
+                format: files::FORMAT.to_string(),
+                world_size: group.world_size(),
+                files: files_,
+                tensors,
+            };
+            let text =
+                serde_json::to_string_pretty(&manifest).map_err(|e| CheckpointError::Format {
+                    rank,
+                    path: tmp.join(MANIFEST),
+                    cause: e.to_string(),
+                })?;
+            files::write(rank, &tmp.join(MANIFEST), text.as_bytes())?;
+            // An older checkpoint under the same name goes only once the new one is whole.
+            let old = files::sibling(dir, ".old");
+            if dir.exists() {
+                if old.exists() {
+                    std::fs::remove_dir_all(&old).map_err(io(&old))?;
+                }
+                std::fs::rename(dir, &old).map_err(io(dir))?;
+            }
+            std::fs::rename(&tmp, dir).map_err(io(dir))?;
+            if old.exists() {
+                std::fs::remove_dir_all(&old).map_err(io(&old))?;
+            }
+            Ok(())
+        })()
+    } else {
+        Ok(())
+    };
+    group.agree(OP, local)
+}
+
+/// Loads a checkpoint folder written by [`save`] at any world size (or a one-file
+/// safetensors `VarStore::save`) into `module` over `group`'s ranks: each rank's tensors
+/// (its shards of sharded parameters, the whole of the others) are copied in place, after
+/// every check passed on every rank (see the [module docs](self)).
+pub fn load<M: Shardable + ?Sized>(
+    path: impl AsRef<Path>,
+    module: &M,
+    group: &ProcessGroup,
+) -> Result<(), CheckpointError> {
+    const OP: &str = "checkpoint.load";
+    let (path, rank) = (path.as_ref(), group.rank());
+    let local = (|| {
+        let (pieces, tensors) = read_checkpoint(rank, path)?;
+        assemble(rank, module, &pieces, &tensors)
+    })();
+    let staged = group.agree(OP, local)?;
+    tch::no_grad(|| {
+        for (target, values) in &staged {
+            target.shallow_clone().copy_(values);
+        }
+    });
+    Ok(())
+}
+
+type Pieces = HashMap<String, Vec<Piece>>;
+
+/// Every saved piece by FQN, and every tensor's global shape and dtype.
+fn read_checkpoint(
+    rank: usize,
+    path: &Path,
+) -> Result<(Pieces, BTreeMap<String, TensorEntry>), CheckpointError> {
+    let mut pieces: Pieces = HashMap::new();
+    if path.is_file() {
+        // One safetensors file of whole tensors (`VarStore::save`).
+        let bytes = files::read(rank, path)?;
+        let mut tensors = BTreeMap::new();
+        for (fqn, p) in files::decode(rank, path, &bytes)? {
+            tensors.insert(
+                fqn.clone(),
+                TensorEntry {
+                    shape: p.values.size(),
+                    dtype: files::dtype_name(p.values.kind()),
+                },
+            );
+            pieces.entry(fqn).or_default().push(p);
+        }
+        return Ok((pieces, tensors));
+    }
+    let manifest_path = path.join(MANIFEST);
+    if !manifest_path.is_file() {
+        return Err(CheckpointError::NotACheckpoint {
+            rank,
+            dir: path.to_path_buf(),
+        });
+    }
+    let text = files::read(rank, &manifest_path)?;
+    let manifest: Manifest = serde_json::from_slice(&text)
+        .ok()
+        .filter(|m: &Manifest| m.format == files::FORMAT)
+        .ok_or_else(|| CheckpointError::Format {
+            rank,
+            path: manifest_path.clone(),
+            cause: format!("not a manifest of this format ({})", files::FORMAT),
+        })?;
+    for (name, entry) in &manifest.files {
+        let file = path.join(name);
+        let corrupted = |cause: String| CheckpointError::Corrupted {
+            rank,
+            file: file.clone(),
+            cause,
+        };
+        let bytes = std::fs::read(&file).map_err(|e| corrupted(e.to_string()))?;
+        if bytes.len() as u64 != entry.bytes {
+            return Err(corrupted(format!(
+                "{} bytes, the manifest says {}",
+                bytes.len(),
+                entry.bytes
+            )));
+        }
+        if files::sha256(&bytes) != entry.sha256 {
+            return Err(corrupted("its SHA-256 differs from the manifest's".into()));
+        }
+        for (fqn, p) in files::decode(rank, &file, &bytes)? {
+            pieces.entry(fqn).or_default().push(p);
+        }
+    }
+    Ok((pieces, manifest.tensors))
+}
+
+/// Checks the model against the checkpoint and builds each of this rank's tensors from the
+/// pieces that overlap it (nothing in the model changes here).
+fn assemble<M: Shardable + ?Sized>(
+    rank: usize,
+    module: &M,
+    pieces: &Pieces,
+    tensors: &BTreeMap<String, TensorEntry>,
+) -> Result<Vec<(Tensor, Tensor)>, CheckpointError> {
+    let targets = targets(module);
+    let names: HashSet<&str> = targets.iter().map(|t| t.fqn.as_str()).collect();
+    if let Some(fqn) = tensors.keys().find(|k| !names.contains(k.as_str())) {
+        return Err(CheckpointError::UnexpectedKey {
+            rank,
+            fqn: fqn.clone(),
+        });
+    }
+    let mut out = Vec::new();
+    for t in &targets {
+        let saved = tensors
+            .get(&t.fqn)
+            .ok_or_else(|| CheckpointError::MissingKey {
+                rank,
+                fqn: t.fqn.clone(),
+            })?;
+        if saved.shape != t.global {
+            return Err(CheckpointError::Shape {
+                rank,
+                fqn: t.fqn.clone(),
+                expected: t.global.clone(),
+                found: saved.shape.clone(),
+            });
+        }
+        let expected = files::dtype_name(t.tensor.kind());
+        if saved.dtype != expected {
+            return Err(CheckpointError::Dtype {
+                rank,
+                fqn: t.fqn.clone(),
+                expected,
+                found: saved.dtype.clone(),
+            });
+        }
+        let size = t.tensor.size();
+        let values = t.tensor.detach().zeros_like();
+        let covered = Tensor::zeros(size.as_slice(), (Kind::Bool, tch::Device::Cpu));
+        for p in pieces.get(&t.fqn).map(Vec::as_slice).unwrap_or(&[]) {
+            let piece = p.values.size();
+            if piece.len() != size.len() || p.offsets.len() != size.len() {
+                continue; // not a piece of this tensor's shape: left to the coverage check
+            }
+            let (mut dst, mut src, mut mask) = (
+                values.shallow_clone(),
+                p.values.shallow_clone(),
+                covered.shallow_clone(),
+            );
+            let mut overlaps = true;
+            for d in 0..size.len() {
+                let lo = t.offsets[d].max(p.offsets[d]);
+                let hi = (t.offsets[d] + size[d]).min(p.offsets[d] + piece[d]);
+                if hi <= lo {
+                    overlaps = false;
+                    break;
+                }
+                dst = dst.narrow(d as i64, lo - t.offsets[d], hi - lo);
+                mask = mask.narrow(d as i64, lo - t.offsets[d], hi - lo);
+                src = src.narrow(d as i64, lo - p.offsets[d], hi - lo);
+            }
+            if overlaps {
+                dst.copy_(&src);
+                let _ = mask.fill_(1);
+            }
+        }
+        let covered = covered.sum(Kind::Int64).int64_value(&[]);
+        let needed = t.tensor.numel() as i64;
+        if covered != needed {
+            return Err(CheckpointError::Incomplete {
+                rank,
+                fqn: t.fqn.clone(),
+                covered,
+                needed,
+            });
+        }
+        out.push((t.tensor.shallow_clone(), values));
+    }
+    Ok(out)
+}

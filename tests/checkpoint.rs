@@ -1,0 +1,331 @@
+//! `tch_dist::checkpoint` end to end, ranks as real processes over 127.0.0.1: a
+//! tensor-parallel model saved by 2 ranks loads at 3 ranks (tensor-parallel and plain) and
+//! into PyTorch (`dcp.load` with `HuggingFaceStorageReader`, in one process and into a
+//! `fully_shard` model at 3 ranks); saved at 3, it loads again; every refusal names the FQN
+//! on every rank and changes nothing.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+use tch_dist::checkpoint::{self, CheckpointError};
+use tch_dist::sharding::{
+    shard_module, shard_module_state, ColwiseLinear, RowwiseLinear, ShardingPlan,
+};
+use tch_dist::testing::run_ranks;
+use tch_dist::{Backend, Call, DistError, ProcessGroup, Shardable};
+
+#[derive(Debug, Shardable)]
+struct Mlp {
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+impl Module for Mlp {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.fc2.call(&self.fc1.call(xs).relu())
+    }
+}
+
+fn mlp(vs: &nn::VarStore, hidden: i64, seed: i64) -> Mlp {
+    tch::manual_seed(seed);
+    Mlp {
+        fc1: nn::linear(vs.root() / "fc1", 6, hidden, Default::default()),
+        fc2: nn::linear(vs.root() / "fc2", hidden, 5, Default::default()),
+    }
+}
+
+fn plan() -> ShardingPlan {
+    ShardingPlan::builder()
+        .shard_module(Mlp::path().fc1(), ColwiseLinear::default())
+        .shard_module(Mlp::path().fc2(), RowwiseLinear)
+        .return_local_tensor(Mlp::path().fc1())
+        .build()
+}
+
+/// A folder for this test's files, the same for every rank (emptied by rank 0).
+fn scratch(name: &str, pg: &ProcessGroup) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    if pg.rank() == 0 {
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+    }
+    pg.barrier().unwrap();
+    dir
+}
+
+/// Every tensor of `model` (sharded ones gathered) against the reference store's.
+fn equals_reference(model: &Mlp, reference: &nn::VarStore, what: &str) {
+    let state = shard_module_state(model);
+    let mut names: Vec<(String, Tensor)> = model
+        .named_parameters()
+        .into_iter()
+        .map(|(n, t)| (n, t.shallow_clone()))
+        .collect();
+    names.sort_by(|a, b| a.0.cmp(&b.0));
+    for (fqn, t) in names {
+        let whole = match &state {
+            Some(s) if s.metadata(&fqn).is_some() => {
+                s.sharded_tensor(model, &fqn).unwrap().all_gather().unwrap()
+            }
+            _ => t,
+        };
+        assert!(
+            whole.equal(&reference.variables()[&fqn]),
+            "{what}: {fqn} differs from the reference"
+        );
+    }
+}
+
+fn python() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin")
+}
+
+/// A command without this rank's launch variables (PyTorch's processes get their own).
+fn clean(program: PathBuf) -> Command {
+    let mut cmd = Command::new(program);
+    for v in [
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+    ] {
+        cmd.env_remove(v);
+    }
+    cmd
+}
+
+/// PyTorch loads `ckpt` in one process and into a 3-rank fully_shard model.
+fn pytorch_loads(ckpt: &Path, full: &Path) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/checkpoint/pytorch_load.py");
+    let out = clean(python().join("python"))
+        .arg(&script)
+        .args([ckpt, full])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("ok 1"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = clean(python().join("torchrun"))
+        .args(["--standalone", "--nproc-per-node", "3"])
+        .arg(&script)
+        .args([ckpt, full])
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("ok 3"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn tensor_parallel_checkpoints_reshard_and_load_in_pytorch() {
+    run_ranks(
+        "tensor_parallel_checkpoints_reshard_and_load_in_pytorch",
+        3,
+        |pg| {
+            let dir = scratch("tp_reshard", &pg);
+            let (ckpt2, ckpt3, full) = (
+                dir.join("by2"),
+                dir.join("by3"),
+                dir.join("full.safetensors"),
+            );
+            // The reference values: seed 1, unsharded.
+            let reference = nn::VarStore::new(Device::Cpu);
+            let _ = mlp(&reference, 8, 1);
+            if pg.rank() == 0 {
+                reference.save(&full).unwrap();
+            }
+            // Saved by ranks 0 and 1 (a subgroup), tensor-parallel: uneven shards of 4 rows.
+            let pair = pg.new_group(&[0, 1], Backend::Gloo).unwrap();
+            if let Some(pair) = &pair {
+                let vs = nn::VarStore::new(Device::Cpu);
+                let mut model = mlp(&vs, 8, 1);
+                shard_module(&mut model, &plan(), 0, pair).unwrap();
+                checkpoint::save(&ckpt2, &model, pair).unwrap();
+                assert!(!ckpt2.with_file_name("by2.partial").exists());
+            }
+            pg.barrier().unwrap();
+            let files: Vec<String> = {
+                let mut f: Vec<String> = std::fs::read_dir(&ckpt2)
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect();
+                f.sort();
+                f
+            };
+            assert_eq!(
+                files,
+                [
+                    "manifest.json",
+                    "shard-00001-model-00001-of-00001.safetensors",
+                    "shard-00002-model-00001-of-00001.safetensors"
+                ]
+            );
+            // Loaded at 3 ranks, tensor-parallel (3 + 3 + 2 rows), from other initial values.
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mut model = mlp(&vs, 8, 2 + pg.rank() as i64);
+            shard_module(&mut model, &plan(), 0, &pg).unwrap();
+            checkpoint::load(&ckpt2, &model, &pg).unwrap();
+            equals_reference(&model, &reference, "2 -> 3 ranks, tensor-parallel");
+            // ... and it computes what the reference computes.
+            tch::manual_seed(33); // the same input on every rank
+            let x = Tensor::randn([4, 6], (Kind::Float, Device::Cpu));
+            let ref_model = mlp(&nn::VarStore::new(Device::Cpu), 8, 9);
+            checkpoint::load(&full, &ref_model, &pg).unwrap();
+            assert!(model
+                .call(&x)
+                .allclose(&ref_model.forward(&x), 1e-5, 1e-6, false));
+            // Saved again at 3; loaded into a plain model.
+            checkpoint::save(&ckpt3, &model, &pg).unwrap();
+            let plain = mlp(&nn::VarStore::new(Device::Cpu), 8, 7);
+            checkpoint::load(&ckpt3, &plain, &pg).unwrap();
+            equals_reference(&plain, &reference, "3 ranks -> plain");
+            // PyTorch reads both.
+            if pg.rank() == 0 {
+                pytorch_loads(&ckpt2, &full);
+                pytorch_loads(&ckpt3, &full);
+            }
+            pg.barrier().unwrap();
+        },
+    );
+}
+
+/// Each refusal on every rank, with the model unchanged.
+#[test]
+fn refusals_name_the_fqn_on_every_rank() {
+    run_ranks("refusals_name_the_fqn_on_every_rank", 2, |pg| {
+        let r = pg.rank();
+        let dir = scratch("refusals", &pg);
+        let ckpt = dir.join("ckpt");
+        let saved = mlp(&nn::VarStore::new(Device::Cpu), 8, 1);
+        checkpoint::save(&ckpt, &saved, &pg).unwrap();
+
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = mlp(&vs, 8, 5);
+        let before = model.fc1.ws.copy();
+        let unchanged = |err: CheckpointError, expected: &str| {
+            assert_eq!(err.to_string(), expected);
+            assert!(model.fc1.ws.equal(&before), "the model changed");
+        };
+        // Another model: a key the checkpoint lacks, one it has and the model lacks.
+        #[derive(Debug, Shardable)]
+        struct Bigger {
+            fc1: nn::Linear,
+            fc2: nn::Linear,
+            head: nn::Linear,
+        }
+        let bvs = nn::VarStore::new(Device::Cpu);
+        let bigger = Bigger {
+            fc1: nn::linear(bvs.root() / "fc1", 6, 8, Default::default()),
+            fc2: nn::linear(bvs.root() / "fc2", 8, 5, Default::default()),
+            head: nn::linear(bvs.root() / "head", 5, 2, Default::default()),
+        };
+        let err = checkpoint::load(&ckpt, &bigger, &pg).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("rank {r}: checkpoint: `head.weight` is not in the checkpoint")
+        );
+        #[derive(Debug, Shardable)]
+        struct Smaller {
+            fc1: nn::Linear,
+        }
+        let smaller = Smaller {
+            fc1: nn::linear(
+                nn::VarStore::new(Device::Cpu).root() / "fc1",
+                6,
+                8,
+                Default::default(),
+            ),
+        };
+        let err = checkpoint::load(&ckpt, &smaller, &pg).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("rank {r}: checkpoint: `fc2.bias` is in the checkpoint but not in the model")
+        );
+        // A shape and a dtype.
+        let wide = mlp(&nn::VarStore::new(Device::Cpu), 9, 1);
+        let err = checkpoint::load(&ckpt, &wide, &pg).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("rank {r}: checkpoint: `fc1.weight` is [8, 6] in the checkpoint but [9, 6] in the model")
+        );
+        let mut dvs = nn::VarStore::new(Device::Cpu);
+        let double = mlp(&dvs, 8, 1);
+        dvs.double();
+        let err = checkpoint::load(&ckpt, &double, &pg).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "rank {r}: checkpoint: `fc1.weight` is F32 in the checkpoint but F64 in the model"
+            )
+        );
+        // One rank's bad input is an error on the other too.
+        let mine = if r == 0 { &wide } else { &model };
+        let err = checkpoint::load(&ckpt, mine, &pg).unwrap_err();
+        if r == 1 {
+            assert!(
+                matches!(err, CheckpointError::Dist(DistError::PeersFailed { .. })),
+                "{err:?}"
+            );
+            assert!(model.fc1.ws.equal(&before));
+        }
+        pg.barrier().unwrap();
+        // A corrupted file (one byte changed), a truncated one.
+        let file = ckpt.join(checkpoint::file_name(0));
+        let bytes = std::fs::read(&file).unwrap();
+        pg.barrier().unwrap();
+        if r == 0 {
+            let mut changed = bytes.clone();
+            let last = changed.len() - 1;
+            changed[last] ^= 0xff;
+            std::fs::write(&file, &changed).unwrap();
+        }
+        pg.barrier().unwrap();
+        unchanged(
+            checkpoint::load(&ckpt, &model, &pg).unwrap_err(),
+            &format!(
+                "rank {r}: checkpoint: {} is corrupted: its SHA-256 differs from the manifest's",
+                file.display()
+            ),
+        );
+        pg.barrier().unwrap();
+        if r == 0 {
+            std::fs::write(&file, &bytes[..bytes.len() - 4]).unwrap();
+        }
+        pg.barrier().unwrap();
+        let err = checkpoint::load(&ckpt, &model, &pg).unwrap_err();
+        assert!(err.to_string().contains("is corrupted"), "{err}");
+        // An interrupted save (no manifest) is never loaded.
+        pg.barrier().unwrap();
+        if r == 0 {
+            std::fs::write(&file, &bytes).unwrap();
+            std::fs::remove_file(ckpt.join(checkpoint::MANIFEST)).unwrap();
+        }
+        pg.barrier().unwrap();
+        unchanged(
+            checkpoint::load(&ckpt, &model, &pg).unwrap_err(),
+            &format!(
+                "rank {r}: checkpoint: {} holds no complete checkpoint (no manifest.json: never \
+                 saved there, or the save was interrupted)",
+                ckpt.display()
+            ),
+        );
+        // Saving over it replaces it whole; then it loads.
+        pg.barrier().unwrap();
+        checkpoint::save(&ckpt, &saved, &pg).unwrap();
+        checkpoint::load(&ckpt, &model, &pg).unwrap();
+        assert!(model.fc1.ws.equal(&saved.fc1.ws));
+    });
+}
