@@ -222,6 +222,18 @@ pub enum DistError {
     /// `init_process_group` was called while a default group exists.
     #[error("the default process group is already initialized; call destroy_process_group first")]
     AlreadyInitialized,
+    /// A backend string that is none of PyTorch's that tch-dist has.
+    #[error("unknown backend {value:?}: expected \"gloo\", \"nccl\" or \"cpu:gloo,cuda:nccl\"")]
+    UnknownBackend {
+        /// The string.
+        value: String,
+    },
+}
+
+impl From<std::convert::Infallible> for DistError {
+    fn from(never: std::convert::Infallible) -> DistError {
+        match never {}
+    }
 }
 
 /// The runtime's result type.
@@ -370,6 +382,20 @@ pub enum RendezvousError {
         mine: String,
         /// The run id of the ranks that created the store.
         theirs: String,
+    },
+    /// Fewer ranks than the world size checked in at a store-side count by the timeout: the
+    /// TCPStore's worker count (`init/`, rank 0 waits for it) or PyTorch's store-based
+    /// barrier; used when the store cannot tell which ranks are missing.
+    #[error("{what}: {joined} of {world_size} ranks checked in within {timeout:?}")]
+    NotAllCheckedIn {
+        /// The count that fell short.
+        what: &'static str,
+        /// How many checked in (-1: the store could not say).
+        joined: i64,
+        /// How many should have.
+        world_size: usize,
+        /// The timeout that passed.
+        timeout: Duration,
     },
     /// The engine failed the rendezvous for another reason.
     #[error("{cause}")]

@@ -37,7 +37,8 @@ pub use error::{
 };
 pub use process_group::{
     default_group, destroy_process_group, init_process_group, init_process_group_with,
-    is_initialized, Backend, InitOptions, ProcessGroup, CUDA_VIA_GLOO_ENV, NO_SHORTCUTS_ENV,
+    is_initialized, Backend, GroupOptions, InitOptions, ProcessGroup, CUDA_VIA_GLOO_ENV,
+    INIT_BARRIER_ENV, NO_SHORTCUTS_ENV, USE_AGENT_STORE_ENV,
 };
 pub use reducer::{
     CommHook, PowerSgdOptions, Reducer, ReducerOptions, ReducerStats, DEFAULT_FIRST_BUCKET_BYTES,
