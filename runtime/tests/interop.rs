@@ -1,0 +1,247 @@
+//! Rust ranks and PyTorch ranks in one `torch.distributed` job (torch 2.11.0, the `.venv`'s):
+//! both sides run the same collectives in the same order (interop/peer.py is the PyTorch
+//! side, `collectives` below the Rust side) on the default group and on subgroups made both
+//! ways, and each checks every result. Every process is bounded by the launch's deadline and
+//! killed at it.
+//!
+//! The PyTorch side needs the project's `.venv` (`make setup`), or a Python with torch 2.11.0
+//! named by `TCH_DIST_PYTHON`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tch::{Kind, Tensor};
+use tch_dist_runtime::testing::{describe, worker, Launch, RankOutput};
+use tch_dist_runtime::{GroupOptions, ProcessGroup, ReduceOp};
+
+/// The launch's wall-clock bound (Python's start-up, a torch import, takes seconds).
+const DEADLINE: Duration = Duration::from_secs(150);
+
+fn python() -> String {
+    if let Ok(p) = std::env::var("TCH_DIST_PYTHON") {
+        return p;
+    }
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    assert!(
+        venv.exists(),
+        "no Python with torch: run `make setup` (the .venv) or set TCH_DIST_PYTHON"
+    );
+    venv.to_string_lossy().into_owned()
+}
+
+fn peer_script() -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/interop/peer.py")
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn check(what: &str, got: &Tensor, want: &[f64]) {
+    let got_v: Vec<f64> = Vec::<f64>::try_from(got.to_kind(Kind::Double).reshape([-1])).unwrap();
+    assert_eq!(got_v, want, "{what}");
+}
+
+fn f32s(v: &[f64]) -> Tensor {
+    Tensor::from_slice(v).to_kind(Kind::Float)
+}
+
+/// peer.py's `collectives`, on `pg` (this process is `pg.rank()`).
+fn collectives(pg: &ProcessGroup) {
+    let w = pg.world_size();
+    let me = pg.rank() as f64;
+    let wf = w as f64;
+
+    let t = f32s(&[me + 1.0, 2.0 * (me + 1.0)]);
+    pg.all_reduce(&t, ReduceOp::Sum).unwrap();
+    let s = wf * (wf + 1.0) / 2.0;
+    check("all_reduce sum", &t, &[s, 2.0 * s]);
+
+    let t = f32s(&[me]);
+    pg.all_reduce(&t, ReduceOp::Max).unwrap();
+    check("all_reduce max", &t, &[wf - 1.0]);
+
+    let t = f32s(&[me]);
+    pg.all_reduce(&t, ReduceOp::Min).unwrap();
+    check("all_reduce min", &t, &[0.0]);
+
+    let t = f32s(&[me + 1.0]);
+    pg.all_reduce(&t, ReduceOp::Product).unwrap();
+    check(
+        "all_reduce product",
+        &t,
+        &[(1..=w).product::<usize>() as f64],
+    );
+
+    let t = f32s(&[me + 1.0, 4.0]);
+    pg.all_reduce(&t, ReduceOp::Avg).unwrap();
+    check("all_reduce avg", &t, &[(wf + 1.0) / 2.0, 4.0]);
+
+    let t = Tensor::from_slice(&[10 * pg.rank() as i64 + 3]);
+    pg.all_reduce(&t, ReduceOp::Sum).unwrap();
+    check(
+        "all_reduce sum int64",
+        &t,
+        &[(10 * w * (w - 1) / 2 + 3 * w) as f64],
+    );
+
+    let t = f32s(&[me * 10.0, 1.0]);
+    pg.broadcast(&t, 1 % w).unwrap();
+    check(
+        "broadcast from group rank 1",
+        &t,
+        &[(1 % w) as f64 * 10.0, 1.0],
+    );
+
+    let outs: Vec<Tensor> = (0..w)
+        .map(|_| Tensor::zeros([2], (Kind::Float, tch::Device::Cpu)))
+        .collect();
+    pg.all_gather(&outs, &f32s(&[me, me + 0.5])).unwrap();
+    for (i, o) in outs.iter().enumerate() {
+        check(
+            &format!("all_gather list [{i}]"),
+            o,
+            &[i as f64, i as f64 + 0.5],
+        );
+    }
+
+    let out = Tensor::zeros([w as i64, 2], (Kind::Float, tch::Device::Cpu));
+    pg.all_gather_into_tensor(&out, &f32s(&[me, -me]).reshape([1, 2]))
+        .unwrap();
+    let want: Vec<f64> = (0..w).flat_map(|i| [i as f64, -(i as f64)]).collect();
+    check("all_gather_into_tensor", &out, &want);
+
+    let inp = f32s(&(0..w).map(|j| 100.0 * me + j as f64).collect::<Vec<_>>());
+    let out = Tensor::zeros([1], (Kind::Float, tch::Device::Cpu));
+    pg.reduce_scatter_tensor(&out, &inp, ReduceOp::Sum).unwrap();
+    check(
+        "reduce_scatter_tensor",
+        &out,
+        &[100.0 * wf * (wf - 1.0) / 2.0 + wf * me],
+    );
+
+    let inputs: Vec<Tensor> = (0..w).map(|j| f32s(&[me + 10.0 * j as f64, 1.0])).collect();
+    let out = Tensor::zeros([2], (Kind::Float, tch::Device::Cpu));
+    pg.reduce_scatter(&out, &inputs, ReduceOp::Sum).unwrap();
+    check(
+        "reduce_scatter list",
+        &out,
+        &[wf * (wf - 1.0) / 2.0 + 10.0 * wf * me, wf],
+    );
+
+    let inp = f32s(&(0..w).map(|j| 10.0 * me + j as f64).collect::<Vec<_>>());
+    let out = Tensor::zeros([w as i64], (Kind::Float, tch::Device::Cpu));
+    pg.all_to_all_single(&out, &inp).unwrap();
+    let want: Vec<f64> = (0..w).map(|i| 10.0 * i as f64 + me).collect();
+    check("all_to_all_single", &out, &want);
+
+    let r = pg.rank();
+    let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
+    let t = f32s(&[me + 0.25]);
+    let got = Tensor::zeros([1], (Kind::Float, tch::Device::Cpu));
+    if r == 0 {
+        pg.send(&t, next, 7).unwrap();
+        pg.recv(&got, prev, 7).unwrap();
+    } else {
+        pg.recv(&got, prev, 7).unwrap();
+        pg.send(&t, next, 7).unwrap();
+    }
+    check("recv tag 7", &got, &[prev as f64 + 0.25]);
+
+    pg.barrier().unwrap();
+    pg.monitored_barrier(Duration::from_secs(30), true).unwrap();
+}
+
+/// peer.py's `main`, on the Rust side.
+fn rust_rank(scenario: &str) {
+    let pg = tch_dist_runtime::init_process_group("gloo").unwrap();
+    let (rank, world) = (pg.rank(), pg.world_size());
+    collectives(&pg);
+    if scenario == "full" {
+        let pair = pg
+            .new_group(&[0, 1], tch_dist_runtime::Backend::Gloo)
+            .unwrap();
+        let ends = pg
+            .new_group(&[world - 1, 0], tch_dist_runtime::Backend::Gloo)
+            .unwrap();
+        assert_eq!(
+            pair.as_ref().map(|g| g.group_name()),
+            (rank < 2).then_some("1")
+        );
+        if let Some(g) = &pair {
+            collectives(g);
+        }
+        if let Some(g) = &ends {
+            assert_eq!(g.global_ranks(), &[0, world - 1]);
+            assert_eq!(g.group_name(), "2");
+            collectives(g);
+        }
+        let local = if world > 2 {
+            vec![1, world - 1]
+        } else {
+            vec![0, 1]
+        };
+        if local.contains(&rank) {
+            let opts =
+                GroupOptions::new(tch_dist_runtime::Backend::Gloo).with_local_synchronization();
+            let g = pg.new_group_with(&local, &opts).unwrap().unwrap();
+            assert_eq!(g.group_name().len(), 40, "a sha1");
+            collectives(&g);
+        }
+        pg.barrier().unwrap();
+    }
+    tch_dist_runtime::destroy_process_group();
+    println!("interop ok rank {rank}");
+}
+
+/// Runs a mixed job: `python_ranks` are PyTorch ranks, the others this test binary.
+fn mixed(test: &str, world: usize, python_ranks: &[usize], scenario: &str) -> Vec<RankOutput> {
+    let mut launch = Launch::new(test, world)
+        .timeout(DEADLINE)
+        .env("INTEROP_SCENARIO", scenario);
+    for &r in python_ranks {
+        launch = launch.rank_program(r, vec![python(), peer_script()]);
+    }
+    let out = launch.run();
+    let desc = describe(&out);
+    for o in &out {
+        assert!(o.success(), "rank {} failed:\n{desc}", o.rank);
+        assert!(
+            o.stdout.contains(&format!("interop ok rank {}", o.rank)),
+            "rank {} did not finish:\n{desc}",
+            o.rank
+        );
+        assert!(
+            !o.stderr.contains("has failed to bind"),
+            "a store bind error:\n{desc}"
+        );
+    }
+    out
+}
+
+fn scenario() -> String {
+    std::env::var("INTEROP_SCENARIO").unwrap_or_else(|_| "full".into())
+}
+
+#[test]
+fn python_rank_0_and_rust_rank_1() {
+    if worker().as_deref() == Some("python_rank_0_and_rust_rank_1") {
+        return rust_rank(&scenario());
+    }
+    mixed("python_rank_0_and_rust_rank_1", 2, &[0], "full");
+}
+
+#[test]
+fn rust_rank_0_and_python_rank_1() {
+    if worker().as_deref() == Some("rust_rank_0_and_python_rank_1") {
+        return rust_rank(&scenario());
+    }
+    mixed("rust_rank_0_and_python_rank_1", 2, &[1], "full");
+}
+
+#[test]
+fn three_ranks_rust_python_rust() {
+    if worker().as_deref() == Some("three_ranks_rust_python_rust") {
+        return rust_rank(&scenario());
+    }
+    mixed("three_ranks_rust_python_rust", 3, &[1], "full");
+}
