@@ -245,3 +245,156 @@ fn three_ranks_rust_python_rust() {
     }
     mixed("three_ranks_rust_python_rust", 3, &[1], "full");
 }
+
+/// PyTorch's optional store-based barrier (TORCH_DIST_INIT_BARRIER=1) after
+/// init_process_group and every new_group, with PyTorch ranks 0 and 2 around a Rust rank.
+#[test]
+fn three_ranks_python_rust_python_with_init_barrier() {
+    if worker().as_deref() == Some("three_ranks_python_rust_python_with_init_barrier") {
+        return rust_rank(&scenario());
+    }
+    let mut launch = Launch::new("three_ranks_python_rust_python_with_init_barrier", 3)
+        .timeout(DEADLINE)
+        .env("TORCH_DIST_INIT_BARRIER", "1");
+    for r in [0, 2] {
+        launch = launch.rank_program(r, vec![python(), peer_script()]);
+    }
+    let out = launch.run();
+    let desc = describe(&out);
+    for o in &out {
+        assert!(o.success(), "rank {} failed:\n{desc}", o.rank);
+        assert!(
+            o.stdout.contains(&format!("interop ok rank {}", o.rank)),
+            "{desc}"
+        );
+    }
+}
+
+/// A Rust rank 0 that waits for a missing rank names that rank only: the PyTorch rank that
+/// came (it writes no tch-dist join key) counts as joined by its Gloo key.
+#[test]
+fn a_missing_rank_beside_a_python_rank_is_named() {
+    const TEST: &str = "a_missing_rank_beside_a_python_rank_is_named";
+    if worker().as_deref() == Some(TEST) {
+        if std::env::var("RANK").as_deref() == Ok("2") {
+            return; // never joins
+        }
+        let err = tch_dist_runtime::init_process_group("gloo").unwrap_err();
+        println!("error: {err}");
+        return;
+    }
+    let out = Launch::new(TEST, 3)
+        .timeout(DEADLINE)
+        .env("TCH_DIST_TIMEOUT_SECS", "15")
+        .rank_program(1, vec![python(), peer_script()])
+        .run();
+    let desc = describe(&out);
+    let line = out[0]
+        .stdout
+        .lines()
+        .find_map(|l| l.split_once("error: ").map(|(_, e)| e.to_string()))
+        .unwrap_or_else(|| panic!("rank 0 printed no error:\n{desc}"));
+    assert!(
+        line.ends_with("failed: rank 2 never joined within 15s"),
+        "{line}\n{desc}"
+    );
+    // The PyTorch rank fails by its own timeout, not at the deadline.
+    assert!(out[1].status.is_some() && !out[1].success(), "{desc}");
+}
+
+/// Under `torchrun --no-python` (its agent hosts the store: TORCHELASTIC_USE_AGENT_STORE=True,
+/// every rank a client), a wrapper starts a PyTorch rank 0 and a Rust rank 1; no rank tries
+/// to host the store (no "has failed to bind" line).
+#[test]
+fn under_torchrun_no_python() {
+    use std::os::unix::process::CommandExt;
+    const TEST: &str = "under_torchrun_no_python";
+    if worker().as_deref() == Some(TEST) {
+        assert_eq!(
+            std::env::var("TORCHELASTIC_USE_AGENT_STORE").as_deref(),
+            Ok("True")
+        );
+        return rust_rank("full");
+    }
+    let torchrun = PathBuf::from(python()).with_file_name("torchrun");
+    assert!(torchrun.exists(), "no torchrun beside {}", python());
+    let dir = std::env::temp_dir().join(format!("tch-dist-interop-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let wrapper = dir.join("rank.sh");
+    let exe = std::env::current_exe().unwrap();
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nif [ \"$LOCAL_RANK\" = 0 ]; then exec '{}' '{}'; fi\n\
+             TCH_DIST_TEST_WORKER={TEST} exec '{}' {TEST} --exact --nocapture --test-threads=1\n",
+            python(),
+            peer_script(),
+            exe.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let port = tch_dist_runtime::testing::free_port();
+    let mut child = std::process::Command::new(&torchrun)
+        .args([
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port.to_string(),
+            "--no-python",
+        ])
+        .arg(&wrapper)
+        .env("TCH_DIST_TIMEOUT_SECS", "60")
+        .env("INTEROP_SCENARIO", "full")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let stdout = child.stdout.take().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let read = |mut r: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = r.read_to_string(&mut s);
+            s
+        })
+    };
+    let (out, err) = (read(Box::new(stdout)), read(Box::new(stderr)));
+    let deadline = std::time::Instant::now() + DEADLINE;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if std::time::Instant::now() >= deadline {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // Whatever happened, nothing of the job outlives the test: torchrun's process group.
+    // SAFETY: kill(2) on the process group this test created; no memory is involved.
+    unsafe { libc::kill(-pid, libc::SIGKILL) };
+    let _ = child.wait();
+    let (out, err) = (out.join().unwrap(), err.join().unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+    let desc = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert!(status.is_some_and(|s| s.success()), "{status:?}\n{desc}");
+    for r in 0..2 {
+        assert!(out.contains(&format!("interop ok rank {r}")), "{desc}");
+    }
+    assert!(!err.contains("has failed to bind"), "{desc}");
+}
