@@ -1142,3 +1142,76 @@ pub fn destroy_process_group() {
         pg.shutdown();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_strings_are_pytorchs() {
+        for (text, backend) in [
+            ("gloo", Backend::Gloo),
+            ("GLOO", Backend::Gloo),
+            ("nccl", Backend::NcclOnly),
+            ("cpu:gloo,cuda:nccl", Backend::Nccl),
+            ("cuda:nccl, cpu:gloo", Backend::Nccl),
+            ("cpu:gloo", Backend::Gloo),
+            ("cuda:nccl", Backend::NcclOnly),
+        ] {
+            assert_eq!(Backend::parse(text).unwrap(), backend, "{text}");
+        }
+        for b in [Backend::Gloo, Backend::Nccl, Backend::NcclOnly] {
+            assert_eq!(Backend::parse(b.as_str()).unwrap(), b);
+        }
+        for bad in [
+            "",
+            "mpi",
+            "cpu:nccl",
+            "cpu:gloo,cpu:gloo",
+            "gloo,nccl",
+            "cuda:gloo",
+        ] {
+            assert_eq!(
+                Backend::parse(bad).unwrap_err(),
+                DistError::UnknownBackend {
+                    value: bad.to_string()
+                },
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            Backend::parse("ucc").unwrap_err().to_string(),
+            "unknown backend \"ucc\": expected \"gloo\", \"nccl\" or \"cpu:gloo,cuda:nccl\""
+        );
+        // init_process_group's argument: a Backend or a string.
+        fn takes<B: TryInto<Backend>>(b: B) -> Result<Backend>
+        where
+            DistError: From<B::Error>,
+        {
+            Ok(b.try_into()?)
+        }
+        assert_eq!(takes(Backend::Gloo).unwrap(), Backend::Gloo);
+        assert_eq!(takes("nccl").unwrap(), Backend::NcclOnly);
+        assert!(takes(String::from("bogus")).is_err());
+    }
+
+    #[test]
+    fn pytorchs_switches() {
+        let one = |k: &'static str, v: &'static str| move |q: &str| (q == k).then(|| v.to_string());
+        assert!(read_agent_store(one(USE_AGENT_STORE_ENV, "True")));
+        // PyTorch compares with str(True) exactly.
+        assert!(!read_agent_store(one(USE_AGENT_STORE_ENV, "true")));
+        assert!(!read_agent_store(|_| None));
+        assert!(read_init_barrier(one(INIT_BARRIER_ENV, " 1 ")).unwrap());
+        assert!(!read_init_barrier(one(INIT_BARRIER_ENV, "0")).unwrap());
+        assert!(!read_init_barrier(one(INIT_BARRIER_ENV, "2")).unwrap());
+        assert!(!read_init_barrier(|_| None).unwrap());
+        assert_eq!(
+            read_init_barrier(one(INIT_BARRIER_ENV, "yes")).unwrap_err(),
+            DistError::Env(EnvError::NotAnInteger {
+                var: INIT_BARRIER_ENV,
+                value: "yes".into()
+            })
+        );
+    }
+}

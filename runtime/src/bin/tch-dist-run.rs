@@ -538,6 +538,9 @@ fn run(args: Args) -> Result<i32, String> {
             .env("MASTER_ADDR", &args.master_addr)
             .env("MASTER_PORT", port.to_string())
             .env("TORCHELASTIC_RUN_ID", &run_id)
+            // Rank 0 hosts this launcher's store: no agent store here, even when the launcher
+            // itself runs under torchrun.
+            .env_remove("TORCHELASTIC_USE_AGENT_STORE")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
