@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tch::{Kind, Tensor};
 use tch_dist_runtime::testing::{describe, worker, Launch, RankOutput};
-use tch_dist_runtime::{GroupOptions, ProcessGroup, ReduceOp};
+use tch_dist_runtime::{GroupOptions, Object, ProcessGroup, ReduceOp};
 
 /// The launch's wall-clock bound (Python's start-up, a torch import, takes seconds).
 const DEADLINE: Duration = Duration::from_secs(150);
@@ -156,6 +156,32 @@ fn rust_rank(scenario: &str) {
     let pg = tch_dist_runtime::init_process_group("gloo").unwrap();
     let (rank, world) = (pg.rank(), pg.world_size());
     collectives(&pg);
+    // Object collectives, str and bytes.
+    let sent = vec![
+        Object::from("weights-v3"),
+        Object::from(&b"\x00\x01\xff"[..]),
+        Object::from("x".repeat(300)),
+    ];
+    let mut objs = if rank == 1 {
+        sent.clone()
+    } else {
+        vec![Object::from(""); 3]
+    };
+    pg.broadcast_object_list(&mut objs, 1).unwrap();
+    assert_eq!(objs, sent, "broadcast_object_list");
+    let object_of = |r: usize| {
+        if r.is_multiple_of(2) {
+            Object::from(format!("rank {r}"))
+        } else {
+            Object::from(vec![r as u8; r + 1])
+        }
+    };
+    let gathered = pg.all_gather_object(&object_of(rank)).unwrap();
+    assert_eq!(
+        gathered,
+        (0..world).map(object_of).collect::<Vec<_>>(),
+        "all_gather_object"
+    );
     if scenario == "full" {
         let pair = pg
             .new_group(&[0, 1], tch_dist_runtime::Backend::Gloo)

@@ -105,6 +105,18 @@ def main():
     dist.init_process_group("gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     collectives(None, list(range(world)), rank)
+    # Object collectives, str and bytes (what tch-dist reads and writes).
+    sent = ["weights-v3", b"\x00\x01\xff", "x" * 300]
+    objs = list(sent) if rank == 1 else [None] * 3
+    dist.broadcast_object_list(objs, src=1)
+    if objs != sent:
+        raise AssertionError(f"broadcast_object_list: got {objs!r}")
+    mine = f"rank {rank}" if rank % 2 == 0 else bytes([rank] * (rank + 1))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    want = [f"rank {r}" if r % 2 == 0 else bytes([r] * (r + 1)) for r in range(world)]
+    if gathered != want:
+        raise AssertionError(f"all_gather_object: got {gathered!r}")
     if scenario == "full":
         # new_group on every rank, members or not; the second list unsorted.
         pair = dist.new_group([0, 1])
