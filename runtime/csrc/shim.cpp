@@ -151,6 +151,9 @@ struct Backends {
   // DETAIL: the Gloo backends the wrappers check over (null otherwise).
   c10::intrusive_ptr<c10d::Backend> gloo_check;
   c10::intrusive_ptr<c10d::Backend> nccl_check;
+  // DETAIL in a job with ranks that are not tch-dist's (PyTorch's): only c10d's own checks,
+  // which PyTorch's ranks make too (no root check, no gathering of every rank's call).
+  std::shared_ptr<std::atomic<bool>> foreign = std::make_shared<std::atomic<bool>>(false);
 };
 
 // One process group as the Rust side sees it: Gloo always (CPU tensors, control traffic
@@ -323,15 +326,20 @@ std::string gather_calls(const c10::intrusive_ptr<c10d::Backend>& check, const s
 // is at the same broadcast, and this compares the roots over the check backend first.
 class RootCheck : public c10d::Backend {
  public:
-  RootCheck(c10::intrusive_ptr<c10d::Backend> inner, c10::intrusive_ptr<c10d::Backend> check)
+  RootCheck(c10::intrusive_ptr<c10d::Backend> inner, c10::intrusive_ptr<c10d::Backend> check,
+            std::shared_ptr<std::atomic<bool>> foreign)
       : Backend(inner->getRank(), inner->getSize()),
         inner_(std::move(inner)),
-        check_(std::move(check)) {}
+        check_(std::move(check)),
+        foreign_(std::move(foreign)) {}
 
   const std::string getBackendName() const override { return inner_->getBackendName(); }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& data,
                                            const c10d::BroadcastOptions& opts) override {
+    if (foreign_->load()) {
+      return inner_->broadcast(data, opts);
+    }
     at::Tensor root = at::full({1}, opts.rootRank, at::kLong);
     std::vector<std::vector<at::Tensor>> roots(1);
     for (int i = 0; i < getSize(); ++i) {
@@ -394,12 +402,14 @@ class RootCheck : public c10d::Backend {
  private:
   c10::intrusive_ptr<c10d::Backend> inner_;
   c10::intrusive_ptr<c10d::Backend> check_;
+  std::shared_ptr<std::atomic<bool>> foreign_;
 };
 
 // c10d's ProcessGroupWrapper around `inner`, checking over `check`, with the root check.
 c10::intrusive_ptr<c10d::Backend> wrap_checked(const c10::intrusive_ptr<c10d::Backend>& inner,
-                                               const c10::intrusive_ptr<c10d::Backend>& check) {
-  auto roots = c10::make_intrusive<RootCheck>(inner, check);
+                                               const c10::intrusive_ptr<c10d::Backend>& check,
+                                               std::shared_ptr<std::atomic<bool>> foreign) {
+  auto roots = c10::make_intrusive<RootCheck>(inner, check, std::move(foreign));
   return c10::make_intrusive<c10d::ProcessGroupWrapper>(roots, check);
 }
 
@@ -420,6 +430,10 @@ c10::intrusive_ptr<c10d::Work> checked(const TdrGroup& g, const Route& r, const 
     std::string msg = e.what_without_backtrace();
     std::string mine = encode_call(g.rank, seq, call);
     if (msg.find("Detected mismatch between collectives on ranks") != std::string::npos) {
+      if (g.backends->foreign->load()) {
+        // The other ranks (PyTorch's) gather nothing more: this rank's call only.
+        throw DesyncError("tdr-desync:differ\n" + mine + "\n");
+      }
       throw DesyncError("tdr-desync:differ\n" + gather_calls(r.check, mine));
     }
     if (msg.find("monitoredBarrier") != std::string::npos ||
@@ -847,7 +861,7 @@ char* tdr_group_new(TdrStore* store, const char* group_name, int rank, int size,
       // collectives they check.
       backends->gloo_check =
           new_gloo(prefixed(wrapper_prefix, cpu_store), rank, size, left(), timeout, host);
-      backends->gloo = wrap_checked(backends->gloo, backends->gloo_check);
+      backends->gloo = wrap_checked(backends->gloo, backends->gloo_check, backends->foreign);
     }
   }
   if (with_nccl && !cuda_via_gloo) {
@@ -868,7 +882,7 @@ char* tdr_group_new(TdrStore* store, const char* group_name, int rank, int size,
     if (detail) {
       backends->nccl_check =
           new_gloo(prefixed(wrapper_prefix, cuda_store), rank, size, left(), timeout, host);
-      backends->nccl = wrap_checked(backends->nccl_raw, backends->nccl_check);
+      backends->nccl = wrap_checked(backends->nccl_raw, backends->nccl_check, backends->foreign);
     }
 #else
     throw std::runtime_error("tch-dist was built without NCCL support");
@@ -892,6 +906,13 @@ char* tdr_group_connect(TdrGroup* g) {
     g->backends->nccl_raw->eagerConnectSingleDevice(cuda_device(g->device));
   }
 #endif
+  TDR_CATCH
+}
+
+// DETAIL in a job with ranks that are not tch-dist's: c10d's checks only (see Backends).
+char* tdr_group_set_foreign_peers(TdrGroup* g, bool foreign) {
+  TDR_TRY
+  g->backends->foreign->store(foreign);
   TDR_CATCH
 }
 

@@ -115,6 +115,9 @@ char* tdr_group_new(TdrStore* store, const char* group_name, int rank, int size,
                     bool with_gloo, bool with_nccl, int device, bool cuda_via_gloo, bool detail,
                     TdrGroup** out);
 char* tdr_group_connect(TdrGroup* g);
+// DETAIL in a job with ranks that are not tch-dist's (PyTorch's): c10d's checks only, which
+// PyTorch's ranks make too; no broadcast root check, and a mismatch reports this rank's call.
+char* tdr_group_set_foreign_peers(TdrGroup* g, bool foreign);
 char* tdr_group_shutdown(TdrGroup* g);
 void tdr_group_free(TdrGroup* g);
 

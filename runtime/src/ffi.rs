@@ -143,6 +143,7 @@ extern "C" {
         out: *mut *mut TdrGroup,
     ) -> *mut c_char;
     pub fn tdr_group_connect(g: *mut TdrGroup) -> *mut c_char;
+    pub fn tdr_group_set_foreign_peers(g: *mut TdrGroup, foreign: bool) -> *mut c_char;
     pub fn tdr_group_shutdown(g: *mut TdrGroup) -> *mut c_char;
     pub fn tdr_group_free(g: *mut TdrGroup);
 

@@ -660,6 +660,8 @@ impl ProcessGroup {
             opts.debug,
         )
         .map_err(|cause| missing(RendezvousError::Engine { cause }))?;
+        detail_with_foreign_ranks(&handle, &store, NAME, opts.world_size, opts.debug)
+            .map_err(engine)?;
         if opts.init_barrier {
             // PyTorch's barrier of init_process_group: on PrefixStore("default_pg").
             let barrier_store = prefixed(&store, "default_pg")?;
@@ -852,6 +854,8 @@ impl ProcessGroup {
                 .unwrap_or(RendezvousError::Engine { cause }),
             )
         })?;
+        detail_with_foreign_ranks(&handle, &world.root, &name, ranks.len(), self.inner.debug)
+            .map_err(engine)?;
         world.live_groups.fetch_add(1, Ordering::SeqCst);
         let inner = Arc::new(GroupInner::new(
             handle,
@@ -1007,6 +1011,23 @@ impl ProcessGroup {
     pub(crate) fn raw(&self) -> *mut ffi::TdrGroup {
         self.inner.handle.0.as_ptr()
     }
+}
+
+/// DETAIL in a job with ranks that wrote no join key (PyTorch's): the group makes c10d's
+/// checks only, which those ranks make too (see docs/ARCHITECTURE.md, "Rendezvous and
+/// naming").
+fn detail_with_foreign_ranks(
+    handle: &GroupHandle,
+    root: &Store,
+    name: &str,
+    world_size: usize,
+    debug: DebugLevel,
+) -> std::result::Result<(), String> {
+    if debug != DebugLevel::Detail || !rendezvous::has_foreign_ranks(root, name, world_size) {
+        return Ok(());
+    }
+    // SAFETY: live group handle; the shim catches every exception.
+    shim!(tdr_group_set_foreign_peers(handle.0.as_ptr(), true)).map_err(|e| e.message)
 }
 
 /// A new group's limits: its collectives' timeout, and what is left for its rendezvous.

@@ -157,6 +157,13 @@ pub(crate) fn check_run(
     })
 }
 
+/// Whether a rank of the group named `name` of `world_size` wrote no join key: a rank that
+/// is not tch-dist's (PyTorch's). Reliable once the group's backends are connected: every
+/// tch-dist rank writes its join key before it starts its backends' rendezvous.
+pub(crate) fn has_foreign_ranks(root: &Store, name: &str, world_size: usize) -> bool {
+    (0..world_size).any(|r| !root.check(&joined_key(name, r)).unwrap_or(false))
+}
+
 /// Records that `rank` joined the group named `name` (in the root store).
 pub(crate) fn join(root: &Store, name: &str, rank: usize) -> Result<(), RendezvousError> {
     root.add(&joined_key(name, rank), 1)

@@ -424,3 +424,72 @@ fn under_torchrun_no_python() {
     }
     assert!(!err.contains("has failed to bind"), "{desc}");
 }
+
+/// peer.py's `detail`, on the Rust side.
+fn detail_rank() {
+    let pg = tch_dist_runtime::init_process_group("gloo").unwrap();
+    let (rank, world) = (pg.rank(), pg.world_size());
+    assert_eq!(pg.debug_level(), tch_dist_runtime::DebugLevel::Detail);
+    let t = f32s(&[rank as f64 + 1.0]);
+    pg.all_reduce(&t, ReduceOp::Sum).unwrap();
+    check("detail all_reduce", &t, &[(world * (world + 1) / 2) as f64]);
+    let out = Tensor::zeros([world as i64], (Kind::Float, tch::Device::Cpu));
+    pg.all_gather_into_tensor(&out, &f32s(&[rank as f64]))
+        .unwrap();
+    let want: Vec<f64> = (0..world).map(|i| i as f64).collect();
+    check("detail all_gather_into_tensor", &out, &want);
+    pg.barrier().unwrap();
+    let t = f32s(&[rank as f64]);
+    pg.broadcast(&t, 1).unwrap();
+    check("detail broadcast", &t, &[1.0]);
+    let t = Tensor::ones([4], (Kind::Float, tch::Device::Cpu));
+    let err = if rank == 0 {
+        pg.broadcast(&t, 0).unwrap_err()
+    } else {
+        pg.all_reduce(&t, ReduceOp::Sum).unwrap_err()
+    };
+    println!("detail mismatch: {err}");
+    tch_dist_runtime::destroy_process_group();
+    println!("interop ok rank {rank}");
+}
+
+/// TORCH_DISTRIBUTED_DEBUG=DETAIL on both sides: the checks of matching calls pass (a
+/// broadcast included), and a mismatch (the PyTorch rank broadcasts, the Rust rank
+/// all-reduces) is an error on both sides, not a hang.
+#[test]
+fn detail_on_both_sides() {
+    if worker().as_deref() == Some("detail_on_both_sides") {
+        return detail_rank();
+    }
+    let out = Launch::new("detail_on_both_sides", 2)
+        .timeout(DEADLINE)
+        .env("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+        .env("TCH_DIST_TIMEOUT_SECS", "20")
+        .env("INTEROP_SCENARIO", "detail")
+        .rank_program(0, vec![python(), peer_script()])
+        .run();
+    let desc = describe(&out);
+    for o in &out {
+        assert!(o.success(), "rank {} failed:\n{desc}", o.rank);
+        assert!(o.stdout.contains("detail mismatch: "), "{desc}");
+        assert!(
+            o.stdout.contains(&format!("interop ok rank {}", o.rank)),
+            "{desc}"
+        );
+    }
+    // The Rust rank's error is a typed desync naming its own call (the PyTorch rank shares
+    // nothing beyond c10d's fingerprints); the PyTorch rank's is c10d's.
+    assert!(
+        out[1].stdout.contains(
+            "rank 1: all_reduce: the ranks called different collectives (TCH_DIST_DEBUG=DETAIL \
+             checks each one before it runs): rank 1 called all_reduce of [4] (Float) on Cpu"
+        ),
+        "{desc}"
+    );
+    assert!(
+        out[0]
+            .stdout
+            .contains("detail mismatch: Detected mismatch between collectives on ranks"),
+        "{desc}"
+    );
+}

@@ -99,11 +99,40 @@ def collectives(group, ranks, me):
     dist.monitored_barrier(group=group, timeout=timedelta(seconds=30), wait_all_ranks=True)
 
 
+def detail(rank, world):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL on every rank: matching calls pass the wrapper's
+    checks; then rank 0 broadcasts where the others all-reduce, which must fail here."""
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    check("detail all_reduce", t, [world * (world + 1) / 2])
+    out = torch.zeros(world)
+    dist.all_gather_into_tensor(out, torch.tensor([float(rank)]))
+    check("detail all_gather_into_tensor", out, list(range(world)))
+    dist.barrier()
+    t = torch.tensor([float(rank)])
+    dist.broadcast(t, src=1)
+    check("detail broadcast", t, [1.0])
+    t = torch.ones(4)
+    try:
+        if rank == 0:
+            dist.broadcast(t, src=0)
+        else:
+            dist.all_reduce(t)
+    except Exception as e:  # the wrapper's mismatch report
+        print(f"detail mismatch: {str(e).splitlines()[0]}", flush=True)
+        return
+    raise AssertionError("the mismatched collective passed the DETAIL check")
+
+
 def main():
     scenario = os.environ.get("INTEROP_SCENARIO", "full")
     timeout = timedelta(seconds=float(os.environ.get("TCH_DIST_TIMEOUT_SECS", "60")))
     dist.init_process_group("gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if scenario == "detail":
+        detail(rank, world)
+        print(f"interop ok rank {rank}", flush=True)
+        return
     collectives(None, list(range(world)), rank)
     # Object collectives, str and bytes (what tch-dist reads and writes).
     sent = ["weights-v3", b"\x00\x01\xff", "x" * 300]
