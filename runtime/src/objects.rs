@@ -196,8 +196,7 @@ impl ProcessGroup {
     /// let mut names = vec![Object::from(if pg.rank() == 0 { "run-42" } else { "" })];
     /// pg.broadcast_object_list(&mut names, 0)?;
     /// assert_eq!(names[0].as_str(), Some("run-42"));
-    /// # Ok::<(), DistError>(())
-    /// # use tch_dist_runtime::DistError;
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
     /// ```
     pub fn broadcast_object_list(&self, objects: &mut [Object], src: usize) -> Result<()> {
         const OP: &str = "broadcast_object_list";
