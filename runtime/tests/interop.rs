@@ -493,3 +493,26 @@ fn detail_on_both_sides() {
         "{desc}"
     );
 }
+
+/// Two Gloo devices per rank (`GLOO_SOCKET_IFNAME=lo,lo`), as PyTorch makes them: each
+/// collective goes over the device its tag picks, so both sides must have as many.
+#[test]
+fn two_gloo_devices_per_rank() {
+    if worker().as_deref() == Some("two_gloo_devices_per_rank") {
+        return rust_rank(&scenario());
+    }
+    let out = Launch::new("two_gloo_devices_per_rank", 2)
+        .timeout(DEADLINE)
+        .env("GLOO_SOCKET_IFNAME", "lo,lo")
+        .env("INTEROP_SCENARIO", "default_group")
+        .rank_program(0, vec![python(), peer_script()])
+        .run();
+    let desc = describe(&out);
+    for o in &out {
+        assert!(o.success(), "rank {} failed:\n{desc}", o.rank);
+        assert!(
+            o.stdout.contains(&format!("interop ok rank {}", o.rank)),
+            "{desc}"
+        );
+    }
+}

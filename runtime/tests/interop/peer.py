@@ -3,8 +3,9 @@ as the Rust ranks' `scenario`, on torch.distributed's default group and on subgr
 result checked here against the values every rank can compute.
 
 Reads torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and
-TCH_DIST_TIMEOUT_SECS (the group's timeout); INTEROP_SCENARIO picks the calls ("full" or
-"torchrun"). Prints `interop ok rank R` at the end; any mismatch raises (exit status 1).
+TCH_DIST_TIMEOUT_SECS (the group's timeout); INTEROP_SCENARIO picks the calls: "full"
+(default group, objects, subgroups), "default_group" (no subgroups) or "detail". Prints
+`interop ok rank R` at the end; any mismatch raises (exit status 1).
 """
 
 import os
@@ -146,7 +147,7 @@ def main():
     want = [f"rank {r}" if r % 2 == 0 else bytes([r] * (r + 1)) for r in range(world)]
     if gathered != want:
         raise AssertionError(f"all_gather_object: got {gathered!r}")
-    if scenario == "full":
+    if scenario == "full":  # "default_group": the calls above only
         # new_group on every rank, members or not; the second list unsorted.
         pair = dist.new_group([0, 1])
         ends = dist.new_group([world - 1, 0])
