@@ -442,6 +442,21 @@ fn detail_rank() {
     let t = f32s(&[rank as f64]);
     pg.broadcast(&t, 1).unwrap();
     check("detail broadcast", &t, &[1.0]);
+    let all: Vec<usize> = (0..world).collect();
+    let sub = pg
+        .new_group(&all, tch_dist_runtime::Backend::Gloo)
+        .unwrap()
+        .unwrap();
+    let t = f32s(&[rank as f64 + 1.0]);
+    sub.all_reduce(&t, ReduceOp::Sum).unwrap();
+    check(
+        "detail subgroup all_reduce",
+        &t,
+        &[(world * (world + 1) / 2) as f64],
+    );
+    let t = f32s(&[rank as f64]);
+    sub.broadcast(&t, 1).unwrap();
+    check("detail subgroup broadcast", &t, &[1.0]);
     let t = Tensor::ones([4], (Kind::Float, tch::Device::Cpu));
     let err = if rank == 0 {
         pg.broadcast(&t, 0).unwrap_err()

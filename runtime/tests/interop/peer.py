@@ -113,6 +113,14 @@ def detail(rank, world):
     t = torch.tensor([float(rank)])
     dist.broadcast(t, src=1)
     check("detail broadcast", t, [1.0])
+    # A subgroup's wrapper and helper group (pg_wrapper:1) meet too.
+    sub = dist.new_group(list(range(world)))
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t, group=sub)
+    check("detail subgroup all_reduce", t, [world * (world + 1) / 2])
+    t = torch.tensor([float(rank)])
+    dist.broadcast(t, src=1, group=sub)
+    check("detail subgroup broadcast", t, [1.0])
     t = torch.ones(4)
     try:
         if rank == 0:
