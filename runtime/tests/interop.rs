@@ -531,3 +531,26 @@ fn two_gloo_devices_per_rank() {
         );
     }
 }
+
+/// Gloo's lazy init (`TORCH_GLOO_LAZY_INIT=1` on every rank): the pairs connect at their first
+/// use, on both sides alike.
+#[test]
+fn lazy_gloo_init_on_both_sides() {
+    if worker().as_deref() == Some("lazy_gloo_init_on_both_sides") {
+        return rust_rank(&scenario());
+    }
+    let out = Launch::new("lazy_gloo_init_on_both_sides", 3)
+        .timeout(DEADLINE)
+        .env("TORCH_GLOO_LAZY_INIT", "1")
+        .env("INTEROP_SCENARIO", "full")
+        .rank_program(2, vec![python(), peer_script()])
+        .run();
+    let desc = describe(&out);
+    for o in &out {
+        assert!(o.success(), "rank {} failed:\n{desc}", o.rank);
+        assert!(
+            o.stdout.contains(&format!("interop ok rank {}", o.rank)),
+            "{desc}"
+        );
+    }
+}
