@@ -282,6 +282,60 @@ impl ProcessGroup {
     }
 }
 
+impl ProcessGroup {
+    /// Sends `objects` to group rank `dst`, as PyTorch's `send_object_list(objects,
+    /// group_dst=dst)`: the pickles' lengths (int64), then the pickles concatenated (uint8),
+    /// both with tag 0.
+    ///
+    /// ```no_run
+    /// use tch_dist_runtime::Object;
+    /// # let pg = tch_dist_runtime::default_group()?;
+    /// if pg.rank() == 0 {
+    ///     pg.send_object_list(&[Object::from("ready")], 1)?;
+    /// } else if pg.rank() == 1 {
+    ///     let mut got = vec![Object::from("")];
+    ///     pg.recv_object_list(&mut got, 0)?;
+    /// }
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
+    pub fn send_object_list(&self, objects: &[Object], dst: usize) -> Result<()> {
+        let pickles: Vec<Vec<u8>> = objects.iter().map(Object::to_pickle).collect();
+        let sizes: Vec<i64> = pickles.iter().map(|p| p.len() as i64).collect();
+        self.send(&Tensor::from_slice(&sizes), dst, 0)?;
+        self.send(&Tensor::from_slice(&pickles.concat()), dst, 0)
+    }
+
+    /// Receives `objects.len()` objects from group rank `src` into `objects`, as PyTorch's
+    /// `recv_object_list(objects, group_src=src)` (see
+    /// [`send_object_list`](Self::send_object_list)).
+    pub fn recv_object_list(&self, objects: &mut [Object], src: usize) -> Result<()> {
+        const OP: &str = "recv_object_list";
+        let sizes = Tensor::zeros([objects.len() as i64], (Kind::Int64, Device::Cpu));
+        self.recv(&sizes, src, 0)?;
+        let sizes: Vec<i64> = Vec::<i64>::try_from(&sizes).map_err(|e| DistError::Collective {
+            rank: self.rank(),
+            op: OP,
+            cause: e.to_string(),
+        })?;
+        let total: i64 = sizes.iter().map(|&n| n.max(0)).sum();
+        let data = Tensor::zeros([total], (Kind::Uint8, Device::Cpu));
+        self.recv(&data, src, 0)?;
+        let all = bytes_of(&data, total as usize);
+        let mut at = 0usize;
+        for (slot, &n) in objects.iter_mut().zip(&sizes) {
+            let end = (at + n.max(0) as usize).min(all.len());
+            *slot = Object::from_pickle(&all[at..end]).map_err(|problem| DistError::Object {
+                rank: self.rank(),
+                op: OP,
+                from: src,
+                problem,
+            })?;
+            at = end;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -182,6 +182,19 @@ fn rust_rank(scenario: &str) {
         (0..world).map(object_of).collect::<Vec<_>>(),
         "all_gather_object"
     );
+    // send_object_list / recv_object_list: rank 0 to rank 1 and back.
+    if rank == 0 {
+        pg.send_object_list(&[Object::from("ping"), Object::from(&b"\x07"[..])], 1)
+            .unwrap();
+        let mut back = vec![Object::from("")];
+        pg.recv_object_list(&mut back, 1).unwrap();
+        assert_eq!(back, vec![Object::from("pong 1")]);
+    } else if rank == 1 {
+        let mut got = vec![Object::from(""), Object::from("")];
+        pg.recv_object_list(&mut got, 0).unwrap();
+        assert_eq!(got, vec![Object::from("ping"), Object::from(&b"\x07"[..])]);
+        pg.send_object_list(&[Object::from("pong 1")], 0).unwrap();
+    }
     if scenario == "full" {
         let pair = pg
             .new_group(&[0, 1], tch_dist_runtime::Backend::Gloo)

@@ -155,6 +155,19 @@ def main():
     want = [f"rank {r}" if r % 2 == 0 else bytes([r] * (r + 1)) for r in range(world)]
     if gathered != want:
         raise AssertionError(f"all_gather_object: got {gathered!r}")
+    # send_object_list / recv_object_list: rank 0 to rank 1 and back.
+    if rank == 0:
+        dist.send_object_list(["ping", b"\x07"], dst=1)
+        back = [None]
+        dist.recv_object_list(back, src=1)
+        if back != ["pong 1"]:
+            raise AssertionError(f"recv_object_list: got {back!r}")
+    elif rank == 1:
+        got = [None, None]
+        dist.recv_object_list(got, src=0)
+        if got != ["ping", b"\x07"]:
+            raise AssertionError(f"recv_object_list: got {got!r}")
+        dist.send_object_list(["pong 1"], dst=0)
     if scenario == "full":  # "default_group": the calls above only
         # new_group on every rank, members or not; the second list unsorted.
         pair = dist.new_group([0, 1])
