@@ -781,6 +781,35 @@ fn child(run: fn() -> Result<(), String>) -> ! {
 // 6. Shutdown
 // ---------------------------------------------------------------------------------------
 
+/// PyTorch's "nccl" (`Backend::NcclOnly`) at world size 1, under PyTorch 2.11's naming
+/// (`default_pg/0//cuda//`): CUDA collectives and a barrier through NCCL; CPU tensors refused.
+fn check_nccl_only() -> Outcome {
+    if cpu() {
+        return Outcome::Skip("needs CUDA");
+    }
+    let opts =
+        InitOptions::new(Backend::NcclOnly, 0, 1, "127.0.0.1", free_port()).with_device_id(0);
+    let pg = ProcessGroup::new(&opts).unwrap();
+    assert_eq!(pg.group_name(), "0");
+    let t = Tensor::arange(4, (Kind::Float, dev()));
+    pg.all_reduce(&t, ReduceOp::Sum).unwrap();
+    assert!(t.equal(&Tensor::arange(4, (Kind::Float, dev()))));
+    pg.barrier().unwrap();
+    let err = pg
+        .all_reduce(
+            &Tensor::ones([1], (Kind::Float, Device::Cpu)),
+            ReduceOp::Sum,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("NCCL only"), "{err}");
+    let err = pg
+        .monitored_barrier(Duration::from_secs(5), true)
+        .unwrap_err();
+    assert!(err.to_string().contains("needs a Gloo backend"), "{err}");
+    pg.shutdown();
+    Outcome::Pass
+}
+
 fn check_shutdown(default: &ProcessGroup, alone: &ProcessGroup) -> Outcome {
     // A replicated model keeps a clone of `alone`; shutting it down fails the clone's next
     // collective cleanly.
@@ -971,6 +1000,10 @@ fn main() {
     tally.run(
         "2 NCCL ranks on one GPU: DuplicateDevice naming both, on both",
         check_duplicate_gpu,
+    );
+    tally.run(
+        "NCCL only (PyTorch's \"nccl\"), world size 1: NCCL barrier, CPU tensors refused",
+        check_nccl_only,
     );
     // 6.
     tally.run("shutdown with clones alive; destroy_process_group", || {

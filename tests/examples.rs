@@ -26,7 +26,8 @@ fn example(name: &str) -> PathBuf {
         let mut cmd = Command::new(env!("CARGO"));
         cmd.args(["build", "--quiet", "--manifest-path"])
             .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
-            .args(["--example", "train_ddp", "--example", "tensor_parallel"]);
+            .args(["--example", "train_ddp", "--example", "tensor_parallel"])
+            .args(["--example", "weight_sync_worker"]);
         if profile_dir.ends_with("release") {
             cmd.arg("--release");
         }
@@ -258,4 +259,38 @@ fn resume_checks_dtype_shape_and_keys_first() {
     assert!(status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("test_accuracy="), "{stdout}");
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// examples/weight_sync end to end: the PyTorch trainer (rank 0, the `.venv`'s torch) and two
+/// tch-dist workers; the trainer checks every step's actions against its own.
+#[test]
+fn weight_sync_pytorch_trainer_and_rust_workers() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = root.join(".venv/bin/python");
+    assert!(python.exists(), "no .venv: run `make setup`");
+    let trainer = root.join("examples/weight_sync/trainer.py");
+    let worker = example("weight_sync_worker");
+    let port = free_port();
+    let t = trainer.to_string_lossy().into_owned();
+    let rank0 = start_rank(&python, 0, 3, port, &[t.as_str()]);
+    let workers: Vec<Child> = (1..3)
+        .map(|r| start_rank(&worker, r, 3, port, &[]))
+        .collect();
+    let (status, stdout, stderr) = finish(rank0, Duration::from_secs(120));
+    let ends: Vec<_> = workers
+        .into_iter()
+        .map(|w| finish(w, Duration::from_secs(30)))
+        .collect();
+    assert!(
+        status.success(),
+        "trainer:\n{stdout}\n{stderr}\nworkers: {ends:?}"
+    );
+    assert!(
+        stdout.contains("weights in sync on 2 workers after 5 steps"),
+        "{stdout}\n{stderr}"
+    );
+    for (r, (status, out, err)) in ends.iter().enumerate() {
+        assert!(status.success(), "worker {}:\n{out}\n{err}", r + 1);
+        assert!(out.contains("sent actions back"), "{out}");
+    }
 }

@@ -152,6 +152,9 @@ struct Backends {
   // DETAIL: the Gloo backends the wrappers check over (null otherwise).
   c10::intrusive_ptr<c10d::Backend> gloo_check;
   c10::intrusive_ptr<c10d::Backend> nccl_check;
+  // DETAIL in a job with ranks that are not tch-dist's (PyTorch's): only c10d's own checks,
+  // which PyTorch's ranks make too (no root check, no gathering of every rank's call).
+  std::shared_ptr<std::atomic<bool>> foreign = std::make_shared<std::atomic<bool>>(false);
 };
 
 // One process group as the Rust side sees it: Gloo always (CPU tensors, control traffic
@@ -198,11 +201,32 @@ Route lock_backends(const TdrGroup& g) {
   return r;
 }
 
-// Gloo, for control traffic (barriers).
-Route route_gloo(const TdrGroup& g) {
+// Gloo, for control traffic (monitored barriers): a group without one (PyTorch's "nccl")
+// refuses `op`.
+Route route_gloo(const TdrGroup& g, const char* op) {
   Route r = lock_backends(g);
+  if (!g.backends->gloo) {
+    throw std::runtime_error(std::string(op) +
+                             " needs a Gloo backend, and this group has NCCL only (PyTorch's "
+                             "\"nccl\"); create it with \"cpu:gloo,cuda:nccl\"");
+  }
   r.backend = g.backends->gloo;
   r.check = g.backends->gloo_check;
+  return r;
+}
+
+// A barrier's backend: Gloo where the group has one, else NCCL (PyTorch's barrier on an
+// NCCL-only group, a one-element all_reduce on the bound device).
+Route route_barrier(const TdrGroup& g) {
+  Route r = lock_backends(g);
+  if (g.backends->gloo) {
+    r.backend = g.backends->gloo;
+    r.check = g.backends->gloo_check;
+    return r;
+  }
+  r.backend = g.backends->nccl;
+  r.check = g.backends->nccl_check;
+  r.gloo = false;
   return r;
 }
 
@@ -228,6 +252,11 @@ Route route(const TdrGroup& g, const at::Tensor& t) {
   }
   if (!t.device().is_cpu()) {
     throw std::runtime_error("unsupported tensor device " + t.device().str());
+  }
+  if (!g.backends->gloo) {
+    throw std::runtime_error(
+        "tensor is on cpu but this process group has NCCL only (PyTorch's \"nccl\"); create "
+        "the group with \"cpu:gloo,cuda:nccl\" (or \"gloo\") to communicate CPU tensors");
   }
   r.backend = g.backends->gloo;
   r.check = g.backends->gloo_check;
@@ -298,15 +327,20 @@ std::string gather_calls(const c10::intrusive_ptr<c10d::Backend>& check, const s
 // is at the same broadcast, and this compares the roots over the check backend first.
 class RootCheck : public c10d::Backend {
  public:
-  RootCheck(c10::intrusive_ptr<c10d::Backend> inner, c10::intrusive_ptr<c10d::Backend> check)
+  RootCheck(c10::intrusive_ptr<c10d::Backend> inner, c10::intrusive_ptr<c10d::Backend> check,
+            std::shared_ptr<std::atomic<bool>> foreign)
       : Backend(inner->getRank(), inner->getSize()),
         inner_(std::move(inner)),
-        check_(std::move(check)) {}
+        check_(std::move(check)),
+        foreign_(std::move(foreign)) {}
 
   const std::string getBackendName() const override { return inner_->getBackendName(); }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& data,
                                            const c10d::BroadcastOptions& opts) override {
+    if (foreign_->load()) {
+      return inner_->broadcast(data, opts);
+    }
     at::Tensor root = at::full({1}, opts.rootRank, at::kLong);
     std::vector<std::vector<at::Tensor>> roots(1);
     for (int i = 0; i < getSize(); ++i) {
@@ -340,6 +374,11 @@ class RootCheck : public c10d::Backend {
       at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) override {
     return inner_->_reduce_scatter_base(out, in, o);
   }
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& out,
+                                                std::vector<std::vector<at::Tensor>>& in,
+                                                const c10d::ReduceScatterOptions& o) override {
+    return inner_->reduce_scatter(out, in, o);
+  }
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in,
                                                std::vector<int64_t>& out_splits,
                                                std::vector<int64_t>& in_splits,
@@ -364,12 +403,14 @@ class RootCheck : public c10d::Backend {
  private:
   c10::intrusive_ptr<c10d::Backend> inner_;
   c10::intrusive_ptr<c10d::Backend> check_;
+  std::shared_ptr<std::atomic<bool>> foreign_;
 };
 
 // c10d's ProcessGroupWrapper around `inner`, checking over `check`, with the root check.
 c10::intrusive_ptr<c10d::Backend> wrap_checked(const c10::intrusive_ptr<c10d::Backend>& inner,
-                                               const c10::intrusive_ptr<c10d::Backend>& check) {
-  auto roots = c10::make_intrusive<RootCheck>(inner, check);
+                                               const c10::intrusive_ptr<c10d::Backend>& check,
+                                               std::shared_ptr<std::atomic<bool>> foreign) {
+  auto roots = c10::make_intrusive<RootCheck>(inner, check, std::move(foreign));
   return c10::make_intrusive<c10d::ProcessGroupWrapper>(roots, check);
 }
 
@@ -390,6 +431,10 @@ c10::intrusive_ptr<c10d::Work> checked(const TdrGroup& g, const Route& r, const 
     std::string msg = e.what_without_backtrace();
     std::string mine = encode_call(g.rank, seq, call);
     if (msg.find("Detected mismatch between collectives on ranks") != std::string::npos) {
+      if (g.backends->foreign->load()) {
+        // The other ranks (PyTorch's) gather nothing more: this rank's call only.
+        throw DesyncError("tdr-desync:differ\n" + mine + "\n");
+      }
       throw DesyncError("tdr-desync:differ\n" + gather_calls(r.check, mine));
     }
     if (msg.find("monitoredBarrier") != std::string::npos ||
@@ -558,22 +603,56 @@ void configure_logging() {
   });
 }
 
-// A Gloo backend over `prefix` of `store`: its rendezvous waits at most `rendezvous`, then
-// its timeout (every collective's default, the monitored barrier's) is `timeout`.
-c10::intrusive_ptr<c10d::ProcessGroupGloo> new_gloo(const c10::intrusive_ptr<c10d::Store>& store,
-                                                    const std::string& prefix, int rank,
-                                                    int size, Millis rendezvous, Millis timeout,
-                                                    const std::string& host) {
-  auto opts = c10d::ProcessGroupGloo::Options::create(rendezvous);
-  if (host.empty()) {
-    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  } else {
-    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
+// The Gloo devices PyTorch 2.11's Python binding of ProcessGroupGloo creates: one per
+// comma-separated GLOO_SOCKET_IFNAME entry, else one default device (this machine's hostname,
+// falling back to loopback), each with c10d's default lazy init (TORCH_GLOO_LAZY_INIT), and
+// two threads per device. Collectives are spread over the devices by tag, so every rank of a
+// group, PyTorch's included, must create as many. `host` (a loopback rendezvous) replaces the
+// default device's address by 127.0.0.1 when GLOO_SOCKET_IFNAME is unset: same count of
+// devices, an address every local peer reaches.
+void add_gloo_devices(c10d::ProcessGroupGloo::Options& opts, const std::string& host) {
+  bool lazy = c10d::getDefaultGlooLazyInit();
+  const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+  if (ifname != nullptr && std::strlen(ifname) > 1) {
+    std::string list(ifname);
+    size_t start = 0;
+    while (start <= list.size()) {
+      size_t comma = list.find(',', start);
+      std::string iface = list.substr(start, comma == std::string::npos ? std::string::npos
+                                                                        : comma - start);
+      if (!iface.empty()) {
+        opts.devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface, lazy));
+      }
+      if (comma == std::string::npos) {
+        break;
+      }
+      start = comma + 1;
+    }
   }
-  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
-  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, opts);
+  if (opts.devices.empty()) {
+    opts.devices.push_back(host.empty()
+                               ? c10d::ProcessGroupGloo::createDefaultDevice(lazy)
+                               : c10d::ProcessGroupGloo::createDeviceForHostname(host, lazy));
+  }
+  opts.threads = static_cast<int>(opts.devices.size()) * 2;
+}
+
+// A Gloo backend over `store` (already prefixed, as PyTorch's `cpu/` store): its rendezvous
+// waits at most `rendezvous`, then its timeout (every collective's default, the monitored
+// barrier's) is `timeout`.
+c10::intrusive_ptr<c10d::ProcessGroupGloo> new_gloo(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    int rank, int size, Millis rendezvous,
+                                                    Millis timeout, const std::string& host) {
+  auto opts = c10d::ProcessGroupGloo::Options::create(rendezvous);
+  add_gloo_devices(*opts, host);
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
   gloo->setTimeout(timeout);
   return gloo;
+}
+
+c10::intrusive_ptr<c10d::Store> prefixed(const std::string& prefix,
+                                         const c10::intrusive_ptr<c10d::Store>& store) {
+  return c10::make_intrusive<c10d::PrefixStore>(prefix, store);
 }
 
 }  // namespace
@@ -601,6 +680,28 @@ char* tdr_store_tcp(const char* host, uint16_t port, bool is_server, int world_s
   auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
   store->setTimeout(Millis(timeout_ms));
   *out = new TdrStore{store};
+  TDR_CATCH
+}
+
+// The TCPStore handshake of PyTorch's `wait_for_workers=True` (c10d's waitForWorkers): the
+// rank adds 1 to the store's own worker count (`init/`, a key outside the TCPStore's "/"
+// key prefix that Store::add cannot reach); the server then waits, at most `timeout_ms`,
+// until the count reaches the world size. The store's timeout is restored afterwards.
+char* tdr_store_check_in(TdrStore* s, int64_t timeout_ms) {
+  TDR_TRY
+  auto* tcp = dynamic_cast<c10d::TCPStore*>(s->store.get());
+  if (tcp == nullptr) {
+    throw std::runtime_error("the worker check-in needs a TCPStore");
+  }
+  auto before = tcp->getTimeout();
+  tcp->setTimeout(Millis(std::max<int64_t>(timeout_ms, 1)));
+  try {
+    tcp->waitForWorkers();
+  } catch (...) {
+    tcp->setTimeout(before);
+    throw;
+  }
+  tcp->setTimeout(before);
   TDR_CATCH
 }
 
@@ -718,14 +819,20 @@ bool tdr_nccl_compiled() {
 #endif
 }
 
-// `gloo_host` names the address Gloo binds to; empty means c10d's default device (this
+// `store` is the group's store, PyTorch's `PrefixStore(f"{group_name}/", default store)`; as
+// PyTorch's _new_process_group_helper, each backend gets `PrefixStore(f"{device}/")` over
+// it (`cpu/` for Gloo, `cuda/` for NCCL), and with DETAIL the wrapper's helper Gloo group
+// `PrefixStore(f"pg_wrapper:{group_name}")` over that. `gloo_host` names the address Gloo
+// binds to when GLOO_SOCKET_IFNAME is unset; empty means c10d's default device (this
 // machine's hostname, falling back to loopback). A `device` of 0 or more becomes this
 // thread's current CUDA device (torch.cuda.set_device) and NCCL's bound device
 // (init_process_group's device_id); NCCL connects lazily, at the first collective, unless
-// tdr_group_connect is called.
-char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
-                    int64_t rendezvous_ms, const char* gloo_host, bool with_nccl, int device,
-                    bool cuda_via_gloo, bool detail, TdrGroup** out) {
+// tdr_group_connect is called. Without `with_gloo` (PyTorch's "nccl") there is no Gloo
+// backend: CPU tensors are refused and barriers go through NCCL.
+char* tdr_group_new(TdrStore* store, const char* group_name, int rank, int size,
+                    int64_t timeout_ms, int64_t rendezvous_ms, const char* gloo_host,
+                    bool with_gloo, bool with_nccl, int device, bool cuda_via_gloo, bool detail,
+                    TdrGroup** out) {
   TDR_TRY
   configure_logging();
   auto timeout = Millis(timeout_ms);
@@ -744,14 +851,19 @@ char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
     }
   }
   std::string host(gloo_host);
+  std::string wrapper_prefix = std::string("pg_wrapper:") + group_name;
   auto backends = std::make_shared<Backends>();
-  backends->gloo = new_gloo(store->store, "gloo/", rank, size, left(), timeout, host);
-  if (detail) {
-    // The checks' own Gloo backend (PyTorch's helper group of TORCH_DISTRIBUTED_DEBUG=DETAIL),
-    // so that their traffic never interleaves with the collectives they check.
-    backends->gloo_check =
-        new_gloo(store->store, "gloo_check/", rank, size, left(), timeout, host);
-    backends->gloo = wrap_checked(backends->gloo, backends->gloo_check);
+  if (with_gloo || cuda_via_gloo) {
+    auto cpu_store = prefixed("cpu/", store->store);
+    backends->gloo = new_gloo(cpu_store, rank, size, left(), timeout, host);
+    if (detail) {
+      // The checks' own Gloo backend (PyTorch's helper group of
+      // TORCH_DISTRIBUTED_DEBUG=DETAIL), so that their traffic never interleaves with the
+      // collectives they check.
+      backends->gloo_check =
+          new_gloo(prefixed(wrapper_prefix, cpu_store), rank, size, left(), timeout, host);
+      backends->gloo = wrap_checked(backends->gloo, backends->gloo_check, backends->foreign);
+    }
   }
   if (with_nccl && !cuda_via_gloo) {
 #ifdef TDR_WITH_NCCL
@@ -761,19 +873,24 @@ char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
     default_nccl_error_handling();
     auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
     nccl_opts->timeout = timeout;
-    auto nccl_store = c10::make_intrusive<c10d::PrefixStore>("nccl/", store->store);
+    nccl_opts->is_high_priority_stream = false;
+    nccl_opts->group_name = group_name;
+    auto cuda_store = prefixed("cuda/", store->store);
     backends->nccl_raw =
-        c10::make_intrusive<c10d::ProcessGroupNCCL>(nccl_store, rank, size, nccl_opts);
+        c10::make_intrusive<c10d::ProcessGroupNCCL>(cuda_store, rank, size, nccl_opts);
     backends->nccl_raw->setBoundDeviceId(cuda_device(device));
     backends->nccl = backends->nccl_raw;
     if (detail) {
       backends->nccl_check =
-          new_gloo(store->store, "nccl_check/", rank, size, left(), timeout, host);
-      backends->nccl = wrap_checked(backends->nccl_raw, backends->nccl_check);
+          new_gloo(prefixed(wrapper_prefix, cuda_store), rank, size, left(), timeout, host);
+      backends->nccl = wrap_checked(backends->nccl_raw, backends->nccl_check, backends->foreign);
     }
 #else
     throw std::runtime_error("tch-dist was built without NCCL support");
 #endif
+  }
+  if (!backends->gloo && !backends->nccl) {
+    throw std::runtime_error("a process group needs a Gloo or an NCCL backend");
   }
   *out = new TdrGroup{rank, size, timeout, device, cuda_via_gloo, std::move(backends)};
   TDR_CATCH
@@ -790,6 +907,13 @@ char* tdr_group_connect(TdrGroup* g) {
     g->backends->nccl_raw->eagerConnectSingleDevice(cuda_device(g->device));
   }
 #endif
+  TDR_CATCH
+}
+
+// DETAIL in a job with ranks that are not tch-dist's: c10d's checks only (see Backends).
+char* tdr_group_set_foreign_peers(TdrGroup* g, bool foreign) {
+  TDR_TRY
+  g->backends->foreign->store(foreign);
   TDR_CATCH
 }
 
@@ -895,7 +1019,9 @@ char* tdr_all_gather_flat(TdrGroup* g, at::Tensor* output, at::Tensor* input, Td
   TDR_CATCH
 }
 
-// List form: rank r receives the reduction of every rank's inputs[r].
+// List form: rank r receives the reduction of every rank's inputs[r]. The backend's own list
+// reduce_scatter, as torch.distributed.reduce_scatter calls it, so that a PyTorch rank's list
+// form meets this one on the wire.
 char* tdr_reduce_scatter(TdrGroup* g, at::Tensor* output, at::Tensor** inputs, size_t n,
                          int op, TdrWork** out) {
   TDR_TRY
@@ -904,21 +1030,28 @@ char* tdr_reduce_scatter(TdrGroup* g, at::Tensor* output, at::Tensor** inputs, s
                              " input tensors (one per rank), got " + std::to_string(n));
   }
   Route r = route(*g, *output);
-  // One flat input lets both backends use their tensor-form reduce-scatter.
-  std::vector<at::Tensor> parts;
+  std::vector<std::vector<at::Tensor>> ins(1);
   for (size_t i = 0; i < n; ++i) {
     check_same_size(*output, *inputs[i], "reduce_scatter input");
-    parts.push_back(inputs[i]->reshape({-1}));
+    ins[0].push_back(backend_input(*inputs[i], r.staged));
   }
-  at::Tensor flat = backend_input(at::cat(parts), r.staged);
   auto io = std::make_shared<InOut>(*output, r.staged, /*read=*/false);
-  at::Tensor out_flat = io->work.view({-1});
+  std::vector<at::Tensor> outs{io->work};
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = backend_reduce_op(r, op);
   opts.timeout = g->timeout;
-  auto work = checked(*g, r, {"reduce_scatter", {flat, out_flat}},
-                      [&]() { return r.backend->_reduce_scatter_base(out_flat, flat, opts); });
-  *out = make_reduction_work(*g, r, op, work, io, flat);
+  std::vector<at::Tensor> fingerprint{io->work};
+  auto work = checked(*g, r, {"reduce_scatter", fingerprint},
+                      [&]() { return r.backend->reduce_scatter(outs, ins, opts); });
+  // As make_reduction_work, keeping the inputs alive until the backend is done with them.
+  bool divide = op == TDR_REDUCE_AVG && r.gloo;
+  int size = g->size;
+  *out = make_work(r, work, [io, ins, divide, size]() {
+    if (divide) {
+      divide_by(io->work, size);
+    }
+    io->finish();
+  });
   TDR_CATCH
 }
 
@@ -988,7 +1121,7 @@ char* tdr_recv(TdrGroup* g, at::Tensor* t, int src, int tag, TdrWork** out) {
 
 char* tdr_barrier(TdrGroup* g, TdrWork** out) {
   TDR_TRY
-  Route r = route_gloo(*g);
+  Route r = route_barrier(*g);
   c10d::BarrierOptions opts;
   opts.timeout = g->timeout;
   auto work = checked(*g, r, {"barrier", {}}, [&]() { return r.backend->barrier(opts); });
@@ -999,7 +1132,7 @@ char* tdr_barrier(TdrGroup* g, TdrWork** out) {
 // Gloo's monitored barrier: on timeout its message names the ranks that did not arrive.
 char* tdr_monitored_barrier(TdrGroup* g, int64_t timeout_ms, bool wait_all_ranks) {
   TDR_TRY
-  c10::intrusive_ptr<c10d::Backend> gloo = route_gloo(*g).backend;
+  c10::intrusive_ptr<c10d::Backend> gloo = route_gloo(*g, "monitored_barrier").backend;
   c10d::BarrierOptions opts;
   opts.timeout = Millis(timeout_ms);
   gloo->monitoredBarrier(opts, wait_all_ranks);

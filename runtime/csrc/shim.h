@@ -78,6 +78,9 @@ void tdr_bytes_free(uint8_t* data);
 // unless TORCH_SHOW_CPP_STACKTRACES=1).
 char* tdr_store_tcp(const char* host, uint16_t port, bool is_server, int world_size,
                     int64_t connect_timeout_ms, int64_t timeout_ms, TdrStore** out);
+// PyTorch's TCPStore handshake (`wait_for_workers=True`): the rank checks in on the store's
+// worker count; the server then waits for world_size ranks, at most `timeout_ms`.
+char* tdr_store_check_in(TdrStore* s, int64_t timeout_ms);
 char* tdr_store_prefix(TdrStore* base, const char* prefix, TdrStore** out);
 char* tdr_store_set(TdrStore* s, const char* key, const uint8_t* data, size_t len);
 char* tdr_store_get(TdrStore* s, const char* key, uint8_t** data, size_t* len);
@@ -95,17 +98,26 @@ void tdr_store_free(TdrStore* s);
 char* tdr_cuda_set_device(int device);
 char* tdr_cuda_device_uuid(int device, char** out);
 
-// Process groups. `device` is the CUDA device the group is bound to (-1: none): it becomes
-// this thread's current device and NCCL's bound device. With `cuda_via_gloo`, CUDA tensors
-// go through Gloo (copied through host memory) and no NCCL backend is created. The backends'
-// rendezvous waits at most `rendezvous_ms`; their collectives' limit is `timeout_ms`. With
-// `detail` (TCH_DIST_DEBUG=DETAIL) each backend is wrapped in c10d's ProcessGroupWrapper,
-// which checks every collective's fingerprint across the ranks over a Gloo backend of its own.
+// Process groups. `store` is the group's store (PyTorch's `{group_name}/` prefix over the
+// default store); the backends take PyTorch's `cpu/` (Gloo) and `cuda/` (NCCL) prefixes over
+// it. `with_gloo`, `with_nccl`: which backends (PyTorch's "gloo", "nccl",
+// "cpu:gloo,cuda:nccl"). Gloo's devices follow GLOO_SOCKET_IFNAME as PyTorch's; `gloo_host`,
+// when not empty, replaces the default device's address. `device` is the CUDA device the
+// group is bound to (-1: none): it becomes this thread's current device and NCCL's bound
+// device. With `cuda_via_gloo`, CUDA tensors go through Gloo (copied through host memory)
+// and no NCCL backend is created. The backends' rendezvous waits at most `rendezvous_ms`;
+// their collectives' limit is `timeout_ms`. With `detail` (TCH_DIST_DEBUG=DETAIL) each
+// backend is wrapped in c10d's ProcessGroupWrapper, which checks every collective's
+// fingerprint across the ranks over a Gloo backend of its own (`pg_wrapper:{group_name}`).
 bool tdr_nccl_compiled(void);
-char* tdr_group_new(TdrStore* store, int rank, int size, int64_t timeout_ms,
-                    int64_t rendezvous_ms, const char* gloo_host, bool with_nccl, int device,
-                    bool cuda_via_gloo, bool detail, TdrGroup** out);
+char* tdr_group_new(TdrStore* store, const char* group_name, int rank, int size,
+                    int64_t timeout_ms, int64_t rendezvous_ms, const char* gloo_host,
+                    bool with_gloo, bool with_nccl, int device, bool cuda_via_gloo, bool detail,
+                    TdrGroup** out);
 char* tdr_group_connect(TdrGroup* g);
+// DETAIL in a job with ranks that are not tch-dist's (PyTorch's): c10d's checks only, which
+// PyTorch's ranks make too; no broadcast root check, and a mismatch reports this rank's call.
+char* tdr_group_set_foreign_peers(TdrGroup* g, bool foreign);
 char* tdr_group_shutdown(TdrGroup* g);
 void tdr_group_free(TdrGroup* g);
 

@@ -222,6 +222,31 @@ pub enum DistError {
     /// `init_process_group` was called while a default group exists.
     #[error("the default process group is already initialized; call destroy_process_group first")]
     AlreadyInitialized,
+    /// An object collective received a pickle tch-dist does not read (from a PyTorch rank
+    /// that sent something other than a `str` or `bytes`).
+    #[error("rank {rank}: {op}: the object from rank {from} cannot be read: {problem}")]
+    Object {
+        /// This process's rank in the group.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// The group rank whose object it is.
+        from: usize,
+        /// What is wrong with it.
+        problem: PickleError,
+    },
+    /// A backend string that is none of PyTorch's that tch-dist has.
+    #[error("unknown backend {value:?}: expected \"gloo\", \"nccl\" or \"cpu:gloo,cuda:nccl\"")]
+    UnknownBackend {
+        /// The string.
+        value: String,
+    },
+}
+
+impl From<std::convert::Infallible> for DistError {
+    fn from(never: std::convert::Infallible) -> DistError {
+        match never {}
+    }
 }
 
 /// The runtime's result type.
@@ -321,6 +346,48 @@ pub enum EnvError {
     },
 }
 
+/// Why a pickle is not one tch-dist reads (the `problem` of [`DistError::Object`]): it reads
+/// one `str` or `bytes` and nothing else, so that no received object runs code.
+///
+/// ```
+/// use tch_dist_runtime::{Object, PickleError};
+/// // pickle.dumps(5): an int
+/// let err = Object::from_pickle(b"\x80\x04K\x05.").unwrap_err();
+/// assert_eq!(err, PickleError::Unsupported { opcode: b'K', at: 2 });
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PickleError {
+    /// The data ends inside an opcode or its argument.
+    #[error("it ends early, at byte {at}")]
+    Truncated {
+        /// Where the opcode that runs past the end starts.
+        at: usize,
+    },
+    /// An opcode outside the subset (a value other than one str or bytes).
+    #[error(
+        "opcode 0x{opcode:02x} at byte {at} is outside what tch-dist reads (one str or bytes)"
+    )]
+    Unsupported {
+        /// The opcode.
+        opcode: u8,
+        /// Its offset.
+        at: usize,
+    },
+    /// It stops before any value.
+    #[error("it holds no value")]
+    Empty,
+    /// A second value follows the first.
+    #[error("a second value starts at byte {at} (tch-dist reads one str or bytes)")]
+    Several {
+        /// Where the second value starts.
+        at: usize,
+    },
+    /// A `str` whose bytes are not UTF-8.
+    #[error("its str is not UTF-8")]
+    NotUtf8,
+}
+
 /// Why a rendezvous failed (the `problem` of [`DistError::Rendezvous`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -370,6 +437,20 @@ pub enum RendezvousError {
         mine: String,
         /// The run id of the ranks that created the store.
         theirs: String,
+    },
+    /// Fewer ranks than the world size checked in at a store-side count by the timeout: the
+    /// TCPStore's worker count (`init/`, rank 0 waits for it) or PyTorch's store-based
+    /// barrier; used when the store cannot tell which ranks are missing.
+    #[error("{what}: {joined} of {world_size} ranks checked in within {timeout:?}")]
+    NotAllCheckedIn {
+        /// The count that fell short.
+        what: &'static str,
+        /// How many checked in (-1: the store could not say).
+        joined: i64,
+        /// How many should have.
+        world_size: usize,
+        /// The timeout that passed.
+        timeout: Duration,
     },
     /// The engine failed the rendezvous for another reason.
     #[error("{cause}")]

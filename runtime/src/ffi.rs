@@ -86,6 +86,7 @@ extern "C" {
         timeout_ms: i64,
         out: *mut *mut TdrStore,
     ) -> *mut c_char;
+    pub fn tdr_store_check_in(s: *mut TdrStore, timeout_ms: i64) -> *mut c_char;
     pub fn tdr_store_prefix(
         base: *mut TdrStore,
         prefix: *const c_char,
@@ -128,11 +129,13 @@ extern "C" {
     pub fn tdr_nccl_compiled() -> bool;
     pub fn tdr_group_new(
         store: *mut TdrStore,
+        group_name: *const c_char,
         rank: c_int,
         size: c_int,
         timeout_ms: i64,
         rendezvous_ms: i64,
         gloo_host: *const c_char,
+        with_gloo: bool,
         with_nccl: bool,
         device: c_int,
         cuda_via_gloo: bool,
@@ -140,6 +143,7 @@ extern "C" {
         out: *mut *mut TdrGroup,
     ) -> *mut c_char;
     pub fn tdr_group_connect(g: *mut TdrGroup) -> *mut c_char;
+    pub fn tdr_group_set_foreign_peers(g: *mut TdrGroup, foreign: bool) -> *mut c_char;
     pub fn tdr_group_shutdown(g: *mut TdrGroup) -> *mut c_char;
     pub fn tdr_group_free(g: *mut TdrGroup);
 

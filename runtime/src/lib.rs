@@ -15,6 +15,7 @@ mod devices;
 mod env;
 mod error;
 mod ffi;
+mod objects;
 mod process_group;
 mod reducer;
 mod rendezvous;
@@ -34,11 +35,13 @@ pub use env::{
 };
 pub use error::{
     ArgumentError, CallTensor, CollectiveCall, Desync, DistError, EnvError, Mismatch,
-    NamedSignature, RendezvousError, Result, TensorSignature,
+    NamedSignature, PickleError, RendezvousError, Result, TensorSignature,
 };
+pub use objects::Object;
 pub use process_group::{
     default_group, destroy_process_group, init_process_group, init_process_group_with,
-    is_initialized, Backend, InitOptions, ProcessGroup, CUDA_VIA_GLOO_ENV, NO_SHORTCUTS_ENV,
+    is_initialized, Backend, GroupOptions, InitOptions, ProcessGroup, CUDA_VIA_GLOO_ENV,
+    INIT_BARRIER_ENV, NO_SHORTCUTS_ENV, USE_AGENT_STORE_ENV,
 };
 pub use reducer::{
     CommHook, PowerSgdOptions, Reducer, ReducerOptions, ReducerStats, DEFAULT_FIRST_BUCKET_BYTES,

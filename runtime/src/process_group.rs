@@ -24,21 +24,39 @@ pub const NO_SHORTCUTS_ENV: &str = "TCH_DIST_NO_SHORTCUTS";
 /// [`InitOptions::cuda_via_gloo`]).
 pub const CUDA_VIA_GLOO_ENV: &str = "TCH_DIST_CUDA_VIA_GLOO";
 
-/// Which c10d backend carries device tensors.
+/// Which c10d backends a group has, as PyTorch's backend strings name them.
 ///
-/// Every group has a Gloo backend, which carries CPU tensors and control traffic (barriers,
-/// metadata checks). `Nccl` adds ProcessGroupNCCL for CUDA tensors; a CPU-only machine
-/// simply never asks for it, so one binary serves both.
+/// `Gloo` is PyTorch's `"gloo"` (CPU tensors), `Nccl` its `"cpu:gloo,cuda:nccl"`
+/// (ProcessGroupNCCL for CUDA tensors, with Gloo beside it for CPU tensors and control
+/// traffic: barriers, monitored barriers, metadata checks) and `NcclOnly` its `"nccl"`
+/// (CUDA tensors only; barriers go through NCCL, CPU tensors and monitored barriers are
+/// refused). A Rust rank and a PyTorch rank of one job must name the same set: each backend
+/// has a rendezvous of its own, which waits for every rank. A CPU-only machine simply never
+/// asks for NCCL, so one binary serves both.
+///
+/// ```
+/// use tch_dist_runtime::Backend;
+/// assert_eq!("gloo".parse::<Backend>().unwrap(), Backend::Gloo);
+/// assert_eq!("nccl".parse::<Backend>().unwrap(), Backend::NcclOnly);
+/// assert_eq!(Backend::try_from("cpu:gloo,cuda:nccl").unwrap(), Backend::Nccl);
+/// assert_eq!(Backend::Nccl.to_string(), "cpu:gloo,cuda:nccl");
+/// assert!("mpi".parse::<Backend>().is_err());
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Backend {
-    /// Gloo only: CPU tensors.
+    /// Gloo only: CPU tensors (PyTorch's `"gloo"`).
     Gloo,
-    /// NCCL for CUDA tensors, with Gloo beside it for CPU tensors.
+    /// NCCL for CUDA tensors, with Gloo beside it for CPU tensors (PyTorch's
+    /// `"cpu:gloo,cuda:nccl"`).
     Nccl,
+    /// NCCL only (PyTorch's `"nccl"`, also what its bare `init_process_group()` picks on a
+    /// machine with CUDA).
+    NcclOnly,
 }
 
 impl Backend {
-    /// `Nccl` when CUDA is available, else `Gloo` (PyTorch's usual choice).
+    /// `Nccl` when CUDA is available, else `Gloo` (PyTorch's usual choice, with Gloo kept
+    /// beside NCCL for CPU tensors).
     pub fn default_for_machine() -> Backend {
         if tch::Cuda::is_available() {
             Backend::Nccl
@@ -52,7 +70,95 @@ impl Backend {
         // SAFETY: a constant query without arguments.
         unsafe { ffi::tdr_nccl_compiled() }
     }
+
+    /// PyTorch's string for this backend set.
+    ///
+    /// ```
+    /// assert_eq!(tch_dist_runtime::Backend::NcclOnly.as_str(), "nccl");
+    /// ```
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Gloo => "gloo",
+            Backend::Nccl => "cpu:gloo,cuda:nccl",
+            Backend::NcclOnly => "nccl",
+        }
+    }
+
+    /// Whether the group has a Gloo backend (CPU tensors).
+    pub fn has_gloo(self) -> bool {
+        self != Backend::NcclOnly
+    }
+
+    /// Whether the group has an NCCL backend (CUDA tensors).
+    pub fn has_nccl(self) -> bool {
+        self != Backend::Gloo
+    }
+
+    /// Reads PyTorch's backend strings, in any case: `"gloo"`, `"nccl"`, and the
+    /// device-to-backend map `"cpu:gloo,cuda:nccl"` (either order; `"cpu:gloo"` alone is
+    /// `"gloo"`, `"cuda:nccl"` alone is `"nccl"`). Anything else is
+    /// [`DistError::UnknownBackend`].
+    pub fn parse(value: &str) -> Result<Backend> {
+        let unknown = || DistError::UnknownBackend {
+            value: value.to_string(),
+        };
+        let lower = value.trim().to_ascii_lowercase();
+        match lower.as_str() {
+            "gloo" => return Ok(Backend::Gloo),
+            "nccl" => return Ok(Backend::NcclOnly),
+            _ => {}
+        }
+        let (mut cpu, mut cuda) = (false, false);
+        for pair in lower.split(',') {
+            match pair.split_once(':').map(|(d, b)| (d.trim(), b.trim())) {
+                Some(("cpu", "gloo")) if !cpu => cpu = true,
+                Some(("cuda", "nccl")) if !cuda => cuda = true,
+                _ => return Err(unknown()),
+            }
+        }
+        Ok(match (cpu, cuda) {
+            (true, true) => Backend::Nccl,
+            (true, false) => Backend::Gloo,
+            (false, true) => Backend::NcclOnly,
+            (false, false) => return Err(unknown()),
+        })
+    }
 }
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = DistError;
+    fn from_str(s: &str) -> Result<Backend> {
+        Backend::parse(s)
+    }
+}
+
+impl TryFrom<&str> for Backend {
+    type Error = DistError;
+    fn try_from(s: &str) -> Result<Backend> {
+        Backend::parse(s)
+    }
+}
+
+impl TryFrom<String> for Backend {
+    type Error = DistError;
+    fn try_from(s: String) -> Result<Backend> {
+        Backend::parse(&s)
+    }
+}
+
+/// PyTorch's `TORCHELASTIC_USE_AGENT_STORE`: `True` (exactly, as PyTorch compares it) under
+/// torchrun, whose agent hosts the rendezvous store; every rank is then a client of it.
+pub const USE_AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
+
+/// PyTorch's `TORCH_DIST_INIT_BARRIER`: `1` adds its store-based barrier after
+/// `init_process_group` and `new_group` (see [`InitOptions::init_barrier`]).
+pub const INIT_BARRIER_ENV: &str = "TORCH_DIST_INIT_BARRIER";
 
 /// Everything needed to create a process group explicitly.
 ///
@@ -121,6 +227,13 @@ pub struct InitOptions {
     /// a rank that carries one refuses to join a rendezvous store claimed by a run with
     /// another id. `None` (a PyTorch rank, a hand-started one) is never checked.
     pub run_id: Option<String>,
+    /// Every rank is a client of a store someone else hosts at MASTER_ADDR:MASTER_PORT
+    /// (torchrun's agent store, `TORCHELASTIC_USE_AGENT_STORE=True`); otherwise rank 0 hosts
+    /// it and waits for every rank to check in, as PyTorch's rank 0 does.
+    pub use_agent_store: bool,
+    /// PyTorch's store-based barrier after the group's creation and after every `new_group`
+    /// (`TORCH_DIST_INIT_BARRIER=1`), with its keys: every rank of the job must agree on it.
+    pub init_barrier: bool,
 }
 
 impl InitOptions {
@@ -147,12 +260,15 @@ impl InitOptions {
             cuda_via_gloo: false,
             debug: DebugLevel::Off,
             run_id: None,
+            use_agent_store: false,
+            init_barrier: false,
         }
     }
 
     /// Options from the launch environment (torchrun's or Slurm's variables, LOCAL_RANK
     /// and TORCHELASTIC_RUN_ID included), `TCH_DIST_TIMEOUT_SECS`, `TCH_DIST_DEBUG` (or
-    /// `TORCH_DISTRIBUTED_DEBUG`), and the test switches `TCH_DIST_NO_SHORTCUTS` and
+    /// `TORCH_DISTRIBUTED_DEBUG`), PyTorch's `TORCHELASTIC_USE_AGENT_STORE` and
+    /// `TORCH_DIST_INIT_BARRIER`, and the test switches `TCH_DIST_NO_SHORTCUTS` and
     /// `TCH_DIST_CUDA_VIA_GLOO`.
     pub fn from_env(backend: Backend) -> Result<Self> {
         let env = LaunchEnv::from_process_env()?;
@@ -178,7 +294,22 @@ impl InitOptions {
         let switch = |var| read_switch(var, |k| std::env::var(k).ok());
         opts.shortcuts = !switch(NO_SHORTCUTS_ENV)?;
         opts.cuda_via_gloo = switch(CUDA_VIA_GLOO_ENV)?;
+        opts.use_agent_store = read_agent_store(|k| std::env::var(k).ok());
+        opts.init_barrier = read_init_barrier(|k| std::env::var(k).ok())?;
         Ok(opts)
+    }
+
+    /// Makes every rank a client of a store hosted by someone else (see
+    /// [`InitOptions::use_agent_store`]).
+    pub fn with_agent_store(mut self) -> Self {
+        self.use_agent_store = true;
+        self
+    }
+
+    /// Adds PyTorch's store-based barrier (see [`InitOptions::init_barrier`]).
+    pub fn with_init_barrier(mut self) -> Self {
+        self.init_barrier = true;
+        self
     }
 
     /// Replaces the timeout.
@@ -250,8 +381,8 @@ impl InitOptions {
         }
         match self.backend {
             Backend::Gloo => Ok(None),
-            Backend::Nccl if device < device_count => Ok(Some(device)),
-            Backend::Nccl => Err(EnvError::DeviceOutOfRange {
+            Backend::Nccl | Backend::NcclOnly if device < device_count => Ok(Some(device)),
+            Backend::Nccl | Backend::NcclOnly => Err(EnvError::DeviceOutOfRange {
                 from,
                 device,
                 count: device_count,
@@ -284,16 +415,36 @@ impl Drop for GroupHandle {
     }
 }
 
+/// What every group created from one rendezvous shares: PyTorch's `_world` for the groups of
+/// one default group (one per process, when there is one default group).
+struct World {
+    /// The TCPStore itself (what [`ProcessGroup::store`] returns; tch-dist's `tch_dist/`
+    /// keys and the worker count `init/` live here).
+    root: Store,
+    /// PyTorch's default store: `PrefixStore("0/", PrefixStore("default_pg", root))`, over
+    /// which every subgroup's `"{name}/"` prefix goes.
+    default_store: Store,
+    /// PyTorch's `_world.group_count`: the default group took "0"; each `new_group` without
+    /// `use_local_synchronization` takes the next number, on every rank, members or not.
+    group_count: AtomicUsize,
+    /// `len(_world.pg_names)`: the groups this process is a member of and has not shut down
+    /// (the default group included), which names `use_local_synchronization` groups.
+    live_groups: AtomicUsize,
+    /// PyTorch's store-based barrier after every `new_group` (TORCH_DIST_INIT_BARRIER=1).
+    init_barrier: bool,
+}
+
 struct GroupInner {
     handle: GroupHandle,
-    store: Store,
+    world: Arc<World>,
+    /// PyTorch's group name: "0" for the default group, the group count or a hash for
+    /// subgroups.
+    name: String,
     rank: usize,
     world_size: usize,
     backend: Backend,
     timeout: Duration,
     global_ranks: Vec<usize>,
-    /// Counts `new_group` calls so every subgroup gets its own store prefix.
-    subgroups: AtomicUsize,
     master: (String, u16),
     /// The bound CUDA device.
     device: Option<usize>,
@@ -310,6 +461,7 @@ struct GroupInner {
 
 /// What a new group's `GroupInner` takes beyond its handle.
 struct Shape {
+    name: String,
     rank: usize,
     world_size: usize,
     backend: Backend,
@@ -323,16 +475,16 @@ struct Shape {
 }
 
 impl GroupInner {
-    fn new(handle: GroupHandle, store: Store, s: Shape) -> GroupInner {
+    fn new(handle: GroupHandle, world: Arc<World>, s: Shape) -> GroupInner {
         GroupInner {
             handle,
-            store,
+            world,
+            name: s.name,
             rank: s.rank,
             world_size: s.world_size,
             backend: s.backend,
             timeout: s.timeout,
             global_ranks: s.global_ranks,
-            subgroups: AtomicUsize::new(0),
             master: s.master,
             device: s.device,
             shortcuts: s.shortcuts,
@@ -344,7 +496,8 @@ impl GroupInner {
         }
     }
 
-    /// Shuts this group's backends down, and its subgroups' first.
+    /// Shuts this group's backends down, and its subgroups' first (PyTorch's
+    /// `destroy_process_group(group)`: the group no longer counts among the live ones).
     fn shutdown(&self) {
         let children =
             std::mem::take(&mut *self.children.lock().unwrap_or_else(|e| e.into_inner()));
@@ -352,6 +505,10 @@ impl GroupInner {
             child.shutdown();
         }
         if !self.shut_down.swap(true, Ordering::SeqCst) {
+            let _ = self
+                .world
+                .live_groups
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
             // SAFETY: live handle; the shim takes its backends out under an exclusive lock,
             // so launches on other threads either finished or fail with ShutDownError.
             let _ = shim!(tdr_group_shutdown(self.handle.0.as_ptr()));
@@ -359,9 +516,42 @@ impl GroupInner {
     }
 }
 
+/// How [`ProcessGroup::new_group_with`] creates a subgroup.
+///
+/// ```
+/// use tch_dist_runtime::{Backend, GroupOptions};
+/// let opts = GroupOptions::new(Backend::Gloo).with_local_synchronization();
+/// assert!(opts.use_local_synchronization);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupOptions {
+    /// The subgroup's backends.
+    pub backend: Backend,
+    /// PyTorch's `use_local_synchronization=True`: only the members call `new_group`; the
+    /// group is named by a hash of its ranks and takes no number from the group count.
+    pub use_local_synchronization: bool,
+}
+
+impl GroupOptions {
+    /// A subgroup with `backend`, which every rank of the parent creates.
+    pub fn new(backend: Backend) -> GroupOptions {
+        GroupOptions {
+            backend,
+            use_local_synchronization: false,
+        }
+    }
+
+    /// Only the members create it (PyTorch's `use_local_synchronization=True`).
+    pub fn with_local_synchronization(mut self) -> GroupOptions {
+        self.use_local_synchronization = true;
+        self
+    }
+}
+
 impl std::fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ProcessGroup")
+            .field("name", &self.inner.name)
             .field("rank", &self.rank())
             .field("world_size", &self.world_size())
             .field("backend", &self.backend())
@@ -371,13 +561,17 @@ impl std::fmt::Debug for ProcessGroup {
 }
 
 impl ProcessGroup {
-    /// Creates a group explicitly: rank 0 hosts the TCPStore at `master_addr:master_port`,
-    /// every rank connects to it, then the backends connect to each other.
+    /// Creates a group explicitly, with PyTorch 2.11's rendezvous: rank 0 hosts the TCPStore
+    /// at `master_addr:master_port` (unless [`InitOptions::use_agent_store`]) and waits for
+    /// every rank to check in, every rank connects to it, then the backends connect to each
+    /// other under PyTorch's default group's prefixes (`default_pg/0//cpu//` for Gloo,
+    /// `default_pg/0//cuda//` for NCCL), so that PyTorch ranks may be ranks of the same
+    /// group (docs/ARCHITECTURE.md, "Rendezvous and naming").
     ///
     /// An NCCL group binds its CUDA device ([`InitOptions::cuda_device`]) before anything
     /// else, checks with every rank that no two ranks share a GPU (every rank fails with
-    /// [`DistError::DuplicateDevice`] naming both, before NCCL would refuse them), and, with
-    /// `eager_connect`, creates NCCL's communicator.
+    /// [`DistError::DuplicateDevice`] naming both, before NCCL would refuse them; with Gloo
+    /// beside NCCL only), and, with `eager_connect`, creates NCCL's communicator.
     pub fn new(opts: &InitOptions) -> Result<ProcessGroup> {
         let deadline = Deadline::after(opts.timeout);
         let rendezvous = |problem: RendezvousError| DistError::Rendezvous {
@@ -396,43 +590,63 @@ impl ProcessGroup {
             }
             .into());
         }
-        if opts.backend == Backend::Nccl && !Backend::nccl_compiled() {
+        if opts.backend.has_nccl() && !opts.cuda_via_gloo && !Backend::nccl_compiled() {
             return Err(EnvError::NcclNotCompiled.into());
         }
-        let device = if opts.backend == Backend::Nccl || opts.cuda_via_gloo {
+        let device = if opts.backend.has_nccl() || opts.cuda_via_gloo {
             opts.cuda_device(tch::Cuda::device_count().max(0) as usize)?
         } else {
             None
         };
         // Every step below ends by the deadline: the host resolves, something listens (rank
-        // 0's store), then the store client connects, the run id is checked, and the
-        // backends rendezvous with what is left.
+        // 0's store, or the agent's), then the store client connects, the run id is
+        // checked, every rank checks in (rank 0 waits for all), and the backends
+        // rendezvous with what is left.
         let addrs = rendezvous::resolve(&opts.master_addr, opts.master_port, deadline)
             .map_err(rendezvous)?;
-        if opts.rank != 0 {
+        let is_server = opts.rank == 0 && !opts.use_agent_store;
+        if !is_server {
             rendezvous::wait_for_listener(&addrs, deadline).map_err(rendezvous)?;
         }
         let store = Store::tcp(
             &opts.master_addr,
             opts.master_port,
-            opts.rank == 0,
+            is_server,
             opts.world_size,
             deadline.left(),
             opts.timeout,
         )
         .map_err(engine)?;
         rendezvous::check_run(&store, opts.rank, opts.run_id.as_deref()).map_err(rendezvous)?;
-        let group_store = store
-            .prefixed("default_pg/")
-            .map_err(|e| engine(e.to_string()))?;
-        rendezvous::join(&group_store, opts.rank).map_err(rendezvous)?;
+        let prefixed =
+            |base: &Store, prefix: &str| base.prefixed(prefix).map_err(|e| engine(e.to_string()));
+        let default_store = prefixed(&prefixed(&store, "default_pg")?, "0/")?;
+        const NAME: &str = "0";
+        rendezvous::join(&store, NAME, opts.rank).map_err(rendezvous)?;
+        let missing = |cause: RendezvousError| {
+            rendezvous(
+                rendezvous::never_joined(
+                    &store,
+                    &default_store,
+                    NAME,
+                    opts.world_size,
+                    opts.timeout,
+                )
+                .unwrap_or(cause),
+            )
+        };
+        // PyTorch's waitWorkers handshake: every rank checks in, the server waits for all.
+        store
+            .check_in(deadline.left())
+            .map_err(|cause| missing(RendezvousError::Engine { cause }))?;
         let gloo_host = if is_loopback(&opts.master_addr) {
             "127.0.0.1"
         } else {
             ""
         };
         let handle = new_group_handle(
-            &group_store,
+            &default_store,
+            NAME,
             opts.rank,
             opts.world_size,
             GroupTimes {
@@ -445,17 +659,28 @@ impl ProcessGroup {
             opts.cuda_via_gloo,
             opts.debug,
         )
-        .map_err(|cause| {
-            rendezvous(
-                rendezvous::never_joined(&store, &group_store, opts.world_size, opts.timeout)
-                    .unwrap_or(RendezvousError::Engine { cause }),
-            )
-        })?;
+        .map_err(|cause| missing(RendezvousError::Engine { cause }))?;
+        detail_with_foreign_ranks(&handle, &store, NAME, opts.world_size, opts.debug)
+            .map_err(engine)?;
+        if opts.init_barrier {
+            // PyTorch's barrier of init_process_group: on PrefixStore("default_pg").
+            let barrier_store = prefixed(&store, "default_pg")?;
+            rendezvous::store_barrier(&barrier_store, NAME, opts.world_size, deadline)
+                .map_err(rendezvous)?;
+        }
+        let world = Arc::new(World {
+            root: store,
+            default_store,
+            group_count: AtomicUsize::new(1),
+            live_groups: AtomicUsize::new(1),
+            init_barrier: opts.init_barrier,
+        });
         let pg = ProcessGroup {
             inner: Arc::new(GroupInner::new(
                 handle,
-                store,
+                world,
                 Shape {
+                    name: NAME.to_string(),
                     rank: opts.rank,
                     world_size: opts.world_size,
                     backend: opts.backend,
@@ -470,7 +695,7 @@ impl ProcessGroup {
             )),
         };
         if pg.uses_nccl() {
-            if let Some(d) = device.filter(|_| opts.world_size > 1) {
+            if let Some(d) = device.filter(|_| opts.world_size > 1 && opts.backend.has_gloo()) {
                 pg.verify_distinct_devices(&DeviceClaim::of_cuda_device(d)?)?;
             }
             if opts.eager_connect {
@@ -489,8 +714,42 @@ impl ProcessGroup {
     /// Creates a subgroup of this group's `ranks` (like `torch.distributed.new_group`).
     ///
     /// Every rank of this group must call it, in the same order relative to other
-    /// `new_group` calls; members get `Some(group)`, the others `None`.
+    /// `new_group` calls; members get `Some(group)`, the others `None`. As in PyTorch the
+    /// ranks are sorted: a member's rank in the subgroup is its place in the sorted list.
+    /// For a job with PyTorch ranks, call it on the default group (PyTorch's ranks are the
+    /// default group's), in the order the PyTorch ranks call `new_group`.
+    ///
+    /// ```no_run
+    /// use tch_dist_runtime::{default_group, Backend};
+    /// let pg = default_group()?;
+    /// // Ranks 0 and 1 get Some(group); every other rank gets None.
+    /// if let Some(pair) = pg.new_group(&[1, 0], Backend::Gloo)? {
+    ///     assert_eq!(pair.global_ranks(), &[0, 1]);
+    /// }
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
     pub fn new_group(&self, ranks: &[usize], backend: Backend) -> Result<Option<ProcessGroup>> {
+        self.new_group_with(ranks, &GroupOptions::new(backend))
+    }
+
+    /// [`new_group`](Self::new_group) with options: with
+    /// [`GroupOptions::use_local_synchronization`] only the members call it (PyTorch's
+    /// `new_group(ranks, use_local_synchronization=True)`; the others must not).
+    ///
+    /// ```no_run
+    /// use tch_dist_runtime::{default_group, Backend, GroupOptions};
+    /// let pg = default_group()?;
+    /// if pg.rank() < 2 {
+    ///     let opts = GroupOptions::new(Backend::Gloo).with_local_synchronization();
+    ///     let pair = pg.new_group_with(&[0, 1], &opts)?.expect("a member");
+    /// }
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
+    pub fn new_group_with(
+        &self,
+        ranks: &[usize],
+        opts: &GroupOptions,
+    ) -> Result<Option<ProcessGroup>> {
         let invalid = |problem: ArgumentError| DistError::InvalidArgument {
             rank: self.rank(),
             op: "new_group",
@@ -513,9 +772,19 @@ impl ProcessGroup {
                 return Err(invalid(ArgumentError::DuplicateRank { rank: r }));
             }
         }
-        let n = self.inner.subgroups.fetch_add(1, Ordering::SeqCst);
-        let Some(sub_rank) = ranks.iter().position(|&r| r == self.rank()) else {
+        let mut ranks = ranks.to_vec();
+        ranks.sort_unstable();
+        let global: Vec<usize> = ranks.iter().map(|&r| self.inner.global_ranks[r]).collect();
+        let sub_rank = ranks.iter().position(|&r| r == self.rank());
+        let local = opts.use_local_synchronization;
+        if local && sub_rank.is_none() {
             return Ok(None);
+        }
+        let world = &self.inner.world;
+        let name = if local {
+            rendezvous::hashed_group_name(&global, world.live_groups.load(Ordering::SeqCst))
+        } else {
+            world.group_count.fetch_add(1, Ordering::SeqCst).to_string()
         };
         let deadline = Deadline::after(self.inner.timeout);
         let (addr, port) = self.inner.master.clone();
@@ -526,17 +795,28 @@ impl ProcessGroup {
             problem: Box::new(problem),
         };
         let engine = |cause: String| rendezvous(RendezvousError::Engine { cause });
-        let key: Vec<String> = ranks.iter().map(usize::to_string).collect();
-        let prefix = format!("{}subgroup{n}[{}]/", self.store_prefix(), key.join(","));
-        let store = self
-            .inner
-            .store
-            .prefixed(&prefix)
+        // PyTorch's barrier of new_group: over the default store and every rank that calls
+        // new_group, or over the group's own store and its members.
+        let barrier = |store: &Store, world_size: usize| {
+            if world.init_barrier {
+                rendezvous::store_barrier(store, &name, world_size, deadline).map_err(rendezvous)
+            } else {
+                Ok(())
+            }
+        };
+        let Some(sub_rank) = sub_rank else {
+            barrier(&world.default_store, self.world_size())?;
+            return Ok(None);
+        };
+        let store = world
+            .default_store
+            .prefixed(&format!("{name}/"))
             .map_err(|e| engine(e.to_string()))?;
-        rendezvous::join(&store, sub_rank).map_err(rendezvous)?;
+        rendezvous::join(&world.root, &name, sub_rank).map_err(rendezvous)?;
         let gloo_host = if is_loopback(&addr) { "127.0.0.1" } else { "" };
         let handle = new_group_handle(
             &store,
+            &name,
             sub_rank,
             ranks.len(),
             GroupTimes {
@@ -544,7 +824,7 @@ impl ProcessGroup {
                 rendezvous: deadline.left(),
             },
             gloo_host,
-            backend,
+            opts.backend,
             self.inner.device,
             self.inner.cuda_via_gloo,
             self.inner.debug,
@@ -552,8 +832,9 @@ impl ProcessGroup {
         .map_err(|cause| {
             rendezvous(
                 rendezvous::never_joined(
-                    &self.inner.store,
+                    &world.root,
                     &store,
+                    &name,
                     ranks.len(),
                     self.inner.timeout,
                 )
@@ -573,15 +854,19 @@ impl ProcessGroup {
                 .unwrap_or(RendezvousError::Engine { cause }),
             )
         })?;
+        detail_with_foreign_ranks(&handle, &world.root, &name, ranks.len(), self.inner.debug)
+            .map_err(engine)?;
+        world.live_groups.fetch_add(1, Ordering::SeqCst);
         let inner = Arc::new(GroupInner::new(
             handle,
-            self.inner.store.clone(),
+            world.clone(),
             Shape {
+                name: name.clone(),
                 rank: sub_rank,
                 world_size: ranks.len(),
-                backend,
+                backend: opts.backend,
                 timeout: self.inner.timeout,
-                global_ranks: ranks.iter().map(|&r| self.inner.global_ranks[r]).collect(),
+                global_ranks: global,
                 master: self.inner.master.clone(),
                 device: self.inner.device,
                 shortcuts: self.inner.shortcuts,
@@ -589,24 +874,28 @@ impl ProcessGroup {
                 debug: self.inner.debug,
             },
         ));
-        let mut children = self
-            .inner
-            .children
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        children.retain(|c| c.strong_count() > 0);
-        children.push(Arc::downgrade(&inner));
+        {
+            let mut children = self
+                .inner
+                .children
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            children.retain(|c| c.strong_count() > 0);
+            children.push(Arc::downgrade(&inner));
+        }
+        if local {
+            barrier(&store, ranks.len())?;
+        } else {
+            barrier(&world.default_store, self.world_size())?;
+        }
         Ok(Some(ProcessGroup { inner }))
     }
 
-    fn store_prefix(&self) -> String {
-        let g: Vec<String> = self
-            .inner
-            .global_ranks
-            .iter()
-            .map(usize::to_string)
-            .collect();
-        format!("g[{}]/", g.join(","))
+    /// PyTorch's name of this group (`_get_process_group_name`): "0" for the default group,
+    /// then the group count ("1", "2", ...) or, for `use_local_synchronization` groups, a
+    /// hash of the ranks. Its backends' store prefixes are made from it.
+    pub fn group_name(&self) -> &str {
+        &self.inner.name
     }
 
     /// This process's rank in the group.
@@ -636,7 +925,7 @@ impl ProcessGroup {
 
     /// The rendezvous store (shared by all groups created from the same rendezvous).
     pub fn store(&self) -> &Store {
-        &self.inner.store
+        &self.inner.world.root
     }
 
     /// The CUDA device this group is bound to (PyTorch's `bound_device_id`): NCCL groups,
@@ -716,12 +1005,29 @@ impl ProcessGroup {
 
     /// Whether CUDA tensors go through an NCCL backend.
     fn uses_nccl(&self) -> bool {
-        self.inner.backend == Backend::Nccl && !self.inner.cuda_via_gloo
+        self.inner.backend.has_nccl() && !self.inner.cuda_via_gloo
     }
 
     pub(crate) fn raw(&self) -> *mut ffi::TdrGroup {
         self.inner.handle.0.as_ptr()
     }
+}
+
+/// DETAIL in a job with ranks that wrote no join key (PyTorch's): the group makes c10d's
+/// checks only, which those ranks make too (see docs/ARCHITECTURE.md, "Rendezvous and
+/// naming").
+fn detail_with_foreign_ranks(
+    handle: &GroupHandle,
+    root: &Store,
+    name: &str,
+    world_size: usize,
+    debug: DebugLevel,
+) -> std::result::Result<(), String> {
+    if debug != DebugLevel::Detail || !rendezvous::has_foreign_ranks(root, name, world_size) {
+        return Ok(());
+    }
+    // SAFETY: live group handle; the shim catches every exception.
+    shim!(tdr_group_set_foreign_peers(handle.0.as_ptr(), true)).map_err(|e| e.message)
 }
 
 /// A new group's limits: its collectives' timeout, and what is left for its rendezvous.
@@ -733,6 +1039,7 @@ struct GroupTimes {
 #[allow(clippy::too_many_arguments)]
 fn new_group_handle(
     store: &Store,
+    name: &str,
     rank: usize,
     world_size: usize,
     times: GroupTimes,
@@ -743,16 +1050,19 @@ fn new_group_handle(
     debug: DebugLevel,
 ) -> std::result::Result<GroupHandle, String> {
     let host = CString::new(gloo_host).map_err(|_| "host contains a NUL byte".to_string())?;
+    let name = CString::new(name).map_err(|_| "group name contains a NUL byte".to_string())?;
     let mut out = std::ptr::null_mut();
-    // SAFETY: live store, valid C string and out-pointer; exceptions are caught in the shim.
+    // SAFETY: live store, valid C strings and out-pointer; exceptions are caught in the shim.
     shim!(tdr_group_new(
         store.raw(),
+        name.as_ptr(),
         rank as i32,
         world_size as i32,
         millis(times.timeout),
         millis(times.rendezvous).max(1),
         host.as_ptr(),
-        backend == Backend::Nccl,
+        backend.has_gloo(),
+        backend.has_nccl(),
         device.map_or(-1, |d| d as i32),
         cuda_via_gloo,
         debug == DebugLevel::Detail,
@@ -773,6 +1083,11 @@ fn default_slot() -> std::sync::MutexGuard<'static, Option<ProcessGroup>> {
 /// Creates the default process group from the launch environment (torchrun's RANK,
 /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, else Slurm's) and returns it.
 ///
+/// `backend` is a [`Backend`] or one of PyTorch's strings (`"gloo"`, `"nccl"`,
+/// `"cpu:gloo,cuda:nccl"`; another string is [`DistError::UnknownBackend`]). The group is
+/// PyTorch 2.11's default group, store keys and handshake included, so PyTorch ranks that call
+/// `torch.distributed.init_process_group` with the same string and variables join it.
+///
 /// With `Backend::Nccl` the group binds CUDA device LOCAL_RANK (PyTorch's
 /// `torch.cuda.set_device(local_rank)` plus `device_id`): it becomes this thread's current
 /// device, NCCL's bound device and [`ProcessGroup::bound_device`]. For an explicit device,
@@ -782,10 +1097,37 @@ fn default_slot() -> std::sync::MutexGuard<'static, Option<ProcessGroup>> {
 /// ```no_run
 /// let pg = tch_dist_runtime::init_process_group(tch_dist_runtime::Backend::Gloo)?;
 /// println!("rank {} of {}", pg.rank(), pg.world_size());
+/// # tch_dist_runtime::destroy_process_group();
+/// let pg = tch_dist_runtime::init_process_group("gloo")?; // as torch.distributed
 /// # Ok::<(), tch_dist_runtime::DistError>(())
 /// ```
-pub fn init_process_group(backend: Backend) -> Result<ProcessGroup> {
-    init_process_group_with(&InitOptions::from_env(backend)?)
+pub fn init_process_group<B>(backend: B) -> Result<ProcessGroup>
+where
+    B: TryInto<Backend>,
+    DistError: From<B::Error>,
+{
+    init_process_group_with(&InitOptions::from_env(backend.try_into()?)?)
+}
+
+/// `TORCHELASTIC_USE_AGENT_STORE` as PyTorch reads it: exactly `True`.
+pub(crate) fn read_agent_store(get: impl Fn(&str) -> Option<String>) -> bool {
+    get(USE_AGENT_STORE_ENV).as_deref() == Some("True")
+}
+
+/// `TORCH_DIST_INIT_BARRIER` as PyTorch reads it (`int(value) == 1`, unset: 0); a value
+/// that is not an integer is an error naming the variable.
+pub(crate) fn read_init_barrier(get: impl Fn(&str) -> Option<String>) -> Result<bool> {
+    let Some(value) = get(INIT_BARRIER_ENV) else {
+        return Ok(false);
+    };
+    match value.trim().parse::<i64>() {
+        Ok(n) => Ok(n == 1),
+        Err(_) => Err(EnvError::NotAnInteger {
+            var: INIT_BARRIER_ENV,
+            value,
+        }
+        .into()),
+    }
 }
 
 /// Creates the default process group from explicit options.
@@ -819,5 +1161,78 @@ pub fn destroy_process_group() {
     let group = default_slot().take();
     if let Some(pg) = group {
         pg.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_strings_are_pytorchs() {
+        for (text, backend) in [
+            ("gloo", Backend::Gloo),
+            ("GLOO", Backend::Gloo),
+            ("nccl", Backend::NcclOnly),
+            ("cpu:gloo,cuda:nccl", Backend::Nccl),
+            ("cuda:nccl, cpu:gloo", Backend::Nccl),
+            ("cpu:gloo", Backend::Gloo),
+            ("cuda:nccl", Backend::NcclOnly),
+        ] {
+            assert_eq!(Backend::parse(text).unwrap(), backend, "{text}");
+        }
+        for b in [Backend::Gloo, Backend::Nccl, Backend::NcclOnly] {
+            assert_eq!(Backend::parse(b.as_str()).unwrap(), b);
+        }
+        for bad in [
+            "",
+            "mpi",
+            "cpu:nccl",
+            "cpu:gloo,cpu:gloo",
+            "gloo,nccl",
+            "cuda:gloo",
+        ] {
+            assert_eq!(
+                Backend::parse(bad).unwrap_err(),
+                DistError::UnknownBackend {
+                    value: bad.to_string()
+                },
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            Backend::parse("ucc").unwrap_err().to_string(),
+            "unknown backend \"ucc\": expected \"gloo\", \"nccl\" or \"cpu:gloo,cuda:nccl\""
+        );
+        // init_process_group's argument: a Backend or a string.
+        fn takes<B: TryInto<Backend>>(b: B) -> Result<Backend>
+        where
+            DistError: From<B::Error>,
+        {
+            Ok(b.try_into()?)
+        }
+        assert_eq!(takes(Backend::Gloo).unwrap(), Backend::Gloo);
+        assert_eq!(takes("nccl").unwrap(), Backend::NcclOnly);
+        assert!(takes(String::from("bogus")).is_err());
+    }
+
+    #[test]
+    fn pytorchs_switches() {
+        let one = |k: &'static str, v: &'static str| move |q: &str| (q == k).then(|| v.to_string());
+        assert!(read_agent_store(one(USE_AGENT_STORE_ENV, "True")));
+        // PyTorch compares with str(True) exactly.
+        assert!(!read_agent_store(one(USE_AGENT_STORE_ENV, "true")));
+        assert!(!read_agent_store(|_| None));
+        assert!(read_init_barrier(one(INIT_BARRIER_ENV, " 1 ")).unwrap());
+        assert!(!read_init_barrier(one(INIT_BARRIER_ENV, "0")).unwrap());
+        assert!(!read_init_barrier(one(INIT_BARRIER_ENV, "2")).unwrap());
+        assert!(!read_init_barrier(|_| None).unwrap());
+        assert_eq!(
+            read_init_barrier(one(INIT_BARRIER_ENV, "yes")).unwrap_err(),
+            DistError::Env(EnvError::NotAnInteger {
+                var: INIT_BARRIER_ENV,
+                value: "yes".into()
+            })
+        );
     }
 }

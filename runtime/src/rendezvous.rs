@@ -1,11 +1,17 @@
 //! The steps of a rendezvous that tch-dist takes itself, so that each ends by one deadline
 //! and fails with its cause: resolving MASTER_ADDR, waiting for rank 0's store to listen,
-//! the run-id check, and the join keys that tell which ranks never came.
+//! the run-id check, the TCPStore's worker count, the join keys that tell which ranks never
+//! came, and PyTorch's optional store-based barrier.
 //!
 //! c10d's own loops overshoot: the TCPStore client retries a whole `timeout` long connect
 //! after a back-off (two timeouts and more in all), and logs each try with a C++
 //! backtrace. So the store client is only created once something listens at
 //! MASTER_ADDR:MASTER_PORT, and every later step gets what is left of the deadline.
+//!
+//! The keys are PyTorch 2.11.0's where PyTorch has one (the TCPStore's own worker count
+//! `init/`, through [`Store::check_in`]; `store_based_barrier_key:*`),
+//! and tch-dist's own ones live under `tch_dist/` in the root store, outside every prefix
+//! PyTorch writes, so that a PyTorch rank of the same job never sees them.
 
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
@@ -16,9 +22,20 @@ use crate::store::Store;
 /// The key under which the first rank that carries a run id records it (in the root store).
 const RUN_ID_KEY: &str = "tch_dist/run_id";
 
-/// A rank's join key, in its group's store.
-fn joined_key(rank: usize) -> String {
-    format!("tch_dist/joined/{rank}")
+/// PyTorch's `STORE_BASED_BARRIER_PREFIX`.
+const BARRIER_KEY_PREFIX: &str = "store_based_barrier_key";
+
+/// A rank's join key for the group named `group` (PyTorch's group name: "0" for the default
+/// group), in the root store.
+fn joined_key(group: &str, rank: usize) -> String {
+    format!("tch_dist/joined/{group}/{rank}")
+}
+
+/// The key a PyTorch (or tch-dist) rank's Gloo backend writes for `rank` when it joins the
+/// group, relative to the group's store: gloo's `connectFullMesh` sets `<rank>` under the
+/// first device's prefix `0`, under the backend's `cpu/`.
+fn gloo_key(rank: usize) -> String {
+    format!("cpu//0/{rank}")
 }
 
 /// Where a refused process of another run records its run id, by the rank it came as (in
@@ -140,28 +157,73 @@ pub(crate) fn check_run(
     })
 }
 
-/// Records that `rank` joined the group whose store is `group`.
-pub(crate) fn join(group: &Store, rank: usize) -> Result<(), RendezvousError> {
-    group
-        .add(&joined_key(rank), 1)
+/// Whether a rank of the group named `name` of `world_size` wrote no join key: a rank that
+/// is not tch-dist's (PyTorch's). Reliable once the group's backends are connected: every
+/// tch-dist rank writes its join key before it starts its backends' rendezvous.
+pub(crate) fn has_foreign_ranks(root: &Store, name: &str, world_size: usize) -> bool {
+    (0..world_size).any(|r| !root.check(&joined_key(name, r)).unwrap_or(false))
+}
+
+/// Records that `rank` joined the group named `name` (in the root store).
+pub(crate) fn join(root: &Store, name: &str, rank: usize) -> Result<(), RendezvousError> {
+    root.add(&joined_key(name, rank), 1)
         .map(|_| ())
         .map_err(|e| RendezvousError::Engine {
             cause: e.to_string(),
         })
 }
 
-/// After a failed rendezvous: the ranks of a group of `world_size` that never joined it
-/// (`None` when all did, or the store cannot say), with the processes of other runs that
-/// came as one of them.
+/// PyTorch's `_store_based_barrier` (TORCH_DIST_INIT_BARRIER=1), on `store`, for the group
+/// named `name` of `world_size` ranks: each adds 1 to `store_based_barrier_key:{name}`, the
+/// one that makes it `world_size` sets `...:last_worker`, and every rank waits for that key
+/// (by the deadline; then `NotAllCheckedIn` with the count).
+pub(crate) fn store_barrier(
+    store: &Store,
+    name: &str,
+    world_size: usize,
+    deadline: Deadline,
+) -> Result<(), RendezvousError> {
+    let engine = |e: crate::DistError| RendezvousError::Engine {
+        cause: e.to_string(),
+    };
+    let key = format!("{BARRIER_KEY_PREFIX}:{name}");
+    let last = format!("{key}:last_worker");
+    store.add(&key, 1).map_err(engine)?;
+    if store.add(&key, 0).map_err(engine)? == world_size as i64 {
+        store.set(&last, b"1").map_err(engine)?;
+    }
+    loop {
+        if store.check(&last).map_err(engine)? {
+            return Ok(());
+        }
+        let left = deadline.left();
+        if left.is_zero() {
+            return Err(RendezvousError::NotAllCheckedIn {
+                what: "the store-based barrier (TORCH_DIST_INIT_BARRIER=1)",
+                joined: store.add(&key, 0).unwrap_or(-1),
+                world_size,
+                timeout: deadline.timeout(),
+            });
+        }
+        std::thread::sleep(left.min(Duration::from_millis(10)));
+    }
+}
+
+/// After a failed rendezvous: the ranks of the group named `name` of `world_size` that never
+/// joined it (`None` when all did, or the store cannot say), with the processes of other
+/// runs that came as one of them. A rank joined when it wrote its join key (a tch-dist rank)
+/// or its Gloo key in the group's store `group` (any rank, PyTorch's included: a PyTorch rank
+/// writes no join key).
 pub(crate) fn never_joined(
     root: &Store,
     group: &Store,
+    name: &str,
     world_size: usize,
     timeout: Duration,
 ) -> Option<RendezvousError> {
     let mut ranks = Vec::new();
     for r in 0..world_size {
-        if !group.check(&joined_key(r)).ok()? {
+        if !root.check(&joined_key(name, r)).ok()? && !group.check(&gloo_key(r)).ok()? {
             ranks.push(r);
         }
     }
@@ -183,9 +245,77 @@ pub(crate) fn never_joined(
     })
 }
 
+/// SHA-1 of `data`, in hex (PyTorch names `use_local_synchronization` groups by one; it is
+/// not used for security).
+pub(crate) fn sha1_hex(data: &[u8]) -> String {
+    let mut h: [u32; 5] = [0x67452301, 0xEFCDAB89, 0x98BADCFE, 0x10325476, 0xC3D2E1F0];
+    let mut msg = data.to_vec();
+    let bits = (data.len() as u64).wrapping_mul(8);
+    msg.push(0x80);
+    while msg.len() % 64 != 56 {
+        msg.push(0);
+    }
+    msg.extend_from_slice(&bits.to_be_bytes());
+    for chunk in msg.chunks_exact(64) {
+        let mut w = [0u32; 80];
+        for (i, word) in chunk.chunks_exact(4).enumerate() {
+            w[i] = u32::from_be_bytes([word[0], word[1], word[2], word[3]]);
+        }
+        for i in 16..80 {
+            w[i] = (w[i - 3] ^ w[i - 8] ^ w[i - 14] ^ w[i - 16]).rotate_left(1);
+        }
+        let [mut a, mut b, mut c, mut d, mut e] = h;
+        for (i, wi) in w.iter().enumerate() {
+            let (f, k) = match i {
+                0..=19 => ((b & c) | (!b & d), 0x5A827999),
+                20..=39 => (b ^ c ^ d, 0x6ED9EBA1),
+                40..=59 => ((b & c) | (b & d) | (c & d), 0x8F1BBCDC),
+                _ => (b ^ c ^ d, 0xCA62C1D6),
+            };
+            let t = a
+                .rotate_left(5)
+                .wrapping_add(f)
+                .wrapping_add(e)
+                .wrapping_add(k)
+                .wrapping_add(*wi);
+            e = d;
+            d = c;
+            c = b.rotate_left(30);
+            b = a;
+            a = t;
+        }
+        for (x, y) in h.iter_mut().zip([a, b, c, d, e]) {
+            *x = x.wrapping_add(y);
+        }
+    }
+    h.iter().map(|x| format!("{x:08x}")).collect()
+}
+
+/// PyTorch's name of a `new_group(ranks, use_local_synchronization=True)`
+/// (`_hash_ranks_to_str`): SHA-1 of the sorted global ranks joined by `_`, then `_` and the
+/// number of groups this process is a member of (the default group included).
+pub(crate) fn hashed_group_name(sorted_ranks: &[usize], live_groups: usize) -> String {
+    let ranks: Vec<String> = sorted_ranks.iter().map(usize::to_string).collect();
+    sha1_hex(format!("{}_{live_groups}", ranks.join("_")).as_bytes())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The names agree with Python's `hashlib.sha1` and torch 2.11's `_hash_ranks_to_str`.
+    #[test]
+    fn sha1_and_hashed_names() {
+        assert_eq!(sha1_hex(b""), "da39a3ee5e6b4b0d3255bfef95601890afd80709");
+        assert_eq!(sha1_hex(b"abc"), "a9993e364706816aba3e25717850c26c9cd0d89d");
+        let long = [b'a'; 1000];
+        assert_eq!(sha1_hex(&long), "291e9a6c66994949b57ba5e650361e98fc36b1ba");
+        // python -c 'import hashlib; print(hashlib.sha1(b"0_1_1").hexdigest())'
+        assert_eq!(
+            hashed_group_name(&[0, 1], 1),
+            "4a2ad14e7181d5235b64cf37fcd715cb5ce5c8e7"
+        );
+    }
 
     #[test]
     fn an_unresolvable_host_fails_fast() {

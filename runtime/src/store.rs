@@ -68,6 +68,14 @@ impl Store {
         Ok(Self::from_raw(out))
     }
 
+    /// PyTorch's TCPStore handshake (`wait_for_workers=True`): checks this rank in on the
+    /// store's worker count; on the server, then waits until the whole world checked in, at
+    /// most `timeout`. The error is the engine's message.
+    pub(crate) fn check_in(&self, timeout: Duration) -> std::result::Result<(), String> {
+        // SAFETY: live store handle; the shim catches every exception.
+        shim!(tdr_store_check_in(self.raw(), millis(timeout).max(1))).map_err(|e| e.message)
+    }
+
     fn from_raw(ptr: *mut ffi::TdrStore) -> Store {
         let ptr = NonNull::new(ptr).expect("the shim returns a store on success");
         Store {

@@ -97,6 +97,9 @@ pub struct Launch {
     pub rank_env: Vec<Vec<(String, String)>>,
     /// Describe the ranks with Slurm's variables (SLURM_PROCID, ...) instead of torchrun's.
     pub slurm: bool,
+    /// Per rank, another program to start instead of the test binary (its argv), with the
+    /// same variables: a PyTorch rank of a mixed job, say.
+    pub programs: Vec<Option<Vec<String>>>,
 }
 
 impl Launch {
@@ -109,7 +112,23 @@ impl Launch {
             env: Vec::new(),
             rank_env: vec![Vec::new(); world_size],
             slurm: false,
+            programs: vec![None; world_size],
         }
+    }
+
+    /// Starts `rank` as `argv` (a program and its arguments) instead of the test binary,
+    /// with the same variables.
+    ///
+    /// ```no_run
+    /// use tch_dist_runtime::testing::Launch;
+    /// let python = vec!["python3".to_string(), "peer.py".to_string()];
+    /// let out = Launch::new("mixed_job", 2).rank_program(0, python).run();
+    /// ```
+    pub fn rank_program(mut self, rank: usize, argv: Vec<String>) -> Self {
+        if let Some(p) = self.programs.get_mut(rank) {
+            *p = Some(argv);
+        }
+        self
     }
 
     /// Adds a variable for every rank.
@@ -146,16 +165,26 @@ impl Launch {
         let world = self.world_size.to_string();
         let mut children: Vec<(Child, JoinHandle<String>, JoinHandle<String>)> = Vec::new();
         for rank in 0..self.world_size {
-            let mut cmd = Command::new(&exe);
-            cmd.args([
-                self.test.as_str(),
-                "--exact",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(WORKER_ENV, &self.test)
-            .env("MASTER_PORT", &port)
-            .env("TCH_DIST_TIMEOUT_SECS", DEFAULT_GROUP_TIMEOUT_SECS);
+            let mut cmd = match self.programs.get(rank).cloned().flatten() {
+                Some(argv) if !argv.is_empty() => {
+                    let mut cmd = Command::new(&argv[0]);
+                    cmd.args(&argv[1..]);
+                    cmd
+                }
+                _ => {
+                    let mut cmd = Command::new(&exe);
+                    cmd.args([
+                        self.test.as_str(),
+                        "--exact",
+                        "--nocapture",
+                        "--test-threads=1",
+                    ]);
+                    cmd
+                }
+            };
+            cmd.env(WORKER_ENV, &self.test)
+                .env("MASTER_PORT", &port)
+                .env("TCH_DIST_TIMEOUT_SECS", DEFAULT_GROUP_TIMEOUT_SECS);
             for var in [
                 "RANK",
                 "LOCAL_RANK",

@@ -266,7 +266,9 @@ fn default_and_explicit_groups() {
             works.push(g.all_reduce_async(&lx, ReduceOp::Sum).unwrap());
         }
         if let Some(g) = &high {
-            assert_eq!(g.rank(), if pg.rank() == 2 { 0 } else { 1 });
+            // As in PyTorch, the ranks are sorted: {2, 1} is [1, 2].
+            assert_eq!(g.global_ranks(), &[1, 2]);
+            assert_eq!(g.rank(), if pg.rank() == 2 { 1 } else { 0 });
             works.push(g.all_reduce_async(&hx, ReduceOp::Sum).unwrap());
         }
         pg.all_reduce(&x, ReduceOp::Sum).unwrap();
@@ -280,10 +282,10 @@ fn default_and_explicit_groups() {
         if high.is_some() {
             assert_values(&hx, &[5.0], "group {2,1}");
         }
-        // Broadcast's source is a group rank: rank 0 of {2, 1} is global rank 2.
+        // Broadcast's source is a group rank: rank 1 of {2, 1} is global rank 2.
         if let Some(g) = &high {
             let b = Tensor::from_slice(&[pg.rank() as f32]);
-            g.broadcast(&b, 0).unwrap();
+            g.broadcast(&b, 1).unwrap();
             assert_values(&b, &[2.0], "subgroup broadcast");
         }
         let err = pg.new_group(&[0, 3], Backend::Gloo).unwrap_err();

@@ -646,6 +646,9 @@ fn start_and_supervise(
             .env("TORCHELASTIC_RUN_ID", run_id)
             .env("TORCHELASTIC_RESTART_COUNT", restart.to_string())
             .env("TORCHELASTIC_MAX_RESTARTS", args.max_restarts.to_string())
+            // Rank 0 hosts this launcher's store: no agent store here, even when the launcher
+            // itself runs under torchrun.
+            .env_remove("TORCHELASTIC_USE_AGENT_STORE")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
