@@ -329,3 +329,46 @@ fn refusals_name_the_fqn_on_every_rank() {
         assert!(model.fc1.ws.equal(&saved.fc1.ws));
     });
 }
+
+/// Checkpoints one per step with a train state and `keep_last`: only the last two complete
+/// ones stay, `latest` finds the newest (never an interrupted `.partial` one), and the train
+/// state comes back as saved.
+#[test]
+fn train_state_keep_last_and_latest() {
+    use tch_dist::checkpoint::SaveOptions;
+    run_ranks("train_state_keep_last_and_latest", 2, |pg| {
+        let dir = scratch("keep_last", &pg);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut model = mlp(&vs, 8, 1);
+        shard_module(&mut model, &plan(), 0, &pg).unwrap();
+        assert_eq!(checkpoint::latest(&dir), None);
+        for step in 1..=3u64 {
+            let opts = SaveOptions {
+                train_state: Some(serde_json::json!({ "step": step, "epoch": step / 2 })),
+                keep_last: Some(2),
+            };
+            checkpoint::save_with(dir.join(format!("step-{step:08}")), &model, &pg, &opts).unwrap();
+        }
+        // An interrupted later save: a folder without a manifest.
+        if pg.rank() == 0 {
+            std::fs::create_dir_all(dir.join("step-00000004.partial")).unwrap();
+        }
+        pg.barrier().unwrap();
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            ["step-00000002", "step-00000003", "step-00000004.partial"]
+        );
+        let last = checkpoint::latest(&dir).unwrap();
+        assert_eq!(last, dir.join("step-00000003"));
+        let state = checkpoint::load_train_state(&last, &pg).unwrap().unwrap();
+        assert_eq!(state, serde_json::json!({ "step": 3, "epoch": 1 }));
+        checkpoint::load(&last, &model, &pg).unwrap();
+        let err = checkpoint::load_train_state(dir.join("step-00000004.partial"), &pg).unwrap_err();
+        assert!(matches!(err, CheckpointError::NotACheckpoint { rank, .. } if rank == pg.rank()));
+    });
+}

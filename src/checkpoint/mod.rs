@@ -26,8 +26,10 @@
 //! [`CheckpointError`] naming the FQN, on every rank. All ranks must see the same folder (one
 //! machine, or a shared file system).
 //!
-//! Not yet: optimizer state and a training state (step, data position), `keep_last`
-//! pruning, `fully_shard` models.
+//! [`save_with`] also writes a train state (`train_state.json`, any JSON value: step, epoch,
+//! data position) and keeps only the last `k` checkpoints beside the new one; [`latest`]
+//! finds the last complete one to resume from. Not yet: optimizer state, `fully_shard`
+//! models.
 //!
 //! ```no_run
 //! use tch::nn;
@@ -120,12 +122,57 @@ fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
     out
 }
 
+/// What [`save_with`] writes beside the model, and what it prunes.
+///
+/// ```
+/// let opts = tch_dist::checkpoint::SaveOptions {
+///     train_state: Some(serde_json::json!({"step": 100, "epoch": 3})),
+///     keep_last: Some(2),
+/// };
+/// # let _ = opts;
+/// ```
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SaveOptions {
+    /// A small JSON value saved as `train_state.json` by rank 0 (step, epoch, data
+    /// position, seeds, anything the loop needs to continue); [`load_train_state`] reads it.
+    pub train_state: Option<serde_json::Value>,
+    /// Once the new checkpoint is in place, keep only the last `k` complete checkpoints
+    /// among its sibling folders (by name: `step-00000100` sorts after `step-00000090`);
+    /// `None` keeps all.
+    pub keep_last: Option<usize>,
+}
+
+/// The train state's file in a checkpoint folder.
+pub const TRAIN_STATE: &str = "train_state.json";
+
 /// Saves `module`'s parameters and buffers into the folder `dir` over `group`'s ranks (see
 /// the [module docs](self)). Every rank of `group` calls it.
 pub fn save<M: Shardable + ?Sized>(
     dir: impl AsRef<Path>,
     module: &M,
     group: &ProcessGroup,
+) -> Result<(), CheckpointError> {
+    save_with(dir, module, group, &SaveOptions::default())
+}
+
+/// [`save`] with a train state and pruning of older checkpoints.
+///
+/// ```no_run
+/// # use tch::nn;
+/// # use tch_dist::Shardable;
+/// # #[derive(Debug, Shardable)]
+/// # struct Net { fc: nn::Linear }
+/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net, step: u64) -> Result<(), tch_dist::checkpoint::CheckpointError> {
+/// use tch_dist::checkpoint::{self, SaveOptions};
+/// let opts = SaveOptions { train_state: Some(serde_json::json!({ "step": step })), keep_last: Some(3) };
+/// checkpoint::save_with(format!("ckpt/step-{step:08}"), model, pg, &opts)?;
+/// # Ok(()) }
+/// ```
+pub fn save_with<M: Shardable + ?Sized>(
+    dir: impl AsRef<Path>,
+    module: &M,
+    group: &ProcessGroup,
+    opts: &SaveOptions,
 ) -> Result<(), CheckpointError> {
     const OP: &str = "checkpoint.save";
     let (dir, rank) = (dir.as_ref(), group.rank());
@@ -211,6 +258,17 @@ pub fn save<M: Shardable + ?Sized>(
                     path: tmp.join(MANIFEST),
                     cause: e.to_string(),
                 })?;
+            if let Some(state) = &opts.train_state {
+                let path = tmp.join(TRAIN_STATE);
+                let text =
+                    serde_json::to_string_pretty(state).map_err(|e| CheckpointError::Format {
+                        rank,
+                        path: path.clone(),
+                        cause: e.to_string(),
+                    })?;
+                files::write(rank, &path, text.as_bytes())?;
+            }
+            // The manifest last: a folder without one is never loaded.
             files::write(rank, &tmp.join(MANIFEST), text.as_bytes())?;
             // An older checkpoint under the same name goes only once the new one is whole.
             let old = files::sibling(dir, ".old");
@@ -223,6 +281,9 @@ pub fn save<M: Shardable + ?Sized>(
             std::fs::rename(&tmp, dir).map_err(io(dir))?;
             if old.exists() {
                 std::fs::remove_dir_all(&old).map_err(io(&old))?;
+            }
+            if let Some(k) = opts.keep_last {
+                prune(rank, dir, k)?;
             }
             Ok(())
         })()
@@ -405,4 +466,96 @@ fn assemble<M: Shardable + ?Sized>(
         out.push((t.tensor.shallow_clone(), values));
     }
     Ok(out)
+}
+
+/// The complete checkpoints among `dir`'s siblings (folders with a manifest), by name.
+fn complete_siblings(rank: usize, dir: &Path) -> Result<Vec<std::path::PathBuf>, CheckpointError> {
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    complete_in(rank, &parent)
+}
+
+fn complete_in(rank: usize, parent: &Path) -> Result<Vec<std::path::PathBuf>, CheckpointError> {
+    let entries = std::fs::read_dir(parent).map_err(|e| CheckpointError::Io {
+        rank,
+        path: parent.to_path_buf(),
+        cause: e.to_string(),
+    })?;
+    let mut out: Vec<std::path::PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join(MANIFEST).is_file())
+        .collect();
+    out.sort();
+    Ok(out)
+}
+
+/// Removes all but the last `keep` complete checkpoints beside `dir` (by name).
+fn prune(rank: usize, dir: &Path, keep: usize) -> Result<(), CheckpointError> {
+    let all = complete_siblings(rank, dir)?;
+    let drop = all.len().saturating_sub(keep);
+    for old in &all[..drop] {
+        // The manifest first: a half-removed checkpoint is never taken for a complete one.
+        let manifest = old.join(MANIFEST);
+        std::fs::remove_file(&manifest)
+            .and_then(|_| std::fs::remove_dir_all(old))
+            .map_err(|e| CheckpointError::Io {
+                rank,
+                path: old.clone(),
+                cause: e.to_string(),
+            })?;
+    }
+    Ok(())
+}
+
+/// The last complete checkpoint (a folder with a manifest) in `parent`, by name: where a
+/// restarted job continues from (`None` when there is none yet, or `parent` does not exist).
+///
+/// ```no_run
+/// if let Some(dir) = tch_dist::checkpoint::latest("ckpt") {
+///     println!("resuming from {}", dir.display());
+/// }
+/// ```
+pub fn latest(parent: impl AsRef<Path>) -> Option<std::path::PathBuf> {
+    complete_in(0, parent.as_ref()).ok()?.pop()
+}
+
+/// The train state [`save_with`] wrote into the checkpoint folder `dir` (`None` when it
+/// was saved without one), read on every rank of `group` (an error on one is an error on
+/// all).
+///
+/// ```no_run
+/// # let pg = tch_dist::default_group()?;
+/// let state = tch_dist::checkpoint::load_train_state("ckpt/step-00000100", &pg)?;
+/// let step = state.and_then(|s| s["step"].as_u64()).unwrap_or(0);
+/// # let _ = step;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn load_train_state(
+    dir: impl AsRef<Path>,
+    group: &ProcessGroup,
+) -> Result<Option<serde_json::Value>, CheckpointError> {
+    let (dir, rank) = (dir.as_ref(), group.rank());
+    let local = (|| {
+        if !dir.join(MANIFEST).is_file() {
+            return Err(CheckpointError::NotACheckpoint {
+                rank,
+                dir: dir.to_path_buf(),
+            });
+        }
+        let path = dir.join(TRAIN_STATE);
+        if !path.is_file() {
+            return Ok(None);
+        }
+        let bytes = files::read(rank, &path)?;
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| CheckpointError::Format {
+                rank,
+                path,
+                cause: e.to_string(),
+            })
+    })();
+    group.agree("checkpoint.load_train_state", local)
 }
