@@ -537,19 +537,6 @@ impl<'m> ModuleVisitor<'m> for ParamCollector<'_> {
     }
 }
 
-/// The parameters `shard_module` sharded anywhere in `module`, by FQN.
-fn sharded_params<M: Shardable + ?Sized>(module: &M) -> std::collections::HashSet<String> {
-    let mut out = std::collections::HashSet::new();
-    for (prefix, m) in module.named_modules() {
-        if let Some(state) = crate::sharding::shard_module_state(m) {
-            for fqn in state.sharded_params() {
-                out.insert(tch_dist_core::path::join_fqn(&prefix, fqn));
-            }
-        }
-    }
-    out
-}
-
 /// `device_id`'s default: a module on CUDA uses its group's bound device (the device
 /// `init_process_group` bound from LOCAL_RANK or its `device_id`), as PyTorch users pass
 /// `device_ids=[local_rank]`; a CPU module (or a group without a device) has none.
@@ -710,7 +697,9 @@ pub fn apply<M: Shardable + ?Sized>(
     let mut c = ParamCollector {
         ignored: &opts.ignored_modules,
         ignored_params: &opts.ignored_params,
-        sharded: sharded_params(module),
+        sharded: crate::sharding::sharded_params_in(module)
+            .into_keys()
+            .collect(),
         path: Vec::new(),
         skip_from: root_ignored.then_some(0),
         seen: Vec::new(),

@@ -4,11 +4,10 @@
 use std::collections::HashMap;
 
 use tch::{Kind, Tensor};
-use tch_dist_core::path::join_fqn;
 use tch_dist_core::Shardable;
 use tch_dist_runtime::{DistError, ProcessGroup, ReduceOp};
 
-use crate::sharding::shard_module_state;
+use crate::sharding::sharded_params_in;
 
 /// Why [`clip_grad_norm`] refused or failed. Nothing was scaled.
 ///
@@ -86,14 +85,10 @@ pub fn clip_grad_norm<M: Shardable + ?Sized>(
         return Err(ClipGradError::InvalidNormType { norm_type });
     }
     // Which parameters are shards, and over which group.
-    let mut sharded: HashMap<String, ProcessGroup> = HashMap::new();
-    for (prefix, m) in module.named_modules() {
-        if let Some(state) = shard_module_state(m) {
-            for fqn in state.sharded_params() {
-                sharded.insert(join_fqn(&prefix, fqn), state.group().clone());
-            }
-        }
-    }
+    let sharded: HashMap<String, ProcessGroup> = sharded_params_in(module)
+        .into_iter()
+        .map(|(fqn, p)| (fqn, p.state.group().clone()))
+        .collect();
     let inf = norm_type.is_infinite();
     // Each gradient's contribution: |g|^p summed (p finite) or max |g|, in f64 and kept on
     // the gradient's device (one host read at the end).

@@ -54,7 +54,6 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 
 use tch::{Kind, Tensor};
-use tch_dist_core::path::join_fqn;
 use tch_dist_core::Shardable;
 use tch_dist_runtime::ProcessGroup;
 
@@ -77,24 +76,17 @@ struct Target {
 /// The model's parameters and buffers, with this rank's place in each global tensor.
 fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
     let mut shards: HashMap<String, (Vec<i64>, Vec<i64>)> = HashMap::new();
-    for (prefix, m) in module.named_modules() {
-        if let Some(state) = crate::sharding::shard_module_state(m) {
-            let rank = state.group().rank();
-            for fqn in state.sharded_params() {
-                let Some(meta) = state.metadata(fqn) else {
-                    continue;
-                };
-                if let Some(mine) = meta
-                    .shards_metadata
-                    .iter()
-                    .find(|s| s.placement.rank() == rank)
-                {
-                    shards.insert(
-                        join_fqn(&prefix, fqn),
-                        (mine.shard_offsets.clone(), meta.size.clone()),
-                    );
-                }
-            }
+    for (fqn, p) in crate::sharding::sharded_params_in(module) {
+        let Some(meta) = p.state.metadata(&p.local_fqn) else {
+            continue;
+        };
+        let rank = p.state.group().rank();
+        if let Some(mine) = meta
+            .shards_metadata
+            .iter()
+            .find(|s| s.placement.rank() == rank)
+        {
+            shards.insert(fqn, (mine.shard_offsets.clone(), meta.size.clone()));
         }
     }
     let mut seen = HashSet::new();

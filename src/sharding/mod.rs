@@ -92,6 +92,7 @@ pub use output::OutputLayout;
 pub use plan::{PlanEntry, ShardingPlan, ShardingPlanBuilder};
 pub use planner::{MegatronPlanner, ShardingPlanner};
 pub use sharder::{ColwiseLinear, RowwiseLinear, ShardedModule, Sharder};
+pub(crate) use state::sharded_params_in;
 pub use state::ShardState;
 pub use tch_dist_core::sharding::*;
 pub use tch_dist_runtime::sharding::{functional, Shard, ShardedTensor};

@@ -125,3 +125,32 @@ impl ShardState {
         self.guards.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
+
+/// A parameter [`shard_module`](super::shard_module) sharded somewhere in a model.
+pub(crate) struct ShardedParam {
+    /// The state of the `shard_module` call that sharded it.
+    pub state: Arc<ShardState>,
+    /// Its FQN within the module that call sharded (the state's own names).
+    pub local_fqn: String,
+}
+
+/// Every parameter `shard_module` sharded anywhere in `module`, by its FQN in `module`.
+pub(crate) fn sharded_params_in<M: Shardable + ?Sized>(
+    module: &M,
+) -> std::collections::HashMap<String, ShardedParam> {
+    let mut out = std::collections::HashMap::new();
+    for (prefix, m) in module.named_modules() {
+        if let Some(state) = super::shard_module_state(m) {
+            for fqn in state.sharded_params() {
+                out.insert(
+                    tch_dist_core::path::join_fqn(&prefix, fqn),
+                    ShardedParam {
+                        state: state.clone(),
+                        local_fqn: fqn.to_string(),
+                    },
+                );
+            }
+        }
+    }
+    out
+}
