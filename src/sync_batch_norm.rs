@@ -20,7 +20,7 @@
 use std::borrow::Borrow;
 
 use tch::nn::{self, ModuleT, Path};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 use tch_dist_core::{ModuleVisitor, ModuleVisitorMut, Shardable};
 use tch_dist_runtime::sharding::functional;
 use tch_dist_runtime::{default_group, DistError, ProcessGroup};
@@ -170,13 +170,13 @@ impl SyncBatchNorm {
         per_channel[1] = c;
         let kind = xs.kind();
         let local_count = xs.numel() as i64 / c.max(1);
-        // Sum and count over every rank (backward: the gradients summed over the ranks).
+        // Sum and count over every rank (backward: the gradients summed over the ranks), in
+        // f64 whatever the input's dtype: sums of many f16/bf16 values lose their precision
+        // in their own dtype (as PyTorch, which keeps batch statistics in f32 for them).
         let sums = Tensor::cat(
             &[
-                xs.sum_dim_intlist(dims.as_slice(), false, kind),
-                Tensor::from_slice(&[local_count as f64])
-                    .to_kind(kind)
-                    .to_device(xs.device()),
+                xs.sum_dim_intlist(dims.as_slice(), false, Kind::Double),
+                Tensor::from_slice(&[local_count as f64]).to_device(xs.device()),
             ],
             0,
         );
@@ -189,14 +189,14 @@ impl SyncBatchNorm {
             });
         }
         let mean = sums.narrow(0, 0, c) / count as f64;
-        let centred = xs - mean.view(per_channel.as_slice());
+        let centred = xs - mean.to_kind(kind).view(per_channel.as_slice());
         let squares = centred
             .square()
-            .sum_dim_intlist(dims.as_slice(), false, kind);
+            .sum_dim_intlist(dims.as_slice(), false, Kind::Double);
         let squares =
             functional::all_reduce(&functional::copy_to_ranks(&squares, &group)?, &group)?;
         let var = squares / count as f64;
-        let invstd = (&var + self.eps).rsqrt();
+        let invstd = (&var + self.eps).rsqrt().to_kind(kind);
         let mut ys = centred * invstd.view(per_channel.as_slice());
         if let Some(w) = &self.ws {
             ys *= w.view(per_channel.as_slice());
@@ -211,12 +211,12 @@ impl SyncBatchNorm {
                 .running_mean
                 .shallow_clone()
                 .f_mul_scalar_(1.0 - m)
-                .and_then(|mut r| r.f_add_(&(mean.detach() * m)));
+                .and_then(|mut r| r.f_add_(&(mean.detach() * m).to_kind(r.kind())));
             let _ = self
                 .running_var
                 .shallow_clone()
                 .f_mul_scalar_(1.0 - m)
-                .and_then(|mut r| r.f_add_(&(unbiased * m)));
+                .and_then(|mut r| r.f_add_(&(unbiased * m).to_kind(r.kind())));
         });
         Ok(ys)
     }

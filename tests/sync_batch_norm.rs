@@ -92,6 +92,22 @@ fn matches_one_process(pg: &ProcessGroup, sizes: &[i64]) {
 fn equals_batch_norm_of_the_whole_batch_on_2_ranks() {
     run_ranks("equals_batch_norm_of_the_whole_batch_on_2_ranks", 2, |pg| {
         matches_one_process(&pg, &[4, 4]);
+        // f16 input (4050 values per channel over the ranks): the statistics, accumulated in
+        // f64, are the whole batch's within f16's precision.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let bn = sync_batch_norm(vs.root() / "half", 1, Default::default());
+        tch::manual_seed(3);
+        let full = Tensor::randn([2, 1, 45, 45], (Kind::Float, Device::Cpu)) * 3.0 + 5.0;
+        let mine = full.narrow(0, pg.rank() as i64, 1);
+        let y = bn
+            .forward_t(&mine.to_kind(Kind::Half), true)
+            .to_kind(Kind::Float);
+        let (w, b) = (bn.ws.as_ref().unwrap(), bn.bs.as_ref().unwrap());
+        let expected = (&mine - full.mean(Kind::Float)) / (full.var(false) + 1e-5).sqrt()
+            * w.detach().to_kind(Kind::Float)
+            + b.detach().to_kind(Kind::Float);
+        let d = max_diff(&y, &expected);
+        assert!(d < 2e-2, "rank {}: f16 output differs by {d}", pg.rank());
     });
 }
 
