@@ -615,25 +615,31 @@ fn sharded_tensors_scatter_gather_and_reshard() {
     });
 }
 
-#[test]
-fn shard_then_replicate_trains_like_one_process() {
-    #[derive(Debug, Shardable)]
-    struct Net {
-        mlp: Mlp,
-        head: nn::Linear,
+/// An MLP of 4 -> 8 -> 6 under `mlp` and a head 6 -> 3: a sharded part and a plain one.
+#[derive(Debug, Shardable)]
+struct Net {
+    mlp: Mlp,
+    head: nn::Linear,
+}
+
+impl Module for Net {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.head.call(&self.mlp.call(xs).relu())
     }
-    impl Module for Net {
-        fn forward(&self, xs: &Tensor) -> Tensor {
-            self.head.call(&self.mlp.forward(xs).relu())
-        }
-    }
-    let net = |vs: &nn::VarStore| Net {
+}
+
+fn net(vs: &nn::VarStore) -> Net {
+    Net {
         mlp: Mlp {
             fc1: nn::linear(vs.root() / "mlp" / "fc1", 4, 8, Default::default()),
             fc2: nn::linear(vs.root() / "mlp" / "fc2", 8, 6, Default::default()),
         },
         head: nn::linear(vs.root() / "head", 6, 3, Default::default()),
-    };
+    }
+}
+
+#[test]
+fn shard_then_replicate_trains_like_one_process() {
     run_ranks(
         "shard_then_replicate_trains_like_one_process",
         2,
@@ -886,23 +892,6 @@ fn called_layers_train_exactly_and_unused_ones_are_fine() {
 #[test]
 fn clip_grad_norm_over_shards_is_the_unsharded_models() {
     use tch_dist::utils::{clip_grad_norm, ClipGradError};
-    #[derive(Debug, Shardable)]
-    struct Net {
-        mlp: Mlp,
-        head: nn::Linear,
-    }
-    impl Module for Net {
-        fn forward(&self, xs: &Tensor) -> Tensor {
-            self.head.call(&self.mlp.call(xs).relu())
-        }
-    }
-    let net = |vs: &nn::VarStore| Net {
-        mlp: Mlp {
-            fc1: nn::linear(vs.root() / "mlp" / "fc1", 4, 8, Default::default()),
-            fc2: nn::linear(vs.root() / "mlp" / "fc2", 8, 6, Default::default()),
-        },
-        head: nn::linear(vs.root() / "head", 6, 3, Default::default()),
-    };
     run_ranks(
         "clip_grad_norm_over_shards_is_the_unsharded_models",
         3,
