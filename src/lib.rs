@@ -128,10 +128,13 @@ pub use tch_dist_runtime::{
 };
 
 pub mod checkpoint;
+pub mod fully_shard;
 pub mod replicate;
 pub mod sharding;
 pub mod sync_batch_norm;
 pub mod utils;
+
+pub use fully_shard::{fully_shard, FsdpOptions};
 
 /// Data loading for distributed training (PyTorch's `torch.utils.data.distributed`).
 pub mod data {

@@ -62,10 +62,15 @@ typedef struct TdrGroup TdrGroup;  // a Gloo backend, optionally an NCCL backend
 typedef struct TdrWork TdrWork;    // an in-flight collective
 typedef struct TdrHook TdrHook;    // a gradient-accumulator post hook's registration
 typedef struct TdrGuard TdrGuard;  // a use guard over one module's parameters
+typedef struct TdrInterceptor TdrInterceptor;  // a gradient interceptor's registration
 
 // A Rust callback run on libtorch's autograd threads; returns null or a malloc'ed message,
 // which fails the backward pass.
 typedef char* (*TdrCallback)(void* ctx, size_t index);
+// The same, with a tensor borrowed for the duration of the call (a gradient).
+typedef char* (*TdrGradCallback)(void* ctx, size_t index, TdrTensor* grad);
+// Releases a context the shim shared among hooks (once, when the last one is gone).
+typedef void (*TdrRelease)(void* ctx);
 
 // Memory handed to Rust, and the kind of the last failure on this thread.
 void tdr_string_free(char* s);
@@ -152,6 +157,24 @@ char* tdr_add_grad_ready_hook(TdrTensor* param, TdrCallback cb, void* ctx, size_
 void tdr_hook_remove(TdrHook* h);
 char* tdr_queue_end_of_backward(TdrCallback cb, void* ctx, size_t index);
 char* tdr_set_grad(TdrTensor* param, TdrTensor* grad);
+
+// Fully sharded parameters (src/fsdp/). The interceptor is a pre-hook on `param`'s gradient
+// accumulator: cb(ctx, index, grad) gets each gradient (borrowed for the call) and `.grad` is
+// left alone. The output hook runs cb(ctx, index, grad) when the gradient of `output` has been
+// computed (before the backward of what made it). `release(ctx)` runs when the last hook
+// holding `ctx` is gone. A released storage holds no memory until restored (sized for `t`);
+// its tensors must not be read in between.
+char* tdr_add_grad_interceptor(TdrTensor* param, TdrGradCallback cb, void* ctx,
+                               TdrRelease release, size_t index, TdrInterceptor** out);
+void tdr_interceptor_remove(TdrInterceptor* h);
+char* tdr_add_output_grad_hook(TdrTensor* output, TdrGradCallback cb, void* ctx,
+                               TdrRelease release, size_t index);
+char* tdr_storage_release(TdrTensor* t);
+char* tdr_storage_restore(TdrTensor* t);
+size_t tdr_storage_nbytes(TdrTensor* t);
+// The identity of the tensor object behind a handle (its TensorImpl): shallow clones share
+// it, and `set_data` keeps it.
+uint64_t tdr_tensor_identity(TdrTensor* t);
 
 // Use guards (src/use_guard.rs): the parameters of a hooked module may only be used, in the
 // autograd graph, by nodes made inside a call of that module through its hooks. A call's

@@ -41,6 +41,12 @@ pub struct TdrGuard {
     _private: [u8; 0],
 }
 
+/// Opaque registration of a gradient interceptor (fully_shard).
+#[repr(C)]
+pub struct TdrInterceptor {
+    _private: [u8; 0],
+}
+
 // `enum TdrErrorKind` (what `tdr_last_error_kind` reports about the last failure; the first
 // two are named for the contract check, `take_error` reads anything else as an engine error).
 #[allow(dead_code)]
@@ -71,6 +77,16 @@ pub const TDR_PARALLEL_REDUCE_SCATTER: c_int = 4;
 /// returns null or a malloc'ed error message (which fails the backward pass).
 pub type TdrCallback =
     unsafe extern "C" fn(ctx: *mut std::ffi::c_void, index: usize) -> *mut c_char;
+
+/// The same, with a tensor the shim lends for the duration of the call (a gradient).
+pub type TdrGradCallback = unsafe extern "C" fn(
+    ctx: *mut std::ffi::c_void,
+    index: usize,
+    grad: *mut C_tensor,
+) -> *mut c_char;
+
+/// Releases a context the shim shared among hooks, once the last of them is gone.
+pub type TdrRelease = unsafe extern "C" fn(ctx: *mut std::ffi::c_void);
 
 extern "C" {
     pub fn tdr_string_free(s: *mut c_char);
@@ -233,6 +249,27 @@ extern "C" {
         index: usize,
     ) -> *mut c_char;
     pub fn tdr_set_grad(param: *mut C_tensor, grad: *mut C_tensor) -> *mut c_char;
+
+    pub fn tdr_add_grad_interceptor(
+        param: *mut C_tensor,
+        cb: TdrGradCallback,
+        ctx: *mut std::ffi::c_void,
+        release: TdrRelease,
+        index: usize,
+        out: *mut *mut TdrInterceptor,
+    ) -> *mut c_char;
+    pub fn tdr_interceptor_remove(h: *mut TdrInterceptor);
+    pub fn tdr_add_output_grad_hook(
+        output: *mut C_tensor,
+        cb: TdrGradCallback,
+        ctx: *mut std::ffi::c_void,
+        release: TdrRelease,
+        index: usize,
+    ) -> *mut c_char;
+    pub fn tdr_storage_release(t: *mut C_tensor) -> *mut c_char;
+    pub fn tdr_storage_restore(t: *mut C_tensor) -> *mut c_char;
+    pub fn tdr_storage_nbytes(t: *mut C_tensor) -> usize;
+    pub fn tdr_tensor_identity(t: *mut C_tensor) -> u64;
 
     pub fn tdr_autograd_mark() -> u64;
     pub fn tdr_guard_new(

@@ -77,13 +77,30 @@ pub(crate) fn queue_end_of_backward(
 
 /// Makes `grad` the `.grad` of `param` (`None` clears it).
 pub(crate) fn set_grad(param: &Tensor, grad: Option<&Tensor>, rank: usize) -> Result<()> {
+    set_grad_for(param, grad, rank, "replicate")
+}
+
+/// [`set_grad`] for API `op` (named in the error).
+pub(crate) fn set_grad_for(
+    param: &Tensor,
+    grad: Option<&Tensor>,
+    rank: usize,
+    op: &'static str,
+) -> Result<()> {
     let g = grad.map_or(std::ptr::null_mut(), |g| g.as_ptr() as *mut _);
     // SAFETY: live tensors; the shim assigns the grad under its own error handling.
     shim!(tdr_set_grad(param.as_ptr() as *mut _, g)).map_err(|e| DistError::Collective {
         rank,
-        op: "replicate",
+        op,
         cause: e.message,
     })
+}
+
+/// Queues `cb(null, 0)` to run once at the end of the backward pass running on this thread
+/// (a callback without a context: fully_shard's, which finds its groups itself).
+pub(crate) fn queue_end_of_backward_fn(cb: ffi::TdrCallback) -> std::result::Result<(), ShimError> {
+    // SAFETY: called inside a hook of a running backward pass; no context to outlive.
+    shim!(tdr_queue_end_of_backward(cb, std::ptr::null_mut(), 0))
 }
 
 /// Called by libtorch right after parameter `index`'s gradient was accumulated.

@@ -1,0 +1,81 @@
+//! The backward pass across every fully_shard group: which groups a pass involves, and the
+//! one end-of-backward callback that finishes them all (PyTorch's root post-backward final
+//! callback).
+//!
+//! A group joins the coming pass when a forward through it records a graph; the first hook
+//! of the pass that fires (a pre-backward hook or an interceptor) queues the callback, which
+//! finishes the joined groups in the order they joined (forward order, the same on every
+//! rank), so the collectives of groups autograd never reached are issued alike everywhere.
+
+use std::sync::{Arc, Mutex};
+
+use super::group::GroupInner;
+use crate::error::{DistError, Result};
+
+struct Pass {
+    /// The end-of-backward callback is queued for the running pass.
+    queued: bool,
+    groups: Vec<Arc<GroupInner>>,
+}
+
+static PASS: Mutex<Pass> = Mutex::new(Pass {
+    queued: false,
+    groups: Vec::new(),
+});
+
+fn pass() -> std::sync::MutexGuard<'static, Pass> {
+    PASS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `inner` takes part in the next backward pass.
+pub(crate) fn join(inner: &Arc<GroupInner>) {
+    let mut p = pass();
+    if !p.groups.iter().any(|g| Arc::ptr_eq(g, inner)) {
+        p.groups.push(Arc::clone(inner));
+    }
+}
+
+/// Queues the end-of-backward callback once per pass (called from the pass's hooks).
+pub(crate) fn queue_finish(rank: usize) -> Result<()> {
+    let mut p = pass();
+    if p.queued {
+        return Ok(());
+    }
+    crate::reducer::queue_end_of_backward_fn(finish_trampoline).map_err(|e| {
+        DistError::Collective {
+            rank,
+            op: "fully_shard",
+            cause: e.message,
+        }
+    })?;
+    p.queued = true;
+    Ok(())
+}
+
+/// Finishes every joined group; the first error fails the backward pass.
+fn finish_all() -> Result<()> {
+    let groups = {
+        let mut p = pass();
+        p.queued = false;
+        std::mem::take(&mut p.groups)
+    };
+    let mut first = None;
+    for g in groups {
+        if let Err(e) = g.finish_backward() {
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
+unsafe extern "C" fn finish_trampoline(
+    _ctx: *mut std::ffi::c_void,
+    _index: usize,
+) -> *mut std::ffi::c_char {
+    let result = std::panic::catch_unwind(finish_all);
+    match result {
+        Ok(Ok(())) => std::ptr::null_mut(),
+        Ok(Err(e)) => crate::ffi::malloc_message(&e.to_string()),
+        Err(_) => crate::ffi::malloc_message("fully_shard: internal panic at the end of backward"),
+    }
+}

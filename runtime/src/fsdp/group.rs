@@ -1,0 +1,603 @@
+//! One `fully_shard` call's parameter group: the state machine of its parameters (sharded or
+//! gathered), the all-gathers that gather them, and the reduce-scatters that shard their
+//! gradients.
+//!
+//! Between steps each parameter's tensor (the `VarStore`'s, the module's and the optimizer's
+//! handle: one tensor object) holds this rank's rows, a view into the group's flat shard
+//! buffer (one per dtype and device, the padded shards of every parameter end to end, which
+//! is the all-gather's input as it is). Unsharding all-gathers the flat shards and copies each
+//! parameter's rows into its full tensor, then points the parameter at it
+//! (`Tensor::set_data`); resharding points it back and releases the full tensor's memory.
+//! Gradients never reach `.grad` at full size: the interceptor hands them to
+//! [`GroupInner::on_grad`]; once every managed parameter's gradient is in, they are padded
+//! into the reduce-scatter's input and reduced while backward goes on; at the end of the
+//! backward pass each parameter's `.grad` becomes (or, if it had one, adds) its averaged
+//! shard.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tch::{Device, Kind, Tensor};
+
+use super::backward;
+use super::hooks::{self, Interceptor};
+use super::layout::ShardLayout;
+use crate::error::{DistError, Result};
+use crate::{ProcessGroup, ReduceOp, Work};
+
+/// A parameter handed to [`FsdpGroup::new`]: its FQN (for errors) and the tensor the model,
+/// the `VarStore` and the optimizer hold.
+pub struct ManagedParam {
+    /// Its FQN in the model.
+    pub fqn: String,
+    /// The parameter (full-sized, the same on every rank).
+    pub param: Tensor,
+}
+
+/// Per-group switches (PyTorch's `fully_shard` options and `FSDPModule` setters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsdpGroupOptions {
+    /// Free the gathered parameters after forward (gather them again for backward).
+    pub reshard_after_forward: bool,
+}
+
+/// What a parameter is, apart from its tensors.
+#[derive(Debug, Clone)]
+pub(crate) struct ParamMeta {
+    pub fqn: String,
+    pub layout: ShardLayout,
+    pub requires_grad: bool,
+    /// Its bucket and its padded shard's offset in that bucket's flat shard.
+    pub bucket: usize,
+    pub offset: i64,
+}
+
+/// The parameters of one dtype and device, gathered and reduced together.
+#[derive(Debug, Clone)]
+struct BucketMeta {
+    kind: Kind,
+    device: Device,
+    /// Elements of one rank's flat shard.
+    numel: i64,
+    params: Vec<usize>,
+}
+
+/// A parameter's tensors.
+struct ParamTensors {
+    /// The module's own tensor object.
+    handle: Tensor,
+    /// This rank's rows: a view into its bucket's flat shard.
+    local: Tensor,
+    /// The full tensor; its storage holds no memory while sharded.
+    full: Tensor,
+}
+
+/// Reduce-scatters in flight, finished at the end of the backward pass.
+struct Reduction {
+    works: Vec<Work>,
+    /// Per bucket: this rank's flat shard of the summed gradients (`None`: nothing to
+    /// reduce, every parameter frozen).
+    outputs: Vec<Option<Tensor>>,
+}
+
+struct State {
+    tensors: Vec<ParamTensors>,
+    /// Per bucket: this rank's padded shards, end to end.
+    flats: Vec<Tensor>,
+    sharded: bool,
+    options: FsdpGroupOptions,
+    reshard_after_backward: bool,
+    requires_gradient_sync: bool,
+    /// Full gradients received in this backward pass, and how many.
+    grads: Vec<Option<Tensor>>,
+    received: usize,
+    /// Full gradients accumulated by backward passes without gradient sync.
+    stash: Vec<Option<Tensor>>,
+    /// A forward recorded a graph through this group: its backward is expected.
+    in_backward: bool,
+    /// This pass's gradients were handed over (reduced or stashed).
+    reduced: bool,
+    reduction: Option<Reduction>,
+}
+
+/// The shared part of a group, which libtorch's hooks call into.
+pub(crate) struct GroupInner {
+    /// The managed module's FQN, for errors.
+    module: String,
+    group: ProcessGroup,
+    meta: Vec<ParamMeta>,
+    buckets: Vec<BucketMeta>,
+    /// Parameters that require a gradient.
+    expected: usize,
+    state: Mutex<State>,
+}
+
+/// One `fully_shard` call's parameters, sharded over a group of ranks.
+///
+/// Built by `tch_dist::fully_shard`, which drives it from forward hooks; see there for
+/// the user-facing API. Dropping it removes its gradient hooks (the parameters keep their
+/// shards).
+pub struct FsdpGroup {
+    inner: Arc<GroupInner>,
+    _interceptors: Vec<Interceptor>,
+}
+
+impl std::fmt::Debug for FsdpGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsdpGroup")
+            .field("module", &self.inner.module)
+            .field("params", &self.inner.meta.len())
+            .finish()
+    }
+}
+
+fn engine(group: &ProcessGroup, op: &'static str, cause: impl ToString) -> DistError {
+    DistError::Collective {
+        rank: group.rank(),
+        op,
+        cause: cause.to_string(),
+    }
+}
+
+impl FsdpGroup {
+    /// Shards `params` (the same names, shapes and values on every rank; the caller checked)
+    /// over `group`: each parameter's tensor now holds this rank's rows, and its gradients
+    /// are reduce-scattered to them. `module` names the managed module in errors.
+    pub fn new(
+        module: &str,
+        params: Vec<ManagedParam>,
+        group: ProcessGroup,
+        options: FsdpGroupOptions,
+    ) -> Result<FsdpGroup> {
+        let (world, rank) = (group.world_size(), group.rank());
+        let mut meta = Vec::with_capacity(params.len());
+        let mut buckets: Vec<BucketMeta> = Vec::new();
+        for (i, p) in params.iter().enumerate() {
+            let (kind, device) = (p.param.kind(), p.param.device());
+            let b = match buckets
+                .iter()
+                .position(|b| b.kind == kind && b.device == device)
+            {
+                Some(b) => b,
+                None => {
+                    buckets.push(BucketMeta {
+                        kind,
+                        device,
+                        numel: 0,
+                        params: Vec::new(),
+                    });
+                    buckets.len() - 1
+                }
+            };
+            let layout = ShardLayout::new(&p.param.size(), world, rank);
+            let offset = buckets[b].numel;
+            buckets[b].numel += layout.padded_numel();
+            buckets[b].params.push(i);
+            meta.push(ParamMeta {
+                fqn: p.fqn.clone(),
+                layout,
+                requires_grad: p.param.requires_grad(),
+                bucket: b,
+                offset,
+            });
+        }
+        let expected = meta.iter().filter(|m| m.requires_grad).count();
+        // This rank's padded shards, copied out of the full tensors.
+        let flats: Vec<Tensor> = buckets
+            .iter()
+            .map(|b| Tensor::zeros([b.numel], (b.kind, b.device)))
+            .collect();
+        let mut tensors = Vec::with_capacity(params.len());
+        tch::no_grad(|| {
+            for (m, p) in meta.iter().zip(&params) {
+                let l = &m.layout;
+                let local = flats[m.bucket]
+                    .narrow(0, m.offset, l.local_numel())
+                    .view(l.local_shape().as_slice());
+                if l.local_rows() > 0 {
+                    let rows = p.param.reshape([l.rows(), l.row_numel()]).narrow(
+                        0,
+                        l.row_offset(),
+                        l.local_rows(),
+                    );
+                    local.reshape([l.local_rows(), l.row_numel()]).copy_(&rows);
+                }
+                tensors.push(ParamTensors {
+                    handle: p.param.shallow_clone(),
+                    local,
+                    // A tensor with a version counter of its own (a `detach` would share
+                    // the parameter's, and filling it would then fail the backward of
+                    // tensors saved in forward); its memory is released at once.
+                    full: Tensor::empty(p.param.size(), (p.param.kind(), p.param.device())),
+                });
+            }
+        });
+        let n = params.len();
+        let inner = Arc::new(GroupInner {
+            module: module.to_string(),
+            group: group.clone(),
+            meta,
+            buckets,
+            expected,
+            state: Mutex::new(State {
+                tensors,
+                flats,
+                sharded: false,
+                options,
+                reshard_after_backward: true,
+                requires_gradient_sync: true,
+                grads: (0..n).map(|_| None).collect(),
+                received: 0,
+                stash: (0..n).map(|_| None).collect(),
+                in_backward: false,
+                reduced: false,
+                reduction: None,
+            }),
+        });
+        // The interceptors make each accumulator now, while the parameters are full-sized.
+        let mut interceptors = Vec::new();
+        for (i, p) in params.iter().enumerate() {
+            if p.param.requires_grad() {
+                interceptors.push(
+                    Interceptor::add(&p.param, &inner, i)
+                        .map_err(|e| engine(&group, "fully_shard", e.message))?,
+                );
+            }
+        }
+        {
+            let mut st = inner.lock();
+            inner.reshard_locked(&mut st)?;
+        }
+        Ok(FsdpGroup {
+            inner,
+            _interceptors: interceptors,
+        })
+    }
+
+    /// Gathers the full parameters (before forward; or to run other methods than forward).
+    pub fn unshard(&self) -> Result<()> {
+        let mut st = self.inner.lock();
+        self.inner.unshard_locked(&mut st)
+    }
+
+    /// Frees the full parameters: each holds this rank's shard again.
+    pub fn reshard(&self) -> Result<()> {
+        let mut st = self.inner.lock();
+        self.inner.reshard_locked(&mut st)
+    }
+
+    /// Whether the parameters hold their shards now.
+    pub fn is_sharded(&self) -> bool {
+        self.inner.lock().sharded
+    }
+
+    /// Before the managed module's forward: gathers the parameters.
+    pub fn pre_forward(&self) -> Result<()> {
+        let mut st = self.inner.lock();
+        self.inner.unshard_locked(&mut st)
+    }
+
+    /// After the managed module's forward, with its output: hooks the output so that its
+    /// backward gathers the parameters again, and frees them now when
+    /// `reshard_after_forward` (always when the output records no graph: no backward will
+    /// come).
+    pub fn post_forward(&self, output: &Tensor) -> Result<()> {
+        let records = output.requires_grad();
+        if records {
+            hooks::add_pre_backward_hook(output, &self.inner)
+                .map_err(|e| engine(&self.inner.group, "fully_shard", e.message))?;
+            backward::join(&self.inner);
+        }
+        let mut st = self.inner.lock();
+        if records {
+            st.in_backward = true;
+        }
+        if !records || st.options.reshard_after_forward {
+            self.inner.reshard_locked(&mut st)?;
+        }
+        Ok(())
+    }
+
+    /// Whether backward reduce-scatters gradients (`true`, the default) or accumulates the
+    /// full gradients locally for a later synchronised backward (gradient accumulation).
+    pub fn set_requires_gradient_sync(&self, sync: bool) {
+        self.inner.lock().requires_gradient_sync = sync;
+    }
+
+    /// Whether a backward pass without gradient sync frees the gathered parameters (the
+    /// default) or keeps them for the next micro-batch. A synchronised backward always
+    /// reshards: `.grad` holds shards, and so must the parameters.
+    pub fn set_reshard_after_backward(&self, reshard: bool) {
+        self.inner.lock().reshard_after_backward = reshard;
+    }
+
+    /// Changes `reshard_after_forward`.
+    pub fn set_reshard_after_forward(&self, reshard: bool) {
+        self.inner.lock().options.reshard_after_forward = reshard;
+    }
+
+    /// The managed parameters: FQN, full shape, and this rank's first row and row count.
+    pub fn params(&self) -> Vec<ShardInfo> {
+        self.inner
+            .meta
+            .iter()
+            .map(|m| ShardInfo {
+                fqn: m.fqn.clone(),
+                shape: m.layout.shape().to_vec(),
+                row_offset: m.layout.row_offset(),
+                local_rows: m.layout.local_rows(),
+            })
+            .collect()
+    }
+
+    /// The full value of managed parameter `index` (a new tensor; collective: every rank
+    /// calls it for the same parameters in the same order).
+    pub fn full_param(&self, index: usize) -> Result<Tensor> {
+        let inner = &self.inner;
+        let m = inner
+            .meta
+            .get(index)
+            .ok_or_else(|| engine(&inner.group, "fully_shard", "no such parameter"))?;
+        let st = inner.lock();
+        if !st.sharded {
+            return Ok(tch::no_grad(|| st.tensors[index].full.detach().copy()));
+        }
+        let l = &m.layout;
+        let world = l.world();
+        let padded = Tensor::zeros(
+            [l.padded_numel()],
+            (inner.buckets[m.bucket].kind, st.flats[m.bucket].device()),
+        );
+        tch::no_grad(|| {
+            padded
+                .narrow(0, 0, l.local_numel())
+                .copy_(&st.tensors[index].local.reshape([-1]))
+        });
+        drop(st);
+        let out = padded.new_empty([world * l.padded_numel()], (padded.kind(), padded.device()));
+        inner.group.all_gather_into_tensor(&out, &padded)?;
+        Ok(out.narrow(0, 0, l.numel()).reshape(l.shape()))
+    }
+
+    /// Bytes of memory the full tensors of the parameters hold now (0 while sharded).
+    pub fn full_bytes(&self) -> usize {
+        let st = self.inner.lock();
+        st.tensors
+            .iter()
+            .map(|t| hooks::storage_nbytes(&t.full))
+            .sum()
+    }
+}
+
+/// Where one managed parameter's shard sits ([`FsdpGroup::params`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardInfo {
+    /// Its FQN in the model.
+    pub fqn: String,
+    /// The full shape.
+    pub shape: Vec<i64>,
+    /// The first full row this rank holds.
+    pub row_offset: i64,
+    /// How many rows this rank holds.
+    pub local_rows: i64,
+}
+
+impl GroupInner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn unshard_locked(&self, st: &mut State) -> Result<()> {
+        if !st.sharded {
+            return Ok(());
+        }
+        let world = self.group.world_size() as i64;
+        let mut gathered = Vec::with_capacity(self.buckets.len());
+        let mut works = Vec::with_capacity(self.buckets.len());
+        for (b, flat) in self.buckets.iter().zip(&st.flats) {
+            let out = Tensor::empty([world * b.numel], (b.kind, b.device));
+            works.push(self.group.all_gather_into_tensor_async(&out, flat)?);
+            gathered.push(out);
+        }
+        for w in works {
+            w.wait()?;
+        }
+        tch::no_grad(|| -> Result<()> {
+            for (i, m) in self.meta.iter().enumerate() {
+                let l = &m.layout;
+                let t = &mut st.tensors[i];
+                hooks::restore_storage(&t.full)
+                    .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
+                let rows = gathered[m.bucket]
+                    .view([world, self.buckets[m.bucket].numel])
+                    .narrow(1, m.offset, l.padded_numel());
+                if l.even() {
+                    t.full.view([world, l.padded_numel()]).copy_(&rows);
+                } else {
+                    t.full
+                        .view([l.numel()])
+                        .copy_(&rows.reshape([-1]).narrow(0, 0, l.numel()));
+                }
+                t.handle.set_data(&t.full);
+            }
+            Ok(())
+        })?;
+        st.sharded = false;
+        Ok(())
+    }
+
+    fn reshard_locked(&self, st: &mut State) -> Result<()> {
+        if st.sharded {
+            return Ok(());
+        }
+        tch::no_grad(|| -> Result<()> {
+            for t in st.tensors.iter_mut() {
+                t.handle.set_data(&t.local);
+                hooks::release_storage(&t.full)
+                    .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
+            }
+            Ok(())
+        })?;
+        st.sharded = true;
+        Ok(())
+    }
+
+    /// The pre-backward hook: gathers the parameters for the module's backward.
+    pub(crate) fn pre_backward(&self) -> Result<()> {
+        backward::queue_finish(self.group.rank())?;
+        let mut st = self.lock();
+        self.unshard_locked(&mut st)
+    }
+
+    /// The interceptor: parameter `index`'s full gradient of this pass.
+    pub(crate) fn on_grad(&self, index: usize, grad: Tensor) -> Result<()> {
+        backward::queue_finish(self.group.rank())?;
+        let mut st = self.lock();
+        match st.grads[index].take() {
+            Some(g) => st.grads[index] = Some(g + grad),
+            None => {
+                st.grads[index] = Some(grad);
+                st.received += 1;
+            }
+        }
+        if st.received == self.expected {
+            self.hand_over_locked(&mut st)?;
+        }
+        Ok(())
+    }
+
+    /// Every managed gradient of this pass is in (or the pass ended): reduce-scatters them
+    /// (parameters autograd did not reach count as zeros, on every rank alike), or stashes
+    /// them without gradient sync; then reshards.
+    fn hand_over_locked(&self, st: &mut State) -> Result<()> {
+        if st.reduced {
+            return Ok(());
+        }
+        st.reduced = true;
+        st.received = 0;
+        let grads = std::mem::take(&mut st.grads);
+        st.grads = (0..self.meta.len()).map(|_| None).collect();
+        if !st.requires_gradient_sync {
+            for (i, g) in grads.into_iter().enumerate() {
+                if let Some(g) = g {
+                    st.stash[i] = Some(match st.stash[i].take() {
+                        Some(s) => s + g,
+                        None => g,
+                    });
+                }
+            }
+            if st.reshard_after_backward {
+                self.reshard_locked(st)?;
+            }
+            return Ok(());
+        }
+        let world = self.group.world_size() as i64;
+        let mut works = Vec::new();
+        let mut outputs = Vec::with_capacity(self.buckets.len());
+        let mut grads = grads;
+        for b in &self.buckets {
+            if !b.params.iter().any(|&i| self.meta[i].requires_grad) {
+                outputs.push(None);
+                continue;
+            }
+            let input = Tensor::zeros([world * b.numel], (b.kind, b.device));
+            let per_rank = input.view([world, b.numel]);
+            tch::no_grad(|| {
+                for &i in &b.params {
+                    let m = &self.meta[i];
+                    let l = &m.layout;
+                    let g = match (grads[i].take(), st.stash[i].take()) {
+                        (Some(g), Some(s)) => g + s,
+                        (Some(g), None) | (None, Some(g)) => g,
+                        (None, None) => continue,
+                    };
+                    let mut dst = per_rank.narrow(1, m.offset, l.padded_numel());
+                    if l.even() {
+                        dst.copy_(&g.reshape([world, l.padded_numel()]));
+                    } else {
+                        let padded = g.new_zeros([world * l.padded_numel()], (b.kind, b.device));
+                        padded.narrow(0, 0, l.numel()).copy_(&g.reshape([-1]));
+                        dst.copy_(&padded.view([world, l.padded_numel()]));
+                    }
+                }
+            });
+            let out = Tensor::empty([b.numel], (b.kind, b.device));
+            works.push(
+                self.group
+                    .reduce_scatter_tensor_async(&out, &input, ReduceOp::Sum)?,
+            );
+            outputs.push(Some(out));
+        }
+        st.reduction = Some(Reduction { works, outputs });
+        self.reshard_locked(st)
+    }
+
+    /// The end of the backward pass: hands over what autograd did not reach, waits for the
+    /// reductions and installs each parameter's averaged shard as (or adds it to) `.grad`.
+    pub(crate) fn finish_backward(&self) -> Result<()> {
+        let mut st = self.lock();
+        if !st.in_backward {
+            return Ok(());
+        }
+        let result = self.finish_locked(&mut st);
+        st.in_backward = false;
+        st.reduced = false;
+        st.received = 0;
+        st.grads.iter_mut().for_each(|g| *g = None);
+        result
+    }
+
+    fn finish_locked(&self, st: &mut State) -> Result<()> {
+        self.hand_over_locked(st)?;
+        let Some(reduction) = st.reduction.take() else {
+            return Ok(());
+        };
+        for w in reduction.works {
+            w.wait()?;
+        }
+        let world = self.group.world_size() as f64;
+        let rank = self.group.rank();
+        for (b, out) in self.buckets.iter().zip(reduction.outputs) {
+            let Some(mut out) = out else { continue };
+            tch::no_grad(|| {
+                let _ = out.g_div_scalar_(world);
+            });
+            for &i in &b.params {
+                let m = &self.meta[i];
+                if !m.requires_grad {
+                    continue;
+                }
+                let l = &m.layout;
+                let shard = out
+                    .narrow(0, m.offset, l.local_numel())
+                    .view(l.local_shape().as_slice());
+                let handle = &st.tensors[i].handle;
+                let existing = handle.grad();
+                if existing.defined() {
+                    if existing.size() != shard.size() {
+                        return Err(DistError::Collective {
+                            rank,
+                            op: "fully_shard",
+                            cause: format!(
+                                "module `{}`: `.grad` of `{}` has shape {:?}, not its shard's {:?}",
+                                self.module,
+                                m.fqn,
+                                existing.size(),
+                                shard.size()
+                            ),
+                        });
+                    }
+                    tch::no_grad(|| {
+                        let mut e = existing;
+                        let _ = e.g_add_(&shard);
+                    });
+                } else {
+                    // A tensor of its own, not a view of the flat output: tch's zero_grad
+                    // detaches `.grad` in place, which libtorch refuses for views.
+                    let own = shard.copy();
+                    crate::reducer::set_grad_for(handle, Some(&own), rank, "fully_shard")?;
+                }
+            }
+        }
+        Ok(())
+    }
+}

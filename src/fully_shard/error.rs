@@ -1,0 +1,102 @@
+//! [`FsdpError`]: why `fully_shard` refused, or why one of its hooks failed.
+
+use tch_dist_core::hooks::HookError;
+use tch_dist_core::ContractError;
+use tch_dist_runtime::DistError;
+
+/// Errors of [`fully_shard`](super::fully_shard) and its state. A refusal at apply happens on
+/// every rank together and leaves the model unchanged.
+///
+/// ```
+/// use tch_dist::fully_shard::FsdpError;
+/// let e = FsdpError::TiedParameter {
+///     rank: 0,
+///     fqn: "head.weight".into(),
+///     other: "embed.weight".into(),
+/// };
+/// assert_eq!(
+///     e.to_string(),
+///     "rank 0: fully_shard: parameter `head.weight` is the same tensor as `embed.weight`, \
+///      which another fully_shard call manages; a tied parameter must be managed by one \
+///      call: apply fully_shard to a module that holds both uses"
+/// );
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FsdpError {
+    /// Applied twice, or together with a conflicting API (`replicate`), or the module's
+    /// names changed.
+    #[error(transparent)]
+    Contract(#[from] ContractError),
+    /// The engine failed or refused (a collective, a timeout, options or parameters that
+    /// differ across ranks).
+    #[error(transparent)]
+    Dist(#[from] DistError),
+    /// A `shard_module` parameter could not be gathered (`full_state_dict`).
+    #[error(transparent)]
+    Shard(#[from] crate::sharding::ShardError),
+    /// fully_shard's forward hooks could not be registered.
+    #[error(transparent)]
+    Hook(#[from] HookError),
+    /// A parameter is not contiguous: its shard would not be a view of its flat shard.
+    #[error(
+        "rank {rank}: fully_shard: parameter `{fqn}` is not contiguous; make it contiguous \
+         (`set_data(&t.contiguous())`) before applying fully_shard"
+    )]
+    NonContiguous {
+        /// This rank.
+        rank: usize,
+        /// The parameter.
+        fqn: String,
+    },
+    /// A parameter is the same tensor as one another `fully_shard` call manages.
+    #[error(
+        "rank {rank}: fully_shard: parameter `{fqn}` is the same tensor as `{other}`, which \
+         another fully_shard call manages; a tied parameter must be managed by one call: \
+         apply fully_shard to a module that holds both uses"
+    )]
+    TiedParameter {
+        /// This rank.
+        rank: usize,
+        /// The parameter, as this call sees it.
+        fqn: String,
+        /// Its FQN in the call that manages it.
+        other: String,
+    },
+    /// A submodule is managed by `replicate`, which cannot run inside `fully_shard`.
+    #[error(
+        "rank {rank}: fully_shard: submodule `{module}` is managed by replicate; apply \
+         replicate only to modules outside every fully_shard module"
+    )]
+    ReplicatedInside {
+        /// This rank.
+        rank: usize,
+        /// The submodule's FQN.
+        module: String,
+    },
+    /// An entry of `ignored_params` names no parameter of the module and no module prefix
+    /// of one.
+    #[error(
+        "rank {rank}: fully_shard: ignored_params names `{name}`, which is neither a \
+         parameter of the module nor a module prefix of one"
+    )]
+    UnknownIgnoredParam {
+        /// This rank.
+        rank: usize,
+        /// The entry.
+        name: String,
+    },
+    /// The module was not passed to `fully_shard`.
+    #[error("fully_shard: this module is not managed by fully_shard (call fully_shard first)")]
+    NotFullyShard,
+    /// A forward or backward hook of the module at `module` failed.
+    #[error("rank {rank}: fully_shard: module `{module}`: {source}")]
+    Hooked {
+        /// This rank.
+        rank: usize,
+        /// The managed module's FQN (`""` for the model's root).
+        module: String,
+        /// What failed.
+        source: DistError,
+    },
+}

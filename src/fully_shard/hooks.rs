@@ -1,0 +1,52 @@
+//! fully_shard's forward hooks: one call scope per managed module, which gathers the
+//! parameters before the call, and after it claims the call's uses of them (the bypass
+//! check), hooks the output for backward, and frees them where `reshard_after_forward`.
+
+use std::sync::Arc;
+
+use tch::Tensor;
+use tch_dist_core::hooks::{CallScope, ForwardError};
+use tch_dist_core::Shardable;
+use tch_dist_runtime::fsdp::FsdpGroup;
+use tch_dist_runtime::{autograd_mark, DistError, UseGuard};
+
+use super::FsdpError;
+
+/// The scope of one managed module's calls.
+pub(super) struct Scope {
+    pub group: Arc<FsdpGroup>,
+    /// Over the managed parameters that require a gradient (`None`: there are none).
+    pub guard: Option<Arc<UseGuard>>,
+    pub rank: usize,
+    /// The managed module, for errors.
+    pub module: String,
+}
+
+impl Scope {
+    fn failed(&self, source: DistError) -> ForwardError {
+        ForwardError::from_error(FsdpError::Hooked {
+            rank: self.rank,
+            module: self.module.clone(),
+            source,
+        })
+    }
+}
+
+impl CallScope for Scope {
+    fn enter(&self, _module: &dyn Shardable, _input: &Tensor) -> Result<u64, ForwardError> {
+        self.group.pre_forward().map_err(|e| self.failed(e))?;
+        Ok(autograd_mark())
+    }
+
+    fn exit(
+        &self,
+        _module: &dyn Shardable,
+        output: &Tensor,
+        mark: u64,
+    ) -> Result<(), ForwardError> {
+        if let Some(guard) = &self.guard {
+            guard.claim(output, mark).map_err(|e| self.failed(e))?;
+        }
+        self.group.post_forward(output).map_err(|e| self.failed(e))
+    }
+}

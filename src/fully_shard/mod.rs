@@ -1,0 +1,441 @@
+//! `fully_shard`: fully sharded data parallelism (PyTorch's FSDP2,
+//! `torch.distributed.fsdp.fully_shard`).
+//!
+//! Each call manages the parameters of its module that no nested call took (one *group* per
+//! call, split by dtype automatically). Between steps every rank holds only its dim-0 chunk
+//! of each managed parameter (`torch.chunk` rows, padded; uneven and empty shards allowed),
+//! installed in place: the FQNs, the `VarStore` and an optimizer built from it see the
+//! shard, and `.grad` after backward is the averaged gradient's shard. Around the module's
+//! forward the group's parameters are all-gathered and, where `reshard_after_forward`,
+//! freed after it; backward gathers them again (a hook on the module's output) and
+//! reduce-scatters the gradients as soon as the group's backward is done, while the rest of
+//! backward runs; an end-of-backward callback finishes the groups autograd never reached.
+//!
+//! Apply it bottom-up, then to the root; call children with `.call` (a layer run with
+//! `x.apply(&layer)` bypasses the hooks, and the backward pass then fails with an error that
+//! names the parameter):
+//!
+//! ```no_run
+//! use tch::nn::{self, Module, OptimizerConfig};
+//! use tch_dist::{fully_shard, Call, FsdpOptions, Shardable};
+//!
+//! #[derive(Debug, Shardable)]
+//! struct Net { blocks: Vec<nn::Linear>, head: nn::Linear }
+//! impl Module for Net {
+//!     fn forward(&self, xs: &tch::Tensor) -> tch::Tensor {
+//!         let h = self.blocks.iter().fold(xs.shallow_clone(), |h, b| b.call(&h).relu());
+//!         self.head.call(&h)
+//!     }
+//! }
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
+//! let vs = nn::VarStore::new(tch::Device::Cpu);
+//! let p = vs.root();
+//! let model = Net {
+//!     blocks: (0..4).map(|i| nn::linear(&p / "blocks" / i, 64, 64, Default::default())).collect(),
+//!     head: nn::linear(&p / "head", 64, 10, Default::default()),
+//! };
+//! for b in &model.blocks { fully_shard(b, FsdpOptions::default())?; } // bottom-up
+//! fully_shard(&model, FsdpOptions::default())?;                        // then the root
+//! let mut opt = nn::AdamW::default().build(&vs, 1e-3)?;                 // sees the shards
+//! let (x, y) = (tch::Tensor::randn([8, 64], tch::kind::FLOAT_CPU), tch::Tensor::zeros([8], tch::kind::INT64_CPU));
+//! opt.backward_step(&model.call(&x).cross_entropy_for_logits(&y));
+//! # Ok(()) }
+//! ```
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use tch::Tensor;
+use tch_dist_core::hooks::{register_call_scope, RemovableHandle};
+use tch_dist_core::path::join_fqn;
+use tch_dist_core::{contract, Shardable};
+use tch_dist_runtime::fsdp::{
+    tensor_identity, FsdpGroup, FsdpGroupOptions, ManagedParam, ShardInfo,
+};
+use tch_dist_runtime::{default_group, ProcessGroup, UseGuard, BROADCAST_BUCKET_BYTES};
+
+mod collect;
+mod error;
+mod hooks;
+
+pub use error::FsdpError;
+
+use collect::{collect, is_within};
+
+/// The state [`fully_shard`] stored for `module` (PyTorch's `FSDPModule` methods), if it was
+/// applied to it.
+pub use fully_shard_state as state;
+
+/// Options of [`fully_shard`] (PyTorch's keyword arguments, with its defaults).
+///
+/// ```
+/// let opts = tch_dist::FsdpOptions { reshard_after_forward: Some(false), ..Default::default() };
+/// assert!(opts.ignored_params.is_empty());
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct FsdpOptions {
+    /// Free the gathered parameters after forward and gather them again for backward
+    /// (`Some(true)`), or keep them until backward (`Some(false)`). `None`, the default:
+    /// `true`, except for the root (a call no later call encloses), which backward needs
+    /// first.
+    pub reshard_after_forward: Option<bool>,
+    /// Parameters (FQNs within the module, or module prefixes) left alone: not sharded, not
+    /// synchronised.
+    pub ignored_params: Vec<String>,
+    /// The group to shard over (default: the default group).
+    pub process_group: Option<ProcessGroup>,
+}
+
+/// What `fully_shard` keeps per managed module (PyTorch's `FSDPModule` methods), returned
+/// by [`fully_shard`] and by [`state`].
+pub struct FsdpState {
+    group: Arc<FsdpGroup>,
+    process_group: ProcessGroup,
+    /// `reshard_after_forward` as given (`None`: decided by whether a later call encloses
+    /// this one).
+    reshard_after_forward: Option<bool>,
+    /// Where the managed parameters are, relative to the module, and the module's FQN
+    /// within the outermost call that encloses it (set by that call).
+    prefix: Mutex<String>,
+    /// The states of the nearest nested calls.
+    nested: Vec<Arc<FsdpState>>,
+    _hooks: Vec<RemovableHandle>,
+    _guard: Option<Arc<UseGuard>>,
+}
+
+impl std::fmt::Debug for FsdpState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsdpState")
+            .field("group", &self.group)
+            .field("nested", &self.nested.len())
+            .finish()
+    }
+}
+
+impl FsdpState {
+    /// Gathers the full parameters of this module's group, so that methods other than
+    /// `forward` can use them (PyTorch's `unshard()`); [`reshard`](Self::reshard) frees them.
+    pub fn unshard(&self) -> Result<(), FsdpError> {
+        Ok(self.group.unshard()?)
+    }
+
+    /// Frees the gathered parameters: each holds this rank's shard again.
+    pub fn reshard(&self) -> Result<(), FsdpError> {
+        Ok(self.group.reshard()?)
+    }
+
+    /// Whether backward reduce-scatters gradients (the default) or accumulates them locally
+    /// for a later synchronised backward (gradient accumulation without communication);
+    /// applies to the nested calls too, as PyTorch's `recurse=True`.
+    pub fn set_requires_gradient_sync(&self, sync: bool) {
+        self.group.set_requires_gradient_sync(sync);
+        for n in &self.nested {
+            n.set_requires_gradient_sync(sync);
+        }
+    }
+
+    /// Whether a backward without gradient sync frees the gathered parameters (default
+    /// `true`); nested calls too. A synchronised backward always reshards.
+    pub fn set_reshard_after_backward(&self, reshard: bool) {
+        self.group.set_reshard_after_backward(reshard);
+        for n in &self.nested {
+            n.set_reshard_after_backward(reshard);
+        }
+    }
+
+    /// Changes `reshard_after_forward` of this call (not of nested ones).
+    pub fn set_reshard_after_forward(&self, reshard: bool) {
+        self.group.set_reshard_after_forward(reshard);
+    }
+
+    /// Whether this module's parameters hold their shards now.
+    pub fn is_sharded(&self) -> bool {
+        self.group.is_sharded()
+    }
+
+    /// Where this call's parameters are sharded: FQN (within the outermost enclosing
+    /// call's module), full shape, and this rank's first row and row count.
+    pub fn shards(&self) -> Vec<ShardInfo> {
+        let prefix = self.prefix();
+        self.group
+            .params()
+            .into_iter()
+            .map(|mut s| {
+                s.fqn = join_fqn(&prefix, &s.fqn);
+                s
+            })
+            .collect()
+    }
+
+    /// Bytes the gathered (full) parameters of this call hold now: 0 while sharded.
+    pub fn gathered_bytes(&self) -> usize {
+        self.group.full_bytes()
+    }
+
+    /// The group this call shards over.
+    pub fn process_group(&self) -> &ProcessGroup {
+        &self.process_group
+    }
+
+    /// This call and every nested one, outermost first.
+    fn all(self: &Arc<Self>) -> Vec<Arc<FsdpState>> {
+        let mut out = vec![Arc::clone(self)];
+        for n in &self.nested {
+            out.extend(n.all());
+        }
+        out
+    }
+
+    /// This module's FQN within the outermost call that encloses it.
+    fn prefix(&self) -> String {
+        self.prefix
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn set_prefix(&self, prefix: &str) {
+        let mut p = self.prefix.lock().unwrap_or_else(|e| e.into_inner());
+        *p = if p.is_empty() {
+            prefix.to_string()
+        } else {
+            join_fqn(prefix, &p)
+        };
+    }
+}
+
+/// Identities of every parameter any fully_shard call manages, with its FQN there.
+static MANAGED: Mutex<BTreeMap<u64, String>> = Mutex::new(BTreeMap::new());
+
+/// A copy of [`MANAGED`].
+fn managed_identities() -> BTreeMap<u64, String> {
+    MANAGED.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// The short name of a module's type, for errors (`Block` for `my_crate::model::Block`).
+fn short_type(module: &dyn Shardable) -> String {
+    let full = module.type_name();
+    let base = full.split('<').next().unwrap_or(full);
+    base.rsplit("::").next().unwrap_or(base).to_string()
+}
+
+/// Applies fully_shard to `module`: shards the parameters it manages (those no nested call
+/// took, outside `ignored_params`, not sharded by `shard_module`) over the group, starting
+/// from rank 0's values, and hooks its forward and backward. Every check runs on every rank
+/// together before anything changes: applied twice or with `replicate`, a `replicate`d
+/// submodule, options or parameters that differ across ranks, a non-contiguous parameter,
+/// a parameter tied to one another call manages, an unknown `ignored_params` entry. A
+/// module whose parameters nested calls took entirely manages nothing, which is fine. See
+/// the [module docs](self) for an example.
+#[contract(crate = "crate", conflicts(replicate))]
+pub fn fully_shard<M: Shardable + ?Sized>(
+    module: &M,
+    opts: FsdpOptions,
+) -> Result<FsdpState, FsdpError> {
+    let group = match &opts.process_group {
+        Some(g) => g.clone(),
+        None => default_group()?,
+    };
+    let rank = group.rank();
+    let label = short_type(module.as_dyn_shardable());
+    let found = collect(module.as_dyn_shardable(), &opts.ignored_params, rank);
+    let local = match found.problem {
+        Some(p) => Err(p),
+        None => Ok(()),
+    };
+    group.agree("fully_shard", local)?;
+    let options: Vec<(String, String)> = [
+        (
+            "reshard_after_forward",
+            format!("{:?}", opts.reshard_after_forward),
+        ),
+        ("ignored_params", format!("{:?}", opts.ignored_params)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    group.verify_same_options("fully_shard", &options)?;
+    let named: Vec<(&str, &Tensor)> = found.params.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    group.verify_same_tensors("fully_shard", "parameters", 0, &named)?;
+    // Every rank starts from rank 0's values, as replicate does.
+    let tensors: Vec<&Tensor> = found.params.iter().map(|(_, t)| t).collect();
+    group.broadcast_coalesced(&tensors, 0, BROADCAST_BUCKET_BYTES)?;
+    // The guard takes each parameter's gradient accumulator while it is full-sized.
+    let trainable: Vec<(String, &Tensor)> = found
+        .params
+        .iter()
+        .filter(|(_, t)| t.requires_grad())
+        .map(|(n, t)| (n.clone(), t))
+        .collect();
+    let guard = if trainable.is_empty() {
+        None
+    } else {
+        let names: Vec<String> = trainable.iter().map(|(n, _)| n.clone()).collect();
+        let module_label = label.clone();
+        let refs: Vec<&Tensor> = trainable.iter().map(|(_, t)| *t).collect();
+        Some(Arc::new(UseGuard::new(
+            rank,
+            "fully_shard",
+            &refs,
+            move |i| {
+                format!(
+                    "rank {rank}: fully_shard: parameter `{}` of a `{module_label}` was used \
+                 outside a call of its module through its hooks (`x.apply(&layer)` or \
+                 `layer.forward(&x)` bypass them; call it with `layer.call(&x)`): between \
+                 steps it holds only this rank's shard",
+                    names[i]
+                )
+            },
+        )?))
+    };
+    let identities: Vec<(u64, String)> = found
+        .params
+        .iter()
+        .map(|(n, t)| (tensor_identity(t), n.clone()))
+        .collect();
+    let params: Vec<ManagedParam> = found
+        .params
+        .into_iter()
+        .map(|(fqn, param)| ManagedParam { fqn, param })
+        .collect();
+    let fsdp_group = Arc::new(FsdpGroup::new(
+        &label,
+        params,
+        group.clone(),
+        FsdpGroupOptions {
+            // The root's default; an enclosing call turns it on for this one.
+            reshard_after_forward: opts.reshard_after_forward.unwrap_or(false),
+        },
+    )?);
+    for (prefix, n) in &found.nested {
+        for inner in n.all() {
+            inner.set_prefix(prefix);
+            if inner.reshard_after_forward.is_none() {
+                inner.group.set_reshard_after_forward(true);
+            }
+        }
+    }
+    let scope = Arc::new(hooks::Scope {
+        group: Arc::clone(&fsdp_group),
+        guard: guard.clone(),
+        rank,
+        module: label,
+    });
+    let hooks = register_call_scope(module, scope)?;
+    MANAGED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .extend(identities);
+    Ok(FsdpState {
+        group: fsdp_group,
+        process_group: group,
+        reshard_after_forward: opts.reshard_after_forward,
+        prefix: Mutex::new(String::new()),
+        nested: found.nested.into_iter().map(|(_, s)| s).collect(),
+        _hooks: hooks.into(),
+        _guard: guard,
+    })
+}
+
+/// A parameter a fully_shard call manages ([`fsdp_params_in`]).
+pub(crate) struct FsdpParam {
+    /// The call's state.
+    pub state: Arc<FsdpState>,
+    /// Its position in the call's group.
+    pub index: usize,
+    /// Where this rank's rows sit.
+    pub info: ShardInfo,
+}
+
+/// Every parameter a fully_shard call in `module` manages, by its FQN in `module`.
+pub(crate) fn fsdp_params_in<M: Shardable + ?Sized>(module: &M) -> HashMap<String, FsdpParam> {
+    let mut out = HashMap::new();
+    let mut outermost: Vec<String> = Vec::new();
+    for (prefix, m) in module.named_modules() {
+        if outermost.iter().any(|o| is_within(&prefix, o)) {
+            continue;
+        }
+        let Some(s) = fully_shard_state(m) else {
+            continue;
+        };
+        outermost.push(prefix.clone());
+        let base = s.prefix();
+        for inner in s.all() {
+            // Prefixes are relative to the outermost call; `s` may be a nested one.
+            let own = inner.prefix();
+            let rel = own
+                .strip_prefix(base.as_str())
+                .map(|r| r.trim_start_matches('.'))
+                .unwrap_or(own.as_str());
+            for (index, mut info) in inner.group.params().into_iter().enumerate() {
+                info.fqn = join_fqn(&prefix, &join_fqn(rel, &info.fqn));
+                out.insert(
+                    info.fqn.clone(),
+                    FsdpParam {
+                        state: Arc::clone(&inner),
+                        index,
+                        info,
+                    },
+                );
+            }
+        }
+    }
+    out
+}
+
+/// Every parameter and buffer of `module` with its full value, in walk order (PyTorch's
+/// full `state_dict`, for evaluation or export; a tied parameter under each of its names).
+/// A collective: every rank calls it, and every rank gets the full values. Parameters
+/// sharded by `fully_shard` or `shard_module` are all-gathered; the others are copied.
+///
+/// ```no_run
+/// # fn demo<M: tch_dist::Shardable>(model: &M) -> Result<(), tch_dist::fully_shard::FsdpError> {
+/// let full = tch_dist::fully_shard::full_state_dict(model)?;
+/// for (fqn, t) in &full { println!("{fqn}: {:?}", t.size()); }
+/// # Ok(()) }
+/// ```
+pub fn full_state_dict<M: Shardable + ?Sized>(
+    module: &M,
+) -> Result<Vec<(String, Tensor)>, FsdpError> {
+    let managed = fsdp_params_in(module);
+    // Tied names reach the managed parameter through its identity.
+    let by_identity: HashMap<u64, &FsdpParam> = module
+        .named_parameters()
+        .into_iter()
+        .filter_map(|(fqn, t)| managed.get(&fqn).map(|p| (tensor_identity(t), p)))
+        .collect();
+    let tensor_parallel = crate::sharding::sharded_params_in(module);
+    let modules = module.named_modules();
+    let mut gathered: HashMap<u64, Tensor> = HashMap::new();
+    let mut out = Vec::new();
+    for (fqn, t) in module.named_parameters() {
+        let id = tensor_identity(t);
+        let full = if let Some(full) = gathered.get(&id) {
+            full.shallow_clone()
+        } else if let Some(p) = by_identity.get(&id) {
+            let full = p.state.group.full_param(p.index)?;
+            gathered.insert(id, full.shallow_clone());
+            full
+        } else if let Some(tp) = tensor_parallel.get(&fqn) {
+            let owner = modules
+                .iter()
+                .find(|(_, m)| {
+                    crate::sharding::shard_module_state(*m)
+                        .is_some_and(|s| Arc::ptr_eq(&s, &tp.state))
+                })
+                .map(|(_, m)| *m)
+                .ok_or(FsdpError::NotFullyShard)?;
+            let st = tp.state.sharded_tensor(owner, &tp.local_fqn)?;
+            st.all_gather()?
+        } else {
+            tch::no_grad(|| t.detach().copy())
+        };
+        out.push((fqn, full));
+    }
+    for (fqn, b) in module.named_buffers() {
+        out.push((fqn, tch::no_grad(|| b.detach().copy())));
+    }
+    Ok(out)
+}
