@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tch::nn;
 use tch::{Device, Tensor};
-use tch_dist::testing::fully_shard;
+use tch_dist::testing::record_names;
 use tch_dist::{contract, registry, ContractError, Shardable};
 
 #[derive(Debug, PartialEq, thiserror::Error)]
@@ -16,7 +16,7 @@ enum ApiError {
     BadBucket(i64),
 }
 
-/// A DDP-like stand-in declared in this crate; it conflicts with `fully_shard` (declared in
+/// A DDP-like stand-in declared in this crate; it conflicts with `record_names` (declared in
 /// tch-dist-core, which does not know about it).
 mod ddp_like {
     use super::*;
@@ -29,7 +29,7 @@ mod ddp_like {
     }
 
     /// Applies the stand-in.
-    #[contract(conflicts(fully_shard))]
+    #[contract(conflicts(record_names))]
     pub fn apply<M: Shardable + ?Sized>(module: &M, bucket_mb: i64) -> Result<State, ApiError> {
         if bucket_mb <= 0 {
             return Err(ApiError::BadBucket(bucket_mb));
@@ -171,38 +171,41 @@ fn registry_lists_apis_in_order_and_names_can_be_overridden() {
 fn declared_conflicts_are_refused_in_both_orders() {
     let vs = nn::VarStore::new(Device::Cpu);
     let m = mlp(&vs);
-    fully_shard::apply(&m).unwrap();
+    record_names::apply(&m).unwrap();
     let err = ddp_like::apply(&m, 1).unwrap_err();
     assert_eq!(
         err,
         ApiError::Contract(ContractError::Conflict {
             api: "ddp_like",
-            existing: "fully_shard",
+            existing: "record_names",
             declared_by: "ddp_like"
         })
     );
     assert_eq!(
         err.to_string(),
-        "Cannot apply `ddp_like` to a module already managed by `fully_shard`: `ddp_like` \
+        "Cannot apply `ddp_like` to a module already managed by `record_names`: `ddp_like` \
          declares the two composable APIs as conflicting"
     );
 
-    // fully_shard (tch-dist-core) knows nothing of ddp_like; the catalogue tells it.
+    // record_names (tch-dist-core) knows nothing of ddp_like; the catalogue tells it.
     let other = mlp(&vs);
     ddp_like::apply(&other, 1).unwrap();
-    let err = fully_shard::apply(&other).unwrap_err();
+    let err = record_names::apply(&other).unwrap_err();
     assert_eq!(
         err,
         ContractError::Conflict {
-            api: "fully_shard",
+            api: "record_names",
             existing: "ddp_like",
             declared_by: "ddp_like"
         }
     );
     assert_eq!(registry(&other), ["ddp_like"]);
-    assert!(tch_dist::contract::apis_conflict("fully_shard", "ddp_like"));
+    assert!(tch_dist::contract::apis_conflict(
+        "record_names",
+        "ddp_like"
+    ));
     assert!(!tch_dist::contract::apis_conflict(
-        "fully_shard",
+        "record_names",
         "activation_checkpoint"
     ));
 }
@@ -210,18 +213,26 @@ fn declared_conflicts_are_refused_in_both_orders() {
 #[test]
 fn catalogue_lists_apis_of_every_crate() {
     let cat = tch_dist::contract::catalogue();
-    let fs = cat
+    let rn = cat
         .iter()
-        .find(|a| a.name == "fully_shard")
-        .expect("fully_shard is catalogued");
-    assert_eq!(fs.module_path, "tch_dist_core::testing::fully_shard");
+        .find(|a| a.name == "record_names")
+        .expect("record_names is catalogued");
+    assert_eq!(rn.module_path, "tch_dist_core::testing::record_names");
     let ddp = cat
         .iter()
         .find(|a| a.name == "ddp_like")
         .expect("ddp_like is catalogued");
     assert_eq!(ddp.module_path, "contract::ddp_like");
-    assert_eq!(ddp.conflicts, ["fully_shard"]);
+    assert_eq!(ddp.conflicts, ["record_names"]);
     assert!(cat.iter().any(|a| a.name == "activation_checkpoint"));
+    // The real fully_shard and replicate refuse each other.
+    let fs = tch_dist::contract::find_api("fully_shard");
+    assert_eq!(fs.len(), 1, "{fs:?}");
+    assert_eq!(fs[0].module_path, "tch_dist::fully_shard");
+    assert!(tch_dist::contract::apis_conflict(
+        "fully_shard",
+        "replicate"
+    ));
     assert_eq!(tch_dist::contract::find_api("ddp_like").len(), 1);
 }
 

@@ -247,8 +247,6 @@ fn apply_twice_and_conflicts_are_refused() {
         &Launch::new("apply_twice_and_conflicts_are_refused", 2),
         Backend::Gloo,
         |pg| {
-            tch_dist::testing::fully_shard::apply(&net(&nn::VarStore::new(Device::Cpu), 8, false))
-                .unwrap();
             let vs = nn::VarStore::new(Device::Cpu);
             let model = net(&vs, 8, false);
             let opts = || replicate::Options {
@@ -265,7 +263,7 @@ fn apply_twice_and_conflicts_are_refused() {
 
             let vs2 = nn::VarStore::new(Device::Cpu);
             let sharded = net(&vs2, 8, false);
-            tch_dist::testing::fully_shard::apply(&sharded).unwrap();
+            tch_dist::fully_shard(&sharded, Default::default()).unwrap();
             let err = replicate::apply(&sharded, opts()).unwrap_err().to_string();
             assert!(
                 err.contains("fully_shard") && err.contains("replicate"),
@@ -275,7 +273,7 @@ fn apply_twice_and_conflicts_are_refused() {
             // A child managed by fully_shard is skipped by replicate.
             let vs3 = nn::VarStore::new(Device::Cpu);
             let partly = net(&vs3, 8, false);
-            tch_dist::testing::fully_shard::apply(&partly.fc2).unwrap();
+            tch_dist::fully_shard(&partly.fc2, Default::default()).unwrap();
             replicate::apply(&partly, opts()).unwrap();
             assert_eq!(
                 replicate::state(&partly).unwrap().param_fqns(),
