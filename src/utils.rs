@@ -85,10 +85,15 @@ pub fn clip_grad_norm<M: Shardable + ?Sized>(
         return Err(ClipGradError::InvalidNormType { norm_type });
     }
     // Which parameters are shards, and over which group.
-    let sharded: HashMap<String, ProcessGroup> = sharded_params_in(module)
+    let mut sharded: HashMap<String, ProcessGroup> = sharded_params_in(module)
         .into_iter()
         .map(|(fqn, p)| (fqn, p.state.group().clone()))
         .collect();
+    sharded.extend(
+        crate::fully_shard::fsdp_params_in(module)
+            .into_iter()
+            .map(|(fqn, p)| (fqn, p.state.process_group().clone())),
+    );
     let inf = norm_type.is_infinite();
     // Each gradient's contribution: |g|^p summed (p finite) or max |g|, in f64 and kept on
     // the gradient's device (one host read at the end).

@@ -224,6 +224,70 @@ fn tensor_parallel_checkpoints_reshard_and_load_in_pytorch() {
     }
 }
 
+/// Every tensor of a fully_shard `model`, gathered, against the reference store's.
+fn fsdp_equals_reference(model: &Mlp, reference: &nn::VarStore, what: &str) {
+    for (fqn, t) in tch_dist::fully_shard::full_state_dict(model).unwrap() {
+        assert!(
+            t.equal(&reference.variables()[&fqn]),
+            "{what}: {fqn} differs from the reference"
+        );
+    }
+}
+
+#[test]
+fn fully_shard_checkpoints_reshard_and_load_in_pytorch() {
+    run_ranks(
+        "fully_shard_checkpoints_reshard_and_load_in_pytorch",
+        3,
+        |pg| {
+            use tch_dist::{fully_shard, FsdpOptions};
+            let dir = scratch("fsdp_reshard", &pg);
+            let (ckpt2, ckpt3, full) = (
+                dir.join("by2"),
+                dir.join("by3"),
+                dir.join("full.safetensors"),
+            );
+            let reference = nn::VarStore::new(Device::Cpu);
+            let _ = mlp(&reference, 8, 1);
+            if pg.rank() == 0 {
+                reference.save(&full).unwrap();
+            }
+            // Saved by ranks 0 and 1, per-layer groups and the root: fc1 4 + 4 rows, fc2 3 + 2.
+            let pair = pg.new_group(&[0, 1], Backend::Gloo).unwrap();
+            if let Some(pair) = &pair {
+                let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 1);
+                let opts = || FsdpOptions {
+                    process_group: Some(pair.clone()),
+                    ..Default::default()
+                };
+                fully_shard(&model.fc1, opts()).unwrap();
+                fully_shard(&model, opts()).unwrap();
+                assert_eq!(
+                    model.fc2.ws.size(),
+                    [if pair.rank() == 0 { 3 } else { 2 }, 8]
+                );
+                checkpoint::save(&ckpt2, &model, pair).unwrap();
+            }
+            pg.barrier().unwrap();
+            // Loaded at 3 ranks (3 + 3 + 2 rows and 2 + 2 + 1), from other initial values.
+            let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 2);
+            fully_shard(&model, FsdpOptions::default()).unwrap();
+            checkpoint::load(&ckpt2, &model, &pg).unwrap();
+            fsdp_equals_reference(&model, &reference, "2 -> 3 ranks, fully_shard");
+            checkpoint::save(&ckpt3, &model, &pg).unwrap();
+            let plain = mlp(&nn::VarStore::new(Device::Cpu), 8, 7);
+            checkpoint::load(&ckpt3, &plain, &pg).unwrap();
+            equals_reference(&plain, &reference, "3 ranks fully_shard -> plain");
+        },
+    );
+    if worker().is_none() {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fsdp_reshard");
+        let full = dir.join("full.safetensors");
+        pytorch_loads(&dir.join("by2"), &full);
+        pytorch_loads(&dir.join("by3"), &full);
+    }
+}
+
 /// Each refusal on every rank, with the model unchanged.
 #[test]
 fn refusals_name_the_fqn_on_every_rank() {

@@ -197,13 +197,307 @@ fn equals_single_process_training_at_3_ranks() {
     run_ranks("equals_single_process_training_at_3_ranks", 3, parity_cases);
 }
 
+/// `k` micro-batches: all but the last backward without gradient sync (each only local),
+/// then one synchronised backward and one step; against one step on the mean loss of the `k`
+/// whole batches.
+fn accumulation(pg: &ProcessGroup, k: usize) -> f64 {
+    tch::manual_seed(3);
+    let ref_vs = nn::VarStore::new(Device::Cpu);
+    let reference = model(&ref_vs);
+    tch::manual_seed(3);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = model(&vs);
+    apply(
+        &m,
+        Groups::PerBlock {
+            reshard_after_forward: true,
+        },
+        FsdpOptions::default(),
+    );
+    let root = fully_shard::state(&m).unwrap();
+    let mut opt = nn::AdamW::default().build(&vs, 1e-2).unwrap();
+    let mut ref_opt = nn::AdamW::default().build(&ref_vs, 1e-2).unwrap();
+    let mut total = Tensor::zeros([], (Kind::Float, Device::Cpu));
+    for step in 0..k {
+        let (x, y) = batch(step);
+        total += reference.forward(&x).mse_loss(&y, tch::Reduction::Mean) / k as f64;
+    }
+    ref_opt.backward_step(&total);
+    opt.zero_grad();
+    for step in 0..k {
+        root.set_requires_gradient_sync(step == k - 1);
+        let (x, y) = batch(step);
+        let loss = m
+            .call(&slice(&x, pg))
+            .mse_loss(&slice(&y, pg), tch::Reduction::Mean);
+        (loss / k as f64).backward();
+        if step < k - 1 {
+            // Nothing reduced yet: no shard has a gradient.
+            for (fqn, t) in vs.variables() {
+                assert!(!t.grad().defined(), "{fqn} has a gradient before the sync");
+            }
+        }
+    }
+    opt.step();
+    assert_sharded(&m, &vs, pg);
+    max_diff_full(&m, &ref_vs)
+}
+
+/// Frozen parameters are sharded and gathered but get no gradient; ignored ones stay whole,
+/// on every rank, and are not synchronised.
+fn frozen_and_ignored() {
+    tch::manual_seed(3);
+    let ref_vs = nn::VarStore::new(Device::Cpu);
+    let reference = model(&ref_vs);
+    tch::manual_seed(3);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = model(&vs);
+    for t in [&m.blocks[0].ws, &reference.blocks[0].ws] {
+        let _ = t.set_requires_grad(false);
+    }
+    fully_shard(
+        &m,
+        FsdpOptions {
+            ignored_params: vec!["head".into()],
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut opt = nn::AdamW::default().build(&vs, 1e-2).unwrap();
+    let mut ref_opt = nn::AdamW::default().build(&ref_vs, 1e-2).unwrap();
+    // The head is not synchronised: every rank trains it on the whole batch, as the
+    // reference does, so that the rest stays comparable.
+    for step in 0..3 {
+        let (x, y) = batch(step);
+        ref_opt.backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean));
+        let loss = m.call(&x).mse_loss(&y, tch::Reduction::Mean);
+        opt.backward_step(&loss);
+    }
+    assert_eq!(m.head.ws.size(), [2, 16], "the ignored head is whole");
+    assert!(
+        !m.blocks[0].ws.grad().defined(),
+        "a frozen parameter gets no gradient"
+    );
+    assert_ne!(
+        m.blocks[0].ws.size(),
+        [7, 15],
+        "a frozen parameter is sharded"
+    );
+    let diff = max_diff_full(&m, &ref_vs);
+    assert!(diff < 1e-5, "frozen and ignored: {diff}");
+}
+
 #[test]
-fn refusals() {
-    run_ranks("refusals", 2, |_pg| {
+fn accumulation_frozen_and_ignored_at_2_ranks() {
+    run_ranks("accumulation_frozen_and_ignored_at_2_ranks", 2, |pg| {
+        let diff = accumulation(&pg, 3);
+        assert!(diff < 1e-5, "accumulation without sync: {diff}");
+        frozen_and_ignored();
+    });
+}
+
+/// A model whose forward runs its head with `apply`, bypassing the head's hooks.
+#[derive(Debug, Shardable)]
+struct Bypassing {
+    inner: Model,
+}
+
+impl Module for Bypassing {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        let h = self
+            .inner
+            .blocks
+            .iter()
+            .fold(xs.shallow_clone(), |h, b| b.call(&h).tanh());
+        h.apply(&self.inner.head)
+    }
+}
+
+/// Between the groups' hooks, at most the group being run (and the root, which keeps its
+/// parameters until backward) holds gathered memory.
+fn gathered_during_forward(pg: &ProcessGroup) {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = model(&vs);
+    apply(
+        &m,
+        Groups::PerBlock {
+            reshard_after_forward: true,
+        },
+        FsdpOptions::default(),
+    );
+    let blocks: Vec<_> = m
+        .blocks
+        .iter()
+        .map(|b| fully_shard::state(b).unwrap())
+        .collect();
+    let peak = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut handles = Vec::new();
+    for (i, b) in m.blocks.iter().enumerate() {
+        let (blocks, peak) = (blocks.clone(), peak.clone());
+        // Registered after fully_shard's hooks: runs once block `i` is gathered.
+        handles.push(
+            tch_dist_core::hooks::register_forward_pre_hook(b, move |_, _| {
+                let gathered: Vec<bool> = blocks.iter().map(|s| s.gathered_bytes() > 0).collect();
+                peak.lock().unwrap().push((i, gathered));
+                None
+            })
+            .unwrap(),
+        );
+    }
+    let (x, y) = batch(0);
+    let loss = m
+        .call(&slice(&x, pg))
+        .mse_loss(&slice(&y, pg), tch::Reduction::Mean);
+    for (i, gathered) in peak.lock().unwrap().iter() {
+        let expected: Vec<bool> = (0..blocks.len()).map(|j| j == *i).collect();
+        assert_eq!(gathered, &expected, "while block {i} runs");
+    }
+    assert!(
+        blocks.iter().all(|s| s.gathered_bytes() == 0),
+        "freed after forward"
+    );
+    loss.backward();
+    assert!(blocks
+        .iter()
+        .all(|s| s.is_sharded() && s.gathered_bytes() == 0));
+}
+
+#[test]
+fn bypass_memory_and_unshard_at_2_ranks() {
+    run_ranks("bypass_memory_and_unshard_at_2_ranks", 2, |pg| {
+        // A bypassed head inside the root's call fails the root's forward.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let m = Bypassing { inner: model(&vs) };
+        fully_shard(&m.inner.head, FsdpOptions::default()).unwrap();
+        fully_shard(&m, FsdpOptions::default()).unwrap();
+        let before: Vec<Tensor> = vs.trainable_variables().iter().map(|t| t.copy()).collect();
+        let (x, _) = batch(0);
+        let err = m.f_call(&x).unwrap_err();
+        let e = err.downcast_ref::<FsdpError>().expect("a typed error");
+        assert!(
+            matches!(e, FsdpError::HooksBypassed { param, .. } if param == "weight"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("layer.call(&x)"), "{e}");
+        let after = vs.trainable_variables();
+        assert!(before.iter().zip(&after).all(|(a, b)| a.equal(b)));
+        assert!(fully_shard::state(&m).unwrap().is_sharded());
+
+        // Called directly (no enclosing call), the bypass fails backward before any
+        // gradient lands.
+        let head = nn::VarStore::new(Device::Cpu);
+        let layer = nn::linear(head.root() / "head", 3, 4, Default::default());
+        fully_shard(&layer, FsdpOptions::default()).unwrap();
+        let out = Tensor::ones([2, 3], tch::kind::FLOAT_CPU).apply(&layer);
+        let err = out.sum(Kind::Float).f_backward().unwrap_err().to_string();
+        // Autograd's own check against the full shape comes first where the shard's
+        // gradient cannot be the full one's; the guard's where it could.
+        assert!(
+            err.contains("layer.call(&x)") || err.contains("invalid gradient"),
+            "{err}"
+        );
+        assert!(!layer.ws.grad().defined());
+
+        gathered_during_forward(&pg);
+
+        // unshard / reshard: other methods than forward can use the full parameters.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let m = model(&vs);
+        fully_shard(&m, FsdpOptions::default()).unwrap();
+        let s = fully_shard::state(&m).unwrap();
+        s.unshard().unwrap();
+        assert_eq!(m.blocks[1].ws.size(), [17, 7]);
+        assert!(s.gathered_bytes() > 0);
+        s.reshard().unwrap();
+        assert_eq!(m.blocks[1].ws.size(), [9 - pg.rank() as i64, 7]);
+        assert_eq!(s.gathered_bytes(), 0);
+    });
+}
+
+/// A linear layer whose weight is another layer's (tied).
+#[derive(Debug, Shardable)]
+struct Tied {
+    a: nn::Linear,
+    b: nn::Linear,
+}
+
+#[test]
+fn refusals_at_2_ranks() {
+    run_ranks("refusals_at_2_ranks", 2, |pg| {
         let vs = nn::VarStore::new(Device::Cpu);
         let m = model(&vs);
         fully_shard(&m, FsdpOptions::default()).unwrap();
         let err = fully_shard(&m, FsdpOptions::default()).unwrap_err();
         assert!(matches!(err, FsdpError::Contract(_)), "{err}");
+        let err = tch_dist::replicate::apply(&m, Default::default()).unwrap_err();
+        assert!(err.to_string().contains("fully_shard"), "{err}");
+
+        // A tied parameter used by two calls.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let a = nn::linear(vs.root() / "a", 4, 4, Default::default());
+        let b = nn::Linear {
+            ws: a.ws.shallow_clone(),
+            bs: None,
+        };
+        let tied = Tied { a, b };
+        fully_shard(&tied.a, FsdpOptions::default()).unwrap();
+        let err = fully_shard(&tied, FsdpOptions::default()).unwrap_err();
+        assert!(
+            matches!(&err, FsdpError::TiedParameter { fqn, other, .. } if fqn == "b.weight" && other == "weight"),
+            "{err}"
+        );
+        // Tied within one call: managed once, equal under both names.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let a = nn::linear(vs.root() / "a", 4, 4, Default::default());
+        let b = nn::Linear {
+            ws: a.ws.shallow_clone(),
+            bs: None,
+        };
+        let tied = Tied { a, b };
+        fully_shard(&tied, FsdpOptions::default()).unwrap();
+        assert_eq!(tied.b.ws.size(), [2, 4]);
+        let full = full_state_dict(&tied).unwrap();
+        assert!(
+            full[0].1.equal(&full[2].1),
+            "{:?}",
+            full.iter().map(|f| &f.0).collect::<Vec<_>>()
+        );
+
+        // Options that differ across ranks, a non-contiguous parameter, an unknown ignored
+        // name: refused on every rank, nothing sharded.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let m = model(&vs);
+        let differ = FsdpOptions {
+            reshard_after_forward: Some(pg.rank() == 0),
+            ..Default::default()
+        };
+        let err = fully_shard(&m.blocks[0], differ).unwrap_err();
+        assert!(err.to_string().contains("reshard_after_forward"), "{err}");
+        let unknown = FsdpOptions {
+            ignored_params: vec!["nope".into()],
+            ..Default::default()
+        };
+        let err = fully_shard(&m.blocks[1], unknown).unwrap_err();
+        assert!(
+            matches!(err, FsdpError::UnknownIgnoredParam { .. }),
+            "{err}"
+        );
+        // Non-contiguous on rank 1 only: rank 1 names it, rank 0 learns that rank 1 failed.
+        if pg.rank() == 1 {
+            let mut w = m.blocks[2].ws.shallow_clone();
+            tch::no_grad(|| w.set_data(&w.detach().tr().contiguous().tr()));
+        }
+        let err = fully_shard(&m.blocks[2], FsdpOptions::default()).unwrap_err();
+        if pg.rank() == 1 {
+            assert!(
+                matches!(err, FsdpError::NonContiguous { ref fqn, .. } if fqn == "weight"),
+                "{err}"
+            );
+        } else {
+            assert!(err.to_string().contains("rank 1"), "{err}");
+        }
+        assert_eq!(m.blocks[0].ws.size(), [7, 15]);
+        assert_eq!(m.blocks[1].ws.size(), [17, 7]);
+        assert_eq!(m.blocks[2].ws.size(), [16, 17]);
     });
 }

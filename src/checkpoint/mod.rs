@@ -4,7 +4,8 @@
 //!
 //! [`save`] writes one file per rank into a folder (none for a rank with nothing of its
 //! own): each rank its shards of the parameters
-//! [`shard_module`](crate::sharding::shard_module) sharded (anywhere in the model), rank 0
+//! [`shard_module`](crate::sharding::shard_module) or [`fully_shard`](crate::fully_shard())
+//! sharded (anywhere in the model), rank 0
 //! the replicated tensors, each file's `DCP_SHARDING_INFO` saying where its pieces sit in
 //! the global tensors (the layout in [`file_name`] and `files.rs`). So
 //!
@@ -14,7 +15,7 @@
 //!
 //! loads a tch-dist checkpoint into a PyTorch model, plain or `fully_shard`ed, at any world
 //! size. [`load`] reads such a folder (or a one-file `VarStore::save`) back into a model at
-//! any world size, replicated or tensor-parallel: each rank assembles the part it holds
+//! any world size, replicated, tensor-parallel or fully sharded: each rank assembles the part it holds
 //! from whichever saved pieces overlap it.
 //!
 //! Crash safety: a save writes into `DIR.partial` and, once every rank's file is written
@@ -28,8 +29,7 @@
 //!
 //! [`save_with`] also writes a train state (`train_state.json`, any JSON value: step, epoch,
 //! data position) and keeps only the last `k` checkpoints beside the new one; [`latest`]
-//! finds the last complete one to resume from. Not yet: optimizer state, `fully_shard`
-//! models.
+//! finds the last complete one to resume from. Not yet: optimizer state.
 //!
 //! ```no_run
 //! use tch::nn;
@@ -89,6 +89,20 @@ fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
             shards.insert(fqn, (mine.shard_offsets.clone(), meta.size.clone()));
         }
     }
+    // fully_shard's dim-0 shards, found by tensor identity so that a tied parameter's
+    // second name is saved as the shard it is too.
+    let fsdp = crate::fully_shard::fsdp_params_in(module);
+    let mut fsdp_by_identity: HashMap<u64, (Vec<i64>, Vec<i64>)> = HashMap::new();
+    for (fqn, t) in module.named_parameters() {
+        if let Some(p) = fsdp.get(&fqn) {
+            let mut offsets = vec![0; p.info.shape.len().max(1)];
+            offsets[0] = p.info.row_offset;
+            fsdp_by_identity.insert(
+                tch_dist_runtime::fsdp::tensor_identity(t),
+                (offsets, p.info.shape.clone()),
+            );
+        }
+    }
     let mut seen = HashSet::new();
     let mut out = Vec::new();
     for (fqn, t) in module
@@ -99,7 +113,8 @@ fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
         if !seen.insert(fqn.clone()) {
             continue;
         }
-        let (offsets, global, sharded) = match shards.get(&fqn) {
+        let fsdp_shard = fsdp_by_identity.get(&tch_dist_runtime::fsdp::tensor_identity(t));
+        let (offsets, global, sharded) = match shards.get(&fqn).or(fsdp_shard) {
             Some((o, g)) => (o.clone(), g.clone(), true),
             None => (vec![0; t.dim()], t.size(), false),
         };
@@ -189,13 +204,16 @@ pub fn save_with<M: Shardable + ?Sized>(
         Ok(())
     };
     group.agree(OP, local)?;
-    // 2. Every rank writes its file: its shards, and rank 0 the whole tensors.
+    // 2. Every rank writes its file: its shards, and rank 0 the whole tensors (fully_shard
+    // parameters held gathered go back to their shards first).
+    crate::fully_shard::reshard_all(module)?;
     let targets = targets(module);
     let path = tmp.join(file_name(rank));
     let local = (|| {
         let mine: Vec<(String, Tensor, Vec<i64>)> = targets
             .iter()
-            .filter(|t| t.sharded || rank == 0)
+            // An empty shard (more ranks than rows) has nothing to write.
+            .filter(|t| (t.sharded && t.tensor.numel() > 0) || (!t.sharded && rank == 0))
             .map(|t| {
                 let values = t.tensor.detach().to_device(tch::Device::Cpu).contiguous();
                 (t.fqn.clone(), values, t.offsets.clone())
@@ -296,6 +314,7 @@ pub fn load<M: Shardable + ?Sized>(
 ) -> Result<(), CheckpointError> {
     const OP: &str = "checkpoint.load";
     let (path, rank) = (path.as_ref(), group.rank());
+    crate::fully_shard::reshard_all(module)?;
     let local = (|| {
         let (pieces, tensors) = read_checkpoint(rank, path)?;
         assemble(rank, module, &pieces, &tensors)

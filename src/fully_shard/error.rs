@@ -34,7 +34,7 @@ pub enum FsdpError {
     Dist(#[from] DistError),
     /// A `shard_module` parameter could not be gathered (`full_state_dict`).
     #[error(transparent)]
-    Shard(#[from] crate::sharding::ShardError),
+    Shard(Box<crate::sharding::ShardError>),
     /// fully_shard's forward hooks could not be registered.
     #[error(transparent)]
     Hook(#[from] HookError),
@@ -86,6 +86,21 @@ pub enum FsdpError {
         /// The entry.
         name: String,
     },
+    /// A managed module ran without its hooks (`x.apply(&layer)`, `layer.forward(&x)`)
+    /// inside a call of an enclosing managed module: it computed with this rank's shards.
+    #[error(
+        "rank {rank}: fully_shard: parameter `{param}` of a `{module}` was used outside a call \
+         of its module through its hooks (`x.apply(&layer)` or `layer.forward(&x)` bypass \
+         them; call it with `layer.call(&x)`): between steps it holds only this rank's shard"
+    )]
+    HooksBypassed {
+        /// This rank.
+        rank: usize,
+        /// The bypassed module's type.
+        module: String,
+        /// The parameter (FQN within that module).
+        param: String,
+    },
     /// The module was not passed to `fully_shard`.
     #[error("fully_shard: this module is not managed by fully_shard (call fully_shard first)")]
     NotFullyShard,
@@ -99,4 +114,10 @@ pub enum FsdpError {
         /// What failed.
         source: DistError,
     },
+}
+
+impl From<crate::sharding::ShardError> for FsdpError {
+    fn from(e: crate::sharding::ShardError) -> Self {
+        FsdpError::Shard(Box::new(e))
+    }
 }

@@ -20,6 +20,17 @@ pub(super) struct Scope {
     pub rank: usize,
     /// The managed module, for errors.
     pub module: String,
+    /// The guards of every nested call, checked over the output of each call of this
+    /// module: a nested module run without its hooks fails the forward.
+    pub nested: Vec<NestedGuard>,
+}
+
+/// A nested call's guard, with the names its errors give.
+#[derive(Clone)]
+pub(super) struct NestedGuard {
+    pub guard: Arc<UseGuard>,
+    pub module: String,
+    pub params: Vec<String>,
 }
 
 impl Scope {
@@ -46,6 +57,20 @@ impl CallScope for Scope {
     ) -> Result<(), ForwardError> {
         if let Some(guard) = &self.guard {
             guard.claim(output, mark).map_err(|e| self.failed(e))?;
+        }
+        if !self.nested.is_empty() {
+            let guards: Vec<&UseGuard> = self.nested.iter().map(|n| &*n.guard).collect();
+            let found =
+                UseGuard::first_unclaimed(&guards, output, mark).map_err(|e| self.failed(e))?;
+            if let Some((i, j)) = found {
+                // Gathered parameters go back to their shards before the error returns.
+                let _ = self.group.post_forward(&output.detach());
+                return Err(ForwardError::from_error(FsdpError::HooksBypassed {
+                    rank: self.rank,
+                    module: self.nested[i].module.clone(),
+                    param: self.nested[i].params[j].clone(),
+                }));
+            }
         }
         self.group.post_forward(output).map_err(|e| self.failed(e))
     }

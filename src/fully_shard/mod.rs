@@ -54,7 +54,7 @@ use tch_dist_core::{contract, Shardable};
 use tch_dist_runtime::fsdp::{
     tensor_identity, FsdpGroup, FsdpGroupOptions, ManagedParam, ShardInfo,
 };
-use tch_dist_runtime::{default_group, ProcessGroup, UseGuard, BROADCAST_BUCKET_BYTES};
+use tch_dist_runtime::{default_group, DistError, ProcessGroup, UseGuard, BROADCAST_BUCKET_BYTES};
 
 mod collect;
 mod error;
@@ -102,7 +102,8 @@ pub struct FsdpState {
     /// The states of the nearest nested calls.
     nested: Vec<Arc<FsdpState>>,
     _hooks: Vec<RemovableHandle>,
-    _guard: Option<Arc<UseGuard>>,
+    /// The bypass guard over this call's trainable parameters.
+    guard: Option<hooks::NestedGuard>,
 }
 
 impl std::fmt::Debug for FsdpState {
@@ -269,6 +270,7 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         .filter(|(_, t)| t.requires_grad())
         .map(|(n, t)| (n.clone(), t))
         .collect();
+    let trainable_names: Vec<String> = trainable.iter().map(|(n, _)| n.clone()).collect();
     let guard = if trainable.is_empty() {
         None
     } else {
@@ -280,13 +282,12 @@ pub fn fully_shard<M: Shardable + ?Sized>(
             "fully_shard",
             &refs,
             move |i| {
-                format!(
-                    "rank {rank}: fully_shard: parameter `{}` of a `{module_label}` was used \
-                 outside a call of its module through its hooks (`x.apply(&layer)` or \
-                 `layer.forward(&x)` bypass them; call it with `layer.call(&x)`): between \
-                 steps it holds only this rank's shard",
-                    names[i]
-                )
+                FsdpError::HooksBypassed {
+                    rank,
+                    module: module_label.clone(),
+                    param: names[i].clone(),
+                }
+                .to_string()
             },
         )?))
     };
@@ -317,11 +318,23 @@ pub fn fully_shard<M: Shardable + ?Sized>(
             }
         }
     }
+    let nested_guards: Vec<hooks::NestedGuard> = found
+        .nested
+        .iter()
+        .flat_map(|(_, n)| n.all())
+        .filter_map(|s| s.guard.clone())
+        .collect();
+    let own_guard = guard.map(|g| hooks::NestedGuard {
+        guard: g,
+        module: label.clone(),
+        params: trainable_names,
+    });
     let scope = Arc::new(hooks::Scope {
         group: Arc::clone(&fsdp_group),
-        guard: guard.clone(),
+        guard: own_guard.as_ref().map(|g| Arc::clone(&g.guard)),
         rank,
         module: label,
+        nested: nested_guards,
     });
     let hooks = register_call_scope(module, scope)?;
     MANAGED
@@ -335,7 +348,7 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         prefix: Mutex::new(String::new()),
         nested: found.nested.into_iter().map(|(_, s)| s).collect(),
         _hooks: hooks.into(),
-        _guard: guard,
+        guard: own_guard,
     })
 }
 
@@ -383,6 +396,17 @@ pub(crate) fn fsdp_params_in<M: Shardable + ?Sized>(module: &M) -> HashMap<Strin
         }
     }
     out
+}
+
+/// Puts every fully_shard parameter in `module` back on its shard (a checkpoint reads and
+/// writes shards).
+pub(crate) fn reshard_all<M: Shardable + ?Sized>(module: &M) -> Result<(), DistError> {
+    for (_, m) in module.named_modules() {
+        if let Some(s) = fully_shard_state(m) {
+            s.group.reshard()?;
+        }
+    }
+    Ok(())
 }
 
 /// Every parameter and buffer of `module` with its full value, in walk order (PyTorch's
