@@ -501,3 +501,92 @@ fn refusals_at_2_ranks() {
         assert_eq!(m.blocks[2].ws.size(), [16, 17]);
     });
 }
+
+/// fully_shard on the blocks and `replicate` on the root (which then manages only the
+/// head): equal to one process.
+fn with_replicate(pg: &ProcessGroup) -> f64 {
+    tch::manual_seed(3);
+    let ref_vs = nn::VarStore::new(Device::Cpu);
+    let reference = model(&ref_vs);
+    tch::manual_seed(3 + pg.rank() as i64 * 1000);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = model(&vs);
+    for b in &m.blocks {
+        fully_shard(b, FsdpOptions::default()).unwrap();
+    }
+    let r = tch_dist::replicate::apply(&m, Default::default()).unwrap();
+    assert_eq!(r.param_fqns(), ["head.weight", "head.bias"]);
+    let mut opt = nn::AdamW::default().build(&vs, 1e-2).unwrap();
+    let mut ref_opt = nn::AdamW::default().build(&ref_vs, 1e-2).unwrap();
+    for step in 0..3 {
+        let (x, y) = batch(step);
+        ref_opt.backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean));
+        let loss = m
+            .call(&slice(&x, pg))
+            .mse_loss(&slice(&y, pg), tch::Reduction::Mean);
+        opt.backward_step(&loss);
+    }
+    max_diff_full(&m, &ref_vs)
+}
+
+/// Tensor parallelism on blocks 1 and 2 (`shard_module`, column- then row-wise) and
+/// fully_shard on the rest, over the same ranks (every rank on the whole batch, as tensor
+/// parallelism needs); also `clip_grad_norm` over both kinds of shards: the norm is the
+/// unsharded model's.
+fn two_d(pg: &ProcessGroup) -> f64 {
+    use tch_dist::sharding::{shard_module, ColwiseLinear, RowwiseLinear, ShardingPlan};
+    tch::manual_seed(3);
+    let ref_vs = nn::VarStore::new(Device::Cpu);
+    let reference = model(&ref_vs);
+    tch::manual_seed(3);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let mut m = model(&vs);
+    let plan = ShardingPlan::builder()
+        .shard_module(Model::path().blocks().at(1), ColwiseLinear::default())
+        .shard_module(Model::path().blocks().at(2), RowwiseLinear)
+        .return_local_tensor(Model::path().blocks().at(1))
+        .build();
+    shard_module(&mut m, &plan, 0, pg).unwrap();
+    fully_shard(&m.blocks[0], FsdpOptions::default()).unwrap();
+    fully_shard(&m.head, FsdpOptions::default()).unwrap();
+    fully_shard(&m, FsdpOptions::default()).unwrap();
+    let mut opt = nn::AdamW::default().build(&vs, 1e-2).unwrap();
+    let mut ref_opt = nn::AdamW::default().build(&ref_vs, 1e-2).unwrap();
+    for step in 0..3 {
+        let (x, y) = batch(step);
+        ref_opt.zero_grad();
+        reference.forward(&x).mse_loss(&y, tch::Reduction::Mean).backward();
+        let ref_norm = tch_dist::utils::clip_grad_norm(&reference, 0.05, 2.0).unwrap();
+        ref_opt.step();
+        opt.zero_grad();
+        m.call(&x).mse_loss(&y, tch::Reduction::Mean).backward();
+        let norm = tch_dist::utils::clip_grad_norm(&m, 0.05, 2.0).unwrap();
+        assert!(
+            (norm - ref_norm).abs() < 1e-5 * ref_norm.max(1.0),
+            "step {step}: clip_grad_norm {norm} vs one process {ref_norm}"
+        );
+        assert!(ref_norm > 0.05, "the clip applies ({ref_norm})");
+        opt.step();
+    }
+    max_diff_full(&m, &ref_vs)
+}
+
+#[test]
+fn composes_with_replicate_and_shard_module_at_2_ranks() {
+    run_ranks("composes_with_replicate_and_shard_module_at_2_ranks", 2, |pg| {
+        let diff = with_replicate(&pg);
+        assert!(diff < 1e-5, "fully_shard + replicate vs one process: {diff}");
+        let diff = two_d(&pg);
+        assert!(diff < 1e-5, "shard_module + fully_shard vs one process: {diff}");
+    });
+}
+
+#[test]
+fn composes_with_replicate_and_shard_module_at_3_ranks() {
+    run_ranks("composes_with_replicate_and_shard_module_at_3_ranks", 3, |pg| {
+        let diff = with_replicate(&pg);
+        assert!(diff < 1e-5, "fully_shard + replicate vs one process: {diff}");
+        let diff = two_d(&pg);
+        assert!(diff < 1e-5, "shard_module + fully_shard vs one process: {diff}");
+    });
+}
