@@ -555,7 +555,10 @@ fn two_d(pg: &ProcessGroup) -> f64 {
     for step in 0..3 {
         let (x, y) = batch(step);
         ref_opt.zero_grad();
-        reference.forward(&x).mse_loss(&y, tch::Reduction::Mean).backward();
+        reference
+            .forward(&x)
+            .mse_loss(&y, tch::Reduction::Mean)
+            .backward();
         let ref_norm = tch_dist::utils::clip_grad_norm(&reference, 0.05, 2.0).unwrap();
         ref_opt.step();
         opt.zero_grad();
@@ -573,20 +576,103 @@ fn two_d(pg: &ProcessGroup) -> f64 {
 
 #[test]
 fn composes_with_replicate_and_shard_module_at_2_ranks() {
-    run_ranks("composes_with_replicate_and_shard_module_at_2_ranks", 2, |pg| {
-        let diff = with_replicate(&pg);
-        assert!(diff < 1e-5, "fully_shard + replicate vs one process: {diff}");
-        let diff = two_d(&pg);
-        assert!(diff < 1e-5, "shard_module + fully_shard vs one process: {diff}");
-    });
+    run_ranks(
+        "composes_with_replicate_and_shard_module_at_2_ranks",
+        2,
+        |pg| {
+            let diff = with_replicate(&pg);
+            assert!(
+                diff < 1e-5,
+                "fully_shard + replicate vs one process: {diff}"
+            );
+            let diff = two_d(&pg);
+            assert!(
+                diff < 1e-5,
+                "shard_module + fully_shard vs one process: {diff}"
+            );
+        },
+    );
 }
 
 #[test]
 fn composes_with_replicate_and_shard_module_at_3_ranks() {
-    run_ranks("composes_with_replicate_and_shard_module_at_3_ranks", 3, |pg| {
-        let diff = with_replicate(&pg);
-        assert!(diff < 1e-5, "fully_shard + replicate vs one process: {diff}");
-        let diff = two_d(&pg);
-        assert!(diff < 1e-5, "shard_module + fully_shard vs one process: {diff}");
+    run_ranks(
+        "composes_with_replicate_and_shard_module_at_3_ranks",
+        3,
+        |pg| {
+            let diff = with_replicate(&pg);
+            assert!(
+                diff < 1e-5,
+                "fully_shard + replicate vs one process: {diff}"
+            );
+            let diff = two_d(&pg);
+            assert!(
+                diff < 1e-5,
+                "shard_module + fully_shard vs one process: {diff}"
+            );
+        },
+    );
+}
+
+/// Mixed precision (bf16 parameters, f32 reduction, f32 output): shards, `.grad` and the
+/// optimizer stay f32, gathered parameters are bf16, and training follows one f32 process
+/// within bf16's precision.
+fn mixed_precision(pg: &ProcessGroup) -> f64 {
+    use tch_dist::fully_shard::MixedPrecisionPolicy;
+    tch::manual_seed(3);
+    let ref_vs = nn::VarStore::new(Device::Cpu);
+    let reference = model(&ref_vs);
+    tch::manual_seed(3);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = model(&vs);
+    let mp = MixedPrecisionPolicy {
+        param_dtype: Some(Kind::BFloat16),
+        reduce_dtype: Some(Kind::Float),
+        ..Default::default()
+    };
+    for b in &m.blocks {
+        let opts = FsdpOptions {
+            mp_policy: mp,
+            ..Default::default()
+        };
+        fully_shard(b, opts).unwrap();
+    }
+    let root = FsdpOptions {
+        mp_policy: MixedPrecisionPolicy {
+            output_dtype: Some(Kind::Float),
+            ..mp
+        },
+        ..Default::default()
+    };
+    fully_shard(&m, root).unwrap();
+    let s = fully_shard::state(&m.blocks[1]).unwrap();
+    s.unshard().unwrap();
+    assert_eq!(m.blocks[1].ws.kind(), Kind::BFloat16, "gathered in bf16");
+    s.reshard().unwrap();
+    // SGD: the difference scales with bf16's gradient error (AdamW's normalised steps
+    // would turn a tiny gradient's rounding into a whole step).
+    let mut opt = nn::Sgd::default().build(&vs, 0.2).unwrap();
+    let mut ref_opt = nn::Sgd::default().build(&ref_vs, 0.2).unwrap();
+    for step in 0..3 {
+        let (x, y) = batch(step);
+        ref_opt.backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean));
+        let out = m.call(&slice(&x, pg));
+        assert_eq!(out.kind(), Kind::Float, "output_dtype");
+        opt.backward_step(&out.mse_loss(&slice(&y, pg), tch::Reduction::Mean));
+        for (fqn, t) in vs.variables() {
+            assert_eq!(t.kind(), Kind::Float, "{fqn}: the shard stays f32");
+            assert_eq!(t.grad().kind(), Kind::Float, "{fqn}: .grad is f32");
+        }
+        assert_sharded(&m, &vs, pg);
+    }
+    max_diff_full(&m, &ref_vs)
+}
+
+#[test]
+fn mixed_precision_at_2_ranks() {
+    run_ranks("mixed_precision_at_2_ranks", 2, |pg| {
+        let diff = mixed_precision(&pg);
+        assert!(diff < 5e-3, "bf16 vs one f32 process: {diff}");
+        assert!(diff > 0.0, "computed in bf16 indeed");
     });
 }

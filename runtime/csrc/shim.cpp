@@ -1408,6 +1408,18 @@ size_t tdr_storage_nbytes(at::Tensor* t) {
   }
 }
 
+char* tdr_set_data_keep_accumulator(at::Tensor* param, at::Tensor* data) {
+  TDR_TRY
+  c10::TensorImpl* impl = param->unsafeGetTensorImpl();
+  if (!impl->has_compatible_shallow_copy_type(data->key_set())) {
+    throw std::runtime_error("set_data: the new data is of an incompatible tensor type");
+  }
+  // What Tensor::set_data does, without resetting the gradient accumulator on a dtype
+  // change.
+  impl->shallow_copy_from(data->getIntrusivePtr());
+  TDR_CATCH
+}
+
 uint64_t tdr_tensor_identity(at::Tensor* t) {
   return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(t->unsafeGetTensorImpl()));
 }

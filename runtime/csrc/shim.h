@@ -172,6 +172,10 @@ char* tdr_add_output_grad_hook(TdrTensor* output, TdrGradCallback cb, void* ctx,
 char* tdr_storage_release(TdrTensor* t);
 char* tdr_storage_restore(TdrTensor* t);
 size_t tdr_storage_nbytes(TdrTensor* t);
+// `param.set_data(data)` that keeps param's gradient accumulator when the dtype changes
+// (set_data drops it then): a parameter gathered in a lower precision keeps its hooks, and
+// autograd casts its gradients back to the accumulator's (the parameter's own) dtype.
+char* tdr_set_data_keep_accumulator(TdrTensor* param, TdrTensor* data);
 // The identity of the tensor object behind a handle (its TensorImpl): shallow clones share
 // it, and `set_data` keeps it.
 uint64_t tdr_tensor_identity(TdrTensor* t);

@@ -47,8 +47,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-use tch::Tensor;
-use tch_dist_core::hooks::{register_call_scope, RemovableHandle};
+use tch::{Kind, Tensor};
+use tch_dist_core::hooks::{
+    register_call_scope, register_fallible_forward_hook, register_fallible_forward_pre_hook,
+    RemovableHandle,
+};
 use tch_dist_core::path::join_fqn;
 use tch_dist_core::{contract, Shardable};
 use tch_dist_runtime::fsdp::{
@@ -86,6 +89,53 @@ pub struct FsdpOptions {
     pub ignored_params: Vec<String>,
     /// The group to shard over (default: the default group).
     pub process_group: Option<ProcessGroup>,
+    /// Mixed precision (default: none).
+    pub mp_policy: MixedPrecisionPolicy,
+}
+
+/// Mixed precision (PyTorch's `MixedPrecisionPolicy`): the dtypes floating-point parameters
+/// are gathered and computed in, and gradients reduced in. The shards, `.grad` and so the
+/// optimizer stay in the parameters' own dtype.
+///
+/// ```
+/// use tch::Kind;
+/// let mp = tch_dist::fully_shard::MixedPrecisionPolicy {
+///     param_dtype: Some(Kind::BFloat16),
+///     reduce_dtype: Some(Kind::Float),
+///     ..Default::default()
+/// };
+/// assert!(mp.cast_forward_inputs);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MixedPrecisionPolicy {
+    /// Gather parameters in this dtype (forward and backward compute in it); `None`: their
+    /// own.
+    pub param_dtype: Option<Kind>,
+    /// Reduce gradients in this dtype; `None`: `param_dtype`, else the parameters' own.
+    pub reduce_dtype: Option<Kind>,
+    /// Cast the module's output to this dtype; `None`: leave it.
+    pub output_dtype: Option<Kind>,
+    /// Cast a floating-point input to `param_dtype` before the module runs (default `true`).
+    pub cast_forward_inputs: bool,
+}
+
+impl Default for MixedPrecisionPolicy {
+    fn default() -> Self {
+        MixedPrecisionPolicy {
+            param_dtype: None,
+            reduce_dtype: None,
+            output_dtype: None,
+            cast_forward_inputs: true,
+        }
+    }
+}
+
+/// Whether `kind` is a floating-point dtype (the ones mixed precision casts).
+fn is_float(kind: Kind) -> bool {
+    matches!(
+        kind,
+        Kind::Half | Kind::Float | Kind::Double | Kind::BFloat16
+    )
 }
 
 /// What `fully_shard` keeps per managed module (PyTorch's `FSDPModule` methods), returned
@@ -253,6 +303,7 @@ pub fn fully_shard<M: Shardable + ?Sized>(
             format!("{:?}", opts.reshard_after_forward),
         ),
         ("ignored_params", format!("{:?}", opts.ignored_params)),
+        ("mp_policy", format!("{:?}", opts.mp_policy)),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -308,6 +359,8 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         FsdpGroupOptions {
             // The root's default; an enclosing call turns it on for this one.
             reshard_after_forward: opts.reshard_after_forward.unwrap_or(false),
+            param_dtype: opts.mp_policy.param_dtype,
+            reduce_dtype: opts.mp_policy.reduce_dtype,
         },
     )?);
     for (prefix, n) in &found.nested {
@@ -336,7 +389,18 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         module: label,
         nested: nested_guards,
     });
-    let hooks = register_call_scope(module, scope)?;
+    let mut hooks: Vec<RemovableHandle> = register_call_scope(module, scope)?.into();
+    let mp = opts.mp_policy;
+    if let Some(dtype) = mp.param_dtype.filter(|_| mp.cast_forward_inputs) {
+        hooks.push(register_fallible_forward_pre_hook(module, move |_, xs| {
+            Ok((is_float(xs.kind()) && xs.kind() != dtype).then(|| xs.to_kind(dtype)))
+        })?);
+    }
+    if let Some(dtype) = mp.output_dtype {
+        hooks.push(register_fallible_forward_hook(module, move |_, _, out| {
+            Ok((is_float(out.kind()) && out.kind() != dtype).then(|| out.to_kind(dtype)))
+        })?);
+    }
     MANAGED
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -347,7 +411,7 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         reshard_after_forward: opts.reshard_after_forward,
         prefix: Mutex::new(String::new()),
         nested: found.nested.into_iter().map(|(_, s)| s).collect(),
-        _hooks: hooks.into(),
+        _hooks: hooks,
         guard: own_guard,
     })
 }

@@ -38,6 +38,31 @@ pub struct ManagedParam {
 pub struct FsdpGroupOptions {
     /// Free the gathered parameters after forward (gather them again for backward).
     pub reshard_after_forward: bool,
+    /// Gather floating-point parameters in this dtype (forward and backward compute in it);
+    /// `None`: their own.
+    pub param_dtype: Option<Kind>,
+    /// Reduce floating-point gradients in this dtype; `None`: `param_dtype`, else the
+    /// parameter's own.
+    pub reduce_dtype: Option<Kind>,
+}
+
+impl FsdpGroupOptions {
+    /// Plain options: `reshard_after_forward`, no mixed precision.
+    pub fn new(reshard_after_forward: bool) -> Self {
+        FsdpGroupOptions {
+            reshard_after_forward,
+            param_dtype: None,
+            reduce_dtype: None,
+        }
+    }
+}
+
+/// Whether a mixed-precision dtype applies to tensors of `kind` (floating point only).
+fn is_float(kind: Kind) -> bool {
+    matches!(
+        kind,
+        Kind::Half | Kind::Float | Kind::Double | Kind::BFloat16
+    )
 }
 
 /// What a parameter is, apart from its tensors.
@@ -55,6 +80,9 @@ pub(crate) struct ParamMeta {
 #[derive(Debug, Clone)]
 struct BucketMeta {
     kind: Kind,
+    /// The dtype gathered in (`param_dtype`) and reduced in (`reduce_dtype`).
+    gather_kind: Kind,
+    reduce_kind: Kind,
     device: Device,
     /// Elements of one rank's flat shard.
     numel: i64,
@@ -159,8 +187,17 @@ impl FsdpGroup {
             {
                 Some(b) => b,
                 None => {
+                    let float = is_float(kind);
+                    let gather_kind = options.param_dtype.filter(|_| float).unwrap_or(kind);
+                    let reduce_kind = options
+                        .reduce_dtype
+                        .or(options.param_dtype)
+                        .filter(|_| float)
+                        .unwrap_or(kind);
                     buckets.push(BucketMeta {
                         kind,
+                        gather_kind,
+                        reduce_kind,
                         device,
                         numel: 0,
                         params: Vec::new(),
@@ -207,7 +244,10 @@ impl FsdpGroup {
                     // A tensor with a version counter of its own (a `detach` would share
                     // the parameter's, and filling it would then fail the backward of
                     // tensors saved in forward); its memory is released at once.
-                    full: Tensor::empty(p.param.size(), (p.param.kind(), p.param.device())),
+                    full: Tensor::empty(
+                        p.param.size(),
+                        (buckets[m.bucket].gather_kind, p.param.device()),
+                    ),
                 });
             }
         });
@@ -337,10 +377,8 @@ impl FsdpGroup {
             .meta
             .get(index)
             .ok_or_else(|| engine(&inner.group, "fully_shard", "no such parameter"))?;
+        // From the shards whatever the state: a gathered tensor may be in `param_dtype`.
         let st = inner.lock();
-        if !st.sharded {
-            return Ok(tch::no_grad(|| st.tensors[index].full.detach().copy()));
-        }
         let l = &m.layout;
         let world = l.world();
         let padded = Tensor::zeros(
@@ -393,14 +431,22 @@ impl GroupInner {
         let world = self.group.world_size() as i64;
         let mut gathered = Vec::with_capacity(self.buckets.len());
         let mut works = Vec::with_capacity(self.buckets.len());
+        let mut inputs = Vec::with_capacity(self.buckets.len());
         for (b, flat) in self.buckets.iter().zip(&st.flats) {
-            let out = Tensor::empty([world * b.numel], (b.kind, b.device));
-            works.push(self.group.all_gather_into_tensor_async(&out, flat)?);
+            let out = Tensor::empty([world * b.numel], (b.gather_kind, b.device));
+            let input = if b.gather_kind == b.kind {
+                flat.shallow_clone()
+            } else {
+                tch::no_grad(|| flat.to_kind(b.gather_kind))
+            };
+            works.push(self.group.all_gather_into_tensor_async(&out, &input)?);
             gathered.push(out);
+            inputs.push(input);
         }
         for w in works {
             w.wait()?;
         }
+        drop(inputs);
         tch::no_grad(|| -> Result<()> {
             for (i, m) in self.meta.iter().enumerate() {
                 let l = &m.layout;
@@ -417,7 +463,8 @@ impl GroupInner {
                         .view([l.numel()])
                         .copy_(&rows.reshape([-1]).narrow(0, 0, l.numel()));
                 }
-                t.handle.set_data(&t.full);
+                hooks::set_data(&t.handle, &t.full)
+                    .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
             }
             Ok(())
         })?;
@@ -431,7 +478,8 @@ impl GroupInner {
         }
         tch::no_grad(|| -> Result<()> {
             for t in st.tensors.iter_mut() {
-                t.handle.set_data(&t.local);
+                hooks::set_data(&t.handle, &t.local)
+                    .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
                 hooks::release_storage(&t.full)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
             }
@@ -499,7 +547,7 @@ impl GroupInner {
                 outputs.push(None);
                 continue;
             }
-            let input = Tensor::zeros([world * b.numel], (b.kind, b.device));
+            let input = Tensor::zeros([world * b.numel], (b.reduce_kind, b.device));
             let per_rank = input.view([world, b.numel]);
             tch::no_grad(|| {
                 for &i in &b.params {
@@ -510,17 +558,23 @@ impl GroupInner {
                         (Some(g), None) | (None, Some(g)) => g,
                         (None, None) => continue,
                     };
+                    let g = if g.kind() == b.reduce_kind {
+                        g
+                    } else {
+                        g.to_kind(b.reduce_kind)
+                    };
                     let mut dst = per_rank.narrow(1, m.offset, l.padded_numel());
                     if l.even() {
                         dst.copy_(&g.reshape([world, l.padded_numel()]));
                     } else {
-                        let padded = g.new_zeros([world * l.padded_numel()], (b.kind, b.device));
+                        let padded =
+                            g.new_zeros([world * l.padded_numel()], (b.reduce_kind, b.device));
                         padded.narrow(0, 0, l.numel()).copy_(&g.reshape([-1]));
                         dst.copy_(&padded.view([world, l.padded_numel()]));
                     }
                 }
             });
-            let out = Tensor::empty([b.numel], (b.kind, b.device));
+            let out = Tensor::empty([b.numel], (b.reduce_kind, b.device));
             works.push(
                 self.group
                     .reduce_scatter_tensor_async(&out, &input, ReduceOp::Sum)?,
@@ -570,6 +624,12 @@ impl GroupInner {
                 let shard = out
                     .narrow(0, m.offset, l.local_numel())
                     .view(l.local_shape().as_slice());
+                // Reduced in `reduce_dtype`, installed in the parameter's own.
+                let shard = if shard.kind() == b.kind {
+                    shard
+                } else {
+                    shard.to_kind(b.kind)
+                };
                 let handle = &st.tensors[i].handle;
                 let existing = handle.grad();
                 if existing.defined() {
@@ -593,7 +653,11 @@ impl GroupInner {
                 } else {
                     // A tensor of its own, not a view of the flat output: tch's zero_grad
                     // detaches `.grad` in place, which libtorch refuses for views.
-                    let own = shard.copy();
+                    let own = if shard.is_contiguous() && shard.kind() != b.reduce_kind {
+                        shard
+                    } else {
+                        shard.copy()
+                    };
                     crate::reducer::set_grad_for(handle, Some(&own), rank, "fully_shard")?;
                 }
             }

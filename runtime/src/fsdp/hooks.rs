@@ -101,6 +101,16 @@ pub(crate) fn restore_storage(t: &Tensor) -> std::result::Result<(), ShimError> 
     shim!(tdr_storage_restore(t.as_ptr() as *mut _))
 }
 
+/// Points `param` at `data` (`Tensor::set_data`), keeping its gradient accumulator, and so
+/// the hooks on it, also when the dtype changes (mixed precision).
+pub(crate) fn set_data(param: &Tensor, data: &Tensor) -> std::result::Result<(), ShimError> {
+    // SAFETY: live tensors; the shim checks the types are compatible.
+    shim!(tdr_set_data_keep_accumulator(
+        param.as_ptr() as *mut _,
+        data.as_ptr() as *mut _
+    ))
+}
+
 /// Bytes `t`'s storage holds now (0 once released).
 pub fn storage_nbytes(t: &Tensor) -> usize {
     // SAFETY: a live tensor; the shim catches everything.
