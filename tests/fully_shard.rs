@@ -67,9 +67,24 @@ enum Groups {
     Root,
     /// One call per block, then the root.
     PerBlock { reshard_after_forward: bool },
+    /// Per block, each block's forward prefetching the next block's parameters.
+    Prefetching,
 }
 
 fn apply(m: &Model, groups: Groups, root: FsdpOptions) {
+    if let Groups::Prefetching = groups {
+        for b in &m.blocks {
+            fully_shard(b, FsdpOptions::default()).unwrap();
+        }
+        let states: Vec<_> = m
+            .blocks
+            .iter()
+            .map(|b| fully_shard::state(b).unwrap())
+            .collect();
+        for pair in states.windows(2) {
+            pair[0].set_modules_to_forward_prefetch(&[&*pair[1]]);
+        }
+    }
     if let Groups::PerBlock {
         reshard_after_forward,
     } = groups
@@ -174,6 +189,7 @@ fn parity_cases(pg: ProcessGroup) {
         Groups::PerBlock {
             reshard_after_forward: false,
         },
+        Groups::Prefetching,
     ] {
         let (diff, moved) = train(&pg, groups, 4);
         assert!(
@@ -399,6 +415,29 @@ fn bypass_memory_and_unshard_at_2_ranks() {
         assert!(!layer.ws.grad().defined());
 
         gathered_during_forward(&pg);
+
+        // A prefetch whose shards change before their use (an optimizer step, a load) is
+        // gathered again, not used stale.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let m = model(&vs);
+        apply(&m, Groups::Prefetching, FsdpOptions::default());
+        let x = Tensor::ones([2, DIMS[0]], tch::kind::FLOAT_CPU);
+        let h = tch::no_grad(|| m.blocks[0].call(&x)); // starts block 1's gather
+        tch::no_grad(|| {
+            let _ = m.blocks[1].ws.shallow_clone().f_add_scalar_(1.0).unwrap();
+        });
+        let s = fully_shard::state(&m.blocks[1]).unwrap();
+        s.unshard().unwrap();
+        let full_after = m.blocks[1].ws.copy();
+        s.reshard().unwrap();
+        let gathered = full_state_dict(&m).unwrap();
+        let expected = &gathered
+            .iter()
+            .find(|(n, _)| n == "blocks.1.weight")
+            .unwrap()
+            .1;
+        assert!(full_after.equal(expected), "the prefetch was stale");
+        let _ = h;
 
         // unshard / reshard: other methods than forward can use the full parameters.
         let vs = nn::VarStore::new(Device::Cpu);

@@ -1420,6 +1420,14 @@ char* tdr_set_data_keep_accumulator(at::Tensor* param, at::Tensor* data) {
   TDR_CATCH
 }
 
+uint64_t tdr_tensor_version(at::Tensor* t) {
+  try {
+    return static_cast<uint64_t>(t->_version());
+  } catch (...) {
+    return UINT64_MAX;
+  }
+}
+
 uint64_t tdr_tensor_identity(at::Tensor* t) {
   return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(t->unsafeGetTensorImpl()));
 }

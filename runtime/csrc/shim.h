@@ -179,6 +179,9 @@ char* tdr_set_data_keep_accumulator(TdrTensor* param, TdrTensor* data);
 // The identity of the tensor object behind a handle (its TensorImpl): shallow clones share
 // it, and `set_data` keeps it.
 uint64_t tdr_tensor_identity(TdrTensor* t);
+// The version counter of the tensor behind a handle (bumped by every in-place change made
+// through it): a prefetched gather of shards changed since is stale.
+uint64_t tdr_tensor_version(TdrTensor* t);
 
 // Use guards (src/use_guard.rs): the parameters of a hooked module may only be used, in the
 // autograd graph, by nodes made inside a call of that module through its hooks. A call's

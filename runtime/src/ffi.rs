@@ -271,6 +271,7 @@ extern "C" {
     pub fn tdr_storage_nbytes(t: *mut C_tensor) -> usize;
     pub fn tdr_set_data_keep_accumulator(param: *mut C_tensor, data: *mut C_tensor) -> *mut c_char;
     pub fn tdr_tensor_identity(t: *mut C_tensor) -> u64;
+    pub fn tdr_tensor_version(t: *mut C_tensor) -> u64;
 
     pub fn tdr_autograd_mark() -> u64;
     pub fn tdr_guard_new(

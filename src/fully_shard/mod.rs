@@ -201,6 +201,32 @@ impl FsdpState {
         self.group.set_reshard_after_forward(reshard);
     }
 
+    /// The modules whose parameters start gathering when this module's forward starts
+    /// (PyTorch's `set_modules_to_forward_prefetch`; default none): the next block's, so
+    /// that its all-gather overlaps this block's forward.
+    ///
+    /// ```no_run
+    /// # fn demo(blocks: &[tch::nn::Linear]) -> Result<(), tch_dist::fully_shard::FsdpError> {
+    /// use tch_dist::fully_shard::{state, FsdpError};
+    /// let states: Vec<_> = blocks.iter().map(|b| state(b).ok_or(FsdpError::NotFullyShard)).collect::<Result<_, _>>()?;
+    /// for pair in states.windows(2) {
+    ///     pair[0].set_modules_to_forward_prefetch(&[&*pair[1]]);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn set_modules_to_forward_prefetch(&self, modules: &[&FsdpState]) {
+        let groups: Vec<&FsdpGroup> = modules.iter().map(|m| &*m.group).collect();
+        self.group.set_forward_prefetch(&groups);
+    }
+
+    /// The modules whose parameters start gathering when this module's backward starts
+    /// (PyTorch's `set_modules_to_backward_prefetch`); default: the module whose forward ran
+    /// just before this one's, whose backward comes next.
+    pub fn set_modules_to_backward_prefetch(&self, modules: &[&FsdpState]) {
+        let groups: Vec<&FsdpGroup> = modules.iter().map(|m| &*m.group).collect();
+        self.group.set_backward_prefetch(&groups);
+    }
+
     /// Whether this module's parameters hold their shards now.
     pub fn is_sharded(&self) -> bool {
         self.group.is_sharded()

@@ -16,11 +16,14 @@ struct Pass {
     /// The end-of-backward callback is queued for the running pass.
     queued: bool,
     groups: Vec<Arc<GroupInner>>,
+    /// Groups with a prefetch started; those still unused at the end of the pass drop it.
+    prefetching: Vec<Arc<GroupInner>>,
 }
 
 static PASS: Mutex<Pass> = Mutex::new(Pass {
     queued: false,
     groups: Vec::new(),
+    prefetching: Vec::new(),
 });
 
 fn pass() -> std::sync::MutexGuard<'static, Pass> {
@@ -32,6 +35,22 @@ pub(crate) fn join(inner: &Arc<GroupInner>) {
     let mut p = pass();
     if !p.groups.iter().any(|g| Arc::ptr_eq(g, inner)) {
         p.groups.push(Arc::clone(inner));
+    }
+}
+
+/// The group that joined the pass just before `inner` (whose forward ran just before its
+/// own, so whose backward comes next).
+pub(crate) fn joined_before(inner: &GroupInner) -> Option<Arc<GroupInner>> {
+    let p = pass();
+    let i = p.groups.iter().position(|g| std::ptr::eq(&**g, inner))?;
+    i.checked_sub(1).map(|j| Arc::clone(&p.groups[j]))
+}
+
+/// `inner` started a prefetch.
+pub(crate) fn note_prefetch(inner: &Arc<GroupInner>) {
+    let mut p = pass();
+    if !p.prefetching.iter().any(|g| Arc::ptr_eq(g, inner)) {
+        p.prefetching.push(Arc::clone(inner));
     }
 }
 
@@ -54,14 +73,22 @@ pub(crate) fn queue_finish(rank: usize) -> Result<()> {
 
 /// Finishes every joined group; the first error fails the backward pass.
 fn finish_all() -> Result<()> {
-    let groups = {
+    let (groups, prefetching) = {
         let mut p = pass();
         p.queued = false;
-        std::mem::take(&mut p.groups)
+        (
+            std::mem::take(&mut p.groups),
+            std::mem::take(&mut p.prefetching),
+        )
     };
     let mut first = None;
     for g in groups {
         if let Err(e) = g.finish_backward() {
+            first.get_or_insert(e);
+        }
+    }
+    for g in prefetching {
+        if let Err(e) = g.drop_prefetch() {
             first.get_or_insert(e);
         }
     }

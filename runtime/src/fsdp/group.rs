@@ -125,6 +125,25 @@ struct State {
     /// This pass's gradients were handed over (reduced or stashed).
     reduced: bool,
     reduction: Option<Reduction>,
+    /// An all-gather started ahead of the group's use (prefetch).
+    prefetched: Option<Gather>,
+    /// Groups to prefetch when this one's forward starts, and when its backward starts
+    /// (empty for backward: the group that ran forward before this one).
+    forward_prefetch: Vec<std::sync::Weak<GroupInner>>,
+    backward_prefetch: Vec<std::sync::Weak<GroupInner>>,
+}
+
+/// An all-gather of the group's shards in flight.
+struct Gather {
+    works: Vec<Work>,
+    /// Per bucket: every rank's padded shards.
+    gathered: Vec<Tensor>,
+    /// Per bucket: the input (a cast copy of the flat shard under mixed precision), alive
+    /// until the gather is done.
+    _inputs: Vec<Tensor>,
+    /// The parameters' versions when it started: a shard changed since (an optimizer step,
+    /// a checkpoint load) makes the gather stale.
+    versions: Vec<u64>,
 }
 
 /// The shared part of a group, which libtorch's hooks call into.
@@ -271,6 +290,9 @@ impl FsdpGroup {
                 in_backward: false,
                 reduced: false,
                 reduction: None,
+                prefetched: None,
+                forward_prefetch: Vec::new(),
+                backward_prefetch: Vec::new(),
             }),
         });
         // The interceptors make each accumulator now, while the parameters are full-sized.
@@ -310,10 +332,34 @@ impl FsdpGroup {
         self.inner.lock().sharded
     }
 
-    /// Before the managed module's forward: gathers the parameters.
+    /// Before the managed module's forward: gathers the parameters, then starts gathering
+    /// those of the groups set to be prefetched ([`set_forward_prefetch`](Self::set_forward_prefetch)).
     pub fn pre_forward(&self) -> Result<()> {
-        let mut st = self.inner.lock();
-        self.inner.unshard_locked(&mut st)
+        let next = {
+            let mut st = self.inner.lock();
+            self.inner.unshard_locked(&mut st)?;
+            st.forward_prefetch.clone()
+        };
+        for g in next.iter().filter_map(std::sync::Weak::upgrade) {
+            g.prefetch()?;
+            backward::note_prefetch(&g);
+        }
+        Ok(())
+    }
+
+    /// The groups whose all-gathers start when this group's forward starts (PyTorch's
+    /// `set_modules_to_forward_prefetch`); default none.
+    pub fn set_forward_prefetch(&self, groups: &[&FsdpGroup]) {
+        self.inner.lock().forward_prefetch =
+            groups.iter().map(|g| Arc::downgrade(&g.inner)).collect();
+    }
+
+    /// The groups whose all-gathers start when this group's backward starts (PyTorch's
+    /// `set_modules_to_backward_prefetch`); default: the group whose forward ran just
+    /// before this one's, whose backward comes next.
+    pub fn set_backward_prefetch(&self, groups: &[&FsdpGroup]) {
+        self.inner.lock().backward_prefetch =
+            groups.iter().map(|g| Arc::downgrade(&g.inner)).collect();
     }
 
     /// After the managed module's forward, with its output: hooks the output so that its
@@ -424,10 +470,8 @@ impl GroupInner {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn unshard_locked(&self, st: &mut State) -> Result<()> {
-        if !st.sharded {
-            return Ok(());
-        }
+    /// Starts the all-gather of the group's shards.
+    fn begin_gather(&self, st: &State) -> Result<Gather> {
         let world = self.group.world_size() as i64;
         let mut gathered = Vec::with_capacity(self.buckets.len());
         let mut works = Vec::with_capacity(self.buckets.len());
@@ -443,10 +487,46 @@ impl GroupInner {
             gathered.push(out);
             inputs.push(input);
         }
-        for w in works {
+        Ok(Gather {
+            works,
+            gathered,
+            _inputs: inputs,
+            versions: st
+                .tensors
+                .iter()
+                .map(|t| hooks::tensor_version(&t.handle))
+                .collect(),
+        })
+    }
+
+    /// Whether a shard changed since `g` started.
+    fn stale(&self, st: &State, g: &Gather) -> bool {
+        st.tensors
+            .iter()
+            .zip(&g.versions)
+            .any(|(t, v)| hooks::tensor_version(&t.handle) != *v)
+    }
+
+    fn unshard_locked(&self, st: &mut State) -> Result<()> {
+        if !st.sharded {
+            return Ok(());
+        }
+        let gather = match st.prefetched.take() {
+            Some(g) if !self.stale(st, &g) => g,
+            Some(g) => {
+                // Gathered before its shards changed: wait it out, gather again.
+                for w in g.works {
+                    w.wait()?;
+                }
+                self.begin_gather(st)?
+            }
+            None => self.begin_gather(st)?,
+        };
+        for w in gather.works {
             w.wait()?;
         }
-        drop(inputs);
+        let world = self.group.world_size() as i64;
+        let gathered = gather.gathered;
         tch::no_grad(|| -> Result<()> {
             for (i, m) in self.meta.iter().enumerate() {
                 let l = &m.layout;
@@ -472,7 +552,33 @@ impl GroupInner {
         Ok(())
     }
 
+    /// Starts gathering the group's parameters ahead of their use (nothing to do when they
+    /// are gathered or being gathered).
+    pub(crate) fn prefetch(&self) -> Result<()> {
+        let mut st = self.lock();
+        if st.sharded && st.prefetched.is_none() {
+            st.prefetched = Some(self.begin_gather(&st)?);
+        }
+        Ok(())
+    }
+
+    /// Waits out a prefetch nobody used (its result would be stale by the next use).
+    pub(crate) fn drop_prefetch(&self) -> Result<()> {
+        let mut st = self.lock();
+        self.drop_prefetch_locked(&mut st)
+    }
+
+    fn drop_prefetch_locked(&self, st: &mut State) -> Result<()> {
+        if let Some(g) = st.prefetched.take() {
+            for w in g.works {
+                w.wait()?;
+            }
+        }
+        Ok(())
+    }
+
     fn reshard_locked(&self, st: &mut State) -> Result<()> {
+        self.drop_prefetch_locked(st)?;
         if st.sharded {
             return Ok(());
         }
@@ -489,11 +595,28 @@ impl GroupInner {
         Ok(())
     }
 
-    /// The pre-backward hook: gathers the parameters for the module's backward.
+    /// The pre-backward hook: gathers the parameters for the module's backward, then starts
+    /// gathering the group whose backward comes next.
     pub(crate) fn pre_backward(&self) -> Result<()> {
         backward::queue_finish(self.group.rank())?;
-        let mut st = self.lock();
-        self.unshard_locked(&mut st)
+        let explicit = {
+            let mut st = self.lock();
+            self.unshard_locked(&mut st)?;
+            st.backward_prefetch.clone()
+        };
+        let next: Vec<Arc<GroupInner>> = if explicit.is_empty() {
+            backward::joined_before(self).into_iter().collect()
+        } else {
+            explicit
+                .iter()
+                .filter_map(std::sync::Weak::upgrade)
+                .collect()
+        };
+        for g in next {
+            g.prefetch()?;
+            backward::note_prefetch(&g);
+        }
+        Ok(())
     }
 
     /// The interceptor: parameter `index`'s full gradient of this pass.

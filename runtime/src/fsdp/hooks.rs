@@ -157,3 +157,9 @@ pub fn tensor_identity(t: &Tensor) -> u64 {
     // SAFETY: a live tensor; reads a pointer.
     unsafe { ffi::tdr_tensor_identity(t.as_ptr() as *mut _) }
 }
+
+/// The version counter of the tensor behind `t` (every in-place change through it bumps it).
+pub(crate) fn tensor_version(t: &Tensor) -> u64 {
+    // SAFETY: a live tensor; the shim catches everything.
+    unsafe { ffi::tdr_tensor_version(t.as_ptr() as *mut _) }
+}
