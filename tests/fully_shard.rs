@@ -69,9 +69,28 @@ enum Groups {
     PerBlock { reshard_after_forward: bool },
     /// Per block, each block's forward prefetching the next block's parameters.
     Prefetching,
+    /// One call on the root, weights sharded along their columns where the ranks divide
+    /// them (`shard_placement_fn`).
+    Columns,
+}
+
+/// `shard_placement_fn` for [`Groups::Columns`].
+fn by_columns(world: usize) -> fully_shard::ShardPlacementFn {
+    fully_shard::ShardPlacementFn::new(move |_, t| {
+        (t.dim() == 2 && t.size()[1] % world as i64 == 0).then_some(1)
+    })
 }
 
 fn apply(m: &Model, groups: Groups, root: FsdpOptions) {
+    if let Groups::Columns = groups {
+        let world = tch_dist::default_group().unwrap().world_size();
+        let opts = FsdpOptions {
+            shard_placement_fn: Some(by_columns(world)),
+            ..root
+        };
+        fully_shard(m, opts).unwrap();
+        return;
+    }
     if let Groups::Prefetching = groups {
         for b in &m.blocks {
             fully_shard(b, FsdpOptions::default()).unwrap();
@@ -117,22 +136,31 @@ fn max_diff_full(m: &Model, reference: &nn::VarStore) -> f64 {
 /// Between steps every managed parameter holds this rank's rows and nothing is gathered.
 fn assert_sharded(m: &Model, vs: &nn::VarStore, pg: &ProcessGroup) {
     let (world, rank) = (pg.world_size() as i64, pg.rank() as i64);
-    for (fqn, t) in vs.variables() {
-        let full = vs_shape(&fqn);
-        let chunk = (full[0] + world - 1) / world;
-        let rows = (full[0] - rank * chunk).clamp(0, chunk);
-        let mut expected = full.clone();
-        expected[0] = rows;
-        assert_eq!(t.size(), expected, "{fqn} on rank {rank}");
-        let g = t.grad();
-        if g.defined() {
-            assert_eq!(g.size(), expected, "grad of {fqn} on rank {rank}");
-        }
-    }
+    let vars = vs.variables();
+    let mut by_columns = false;
     for (prefix, sub) in m.named_modules() {
         if let Some(s) = fully_shard::state(sub) {
             assert!(s.is_sharded(), "`{prefix}` is sharded between steps");
             assert_eq!(s.gathered_bytes(), 0, "`{prefix}` holds no gathered memory");
+            for info in s.shards() {
+                let t = &vars[&info.fqn];
+                assert_eq!(t.size(), info.local_shape, "{} on rank {rank}", info.fqn);
+                by_columns |= info.dim != 0;
+            }
+        }
+    }
+    for (fqn, t) in vars {
+        let full = vs_shape(&fqn);
+        let mut expected = full.clone();
+        if !by_columns {
+            // torch.chunk's rows, counted here independently of the library.
+            let chunk = (full[0] + world - 1) / world;
+            expected[0] = (full[0] - rank * chunk).clamp(0, chunk);
+            assert_eq!(t.size(), expected, "{fqn} on rank {rank}");
+        }
+        let g = t.grad();
+        if g.defined() {
+            assert_eq!(g.size(), t.size(), "grad of {fqn} on rank {rank}");
         }
     }
 }
@@ -190,6 +218,7 @@ fn parity_cases(pg: ProcessGroup) {
             reshard_after_forward: false,
         },
         Groups::Prefetching,
+        Groups::Columns,
     ] {
         let (diff, moved) = train(&pg, groups, 4);
         assert!(

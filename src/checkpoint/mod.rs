@@ -95,11 +95,9 @@ fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
     let mut fsdp_by_identity: HashMap<u64, (Vec<i64>, Vec<i64>)> = HashMap::new();
     for (fqn, t) in module.named_parameters() {
         if let Some(p) = fsdp.get(&fqn) {
-            let mut offsets = vec![0; p.info.shape.len().max(1)];
-            offsets[0] = p.info.row_offset;
             fsdp_by_identity.insert(
                 tch_dist_runtime::fsdp::tensor_identity(t),
-                (offsets, p.info.shape.clone()),
+                (p.info.offsets.clone(), p.info.shape.clone()),
             );
         }
     }

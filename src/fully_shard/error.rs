@@ -63,6 +63,25 @@ pub enum FsdpError {
         /// Its FQN in the call that manages it.
         other: String,
     },
+    /// `shard_placement_fn` chose a dimension the parameter does not have, or one other
+    /// than 0 that the ranks do not divide evenly.
+    #[error(
+        "rank {rank}: fully_shard: shard_placement_fn chose dim {dim} for parameter `{fqn}` \
+         of shape {shape:?}, which {world} ranks cannot shard (a dim other than 0 must exist \
+         and divide evenly)"
+    )]
+    ShardDim {
+        /// This rank.
+        rank: usize,
+        /// The parameter.
+        fqn: String,
+        /// The dimension chosen.
+        dim: usize,
+        /// The parameter's shape.
+        shape: Vec<i64>,
+        /// The number of ranks.
+        world: usize,
+    },
     /// A submodule is managed by `replicate`, which cannot run inside `fully_shard`.
     #[error(
         "rank {rank}: fully_shard: submodule `{module}` is managed by replicate; apply \

@@ -91,6 +91,41 @@ pub struct FsdpOptions {
     pub process_group: Option<ProcessGroup>,
     /// Mixed precision (default: none).
     pub mp_policy: MixedPrecisionPolicy,
+    /// Which dimension each parameter is sharded along (PyTorch's `shard_placement_fn`):
+    /// `None`, or the function returning `None` for a parameter, means dim 0.
+    pub shard_placement_fn: Option<ShardPlacementFn>,
+}
+
+/// Chooses the dimension a parameter is sharded along, from its FQN (within the module
+/// passed to [`fully_shard`]) and the parameter; `None` keeps dim 0. A dimension other than
+/// 0 must divide evenly over the ranks.
+///
+/// ```
+/// use tch_dist::fully_shard::{FsdpOptions, ShardPlacementFn};
+/// // Shard weights along their input features.
+/// let by_columns = ShardPlacementFn::new(|fqn, t| (fqn.ends_with("weight") && t.dim() == 2).then_some(1));
+/// let opts = FsdpOptions { shard_placement_fn: Some(by_columns), ..Default::default() };
+/// # let _ = opts;
+/// ```
+#[derive(Clone)]
+pub struct ShardPlacementFn(Arc<dyn Fn(&str, &Tensor) -> Option<usize> + Send + Sync>);
+
+impl ShardPlacementFn {
+    /// Wraps `f`.
+    pub fn new(f: impl Fn(&str, &Tensor) -> Option<usize> + Send + Sync + 'static) -> Self {
+        ShardPlacementFn(Arc::new(f))
+    }
+
+    /// The dimension for parameter `fqn`.
+    pub fn dim(&self, fqn: &str, t: &Tensor) -> Option<usize> {
+        (self.0)(fqn, t)
+    }
+}
+
+impl std::fmt::Debug for ShardPlacementFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ShardPlacementFn(..)")
+    }
 }
 
 /// Mixed precision (PyTorch's `MixedPrecisionPolicy`): the dtypes floating-point parameters
@@ -318,7 +353,29 @@ pub fn fully_shard<M: Shardable + ?Sized>(
     let rank = group.rank();
     let label = short_type(module.as_dyn_shardable());
     let found = collect(module.as_dyn_shardable(), &opts.ignored_params, rank);
-    let local = match found.problem {
+    // The dimension each parameter is sharded along, checked.
+    let world = group.world_size() as i64;
+    let mut dims = Vec::with_capacity(found.params.len());
+    let mut problem = found.problem;
+    for (fqn, t) in &found.params {
+        let dim = opts
+            .shard_placement_fn
+            .as_ref()
+            .and_then(|f| f.dim(fqn, t))
+            .unwrap_or(0);
+        let size = t.size();
+        if dim > 0 && problem.is_none() && (dim >= size.len() || size[dim] % world != 0) {
+            problem = Some(FsdpError::ShardDim {
+                rank,
+                fqn: fqn.clone(),
+                dim,
+                shape: size.clone(),
+                world: world as usize,
+            });
+        }
+        dims.push(dim);
+    }
+    let local = match problem {
         Some(p) => Err(p),
         None => Ok(()),
     };
@@ -330,6 +387,7 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         ),
         ("ignored_params", format!("{:?}", opts.ignored_params)),
         ("mp_policy", format!("{:?}", opts.mp_policy)),
+        ("shard_placement_fn dims", format!("{dims:?}")),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -376,7 +434,8 @@ pub fn fully_shard<M: Shardable + ?Sized>(
     let params: Vec<ManagedParam> = found
         .params
         .into_iter()
-        .map(|(fqn, param)| ManagedParam { fqn, param })
+        .zip(dims)
+        .map(|((fqn, param), dim)| ManagedParam { fqn, param, dim })
         .collect();
     let fsdp_group = Arc::new(FsdpGroup::new(
         &label,

@@ -31,6 +31,9 @@ pub struct ManagedParam {
     pub fqn: String,
     /// The parameter (full-sized, the same on every rank).
     pub param: Tensor,
+    /// The dimension to shard (0, PyTorch's default; another one must divide evenly over
+    /// the ranks, which the caller checked).
+    pub dim: usize,
 }
 
 /// Per-group switches (PyTorch's `fully_shard` options and `FSDPModule` setters).
@@ -224,7 +227,7 @@ impl FsdpGroup {
                     buckets.len() - 1
                 }
             };
-            let layout = ShardLayout::new(&p.param.size(), world, rank);
+            let layout = ShardLayout::along(&p.param.size(), p.dim, world, rank);
             let offset = buckets[b].numel;
             buckets[b].numel += layout.padded_numel();
             buckets[b].params.push(i);
@@ -250,12 +253,9 @@ impl FsdpGroup {
                     .narrow(0, m.offset, l.local_numel())
                     .view(l.local_shape().as_slice());
                 if l.local_rows() > 0 {
-                    let rows = p.param.reshape([l.rows(), l.row_numel()]).narrow(
-                        0,
-                        l.row_offset(),
-                        l.local_rows(),
-                    );
-                    local.reshape([l.local_rows(), l.row_numel()]).copy_(&rows);
+                    local
+                        .shallow_clone()
+                        .copy_(&l.local_of(&p.param).reshape(l.local_shape().as_slice()));
                 }
                 tensors.push(ParamTensors {
                     handle: p.param.shallow_clone(),
@@ -401,7 +401,7 @@ impl FsdpGroup {
         self.inner.lock().options.reshard_after_forward = reshard;
     }
 
-    /// The managed parameters: FQN, full shape, and this rank's first row and row count.
+    /// The managed parameters: FQN, full shape, and where this rank's shard sits.
     pub fn params(&self) -> Vec<ShardInfo> {
         self.inner
             .meta
@@ -409,8 +409,9 @@ impl FsdpGroup {
             .map(|m| ShardInfo {
                 fqn: m.fqn.clone(),
                 shape: m.layout.shape().to_vec(),
-                row_offset: m.layout.row_offset(),
-                local_rows: m.layout.local_rows(),
+                dim: m.layout.dim(),
+                offsets: m.layout.offsets(),
+                local_shape: m.layout.local_shape(),
             })
             .collect()
     }
@@ -439,7 +440,9 @@ impl FsdpGroup {
         drop(st);
         let out = padded.new_empty([world * l.padded_numel()], (padded.kind(), padded.device()));
         inner.group.all_gather_into_tensor(&out, &padded)?;
-        Ok(out.narrow(0, 0, l.numel()).reshape(l.shape()))
+        let full = padded.new_empty(l.shape(), (padded.kind(), padded.device()));
+        tch::no_grad(|| l.copy_from_rank_major(&full, &out.view([world, l.padded_numel()])));
+        Ok(full)
     }
 
     /// Bytes of memory the full tensors of the parameters hold now (0 while sharded).
@@ -459,10 +462,13 @@ pub struct ShardInfo {
     pub fqn: String,
     /// The full shape.
     pub shape: Vec<i64>,
-    /// The first full row this rank holds.
-    pub row_offset: i64,
-    /// How many rows this rank holds.
-    pub local_rows: i64,
+    /// The sharded dimension.
+    pub dim: usize,
+    /// Where this rank's shard starts in the full tensor (a distributed checkpoint's
+    /// offsets).
+    pub offsets: Vec<i64>,
+    /// The shape of this rank's shard.
+    pub local_shape: Vec<i64>,
 }
 
 impl GroupInner {
@@ -536,13 +542,7 @@ impl GroupInner {
                 let rows = gathered[m.bucket]
                     .view([world, self.buckets[m.bucket].numel])
                     .narrow(1, m.offset, l.padded_numel());
-                if l.even() {
-                    t.full.view([world, l.padded_numel()]).copy_(&rows);
-                } else {
-                    t.full
-                        .view([l.numel()])
-                        .copy_(&rows.reshape([-1]).narrow(0, 0, l.numel()));
-                }
+                l.copy_from_rank_major(&t.full, &rows);
                 hooks::set_data(&t.handle, &t.full)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
             }
@@ -686,15 +686,7 @@ impl GroupInner {
                     } else {
                         g.to_kind(b.reduce_kind)
                     };
-                    let mut dst = per_rank.narrow(1, m.offset, l.padded_numel());
-                    if l.even() {
-                        dst.copy_(&g.reshape([world, l.padded_numel()]));
-                    } else {
-                        let padded =
-                            g.new_zeros([world * l.padded_numel()], (b.reduce_kind, b.device));
-                        padded.narrow(0, 0, l.numel()).copy_(&g.reshape([-1]));
-                        dst.copy_(&padded.view([world, l.padded_numel()]));
-                    }
+                    l.copy_to_rank_major(&per_rank.narrow(1, m.offset, l.padded_numel()), &g);
                 }
             });
             let out = Tensor::empty([b.numel], (b.reduce_kind, b.device));
