@@ -169,7 +169,7 @@ impl ShardLayout {
     }
 
     /// The permutation taking the split shape to rank-major order (rank axis first).
-    fn to_front(&self) -> Vec<i64> {
+    fn rank_axis_front(&self) -> Vec<i64> {
         let n = self.shape.len() as i64 + 1;
         let d = self.dim as i64;
         std::iter::once(d)
@@ -177,8 +177,8 @@ impl ShardLayout {
             .collect()
     }
 
-    /// The inverse permutation of [`to_front`](Self::to_front).
-    fn from_front(&self) -> Vec<i64> {
+    /// The inverse permutation of [`rank_axis_front`](Self::rank_axis_front).
+    fn rank_axis_back(&self) -> Vec<i64> {
         let n = self.shape.len() as i64 + 1;
         let d = self.dim as i64;
         (1..=d).chain(std::iter::once(0)).chain(d + 1..n).collect()
@@ -204,7 +204,7 @@ impl ShardLayout {
         } else {
             let src = rows
                 .view(self.rank_major_shape().as_slice())
-                .permute(self.from_front());
+                .permute(self.rank_axis_back());
             dst.view(self.split_shape().as_slice()).copy_(&src);
         }
     }
@@ -230,7 +230,7 @@ impl ShardLayout {
         } else {
             let src = full
                 .reshape(self.split_shape().as_slice())
-                .permute(self.to_front());
+                .permute(self.rank_axis_front());
             dst.view(self.rank_major_shape().as_slice()).copy_(&src);
         }
     }
