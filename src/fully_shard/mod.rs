@@ -108,7 +108,10 @@ pub struct FsdpOptions {
 /// # let _ = opts;
 /// ```
 #[derive(Clone)]
-pub struct ShardPlacementFn(Arc<dyn Fn(&str, &Tensor) -> Option<usize> + Send + Sync>);
+pub struct ShardPlacementFn(Arc<PlacementFn>);
+
+/// The function a [`ShardPlacementFn`] wraps.
+type PlacementFn = dyn Fn(&str, &Tensor) -> Option<usize> + Send + Sync;
 
 impl ShardPlacementFn {
     /// Wraps `f`.
