@@ -27,7 +27,11 @@
 //!    both, before NCCL's "Duplicate GPU detected" (on CPU: the same check with made-up
 //!    claims);
 //! 6. shutdown with clones alive: later collectives fail with `ShutDown`, and the program
-//!    exits with status 0 after `destroy_process_group`.
+//!    exits with status 0 after `destroy_process_group`;
+//! 7. (before 6.) `fully_shard` at world size 1 in the group without shortcuts (NCCL's
+//!    all-gathers and reduce-scatters, storage released and restored on the device): per
+//!    layer and root groups against plain training (AdamW), and with bf16 parameters and
+//!    f32 reduction within bf16's precision.
 //!
 //! It ends with `gpu_check: N passed, M failed, K skipped (T s)`, exits 1 on any failure (or
 //! after 300 s) and 2 when CUDA is not available. The ranks of 4. and 5. are this binary
@@ -447,6 +451,71 @@ fn check_no_sync(pg: &ProcessGroup) -> Outcome {
     opt.step();
     let d = replicate_net::max_diff(&vs, &ref_vs);
     assert!(d < 1e-5, "no_sync: {d}");
+    Outcome::Pass
+}
+
+/// `fully_shard` over `pg` (one rank): per-layer groups and the root against plain training
+/// (AdamW, 1e-5), and with mixed precision (SGD, within bf16's precision).
+fn check_fully_shard(pg: &ProcessGroup) -> Outcome {
+    use tch_dist::fully_shard::{full_state_dict, MixedPrecisionPolicy};
+    use tch_dist::{fully_shard, FsdpOptions};
+    for mixed in [false, true] {
+        tch::manual_seed(3);
+        let ref_vs = nn::VarStore::new(dev());
+        let reference = net(&ref_vs, 8, false);
+        tch::manual_seed(3);
+        let vs = nn::VarStore::new(dev());
+        let model = net(&vs, 8, false);
+        let mp = MixedPrecisionPolicy {
+            param_dtype: mixed.then_some(Kind::BFloat16),
+            reduce_dtype: mixed.then_some(Kind::Float),
+            ..Default::default()
+        };
+        let opts = |output: Option<Kind>| FsdpOptions {
+            process_group: Some(pg.clone()),
+            mp_policy: MixedPrecisionPolicy {
+                output_dtype: output,
+                ..mp
+            },
+            ..Default::default()
+        };
+        fully_shard(&model.fc1, opts(None)).unwrap();
+        fully_shard(&model, opts(mixed.then_some(Kind::Float))).unwrap();
+        let (mut opt, mut ref_opt) = if mixed {
+            (
+                nn::Sgd::default().build(&vs, 0.2).unwrap(),
+                nn::Sgd::default().build(&ref_vs, 0.2).unwrap(),
+            )
+        } else {
+            (
+                nn::AdamW::default().build(&vs, 1e-2).unwrap(),
+                nn::AdamW::default().build(&ref_vs, 1e-2).unwrap(),
+            )
+        };
+        let before = pg.launched_collectives();
+        for step in 0..3 {
+            let (x, y) = batch(step, dev());
+            ref_opt.backward_step(
+                &tch::nn::Module::forward(&reference, &x).mse_loss(&y, tch::Reduction::Mean),
+            );
+            opt.backward_step(&model.call(&x).mse_loss(&y, tch::Reduction::Mean));
+        }
+        assert!(
+            pg.launched_collectives() > before,
+            "fully_shard communicates"
+        );
+        let vars = ref_vs.variables();
+        let d = full_state_dict(&model)
+            .unwrap()
+            .iter()
+            .map(|(k, t)| (t - &vars[k]).abs().max().double_value(&[]))
+            .fold(0.0, f64::max);
+        let tol = if mixed { 5e-3 } else { 1e-5 };
+        assert!(d < tol, "fully_shard (mixed precision: {mixed}): {d}");
+        if mixed {
+            assert!(d > 0.0, "computed in bf16");
+        }
+    }
     Outcome::Pass
 }
 
@@ -1004,6 +1073,11 @@ fn main() {
     tally.run(
         "NCCL only (PyTorch's \"nccl\"), world size 1: NCCL barrier, CPU tensors refused",
         check_nccl_only,
+    );
+    // 7.
+    tally.run(
+        "without shortcuts: fully_shard equals plain training; bf16 within its precision",
+        || check_fully_shard(&alone),
     );
     // 6.
     tally.run("shutdown with clones alive; destroy_process_group", || {
