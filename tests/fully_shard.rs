@@ -514,6 +514,12 @@ fn refusals_at_2_ranks() {
             matches!(&err, FsdpError::TiedParameter { fqn, other, .. } if fqn == "b.weight" && other == "weight"),
             "{err}"
         );
+        // A child after its parent: refused, saying to go bottom-up.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let m = model(&vs);
+        fully_shard(&m, FsdpOptions::default()).unwrap();
+        let err = fully_shard(&m.head, FsdpOptions::default()).unwrap_err();
+        assert!(err.to_string().contains("bottom-up"), "{err}");
         // Tied within one call: managed once, equal under both names.
         let vs = nn::VarStore::new(Device::Cpu);
         let a = nn::linear(vs.root() / "a", 4, 4, Default::default());

@@ -16,9 +16,10 @@ use tch_dist_runtime::DistError;
 /// };
 /// assert_eq!(
 ///     e.to_string(),
-///     "rank 0: fully_shard: parameter `head.weight` is the same tensor as `embed.weight`, \
-///      which another fully_shard call manages; a tied parameter must be managed by one \
-///      call: apply fully_shard to a module that holds both uses"
+///     "rank 0: fully_shard: parameter `head.weight` is already managed by another \
+///      fully_shard call (as `embed.weight`): apply fully_shard bottom-up, children before \
+///      their parents, and manage a parameter tied between two modules by one call on a \
+///      module that holds both"
 /// );
 /// ```
 #[derive(Debug, thiserror::Error)]
@@ -49,11 +50,13 @@ pub enum FsdpError {
         /// The parameter.
         fqn: String,
     },
-    /// A parameter is the same tensor as one another `fully_shard` call manages.
+    /// A parameter is (the same tensor as) one another `fully_shard` call manages: applied
+    /// to a parent before its child, or tied between two calls' modules.
     #[error(
-        "rank {rank}: fully_shard: parameter `{fqn}` is the same tensor as `{other}`, which \
-         another fully_shard call manages; a tied parameter must be managed by one call: \
-         apply fully_shard to a module that holds both uses"
+        "rank {rank}: fully_shard: parameter `{fqn}` is already managed by another \
+         fully_shard call (as `{other}`): apply fully_shard bottom-up, children before \
+         their parents, and manage a parameter tied between two modules by one call on a \
+         module that holds both"
     )]
     TiedParameter {
         /// This rank.

@@ -192,6 +192,18 @@ pub struct FsdpState {
     _hooks: Vec<RemovableHandle>,
     /// The bypass guard over this call's trainable parameters.
     guard: Option<hooks::NestedGuard>,
+    /// The identities this call entered in [`MANAGED`] (its group holds the tensors, so
+    /// no other tensor can take one of them while they are there).
+    identities: Vec<u64>,
+}
+
+impl Drop for FsdpState {
+    fn drop(&mut self) {
+        let mut m = MANAGED.lock().unwrap_or_else(|e| e.into_inner());
+        for id in &self.identities {
+            m.remove(id);
+        }
+    }
 }
 
 impl std::fmt::Debug for FsdpState {
@@ -489,6 +501,7 @@ pub fn fully_shard<M: Shardable + ?Sized>(
             Ok((is_float(out.kind()) && out.kind() != dtype).then(|| out.to_kind(dtype)))
         })?);
     }
+    let own_identities: Vec<u64> = identities.iter().map(|(id, _)| *id).collect();
     MANAGED
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -501,6 +514,7 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         nested: found.nested.into_iter().map(|(_, s)| s).collect(),
         _hooks: hooks,
         guard: own_guard,
+        identities: own_identities,
     })
 }
 
