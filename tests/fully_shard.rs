@@ -72,6 +72,8 @@ enum Groups {
     /// One call on the root, weights sharded along their columns where the ranks divide
     /// them (`shard_placement_fn`).
     Columns,
+    /// Per block, resharded after forward to groups of this many ranks.
+    ToRanks(usize),
 }
 
 /// `shard_placement_fn` for [`Groups::Columns`].
@@ -82,6 +84,17 @@ fn by_columns(world: usize) -> fully_shard::ShardPlacementFn {
 }
 
 fn apply(m: &Model, groups: Groups, root: FsdpOptions) {
+    if let Groups::ToRanks(n) = groups {
+        for b in &m.blocks {
+            let opts = FsdpOptions {
+                reshard_after_forward: Some(n.into()),
+                ..Default::default()
+            };
+            fully_shard(b, opts).unwrap();
+        }
+        fully_shard(m, root).unwrap();
+        return;
+    }
     if let Groups::Columns = groups {
         let world = tch_dist::default_group().unwrap().world_size();
         let opts = FsdpOptions {
@@ -110,7 +123,7 @@ fn apply(m: &Model, groups: Groups, root: FsdpOptions) {
     {
         for b in &m.blocks {
             let opts = FsdpOptions {
-                reshard_after_forward: Some(reshard_after_forward),
+                reshard_after_forward: Some(reshard_after_forward.into()),
                 ..Default::default()
             };
             fully_shard(b, opts).unwrap();
@@ -542,7 +555,7 @@ fn refusals_at_2_ranks() {
         let vs = nn::VarStore::new(Device::Cpu);
         let m = model(&vs);
         let differ = FsdpOptions {
-            reshard_after_forward: Some(pg.rank() == 0),
+            reshard_after_forward: Some((pg.rank() == 0).into()),
             ..Default::default()
         };
         let err = fully_shard(&m.blocks[0], differ).unwrap_err();
@@ -748,5 +761,49 @@ fn mixed_precision_at_2_ranks() {
         let diff = mixed_precision(&pg);
         assert!(diff < 5e-3, "bf16 vs one f32 process: {diff}");
         assert!(diff > 0.0, "computed in bf16 indeed");
+    });
+}
+
+#[test]
+fn reshard_to_fewer_ranks_at_4_ranks() {
+    run_ranks("reshard_to_fewer_ranks_at_4_ranks", 4, |pg| {
+        let (diff, moved) = train(&pg, Groups::ToRanks(2), 3);
+        assert!(moved > 1e-2, "training moved the weights ({moved})");
+        assert!(
+            diff < 1e-5,
+            "reshard_after_forward=2 vs one process: {diff}"
+        );
+        // Between forward and backward each block keeps its shard over 2 ranks: half of
+        // block 1's 17 x 7 + 17 (9 rows, padded) in f32.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let m = model(&vs);
+        apply(&m, Groups::ToRanks(2), FsdpOptions::default());
+        let (x, y) = batch(0);
+        let loss = m
+            .call(&slice(&x, &pg))
+            .mse_loss(&slice(&y, &pg), tch::Reduction::Mean);
+        let b1 = fully_shard::state(&m.blocks[1]).unwrap();
+        assert_eq!(b1.gathered_bytes(), 0);
+        assert_eq!(b1.post_forward_bytes(), (9 * 7 + 9) * 4);
+        loss.backward();
+        assert_eq!(b1.post_forward_bytes(), 0);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let m = model(&vs);
+        let opts = FsdpOptions {
+            reshard_after_forward: Some(3.into()),
+            ..Default::default()
+        };
+        let err = fully_shard(&m.blocks[0], opts).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                FsdpError::ReshardRanks {
+                    ranks: 3,
+                    world: 4,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     });
 }

@@ -85,6 +85,19 @@ pub enum FsdpError {
         /// The number of ranks.
         world: usize,
     },
+    /// `reshard_after_forward` names a number of ranks that does not divide the group.
+    #[error(
+        "rank {rank}: fully_shard: reshard_after_forward = {ranks} ranks does not divide the \
+         group's {world} ranks"
+    )]
+    ReshardRanks {
+        /// This rank.
+        rank: usize,
+        /// The number given.
+        ranks: usize,
+        /// The group's size.
+        world: usize,
+    },
     /// A submodule is managed by `replicate`, which cannot run inside `fully_shard`.
     #[error(
         "rank {rank}: fully_shard: submodule `{module}` is managed by replicate; apply \

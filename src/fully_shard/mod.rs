@@ -57,7 +57,9 @@ use tch_dist_core::{contract, Shardable};
 use tch_dist_runtime::fsdp::{
     tensor_identity, FsdpGroup, FsdpGroupOptions, ManagedParam, ShardInfo,
 };
-use tch_dist_runtime::{default_group, DistError, ProcessGroup, UseGuard, BROADCAST_BUCKET_BYTES};
+use tch_dist_runtime::{
+    default_group, DistError, GroupOptions, ProcessGroup, UseGuard, BROADCAST_BUCKET_BYTES,
+};
 
 mod collect;
 mod error;
@@ -74,16 +76,15 @@ pub use fully_shard_state as state;
 /// Options of [`fully_shard`] (PyTorch's keyword arguments, with its defaults).
 ///
 /// ```
-/// let opts = tch_dist::FsdpOptions { reshard_after_forward: Some(false), ..Default::default() };
+/// let opts = tch_dist::FsdpOptions { reshard_after_forward: Some(false.into()), ..Default::default() };
 /// assert!(opts.ignored_params.is_empty());
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct FsdpOptions {
-    /// Free the gathered parameters after forward and gather them again for backward
-    /// (`Some(true)`), or keep them until backward (`Some(false)`). `None`, the default:
-    /// `true`, except for the root (a call no later call encloses), which backward needs
-    /// first.
-    pub reshard_after_forward: Option<bool>,
+    /// What happens to the gathered parameters after forward ([`ReshardAfterForward`]:
+    /// PyTorch's `True`, `False` or an int). `None`, the default: freed, except for the root
+    /// (a call no later call encloses), which backward needs first.
+    pub reshard_after_forward: Option<ReshardAfterForward>,
     /// Parameters (FQNs within the module, or module prefixes) left alone: not sharded, not
     /// synchronised.
     pub ignored_params: Vec<String>,
@@ -128,6 +129,41 @@ impl ShardPlacementFn {
 impl std::fmt::Debug for ShardPlacementFn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("ShardPlacementFn(..)")
+    }
+}
+
+/// PyTorch's `reshard_after_forward`: `true`, `false`, or a number of ranks.
+///
+/// ```
+/// use tch_dist::fully_shard::ReshardAfterForward;
+/// assert_eq!(ReshardAfterForward::from(true), ReshardAfterForward::Reshard);
+/// assert_eq!(ReshardAfterForward::from(8), ReshardAfterForward::ToRanks(8));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReshardAfterForward {
+    /// Free the gathered parameters after forward and gather them again for backward.
+    Reshard,
+    /// Keep them gathered until backward.
+    Keep,
+    /// Keep a shard over `n` ranks (a divisor of the group's size: this rank and the
+    /// `n - 1` next to it, as in one node), gathered within those ranks for backward:
+    /// between forward and backward each rank holds 1/n of the parameters.
+    ToRanks(usize),
+}
+
+impl From<bool> for ReshardAfterForward {
+    fn from(reshard: bool) -> Self {
+        if reshard {
+            ReshardAfterForward::Reshard
+        } else {
+            ReshardAfterForward::Keep
+        }
+    }
+}
+
+impl From<usize> for ReshardAfterForward {
+    fn from(n: usize) -> Self {
+        ReshardAfterForward::ToRanks(n)
     }
 }
 
@@ -183,7 +219,7 @@ pub struct FsdpState {
     process_group: ProcessGroup,
     /// `reshard_after_forward` as given (`None`: decided by whether a later call encloses
     /// this one).
-    reshard_after_forward: Option<bool>,
+    reshard_after_forward: Option<ReshardAfterForward>,
     /// Where the managed parameters are, relative to the module, and the module's FQN
     /// within the outermost call that encloses it (set by that call).
     prefix: Mutex<String>,
@@ -301,6 +337,12 @@ impl FsdpState {
         self.group.full_bytes()
     }
 
+    /// Bytes of the shards kept between forward and backward with
+    /// `reshard_after_forward` = n ranks (0 otherwise, and outside that window).
+    pub fn post_forward_bytes(&self) -> usize {
+        self.group.post_forward_bytes()
+    }
+
     /// The group this call shards over.
     pub fn process_group(&self) -> &ProcessGroup {
         &self.process_group
@@ -390,6 +432,15 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         }
         dims.push(dim);
     }
+    if let Some(ReshardAfterForward::ToRanks(n)) = opts.reshard_after_forward {
+        if problem.is_none() && (n == 0 || group.world_size() % n != 0) {
+            problem = Some(FsdpError::ReshardRanks {
+                rank,
+                ranks: n,
+                world: group.world_size(),
+            });
+        }
+    }
     let local = match problem {
         Some(p) => Err(p),
         None => Ok(()),
@@ -452,15 +503,30 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         .zip(dims)
         .map(|((fqn, param), dim)| ManagedParam { fqn, param, dim })
         .collect();
+    // Resharding to n ranks: this rank's n consecutive ranks, as a group of their own (only
+    // its members create it).
+    let post_forward_group = match opts.reshard_after_forward {
+        Some(ReshardAfterForward::ToRanks(n)) if n > 1 && n < group.world_size() => {
+            let members: Vec<usize> = group.global_ranks().to_vec();
+            let mine = &members[rank / n * n..rank / n * n + n];
+            let sub_opts = GroupOptions::new(group.backend()).with_local_synchronization();
+            group.new_group_with(mine, &sub_opts)?
+        }
+        _ => None,
+    };
     let fsdp_group = Arc::new(FsdpGroup::new(
         &label,
         params,
         group.clone(),
         FsdpGroupOptions {
             // The root's default; an enclosing call turns it on for this one.
-            reshard_after_forward: opts.reshard_after_forward.unwrap_or(false),
+            reshard_after_forward: !matches!(
+                opts.reshard_after_forward,
+                None | Some(ReshardAfterForward::Keep) | Some(ReshardAfterForward::ToRanks(1))
+            ),
             param_dtype: opts.mp_policy.param_dtype,
             reduce_dtype: opts.mp_policy.reduce_dtype,
+            post_forward_group,
         },
     )?);
     for (prefix, n) in &found.nested {

@@ -37,7 +37,7 @@ pub struct ManagedParam {
 }
 
 /// Per-group switches (PyTorch's `fully_shard` options and `FSDPModule` setters).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct FsdpGroupOptions {
     /// Free the gathered parameters after forward (gather them again for backward).
     pub reshard_after_forward: bool,
@@ -47,6 +47,10 @@ pub struct FsdpGroupOptions {
     /// Reduce floating-point gradients in this dtype; `None`: `param_dtype`, else the
     /// parameter's own.
     pub reduce_dtype: Option<Kind>,
+    /// With `reshard_after_forward`: keep, between forward and backward, a shard over this
+    /// smaller group of ranks (PyTorch's `reshard_after_forward=N`, this rank's group of N)
+    /// rather than over the whole group, so that backward gathers within it.
+    pub post_forward_group: Option<ProcessGroup>,
 }
 
 impl FsdpGroupOptions {
@@ -56,6 +60,7 @@ impl FsdpGroupOptions {
             reshard_after_forward,
             param_dtype: None,
             reduce_dtype: None,
+            post_forward_group: None,
         }
     }
 }
@@ -77,6 +82,8 @@ pub(crate) struct ParamMeta {
     /// Its bucket and its padded shard's offset in that bucket's flat shard.
     pub bucket: usize,
     pub offset: i64,
+    /// Its layout over the post-forward group, and its offset in that flat shard.
+    pub post_forward: Option<(ShardLayout, i64)>,
 }
 
 /// The parameters of one dtype and device, gathered and reduced together.
@@ -87,8 +94,9 @@ struct BucketMeta {
     gather_kind: Kind,
     reduce_kind: Kind,
     device: Device,
-    /// Elements of one rank's flat shard.
+    /// Elements of one rank's flat shard (and of its post-forward flat shard).
     numel: i64,
+    post_forward_numel: i64,
     params: Vec<usize>,
 }
 
@@ -130,6 +138,9 @@ struct State {
     reduction: Option<Reduction>,
     /// An all-gather started ahead of the group's use (prefetch).
     prefetched: Option<Gather>,
+    /// Between forward and backward with a post-forward group: per bucket, this rank's
+    /// padded shards over that group.
+    post_forward: Option<Vec<Tensor>>,
     /// Groups to prefetch when this one's forward starts, and when its backward starts
     /// (empty for backward: the group that ran forward before this one).
     forward_prefetch: Vec<std::sync::Weak<GroupInner>>,
@@ -222,6 +233,7 @@ impl FsdpGroup {
                         reduce_kind,
                         device,
                         numel: 0,
+                        post_forward_numel: 0,
                         params: Vec::new(),
                     });
                     buckets.len() - 1
@@ -231,12 +243,19 @@ impl FsdpGroup {
             let offset = buckets[b].numel;
             buckets[b].numel += layout.padded_numel();
             buckets[b].params.push(i);
+            let post_forward = options.post_forward_group.as_ref().map(|g| {
+                let l = ShardLayout::along(&p.param.size(), p.dim, g.world_size(), g.rank());
+                let off = buckets[b].post_forward_numel;
+                buckets[b].post_forward_numel += l.padded_numel();
+                (l, off)
+            });
             meta.push(ParamMeta {
                 fqn: p.fqn.clone(),
                 layout,
                 requires_grad: p.param.requires_grad(),
                 bucket: b,
                 offset,
+                post_forward,
             });
         }
         let expected = meta.iter().filter(|m| m.requires_grad).count();
@@ -291,6 +310,7 @@ impl FsdpGroup {
                 reduced: false,
                 reduction: None,
                 prefetched: None,
+                post_forward: None,
                 forward_prefetch: Vec::new(),
                 backward_prefetch: Vec::new(),
             }),
@@ -378,7 +398,13 @@ impl FsdpGroup {
             st.in_backward = true;
         }
         if !records || st.options.reshard_after_forward {
+            let kept = if records && st.options.post_forward_group.is_some() {
+                self.inner.post_forward_shards(&st)
+            } else {
+                None
+            };
             self.inner.reshard_locked(&mut st)?;
+            st.post_forward = kept;
         }
         Ok(())
     }
@@ -443,6 +469,18 @@ impl FsdpGroup {
         let full = padded.new_empty(l.shape(), (padded.kind(), padded.device()));
         tch::no_grad(|| l.copy_from_rank_major(&full, &out.view([world, l.padded_numel()])));
         Ok(full)
+    }
+
+    /// Bytes of the shards kept over the post-forward group now (between forward and
+    /// backward with `post_forward_group`; 0 otherwise).
+    pub fn post_forward_bytes(&self) -> usize {
+        let st = self.inner.lock();
+        st.post_forward.as_ref().map_or(0, |flats| {
+            flats
+                .iter()
+                .map(|t| t.numel() * t.kind().elt_size_in_bytes())
+                .sum()
+        })
     }
 
     /// Bytes of memory the full tensors of the parameters hold now (0 while sharded).
@@ -517,6 +555,9 @@ impl GroupInner {
         if !st.sharded {
             return Ok(());
         }
+        if let Some(flats) = st.post_forward.take() {
+            return self.unshard_post_forward_locked(st, flats);
+        }
         let gather = match st.prefetched.take() {
             Some(g) if !self.stale(st, &g) => g,
             Some(g) => {
@@ -552,11 +593,75 @@ impl GroupInner {
         Ok(())
     }
 
+    /// Copies this rank's shards over the post-forward group out of the gathered
+    /// parameters (before they are freed after forward).
+    fn post_forward_shards(&self, st: &State) -> Option<Vec<Tensor>> {
+        if st.sharded {
+            return None;
+        }
+        let flats: Vec<Tensor> = self
+            .buckets
+            .iter()
+            .map(|b| Tensor::zeros([b.post_forward_numel], (b.gather_kind, b.device)))
+            .collect();
+        tch::no_grad(|| {
+            for (m, t) in self.meta.iter().zip(&st.tensors) {
+                let Some((l, off)) = &m.post_forward else {
+                    continue;
+                };
+                if l.local_rows() > 0 {
+                    flats[m.bucket]
+                        .narrow(0, *off, l.local_numel())
+                        .view(l.local_shape().as_slice())
+                        .copy_(&l.local_of(&t.full).reshape(l.local_shape().as_slice()));
+                }
+            }
+        });
+        Some(flats)
+    }
+
+    /// Gathers the parameters within the post-forward group, from `flats`.
+    fn unshard_post_forward_locked(&self, st: &mut State, flats: Vec<Tensor>) -> Result<()> {
+        let Some(sub) = st.options.post_forward_group.clone() else {
+            return Err(engine(&self.group, "fully_shard", "no post-forward group"));
+        };
+        let n = sub.world_size() as i64;
+        let mut gathered = Vec::with_capacity(flats.len());
+        let mut works = Vec::with_capacity(flats.len());
+        for (b, flat) in self.buckets.iter().zip(&flats) {
+            let out = Tensor::empty([n * b.post_forward_numel], (b.gather_kind, b.device));
+            works.push(sub.all_gather_into_tensor_async(&out, flat)?);
+            gathered.push(out);
+        }
+        for w in works {
+            w.wait()?;
+        }
+        tch::no_grad(|| -> Result<()> {
+            for (i, m) in self.meta.iter().enumerate() {
+                let Some((l, off)) = &m.post_forward else {
+                    continue;
+                };
+                let t = &mut st.tensors[i];
+                hooks::restore_storage(&t.full)
+                    .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
+                let rows = gathered[m.bucket]
+                    .view([n, self.buckets[m.bucket].post_forward_numel])
+                    .narrow(1, *off, l.padded_numel());
+                l.copy_from_rank_major(&t.full, &rows);
+                hooks::set_data(&t.handle, &t.full)
+                    .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
+            }
+            Ok(())
+        })?;
+        st.sharded = false;
+        Ok(())
+    }
+
     /// Starts gathering the group's parameters ahead of their use (nothing to do when they
-    /// are gathered or being gathered).
+    /// are gathered or being gathered, or held over the post-forward group).
     pub(crate) fn prefetch(&self) -> Result<()> {
         let mut st = self.lock();
-        if st.sharded && st.prefetched.is_none() {
+        if st.sharded && st.prefetched.is_none() && st.post_forward.is_none() {
             st.prefetched = Some(self.begin_gather(&st)?);
         }
         Ok(())
@@ -579,6 +684,8 @@ impl GroupInner {
 
     fn reshard_locked(&self, st: &mut State) -> Result<()> {
         self.drop_prefetch_locked(st)?;
+        // Shards over the post-forward group serve only the coming backward.
+        st.post_forward = None;
         if st.sharded {
             return Ok(());
         }
@@ -708,6 +815,7 @@ impl GroupInner {
             return Ok(());
         }
         let result = self.finish_locked(&mut st);
+        st.post_forward = None;
         st.in_backward = false;
         st.reduced = false;
         st.received = 0;
