@@ -128,6 +128,7 @@ pub use tch_dist_runtime::{
 };
 
 pub mod checkpoint;
+pub mod optim;
 pub mod replicate;
 pub mod sharding;
 pub mod sync_batch_norm;

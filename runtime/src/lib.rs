@@ -15,6 +15,7 @@ mod devices;
 mod env;
 mod error;
 mod ffi;
+pub mod fused;
 mod objects;
 mod process_group;
 mod reducer;
