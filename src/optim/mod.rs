@@ -162,6 +162,12 @@ fn check_lr(lr: f64) -> Result<(), OptimError> {
     Ok(())
 }
 
+/// PyTorch's checks of an algorithm's settings and a learning rate.
+pub(crate) fn check_settings(algorithm: &Algorithm, lr: f64) -> Result<(), OptimError> {
+    algorithm.check()?;
+    check_lr(lr)
+}
+
 /// That `t` (a gradient or a state tensor) has `p`'s shape, dtype and device.
 pub(crate) fn check_fits(fqn: &str, what: &str, p: &Tensor, t: &Tensor) -> Result<(), OptimError> {
     let mismatch = |expected: String, found: String| OptimError::Mismatch {
@@ -296,24 +302,17 @@ impl Optimizer {
         self.step()
     }
 
-    /// The parameters by FQN (handles).
-    pub(crate) fn params(&self) -> &[(String, Tensor)] {
-        &self.params
-    }
-
-    /// Replaces the whole state and the settings (a checkpoint's), after they were checked.
+    /// Replaces the whole state and the settings (a checkpoint's, checked with
+    /// [`check_settings`] before).
     pub(crate) fn restore(
         &mut self,
         algorithm: Algorithm,
         lr: f64,
         state: BTreeMap<String, ParamState>,
-    ) -> Result<(), OptimError> {
-        algorithm.check()?;
-        check_lr(lr)?;
+    ) {
         self.algorithm = algorithm;
         self.lr = lr;
         self.state = state;
-        Ok(())
     }
 
     /// PyTorch's `param_groups` as `get_optimizer_state_dict` gives them (one group; the
