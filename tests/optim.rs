@@ -136,7 +136,8 @@ fn close(what: &str, ours: &Tensor, theirs: &Tensor) {
 fn sgd_and_adamw_match_torch_optim() {
     let inputs = inputs();
     let lr_at = serde_json::json!({ "5": LR_AT_5 });
-    let cases: Vec<(serde_json::Value, Box<dyn Fn(&VarStore) -> Optimizer>)> = vec![
+    type Build = Box<dyn Fn(&VarStore) -> Optimizer>;
+    let cases: Vec<(serde_json::Value, Build)> = vec![
         (
             serde_json::json!({"opt": "SGD", "kwargs": {"lr": 0.1}, "lr_at": lr_at}),
             Box::new(|vs| Sgd::default().build(vs, 0.1).unwrap()),
@@ -341,7 +342,7 @@ fn a_gradient_that_does_not_fit_is_refused() {
     // A gradient of another dtype: a double gradient written by hand.
     let mut g = b.grad();
     tch::no_grad(|| {
-        let _ = g.set_data(&Tensor::ones([3], (Kind::Double, Device::Cpu)));
+        g.set_data(&Tensor::ones([3], (Kind::Double, Device::Cpu)));
     });
     let before = w.copy();
     let err = opt.step().unwrap_err();
