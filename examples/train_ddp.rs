@@ -7,9 +7,22 @@
 //! parameter names (`fc1.weight`, ...). `--resume` continues from it, once it has checked
 //! that the checkpoint has exactly the model's keys, shapes and dtypes.
 //!
+//! With `--checkpoint-dir DIR --checkpoint-every N` it writes a distributed checkpoint
+//! (`tch_dist::checkpoint`, loadable by PyTorch) every N steps into `DIR/step-00000010`, ...,
+//! with the SGD optimizer's momentum buffers and a train state (step, epoch, position in the
+//! epoch), keeping the last `--keep-last K` (3). Started again with `--resume`, or
+//! automatically when torchrun's `TORCHELASTIC_RESTART_COUNT` is above 0 (a restart under
+//! `--max-restarts`), it continues from the newest complete checkpoint: the same step, the
+//! same data order, the same optimizer state, so that a killed and restarted job ends where
+//! an uninterrupted one does. `--max-steps S` stops after S steps in all.
+//!
 //! ```text
-//! target/release/tch-dist-run --nproc-per-node 2 -- target/release/examples/train_ddp [--epochs N] [--resume]
+//! target/release/tch-dist-run --nproc-per-node 2 --max-restarts 1 -- target/release/examples/train_ddp \
+//!     [--epochs N] [--checkpoint-dir DIR --checkpoint-every N] [--resume]
 //! ```
+//!
+//! For tests: `TCH_DIST_TEST_KILL_AT_STEP=S` makes rank 1 SIGKILL itself after step S on
+//! the first start only (`TORCHELASTIC_RESTART_COUNT` 0 or unset).
 //!
 //! Every failure ends the program with one line, `error: ...`, and exit status 1: a peer
 //! that dies mid-training is `error: rank 0: all_reduce failed: rank 1 closed the
@@ -20,9 +33,11 @@ use std::error::Error;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use tch::nn::{self, Module, OptimizerConfig};
+use tch::nn::{self, Module};
 use tch::{Device, Tensor};
+use tch_dist::checkpoint::{self as dcp, SaveOptions};
 use tch_dist::data::{DistributedSampler, SamplerOptions};
+use tch_dist::optim::{self, Optimizer};
 use tch_dist::{init_process_group, replicate, Backend, Call, Shardable};
 
 #[path = "common/checkpoint.rs"]
@@ -59,6 +74,10 @@ struct Args {
     resume: bool,
     checkpoint: PathBuf,
     data: PathBuf,
+    checkpoint_dir: Option<PathBuf>,
+    checkpoint_every: u64,
+    keep_last: usize,
+    max_steps: Option<u64>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -70,6 +89,10 @@ fn parse_args() -> Result<Args, String> {
         resume: false,
         checkpoint: root.join("data/digits_ddp.safetensors"),
         data: digits::default_path(),
+        checkpoint_dir: None,
+        checkpoint_every: 0,
+        keep_last: 3,
+        max_steps: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -83,8 +106,23 @@ fn parse_args() -> Result<Args, String> {
             "--resume" => a.resume = true,
             "--checkpoint" => a.checkpoint = value()?.into(),
             "--data" => a.data = value()?.into(),
+            "--checkpoint-dir" => a.checkpoint_dir = Some(value()?.into()),
+            "--checkpoint-every" => {
+                a.checkpoint_every = value()?
+                    .parse()
+                    .map_err(|e| format!("--checkpoint-every: {e}"))?
+            }
+            "--keep-last" => {
+                a.keep_last = value()?.parse().map_err(|e| format!("--keep-last: {e}"))?
+            }
+            "--max-steps" => {
+                a.max_steps = Some(value()?.parse().map_err(|e| format!("--max-steps: {e}"))?)
+            }
             other => return Err(format!("unknown argument {other}")),
         }
+    }
+    if a.checkpoint_every > 0 && a.checkpoint_dir.is_none() {
+        return Err("--checkpoint-every needs --checkpoint-dir".into());
     }
     Ok(a)
 }
@@ -102,18 +140,50 @@ fn main() {
 
 /// `opt.backward_step(&loss)` with failures as values: a collective that failed during
 /// backward (a dead peer) is the reducer's typed error, which it keeps for the next forward.
-fn backward_step(
-    model: &Net,
-    opt: &mut nn::Optimizer,
-    loss: &Tensor,
-) -> Result<(), Box<dyn Error>> {
+fn backward_step(model: &Net, opt: &mut Optimizer, loss: &Tensor) -> Result<(), Box<dyn Error>> {
     opt.zero_grad();
     if let Err(e) = loss.f_backward() {
         replicate::prepare_forward(model)?;
         return Err(e.into());
     }
-    opt.step();
+    opt.step()?;
     Ok(())
+}
+
+/// torchrun's (and tch-dist-run's) restart count: 0 on the first start.
+fn restart_count() -> Result<u64, String> {
+    match std::env::var("TORCHELASTIC_RESTART_COUNT") {
+        Ok(v) => v
+            .parse()
+            .map_err(|_| format!("TORCHELASTIC_RESTART_COUNT={v:?} is not a count")),
+        Err(_) => Ok(0),
+    }
+}
+
+/// Where training continues: the global step, the epoch and the batches done in it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Position {
+    step: u64,
+    epoch: u64,
+    batch: u64,
+}
+
+impl Position {
+    fn to_json(self) -> serde_json::Value {
+        serde_json::json!({ "step": self.step, "epoch": self.epoch, "batch": self.batch })
+    }
+
+    fn from_json(v: &serde_json::Value) -> Result<Self, String> {
+        let field = |k: &str| {
+            v[k].as_u64()
+                .ok_or_else(|| format!("the train state has no `{k}` count: {v}"))
+        };
+        Ok(Position {
+            step: field("step")?,
+            epoch: field("epoch")?,
+            batch: field("batch")?,
+        })
+    }
 }
 
 fn run() -> Result<(), Box<dyn Error>> {
@@ -129,16 +199,40 @@ fn run() -> Result<(), Box<dyn Error>> {
     tch::manual_seed(42);
     let vs = nn::VarStore::new(Device::Cpu);
     let model = Net::new(&vs.root());
-    if args.resume {
-        checkpoint::load_exact(&vs, &args.checkpoint)?;
-    }
-    tch_dist::check_against_var_store(&model, &vs)?;
-    replicate::apply(&model, replicate::Options::default())?;
-    let mut opt = nn::Sgd {
+    let mut opt = optim::Sgd {
         momentum: 0.9,
         ..Default::default()
     }
     .build(&vs, args.lr)?;
+    // A restart under torchrun's --max-restarts resumes by itself; a fresh start only when
+    // asked.
+    let resume = args.resume || restart_count()? > 0;
+    let mut start_at = Position::default();
+    match &args.checkpoint_dir {
+        Some(dir) if resume => {
+            // Every rank sees the same folder: nothing writes there while the ranks start.
+            if let Some(last) = dcp::latest(dir) {
+                dcp::load_with_optimizer(&last, &model, &mut opt, &pg)?;
+                let state = dcp::load_train_state(&last, &pg)?
+                    .ok_or_else(|| format!("{}: no train state", last.display()))?;
+                start_at = Position::from_json(&state)?;
+                if rank == 0 {
+                    println!("resumed from {} at step {}", last.display(), start_at.step);
+                }
+            }
+        }
+        None if args.resume => checkpoint::load_exact(&vs, &args.checkpoint)?,
+        _ => {}
+    }
+    tch_dist::check_against_var_store(&model, &vs)?;
+    replicate::apply(&model, replicate::Options::default())?;
+    let kill_at: Option<u64> = match std::env::var("TCH_DIST_TEST_KILL_AT_STEP") {
+        Ok(v) if restart_count()? == 0 && rank == 1 => Some(
+            v.parse()
+                .map_err(|_| format!("TCH_DIST_TEST_KILL_AT_STEP={v:?} is not a step"))?,
+        ),
+        _ => None,
+    };
 
     // Each rank reads its own share of every epoch's shuffled rows (PyTorch's
     // DistributedSampler: the same rows a PyTorch rank with the same seed would read), in
@@ -155,9 +249,11 @@ fn run() -> Result<(), Box<dyn Error>> {
     }
     let per = (args.batch + world - 1) / world;
     let steps_per_epoch = (sampler.len() as i64 + per - 1) / per;
-    let total = steps_per_epoch as u64 * args.epochs as u64;
+    let total =
+        (steps_per_epoch as u64 * args.epochs as u64).min(args.max_steps.unwrap_or(u64::MAX));
     let bar = (rank == 0).then(|| {
         let b = indicatif::ProgressBar::new(total);
+        b.set_position(start_at.step);
         b.set_style(
             indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} epoch {prefix} {msg}")
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
@@ -173,10 +269,21 @@ fn run() -> Result<(), Box<dyn Error>> {
     }
     let start = Instant::now();
     let mut seen = 0i64;
-    for epoch in 0..args.epochs {
-        sampler.set_epoch(epoch as u64);
+    let mut global = start_at.step;
+    'epochs: for epoch in start_at.epoch..args.epochs as u64 {
+        sampler.set_epoch(epoch);
         let order = Tensor::from_slice(&sampler.indices()?);
-        for step in 0..steps_per_epoch {
+        // A resumed epoch skips the batches done before the checkpoint: the same data order
+        // as an uninterrupted run.
+        let first = if epoch == start_at.epoch {
+            start_at.batch as i64
+        } else {
+            0
+        };
+        for step in first..steps_per_epoch {
+            if global >= total {
+                break 'epochs;
+            }
             let lo = step * per;
             let mine = order.narrow(0, lo, per.min(sampler.len() as i64 - lo));
             let len = mine.size()[0] * world;
@@ -184,7 +291,42 @@ fn run() -> Result<(), Box<dyn Error>> {
                 .f_call(&x_train.index_select(0, &mine))?
                 .cross_entropy_for_logits(&y_train.index_select(0, &mine));
             backward_step(&model, &mut opt, &loss)?;
+            global += 1;
             seen += len;
+            if kill_at == Some(global) {
+                // The test's crash: after the step, before any checkpoint of it.
+                // SAFETY: raise(3) with a valid signal; SIGKILL ends this process here.
+                unsafe { libc::raise(libc::SIGKILL) };
+            }
+            if let (Some(dir), true) = (
+                &args.checkpoint_dir,
+                args.checkpoint_every > 0 && global % args.checkpoint_every == 0,
+            ) {
+                let next = if step + 1 == steps_per_epoch {
+                    Position {
+                        step: global,
+                        epoch: epoch + 1,
+                        batch: 0,
+                    }
+                } else {
+                    Position {
+                        step: global,
+                        epoch,
+                        batch: step as u64 + 1,
+                    }
+                };
+                let opts = SaveOptions {
+                    train_state: Some(next.to_json()),
+                    keep_last: Some(args.keep_last),
+                };
+                dcp::save_with_optimizer(
+                    dir.join(format!("step-{global:08}")),
+                    &model,
+                    &opt,
+                    &pg,
+                    &opts,
+                )?;
+            }
             if let Some(b) = &bar {
                 b.set_prefix(format!("{}/{}", epoch + 1, args.epochs));
                 b.set_message(format!(
@@ -203,7 +345,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         let acc =
             tch::no_grad(|| model.forward(&x_test).accuracy_for_logits(&y_test)).double_value(&[]);
         println!(
-            "trained {} epochs on {} ranks in {:.1}s",
+            "trained to step {global} ({} epochs at most) on {} ranks in {:.1}s",
             args.epochs,
             world,
             start.elapsed().as_secs_f64()

@@ -129,6 +129,7 @@ pub use tch_dist_runtime::{
 
 pub mod checkpoint;
 pub mod fully_shard;
+pub mod optim;
 pub mod replicate;
 pub mod sharding;
 pub mod sync_batch_norm;

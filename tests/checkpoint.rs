@@ -458,3 +458,160 @@ fn train_state_keep_last_and_latest() {
         assert!(matches!(err, CheckpointError::NotACheckpoint { rank, .. } if rank == pg.rank()));
     });
 }
+
+/// The largest difference between `model`'s tensors (sharded ones gathered) and the
+/// reference store's.
+fn max_difference(model: &Mlp, reference: &nn::VarStore) -> f64 {
+    let state = shard_module_state(model);
+    let mut worst = 0f64;
+    for (fqn, t) in model.named_parameters() {
+        let whole = match &state {
+            Some(s) if s.metadata(&fqn).is_some() => {
+                s.sharded_tensor(model, &fqn).unwrap().all_gather().unwrap()
+            }
+            _ => t.shallow_clone(),
+        };
+        let d = (whole - &reference.variables()[&fqn])
+            .abs()
+            .max()
+            .double_value(&[]);
+        worst = worst.max(d);
+    }
+    worst
+}
+
+/// AdamW's state saved with the model by 2 tensor-parallel ranks and loaded at 3: training
+/// continues as one uninterrupted single-process run (parameters within 1e-6), the state is
+/// sharded like its parameters under PyTorch's names, and the settings come back. Loading
+/// optimizer state from a model-only checkpoint, or into another optimizer class, is an error
+/// on every rank that changes nothing.
+#[test]
+fn optimizer_state_saved_at_2_continues_at_3() {
+    use tch_dist::checkpoint::SaveOptions;
+    use tch_dist::optim::{AdamW, Optimizer, Sgd};
+    run_ranks("optimizer_state_saved_at_2_continues_at_3", 3, |pg| {
+        let dir = scratch("optim_reshard", &pg);
+        let ckpt = dir.join("step-00000003");
+        let adamw = AdamW {
+            weight_decay: 0.1,
+            amsgrad: true,
+            ..Default::default()
+        };
+        // The same batch on every rank (tensor parallelism replicates the input).
+        let train = |model: &Mlp, opt: &mut Optimizer, steps: std::ops::Range<i64>| {
+            for step in steps {
+                tch::manual_seed(100 + step);
+                let x = Tensor::randn([4, 6], (Kind::Float, Device::Cpu));
+                let y = Tensor::randn([4, 5], (Kind::Float, Device::Cpu));
+                let loss = (model.call(&x) - y).square().mean(Kind::Float);
+                opt.backward_step(&loss).unwrap();
+            }
+        };
+        // Uninterrupted: 6 steps in this process, unsharded.
+        let rvs = nn::VarStore::new(Device::Cpu);
+        let reference = mlp(&rvs, 8, 1);
+        let mut ropt = adamw.build(&rvs, 0.01).unwrap();
+        train(&reference, &mut ropt, 0..6);
+        // 3 steps on ranks 0 and 1, tensor-parallel, saved with the optimizer.
+        let pair = pg.new_group(&[0, 1], Backend::Gloo).unwrap();
+        if let Some(pair) = &pair {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mut model = mlp(&vs, 8, 1);
+            shard_module(&mut model, &plan(), 0, pair).unwrap();
+            let mut opt = adamw.build(&vs, 0.01).unwrap();
+            train(&model, &mut opt, 0..3);
+            // Sharded state: this rank's half of fc1's 8 rows.
+            assert_eq!(
+                opt.state("fc1.weight")
+                    .unwrap()
+                    .get("exp_avg")
+                    .unwrap()
+                    .size(),
+                [4, 6]
+            );
+            checkpoint::save_with_optimizer(&ckpt, &model, &opt, pair, &SaveOptions::default())
+                .unwrap();
+            checkpoint::save(dir.join("model-only"), &model, pair).unwrap();
+        }
+        pg.barrier().unwrap();
+        // PyTorch's names: each rank's shards of the state in its own file, the scalar
+        // steps once, in rank 0's; the settings in the sidecar.
+        let keys = |rank: usize| -> Vec<String> {
+            let file = ckpt.join(checkpoint::file_name(rank));
+            let mut k: Vec<String> = Tensor::read_safetensors(file)
+                .unwrap()
+                .into_iter()
+                .map(|(k, _)| k)
+                .filter(|k| k.starts_with("optim.state.fc1.weight."))
+                .collect();
+            k.sort();
+            k
+        };
+        let state = |names: &[&str]| -> Vec<String> {
+            names
+                .iter()
+                .map(|n| format!("optim.state.fc1.weight.{n}"))
+                .collect()
+        };
+        assert_eq!(
+            keys(0),
+            state(&["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"])
+        );
+        assert_eq!(keys(1), state(&["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]));
+        let sidecar: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(ckpt.join("optimizer.json")).unwrap()).unwrap();
+        assert_eq!(sidecar["optimizer"], "AdamW");
+        assert_eq!(sidecar["param_groups"][0]["lr"], 0.01);
+        assert_eq!(sidecar["param_groups"][0]["amsgrad"], true);
+
+        // Loaded at 3 ranks (3 + 3 + 2 rows) from other values and another learning rate,
+        // which the checkpoint's replaces; 3 more steps.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut model = mlp(&vs, 8, 2 + pg.rank() as i64);
+        shard_module(&mut model, &plan(), 0, &pg).unwrap();
+        let before = model.fc1.ws.copy();
+        // Refusals first: a model-only checkpoint, another optimizer class.
+        let r = pg.rank();
+        let mut sgd = Sgd::default().build(&vs, 0.1).unwrap();
+        let err = checkpoint::load_with_optimizer(dir.join("model-only"), &model, &mut sgd, &pg)
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "rank {r}: checkpoint: {} has no optimizer state (saved with save/save_with, not \
+                 save_with_optimizer)",
+                dir.join("model-only").display()
+            )
+        );
+        let err = checkpoint::load_with_optimizer(&ckpt, &model, &mut sgd, &pg).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("rank {r}: checkpoint: the optimizer state is AdamW's, the optimizer is SGD")
+        );
+        assert!(
+            model.fc1.ws.equal(&before),
+            "a refused load changed the model"
+        );
+        let mut opt = AdamW::default().build(&vs, 0.5).unwrap();
+        checkpoint::load_with_optimizer(&ckpt, &model, &mut opt, &pg).unwrap();
+        assert_eq!(opt.lr(), 0.01);
+        assert_eq!(opt.algorithm(), &tch_dist::optim::Algorithm::AdamW(adamw));
+        let rows = [3, 3, 2][r];
+        assert_eq!(
+            opt.state("fc1.weight")
+                .unwrap()
+                .get("exp_avg")
+                .unwrap()
+                .size(),
+            [rows, 6]
+        );
+        train(&model, &mut opt, 3..6);
+        let step = opt.state("fc2.bias").unwrap().get("step").unwrap();
+        assert_eq!(step.double_value(&[]), 6.0);
+        let diff = max_difference(&model, &rvs);
+        assert!(
+            diff <= 1e-6,
+            "resumed at 3 ranks: {diff} from the uninterrupted run"
+        );
+    });
+}

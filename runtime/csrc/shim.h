@@ -208,6 +208,22 @@ char* tdr_parallel_op(TdrGroup* g, TdrTensor* input, int mode, int64_t dim,
 // (DistributedSampler's shuffle, from a generator of its own: the default one is untouched).
 char* tdr_randperm(int64_t n, uint64_t seed, TdrTensor** out);
 
+// Optimizer steps (tch_dist::optim) with libtorch's fused kernels, which tch does not expose.
+// Each takes n parallel arrays of tensors (one entry per parameter with a gradient), updates
+// the parameters and their state in place under no_grad. The caller checks that every
+// tensor of an entry has the parameter's shape, dtype and device first.
+// at::_fused_adamw_: `steps` (float32 scalars) are incremented first, as torch.optim's
+// _fused_adam does; `max_exp_avg_sqs` is NULL unless amsgrad.
+char* tdr_fused_adamw(TdrTensor** params, TdrTensor** grads, TdrTensor** exp_avgs,
+                      TdrTensor** exp_avg_sqs, TdrTensor** max_exp_avg_sqs, TdrTensor** steps,
+                      size_t n, double lr, double beta1, double beta2, double weight_decay,
+                      double eps, bool amsgrad, bool maximize);
+// at::_fused_sgd_: `momentum_buffers` is NULL when momentum is 0; with `is_first_step` the
+// kernel fills the buffers with the (weight-decayed) gradient, as torch.optim.SGD's first step.
+char* tdr_fused_sgd(TdrTensor** params, TdrTensor** grads, TdrTensor** momentum_buffers,
+                    size_t n, double weight_decay, double momentum, double lr, double dampening,
+                    bool nesterov, bool maximize, bool is_first_step);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif

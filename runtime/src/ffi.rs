@@ -303,6 +303,36 @@ extern "C" {
     ) -> *mut c_char;
 
     pub fn tdr_randperm(n: i64, seed: u64, out: *mut *mut C_tensor) -> *mut c_char;
+
+    pub fn tdr_fused_adamw(
+        params: *const *mut C_tensor,
+        grads: *const *mut C_tensor,
+        exp_avgs: *const *mut C_tensor,
+        exp_avg_sqs: *const *mut C_tensor,
+        max_exp_avg_sqs: *const *mut C_tensor,
+        steps: *const *mut C_tensor,
+        n: usize,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        amsgrad: bool,
+        maximize: bool,
+    ) -> *mut c_char;
+    pub fn tdr_fused_sgd(
+        params: *const *mut C_tensor,
+        grads: *const *mut C_tensor,
+        momentum_buffers: *const *mut C_tensor,
+        n: usize,
+        weight_decay: f64,
+        momentum: f64,
+        lr: f64,
+        dampening: f64,
+        nesterov: bool,
+        maximize: bool,
+        is_first_step: bool,
+    ) -> *mut c_char;
 }
 
 /// Calls the fallible shim entry point `$f` and turns its returned message into
@@ -414,6 +444,7 @@ mod tests {
         let base = match base.as_str() {
             "int" => "c_int",
             "int64_t" => "i64",
+            "double" => "f64",
             "uint64_t" => "u64",
             "uint16_t" => "u16",
             "uint8_t" => "u8",

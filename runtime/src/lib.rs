@@ -16,6 +16,7 @@ mod env;
 mod error;
 mod ffi;
 pub mod fsdp;
+pub mod fused;
 mod objects;
 mod process_group;
 mod reducer;

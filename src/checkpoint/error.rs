@@ -118,6 +118,41 @@ pub enum CheckpointError {
         /// Values needed.
         needed: i64,
     },
+    /// [`load_with_optimizer`](super::load_with_optimizer) of a checkpoint saved without
+    /// optimizer state (no `optimizer.json`).
+    #[error(
+        "rank {rank}: checkpoint: {dir} has no optimizer state (saved with save/save_with, \
+         not save_with_optimizer)"
+    )]
+    NoOptimizerState {
+        /// This rank.
+        rank: usize,
+        /// The folder.
+        dir: PathBuf,
+    },
+    /// The checkpoint's optimizer is of another class than the one loading it.
+    #[error(
+        "rank {rank}: checkpoint: the optimizer state is {found}'s, the optimizer is {expected}"
+    )]
+    OptimizerKind {
+        /// This rank.
+        rank: usize,
+        /// The optimizer's class (`SGD`, `AdamW`).
+        expected: String,
+        /// The checkpoint's.
+        found: String,
+    },
+    /// The optimizer state of a parameter does not fit (a state name the optimizer does not
+    /// have, state for a parameter the model lacks, a state tensor of another shape).
+    #[error("rank {rank}: checkpoint: optimizer state of `{fqn}`: {problem}")]
+    OptimizerState {
+        /// This rank.
+        rank: usize,
+        /// The parameter's FQN.
+        fqn: String,
+        /// What does not fit.
+        problem: String,
+    },
     /// A collective between the ranks failed, or another rank failed (`PeersFailed`).
     #[error(transparent)]
     Dist(#[from] DistError),

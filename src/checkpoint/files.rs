@@ -101,6 +101,25 @@ fn tch_kind(dtype: StDtype) -> Option<Kind> {
     })
 }
 
+/// The tch kind of a dtype's name as the manifest writes it (`F32`).
+pub(super) fn kind_of(name: &str) -> Option<Kind> {
+    [
+        StDtype::BOOL,
+        StDtype::U8,
+        StDtype::I8,
+        StDtype::I16,
+        StDtype::I32,
+        StDtype::I64,
+        StDtype::F16,
+        StDtype::BF16,
+        StDtype::F32,
+        StDtype::F64,
+    ]
+    .into_iter()
+    .find(|d| format!("{d:?}") == name)
+    .and_then(tch_kind)
+}
+
 /// The dtype's name as the manifest and the errors write it (safetensors' names: `F32`).
 pub(super) fn dtype_name(kind: Kind) -> String {
     st_dtype(kind).map_or_else(|| format!("{kind:?}"), |d| format!("{d:?}"))

@@ -29,7 +29,11 @@
 //!
 //! [`save_with`] also writes a train state (`train_state.json`, any JSON value: step, epoch,
 //! data position) and keeps only the last `k` checkpoints beside the new one; [`latest`]
-//! finds the last complete one to resume from. Not yet: optimizer state.
+//! finds the last complete one to resume from. [`save_with_optimizer`] adds a
+//! [`tch_dist::optim`](crate::optim) optimizer's state beside the parameters (PyTorch's
+//! flattened names, `optim.state.<fqn>.exp_avg`, sharded like the parameter) and its
+//! settings in the JSON sidecar `optimizer.json`; [`load_with_optimizer`] restores both at
+//! any world size.
 //!
 //! ```no_run
 //! use tch::nn;
@@ -51,7 +55,7 @@ mod error;
 mod files;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use tch::{Kind, Tensor};
 use tch_dist_core::Shardable;
@@ -61,6 +65,8 @@ pub use error::CheckpointError;
 pub use files::{file_name, MANIFEST};
 
 use files::{FileEntry, Manifest, Piece, TensorEntry};
+
+use crate::optim::{self as optimizer, Algorithm, Optimizer, ParamState};
 
 /// One tensor of the model as a checkpoint sees it: this rank's part of a global tensor.
 struct Target {
@@ -73,9 +79,12 @@ struct Target {
     sharded: bool,
 }
 
-/// The model's parameters and buffers, with this rank's place in each global tensor.
-fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
-    let mut shards: HashMap<String, (Vec<i64>, Vec<i64>)> = HashMap::new();
+/// Where this rank's part of each sharded parameter sits: FQN -> (offsets of this rank's
+/// shard, the global shape). The one place that says how a parameter is sharded
+/// (`shard_module`'s and `fully_shard`'s); parameters it does not list are
+/// whole on every rank. Optimizer state of a parameter's shape is sharded the same way.
+fn shard_layouts<M: Shardable + ?Sized>(module: &M) -> HashMap<String, (Vec<i64>, Vec<i64>)> {
+    let mut shards = HashMap::new();
     for (fqn, p) in crate::sharding::sharded_params_in(module) {
         let Some(meta) = p.state.metadata(&p.local_fqn) else {
             continue;
@@ -89,8 +98,8 @@ fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
             shards.insert(fqn, (mine.shard_offsets.clone(), meta.size.clone()));
         }
     }
-    // fully_shard's dim-0 shards, found by tensor identity so that a tied parameter's
-    // second name is saved as the shard it is too.
+    // fully_shard's shards, found by tensor identity so that a tied parameter's second
+    // name is saved as the shard it is too.
     let fsdp = crate::fully_shard::fsdp_params_in(module);
     let mut fsdp_by_identity: HashMap<u64, (Vec<i64>, Vec<i64>)> = HashMap::new();
     for (fqn, t) in module.named_parameters() {
@@ -101,6 +110,17 @@ fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
             );
         }
     }
+    for (fqn, t) in module.named_parameters() {
+        if let Some(layout) = fsdp_by_identity.get(&tch_dist_runtime::fsdp::tensor_identity(t)) {
+            shards.entry(fqn).or_insert_with(|| layout.clone());
+        }
+    }
+    shards
+}
+
+/// The model's parameters and buffers, with this rank's place in each global tensor.
+fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
+    let shards = shard_layouts(module);
     let mut seen = HashSet::new();
     let mut out = Vec::new();
     for (fqn, t) in module
@@ -111,8 +131,7 @@ fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
         if !seen.insert(fqn.clone()) {
             continue;
         }
-        let fsdp_shard = fsdp_by_identity.get(&tch_dist_runtime::fsdp::tensor_identity(t));
-        let (offsets, global, sharded) = match shards.get(&fqn).or(fsdp_shard) {
+        let (offsets, global, sharded) = match shards.get(&fqn) {
             Some((o, g)) => (o.clone(), g.clone(), true),
             None => (vec![0; t.dim()], t.size(), false),
         };
@@ -125,6 +144,71 @@ fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
         });
     }
     out
+}
+
+/// The prefix of optimizer state keys: PyTorch's flattened
+/// `{"optim": get_optimizer_state_dict(model, optim)}`, `optim.state.<fqn>.<name>`.
+pub const OPTIM_STATE_PREFIX: &str = "optim.state.";
+/// The optimizer's sidecar in a checkpoint folder: the non-tensor fields (the optimizer's
+/// class and PyTorch's `param_groups`), never inside a safetensors file.
+pub const OPTIMIZER_SIDECAR: &str = "optimizer.json";
+
+/// `optim.state.<fqn>.<name>`.
+fn state_key(fqn: &str, name: &str) -> String {
+    format!("{OPTIM_STATE_PREFIX}{fqn}.{name}")
+}
+
+/// The place of a state tensor of the parameter `param` in its global tensor: a tensor of
+/// the parameter's (local) shape is laid out as the parameter (sharded with it), a scalar
+/// (`step`) is whole on every rank.
+fn state_layout(param: &Target, t: &Tensor) -> Option<(Vec<i64>, Vec<i64>, bool)> {
+    if t.dim() > 0 && t.size() == param.tensor.size() {
+        Some((param.offsets.clone(), param.global.clone(), param.sharded))
+    } else if t.dim() == 0 {
+        Some((vec![], vec![], false))
+    } else {
+        None
+    }
+}
+
+/// The optimizer's state tensors as checkpoint targets, each laid out as its parameter.
+fn optimizer_targets(
+    rank: usize,
+    model: &[Target],
+    opt: &Optimizer,
+) -> Result<Vec<Target>, CheckpointError> {
+    let by_fqn: HashMap<&str, &Target> = model.iter().map(|t| (t.fqn.as_str(), t)).collect();
+    let mut out = Vec::new();
+    for (fqn, state) in opt.states() {
+        let param = by_fqn
+            .get(fqn)
+            .ok_or_else(|| CheckpointError::OptimizerState {
+                rank,
+                fqn: fqn.to_string(),
+                problem: "the optimizer has state for it, but the model has no such parameter"
+                    .into(),
+            })?;
+        for (name, t) in state.iter() {
+            let (offsets, global, sharded) =
+                state_layout(param, t).ok_or_else(|| CheckpointError::OptimizerState {
+                    rank,
+                    fqn: fqn.to_string(),
+                    problem: format!(
+                        "its `{name}` is {:?}, neither the parameter's shape {:?} nor a scalar",
+                        t.size(),
+                        param.tensor.size()
+                    ),
+                })?;
+            out.push(Target {
+                fqn: state_key(fqn, name),
+                tensor: t.shallow_clone(),
+                offsets,
+                global,
+                sharded,
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// What [`save_with`] writes beside the model, and what it prunes.
@@ -179,8 +263,45 @@ pub fn save_with<M: Shardable + ?Sized>(
     group: &ProcessGroup,
     opts: &SaveOptions,
 ) -> Result<(), CheckpointError> {
+    save_impl(dir.as_ref(), module, None, group, opts)
+}
+
+/// [`save_with`] and the optimizer's state beside the parameters: each state tensor under
+/// PyTorch's flattened name (`optim.state.fc1.weight.exp_avg`, `....step`), in the file of
+/// the rank that holds it, sharded like its parameter (the same `saved_offsets`), a scalar
+/// `step` once (by rank 0); the optimizer's class and `param_groups` (hyperparameters, the
+/// parameters' FQNs) go into the JSON sidecar `optimizer.json`. [`load_with_optimizer`]
+/// restores both, at any world size.
+///
+/// ```no_run
+/// # use tch::nn;
+/// # use tch_dist::Shardable;
+/// # #[derive(Debug, Shardable)]
+/// # struct Net { fc: nn::Linear }
+/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net, opt: &tch_dist::optim::Optimizer) -> Result<(), tch_dist::checkpoint::CheckpointError> {
+/// use tch_dist::checkpoint::{self, SaveOptions};
+/// checkpoint::save_with_optimizer("ckpt/step-00000100", model, opt, pg, &SaveOptions::default())?;
+/// # Ok(()) }
+/// ```
+pub fn save_with_optimizer<M: Shardable + ?Sized>(
+    dir: impl AsRef<Path>,
+    module: &M,
+    optimizer: &Optimizer,
+    group: &ProcessGroup,
+    opts: &SaveOptions,
+) -> Result<(), CheckpointError> {
+    save_impl(dir.as_ref(), module, Some(optimizer), group, opts)
+}
+
+fn save_impl<M: Shardable + ?Sized>(
+    dir: &Path,
+    module: &M,
+    optimizer: Option<&Optimizer>,
+    group: &ProcessGroup,
+    opts: &SaveOptions,
+) -> Result<(), CheckpointError> {
     const OP: &str = "checkpoint.save";
-    let (dir, rank) = (dir.as_ref(), group.rank());
+    let rank = group.rank();
     let tmp = files::sibling(dir, ".partial");
     let io = |path: &Path| {
         let path = path.to_path_buf();
@@ -205,9 +326,13 @@ pub fn save_with<M: Shardable + ?Sized>(
     // 2. Every rank writes its file: its shards, and rank 0 the whole tensors (fully_shard
     // parameters held gathered go back to their shards first).
     crate::fully_shard::reshard_all(module)?;
-    let targets = targets(module);
+    let mut targets = targets(module);
     let path = tmp.join(file_name(rank));
     let local = (|| {
+        if let Some(opt) = optimizer {
+            let state = optimizer_targets(rank, &targets, opt)?;
+            targets.extend(state);
+        }
         let mine: Vec<(String, Tensor, Vec<i64>)> = targets
             .iter()
             // An empty shard (more ranks than rows) has nothing to write.
@@ -276,6 +401,21 @@ pub fn save_with<M: Shardable + ?Sized>(
                     })?;
                 files::write(rank, &path, text.as_bytes())?;
             }
+            if let Some(opt) = optimizer {
+                let path = tmp.join(OPTIMIZER_SIDECAR);
+                let sidecar = serde_json::json!({
+                    "optimizer": opt.algorithm().name(),
+                    "param_groups": opt.param_groups(),
+                });
+                let text = serde_json::to_string_pretty(&sidecar).map_err(|e| {
+                    CheckpointError::Format {
+                        rank,
+                        path: path.clone(),
+                        cause: e.to_string(),
+                    }
+                })?;
+                files::write(rank, &path, text.as_bytes())?;
+            }
             // The manifest last: a folder without one is never loaded.
             files::write(rank, &tmp.join(MANIFEST), text.as_bytes())?;
             // An older checkpoint under the same name goes only once the new one is whole.
@@ -314,8 +454,10 @@ pub fn load<M: Shardable + ?Sized>(
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
     let local = (|| {
-        let (pieces, tensors) = read_checkpoint(rank, path)?;
-        assemble(rank, module, &pieces, &tensors)
+        let (pieces, mut tensors) = read_checkpoint(rank, path)?;
+        // A model-only load leaves the optimizer's state aside.
+        tensors.retain(|k, _| !k.starts_with(OPTIM_STATE_PREFIX));
+        assemble(rank, &targets(module), &pieces, &tensors)
     })();
     let staged = group.agree(OP, local)?;
     tch::no_grad(|| {
@@ -324,6 +466,184 @@ pub fn load<M: Shardable + ?Sized>(
         }
     });
     Ok(())
+}
+
+/// [`load`] and the optimizer's state and settings that [`save_with_optimizer`] saved,
+/// resharded to this world size like the parameters: afterwards `optimizer` has exactly the
+/// checkpoint's state (parameters without saved state have none) and hyperparameters
+/// (learning rate included, as PyTorch's `load_state_dict`). A checkpoint without optimizer
+/// state, of another optimizer class, or whose state does not fit the model is an error on
+/// every rank, and neither the model nor the optimizer changed.
+///
+/// ```no_run
+/// # use tch::nn;
+/// # use tch_dist::Shardable;
+/// # #[derive(Debug, Shardable)]
+/// # struct Net { fc: nn::Linear }
+/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net, opt: &mut tch_dist::optim::Optimizer) -> Result<(), tch_dist::checkpoint::CheckpointError> {
+/// if let Some(dir) = tch_dist::checkpoint::latest("ckpt") {
+///     tch_dist::checkpoint::load_with_optimizer(&dir, model, opt, pg)?;
+/// }
+/// # Ok(()) }
+/// ```
+pub fn load_with_optimizer<M: Shardable + ?Sized>(
+    path: impl AsRef<Path>,
+    module: &M,
+    optimizer: &mut Optimizer,
+    group: &ProcessGroup,
+) -> Result<(), CheckpointError> {
+    const OP: &str = "checkpoint.load";
+    let (path, rank) = (path.as_ref(), group.rank());
+    crate::fully_shard::reshard_all(module)?;
+    let local = (|| {
+        let (pieces, tensors) = read_checkpoint(rank, path)?;
+        let (algorithm, lr) = read_sidecar(rank, path, optimizer)?;
+        let mut targets = targets(module);
+        let model_count = targets.len();
+        let state = state_targets(rank, &targets, &tensors, &algorithm, optimizer)?;
+        targets.extend(state);
+        let staged = assemble(rank, &targets, &pieces, &tensors)?;
+        Ok::<_, CheckpointError>((staged, targets.split_off(model_count), algorithm, lr))
+    })();
+    let (staged, state_targets, algorithm, lr) = group.agree(OP, local)?;
+    let (model, state) = staged.split_at(staged.len() - state_targets.len());
+    tch::no_grad(|| {
+        for (target, values) in model {
+            target.shallow_clone().copy_(values);
+        }
+    });
+    let mut by_fqn: BTreeMap<String, BTreeMap<String, Tensor>> = BTreeMap::new();
+    for (t, (_, values)) in state_targets.iter().zip(state) {
+        let key = &t.fqn[OPTIM_STATE_PREFIX.len()..];
+        if let Some((fqn, name)) = key.rsplit_once('.') {
+            by_fqn
+                .entry(fqn.to_string())
+                .or_default()
+                .insert(name.to_string(), values.shallow_clone());
+        }
+    }
+    let state = by_fqn
+        .into_iter()
+        .map(|(fqn, entries)| (fqn, ParamState::from_map(entries)))
+        .collect();
+    optimizer.restore(algorithm, lr, state);
+    Ok(())
+}
+
+/// The optimizer's class and settings from the sidecar, checked against `optimizer`'s.
+fn read_sidecar(
+    rank: usize,
+    dir: &Path,
+    optimizer: &Optimizer,
+) -> Result<(Algorithm, f64), CheckpointError> {
+    let path = dir.join(OPTIMIZER_SIDECAR);
+    if !path.is_file() {
+        return Err(CheckpointError::NoOptimizerState {
+            rank,
+            dir: dir.to_path_buf(),
+        });
+    }
+    let bytes = files::read(rank, &path)?;
+    let format = |cause: String| CheckpointError::Format {
+        rank,
+        path: path.clone(),
+        cause,
+    };
+    let sidecar: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| format(e.to_string()))?;
+    let name = sidecar["optimizer"]
+        .as_str()
+        .ok_or_else(|| format("no `optimizer` class name".into()))?;
+    let expected = optimizer.algorithm().name();
+    if name != expected {
+        return Err(CheckpointError::OptimizerKind {
+            rank,
+            expected: expected.to_string(),
+            found: name.to_string(),
+        });
+    }
+    let (algorithm, lr) =
+        Optimizer::parse_param_groups(name, &sidecar["param_groups"]).map_err(format)?;
+    optimizer::check_settings(&algorithm, lr).map_err(|e| format(e.to_string()))?;
+    Ok((algorithm, lr))
+}
+
+/// Targets for the saved optimizer state (zeros laid out as their parameters), after
+/// checking that every state key names a parameter of the model and of the optimizer, with
+/// the algorithm's state names, all of them.
+fn state_targets(
+    rank: usize,
+    model: &[Target],
+    tensors: &BTreeMap<String, TensorEntry>,
+    algorithm: &Algorithm,
+    optimizer: &Optimizer,
+) -> Result<Vec<Target>, CheckpointError> {
+    let by_fqn: HashMap<&str, &Target> = model.iter().map(|t| (t.fqn.as_str(), t)).collect();
+    let params: HashSet<&str> = optimizer.param_names().collect();
+    let names = algorithm.state_names();
+    let mut saved: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for key in tensors.keys() {
+        let Some(rest) = key.strip_prefix(OPTIM_STATE_PREFIX) else {
+            continue;
+        };
+        let (fqn, name) = rest.rsplit_once('.').unwrap_or((rest, ""));
+        if !by_fqn.contains_key(fqn) || !params.contains(fqn) {
+            return Err(CheckpointError::UnexpectedKey {
+                rank,
+                fqn: key.clone(),
+            });
+        }
+        if !names.contains(&name) {
+            return Err(CheckpointError::OptimizerState {
+                rank,
+                fqn: fqn.to_string(),
+                problem: format!(
+                    "the checkpoint has `{name}`, which {} with these settings has not (it has {names:?})",
+                    algorithm.name()
+                ),
+            });
+        }
+        saved.entry(fqn).or_default().push(name);
+    }
+    let mut out = Vec::new();
+    for (fqn, have) in saved {
+        let param = by_fqn[fqn];
+        for name in names {
+            if !have.contains(name) {
+                return Err(CheckpointError::MissingKey {
+                    rank,
+                    fqn: state_key(fqn, name),
+                });
+            }
+            let key = state_key(fqn, name);
+            let entry = &tensors[&key];
+            let t = if entry.shape.is_empty() {
+                let kind = files::kind_of(&entry.dtype).ok_or_else(|| CheckpointError::Format {
+                    rank,
+                    path: PathBuf::from(MANIFEST),
+                    cause: format!("`{key}` has dtype {}, which tch cannot hold", entry.dtype),
+                })?;
+                Tensor::zeros([], (kind, param.tensor.device()))
+            } else {
+                param.tensor.detach().zeros_like()
+            };
+            // A scalar is whole everywhere; anything else must be of the parameter's global
+            // shape (checked by `assemble`), laid out as the parameter.
+            let (offsets, global, sharded) = if entry.shape.is_empty() {
+                (vec![], vec![], false)
+            } else {
+                (param.offsets.clone(), param.global.clone(), param.sharded)
+            };
+            out.push(Target {
+                fqn: key,
+                tensor: t,
+                offsets,
+                global,
+                sharded,
+            });
+        }
+    }
+    Ok(out)
 }
 
 type Pieces = HashMap<String, Vec<Piece>>;
@@ -393,13 +713,12 @@ fn read_checkpoint(
 
 /// Checks the model against the checkpoint and builds each of this rank's tensors from the
 /// pieces that overlap it (nothing in the model changes here).
-fn assemble<M: Shardable + ?Sized>(
+fn assemble(
     rank: usize,
-    module: &M,
+    targets: &[Target],
     pieces: &Pieces,
     tensors: &BTreeMap<String, TensorEntry>,
 ) -> Result<Vec<(Tensor, Tensor)>, CheckpointError> {
-    let targets = targets(module);
     let names: HashSet<&str> = targets.iter().map(|t| t.fqn.as_str()).collect();
     if let Some(fqn) = tensors.keys().find(|k| !names.contains(k.as_str())) {
         return Err(CheckpointError::UnexpectedKey {
@@ -408,7 +727,7 @@ fn assemble<M: Shardable + ?Sized>(
         });
     }
     let mut out = Vec::new();
-    for t in &targets {
+    for t in targets {
         let saved = tensors
             .get(&t.fqn)
             .ok_or_else(|| CheckpointError::MissingKey {
