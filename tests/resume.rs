@@ -215,9 +215,6 @@ fn killed_under_tch_dist_run_resumes_to_the_same_parameters() {
 }
 
 #[test]
-#[ignore = "flaky: about 1 run in 4 the restarted ranks' Gloo rendezvous times out under \
-            torch 2.11's torchrun (see the comment on TORCH_DISABLE_SHARE_RDZV_TCP_STORE); run \
-            with `cargo test --test resume -- --ignored`"]
 fn killed_under_torchrun_resumes_to_the_same_parameters() {
     let _serial = one_job_at_a_time();
     let kill_at = kill_step();

@@ -234,6 +234,10 @@ pub struct InitOptions {
     /// PyTorch's store-based barrier after the group's creation and after every `new_group`
     /// (`TORCH_DIST_INIT_BARRIER=1`), with its keys: every rank of the job must agree on it.
     pub init_barrier: bool,
+    /// How many times the launcher restarted the job (`TORCHELASTIC_RESTART_COUNT`; 0 at
+    /// the first start). A restarted rank on an agent store that still holds the previous
+    /// attempt's keys works under PyTorch's `/worker/attempt_{n}` prefix.
+    pub restart_count: u64,
 }
 
 impl InitOptions {
@@ -262,6 +266,7 @@ impl InitOptions {
             run_id: None,
             use_agent_store: false,
             init_barrier: false,
+            restart_count: 0,
         }
     }
 
@@ -296,6 +301,10 @@ impl InitOptions {
         opts.cuda_via_gloo = switch(CUDA_VIA_GLOO_ENV)?;
         opts.use_agent_store = read_agent_store(|k| std::env::var(k).ok());
         opts.init_barrier = read_init_barrier(|k| std::env::var(k).ok())?;
+        opts.restart_count = std::env::var("TORCHELASTIC_RESTART_COUNT")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
         Ok(opts)
     }
 
@@ -620,8 +629,23 @@ impl ProcessGroup {
         rendezvous::check_run(&store, opts.rank, opts.run_id.as_deref()).map_err(rendezvous)?;
         let prefixed =
             |base: &Store, prefix: &str| base.prefixed(prefix).map_err(|e| engine(e.to_string()));
-        let default_store = prefixed(&prefixed(&store, "default_pg")?, "0/")?;
         const NAME: &str = "0";
+        // A restart on an agent store that outlived the last attempt (torch 2.11's torchrun
+        // shares its rendezvous store with the workers and keeps it): that attempt's keys
+        // (every Gloo rank's address) are still there, and would send this attempt's ranks
+        // to dead peers. Each rank finds its own join key of then, so all of them take the
+        // fresh prefix PyTorch uses for attempts on one store; a new store per attempt holds
+        // no such key and nothing changes.
+        let tcp = store;
+        let store = if opts.use_agent_store
+            && opts.restart_count > 0
+            && rendezvous::joined_before(&tcp, NAME, opts.rank)
+        {
+            prefixed(&tcp, &format!("/worker/attempt_{}", opts.restart_count))?
+        } else {
+            tcp.clone()
+        };
+        let default_store = prefixed(&prefixed(&store, "default_pg")?, "0/")?;
         rendezvous::join(&store, NAME, opts.rank).map_err(rendezvous)?;
         let missing = |cause: RendezvousError| {
             rendezvous(
@@ -636,8 +660,7 @@ impl ProcessGroup {
             )
         };
         // PyTorch's waitWorkers handshake: every rank checks in, the server waits for all.
-        store
-            .check_in(deadline.left())
+        tcp.check_in(deadline.left())
             .map_err(|cause| missing(RendezvousError::Engine { cause }))?;
         let gloo_host = if is_loopback(&opts.master_addr) {
             "127.0.0.1"

@@ -173,6 +173,12 @@ pub(crate) fn join(root: &Store, name: &str, rank: usize) -> Result<(), Rendezvo
         })
 }
 
+/// Whether `root` already holds `rank`'s join key of the group named `name`: written by this
+/// rank's previous attempt (a store that outlived a restart).
+pub(crate) fn joined_before(root: &Store, name: &str, rank: usize) -> bool {
+    root.check(&joined_key(name, rank)).unwrap_or(false)
+}
+
 /// PyTorch's `_store_based_barrier` (TORCH_DIST_INIT_BARRIER=1), on `store`, for the group
 /// named `name` of `world_size` ranks: each adds 1 to `store_based_barrier_key:{name}`, the
 /// one that makes it `world_size` sets `...:last_worker`, and every rank waits for that key
