@@ -807,3 +807,75 @@ fn reshard_to_fewer_ranks_at_4_ranks() {
         );
     });
 }
+
+/// fully_shard with `tch_dist::optim::AdamW`: trained 2 steps by ranks 0 and 1, saved with
+/// the optimizer's (sharded) state, loaded at 3 ranks and trained 2 more, equals 4 steps in
+/// one process.
+#[test]
+fn optimizer_state_checkpoint_reshards_2_to_3() {
+    run_ranks("optimizer_state_checkpoint_reshards_2_to_3", 3, |pg| {
+        use tch_dist::{checkpoint, optim};
+        let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("fsdp_optim");
+        if pg.rank() == 0 {
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+        }
+        pg.barrier().unwrap();
+        let ckpt = dir.join("step-00000002");
+        let train = |m: &Model, opt: &mut optim::Optimizer, group: &ProcessGroup, steps| {
+            for step in steps {
+                let (x, y) = batch(step);
+                let loss = m
+                    .call(&slice(&x, group))
+                    .mse_loss(&slice(&y, group), tch::Reduction::Mean);
+                opt.backward_step(&loss).unwrap();
+            }
+        };
+        let sharded = |vs: &nn::VarStore, group: &ProcessGroup| {
+            let m = model(vs);
+            for b in &m.blocks {
+                let opts = FsdpOptions {
+                    process_group: Some(group.clone()),
+                    ..Default::default()
+                };
+                fully_shard(b, opts).unwrap();
+            }
+            let opts = FsdpOptions {
+                process_group: Some(group.clone()),
+                ..Default::default()
+            };
+            fully_shard(&m, opts).unwrap();
+            m
+        };
+        let pair = pg.new_group(&[0, 1], tch_dist::Backend::Gloo).unwrap();
+        if let Some(pair) = &pair {
+            tch::manual_seed(3);
+            let vs = nn::VarStore::new(Device::Cpu);
+            let m = sharded(&vs, pair);
+            let mut opt = optim::AdamW::default().build(&vs, 1e-2).unwrap();
+            train(&m, &mut opt, pair, 0..2);
+            let opts = checkpoint::SaveOptions::default();
+            checkpoint::save_with_optimizer(&ckpt, &m, &opt, pair, &opts).unwrap();
+        }
+        pg.barrier().unwrap();
+        tch::manual_seed(50 + pg.rank() as i64);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let m = sharded(&vs, &pg);
+        let mut opt = optim::AdamW::default().build(&vs, 1e-2).unwrap();
+        checkpoint::load_with_optimizer(&ckpt, &m, &mut opt, &pg).unwrap();
+        train(&m, &mut opt, &pg, 2..4);
+        // The reference: one process, 4 steps.
+        tch::manual_seed(3);
+        let ref_vs = nn::VarStore::new(Device::Cpu);
+        let reference = model(&ref_vs);
+        let mut ref_opt = optim::AdamW::default().build(&ref_vs, 1e-2).unwrap();
+        for step in 0..4 {
+            let (x, y) = batch(step);
+            ref_opt
+                .backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+                .unwrap();
+        }
+        let diff = max_diff_full(&m, &ref_vs);
+        assert!(diff < 1e-5, "saved at 2, resumed at 3: {diff}");
+    });
+}
