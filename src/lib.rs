@@ -10,6 +10,9 @@
 //!   averaged in buckets while backward runs, with DDP's options and communication hooks;
 //!   [`replicate::apply`] for `#[derive(Shardable)]` models, [`replicate::wrap`] for any
 //!   `impl Module` (`nn::seq()`, `nn::func`) with its `VarStore`;
+//! - [`fully_shard()`](fully_shard()): fully sharded data parallelism (PyTorch's FSDP2):
+//!   parameters, gradients and optimizer state sharded across ranks, gathered per block
+//!   around forward and backward;
 //! - [`sharding`]: tensor parallelism (`ShardingPlan`, sharders, planners, `shard_module`,
 //!   `ShardedTensor`).
 //!
