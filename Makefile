@@ -33,6 +33,7 @@ demo: setup
 	$(CARGO) build --release --bins --examples
 	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/allreduce
 	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/train_ddp
+	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/train_fsdp
 	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/tensor_parallel
 
 test: setup
