@@ -33,6 +33,7 @@ demo: setup
 	$(CARGO) build --release --bins --examples
 	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/allreduce
 	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/train_ddp
+	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/train_fsdp
 	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/tensor_parallel
 
 test: setup
@@ -49,10 +50,12 @@ lint: setup
 doc: setup
 	$(CARGO) doc --workspace --no-deps
 
-# Benchmarks against PyTorch DDP (docs/PERFORMANCE.md); never timed tests.
+# Benchmarks against PyTorch DDP and FSDP (docs/PERFORMANCE.md); never timed tests.
 # CPU: the model suite (mlp, transformer, convnet), 2 ranks, Gloo, one torch thread per rank,
-# under 10 minutes; a model=NAME line of ratios per model, the last line is the MLP's
-# tch_dist_vs_pytorch_ddp=<ratio>.
+# under 10 minutes, then FSDP (fully_shard against PyTorch's, the transformer with AdamW,
+# per-block groups; about 1.5 minutes more); a model=NAME line of ratios per model, an
+# `fsdp fsdp_vs_pytorch=R fsdp_rss_vs_pytorch=R fsdp_bytes_vs_replicate=R` line, and last
+# the MLP's tch_dist_vs_pytorch_ddp=<ratio>. BENCH_ARGS="--models fsdp" runs FSDP alone.
 bench: setup
 	$(CARGO) build --release --bin tch-dist-run --example bench_ddp
 	$(PY) bench/driver.py $(BENCH_ARGS)

@@ -19,6 +19,17 @@ DDP's two configurations, / the floor = two plain processes at once + the raw al
 CPU time per rank) and, as its last line, `tch_dist_vs_pytorch_ddp=<ratio>` of the first
 model (the MLP; lower is better).
 
+FSDP (`fsdp` in --models, after the DDP suite, with its own time budget, --fsdp-budget): the
+transformer of the suite with AdamW, tch-dist `fully_shard` (`bench_ddp --mode fully_shard`)
+against PyTorch's `fully_shard` (`pytorch_ddp.py --mode fsdp`), one group per block then the
+root, alternating for several rounds, and tch-dist `replicate` with AdamW once. Prints a table
+and
+
+    fsdp_vs_pytorch=R          (median step time, tch-dist / PyTorch; goal <= 0.9)
+    fsdp_rss_vs_pytorch=R      (peak RSS, the larger rank, tch-dist / PyTorch; goal <= 1.0)
+    fsdp_bytes_vs_replicate=R  (bytes of parameters + gradients + AdamW state a rank holds
+                                between steps, fully_shard / replicate; goal <= 0.55)
+
 GPU (`--gpu`, run by target/gpu-check/run.sh on the GPU machine): world size 1, NCCL, the
 403M-parameter MLP (12 blocks 2048-8192-2048), batch 64, SGD; plain tch, tch-dist and PyTorch
 DDP. tch-dist runs with the test switch TCH_DIST_NO_SHORTCUTS=1, so that at world size 1 it
@@ -29,8 +40,8 @@ Every run reports its own CPU time and the machine's busy time over its timed wi
 during which other programs used more than --max-foreign of the CPUs is repeated (this machine
 is shared), up to --retries times, and the table shows what remained.
 
-    python3 bench/driver.py [--models mlp,transformer,convnet] [--rounds N] [--steps N]
-                            [--warmup N] [--budget SECONDS] [-v]
+    python3 bench/driver.py [--models mlp,transformer,convnet,fsdp] [--rounds N] [--steps N]
+                            [--warmup N] [--budget SECONDS] [--fsdp-budget SECONDS] [-v]
     python3 bench/driver.py --gpu --bin-dir DIR --script DIR/pytorch_ddp.py --python python3
 """
 
@@ -75,6 +86,18 @@ MODELS = {
         detail=False,
     ),
 }
+
+
+# The FSDP part: its model, rounds (each a PyTorch fully_shard and a tch-dist fully_shard run)
+# and timed / warm-up steps; about 1.5 minutes on a quiet machine.
+FSDP = dict(
+    model="transformer",
+    desc="GPT-2-style transformer, 6 blocks d=256, 4 heads, vocabulary 128 (4.8M parameters "
+    "in 78 tensors), batch 2 x 64 tokens/rank",
+    rounds=3,
+    steps=15,
+    warmup=3,
+)
 
 
 def parse_bench(output):
@@ -165,6 +188,7 @@ class Runner:
             foreign = foreign_fraction(recs, self.ncpu)
             rank0["foreign"] = foreign
             rank0["peak_rss_mib_max"] = max(r["peak_rss_mib"] for r in recs)
+            rank0["state_bytes_max"] = max(r.get("state_bytes", 0) for r in recs)
             self.run_seconds += time.time() - t
             self.total_runs += 1
             if foreign <= self.a.max_foreign or attempt == self.a.retries:
@@ -407,6 +431,94 @@ def cpu_model(a, r, model):
     }
 
 
+def fsdp_part(a, r):
+    """tch-dist fully_shard against PyTorch's fully_shard (AdamW, per-block groups); returns
+    the summary ratios."""
+    rounds = FSDP["rounds"] if a.fsdp_rounds is None else a.fsdp_rounds
+    pick = lambda k: FSDP[k] if getattr(a, k) is None else getattr(a, k)
+    r.model, r.steps, r.warmup = FSDP["model"], pick("steps"), pick("warmup")
+    r.results = {}
+    adamw = ["--optim", "adamw"]
+    print(
+        f"bench fsdp: {FSDP['desc']}, AdamW (lr 1e-3), fully_shard on each block then the root, "
+        f"{a.nproc} ranks, Gloo, 1 torch thread/rank; {rounds} rounds x {r.steps} timed steps "
+        f"(+{r.warmup} warm-up)",
+        flush=True,
+    )
+    for i in range(rounds):
+        if i >= 1 and r.slack() < 0:
+            r.planned -= 2 * (rounds - i)
+            print(f"  fsdp: stopped after {i} of {rounds} rounds for lack of time", flush=True)
+            r.cut_rounds += rounds - i
+            break
+        pair = [
+            lambda: r.torch("pytorch_fsdp", "fsdp", *adamw),
+            lambda: r.tch("tch_dist_fsdp", "fully_shard", *adamw),
+        ]
+        if i % 2:
+            pair.reverse()
+        for f in pair:
+            f()
+    r.tch("tch_dist_replicate", "replicate", *adamw)
+    res = r.results
+    med = {k: pooled_median(v) for k, v in res.items()}
+    peak = {k: max(x["peak_rss_mib_max"] for x in v) for k, v in res.items()}
+    state = {k: max(x["state_bytes_max"] for x in v) for k, v in res.items()}
+    t0 = res["tch_dist_fsdp"][-1]
+    print(
+        f"\n== fsdp: {t0['params'] / 1e6:.2f}M parameters in {t0['param_tensors']} tensors, "
+        f"{t0['fsdp_groups']} fully_shard groups, batch {t0['batch']}, AdamW\n"
+    )
+    print(
+        f"{'configuration':<20} {'step ms':>8} {'fwd':>6} {'bwd':>6} {'opt':>6} {'cpu/rank':>8} "
+        f"{'peak RSS MiB':>12} {'state MB/rank':>13} {'foreign':>7}  runs"
+    )
+    for k in ("tch_dist_fsdp", "pytorch_fsdp", "tch_dist_replicate"):
+        v = res[k]
+        ph = {
+            p: statistics.median(x.get(p, 0) for x in v)
+            for p in ("fwd_ms", "bwd_ms", "opt_ms", "cpu_ms")
+        }
+        print(
+            f"{k:<20} {med[k]:8.2f} {ph['fwd_ms']:6.1f} {ph['bwd_ms']:6.1f} {ph['opt_ms']:6.1f} "
+            f"{ph['cpu_ms']:8.1f} {peak[k]:12.1f} {state[k] / 1e6:13.2f} "
+            f"{max(x['foreign'] for x in v):7.0%}  {len(v)}"
+        )
+    for k in ("tch_dist_fsdp", "pytorch_fsdp", "tch_dist_replicate"):
+        x = res[k][-1]
+        print(
+            f"{k}: parameters {x['param_bytes'] / 1e6:.2f} MB + gradients "
+            f"{x['grad_bytes'] / 1e6:.2f} MB + AdamW state {x['optim_bytes'] / 1e6:.2f} MB on rank 0"
+        )
+    out = {
+        "fsdp_vs_pytorch": med["tch_dist_fsdp"] / med["pytorch_fsdp"],
+        "fsdp_rss_vs_pytorch": peak["tch_dist_fsdp"] / peak["pytorch_fsdp"],
+        "fsdp_bytes_vs_replicate": state["tch_dist_fsdp"] / state["tch_dist_replicate"],
+    }
+    print()
+    print(
+        f"fsdp_vs_pytorch={out['fsdp_vs_pytorch']:.3f}  (median step, tch-dist fully_shard "
+        f"{med['tch_dist_fsdp']:.2f} ms / PyTorch fully_shard {med['pytorch_fsdp']:.2f} ms; "
+        "goal <= 0.9)"
+    )
+    print(
+        f"fsdp_rss_vs_pytorch={out['fsdp_rss_vs_pytorch']:.3f}  (peak RSS of the larger rank, "
+        f"{peak['tch_dist_fsdp']:.1f} / {peak['pytorch_fsdp']:.1f} MiB; goal <= 1.0)"
+    )
+    print(
+        f"fsdp_bytes_vs_replicate={out['fsdp_bytes_vs_replicate']:.3f}  (parameters + gradients "
+        f"+ AdamW state per rank between steps, {state['tch_dist_fsdp'] / 1e6:.2f} / "
+        f"{state['tch_dist_replicate'] / 1e6:.2f} MB; goal <= 0.55; PyTorch fully_shard: "
+        f"{state['pytorch_fsdp'] / state['tch_dist_replicate']:.3f})"
+    )
+    print(
+        f"fsdp_vs_replicate={med['tch_dist_fsdp'] / med['tch_dist_replicate']:.3f}  (tch-dist "
+        "step time, fully_shard / replicate, both AdamW)"
+    )
+    print(flush=True)
+    return out
+
+
 def planned_runs(a, m):
     """How many runs cpu_model makes for model settings `m`."""
     rounds = m["rounds"] if a.rounds is None else a.rounds
@@ -417,8 +529,10 @@ def planned_runs(a, m):
 def cpu_bench(a, r):
     models = [m for m in a.models.split(",") if m]
     for m in models:
-        if m not in MODELS:
-            raise SystemExit(f"bench: unknown model {m} ({', '.join(MODELS)})")
+        if m not in MODELS and m != "fsdp":
+            raise SystemExit(f"bench: unknown model {m} ({', '.join(MODELS)} or fsdp)")
+    fsdp = "fsdp" in models
+    models = [m for m in models if m != "fsdp"]
     # Each model gets the share of what is left of the budget that its runs are of the runs
     # still to come.
     end = time.time() + a.budget if a.budget else float("inf")
@@ -430,8 +544,20 @@ def cpu_bench(a, r):
         r.deadline = start + (end - start) * planned[i] / sum(planned[i:])
         summary[m] = cpu_model(a, r, m)
         print(f"bench {m} took {time.time() - start:.0f} s", flush=True)
+    fsdp_summary = None
+    if fsdp:
+        start = time.time()
+        rounds = FSDP["rounds"] if a.fsdp_rounds is None else a.fsdp_rounds
+        r.planned, r.done = 2 * rounds + 1, 0
+        r.deadline = start + a.fsdp_budget if a.fsdp_budget else float("inf")
+        fsdp_summary = fsdp_part(a, r)
+        print(f"bench fsdp took {time.time() - start:.0f} s", flush=True)
     for m, s in summary.items():
         print(f"model={m} " + " ".join(f"{k}={v:.3f}" for k, v in s.items()))
+    if fsdp_summary:
+        print("fsdp " + " ".join(f"{k}={v:.3f}" for k, v in fsdp_summary.items()))
+    if not models:
+        return None
     return summary[models[0]]["tch_dist_vs_pytorch_ddp"]
 
 
@@ -481,9 +607,17 @@ def main():
     )
     p.add_argument(
         "--models",
-        default=",".join(MODELS),
-        help="the CPU suite's models, in order (default: %(default)s); the last line is the "
-        "first one's tch_dist_vs_pytorch_ddp",
+        default=",".join(list(MODELS) + ["fsdp"]),
+        help="the CPU suite's models, in order, and `fsdp` for the FSDP part, which runs after "
+        "them (default: %(default)s); the last line is the first model's "
+        "tch_dist_vs_pytorch_ddp",
+    )
+    p.add_argument("--fsdp-rounds", type=int, default=None, help=f"default {FSDP['rounds']}")
+    p.add_argument(
+        "--fsdp-budget",
+        type=float,
+        default=150.0,
+        help="seconds for the FSDP part (0: none; default %(default)s)",
     )
     p.add_argument("--bin-dir", default=os.path.join(ROOT, "target", "release"))
     p.add_argument("--script", default=os.path.join(ROOT, "bench", "pytorch_ddp.py"))
@@ -521,7 +655,8 @@ def main():
         + (f"; {r.cut_rounds} rounds left out for lack of time" if r.cut_rounds else "")
         + ")"
     )
-    print(f"tch_dist_vs_pytorch_ddp={ratio:.3f}")
+    if ratio is not None:
+        print(f"tch_dist_vs_pytorch_ddp={ratio:.3f}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,21 @@
-"""The DDP benchmark's PyTorch side: the same models, batch and loop as examples/bench_ddp.rs
-(`--model mlp|transformer|convnet|gpu`; see there for what each is).
+"""The DDP and FSDP benchmarks' PyTorch side: the same models, batch and loop as
+examples/bench_ddp.rs (`--model mlp|transformer|convnet|gpu`; see there for what each is).
 
     tch-dist-run --nproc-per-node 2 -- python3 bench/pytorch_ddp.py --mode ddp [--model NAME] [--bucket-cap-mb 25]
         [--grad-as-bucket-view] [--no-broadcast-buffers]
+    tch-dist-run --nproc-per-node 2 -- python3 bench/pytorch_ddp.py --mode fsdp [--model NAME] [--optim adamw]
     python3 bench/pytorch_ddp.py --mode plain
 
+`--mode fsdp`: torch.distributed.fsdp.fully_shard (FSDP2) with its defaults on each block (the
+MLP's layers, the transformer's and the convnet's blocks), then on the root, over the default
+CPU mesh (Gloo), as bench_ddp's `--mode fully_shard`. `--optim sgd` (default) or `adamw`
+(torch.optim.AdamW's defaults; `--lr`, default 0.01 for SGD, 1e-3 for AdamW).
+
 Reads torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; tch-dist-run sets
-them) and prints one `BENCH {json}` line per rank with per-step times (ms), phase medians and
-the peak RSS (VmHWM).
+them) and prints one `BENCH {json}` line per rank with per-step times (ms), phase medians, the
+peak RSS (VmHWM) and, after the last step, the bytes of parameters, gradients and optimizer
+state the rank holds, counted from the tensors (a DTensor's local shard; the optimizer's
+per-parameter tensors but its scalar `step`).
 """
 
 import argparse
@@ -186,7 +194,7 @@ def sync(device):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", default="ddp", choices=["ddp", "plain"])
+    p.add_argument("--mode", default="ddp", choices=["ddp", "fsdp", "plain"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--model", default=None)
     p.add_argument("--batch", type=int, default=0, help="default: the model's own")
@@ -197,6 +205,8 @@ def main():
     p.add_argument("--grad-as-bucket-view", action="store_true")
     p.add_argument("--no-broadcast-buffers", action="store_true")
     p.add_argument("--tag", default="")
+    p.add_argument("--optim", default="sgd", choices=["sgd", "adamw"])
+    p.add_argument("--lr", type=float, default=0.0, help="default: 0.01 (SGD), 1e-3 (AdamW)")
     a = p.parse_args()
     model_name = a.model or ("gpu" if a.device == "cuda" else "mlp")
     if model_name == "cpu":
@@ -206,7 +216,7 @@ def main():
     device = torch.device("cuda:0" if a.device == "cuda" else "cpu")
 
     rank, world = 0, 1
-    if a.mode == "ddp":
+    if a.mode in ("ddp", "fsdp"):
         backend = "nccl" if a.device == "cuda" else "gloo"
         dist.init_process_group(backend)
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -216,6 +226,15 @@ def main():
         model = build(model_name)
     model.train()
     n_params = sum(t.numel() for t in model.parameters())
+    fsdp_groups = 0
+    if a.mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = model.layers if model_name in ("mlp", "gpu") else model.blocks
+        for b in blocks:
+            fully_shard(b)
+        fully_shard(model)
+        fsdp_groups = len(blocks) + 1
     if a.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -226,7 +245,10 @@ def main():
             gradient_as_bucket_view=a.grad_as_bucket_view,
             broadcast_buffers=not a.no_broadcast_buffers,
         )
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if a.optim == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=a.lr or 1e-3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=a.lr or 0.01)
     torch.manual_seed(1 + rank)
     batch = a.batch or DEFAULT_BATCH.get(model_name, 64)
     x, target, loss_fn = batch_of(model_name, batch, device)
@@ -235,7 +257,7 @@ def main():
         return loss_fn(out, target)
 
     steps, fwd, bwd, upd = [], [], [], []
-    if a.mode == "ddp":
+    if a.mode != "plain":
         dist.barrier()
     sync(device)
     cpu0 = busy0 = wall0 = faults0 = 0.0
@@ -265,6 +287,18 @@ def main():
         "machine_busy_ms": machine_busy_ms() - busy0,
     }
     peak, cur = rss_mib()
+    # What this rank holds between steps (after the last one, before the next zero_grad).
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    nbytes = lambda t: local(t).numel() * local(t).element_size()
+    params = [p for p in model.parameters() if p.requires_grad]
+    param_bytes = sum(nbytes(p) for p in params)
+    grad_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
+    optim_bytes = sum(
+        nbytes(v)
+        for st in opt.state.values()
+        for k, v in st.items()
+        if torch.is_tensor(v) and k != "step"
+    )
     out = {
         "cpu_ms": window["cpu_ms"] / a.steps,
         "page_faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / a.steps,
@@ -289,13 +323,19 @@ def main():
         "rss_mib": cur,
         "steps_ms": steps,
         "torch": torch.__version__,
+        "optim": a.optim,
+        "param_bytes": param_bytes,
+        "grad_bytes": grad_bytes,
+        "optim_bytes": optim_bytes,
+        "state_bytes": param_bytes + grad_bytes + optim_bytes,
+        "fsdp_groups": fsdp_groups,
     }
     if a.mode == "ddp":
         out["bucket_cap_mb"] = a.bucket_cap_mb
         out["gradient_as_bucket_view"] = a.grad_as_bucket_view
         out["broadcast_buffers"] = not a.no_broadcast_buffers
     print("BENCH " + json.dumps(out), flush=True)
-    if a.mode == "ddp":
+    if a.mode != "plain":
         dist.barrier()
         dist.destroy_process_group()
 

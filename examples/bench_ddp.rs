@@ -4,12 +4,19 @@
 //! bench_ddp --mode plain      [--device cpu|cuda] [--model NAME] [options]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode replicate [--bucket-cap-mb 25] [--grad-as-bucket-view] [--no-broadcast-buffers] [--in-place-min-bytes N]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode allreduce [--sizes BYTES,BYTES,...]
+//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode fully_shard [--model NAME] [--optim adamw]
 //! ```
 //!
 //! - `plain`: one process trains the model (no process group);
 //! - `replicate`: every rank trains it under `replicate::apply` (Gloo on CPU, NCCL on CUDA);
 //! - `allreduce`: the floor: raw all-reduces of the model's gradient bytes, one tensor and
-//!   per bucket size, in the same kind of process group.
+//!   per bucket size, in the same kind of process group;
+//! - `fully_shard`: every rank trains it under `fully_shard` (FSDP2), one group per block
+//!   (the MLP's layers, the transformer's and the convnet's blocks), then the root, with the
+//!   defaults.
+//!
+//! `--optim sgd` (the default: SGD, no momentum) or `adamw` (tch's `nn::AdamW` defaults);
+//! `--lr` (default 0.01 for SGD, 1e-3 for AdamW).
 //!
 //! Models (`--model`), each defined exactly as in bench/pytorch_ddp.py (same shapes, the
 //! same parameter registration order, batch, loss and SGD with lr 0.01):
@@ -28,15 +35,19 @@
 //! - `gpu` (the default on CUDA): 12 blocks of 2048-8192-2048 (403M parameters), batch 64,
 //!   MSE.
 //!
-//! Every rank prints one `BENCH {json}` line with per-step times (ms), phase medians and its
-//! peak RSS (VmHWM).
+//! Every rank prints one `BENCH {json}` line with per-step times (ms), phase medians, its
+//! peak RSS (VmHWM) and, after the last step (before the next `zero_grad`), the bytes of
+//! parameters, gradients and optimizer state it holds, counted from the tensors: the
+//! `VarStore`'s trainable variables (under fully_shard: this rank's shards), their `.grad`,
+//! and AdamW's two moments per parameter (`exp_avg`, `exp_avg_sq`: twice the parameters).
 
 use std::time::Instant;
 
 use tch::nn::{self, Module, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::{
-    init_process_group, replicate, Backend, Call, CallT, ProcessGroup, ReduceOp, Shardable,
+    fully_shard, init_process_group, replicate, Backend, Call, CallT, FsdpOptions, ProcessGroup,
+    ReduceOp, Shardable,
 };
 
 #[derive(Debug, Shardable)]
@@ -110,12 +121,18 @@ struct Block {
     ln2: nn::LayerNorm,
     fc1: nn::Linear,
     fc2: nn::Linear,
+    /// The model's causal mask `[seq, seq]`, true above the diagonal (future positions),
+    /// shared: a block is a `Module` of one input, so that it can be called through `.call`
+    /// (fully_shard's hooks).
+    #[shardable(skip)]
+    mask: Tensor,
 }
 
 impl Block {
-    fn new(p: nn::Path) -> Block {
+    fn new(p: nn::Path, mask: &Tensor) -> Block {
         let d = T_DIM;
         Block {
+            mask: mask.shallow_clone(),
             ln1: nn::layer_norm(&p / "ln1", vec![d], Default::default()),
             qkv: nn::linear(&p / "qkv", d, 3 * d, Default::default()),
             proj: nn::linear(&p / "proj", d, d, Default::default()),
@@ -124,9 +141,12 @@ impl Block {
             fc2: nn::linear(&p / "fc2", 4 * d, d, Default::default()),
         }
     }
+}
 
-    /// `x` is `[batch, seq, dim]`; `mask` is true above the diagonal (future positions).
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> Tensor {
+impl Module for Block {
+    /// `x` is `[batch, seq, dim]`.
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let mask = &self.mask;
         let (b, t, d) = x.size3().expect("[batch, seq, dim]");
         let dh = d / T_HEADS;
         let qkv = self.qkv.call(&self.ln1.call(x)).split(d, 2);
@@ -150,9 +170,6 @@ struct Transformer {
     blocks: Vec<Block>,
     ln_f: nn::LayerNorm,
     head: nn::Linear,
-    /// The causal mask `[seq, seq]` (not a buffer: nothing to broadcast).
-    #[shardable(skip)]
-    mask: Tensor,
     /// Positions 0..seq.
     #[shardable(skip)]
     positions: Tensor,
@@ -162,15 +179,16 @@ impl Transformer {
     fn new(p: &nn::Path) -> Transformer {
         let d = T_DIM;
         let dev = p.device();
+        // The causal mask (not a buffer: nothing to broadcast), shared by the blocks.
+        let mask = Tensor::ones([T_SEQ, T_SEQ], (Kind::Bool, dev)).triu(1);
         Transformer {
             tok: nn::embedding(p / "tok", T_VOCAB, d, Default::default()),
             pos: nn::embedding(p / "pos", T_SEQ, d, Default::default()),
             blocks: (0..T_BLOCKS)
-                .map(|i| Block::new(p / "blocks" / i))
+                .map(|i| Block::new(p / "blocks" / i, &mask))
                 .collect(),
             ln_f: nn::layer_norm(p / "ln_f", vec![d], Default::default()),
             head: nn::linear(p / "head", d, T_VOCAB, Default::default()),
-            mask: Tensor::ones([T_SEQ, T_SEQ], (Kind::Bool, dev)).triu(1),
             positions: Tensor::arange(T_SEQ, (Kind::Int64, dev)),
         }
     }
@@ -181,7 +199,7 @@ impl Module for Transformer {
     fn forward(&self, idx: &Tensor) -> Tensor {
         let mut x = self.tok.call(idx) + self.pos.call(&self.positions);
         for b in &self.blocks {
-            x = b.forward(&x, &self.mask);
+            x = b.call(&x);
         }
         self.head.call(&self.ln_f.call(&x))
     }
@@ -261,6 +279,17 @@ trait BenchModel: ModuleT + Shardable + Sized {
     /// One batch of inputs and targets.
     fn batch(name: &str, batch: i64, device: Device) -> Result<(Tensor, Tensor), String>;
     fn loss(name: &str, out: &Tensor, target: &Tensor) -> Tensor;
+    /// `fully_shard` on each block (bottom-up; the `--mode fully_shard` groups); the root's
+    /// call follows. Returns how many blocks.
+    fn shard_blocks(&self) -> Result<usize, tch_dist::fully_shard::FsdpError>;
+}
+
+/// `fully_shard` with the defaults on each of `blocks`.
+fn shard_each<B: Shardable>(blocks: &[B]) -> Result<usize, tch_dist::fully_shard::FsdpError> {
+    for b in blocks {
+        fully_shard(b, FsdpOptions::default())?;
+    }
+    Ok(blocks.len())
 }
 
 impl BenchModel for Mlp {
@@ -285,6 +314,10 @@ impl BenchModel for Mlp {
             out.mse_loss(target, tch::Reduction::Mean)
         }
     }
+    fn shard_blocks(&self) -> Result<usize, tch_dist::fully_shard::FsdpError> {
+        // Each layer a group; the root then manages nothing, which is fine.
+        shard_each(&self.layers)
+    }
 }
 
 impl BenchModel for Transformer {
@@ -303,6 +336,10 @@ impl BenchModel for Transformer {
         out.view([-1, T_VOCAB])
             .cross_entropy_for_logits(&target.view([-1]))
     }
+    fn shard_blocks(&self) -> Result<usize, tch_dist::fully_shard::FsdpError> {
+        // The root manages the embeddings, the final LayerNorm and the head.
+        shard_each(&self.blocks)
+    }
 }
 
 impl BenchModel for Convnet {
@@ -320,6 +357,9 @@ impl BenchModel for Convnet {
     fn loss(_name: &str, out: &Tensor, target: &Tensor) -> Tensor {
         out.cross_entropy_for_logits(target)
     }
+    fn shard_blocks(&self) -> Result<usize, tch_dist::fully_shard::FsdpError> {
+        shard_each(&self.blocks)
+    }
 }
 
 struct Args {
@@ -336,6 +376,9 @@ struct Args {
     broadcast_buffers: bool,
     sizes: Vec<usize>,
     tag: String,
+    optim: String,
+    /// The learning rate; 0: the optimizer's default here (0.01 for SGD, 1e-3 for AdamW).
+    lr: f64,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -353,6 +396,8 @@ fn parse_args() -> Result<Args, String> {
         broadcast_buffers: true,
         sizes: Vec::new(),
         tag: String::new(),
+        optim: "sgd".into(),
+        lr: 0.0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -395,6 +440,8 @@ fn parse_args() -> Result<Args, String> {
                     .collect::<Result<_, _>>()?
             }
             "--tag" => a.tag = value()?,
+            "--optim" => a.optim = value()?,
+            "--lr" => a.lr = num(value()?, "--lr")?,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -406,6 +453,9 @@ fn parse_args() -> Result<Args, String> {
     }
     if a.steps == 0 {
         return Err("--steps must be positive".into());
+    }
+    if a.optim != "sgd" && a.optim != "adamw" {
+        return Err(format!("unknown --optim {} (sgd or adamw)", a.optim));
     }
     Ok(a)
 }
@@ -534,7 +584,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             }
             None
         }
-        "replicate" | "allreduce" => {
+        "replicate" | "allreduce" | "fully_shard" => {
             let backend = if args.device.is_cuda() {
                 Backend::Nccl
             } else {
@@ -548,7 +598,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             Some(pg)
         }
         other => {
-            return Err(format!("unknown --mode {other} (plain, replicate or allreduce)").into())
+            return Err(format!(
+                "unknown --mode {other} (plain, replicate, fully_shard or allreduce)"
+            )
+            .into())
         }
     };
     match args.model.as_str() {
@@ -579,7 +632,11 @@ fn train<M: BenchModel>(
     let model = M::build(&vs.root(), &args.model)?;
     let params = vs.trainable_variables();
     let n_params: i64 = params.iter().map(|t| t.numel() as i64).sum();
-    if pg.is_some() {
+    let mut fsdp_groups = 0;
+    if args.mode == "fully_shard" {
+        fsdp_groups = model.shard_blocks()? + 1;
+        fully_shard(&model, FsdpOptions::default())?;
+    } else if pg.is_some() {
         let opts = replicate::Options {
             bucket_cap_mb: args.bucket_cap_mb,
             gradient_as_bucket_view: args.as_view,
@@ -589,7 +646,11 @@ fn train<M: BenchModel>(
         };
         replicate::apply(&model, opts)?;
     }
-    let mut opt = nn::Sgd::default().build(&vs, 0.01)?;
+    // Built after fully_shard: the optimizer sees this rank's shards.
+    let mut opt = match args.optim.as_str() {
+        "adamw" => nn::AdamW::default().build(&vs, if args.lr > 0.0 { args.lr } else { 1e-3 })?,
+        _ => nn::Sgd::default().build(&vs, if args.lr > 0.0 { args.lr } else { 0.01 })?,
+    };
     // One fixed batch per rank (the data pipeline is not what is measured).
     tch::manual_seed(1 + rank as i64);
     let batch = if args.batch > 0 {
@@ -621,7 +682,7 @@ fn train<M: BenchModel>(
         let t1 = Instant::now();
         if let Err(e) = loss.f_backward() {
             // A collective that failed during backward: the reducer's typed error.
-            if pg.is_some() {
+            if args.mode == "replicate" {
                 replicate::prepare_forward(&model)?;
             }
             return Err(e.into());
@@ -651,6 +712,30 @@ fn train<M: BenchModel>(
         machine_busy_ms: machine_busy_ms() - busy0,
     };
     let (peak, current) = rss_mib();
+    // What this rank holds between steps (after the last one, before the next zero_grad),
+    // counted from the tensors.
+    let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+    let trainable = vs.trainable_variables();
+    let param_bytes: usize = trainable.iter().map(bytes).sum();
+    let grad_bytes: usize = trainable
+        .iter()
+        .map(|t| t.grad())
+        .filter(|g| g.defined())
+        .map(|g| bytes(&g))
+        .sum();
+    // AdamW keeps exp_avg and exp_avg_sq, each the parameter's shape; SGD without momentum
+    // nothing.
+    let optim_bytes = if args.optim == "adamw" {
+        2 * param_bytes
+    } else {
+        0
+    };
+    let mut gathered_bytes = 0;
+    for (_, m) in model.named_modules() {
+        if let Some(s) = tch_dist::fully_shard::state(m) {
+            gathered_bytes += s.gathered_bytes();
+        }
+    }
     let mut out = serde_json::json!({
         "cpu_ms": window.cpu_ms / args.steps as f64,
         "page_faults": (page_faults() - faults0) / args.steps as f64,
@@ -675,6 +760,13 @@ fn train<M: BenchModel>(
         "peak_rss_mib": peak,
         "rss_mib": current,
         "steps_ms": steps,
+        "optim": args.optim,
+        "param_bytes": param_bytes,
+        "grad_bytes": grad_bytes,
+        "optim_bytes": optim_bytes,
+        "state_bytes": param_bytes + grad_bytes + optim_bytes,
+        "fsdp_groups": fsdp_groups,
+        "gathered_bytes": gathered_bytes,
     });
     if let Some(s) = replicate::state(&model) {
         let st = s.stats();

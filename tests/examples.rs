@@ -1,6 +1,7 @@
 //! The examples end cleanly: a dead peer ends a training example with one line and exit
 //! status 1, not a panic; `train_ddp --resume` refuses a checkpoint that does not fit the
-//! model, naming every key that differs, before training.
+//! model, naming every key that differs, before training; `train_fsdp` trains to a sensible
+//! accuracy at 2 ranks in bounded time.
 //!
 //! The examples are run as the programs users run (built here with `cargo build
 //! --example`, a no-op when they are up to date), their ranks started directly with
@@ -27,6 +28,7 @@ fn example(name: &str) -> PathBuf {
         cmd.args(["build", "--quiet", "--manifest-path"])
             .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
             .args(["--example", "train_ddp", "--example", "tensor_parallel"])
+            .args(["--example", "train_fsdp"])
             .args(["--example", "weight_sync_worker"]);
         if profile_dir.ends_with("release") {
             cmd.arg("--release");
@@ -89,13 +91,14 @@ fn finish(mut child: Child, limit: Duration) -> (std::process::ExitStatus, Strin
 }
 
 /// Starts 2 ranks of `name`, waits until rank 0 prints a line containing `started`, lets
-/// it train `train_for`, SIGKILLs rank 1 and returns rank 0's end.
+/// it train `train_for`, SIGKILLs rank 1 and returns rank 0's end and how long after the
+/// kill it came.
 fn kill_rank_1(
     name: &str,
     args: &[&str],
     started: &str,
     train_for: Duration,
-) -> (std::process::ExitStatus, String) {
+) -> (std::process::ExitStatus, String, Duration) {
     let exe = example(name);
     let port = free_port();
     let mut rank0 = start_rank(&exe, 0, 2, port, args);
@@ -123,17 +126,18 @@ fn kill_rank_1(
     }
     std::thread::sleep(train_for);
     rank1.kill().unwrap();
+    let killed = Instant::now();
     let status1 = rank1.wait().unwrap();
     assert_eq!(status1.signal(), Some(libc::SIGKILL));
     let (status, _, stderr) = finish(rank0, Duration::from_secs(60));
-    (status, stderr)
+    (status, stderr, killed.elapsed())
 }
 
 #[test]
 fn a_dead_peer_ends_train_ddp_with_one_line() {
     let dir = temp_dir("dead-peer-ddp");
     let ck = dir.join("ck.safetensors");
-    let (status, stderr) = kill_rank_1(
+    let (status, stderr, _) = kill_rank_1(
         "train_ddp",
         &["--epochs", "100000", "--checkpoint", ck.to_str().unwrap()],
         "training on 2 ranks",
@@ -149,7 +153,7 @@ fn a_dead_peer_ends_train_ddp_with_one_line() {
 
 #[test]
 fn a_dead_peer_ends_tensor_parallel_with_one_line() {
-    let (status, stderr) = kill_rank_1(
+    let (status, stderr, _) = kill_rank_1(
         "tensor_parallel",
         &["--epochs", "100000"],
         "parameters (blocks.0.fc1.weight",
@@ -163,6 +167,62 @@ fn a_dead_peer_ends_tensor_parallel_with_one_line() {
     assert!(
         stderr.contains("Connection reset by peer") || stderr.contains("closed the connection"),
         "{stderr}"
+    );
+}
+
+#[test]
+fn a_dead_peer_ends_train_fsdp_with_one_line() {
+    let (status, stderr, ended_after) = kill_rank_1(
+        "train_fsdp",
+        &["--epochs", "100000"],
+        "training on 2 ranks",
+        Duration::from_secs(1),
+    );
+    assert_eq!(status.code(), Some(1), "{status:?}\n{stderr}");
+    // Where rank 0 was decides the failing collective (a group's all-gather in forward or
+    // backward, or its gradients' reduce-scatter); either way one line, no panic.
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    assert!(stderr.contains("rank 0: "), "{stderr}");
+    // Noticed when the connection closes, not after the group's timeout (20 s here). A
+    // reduce-scatter that fails so is at present reported as `reduce_scatter_tensor timed
+    // out after 20s` although it failed at once (a known mislabel in the runtime's wait).
+    assert!(
+        stderr.contains("closed the connection")
+            || stderr.contains("Connection reset by peer")
+            || stderr.contains("reduce_scatter_tensor timed out"),
+        "{stderr}"
+    );
+    assert!(
+        ended_after < Duration::from_secs(15),
+        "rank 0 ended {ended_after:?} after rank 1 died:\n{stderr}"
+    );
+}
+
+#[test]
+fn train_fsdp_reaches_090_test_accuracy_at_2_ranks() {
+    let exe = example("train_fsdp");
+    let port = free_port();
+    let ranks: Vec<Child> = (0..2).map(|r| start_rank(&exe, r, 2, port, &[])).collect();
+    let ends: Vec<_> = ranks
+        .into_iter()
+        .map(|c| finish(c, Duration::from_secs(180)))
+        .collect();
+    for (r, (status, out, err)) in ends.iter().enumerate() {
+        assert!(status.success(), "rank {r}:\n{out}\n{err}");
+    }
+    let out = &ends[0].1;
+    let acc: f64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("test_accuracy="))
+        .unwrap_or_else(|| panic!("no test_accuracy= line:\n{out}"))
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(acc > 0.9, "test_accuracy={acc}:\n{out}");
+    assert!(
+        out.contains("3 fully_shard groups"),
+        "per-block groups and the root:\n{out}"
     );
 }
 

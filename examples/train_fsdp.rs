@@ -1,0 +1,280 @@
+//! Fully sharded data-parallel training (`fully_shard`, PyTorch's FSDP2) of a small
+//! transformer on scikit-learn's handwritten digits.
+//!
+//! Each 8x8 image is a sequence of 8 rows of 8 pixels: a linear patch projection to width
+//! 64 plus a learned position embedding, two pre-LayerNorm transformer blocks (4-head
+//! self-attention and a GELU MLP), a final LayerNorm, mean pooling and a linear head. Each
+//! block is its own `fully_shard` group, then the root (embedding, final norm, head); between
+//! steps every rank holds only its half of every parameter, gradient and AdamW state. Each
+//! rank trains on its `DistributedSampler` share of every epoch, in batches of its share of
+//! the global batch; rank 0 shows a progress bar. At the end every rank evaluates the test
+//! set through the sharded model under `no_grad` (forward is a collective: the groups are
+//! gathered one by one), and rank 0 prints `test_accuracy=0.xx`.
+//!
+//! ```text
+//! target/release/tch-dist-run --nproc-per-node 2 -- target/release/examples/train_fsdp [--epochs N] [--batch-size N] [--lr LR]
+//! ```
+//!
+//! Every failure ends the program with one line, `error: ...`, and exit status 1 (tch's
+//! `backward_step` unwraps the backward pass; this loop uses `f_backward` and hands on
+//! fully_shard's error).
+
+use std::error::Error;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+use tch_dist::data::{DistributedSampler, SamplerOptions};
+use tch_dist::{fully_shard, init_process_group, Backend, Call, FsdpOptions, Shardable};
+
+#[path = "common/digits.rs"]
+mod digits;
+use digits::load_digits;
+
+/// Tokens per image (its rows), pixels per token, model width, heads, blocks.
+const SEQ: i64 = 8;
+const PIXELS: i64 = 8;
+const DIM: i64 = 64;
+const HEADS: i64 = 4;
+const BLOCKS: usize = 2;
+
+/// A pre-LayerNorm transformer block: `x + proj(attn(ln1(x)))`, then
+/// `x + fc2(gelu(fc1(ln2(x))))` (bidirectional attention: the whole image is seen at once).
+#[derive(Debug, Shardable)]
+struct Block {
+    ln1: nn::LayerNorm,
+    qkv: nn::Linear,
+    proj: nn::Linear,
+    ln2: nn::LayerNorm,
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+impl Block {
+    fn new(p: nn::Path) -> Block {
+        let d = DIM;
+        Block {
+            ln1: nn::layer_norm(&p / "ln1", vec![d], Default::default()),
+            qkv: nn::linear(&p / "qkv", d, 3 * d, Default::default()),
+            proj: nn::linear(&p / "proj", d, d, Default::default()),
+            ln2: nn::layer_norm(&p / "ln2", vec![d], Default::default()),
+            fc1: nn::linear(&p / "fc1", d, 4 * d, Default::default()),
+            fc2: nn::linear(&p / "fc2", 4 * d, d, Default::default()),
+        }
+    }
+}
+
+impl Module for Block {
+    /// `[batch, seq, dim]` to `[batch, seq, dim]`.
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let (b, t, d) = (x.size()[0], x.size()[1], x.size()[2]);
+        let dh = d / HEADS;
+        let qkv = self.qkv.call(&self.ln1.call(x)).split(d, 2);
+        let heads = |z: &Tensor| z.view([b, t, HEADS, dh]).transpose(1, 2);
+        let (q, k, v) = (heads(&qkv[0]), heads(&qkv[1]), heads(&qkv[2]));
+        let att =
+            (q.matmul(&k.transpose(-2, -1)) * (1.0 / (dh as f64).sqrt())).softmax(-1, Kind::Float);
+        let y = att.matmul(&v).transpose(1, 2).contiguous().view([b, t, d]);
+        let x = x + self.proj.call(&y);
+        let h = self.fc1.call(&self.ln2.call(&x)).gelu("none");
+        &x + self.fc2.call(&h)
+    }
+}
+
+#[derive(Debug, Shardable)]
+struct Net {
+    patch: nn::Linear,
+    pos: nn::Embedding,
+    blocks: Vec<Block>,
+    ln_f: nn::LayerNorm,
+    head: nn::Linear,
+    /// Positions 0..SEQ (not a buffer: nothing to shard or broadcast).
+    #[shardable(skip)]
+    positions: Tensor,
+}
+
+impl Net {
+    fn new(p: &nn::Path) -> Net {
+        Net {
+            patch: nn::linear(p / "patch", PIXELS, DIM, Default::default()),
+            pos: nn::embedding(p / "pos", SEQ, DIM, Default::default()),
+            blocks: (0..BLOCKS).map(|i| Block::new(p / "blocks" / i)).collect(),
+            ln_f: nn::layer_norm(p / "ln_f", vec![DIM], Default::default()),
+            head: nn::linear(p / "head", DIM, 10, Default::default()),
+            positions: Tensor::arange(SEQ, (Kind::Int64, p.device())),
+        }
+    }
+}
+
+impl Module for Net {
+    /// Images `[batch, 64]` to logits `[batch, 10]`. Every child runs through `.call`, so
+    /// that fully_shard's hooks gather its group's parameters.
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        let rows = xs.view([-1, SEQ, PIXELS]);
+        let mut h = self.patch.call(&rows) + self.pos.call(&self.positions);
+        for b in &self.blocks {
+            h = b.call(&h);
+        }
+        let pooled = self.ln_f.call(&h).mean_dim(1, false, Kind::Float);
+        self.head.call(&pooled)
+    }
+}
+
+struct Args {
+    epochs: usize,
+    batch: i64,
+    lr: f64,
+    data: PathBuf,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        epochs: 15,
+        batch: 64,
+        lr: 3e-3,
+        data: digits::default_path(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
+        match arg.as_str() {
+            "--epochs" => a.epochs = value()?.parse().map_err(|e| format!("--epochs: {e}"))?,
+            "--batch-size" => {
+                a.batch = value()?.parse().map_err(|e| format!("--batch-size: {e}"))?
+            }
+            "--lr" => a.lr = value()?.parse().map_err(|e| format!("--lr: {e}"))?,
+            "--data" => a.data = value()?.into(),
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    if a.batch <= 0 {
+        return Err("--batch-size must be positive".into());
+    }
+    Ok(a)
+}
+
+fn main() {
+    let result = run();
+    tch_dist::destroy_process_group();
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// `opt.backward_step(&loss)` with failures as values: a collective that failed during
+/// backward (a dead peer) is fully_shard's error.
+fn backward_step(opt: &mut nn::Optimizer, loss: &Tensor) -> Result<(), Box<dyn Error>> {
+    opt.zero_grad();
+    loss.f_backward()?;
+    opt.step();
+    Ok(())
+}
+
+fn run() -> Result<(), Box<dyn Error>> {
+    let args = parse_args()?;
+    tch::set_num_threads(1);
+    let pg = init_process_group(Backend::Gloo)?;
+    let (rank, world) = (pg.rank() as i64, pg.world_size() as i64);
+
+    let (x, y) = load_digits(&args.data)?;
+    let (x_train, y_train, x_test, y_test) = digits::train_test_split(&x, &y);
+    let n_train = x_train.size()[0];
+
+    tch::manual_seed(42);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = Net::new(&vs.root());
+    tch_dist::check_against_var_store(&model, &vs)?;
+    let full_params: i64 = vs
+        .trainable_variables()
+        .iter()
+        .map(|t| t.numel() as i64)
+        .sum();
+    // Bottom-up: each block its own group, then the root (patch, pos, ln_f, head).
+    for b in &model.blocks {
+        fully_shard(b, FsdpOptions::default())?;
+    }
+    fully_shard(&model, FsdpOptions::default())?;
+    let local_params: i64 = vs
+        .trainable_variables()
+        .iter()
+        .map(|t| t.numel() as i64)
+        .sum();
+    // Built after fully_shard: the optimizer sees (and keeps state for) the shards only.
+    let mut opt = nn::AdamW::default().build(&vs, args.lr)?;
+
+    let mut sampler = DistributedSampler::new(
+        n_train as usize,
+        SamplerOptions {
+            seed: 1000,
+            ..Default::default()
+        },
+    )?;
+    if sampler.is_empty() {
+        return Err("no training sample for this rank; lower the world size".into());
+    }
+    let per = (args.batch + world - 1) / world;
+    let steps_per_epoch = (sampler.len() as i64 + per - 1) / per;
+    let total = steps_per_epoch as u64 * args.epochs as u64;
+    let bar = (rank == 0).then(|| {
+        let b = indicatif::ProgressBar::new(total);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} epoch {prefix} {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    });
+    if rank == 0 {
+        println!(
+            "training on {world} ranks: {n_train} samples, {steps_per_epoch} steps per epoch, {} \
+             epochs; {full_params} parameters in {} fully_shard groups, {local_params} on this \
+             rank",
+            args.epochs,
+            BLOCKS + 1
+        );
+    }
+    let start = Instant::now();
+    let mut seen = 0i64;
+    for epoch in 0..args.epochs {
+        sampler.set_epoch(epoch as u64);
+        let order = Tensor::from_slice(&sampler.indices()?);
+        for step in 0..steps_per_epoch {
+            let lo = step * per;
+            let mine = order.narrow(0, lo, per.min(sampler.len() as i64 - lo));
+            let len = mine.size()[0] * world;
+            let loss = model
+                .f_call(&x_train.index_select(0, &mine))?
+                .cross_entropy_for_logits(&y_train.index_select(0, &mine));
+            backward_step(&mut opt, &loss)?;
+            seen += len;
+            if let Some(b) = &bar {
+                b.set_prefix(format!("{}/{}", epoch + 1, args.epochs));
+                b.set_message(format!(
+                    "loss {:.4} {:.0} samples/s",
+                    loss.double_value(&[]),
+                    seen as f64 / start.elapsed().as_secs_f64()
+                ));
+                b.inc(1);
+            }
+        }
+    }
+    if let Some(b) = &bar {
+        b.finish();
+    }
+    // Every rank runs the sharded model's forward (each group is gathered, used and freed
+    // again); no_grad: no backward follows.
+    let logits = tch::no_grad(|| model.f_call(&x_test))?;
+    let acc = logits.accuracy_for_logits(&y_test).double_value(&[]);
+    if rank == 0 {
+        println!(
+            "trained {} epochs on {} ranks in {:.1}s",
+            args.epochs,
+            world,
+            start.elapsed().as_secs_f64()
+        );
+        println!("test_accuracy={acc:.2}");
+    }
+    pg.barrier()?;
+    Ok(())
+}
