@@ -1164,8 +1164,12 @@ char* tdr_work_wait(TdrWork* w, int64_t timeout_ms, bool cpu_bound) {
       bool done = false;
       try {
         done = w->work->wait(Millis(std::max<int64_t>(timeout_ms, 1)));
-      } catch (...) {
-        if (!w->work->isCompleted()) {
+      } catch (const std::exception& e) {
+        // Only c10d's own "Operation timed out!" is this wait ending early: some of Gloo's
+        // works (reduce_scatter_tensor's) throw a failed peer's error before they count as
+        // completed, and that error must reach the caller as what it is.
+        const bool wait_ended = std::strstr(e.what(), "Operation timed out!") != nullptr;
+        if (wait_ended && !w->work->isCompleted()) {
           return fail(TDR_ERROR_TIMEOUT, "the wait ended before the work completed");
         }
         throw;
