@@ -164,10 +164,20 @@ fn main() {
 }
 
 /// `opt.backward_step(&loss)` with failures as values: a collective that failed during
-/// backward (a dead peer) is fully_shard's error.
-fn backward_step(opt: &mut nn::Optimizer, loss: &Tensor) -> Result<(), Box<dyn Error>> {
+/// backward (a dead peer) is fully_shard's typed error, naming the module.
+fn backward_step<M: tch_dist::Shardable>(
+    model: &M,
+    opt: &mut nn::Optimizer,
+    loss: &Tensor,
+) -> Result<(), Box<dyn Error>> {
     opt.zero_grad();
-    loss.f_backward()?;
+    if let Err(text) = loss.f_backward() {
+        let state = tch_dist::fully_shard::state(model);
+        return Err(match state.and_then(|s| s.take_backward_error()) {
+            Some(typed) => typed.into(),
+            None => text.into(),
+        });
+    }
     opt.step();
     Ok(())
 }
@@ -246,7 +256,7 @@ fn run() -> Result<(), Box<dyn Error>> {
             let loss = model
                 .f_call(&x_train.index_select(0, &mine))?
                 .cross_entropy_for_logits(&y_train.index_select(0, &mine));
-            backward_step(&mut opt, &loss)?;
+            backward_step(&model, &mut opt, &loss)?;
             seen += len;
             if let Some(b) = &bar {
                 b.set_prefix(format!("{}/{}", epoch + 1, args.epochs));

@@ -139,8 +139,9 @@ pub enum FsdpError {
     /// The module was not passed to `fully_shard`.
     #[error("fully_shard: this module is not managed by fully_shard (call fully_shard first)")]
     NotFullyShard,
-    /// A forward or backward hook of the module at `module` failed.
-    #[error("rank {rank}: fully_shard: module `{module}`: {source}")]
+    /// A forward or backward hook of the managed module `module` failed (the source names
+    /// the rank and the collective).
+    #[error("fully_shard: a `{module}`'s hook failed: {source}")]
     Hooked {
         /// This rank.
         rank: usize,

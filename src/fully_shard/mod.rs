@@ -231,6 +231,8 @@ pub struct FsdpState {
     /// The identities this call entered in [`MANAGED`] (its group holds the tensors, so
     /// no other tensor can take one of them while they are there).
     identities: Vec<u64>,
+    /// The managed module's type, for errors.
+    label: String,
 }
 
 impl Drop for FsdpState {
@@ -311,6 +313,44 @@ impl FsdpState {
     pub fn set_modules_to_backward_prefetch(&self, modules: &[&FsdpState]) {
         let groups: Vec<&FsdpGroup> = modules.iter().map(|m| &*m.group).collect();
         self.group.set_backward_prefetch(&groups);
+    }
+
+    /// The typed error of a fully_shard hook that failed the last backward pass (in this
+    /// call or a nested one), taken: libtorch fails `backward` with its message only (tch's
+    /// `f_backward` returns it as text), and the next forward would return it.
+    ///
+    /// ```no_run
+    /// # fn demo<M: tch_dist::Shardable>(model: &M, loss: &tch::Tensor) -> Result<(), Box<dyn std::error::Error>> {
+    /// if let Err(text) = loss.f_backward() {
+    ///     let state = tch_dist::fully_shard::state(model);
+    ///     return Err(match state.and_then(|s| s.take_backward_error()) {
+    ///         Some(typed) => typed.into(),
+    ///         None => text.into(),
+    ///     });
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn take_backward_error(&self) -> Option<FsdpError> {
+        let mut found = None;
+        for s in self.all_ref() {
+            if let Some(e) = s.group.take_failure() {
+                found.get_or_insert(FsdpError::Hooked {
+                    rank: s.process_group.rank(),
+                    module: s.label.clone(),
+                    source: e,
+                });
+            }
+        }
+        found
+    }
+
+    /// This call and every nested one, outermost first (borrowed).
+    fn all_ref(&self) -> Vec<&FsdpState> {
+        let mut out = vec![self];
+        for n in &self.nested {
+            out.extend(n.all_ref());
+        }
+        out
     }
 
     /// Whether this module's parameters hold their shards now.
@@ -548,6 +588,7 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         module: label.clone(),
         params: trainable_names,
     });
+    let scope_label = label.clone();
     let scope = Arc::new(hooks::Scope {
         group: Arc::clone(&fsdp_group),
         guard: own_guard.as_ref().map(|g| Arc::clone(&g.guard)),
@@ -581,6 +622,7 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         _hooks: hooks,
         guard: own_guard,
         identities: own_identities,
+        label: scope_label,
     })
 }
 

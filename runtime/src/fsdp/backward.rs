@@ -84,11 +84,13 @@ fn finish_all() -> Result<()> {
     let mut first = None;
     for g in groups {
         if let Err(e) = g.finish_backward() {
+            g.note_failure(&e);
             first.get_or_insert(e);
         }
     }
     for g in prefetching {
         if let Err(e) = g.drop_prefetch() {
+            g.note_failure(&e);
             first.get_or_insert(e);
         }
     }

@@ -170,6 +170,9 @@ pub(crate) struct GroupInner {
     /// Parameters that require a gradient.
     expected: usize,
     state: Mutex<State>,
+    /// The typed error of a hook that failed the last backward pass (libtorch carries only
+    /// its message); the next forward returns it.
+    failure: Mutex<Option<DistError>>,
 }
 
 /// One `fully_shard` call's parameters, sharded over a group of ranks.
@@ -296,6 +299,7 @@ impl FsdpGroup {
             meta,
             buckets,
             expected,
+            failure: Mutex::new(None),
             state: Mutex::new(State {
                 tensors,
                 flats,
@@ -352,9 +356,18 @@ impl FsdpGroup {
         self.inner.lock().sharded
     }
 
+    /// The typed error of a hook that failed the last backward pass, taken (the pass itself
+    /// failed with its message).
+    pub fn take_failure(&self) -> Option<DistError> {
+        self.inner.take_failure()
+    }
+
     /// Before the managed module's forward: gathers the parameters, then starts gathering
     /// those of the groups set to be prefetched ([`set_forward_prefetch`](Self::set_forward_prefetch)).
     pub fn pre_forward(&self) -> Result<()> {
+        if let Some(e) = self.inner.take_failure() {
+            return Err(e);
+        }
         let next = {
             let mut st = self.inner.lock();
             self.inner.unshard_locked(&mut st)?;
@@ -512,6 +525,19 @@ pub struct ShardInfo {
 impl GroupInner {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps `e`, a hook's error, for the next forward (the first one of a pass).
+    pub(crate) fn note_failure(&self, e: &DistError) {
+        let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        f.get_or_insert_with(|| e.clone());
+    }
+
+    fn take_failure(&self) -> Option<DistError> {
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     /// Starts the all-gather of the group's shards.

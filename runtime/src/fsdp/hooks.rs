@@ -130,7 +130,10 @@ unsafe extern "C" fn grad_trampoline(
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.on_grad(index, grad)));
     match result {
         Ok(Ok(())) => std::ptr::null_mut(),
-        Ok(Err(e)) => ffi::malloc_message(&e.to_string()),
+        Ok(Err(e)) => {
+            inner.note_failure(&e);
+            ffi::malloc_message(&e.to_string())
+        }
         Err(_) => ffi::malloc_message("fully_shard: internal panic in the gradient hook"),
     }
 }
@@ -146,7 +149,10 @@ unsafe extern "C" fn pre_backward_trampoline(
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.pre_backward()));
     match result {
         Ok(Ok(())) => std::ptr::null_mut(),
-        Ok(Err(e)) => ffi::malloc_message(&e.to_string()),
+        Ok(Err(e)) => {
+            inner.note_failure(&e);
+            ffi::malloc_message(&e.to_string())
+        }
         Err(_) => ffi::malloc_message("fully_shard: internal panic in the pre-backward hook"),
     }
 }
