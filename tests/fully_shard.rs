@@ -879,3 +879,51 @@ fn optimizer_state_checkpoint_reshards_2_to_3() {
         assert!(diff < 1e-5, "saved at 2, resumed at 3: {diff}");
     });
 }
+
+/// A block whose weight is frozen and whose bias trains, inside a graph whose input needs
+/// a gradient: its bias's gradient can arrive before autograd has used the frozen weight
+/// for the input's gradient, so the group must not free its weight then. Against one
+/// process, per-block groups, both resharding modes.
+#[test]
+fn frozen_weight_trained_bias_at_2_ranks() {
+    run_ranks("frozen_weight_trained_bias_at_2_ranks", 2, |pg| {
+        for reshard_after_forward in [true, false] {
+            tch::manual_seed(3);
+            let ref_vs = nn::VarStore::new(Device::Cpu);
+            let reference = model(&ref_vs);
+            tch::manual_seed(3);
+            let vs = nn::VarStore::new(Device::Cpu);
+            let m = model(&vs);
+            for w in [
+                &m.blocks[1].ws,
+                &m.blocks[2].ws,
+                &reference.blocks[1].ws,
+                &reference.blocks[2].ws,
+            ] {
+                let _ = w.set_requires_grad(false);
+            }
+            apply(
+                &m,
+                Groups::PerBlock {
+                    reshard_after_forward,
+                },
+                FsdpOptions::default(),
+            );
+            let mut opt = nn::AdamW::default().build(&vs, 1e-2).unwrap();
+            let mut ref_opt = nn::AdamW::default().build(&ref_vs, 1e-2).unwrap();
+            for step in 0..3 {
+                let (x, y) = batch(step);
+                ref_opt.backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean));
+                let loss = m
+                    .call(&slice(&x, &pg))
+                    .mse_loss(&slice(&y, &pg), tch::Reduction::Mean);
+                opt.backward_step(&loss);
+            }
+            let diff = max_diff_full(&m, &ref_vs);
+            assert!(
+                diff < 1e-5,
+                "frozen weights (reshard {reshard_after_forward}): {diff}"
+            );
+        }
+    });
+}

@@ -135,6 +135,8 @@ struct State {
     in_backward: bool,
     /// This pass's gradients were handed over (reduced or stashed).
     reduced: bool,
+    /// The end-of-backward callback is finishing the group (autograd is done with it).
+    finishing: bool,
     reduction: Option<Reduction>,
     /// An all-gather started ahead of the group's use (prefetch).
     prefetched: Option<Gather>,
@@ -312,6 +314,7 @@ impl FsdpGroup {
                 stash: (0..n).map(|_| None).collect(),
                 in_backward: false,
                 reduced: false,
+                finishing: false,
                 reduction: None,
                 prefetched: None,
                 post_forward: None,
@@ -790,7 +793,7 @@ impl GroupInner {
                 }
             }
             if st.reshard_after_backward {
-                self.reshard_locked(st)?;
+                self.reshard_after_grads_locked(st)?;
             }
             return Ok(());
         }
@@ -830,6 +833,17 @@ impl GroupInner {
             outputs.push(Some(out));
         }
         st.reduction = Some(Reduction { works, outputs });
+        self.reshard_after_grads_locked(st)
+    }
+
+    /// Reshards once every trainable parameter's gradient is in, unless the group has
+    /// frozen parameters: autograd may still use those for other tensors' gradients (a
+    /// frozen weight for its input's), so such a group keeps them until the end of the
+    /// backward pass.
+    fn reshard_after_grads_locked(&self, st: &mut State) -> Result<()> {
+        if self.meta.iter().any(|m| !m.requires_grad) && !st.finishing {
+            return Ok(());
+        }
         self.reshard_locked(st)
     }
 
@@ -840,7 +854,16 @@ impl GroupInner {
         if !st.in_backward {
             return Ok(());
         }
-        let result = self.finish_locked(&mut st);
+        st.finishing = true;
+        let result = self.finish_locked(&mut st).and_then(|()| {
+            // A group with frozen parameters kept them until now.
+            if st.requires_gradient_sync || st.reshard_after_backward {
+                self.reshard_locked(&mut st)
+            } else {
+                Ok(())
+            }
+        });
+        st.finishing = false;
         st.post_forward = None;
         st.in_backward = false;
         st.reduced = false;
