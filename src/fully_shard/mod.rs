@@ -55,7 +55,7 @@ use tch_dist_core::hooks::{
 use tch_dist_core::path::join_fqn;
 use tch_dist_core::{contract, Shardable};
 use tch_dist_runtime::fsdp::{
-    tensor_identity, FsdpGroup, FsdpGroupOptions, ManagedParam, ShardInfo,
+    is_float, tensor_identity, FsdpGroup, FsdpGroupOptions, ManagedParam, ShardInfo,
 };
 use tch_dist_runtime::{
     default_group, DistError, GroupOptions, ProcessGroup, UseGuard, BROADCAST_BUCKET_BYTES,
@@ -202,14 +202,6 @@ impl Default for MixedPrecisionPolicy {
             cast_forward_inputs: true,
         }
     }
-}
-
-/// Whether `kind` is a floating-point dtype (the ones mixed precision casts).
-fn is_float(kind: Kind) -> bool {
-    matches!(
-        kind,
-        Kind::Half | Kind::Float | Kind::Double | Kind::BFloat16
-    )
 }
 
 /// What `fully_shard` keeps per managed module (PyTorch's `FSDPModule` methods), returned

@@ -53,20 +53,9 @@ pub struct FsdpGroupOptions {
     pub post_forward_group: Option<ProcessGroup>,
 }
 
-impl FsdpGroupOptions {
-    /// Plain options: `reshard_after_forward`, no mixed precision.
-    pub fn new(reshard_after_forward: bool) -> Self {
-        FsdpGroupOptions {
-            reshard_after_forward,
-            param_dtype: None,
-            reduce_dtype: None,
-            post_forward_group: None,
-        }
-    }
-}
-
-/// Whether a mixed-precision dtype applies to tensors of `kind` (floating point only).
-fn is_float(kind: Kind) -> bool {
+/// Whether mixed precision casts tensors of `kind` (the floating-point dtypes); the facade's
+/// input and output casts use it too.
+pub fn is_float(kind: Kind) -> bool {
     matches!(
         kind,
         Kind::Half | Kind::Float | Kind::Double | Kind::BFloat16
@@ -602,16 +591,33 @@ impl GroupInner {
             w.wait()?;
         }
         let world = self.group.world_size() as i64;
-        let gathered = gather.gathered;
+        self.install_gathered(st, &gather.gathered, world, |m| {
+            Some((&m.layout, m.offset, self.buckets[m.bucket].numel))
+        })
+    }
+
+    /// Restores the full tensors from `gathered` (per bucket, `ranks` rows of padded
+    /// shards end to end; `place` says where a parameter's shard sits in a row: its layout,
+    /// its offset and the row's length) and points each parameter at its full tensor.
+    fn install_gathered<'m>(
+        &'m self,
+        st: &mut State,
+        gathered: &[Tensor],
+        ranks: i64,
+        place: impl Fn(&'m ParamMeta) -> Option<(&'m ShardLayout, i64, i64)>,
+    ) -> Result<()> {
         tch::no_grad(|| -> Result<()> {
             for (i, m) in self.meta.iter().enumerate() {
-                let l = &m.layout;
+                let Some((l, offset, width)) = place(m) else {
+                    continue;
+                };
                 let t = &mut st.tensors[i];
                 hooks::restore_storage(&t.full)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
-                let rows = gathered[m.bucket]
-                    .view([world, self.buckets[m.bucket].numel])
-                    .narrow(1, m.offset, l.padded_numel());
+                let rows =
+                    gathered[m.bucket]
+                        .view([ranks, width])
+                        .narrow(1, offset, l.padded_numel());
                 l.copy_from_rank_major(&t.full, &rows);
                 hooks::set_data(&t.handle, &t.full)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
@@ -665,25 +671,10 @@ impl GroupInner {
         for w in works {
             w.wait()?;
         }
-        tch::no_grad(|| -> Result<()> {
-            for (i, m) in self.meta.iter().enumerate() {
-                let Some((l, off)) = &m.post_forward else {
-                    continue;
-                };
-                let t = &mut st.tensors[i];
-                hooks::restore_storage(&t.full)
-                    .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
-                let rows = gathered[m.bucket]
-                    .view([n, self.buckets[m.bucket].post_forward_numel])
-                    .narrow(1, *off, l.padded_numel());
-                l.copy_from_rank_major(&t.full, &rows);
-                hooks::set_data(&t.handle, &t.full)
-                    .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
-            }
-            Ok(())
-        })?;
-        st.sharded = false;
-        Ok(())
+        self.install_gathered(st, &gathered, n, |m| {
+            let (l, off) = m.post_forward.as_ref()?;
+            Some((l, *off, self.buckets[m.bucket].post_forward_numel))
+        })
     }
 
     /// Starts gathering the group's parameters ahead of their use (nothing to do when they

@@ -17,6 +17,6 @@ mod group;
 mod hooks;
 mod layout;
 
-pub use group::{FsdpGroup, FsdpGroupOptions, ManagedParam, ShardInfo};
+pub use group::{is_float, FsdpGroup, FsdpGroupOptions, ManagedParam, ShardInfo};
 pub use hooks::{storage_nbytes, tensor_identity};
 pub use layout::ShardLayout;
