@@ -146,6 +146,24 @@ fn max_diff_full(m: &Model, reference: &nn::VarStore) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// One optimizer step of `reference` on the whole batch of `step` and of `m` on this rank's
+/// rows of it.
+fn step_both(
+    reference: &Model,
+    ref_opt: &mut nn::Optimizer,
+    m: &Model,
+    opt: &mut nn::Optimizer,
+    step: usize,
+    pg: &ProcessGroup,
+) {
+    let (x, y) = batch(step);
+    ref_opt.backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean));
+    let loss = m
+        .call(&slice(&x, pg))
+        .mse_loss(&slice(&y, pg), tch::Reduction::Mean);
+    opt.backward_step(&loss);
+}
+
 /// Between steps every managed parameter holds this rank's rows and nothing is gathered.
 fn assert_sharded(m: &Model, vs: &nn::VarStore, pg: &ProcessGroup) {
     let (world, rank) = (pg.world_size() as i64, pg.rank() as i64);
@@ -206,12 +224,7 @@ fn train(pg: &ProcessGroup, groups: Groups, steps: usize) -> (f64, f64) {
     let mut opt = nn::AdamW::default().build(&vs, 1e-2).unwrap();
     let mut ref_opt = nn::AdamW::default().build(&ref_vs, 1e-2).unwrap();
     for step in 0..steps {
-        let (x, y) = batch(step);
-        ref_opt.backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean));
-        let loss = m
-            .call(&slice(&x, pg))
-            .mse_loss(&slice(&y, pg), tch::Reduction::Mean);
-        opt.backward_step(&loss);
+        step_both(&reference, &mut ref_opt, &m, &mut opt, step, pg);
         assert_sharded(&m, &vs, pg);
     }
     let moved = initial
@@ -606,12 +619,7 @@ fn with_replicate(pg: &ProcessGroup) -> f64 {
     let mut opt = nn::AdamW::default().build(&vs, 1e-2).unwrap();
     let mut ref_opt = nn::AdamW::default().build(&ref_vs, 1e-2).unwrap();
     for step in 0..3 {
-        let (x, y) = batch(step);
-        ref_opt.backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean));
-        let loss = m
-            .call(&slice(&x, pg))
-            .mse_loss(&slice(&y, pg), tch::Reduction::Mean);
-        opt.backward_step(&loss);
+        step_both(&reference, &mut ref_opt, &m, &mut opt, step, pg);
     }
     max_diff_full(&m, &ref_vs)
 }
@@ -661,23 +669,25 @@ fn two_d(pg: &ProcessGroup) -> f64 {
     max_diff_full(&m, &ref_vs)
 }
 
+fn composition_cases(pg: ProcessGroup) {
+    let diff = with_replicate(&pg);
+    assert!(
+        diff < 1e-5,
+        "fully_shard + replicate vs one process: {diff}"
+    );
+    let diff = two_d(&pg);
+    assert!(
+        diff < 1e-5,
+        "shard_module + fully_shard vs one process: {diff}"
+    );
+}
+
 #[test]
 fn composes_with_replicate_and_shard_module_at_2_ranks() {
     run_ranks(
         "composes_with_replicate_and_shard_module_at_2_ranks",
         2,
-        |pg| {
-            let diff = with_replicate(&pg);
-            assert!(
-                diff < 1e-5,
-                "fully_shard + replicate vs one process: {diff}"
-            );
-            let diff = two_d(&pg);
-            assert!(
-                diff < 1e-5,
-                "shard_module + fully_shard vs one process: {diff}"
-            );
-        },
+        composition_cases,
     );
 }
 
@@ -686,18 +696,7 @@ fn composes_with_replicate_and_shard_module_at_3_ranks() {
     run_ranks(
         "composes_with_replicate_and_shard_module_at_3_ranks",
         3,
-        |pg| {
-            let diff = with_replicate(&pg);
-            assert!(
-                diff < 1e-5,
-                "fully_shard + replicate vs one process: {diff}"
-            );
-            let diff = two_d(&pg);
-            assert!(
-                diff < 1e-5,
-                "shard_module + fully_shard vs one process: {diff}"
-            );
-        },
+        composition_cases,
     );
 }
 
@@ -912,12 +911,7 @@ fn frozen_weight_trained_bias_at_2_ranks() {
             let mut opt = nn::AdamW::default().build(&vs, 1e-2).unwrap();
             let mut ref_opt = nn::AdamW::default().build(&ref_vs, 1e-2).unwrap();
             for step in 0..3 {
-                let (x, y) = batch(step);
-                ref_opt.backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean));
-                let loss = m
-                    .call(&slice(&x, &pg))
-                    .mse_loss(&slice(&y, &pg), tch::Reduction::Mean);
-                opt.backward_step(&loss);
+                step_both(&reference, &mut ref_opt, &m, &mut opt, step, &pg);
             }
             let diff = max_diff_full(&m, &ref_vs);
             assert!(
