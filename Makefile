@@ -14,12 +14,24 @@ NPROC ?= 2
 
 .PHONY: setup demo test lint doc bench gpu-check
 
-setup: $(SETUP_STAMP) $(GLOO_HEADER)
+# Paths that do not name the venv's Python version (whatever python3 is): the venv's torch
+# (.cargo/config.toml's LIBTORCH) and the examples' dataset.
+TORCH_LINK := $(VENV)/torch
+DIGITS := data/digits.csv.gz
+
+setup: $(SETUP_STAMP) $(GLOO_HEADER) $(TORCH_LINK) $(DIGITS)
 
 $(SETUP_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_PACKAGES)
 	touch $@
+
+$(TORCH_LINK): $(SETUP_STAMP)
+	ln -sfn "$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))')" $@
+
+$(DIGITS): $(SETUP_STAMP)
+	mkdir -p $(dir $@)
+	cp "$$($(PY) -c 'import os, sklearn.datasets as d; print(os.path.join(os.path.dirname(d.__file__), "data", "digits.csv.gz"))')" $@
 
 # gloo's headers (Debian's libgloo-dev) let the shim compile ProcessGroupGloo.hpp; gloo
 # itself lives inside libtorch_cpu.so.

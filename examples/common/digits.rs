@@ -1,21 +1,26 @@
-//! scikit-learn's handwritten digits (8x8 images, 1797 samples), read from the `.venv`'s
-//! scikit-learn, for the examples.
+//! scikit-learn's handwritten digits (8x8 images, 1797 samples) for the examples: `make
+//! setup` copies scikit-learn's `digits.csv.gz` to `data/digits.csv.gz`.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use tch::{Device, Kind, Tensor};
 
-/// Where `make setup` puts the dataset.
+/// Where `make setup` puts the dataset, relative to the working directory (the repository's
+/// root, where `make demo` runs); the examples' `--data` names another place.
 pub fn default_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join(".venv/lib/python3.11/site-packages/sklearn/datasets/data/digits.csv.gz")
+    PathBuf::from("data/digits.csv.gz")
 }
 
 /// The digits as (images [n, 64] scaled to [0, 1], labels [n]).
 pub fn load_digits(path: &Path) -> Result<(Tensor, Tensor), String> {
     let file = std::fs::File::open(path)
-        .map_err(|e| format!("{}: {e} (run `make setup`)", path.display()))?;
+        .map_err(|e| {
+            format!(
+                "{}: {e} (run `make setup` in the repository's root, or pass --data)",
+                path.display()
+            )
+        })?;
     let mut text = String::new();
     flate2::read::GzDecoder::new(file)
         .read_to_string(&mut text)
