@@ -126,7 +126,8 @@ pub use tch_dist_runtime::{
     LaunchEnv, Mismatch, NamedSignature, Object, PickleError, PowerSgdOptions, ProcessGroup,
     ReduceOp, Reducer, ReducerOptions, ReducerStats, RendezvousError, Result, Store,
     TensorSignature, Work, BROADCAST_BUCKET_BYTES, CUDA_VIA_GLOO_ENV, DEBUG_ENV,
-    DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES, DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT,
+    DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES, DEFAULT_MASTER_PORT, DEFAULT_NCCL_TIMEOUT,
+    DEFAULT_TIMEOUT,
     INIT_BARRIER_ENV, NO_SHORTCUTS_ENV, RUN_ID_ENV, TORCH_DEBUG_ENV, USE_AGENT_STORE_ENV,
 };
 

@@ -4,8 +4,14 @@ use std::time::Duration;
 
 use crate::error::{EnvError, Result};
 
-/// PyTorch's default timeout for process groups and their collectives (30 minutes).
+/// PyTorch's default timeout for process groups and their collectives (30 minutes), for
+/// every backend string but `"nccl"` ([`DEFAULT_NCCL_TIMEOUT`]).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// PyTorch's default timeout for a group created with the backend string `"nccl"`
+/// (`Backend::NcclOnly`): 10 minutes (`torch.distributed.constants.default_pg_nccl_timeout`).
+/// Like PyTorch, `"cpu:gloo,cuda:nccl"` (`Backend::Nccl`) keeps [`DEFAULT_TIMEOUT`].
+pub const DEFAULT_NCCL_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 
 /// torchrun's default MASTER_PORT.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;

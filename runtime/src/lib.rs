@@ -32,7 +32,8 @@ pub use coalesced::BROADCAST_BUCKET_BYTES;
 pub use collectives::{ReduceOp, Work};
 pub use devices::{first_shared_gpu, DeviceClaim};
 pub use env::{
-    DebugLevel, LaunchEnv, DEBUG_ENV, DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT, RUN_ID_ENV,
+    DebugLevel, LaunchEnv, DEBUG_ENV, DEFAULT_MASTER_PORT, DEFAULT_NCCL_TIMEOUT, DEFAULT_TIMEOUT,
+    RUN_ID_ENV,
     TORCH_DEBUG_ENV,
 };
 pub use error::{

@@ -10,7 +10,9 @@ use std::time::Duration;
 use tch::Device;
 
 use crate::devices::DeviceClaim;
-use crate::env::{is_loopback, read_switch, DebugLevel, LaunchEnv, DEFAULT_TIMEOUT};
+use crate::env::{
+    is_loopback, read_switch, DebugLevel, LaunchEnv, DEFAULT_NCCL_TIMEOUT, DEFAULT_TIMEOUT,
+};
 use crate::error::{ArgumentError, DistError, EnvError, RendezvousError, Result};
 use crate::ffi::{self, shim};
 use crate::rendezvous::{self, Deadline};
@@ -62,6 +64,23 @@ impl Backend {
             Backend::Nccl
         } else {
             Backend::Gloo
+        }
+    }
+
+    /// PyTorch's default timeout for a group of this backend (`_get_default_timeout`): 10
+    /// minutes for `"nccl"` ([`Backend::NcclOnly`]), 30 minutes otherwise, `"cpu:gloo,cuda:nccl"`
+    /// included.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tch_dist_runtime::Backend;
+    /// assert_eq!(Backend::NcclOnly.default_timeout(), Duration::from_secs(600));
+    /// assert_eq!(Backend::Nccl.default_timeout(), Duration::from_secs(1800));
+    /// ```
+    pub fn default_timeout(&self) -> Duration {
+        match self {
+            Backend::NcclOnly => DEFAULT_NCCL_TIMEOUT,
+            Backend::Gloo | Backend::Nccl => DEFAULT_TIMEOUT,
         }
     }
 
@@ -241,7 +260,8 @@ pub struct InitOptions {
 }
 
 impl InitOptions {
-    /// Options with PyTorch's default timeout, the local rank equal to `rank`, no
+    /// Options with PyTorch's default timeout for `backend` ([`Backend::default_timeout`]),
+    /// the local rank equal to `rank`, no
     /// `device_id`, lazy NCCL connection and no test switch.
     pub fn new(
         backend: Backend,
@@ -259,7 +279,7 @@ impl InitOptions {
             eager_connect: false,
             master_addr: master_addr.into(),
             master_port,
-            timeout: DEFAULT_TIMEOUT,
+            timeout: backend.default_timeout(),
             shortcuts: true,
             cuda_via_gloo: false,
             debug: DebugLevel::Off,
