@@ -126,9 +126,9 @@ pub use tch_dist_runtime::{
     LaunchEnv, Mismatch, NamedSignature, Object, PickleError, PowerSgdOptions, ProcessGroup,
     ReduceOp, Reducer, ReducerOptions, ReducerStats, RendezvousError, Result, Store,
     TensorSignature, Work, BROADCAST_BUCKET_BYTES, CUDA_VIA_GLOO_ENV, DEBUG_ENV,
-    DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES, DEFAULT_MASTER_PORT, DEFAULT_NCCL_TIMEOUT,
-    DEFAULT_TIMEOUT,
-    INIT_BARRIER_ENV, NO_SHORTCUTS_ENV, RUN_ID_ENV, TORCH_DEBUG_ENV, USE_AGENT_STORE_ENV,
+    DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES, DEFAULT_MASTER_PORT,
+    DEFAULT_NCCL_TIMEOUT, DEFAULT_TIMEOUT, INIT_BARRIER_ENV, NO_SHORTCUTS_ENV, RUN_ID_ENV,
+    TORCH_DEBUG_ENV, USE_AGENT_STORE_ENV,
 };
 
 pub mod checkpoint;
@@ -152,6 +152,7 @@ pub mod data {
 pub use tch_dist_core::__private;
 pub use tch_dist_core::hooks::{Call, CallT, ForwardError};
 pub use tch_dist_core::path;
+pub use tch_dist_core::trace;
 pub use tch_dist_core::{
     check_against_var_store, contract, hooks, nn, registry, AsDynShardable, ContractApi,
     ContractError, FqnPath, ModuleKey, ModuleVisitor, ModuleVisitorMut, Shardable, TensorField,

@@ -49,6 +49,7 @@ pub use scope::{register_call_scope, CallScope};
 
 use crate::instances::{any_hooks, InstanceTable, PostHook, PreHook};
 use crate::key::{identify, ModuleKey};
+use crate::trace;
 use crate::walk::Shardable;
 
 /// Why a hook could not be registered.
@@ -286,7 +287,15 @@ fn run_hooked(
         }
     }
     let input = replaced.as_ref().unwrap_or(xs);
+    // The module's own forward, after its pre-hooks (an FSDP group's gather) and before its
+    // forward hooks.
+    let span = if trace::enabled() {
+        trace::span(format!("forward {}", module.type_name()), "forward")
+    } else {
+        None
+    };
     let mut out = forward(input);
+    drop(span);
     // Looked up again, as PyTorch does: hooks registered by the pre-hooks or by `forward`
     // run too.
     let (_, post) = hooks_of(&key, first);

@@ -24,6 +24,7 @@ mod key;
 pub mod nn;
 pub mod path;
 pub mod sharding;
+pub mod trace;
 mod var_store;
 mod walk;
 

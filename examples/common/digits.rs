@@ -14,13 +14,12 @@ pub fn default_path() -> PathBuf {
 
 /// The digits as (images [n, 64] scaled to [0, 1], labels [n]).
 pub fn load_digits(path: &Path) -> Result<(Tensor, Tensor), String> {
-    let file = std::fs::File::open(path)
-        .map_err(|e| {
-            format!(
-                "{}: {e} (run `make setup` in the repository's root, or pass --data)",
-                path.display()
-            )
-        })?;
+    let file = std::fs::File::open(path).map_err(|e| {
+        format!(
+            "{}: {e} (run `make setup` in the repository's root, or pass --data)",
+            path.display()
+        )
+    })?;
     let mut text = String::new();
     flate2::read::GzDecoder::new(file)
         .read_to_string(&mut text)

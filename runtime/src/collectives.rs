@@ -8,6 +8,7 @@ use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 use tch::Tensor;
+use tch_dist_core::trace;
 use torch_sys::C_tensor;
 
 use crate::error::{ArgumentError, DistError, Result};
@@ -128,6 +129,15 @@ pub struct Work {
     /// The group's timeout, which also bounds the backend's own wait for its peers.
     timeout: Duration,
     launched: Instant,
+    /// With `TCH_DIST_TRACE`: what the trace records of this operation once it is waited.
+    traced: Option<Box<TracedOp>>,
+}
+
+/// A collective being traced: its async event's id, launch time and group.
+struct TracedOp {
+    id: u64,
+    launched_us: f64,
+    group: String,
 }
 
 // SAFETY: c10d work objects may be waited on from any thread; we never share one between
@@ -155,9 +165,13 @@ impl Work {
     fn wait_for(&mut self, limit: Duration, reported: Duration, cpu_bound: bool) -> Result<()> {
         // c10d reads a zero timeout as "no timeout": wait at least a millisecond.
         let ms = millis(limit).max(1);
+        let wait_start = self.traced.as_ref().map(|_| trace::now_us());
         // SAFETY: live work handle; exceptions are caught in the shim.
         let result = shim!(tdr_work_wait(self.ptr.as_ptr(), ms, cpu_bound));
         let OpContext { rank, op, .. } = self.context;
+        if let Some(start) = wait_start {
+            self.trace_waited(start, result.is_ok());
+        }
         result.map_err(|e| match e.kind {
             // Our wait ended first.
             FailureKind::Timeout => DistError::Timeout {
@@ -178,6 +192,23 @@ impl Work {
             }
             _ => self.context.failure(e),
         })
+    }
+
+    /// Records the wait (on this thread) and the operation from its launch to now (its own
+    /// track); a wait that timed out is recorded, the operation only once it ended.
+    fn trace_waited(&mut self, wait_start: f64, done: bool) {
+        let end = trace::now_us();
+        let op = self.context.op;
+        trace::complete(&format!("wait {op}"), "wait", wait_start, end, &[]);
+        if done {
+            if let Some(t) = self.traced.take() {
+                let args = [
+                    ("group", t.group.clone()),
+                    ("end", "wait returned".to_string()),
+                ];
+                trace::collective(op, t.id, t.launched_us, end, &args);
+            }
+        }
     }
 
     /// Whether the operation runs on a CUDA stream (NCCL), so that [`Work::wait`] orders the
@@ -231,6 +262,13 @@ impl ProcessGroup {
         self.check_open(context.op)?;
         let mut out = std::ptr::null_mut();
         let launched = Instant::now();
+        let traced = trace::enabled().then(|| {
+            Box::new(TracedOp {
+                id: trace::next_id(),
+                launched_us: trace::now_us(),
+                group: self.group_name().to_string(),
+            })
+        });
         let err = call(self.raw(), &mut out);
         // SAFETY: `err` is the return value of the shim function `call` just called.
         unsafe { ffi::take_error(err) }.map_err(|e| context.failure(e))?;
@@ -245,6 +283,7 @@ impl ProcessGroup {
             context,
             timeout: self.timeout(),
             launched,
+            traced,
         })
     }
 

@@ -33,8 +33,7 @@ pub use collectives::{ReduceOp, Work};
 pub use devices::{first_shared_gpu, DeviceClaim};
 pub use env::{
     DebugLevel, LaunchEnv, DEBUG_ENV, DEFAULT_MASTER_PORT, DEFAULT_NCCL_TIMEOUT, DEFAULT_TIMEOUT,
-    RUN_ID_ENV,
-    TORCH_DEBUG_ENV,
+    RUN_ID_ENV, TORCH_DEBUG_ENV,
 };
 pub use error::{
     ArgumentError, CallTensor, CollectiveCall, Desync, DistError, EnvError, Mismatch,

@@ -602,6 +602,7 @@ impl ProcessGroup {
     /// [`DistError::DuplicateDevice`] naming both, before NCCL would refuse them; with Gloo
     /// beside NCCL only), and, with `eager_connect`, creates NCCL's communicator.
     pub fn new(opts: &InitOptions) -> Result<ProcessGroup> {
+        flush_trace_at_exit();
         let deadline = Deadline::after(opts.timeout);
         let rendezvous = |problem: RendezvousError| DistError::Rendezvous {
             rank: opts.rank,
@@ -1022,6 +1023,7 @@ impl ProcessGroup {
     /// ```
     pub fn shutdown(&self) {
         self.inner.shutdown();
+        tch_dist_core::trace::flush();
     }
 
     /// Whether [`shutdown`](Self::shutdown) was called on this group (or on the group it was
@@ -1204,6 +1206,24 @@ pub fn destroy_process_group() {
     let group = default_slot().take();
     if let Some(pg) = group {
         pg.shutdown();
+    }
+}
+
+/// With `TCH_DIST_TRACE`, the trace's last events are written when the process exits
+/// (registered once, by the first group a process creates).
+fn flush_trace_at_exit() {
+    extern "C" fn flush_at_exit() {
+        // Nothing may unwind out of an atexit handler.
+        let _ = std::panic::catch_unwind(tch_dist_core::trace::flush);
+    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    if tch_dist_core::trace::enabled() {
+        ONCE.call_once(|| {
+            // SAFETY: registers a handler that takes no arguments and catches every panic;
+            // atexit only fails when its table is full, and then the trace keeps what the
+            // last periodic write put there.
+            unsafe { libc::atexit(flush_at_exit) };
+        });
     }
 }
 

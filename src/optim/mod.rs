@@ -265,6 +265,7 @@ impl Optimizer {
 
     /// One step over the parameters that have a gradient. On an error nothing changed.
     pub fn step(&mut self) -> Result<(), OptimError> {
+        let _span = tch_dist_core::trace::span(self.algorithm.name(), "optimizer");
         let mut ready = Vec::new();
         for (fqn, p) in &self.params {
             let g = p.grad();

@@ -190,6 +190,12 @@ impl ReducerInner {
         let Some(pass) = st.pass.take() else {
             return Ok(());
         };
+        if let Some(start) = pass.started_us {
+            // The backward pass as the reducer saw it: from its first gradient to the end of
+            // backward (before the waits that finish the pass).
+            let end = tch_dist_core::trace::now_us();
+            tch_dist_core::trace::complete("backward (replicate)", "backward", start, end, &[]);
+        }
         let result = self.finalize(&mut st, pass, backward_end);
         if let Err(e) = &result {
             st.failed = Some(e.clone());

@@ -53,6 +53,8 @@ pub(crate) struct Pass {
     pub flushing: bool,
     /// When the first collective of the pass was launched.
     pub first_launch: Option<Instant>,
+    /// With `TCH_DIST_TRACE`: when the pass began (its first gradient), on the trace's clock.
+    pub started_us: Option<f64>,
 }
 
 impl Pass {
@@ -73,6 +75,7 @@ impl Pass {
             in_place_flight: Vec::new(),
             flushing: false,
             first_launch: None,
+            started_us: tch_dist_core::trace::enabled().then(tch_dist_core::trace::now_us),
         }
     }
 
