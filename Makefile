@@ -56,6 +56,7 @@ test: setup
 
 lint: setup
 	# README.md's and docs/FROM_PYTORCH.md's Rust blocks compile as copied (no hidden lines).
+	$(PYTHON) docs/check_blocks.py --self-test
 	$(PYTHON) docs/check_blocks.py
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings

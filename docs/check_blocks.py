@@ -83,7 +83,26 @@ def problems(path, text):
                    f"copied: add `fn main`, or start it with a `{FRAGMENT}: ...` comment")
 
 
+def self_test():
+    """The rules on small cases: `python3 docs/check_blocks.py --self-test`."""
+    def count(md):
+        return len(list(problems("t.md", md)))
+    program = "```rust,no_run\nfn main() {\n    #[derive(Debug)]\n    struct A;\n}\n```\n"
+    assert count(program) == 0, "a program with `#[derive]` (not a hidden line)"
+    assert count("```rust\n# fn main() {\nlet x = 1;\n# }\n```\n") == 1, "hidden lines"
+    assert count("```\nlet x = 1;\n```\n") == 1, "a bare block is Rust to rustdoc, no main"
+    assert count("```rust,no_run\n# use a::b;\n// Fragment: see x.rs\nb();\n```\n") == 0
+    assert count("```python\n# a comment\nx = 1\n```\n") == 0, "not Rust"
+    assert count("```sh\nmake\n```\n") == 0
+    assert count("```rust\nfn main() {\n    ## not hidden\n}\n```\n") == 0, "`##` escapes"
+    assert count("~~~rust\n# x\n~~~\n") == 1, "tilde fences"
+    print("check_blocks: self-test passed")
+    return 0
+
+
 def main(argv):
+    if argv[1:] == ["--self-test"]:
+        return self_test()
     files = argv[1:] or DEFAULT_FILES
     found = []
     for path in files:
