@@ -55,6 +55,9 @@ test: setup
 	$(CARGO) test --workspace --doc --exclude tch-dist-macros
 
 lint: setup
+	# README.md's and docs/FROM_PYTORCH.md's Rust blocks compile as copied (no hidden lines).
+	$(PYTHON) docs/check_blocks.py --self-test
+	$(PYTHON) docs/check_blocks.py
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps

@@ -19,9 +19,9 @@
 //! Data-parallel training is an ordinary tch loop once the model is replicated:
 //!
 //! ```no_run
-//! use tch::nn::{self, Module, OptimizerConfig};
+//! use tch::nn::{self, Module};
 //! use tch::{Device, Kind, Tensor};
-//! use tch_dist::{init_process_group, replicate, Backend, Call, Shardable};
+//! use tch_dist::{init_process_group, optim, replicate, Backend, Call, Shardable};
 //!
 //! #[derive(Debug, Shardable)]
 //! struct Net {
@@ -45,12 +45,12 @@
 //! };
 //! // Broadcasts rank 0's parameters and hooks gradient averaging into backward.
 //! replicate::apply(&model, replicate::Options::default())?;
-//! let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+//! let mut opt = optim::Sgd::default().build(&vs, 0.1)?; // torch.optim.SGD
 //! for _ in 0..10 {
 //!     let x = Tensor::randn([8, 4], (Kind::Float, Device::Cpu)); // this rank's batch
 //!     let y = Tensor::randint(2, [8], (Kind::Int64, Device::Cpu));
-//!     // `call` runs replicate's forward hook; backward averages gradients across ranks.
-//!     opt.backward_step(&model.call(&x).cross_entropy_for_logits(&y));
+//!     // `f_call` runs replicate's forward hook; backward averages gradients across ranks.
+//!     opt.backward_step(&model.f_call(&x)?.cross_entropy_for_logits(&y))?;
 //! }
 //! # let _ = pg;
 //! # Ok(()) }
@@ -58,6 +58,24 @@
 //!
 //! Start it with the launcher: `tch-dist-run --nproc-per-node 2 -- target/release/my_program`
 //! (or under `torchrun --no-python`, or `srun`).
+//!
+//! **Optimizers.** [`optim`]'s `Sgd` and `AdamW` are torch.optim's; their state is
+//! reachable, so [`checkpoint::save_with_optimizer`] saves it, and `backward_step` returns
+//! an error. tch's `nn::Sgd`/`nn::AdamW` train these models too, but their state cannot be
+//! checkpointed and their `backward_step` panics when a collective fails.
+//!
+//! **Errors from forward and backward.** tch's `Module::forward` returns no `Result`, so
+//! `call` panics with a failing hook's error and [`Call::f_call`] returns it
+//! ([`ForwardError::downcast_ref`] gives the typed error). libtorch's backward pass carries
+//! only a message: `opt.backward_step(&loss)?` returns it (`optim::OptimError::Backward`),
+//! and the typed error of the collective that failed is kept by the API that ran it:
+//! [`replicate::prepare_forward`] (the wrapper's `prepare_forward`) returns the reducer's
+//! after the failed backward, [`fully_shard::FsdpState::take_backward_error`] fully_shard's.
+//!
+//! **Field names are `VarStore` paths.** A `#[derive(Shardable)]` struct names its tensors
+//! after its fields, the `VarStore` after the paths its layers were built under; the
+//! optimizer goes by the second, checkpoints and plans by the first, so build each field
+//! under its own name and call [`check_against_var_store`] once the model is built.
 //!
 //! Tensor parallelism shards the layers a plan names; FQNs and the `VarStore` stay as they
 //! were:

@@ -18,8 +18,8 @@
 //!   its methods.
 //!
 //! ```no_run
-//! use tch::nn::{self, Module, OptimizerConfig};
-//! use tch_dist::{replicate, Call, Shardable};
+//! use tch::nn::{self, Module};
+//! use tch_dist::{optim, replicate, Call, Shardable};
 //!
 //! #[derive(Debug, Shardable)]
 //! struct Net { fc1: nn::Linear, fc2: nn::Linear }
@@ -33,9 +33,9 @@
 //! let model = Net { fc1: nn::linear(vs.root() / "fc1", 4, 8, Default::default()),
 //!                   fc2: nn::linear(vs.root() / "fc2", 8, 2, Default::default()) };
 //! replicate::apply(&model, replicate::Options::default())?;
-//! let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+//! let mut opt = optim::Sgd::default().build(&vs, 0.1)?;
 //! let (x, y) = (tch::Tensor::randn([16, 4], tch::kind::FLOAT_CPU), tch::Tensor::zeros([16], tch::kind::INT64_CPU));
-//! opt.backward_step(&model.call(&x).cross_entropy_for_logits(&y));
+//! opt.backward_step(&model.f_call(&x)?.cross_entropy_for_logits(&y))?;
 //! # Ok(()) }
 //! ```
 

@@ -51,8 +51,8 @@ pub enum ClipGradError {
 /// and makes the gradients non-finite, as in PyTorch with `error_if_nonfinite=False`.
 ///
 /// ```no_run
-/// use tch::nn::{self, Module, OptimizerConfig};
-/// use tch_dist::{replicate, utils::clip_grad_norm, Call, Shardable};
+/// use tch::nn::{self, Module};
+/// use tch_dist::{optim, replicate, utils::clip_grad_norm, Call, Shardable};
 ///
 /// #[derive(Debug, Shardable)]
 /// struct Net { fc: nn::Linear }
@@ -64,12 +64,12 @@ pub enum ClipGradError {
 /// let vs = nn::VarStore::new(tch::Device::Cpu);
 /// let model = Net { fc: nn::linear(vs.root() / "fc", 4, 2, Default::default()) };
 /// replicate::apply(&model, replicate::Options::default())?;
-/// let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+/// let mut opt = optim::Sgd::default().build(&vs, 0.1)?;
 /// let x = tch::Tensor::randn([8, 4], tch::kind::FLOAT_CPU);
 /// opt.zero_grad();
 /// model.call(&x).square().mean(None).backward();
 /// let norm = clip_grad_norm(&model, 1.0, 2.0)?;
-/// opt.step();
+/// opt.step()?;
 /// # let _ = norm;
 /// # Ok(()) }
 /// ```

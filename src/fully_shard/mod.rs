@@ -16,8 +16,8 @@
 //! names the parameter):
 //!
 //! ```no_run
-//! use tch::nn::{self, Module, OptimizerConfig};
-//! use tch_dist::{fully_shard, Call, FsdpOptions, Shardable};
+//! use tch::nn::{self, Module};
+//! use tch_dist::{fully_shard, optim, Call, FsdpOptions, Shardable};
 //!
 //! #[derive(Debug, Shardable)]
 //! struct Net { blocks: Vec<nn::Linear>, head: nn::Linear }
@@ -38,9 +38,9 @@
 //! };
 //! for b in &model.blocks { fully_shard(b, FsdpOptions::default())?; } // bottom-up
 //! fully_shard(&model, FsdpOptions::default())?;                        // then the root
-//! let mut opt = nn::AdamW::default().build(&vs, 1e-3)?;                 // sees the shards
+//! let mut opt = optim::AdamW::default().build(&vs, 1e-3)?;              // sees the shards
 //! let (x, y) = (tch::Tensor::randn([8, 64], tch::kind::FLOAT_CPU), tch::Tensor::zeros([8], tch::kind::INT64_CPU));
-//! opt.backward_step(&model.call(&x).cross_entropy_for_logits(&y));
+//! opt.backward_step(&model.f_call(&x)?.cross_entropy_for_logits(&y))?;
 //! # Ok(()) }
 //! ```
 

@@ -13,8 +13,9 @@
 //!
 //! As in PyTorch, a parameter without a gradient is skipped (no update, no state), and a
 //! parameter's state starts at its first gradient. One difference: [`Optimizer::zero_grad`]
-//! zeroes gradients in place (tch's behaviour, and PyTorch's `zero_grad(set_to_none=False)`,
-//! which keeps `replicate`'s gradient buckets valid), so a parameter that once had a
+//! zeroes gradients in place (PyTorch's `zero_grad(set_to_none=False)`, which keeps
+//! `replicate`'s gradient buckets valid; PyTorch's default, and libtorch's `zero_grad()`
+//! that tch's optimizers call, set them to none), so a parameter that once had a
 //! gradient keeps taking part in steps (with a zero gradient: weight decay and momentum
 //! still apply). The parameters are the `VarStore`'s variables that require grad when the
 //! optimizer is built.

@@ -119,8 +119,8 @@ fn state_for(vs: &VarStore, opts: Options) -> Result<ReplicateState, ReplicateEr
 /// does not use are unused parameters (see `find_unused_parameters`).
 ///
 /// ```no_run
-/// use tch::nn::{self, Module, OptimizerConfig};
-/// use tch_dist::replicate;
+/// use tch::nn;
+/// use tch_dist::{optim, replicate};
 ///
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
@@ -130,10 +130,10 @@ fn state_for(vs: &VarStore, opts: Options) -> Result<ReplicateState, ReplicateEr
 ///     .add_fn(|xs| xs.relu())
 ///     .add(nn::linear(vs.root() / "fc2", 8, 2, Default::default()));
 /// let model = replicate::wrap(net, &vs, replicate::Options::default())?;
-/// let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+/// let mut opt = optim::Sgd::default().build(&vs, 0.1)?;
 /// let x = tch::Tensor::randn([16, 4], tch::kind::FLOAT_CPU);
 /// let y = tch::Tensor::zeros([16], tch::kind::INT64_CPU);
-/// opt.backward_step(&model.forward(&x).cross_entropy_for_logits(&y));
+/// opt.backward_step(&model.f_forward(&x)?.cross_entropy_for_logits(&y))?;
 /// # Ok(()) }
 /// ```
 pub fn wrap<M: Module>(
