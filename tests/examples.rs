@@ -353,3 +353,172 @@ fn weight_sync_pytorch_trainer_and_rust_workers() {
         assert!(out.contains("sent actions back"), "{out}");
     }
 }
+
+/// Runs 2 ranks of `name` with `TCH_DIST_TRACE` and returns each rank's trace events.
+fn traced_run(name: &str, args: &[&str]) -> Vec<Vec<serde_json::Value>> {
+    let dir = temp_dir(&format!("trace-{name}"));
+    let traces = dir.join("traces");
+    let exe = example(name);
+    let port = free_port();
+    let ranks: Vec<Child> = (0..2)
+        .map(|r| {
+            let mut cmd = Command::new(&exe);
+            cmd.args(args)
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("TCH_DIST_TIMEOUT_SECS", "60")
+                .env("TCH_DIST_TRACE", &traces)
+                .env_remove("TORCHELASTIC_RUN_ID")
+                .env_remove("TCH_DIST_DEBUG")
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            cmd.spawn().expect("starting an example")
+        })
+        .collect();
+    for (r, child) in ranks.into_iter().enumerate() {
+        let (status, out, err) = finish(child, Duration::from_secs(180));
+        assert!(status.success(), "{name} rank {r}:\n{out}\n{err}");
+    }
+    let events = (0..2)
+        .map(|r| {
+            let path = traces.join(format!("trace-rank{r}.json"));
+            let text = std::fs::read_to_string(&path)
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()));
+            v.as_array().expect("a JSON array of events").clone()
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(dir);
+    events
+}
+
+/// A traced event's name, phase, start and end (µs; an async event's end is its `e`).
+#[derive(Debug, Clone)]
+struct TraceSpan {
+    name: String,
+    start: f64,
+    end: f64,
+}
+
+/// The complete events (`X`) and the async pairs (`b`/`e`, by id) of one rank's trace.
+fn spans(events: &[serde_json::Value]) -> (Vec<TraceSpan>, Vec<TraceSpan>) {
+    let field = |e: &serde_json::Value, k: &str| e.get(k).and_then(|v| v.as_f64());
+    let name = |e: &serde_json::Value| e["name"].as_str().unwrap_or("").to_string();
+    let mut complete = Vec::new();
+    let mut begun = std::collections::HashMap::new();
+    let mut collectives = Vec::new();
+    for e in events {
+        let (Some(ts), Some(ph)) = (field(e, "ts"), e["ph"].as_str()) else {
+            continue; // metadata
+        };
+        match ph {
+            "X" => complete.push(TraceSpan {
+                name: name(e),
+                start: ts,
+                end: ts + field(e, "dur").expect("an X event has a duration"),
+            }),
+            "b" => {
+                begun.insert(e["id"].as_u64().expect("an id"), (name(e), ts));
+            }
+            "e" => {
+                let (n, start) = begun
+                    .remove(&e["id"].as_u64().unwrap())
+                    .expect("b before e");
+                collectives.push(TraceSpan {
+                    name: n,
+                    start,
+                    end: ts,
+                });
+            }
+            other => panic!("unexpected phase {other}"),
+        }
+    }
+    assert!(begun.is_empty(), "collectives never ended: {begun:?}");
+    (complete, collectives)
+}
+
+#[test]
+fn trace_of_train_ddp_shows_all_reduces_overlapping_backward() {
+    let dir = temp_dir("trace-ddp-ck");
+    let ck = dir.join("ck.safetensors");
+    let args = ["--epochs", "1", "--checkpoint", ck.to_str().unwrap()];
+    for (rank, events) in traced_run("train_ddp", &args).iter().enumerate() {
+        let (complete, collectives) = spans(events);
+        let backward: Vec<&TraceSpan> = complete
+            .iter()
+            .filter(|s| s.name == "backward (replicate)")
+            .collect();
+        assert!(
+            backward.len() > 10,
+            "rank {rank}: {} backward passes",
+            backward.len()
+        );
+        let all_reduces: Vec<&TraceSpan> = collectives
+            .iter()
+            .filter(|c| c.name == "all_reduce")
+            .collect();
+        // Overlap: every pass launched a bucket's all-reduce while backward still ran.
+        for b in &backward {
+            assert!(
+                all_reduces
+                    .iter()
+                    .any(|a| a.start >= b.start && a.start < b.end),
+                "rank {rank}: no all_reduce launched inside the backward pass at {}",
+                b.start
+            );
+        }
+        assert!(complete.iter().any(|s| s.name.starts_with("forward ")));
+        assert!(
+            complete.iter().any(|s| s.name == "SGD"),
+            "rank {rank}: no optimizer step"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn trace_of_train_fsdp_shows_each_gather_before_its_forward() {
+    for (rank, events) in traced_run("train_fsdp", &["--epochs", "1"])
+        .iter()
+        .enumerate()
+    {
+        let (complete, collectives) = spans(events);
+        let gathers: Vec<&TraceSpan> = collectives
+            .iter()
+            .filter(|c| c.name == "all_gather_into_tensor")
+            .collect();
+        let blocks: Vec<&TraceSpan> = complete
+            .iter()
+            .filter(|s| s.name == "forward Block")
+            .collect();
+        assert!(
+            blocks.len() > 10,
+            "rank {rank}: {} block forwards",
+            blocks.len()
+        );
+        // Each block's forward runs on gathered parameters: a gather launched and waited
+        // for before it began, since the block's previous forward.
+        let mut previous = f64::MIN;
+        for b in &blocks {
+            assert!(
+                gathers
+                    .iter()
+                    .any(|g| g.start > previous && g.start < b.start && g.end <= b.start),
+                "rank {rank}: no all_gather finished before the block forward at {}",
+                b.start
+            );
+            previous = previous.max(b.start);
+        }
+        assert!(
+            collectives
+                .iter()
+                .any(|c| c.name == "reduce_scatter_tensor"),
+            "rank {rank}: no reduce-scatter"
+        );
+    }
+}

@@ -290,7 +290,9 @@ fn run_hooked(
     // The module's own forward, after its pre-hooks (an FSDP group's gather) and before its
     // forward hooks.
     let span = if trace::enabled() {
-        trace::span(format!("forward {}", module.type_name()), "forward")
+        let type_name = module.type_name();
+        let short = type_name.rsplit("::").next().unwrap_or(type_name);
+        trace::span(format!("forward {short}"), "forward")
     } else {
         None
     };
