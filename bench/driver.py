@@ -53,6 +53,8 @@ import subprocess
 import sys
 import time
 
+import charts
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The CPU suite: what each model is, and its rounds / timed steps / warm-up steps (chosen so
@@ -556,6 +558,15 @@ def cpu_bench(a, r):
         print(f"model={m} " + " ".join(f"{k}={v:.3f}" for k, v in s.items()))
     if fsdp_summary:
         print("fsdp " + " ".join(f"{k}={v:.3f}" for k, v in fsdp_summary.items()))
+    # The same figures as pictures (docs/PERFORMANCE.md shows a run's charts).
+    per_model = {m: s["tch_dist_vs_pytorch_ddp"] for m, s in summary.items()}
+    for path in charts.write_charts(
+        os.path.join(ROOT, "target", "bench"),
+        per_model,
+        fsdp_summary,
+        caption=f"make bench, {a.nproc} ranks, Gloo, {time.strftime('%Y-%m-%d')}",
+    ):
+        print(f"chart: {path}")
     if not models:
         return None
     return summary[models[0]]["tch_dist_vs_pytorch_ddp"]
