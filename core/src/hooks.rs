@@ -6,6 +6,12 @@
 //! PyTorch. Inside a model's own `forward`, call children with `self.fc1.call(&x)` so that
 //! composable APIs can hook them.
 //!
+//! A block whose forward takes several tensors (`forward(x, mask)`) and returns one or a
+//! tuple is called with [`CallWith::call_with`]
+//! (`block.call_with([&x, &mask], |b, [x, mask]| b.forward(x, mask))`); its hooks see every
+//! input and output ([`register_forward_pre_hook_n`], [`register_forward_hook_n`]), and a
+//! one-tensor hook refuses such a call rather than see part of it ([`CallError`]).
+//!
 //! Hooks may fail ([`register_fallible_forward_pre_hook`], [`register_fallible_forward_hook`]):
 //! [`Call::f_call`] returns the [`ForwardError`] (also one raised by a child's hook inside
 //! `forward`), [`Call::call`] panics with its message, as PyTorch's `module(x)` raises.
@@ -453,7 +459,8 @@ fn run_hooked<const N: usize, O: CallOutput>(
             outs = replaced;
         }
     }
-    // The count was checked above: it is the one `forward` returned.
+    // Unreachable for the sealed `CallOutput` types: each takes back as many tensors as it
+    // gave, and the hooks' replacements were checked to be as many.
     O::from_tensors(outs).ok_or_else(|| {
         ForwardError::from_error(CallError::ReplacedOutputs {
             module: module.type_name(),
