@@ -549,9 +549,9 @@ fn catching_hook_errors<T>(f: impl FnOnce() -> Result<T, ForwardError>) -> Resul
 /// let err = catch_forward_errors(|| Ok(fc.call(&Tensor::ones([1, 3], tch::kind::FLOAT_CPU))));
 /// assert_eq!(err.unwrap_err().message(), "refused");
 /// ```
-pub fn catch_forward_errors<T>(
-    f: impl FnOnce() -> Result<T, ForwardError>,
-) -> Result<T, ForwardError> {
+pub fn catch_forward_errors(
+    f: impl FnOnce() -> Result<Tensor, ForwardError>,
+) -> Result<Tensor, ForwardError> {
     catching_hook_errors(f)
 }
 
@@ -569,7 +569,8 @@ pub fn raise_forward_error(e: ForwardError) -> ! {
     fail(e)
 }
 
-/// `module(x)`: forward with hooks, for any [`Module`] that is [`Shardable`].
+/// `module(x)`: forward with hooks, for any [`Module`] that is [`Shardable`] (a block of
+/// several inputs or outputs: [`CallWith`]).
 pub trait Call {
     /// Runs the pre-hooks, `forward`, then the forward hooks of this instance.
     ///
