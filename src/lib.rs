@@ -112,7 +112,10 @@
 //! forward hooks, which only `call` runs: a model's `forward` calls a sharded layer as
 //! `self.fc1.call(&x)`, not `x.apply(&self.fc1)` or `self.fc1.forward(&x)` (a sharded layer
 //! computes the unsharded layer's result only through its hooks). `shard_module` makes a
-//! bypass an error naming the layer and the fix (see [`sharding`]).
+//! bypass an error naming the layer and the fix (see [`sharding`]). A block whose forward
+//! takes several tensors (`forward(x, mask)`) is called with [`CallWith::call_with`]:
+//! `self.block.call_with([&x, &mask], |b, [x, mask]| b.forward(x, mask))`, whose hooks see
+//! every input and output (a tuple of tensors too).
 //!
 //! For a model that is not a `Shardable` struct (`nn::seq()`, `nn::func`, any `impl Module`),
 //! [`replicate::wrap`] is PyTorch's `DistributedDataParallel(model)`:
@@ -168,7 +171,7 @@ pub mod data {
 
 #[doc(hidden)]
 pub use tch_dist_core::__private;
-pub use tch_dist_core::hooks::{Call, CallT, ForwardError};
+pub use tch_dist_core::hooks::{Call, CallT, CallWith, ForwardError};
 pub use tch_dist_core::path;
 pub use tch_dist_core::trace;
 pub use tch_dist_core::{

@@ -41,7 +41,7 @@
 
 use tch::{Device, Tensor};
 use tch_dist_core::hooks::{
-    register_fallible_forward_pre_hook, ForwardError, HookError, RemovableHandle,
+    register_fallible_forward_pre_hook_n, ForwardError, HookError, RemovableHandle,
 };
 use tch_dist_core::{contract, registry, ContractError, ModuleKey, ModuleVisitor, Shardable};
 use tch_dist_runtime::{
@@ -414,7 +414,8 @@ impl ReplicateState {
     /// replicate's work before a forward, shared by the derive form's pre-hook and the
     /// wrapper's `forward`: the previous iteration's unfinished-reduction check, the buffer
     /// broadcast, and the input's move to `device_id` (`Some` when it moved).
-    fn pre_forward(&self, xs: &Tensor) -> Result<Option<Tensor>, DistError> {
+    /// Over every input of the call (`Some`: the inputs moved to `input_device`).
+    fn pre_forward(&self, xs: &[Tensor]) -> Result<Option<Vec<Tensor>>, DistError> {
         self.reducer.prepare_for_forward()?;
         if self.broadcast_buffers {
             let buffers = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
@@ -423,7 +424,7 @@ impl ReplicateState {
                 .group()
                 .broadcast_coalesced(&buffers, 0, BROADCAST_BUCKET_BYTES)?;
         }
-        Ok(move_input(self.input_device, xs))
+        Ok(move_inputs(self.input_device, xs))
     }
 
     /// Runs `f` with gradient synchronisation off, then restores it (also on a panic).
@@ -440,11 +441,11 @@ impl ReplicateState {
     }
 }
 
-/// `xs` moved to `device`, when that is another device.
-fn move_input(device: Option<Device>, xs: &Tensor) -> Option<Tensor> {
+/// Every input of `xs` moved to `device`, when one is on another device.
+fn move_inputs(device: Option<Device>, xs: &[Tensor]) -> Option<Vec<Tensor>> {
     device
-        .filter(|d| xs.device() != *d)
-        .map(|d| xs.to_device(d))
+        .filter(|d| xs.iter().any(|x| x.device() != *d))
+        .map(|d| xs.iter().map(|x| x.to_device(d)).collect())
 }
 
 /// Whether `ignored` names `fqn`: the FQN itself, or a module prefix of it.
@@ -720,12 +721,12 @@ pub fn apply<M: Shardable + ?Sized>(
     };
     let mut replicated = set_up(group, found, &opts)?;
     let input_device = replicated.input_device;
-    let pre_hook = register_fallible_forward_pre_hook(module, move |m, xs| {
+    let pre_hook = register_fallible_forward_pre_hook_n(module, move |m, xs| {
         // PyTorch raises from forward here: `f_call` returns the error, `call` panics with it
         // (`replicate::prepare_forward` checks the same ahead of the call).
         match state(m) {
             Some(s) => s.pre_forward(xs).map_err(ForwardError::from_error),
-            None => Ok(move_input(input_device, xs)),
+            None => Ok(move_inputs(input_device, xs)),
         }
     })?;
     replicated.pre_hook = Some(pre_hook);

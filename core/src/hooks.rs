@@ -6,6 +6,12 @@
 //! PyTorch. Inside a model's own `forward`, call children with `self.fc1.call(&x)` so that
 //! composable APIs can hook them.
 //!
+//! A block whose forward takes several tensors (`forward(x, mask)`) and returns one or a
+//! tuple is called with [`CallWith::call_with`]
+//! (`block.call_with([&x, &mask], |b, [x, mask]| b.forward(x, mask))`); its hooks see every
+//! input and output ([`register_forward_pre_hook_n`], [`register_forward_hook_n`]), and a
+//! one-tensor hook refuses such a call rather than see part of it ([`CallError`]).
+//!
 //! Hooks may fail ([`register_fallible_forward_pre_hook`], [`register_fallible_forward_hook`]):
 //! [`Call::f_call`] returns the [`ForwardError`] (also one raised by a child's hook inside
 //! `forward`), [`Call::call`] panics with its message, as PyTorch's `module(x)` raises.
@@ -43,8 +49,10 @@ use std::sync::Arc;
 use tch::nn::{Module, ModuleT};
 use tch::Tensor;
 
+mod call_with;
 mod scope;
 
+pub use call_with::{CallError, CallOutput, CallWith};
 pub use scope::{register_call_scope, CallScope};
 
 use crate::instances::{any_hooks, InstanceTable, PostHook, PreHook};
@@ -171,6 +179,10 @@ fn resolve<M: Shardable + ?Sized>(module: &M) -> Result<(ModuleKey, &Tensor), Ho
 /// Registers a forward pre-hook on the instance `module`: `hook(module, input)` runs before
 /// `forward` in [`Call::call`]/[`CallT::call_t`]; returning `Some(t)` replaces the input.
 /// Hooks run in registration order (PyTorch's `register_forward_pre_hook`).
+///
+/// A one-tensor hook sees calls of one input only: on a [`CallWith::call_with`] of another
+/// arity it fails the call with [`CallError::OneTensorPreHook`] (it would otherwise miss
+/// inputs); [`register_forward_pre_hook_n`] registers a hook that sees every input.
 pub fn register_forward_pre_hook<M, F>(module: &M, hook: F) -> Result<RemovableHandle, HookError>
 where
     M: Shardable + ?Sized,
@@ -205,6 +217,70 @@ where
     M: Shardable + ?Sized,
     F: Fn(&dyn Shardable, &Tensor) -> Result<Option<Tensor>, ForwardError> + Send + Sync + 'static,
 {
+    register_fallible_forward_pre_hook_n(module, move |m, inputs| match inputs {
+        [xs] => Ok(hook(m, xs)?.map(|t| vec![t])),
+        _ => Err(ForwardError::from_error(CallError::OneTensorPreHook {
+            module: m.type_name(),
+            inputs: inputs.len(),
+        })),
+    })
+}
+
+/// Registers a forward pre-hook that sees every input of a call (PyTorch's pre-hooks get the
+/// `args` tuple): `hook(module, inputs)` runs before `forward` in [`Call::call`] (one input)
+/// and [`CallWith::call_with`] (any number); returning `Some(v)` replaces the inputs, with as
+/// many tensors.
+///
+/// ```
+/// use tch::{nn, Device, Tensor};
+/// use tch_dist_core::hooks::{register_forward_pre_hook_n, CallWith};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let fc = nn::linear(vs.root() / "fc", 2, 2, Default::default());
+/// // Doubles every input.
+/// register_forward_pre_hook_n(&fc, |_m, xs| Some(xs.iter().map(|x| x * 2.0).collect())).unwrap();
+/// let (x, y) = (Tensor::ones([1, 2], tch::kind::FLOAT_CPU), Tensor::ones([1, 2], tch::kind::FLOAT_CPU));
+/// let sum = fc.call_with([&x, &y], |fc, [x, y]| (x + y).apply(fc));
+/// assert!(sum.allclose(&(&x * 4.0).apply(&fc), 1e-6, 1e-6, false));
+/// ```
+pub fn register_forward_pre_hook_n<M, F>(module: &M, hook: F) -> Result<RemovableHandle, HookError>
+where
+    M: Shardable + ?Sized,
+    F: Fn(&dyn Shardable, &[Tensor]) -> Option<Vec<Tensor>> + Send + Sync + 'static,
+{
+    register_fallible_forward_pre_hook_n(module, move |m, xs| Ok(hook(m, xs)))
+}
+
+/// [`register_forward_pre_hook_n`]'s hook that may fail: an `Err` stops the call before
+/// `forward` runs, and [`CallWith::f_call_with`] (or [`Call::f_call`]) returns it.
+///
+/// ```
+/// use tch::{nn, Device, Tensor};
+/// use tch_dist_core::hooks::{register_fallible_forward_pre_hook_n, CallWith, ForwardError};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let fc = nn::linear(vs.root() / "fc", 2, 2, Default::default());
+/// register_fallible_forward_pre_hook_n(&fc, |_m, xs| match xs {
+///     [x, mask] if x.size() == mask.size() => Ok(None),
+///     _ => Err(ForwardError::new("fc: the mask must have the input's shape")),
+/// })
+/// .unwrap();
+/// let x = Tensor::ones([1, 2], tch::kind::FLOAT_CPU);
+/// let mask = Tensor::zeros([1, 1], tch::kind::FLOAT_CPU);
+/// let err = fc.f_call_with([&x, &mask], |fc, [x, m]| (x + m).apply(fc)).unwrap_err();
+/// assert_eq!(err.message(), "fc: the mask must have the input's shape");
+/// ```
+pub fn register_fallible_forward_pre_hook_n<M, F>(
+    module: &M,
+    hook: F,
+) -> Result<RemovableHandle, HookError>
+where
+    M: Shardable + ?Sized,
+    F: Fn(&dyn Shardable, &[Tensor]) -> Result<Option<Vec<Tensor>>, ForwardError>
+        + Send
+        + Sync
+        + 'static,
+{
     let (key, first) = resolve(module)?;
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     InstanceTable::lock().add_pre_hook(&key, first, id, Arc::new(hook) as PreHook);
@@ -214,6 +290,11 @@ where
 /// Registers a forward hook on the instance `module`: `hook(module, input, output)` runs
 /// after `forward`; returning `Some(t)` replaces the output. Hooks run in registration order
 /// (PyTorch's `register_forward_hook`).
+///
+/// A one-tensor hook sees calls of one input and one output only: on a
+/// [`CallWith::call_with`] of another arity it fails the call with
+/// [`CallError::OneTensorHook`]; [`register_forward_hook_n`] registers a hook that sees
+/// every input and output.
 pub fn register_forward_hook<M, F>(module: &M, hook: F) -> Result<RemovableHandle, HookError>
 where
     M: Shardable + ?Sized,
@@ -230,6 +311,70 @@ pub fn register_fallible_forward_hook<M, F>(
 where
     M: Shardable + ?Sized,
     F: Fn(&dyn Shardable, &Tensor, &Tensor) -> Result<Option<Tensor>, ForwardError>
+        + Send
+        + Sync
+        + 'static,
+{
+    register_fallible_forward_hook_n(module, move |m, inputs, outputs| match (inputs, outputs) {
+        ([xs], [out]) => Ok(hook(m, xs, out)?.map(|t| vec![t])),
+        _ => Err(ForwardError::from_error(CallError::OneTensorHook {
+            module: m.type_name(),
+            inputs: inputs.len(),
+            outputs: outputs.len(),
+        })),
+    })
+}
+
+/// Registers a forward hook that sees every input and every output of a call:
+/// `hook(module, inputs, outputs)` runs after `forward`; returning `Some(v)` replaces the
+/// outputs, with as many tensors.
+///
+/// ```
+/// use tch::{nn, Device, Tensor};
+/// use tch_dist_core::hooks::{register_forward_hook_n, CallWith};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let fc = nn::linear(vs.root() / "fc", 2, 2, Default::default());
+/// // Negates every output.
+/// register_forward_hook_n(&fc, |_m, _xs, outs| Some(outs.iter().map(|o| -o).collect()))
+///     .unwrap();
+/// let x = Tensor::ones([1, 2], tch::kind::FLOAT_CPU);
+/// let (y, z) = fc.call_with([&x], |fc, [x]| (x.apply(fc), x * 1.0));
+/// assert!(y.allclose(&-x.apply(&fc), 1e-6, 1e-6, false));
+/// assert!(z.allclose(&-&x, 1e-6, 1e-6, false));
+/// ```
+pub fn register_forward_hook_n<M, F>(module: &M, hook: F) -> Result<RemovableHandle, HookError>
+where
+    M: Shardable + ?Sized,
+    F: Fn(&dyn Shardable, &[Tensor], &[Tensor]) -> Option<Vec<Tensor>> + Send + Sync + 'static,
+{
+    register_fallible_forward_hook_n(module, move |m, xs, outs| Ok(hook(m, xs, outs)))
+}
+
+/// [`register_forward_hook_n`]'s hook that may fail: an `Err` ends the call, and
+/// [`CallWith::f_call_with`] (or [`Call::f_call`]) returns it.
+///
+/// ```
+/// use tch::{nn, Device, Tensor};
+/// use tch_dist_core::hooks::{register_fallible_forward_hook_n, CallWith, ForwardError};
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let fc = nn::linear(vs.root() / "fc", 2, 2, Default::default());
+/// register_fallible_forward_hook_n(&fc, |_m, _xs, outs| {
+///     Err(ForwardError::new(format!("fc: {} outputs refused", outs.len())))
+/// })
+/// .unwrap();
+/// let x = Tensor::ones([1, 2], tch::kind::FLOAT_CPU);
+/// let err = fc.f_call_with([&x], |fc, [x]| (x.apply(fc), x * 1.0)).unwrap_err();
+/// assert_eq!(err.message(), "fc: 2 outputs refused");
+/// ```
+pub fn register_fallible_forward_hook_n<M, F>(
+    module: &M,
+    hook: F,
+) -> Result<RemovableHandle, HookError>
+where
+    M: Shardable + ?Sized,
+    F: Fn(&dyn Shardable, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>, ForwardError>
         + Send
         + Sync
         + 'static,
@@ -267,26 +412,37 @@ fn hooks_of(key: &ModuleKey, first: &Tensor) -> (Vec<PreHook>, Vec<PostHook>) {
     }
 }
 
-fn run_hooked(
+/// A hooked call of `module` with `inputs`: the pre-hooks (each may replace the inputs),
+/// `forward`, then the forward hooks (each may replace the outputs). One implementation for
+/// every arity, so that [`Call::call`] and [`CallWith::call_with`] run hooks alike.
+fn run_hooked<const N: usize, O: CallOutput>(
     module: &dyn Shardable,
-    xs: &Tensor,
-    forward: impl FnOnce(&Tensor) -> Tensor,
-) -> Result<Tensor, ForwardError> {
+    inputs: [&Tensor; N],
+    forward: impl FnOnce([&Tensor; N]) -> O,
+) -> Result<O, ForwardError> {
     if !any_hooks() {
-        return Ok(forward(xs));
+        return Ok(forward(inputs));
     }
     let Some((key, first)) = identify(module) else {
-        return Ok(forward(xs));
+        return Ok(forward(inputs));
     };
     let _depth = CallDepth::enter();
     let (pre, _) = hooks_of(&key, first);
-    let mut replaced: Option<Tensor> = None;
+    // Hooks see (and may replace) the inputs as owned handles on the caller's tensors.
+    let mut args: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
     for h in &pre {
-        if let Some(t) = h(module, replaced.as_ref().unwrap_or(xs))? {
-            replaced = Some(t);
+        if let Some(replaced) = h(module, &args)? {
+            if replaced.len() != N {
+                return Err(ForwardError::from_error(CallError::ReplacedInputs {
+                    module: module.type_name(),
+                    expected: N,
+                    got: replaced.len(),
+                }));
+            }
+            args = replaced;
         }
     }
-    let input = replaced.as_ref().unwrap_or(xs);
+    let input: [&Tensor; N] = std::array::from_fn(|i| &args[i]);
     // The module's own forward, after its pre-hooks (an FSDP group's gather) and before its
     // forward hooks.
     let span = if trace::enabled() {
@@ -296,17 +452,33 @@ fn run_hooked(
     } else {
         None
     };
-    let mut out = forward(input);
+    let mut outs = forward(input).into_tensors();
     drop(span);
+    let expected = outs.len();
     // Looked up again, as PyTorch does: hooks registered by the pre-hooks or by `forward`
     // run too.
     let (_, post) = hooks_of(&key, first);
     for h in &post {
-        if let Some(t) = h(module, input, &out)? {
-            out = t;
+        if let Some(replaced) = h(module, &args, &outs)? {
+            if replaced.len() != expected {
+                return Err(ForwardError::from_error(CallError::ReplacedOutputs {
+                    module: module.type_name(),
+                    expected,
+                    got: replaced.len(),
+                }));
+            }
+            outs = replaced;
         }
     }
-    Ok(out)
+    // Unreachable for the sealed `CallOutput` types: each takes back as many tensors as it
+    // gave, and the hooks' replacements were checked to be as many.
+    O::from_tensors(outs).ok_or_else(|| {
+        ForwardError::from_error(CallError::ReplacedOutputs {
+            module: module.type_name(),
+            expected,
+            got: expected,
+        })
+    })
 }
 
 thread_local! {
@@ -351,9 +523,7 @@ fn fail(e: ForwardError) -> ! {
 
 /// Runs `f` as an `f_call`: a hook failing in a child called by `forward` (which cannot
 /// return an error) comes back as the `Err` of this call; any other panic goes on.
-fn catching_hook_errors(
-    f: impl FnOnce() -> Result<Tensor, ForwardError>,
-) -> Result<Tensor, ForwardError> {
+fn catching_hook_errors<T>(f: impl FnOnce() -> Result<T, ForwardError>) -> Result<T, ForwardError> {
     struct Depth;
     impl Drop for Depth {
         fn drop(&mut self) {
@@ -410,7 +580,8 @@ pub fn raise_forward_error(e: ForwardError) -> ! {
     fail(e)
 }
 
-/// `module(x)`: forward with hooks, for any [`Module`] that is [`Shardable`].
+/// `module(x)`: forward with hooks, for any [`Module`] that is [`Shardable`] (a block of
+/// several inputs or outputs: [`CallWith`]).
 pub trait Call {
     /// Runs the pre-hooks, `forward`, then the forward hooks of this instance.
     ///
@@ -441,11 +612,11 @@ pub trait Call {
 
 impl<M: Module + Shardable> Call for M {
     fn call(&self, xs: &Tensor) -> Tensor {
-        run_hooked(self, xs, |x| self.forward(x)).unwrap_or_else(|e| fail(e))
+        run_hooked(self, [xs], |[x]| self.forward(x)).unwrap_or_else(|e| fail(e))
     }
 
     fn f_call(&self, xs: &Tensor) -> Result<Tensor, ForwardError> {
-        catching_hook_errors(|| run_hooked(self, xs, |x| self.forward(x)))
+        catching_hook_errors(|| run_hooked(self, [xs], |[x]| self.forward(x)))
     }
 }
 
@@ -466,10 +637,10 @@ pub trait CallT {
 
 impl<M: ModuleT + Shardable> CallT for M {
     fn call_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        run_hooked(self, xs, |x| self.forward_t(x, train)).unwrap_or_else(|e| fail(e))
+        run_hooked(self, [xs], |[x]| self.forward_t(x, train)).unwrap_or_else(|e| fail(e))
     }
 
     fn f_call_t(&self, xs: &Tensor, train: bool) -> Result<Tensor, ForwardError> {
-        catching_hook_errors(|| run_hooked(self, xs, |x| self.forward_t(x, train)))
+        catching_hook_errors(|| run_hooked(self, [xs], |[x]| self.forward_t(x, train)))
     }
 }

@@ -18,12 +18,16 @@ use crate::hooks::ForwardError;
 use crate::key::ModuleKey;
 use crate::walk::Shardable;
 
-/// A stored forward pre-hook (infallible hooks are stored as ones that never fail).
-pub(crate) type PreHook =
-    Arc<dyn Fn(&dyn Shardable, &Tensor) -> Result<Option<Tensor>, ForwardError> + Send + Sync>;
-/// A stored forward (post-)hook.
+/// A stored forward pre-hook, over every input of a call (one-tensor and infallible hooks are
+/// stored as hooks of this form).
+pub(crate) type PreHook = Arc<
+    dyn Fn(&dyn Shardable, &[Tensor]) -> Result<Option<Vec<Tensor>>, ForwardError> + Send + Sync,
+>;
+/// A stored forward (post-)hook, over every input and every output of a call.
 pub(crate) type PostHook = Arc<
-    dyn Fn(&dyn Shardable, &Tensor, &Tensor) -> Result<Option<Tensor>, ForwardError> + Send + Sync,
+    dyn Fn(&dyn Shardable, &[Tensor], &[Tensor]) -> Result<Option<Vec<Tensor>>, ForwardError>
+        + Send
+        + Sync,
 >;
 
 pub(crate) struct Entry {

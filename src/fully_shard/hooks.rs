@@ -44,34 +44,46 @@ impl Scope {
 }
 
 impl CallScope for Scope {
-    fn enter(&self, _module: &dyn Shardable, _input: &Tensor) -> Result<u64, ForwardError> {
+    fn enter(&self, _module: &dyn Shardable, _inputs: &[Tensor]) -> Result<u64, ForwardError> {
         self.group.pre_forward().map_err(|e| self.failed(e))?;
         Ok(autograd_mark())
     }
 
+    /// Over every output of the call (a block returning a tuple has each hooked for
+    /// backward and checked for bypassed nested calls).
     fn exit(
         &self,
         _module: &dyn Shardable,
-        output: &Tensor,
+        outputs: &[Tensor],
         mark: u64,
     ) -> Result<(), ForwardError> {
         if let Some(guard) = &self.guard {
-            guard.claim(output, mark).map_err(|e| self.failed(e))?;
+            for output in outputs {
+                guard.claim(output, mark).map_err(|e| self.failed(e))?;
+            }
         }
         if !self.nested.is_empty() {
             let guards: Vec<&UseGuard> = self.nested.iter().map(|n| &*n.guard).collect();
-            let found =
-                UseGuard::first_unclaimed(&guards, output, mark).map_err(|e| self.failed(e))?;
-            if let Some((i, j)) = found {
-                // Gathered parameters go back to their shards before the error returns.
-                let _ = self.group.post_forward(&output.detach());
-                return Err(ForwardError::from_error(FsdpError::HooksBypassed {
-                    rank: self.rank,
-                    module: self.nested[i].module.clone(),
-                    param: self.nested[i].params[j].clone(),
-                }));
+            for output in outputs {
+                let found =
+                    UseGuard::first_unclaimed(&guards, output, mark).map_err(|e| self.failed(e))?;
+                if let Some((i, j)) = found {
+                    // Gathered parameters go back to their shards before the error returns.
+                    let detached: Vec<Tensor> = outputs.iter().map(Tensor::detach).collect();
+                    let _ = self
+                        .group
+                        .post_forward_outputs(&detached.iter().collect::<Vec<_>>());
+                    return Err(ForwardError::from_error(FsdpError::HooksBypassed {
+                        rank: self.rank,
+                        module: self.nested[i].module.clone(),
+                        param: self.nested[i].params[j].clone(),
+                    }));
+                }
             }
         }
-        self.group.post_forward(output).map_err(|e| self.failed(e))
+        let outputs: Vec<&Tensor> = outputs.iter().collect();
+        self.group
+            .post_forward_outputs(&outputs)
+            .map_err(|e| self.failed(e))
     }
 }

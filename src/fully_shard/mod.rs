@@ -49,7 +49,7 @@ use std::sync::{Arc, Mutex};
 
 use tch::{Kind, Tensor};
 use tch_dist_core::hooks::{
-    register_call_scope, register_fallible_forward_hook, register_fallible_forward_pre_hook,
+    register_call_scope, register_fallible_forward_hook_n, register_fallible_forward_pre_hook_n,
     RemovableHandle,
 };
 use tch_dist_core::path::join_fqn;
@@ -187,9 +187,11 @@ pub struct MixedPrecisionPolicy {
     pub param_dtype: Option<Kind>,
     /// Reduce gradients in this dtype; `None`: `param_dtype`, else the parameters' own.
     pub reduce_dtype: Option<Kind>,
-    /// Cast the module's output to this dtype; `None`: leave it.
+    /// Cast the module's floating-point outputs (each tensor of a tuple) to this dtype;
+    /// `None`: leave them.
     pub output_dtype: Option<Kind>,
-    /// Cast a floating-point input to `param_dtype` before the module runs (default `true`).
+    /// Cast every floating-point input to `param_dtype` before the module runs (each tensor
+    /// of a [`call_with`](crate::CallWith::call_with); default `true`).
     pub cast_forward_inputs: bool,
 }
 
@@ -590,15 +592,18 @@ pub fn fully_shard<M: Shardable + ?Sized>(
     });
     let mut hooks: Vec<RemovableHandle> = register_call_scope(module, scope)?.into();
     let mp = opts.mp_policy;
+    // Every floating input and output, as PyTorch's `_cast_fp_tensor` over the args pytree.
     if let Some(dtype) = mp.param_dtype.filter(|_| mp.cast_forward_inputs) {
-        hooks.push(register_fallible_forward_pre_hook(module, move |_, xs| {
-            Ok((is_float(xs.kind()) && xs.kind() != dtype).then(|| xs.to_kind(dtype)))
-        })?);
+        hooks.push(register_fallible_forward_pre_hook_n(
+            module,
+            move |_, xs| Ok(cast_floats(xs, dtype)),
+        )?);
     }
     if let Some(dtype) = mp.output_dtype {
-        hooks.push(register_fallible_forward_hook(module, move |_, _, out| {
-            Ok((is_float(out.kind()) && out.kind() != dtype).then(|| out.to_kind(dtype)))
-        })?);
+        hooks.push(register_fallible_forward_hook_n(
+            module,
+            move |_, _, outs| Ok(cast_floats(outs, dtype)),
+        )?);
     }
     let own_identities: Vec<u64> = identities.iter().map(|(id, _)| *id).collect();
     MANAGED
@@ -615,6 +620,23 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         guard: own_guard,
         identities: own_identities,
         label: scope_label,
+    })
+}
+
+/// `tensors` with each floating one of another dtype cast to `dtype` (`None`: none is).
+fn cast_floats(tensors: &[Tensor], dtype: Kind) -> Option<Vec<Tensor>> {
+    let cast = |t: &Tensor| is_float(t.kind()) && t.kind() != dtype;
+    tensors.iter().any(cast).then(|| {
+        tensors
+            .iter()
+            .map(|t| {
+                if cast(t) {
+                    t.to_kind(dtype)
+                } else {
+                    t.shallow_clone()
+                }
+            })
+            .collect()
     })
 }
 

@@ -183,8 +183,12 @@ fn run(
     xs: &Tensor,
     forward: impl FnOnce(&Tensor) -> Tensor,
 ) -> Result<Tensor, ForwardError> {
-    let moved = state.pre_forward(xs).map_err(ForwardError::from_error)?;
-    Ok(forward(moved.as_ref().unwrap_or(xs)))
+    let moved = state
+        .pre_forward(std::slice::from_ref(xs))
+        .map_err(ForwardError::from_error)?;
+    Ok(forward(
+        moved.as_ref().and_then(|m| m.first()).unwrap_or(xs),
+    ))
 }
 
 /// A replicated [`Module`], made by [`wrap`]: PyTorch's `DistributedDataParallel`.

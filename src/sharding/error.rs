@@ -436,6 +436,13 @@ pub enum ForwardProblem {
         /// The output's number of dims.
         ndim: usize,
     },
+    /// A module whose output the plan changes returned several outputs (a tuple): a layout
+    /// describes one.
+    #[error("the plan describes one output, the call returned {got}")]
+    Outputs {
+        /// How many outputs the call returned.
+        got: usize,
+    },
     /// A collective failed.
     #[error(transparent)]
     Collective(DistError),

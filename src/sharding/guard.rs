@@ -126,14 +126,18 @@ struct Claim {
 }
 
 impl CallScope for Claim {
-    fn enter(&self, _module: &dyn Shardable, _input: &Tensor) -> Result<u64, ForwardError> {
+    fn enter(&self, _module: &dyn Shardable, _inputs: &[Tensor]) -> Result<u64, ForwardError> {
         Ok(autograd_mark())
     }
 
-    fn exit(&self, _m: &dyn Shardable, output: &Tensor, mark: u64) -> Result<(), ForwardError> {
-        self.guard
-            .claim(output, mark)
-            .map_err(|e| engine_error(&self.group, &self.fqn, e))
+    /// Claims the uses behind every output of the call.
+    fn exit(&self, _m: &dyn Shardable, outputs: &[Tensor], mark: u64) -> Result<(), ForwardError> {
+        for output in outputs {
+            self.guard
+                .claim(output, mark)
+                .map_err(|e| engine_error(&self.group, &self.fqn, e))?;
+        }
+        Ok(())
     }
 }
 
@@ -145,21 +149,24 @@ struct Check {
 }
 
 impl CallScope for Check {
-    fn enter(&self, _module: &dyn Shardable, _input: &Tensor) -> Result<u64, ForwardError> {
+    fn enter(&self, _module: &dyn Shardable, _inputs: &[Tensor]) -> Result<u64, ForwardError> {
         Ok(autograd_mark())
     }
 
-    fn exit(&self, _m: &dyn Shardable, output: &Tensor, mark: u64) -> Result<(), ForwardError> {
+    /// Checks the graph of every output of the call.
+    fn exit(&self, _m: &dyn Shardable, outputs: &[Tensor], mark: u64) -> Result<(), ForwardError> {
         let guards: Vec<&UseGuard> = self.guards.iter().map(|g| &*g.guard).collect();
-        let found = UseGuard::first_unclaimed(&guards, output, mark)
-            .map_err(|e| engine_error(&self.group, "", e))?;
-        match found {
-            None => Ok(()),
-            Some((i, j)) => Err(ForwardError::from_error(ShardError::HooksBypassed {
-                rank: self.group.rank(),
-                module: self.guards[i].module.clone(),
-                param: self.guards[i].params[j].clone(),
-            })),
+        for output in outputs {
+            let found = UseGuard::first_unclaimed(&guards, output, mark)
+                .map_err(|e| engine_error(&self.group, "", e))?;
+            if let Some((i, j)) = found {
+                return Err(ForwardError::from_error(ShardError::HooksBypassed {
+                    rank: self.group.rank(),
+                    module: self.guards[i].module.clone(),
+                    param: self.guards[i].params[j].clone(),
+                }));
+            }
         }
+        Ok(())
     }
 }

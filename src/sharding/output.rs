@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
 use tch::Tensor;
-use tch_dist_core::hooks::{register_fallible_forward_hook, ForwardError, RemovableHandle};
+use tch_dist_core::hooks::{register_fallible_forward_hook_n, ForwardError, RemovableHandle};
 use tch_dist_core::sharding::chunk::{chunk_offsets, chunk_sizes, normalize_dim};
 use tch_dist_core::sharding::ShardingSpec;
 use tch_dist_core::Shardable;
@@ -66,9 +66,14 @@ pub(super) fn install_output_hooks(
         let name = fqn.clone();
         // Tensors are Send but not Sync; hooks must be both.
         let layout = Mutex::new(layout);
-        let hook = register_fallible_forward_hook(modules[&fqn], move |_m, _input, out| {
+        // Any inputs (a block's `(x, mask)`); one output, which the layout describes.
+        let hook = register_fallible_forward_hook_n(modules[&fqn], move |_m, _inputs, outs| {
             let layout = layout.lock().unwrap_or_else(|e| e.into_inner());
-            convert_output(out, &layout, spec_dim, local, &g).map_err(|problem| {
+            let converted = match outs {
+                [out] => convert_output(out, &layout, spec_dim, local, &g),
+                _ => Err(ForwardProblem::Outputs { got: outs.len() }),
+            };
+            converted.map(|o| o.map(|t| vec![t])).map_err(|problem| {
                 ForwardError::from_error(ShardError::forward(&g, &name, HookSite::Output, problem))
             })
         })

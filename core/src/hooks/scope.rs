@@ -19,8 +19,8 @@ use std::sync::Arc;
 use tch::Tensor;
 
 use super::{
-    register_fallible_forward_hook, register_fallible_forward_pre_hook, ForwardError, HookError,
-    RemovableHandle,
+    register_fallible_forward_hook_n, register_fallible_forward_pre_hook_n, ForwardError,
+    HookError, RemovableHandle,
 };
 use crate::walk::Shardable;
 
@@ -44,13 +44,13 @@ use crate::walk::Shardable;
 /// #[derive(Default)]
 /// struct Count(Mutex<(u64, Vec<(u64, i64)>)>);
 /// impl CallScope for Count {
-///     fn enter(&self, _m: &dyn Shardable, _input: &Tensor) -> Result<u64, ForwardError> {
+///     fn enter(&self, _m: &dyn Shardable, _inputs: &[Tensor]) -> Result<u64, ForwardError> {
 ///         let mut s = self.0.lock().unwrap();
 ///         s.0 += 1;
 ///         Ok(s.0)
 ///     }
-///     fn exit(&self, _m: &dyn Shardable, out: &Tensor, mark: u64) -> Result<(), ForwardError> {
-///         self.0.lock().unwrap().1.push((mark, out.numel() as i64));
+///     fn exit(&self, _m: &dyn Shardable, outs: &[Tensor], mark: u64) -> Result<(), ForwardError> {
+///         self.0.lock().unwrap().1.push((mark, outs[0].numel() as i64));
 ///         Ok(())
 ///     }
 /// }
@@ -66,14 +66,21 @@ use crate::walk::Shardable;
 /// ```
 pub trait CallScope: Send + Sync + 'static {
     /// At the start of a hooked call of `module` (a pre-hook: after the pre-hooks
-    /// registered before the scope, with the input they produced); returns the mark
+    /// registered before the scope, with every input they produced, one for
+    /// [`Call::call`](super::Call::call), as many as the call has for
+    /// [`CallWith::call_with`](super::CallWith::call_with)); returns the mark
     /// [`exit`](CallScope::exit) gets. An error ends the call before `forward`.
-    fn enter(&self, module: &dyn Shardable, input: &Tensor) -> Result<u64, ForwardError>;
+    fn enter(&self, module: &dyn Shardable, inputs: &[Tensor]) -> Result<u64, ForwardError>;
 
     /// At the end of the call (a forward hook: after `forward` and the forward hooks
-    /// registered before the scope, with the output they produced), with `enter`'s mark.
-    /// An error ends the call: `f_call` returns it.
-    fn exit(&self, module: &dyn Shardable, output: &Tensor, mark: u64) -> Result<(), ForwardError>;
+    /// registered before the scope, with every output they produced, in order), with
+    /// `enter`'s mark. An error ends the call: `f_call` returns it.
+    fn exit(
+        &self,
+        module: &dyn Shardable,
+        outputs: &[Tensor],
+        mark: u64,
+    ) -> Result<(), ForwardError>;
 }
 
 /// A process-unique number per registration, which keys its marks.
@@ -97,7 +104,7 @@ pub fn register_call_scope<M: Shardable + ?Sized>(
 ) -> Result<[RemovableHandle; 2], HookError> {
     let id = NEXT_SCOPE.fetch_add(1, Ordering::Relaxed);
     let entering = Arc::clone(&scope);
-    let pre = register_fallible_forward_pre_hook(module, move |m, xs| {
+    let pre = register_fallible_forward_pre_hook_n(module, move |m, xs| {
         let mark = entering.enter(m, xs)?;
         MARKS.with(|marks| {
             let mut marks = marks.borrow_mut();
@@ -108,7 +115,7 @@ pub fn register_call_scope<M: Shardable + ?Sized>(
         });
         Ok(None)
     })?;
-    let post = register_fallible_forward_hook(module, move |m, _input, out| {
+    let post = register_fallible_forward_hook_n(module, move |m, _inputs, out| {
         let Some(mark) = take_mark(id) else {
             return Ok(None); // the scope was registered during this call
         };
@@ -144,7 +151,7 @@ mod tests {
     use tch::Device;
 
     use super::*;
-    use crate::hooks::{num_forward_hooks, Call};
+    use crate::hooks::{num_forward_hooks, register_fallible_forward_pre_hook, Call};
 
     /// Numbers the calls; records (mark, output width) at each exit, and fails exits that
     /// get mark `fail_at`.
@@ -155,16 +162,16 @@ mod tests {
     }
 
     impl CallScope for Recorder {
-        fn enter(&self, _m: &dyn Shardable, _xs: &Tensor) -> Result<u64, ForwardError> {
+        fn enter(&self, _m: &dyn Shardable, _xs: &[Tensor]) -> Result<u64, ForwardError> {
             let mut s = self.state.lock().unwrap();
             s.0 += 1;
             Ok(s.0)
         }
-        fn exit(&self, _m: &dyn Shardable, out: &Tensor, mark: u64) -> Result<(), ForwardError> {
+        fn exit(&self, _m: &dyn Shardable, out: &[Tensor], mark: u64) -> Result<(), ForwardError> {
             if self.fail_at == Some(mark) {
                 return Err(ForwardError::new(format!("exit {mark} refused")));
             }
-            let width = out.size().last().copied().unwrap_or(0);
+            let width = out[0].size().last().copied().unwrap_or(0);
             self.state.lock().unwrap().1.push((mark, width));
             Ok(())
         }

@@ -392,10 +392,21 @@ impl FsdpGroup {
     /// `reshard_after_forward` (always when the output records no graph: no backward will
     /// come).
     pub fn post_forward(&self, output: &Tensor) -> Result<()> {
-        let records = output.requires_grad();
-        if records {
+        self.post_forward_outputs(&[output])
+    }
+
+    /// [`post_forward`](Self::post_forward) for a module with several outputs (a tuple):
+    /// hooks each output that records a graph, as PyTorch's `_register_pre_backward_hook`
+    /// hooks every tensor of the output (the first hook to fire gathers the parameters, the
+    /// others find them gathered), and frees the parameters once.
+    pub fn post_forward_outputs(&self, outputs: &[&Tensor]) -> Result<()> {
+        let mut records = false;
+        for output in outputs.iter().filter(|o| o.requires_grad()) {
             hooks::add_pre_backward_hook(output, &self.inner)
                 .map_err(|e| engine(&self.inner.group, "fully_shard", e.message))?;
+            records = true;
+        }
+        if records {
             backward::join(&self.inner);
         }
         let mut st = self.inner.lock();

@@ -70,6 +70,7 @@ fn forward_name(p: &ForwardProblem) -> &'static str {
     match p {
         ForwardProblem::InputWidth { .. } => "InputWidth",
         ForwardProblem::OutputDim { .. } => "OutputDim",
+        ForwardProblem::Outputs { .. } => "Outputs",
         ForwardProblem::Collective(_) => "Collective",
     }
 }
@@ -381,12 +382,16 @@ fn every_forward_problem_has_its_text() {
                 "output_plan's dim 3 is out of range for an output of 2 dims",
             ),
             (
+                ForwardProblem::Outputs { got: 2 },
+                "the plan describes one output, the call returned 2",
+            ),
+            (
                 ForwardProblem::Collective(dist()),
                 "rank 1: all_gather (differentiable) failed: rank 0 closed the connection",
             ),
         ],
         forward_name,
-        &["InputWidth", "OutputDim", "Collective"],
+        &["InputWidth", "OutputDim", "Outputs", "Collective"],
     );
     let sites = [
         (HookSite::ColumnParallel, "column-parallel"),
