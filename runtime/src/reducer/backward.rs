@@ -15,6 +15,7 @@ use crate::reducer::comm_hooks::{BucketHook, GradBucket};
 use crate::reducer::pass::{InPlaceFlight, Pass};
 use crate::reducer::unused::{self, StaticGraphUse};
 use crate::reducer::{grads, lock, ReducerInner, State};
+use crate::step_check::{self, Phase, StepPosition};
 
 /// Bucket `b` as its communication hook sees it.
 fn grad_bucket(layout: &Layout, b: usize) -> GradBucket<'_> {
@@ -48,6 +49,12 @@ impl ReducerInner {
     fn mark_ready_locked(&self, st: &mut State, index: usize) -> Result<()> {
         if let Some(e) = &st.failed {
             return Err(e.clone());
+        }
+        if st.pass.is_none() {
+            // The pass's first hook: the step check comes before any of its collectives.
+            st.backwards += 1;
+            let me = StepPosition::now(Phase::Backward, st.forwards, st.backwards);
+            step_check::check(&self.group, "replicate", me)?;
         }
         let State {
             layout,
