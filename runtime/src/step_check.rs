@@ -157,7 +157,9 @@ impl StepPosition {
         let [tag, phase, forwards, backwards, step] = *row else {
             return None;
         };
-        (tag == TAG).then_some(())?;
+        if tag != TAG {
+            return None;
+        }
         Some(StepPosition {
             phase: Phase::from_code(phase)?,
             forwards: u64::try_from(forwards).ok()?,
@@ -180,9 +182,10 @@ pub(crate) fn grad_enabled() -> bool {
 
 /// The step check over `group` for operation `op` (`replicate`, `fully_shard`): every rank
 /// sends `me` and fails with [`Mismatch::Step`], naming the lowest rank that differs, unless
-/// every rank is at the same position. Nothing to do in a group that skips communication.
+/// every rank is at the same position. Nothing to do in a group of one (no other rank to
+/// disagree with; so also nothing to count among its collectives).
 pub(crate) fn check(group: &ProcessGroup, op: &'static str, me: StepPosition) -> Result<()> {
-    if group.skips_communication() {
+    if group.world_size() == 1 {
         return Ok(());
     }
     let start = Instant::now();
