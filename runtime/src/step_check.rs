@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use tch::{Kind, Tensor};
 
+use crate::collectives::Work;
 use crate::error::{DistError, Mismatch, Result};
 use crate::process_group::ProcessGroup;
 
@@ -185,23 +186,84 @@ pub(crate) fn grad_enabled() -> bool {
 /// every rank is at the same position. Nothing to do in a group of one (no other rank to
 /// disagree with; so also nothing to count among its collectives).
 pub(crate) fn check(group: &ProcessGroup, op: &'static str, me: StepPosition) -> Result<()> {
-    if group.world_size() == 1 {
-        return Ok(());
-    }
-    let start = Instant::now();
-    let result = exchange(group, op, me);
-    let spent = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-    CHECK_NANOS.fetch_add(spent, Ordering::Relaxed);
-    result
+    begin(group, op, me)?.finish()
 }
 
-/// [`check`]'s all-gather and comparison.
-fn exchange(group: &ProcessGroup, op: &'static str, me: StepPosition) -> Result<()> {
-    let world = group.world_size();
+/// [`check`] in two halves: the all-gather starts now, [`PendingCheck::finish`] waits for it
+/// and compares, so that the pass can compute meanwhile. Nothing of the pass may be launched
+/// over `group` before `finish` returned Ok.
+pub(crate) fn begin(
+    group: &ProcessGroup,
+    op: &'static str,
+    me: StepPosition,
+) -> Result<PendingCheck> {
+    if group.world_size() == 1 {
+        return Ok(PendingCheck { flight: None });
+    }
+    let start = Instant::now();
     let mine = Tensor::from_slice(&me.encode());
-    let all = Tensor::zeros([(world * LEN) as i64], (Kind::Int64, mine.device()));
-    group.all_gather_into_tensor(&all, &mine)?;
-    let all = Vec::<i64>::try_from(&all).map_err(|e| DistError::Collective {
+    let all = Tensor::zeros(
+        [(group.world_size() * LEN) as i64],
+        (Kind::Int64, mine.device()),
+    );
+    let work = group.all_gather_into_tensor_async(&all, &mine);
+    note_time(start);
+    Ok(PendingCheck {
+        flight: Some(Flight {
+            work: work?,
+            all,
+            _mine: mine,
+            group: group.clone(),
+            op,
+            me,
+        }),
+    })
+}
+
+/// A step check whose all-gather is in flight ([`begin`]).
+pub(crate) struct PendingCheck {
+    flight: Option<Flight>,
+}
+
+struct Flight {
+    work: Work,
+    all: Tensor,
+    _mine: Tensor,
+    group: ProcessGroup,
+    op: &'static str,
+    me: StepPosition,
+}
+
+impl PendingCheck {
+    /// Waits for the all-gather and compares every rank's position with this rank's.
+    pub(crate) fn finish(self) -> Result<()> {
+        let Some(f) = self.flight else {
+            return Ok(());
+        };
+        let start = Instant::now();
+        let Flight {
+            work,
+            all,
+            _mine: mine,
+            group,
+            op,
+            me,
+        } = f;
+        let result = work.wait().and_then(|()| compare(&group, op, me, &all));
+        drop(mine);
+        note_time(start);
+        result
+    }
+}
+
+fn note_time(start: Instant) {
+    let spent = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    CHECK_NANOS.fetch_add(spent, Ordering::Relaxed);
+}
+
+/// Every rank's position in `all` against `me`.
+fn compare(group: &ProcessGroup, op: &'static str, me: StepPosition, all: &Tensor) -> Result<()> {
+    let all = Vec::<i64>::try_from(all).map_err(|e| DistError::Collective {
         rank: group.rank(),
         op,
         cause: format!("reading the step check: {e}"),

@@ -50,11 +50,13 @@ impl ReducerInner {
         if let Some(e) = &st.failed {
             return Err(e.clone());
         }
+        let mut step_check = None;
         if st.pass.is_none() {
-            // The pass's first hook: the step check comes before any of its collectives.
+            // The pass's first hook: the step check starts; the pass's first launch waits for
+            // it (`Pass::note_launch`), so that backward computes meanwhile.
             st.backwards += 1;
             let me = StepPosition::now(Phase::Backward, st.forwards, st.backwards);
-            step_check::check(&self.group, "replicate", me)?;
+            step_check = Some(step_check::begin(&self.group, "replicate", me)?);
         }
         let State {
             layout,
@@ -73,7 +75,14 @@ impl ReducerInner {
                     op: "replicate",
                     cause: e.message,
                 })?;
-                let mut fresh = Pass::new(layout, &std::mem::take(fresh_grads));
+                let Some(step_check) = step_check else {
+                    return Err(DistError::Collective {
+                        rank: self.rank(),
+                        op: "replicate",
+                        cause: "internal error: a pass without its step check".into(),
+                    });
+                };
+                let mut fresh = Pass::new(layout, &std::mem::take(fresh_grads), step_check);
                 unused::presume_static_unused(layout, &mut fresh, static_graph.as_ref());
                 pass.insert(fresh)
             }
@@ -145,7 +154,7 @@ impl ReducerInner {
                 return Ok(());
             }
             if layout.buckets[b].flat.numel() > 0 {
-                pass.note_launch();
+                pass.note_launch()?;
                 pass.in_flight[b] = Some(hook.launch(&self.group, &grad_bucket(layout, b))?);
             }
             pass.next_bucket += 1;
@@ -164,6 +173,7 @@ impl ReducerInner {
         }
         let p = &layout.params[i];
         let grad = p.tensor.grad();
+        pass.note_launch()?;
         let ready = pass.params[i].ready;
         let usable = ready
             && grad.defined()
@@ -177,7 +187,6 @@ impl ReducerInner {
         } else {
             Some(tch::no_grad(|| p.tensor.zeros_like()))
         };
-        pass.note_launch();
         let work = self
             .group
             .all_reduce_async(buffer.as_ref().unwrap_or(&grad), ReduceOp::Avg)?;
@@ -205,6 +214,8 @@ impl ReducerInner {
     }
 
     fn finalize(&self, st: &mut State, mut pass: Pass, backward_end: Instant) -> Result<()> {
+        // Before the pass's end sends anything (a pass may end without a launch).
+        pass.finish_step_check()?;
         let unready = pass.unready();
         if !unready.is_empty() && !self.opts.tolerates_unused() {
             // PyTorch leaves the stalled buckets unlaunched and fails the next iteration.
