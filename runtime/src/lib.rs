@@ -51,6 +51,6 @@ pub use reducer::{
     DEFAULT_IN_PLACE_MIN_BYTES,
 };
 pub use sampler::{DistributedSampler, SamplerError, SamplerOptions};
-pub use step_check::{set_step, step_check_time};
+pub use step_check::{set_step, step_check_time, NO_STEP_CHECK_ENV};
 pub use store::Store;
 pub use use_guard::{autograd_mark, UseGuard};
