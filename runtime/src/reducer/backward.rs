@@ -50,14 +50,6 @@ impl ReducerInner {
         if let Some(e) = &st.failed {
             return Err(e.clone());
         }
-        let mut step_check = None;
-        if st.pass.is_none() {
-            // The pass's first hook: the step check starts; the pass's first launch waits for
-            // it (`Pass::note_launch`), so that backward computes meanwhile.
-            st.backwards += 1;
-            let me = StepPosition::now(Phase::Backward, st.forwards, st.backwards);
-            step_check = Some(step_check::begin(&self.group, "replicate", me)?);
-        }
         let State {
             layout,
             hook,
@@ -65,23 +57,23 @@ impl ReducerInner {
             fresh_grads,
             ready_order,
             static_graph,
+            forwards,
+            backwards,
             ..
         } = st;
         let pass = match pass {
             Some(pass) => pass,
             None => {
+                // The pass's first hook: the step check starts; the pass's first launch waits
+                // for it (`Pass::note_launch`), so that backward computes meanwhile.
+                *backwards += 1;
+                let me = StepPosition::now(Phase::Backward, *forwards, *backwards);
+                let step_check = step_check::begin(&self.group, "replicate", me)?;
                 autograd::queue_end_of_backward(self).map_err(|e| DistError::Collective {
                     rank: self.rank(),
                     op: "replicate",
                     cause: e.message,
                 })?;
-                let Some(step_check) = step_check else {
-                    return Err(DistError::Collective {
-                        rank: self.rank(),
-                        op: "replicate",
-                        cause: "internal error: a pass without its step check".into(),
-                    });
-                };
                 let mut fresh = Pass::new(layout, &std::mem::take(fresh_grads), step_check);
                 unused::presume_static_unused(layout, &mut fresh, static_graph.as_ref());
                 pass.insert(fresh)

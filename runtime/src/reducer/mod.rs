@@ -34,6 +34,10 @@
 //!   callback that the autograd engine runs before `backward()` returns: it launches what is
 //!   left (unused parameters count as zero with `find_unused_parameters`), waits for every
 //!   bucket, and writes the averaged gradients back into `.grad`.
+//! - **Step check.** A synchronised pass's first hook starts the step check
+//!   (`step_check.rs`: every rank's forward and backward counts, all-gathered in a header of
+//!   fixed size), and its first launch waits for it, so that a rank in another pass or step
+//!   fails every rank before any bucket is sent.
 //! - **Rebuild.** After the first iteration the buckets are rebuilt once from the order in
 //!   which gradients became ready (rank 0's order, adopted by all ranks).
 
