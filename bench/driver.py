@@ -102,6 +102,18 @@ FSDP = dict(
 )
 
 
+def print_step_check(runs):
+    """The always-on step check's cost: its time per step (rank 0, measured inside the
+    runtime) over the median step, per run, the median of those."""
+    ratios = [x.get("step_check_ms", 0.0) / x["median_ms"] for x in runs if x.get("median_ms")]
+    if ratios:
+        ms = statistics.median(x.get("step_check_ms", 0.0) for x in runs)
+        print(
+            f"step_check_vs_step={statistics.median(ratios):.4f}  (time in the step check per "
+            f"step, {ms:.3f} ms, / the median step; goal <= 0.01)"
+        )
+
+
 def parse_bench(output):
     """Every `BENCH {json}` line of a run (the launcher prefixes lines with `[rankR]: `)."""
     out = []
@@ -424,6 +436,7 @@ def cpu_model(a, r, model):
         f"paired_ratio={paired_ratio(r.results['tch_dist'], r.results['pytorch_ddp']):.3f}  "
         "(median over rounds of each tch-dist run / the PyTorch DDP run beside it)"
     )
+    print_step_check(r.results["tch_dist"])
     print(flush=True)
     return {
         "tch_dist_vs_pytorch_ddp": med["tch_dist"] / med["pytorch_ddp"],
@@ -517,6 +530,7 @@ def fsdp_part(a, r):
         f"fsdp_vs_replicate={med['tch_dist_fsdp'] / med['tch_dist_replicate']:.3f}  (tch-dist "
         "step time, fully_shard / replicate, both AdamW)"
     )
+    print_step_check(res["tch_dist_fsdp"])
     print(flush=True)
     return out
 

@@ -418,6 +418,8 @@ impl ReplicateState {
     fn pre_forward(&self, xs: &[Tensor]) -> Result<Option<Vec<Tensor>>, DistError> {
         self.reducer.prepare_for_forward()?;
         if self.broadcast_buffers {
+            // The buffers' sizes are not the backward's: the step check comes first.
+            self.reducer.check_forward_step()?;
             let buffers = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
             let buffers: Vec<&Tensor> = buffers.iter().collect();
             self.reducer

@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use tch::{Device, Kind};
 
+pub use crate::step_check::{Phase, StepPosition};
+
 /// An error from tch-dist's runtime.
 ///
 /// ```
@@ -902,6 +904,20 @@ pub enum Mismatch {
         other_rank: usize,
         /// Its tensor.
         other: TensorSignature,
+    },
+    /// The always-on step check (`step_check.rs`): another rank is at another step or in
+    /// another pass; nothing of this pass was sent.
+    #[error(
+        "rank {other_rank} is {other} while this rank is {this} (a rank skipped or repeated \
+         a step, a forward or a backward)"
+    )]
+    Step {
+        /// The rank that differs (the lowest one).
+        other_rank: usize,
+        /// Where it is.
+        other: StepPosition,
+        /// Where this rank is.
+        this: StepPosition,
     },
 }
 

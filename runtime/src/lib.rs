@@ -23,6 +23,7 @@ mod reducer;
 mod rendezvous;
 mod sampler;
 pub mod sharding;
+mod step_check;
 mod store;
 pub mod testing;
 mod use_guard;
@@ -37,7 +38,7 @@ pub use env::{
 };
 pub use error::{
     ArgumentError, CallTensor, CollectiveCall, Desync, DistError, EnvError, Mismatch,
-    NamedSignature, PickleError, RendezvousError, Result, TensorSignature,
+    NamedSignature, Phase, PickleError, RendezvousError, Result, StepPosition, TensorSignature,
 };
 pub use objects::Object;
 pub use process_group::{
@@ -50,5 +51,6 @@ pub use reducer::{
     DEFAULT_IN_PLACE_MIN_BYTES,
 };
 pub use sampler::{DistributedSampler, SamplerError, SamplerOptions};
+pub use step_check::{set_step, step_check_time, NO_STEP_CHECK_ENV};
 pub use store::Store;
 pub use use_guard::{autograd_mark, UseGuard};

@@ -163,8 +163,10 @@ fn broadcasts_from_different_roots() {
 
 /// Training with the gradient reducer, rank 1 skips step 1: the ranks' collectives line up
 /// step against step until rank 1 has finished and waits in a barrier while rank 0's last
-/// backward all-reduces its bucket. Both fail there, naming both calls; rank 0's backward
-/// fails with the message and the reducer returns the typed error before the next forward.
+/// backward starts with its step check (the header all-gather, `step_check.rs`: a whole
+/// skipped step leaves no trace in the counts). Both fail there, naming both calls; rank 0's
+/// backward fails with the message and the reducer returns the typed error before the next
+/// forward.
 #[test]
 fn a_rank_that_skips_a_training_step() {
     run_ranks_with(
@@ -208,7 +210,7 @@ fn a_rank_that_skips_a_training_step() {
             let n = calls[0].seq;
             assert_eq!(calls[1].seq, n);
             let op = if pg.rank() == 0 {
-                "all_reduce"
+                "all_gather_into_tensor"
             } else {
                 "barrier"
             };
@@ -216,9 +218,9 @@ fn a_rank_that_skips_a_training_step() {
                 err.to_string(),
                 format!(
                     "rank {}: {op}: the ranks called different collectives (TCH_DIST_DEBUG=DETAIL \
-                     checks each one before it runs): rank 0 called all_reduce of [67] (Float) on \
-                     Cpu as its collective {n}, rank 1 called barrier as its collective {n}; \
-                     nothing was sent",
+                     checks each one before it runs): rank 0 called all_gather_into_tensor of \
+                     [5] (Int64) on Cpu as its collective {n}, rank 1 called barrier as its \
+                     collective {n}; nothing was sent",
                     pg.rank()
                 )
             );

@@ -279,10 +279,11 @@ fn shutdown_with_clones_alive_fails_later_operations_cleanly() {
                 err.to_string().contains("the process group was shut down"),
                 "{err}"
             );
+            // The pass's first collective is its step check's all-gather (step_check.rs).
             assert!(matches!(
                 reducer.prepare_for_forward(),
                 Err(DistError::ShutDown {
-                    op: "all_reduce",
+                    op: "all_gather_into_tensor",
                     ..
                 })
             ));

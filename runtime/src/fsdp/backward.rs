@@ -10,6 +10,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::group::GroupInner;
+use super::steps;
 use crate::error::{DistError, Result};
 
 struct Pass {
@@ -68,6 +69,7 @@ pub(crate) fn queue_finish(rank: usize) -> Result<()> {
         }
     })?;
     p.queued = true;
+    steps::backward_begins();
     Ok(())
 }
 
@@ -94,6 +96,7 @@ fn finish_all() -> Result<()> {
             first.get_or_insert(e);
         }
     }
+    steps::backward_ends();
     first.map_or(Ok(()), Err)
 }
 

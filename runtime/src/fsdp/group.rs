@@ -21,6 +21,7 @@ use tch::{Device, Kind, Tensor};
 use super::backward;
 use super::hooks::{self, Interceptor};
 use super::layout::ShardLayout;
+use super::steps;
 use crate::error::{DistError, Result};
 use crate::{ProcessGroup, ReduceOp, Work};
 
@@ -360,6 +361,7 @@ impl FsdpGroup {
         if let Some(e) = self.inner.take_failure() {
             return Err(e);
         }
+        steps::forward_begins();
         let next = {
             let mut st = self.inner.lock();
             self.inner.unshard_locked(&mut st)?;
@@ -400,6 +402,7 @@ impl FsdpGroup {
     /// hooks every tensor of the output (the first hook to fire gathers the parameters, the
     /// others find them gathered), and frees the parameters once.
     pub fn post_forward_outputs(&self, outputs: &[&Tensor]) -> Result<()> {
+        steps::forward_ends();
         let mut records = false;
         for output in outputs.iter().filter(|o| o.requires_grad()) {
             hooks::add_pre_backward_hook(output, &self.inner)
@@ -481,6 +484,7 @@ impl FsdpGroup {
         });
         drop(st);
         let out = padded.new_empty([world * l.padded_numel()], (padded.kind(), padded.device()));
+        steps::before_collective(&inner.group)?;
         inner.group.all_gather_into_tensor(&out, &padded)?;
         let full = padded.new_empty(l.shape(), (padded.kind(), padded.device()));
         tch::no_grad(|| l.copy_from_rank_major(&full, &out.view([world, l.padded_numel()])));
@@ -545,6 +549,7 @@ impl GroupInner {
 
     /// Starts the all-gather of the group's shards.
     fn begin_gather(&self, st: &State) -> Result<Gather> {
+        steps::before_collective(&self.group)?;
         let world = self.group.world_size() as i64;
         let mut gathered = Vec::with_capacity(self.buckets.len());
         let mut works = Vec::with_capacity(self.buckets.len());
@@ -671,6 +676,8 @@ impl GroupInner {
         let Some(sub) = st.options.post_forward_group.clone() else {
             return Err(engine(&self.group, "fully_shard", "no post-forward group"));
         };
+        // The check over the whole group covers the post-forward group's members.
+        steps::before_collective(&self.group)?;
         let n = sub.world_size() as i64;
         let mut gathered = Vec::with_capacity(flats.len());
         let mut works = Vec::with_capacity(flats.len());
@@ -799,6 +806,7 @@ impl GroupInner {
             }
             return Ok(());
         }
+        steps::before_collective(&self.group)?;
         let world = self.group.world_size() as i64;
         let mut works = Vec::new();
         let mut outputs = Vec::with_capacity(self.buckets.len());

@@ -7,7 +7,9 @@
 //! - `group` ([`FsdpGroup`]): one call's parameters, the state machine (sharded or
 //!   gathered), the all-gathers and reduce-scatters;
 //! - `backward`: the pass across all groups and its end-of-backward callback;
-//! - `hooks`: the libtorch hooks (gradient interceptor, pre-backward hook, storage release).
+//! - `hooks`: the libtorch hooks (gradient interceptor, pre-backward hook, storage release);
+//! - `steps`: which pass this process is in, and the step check before each pass's first
+//!   collective.
 //!
 //! The facade's `tch_dist::fully_shard` decides what each group manages and drives it from
 //! forward hooks.
@@ -16,6 +18,7 @@ mod backward;
 mod group;
 mod hooks;
 mod layout;
+mod steps;
 
 pub use group::{is_float, FsdpGroup, FsdpGroupOptions, ManagedParam, ShardInfo};
 pub use hooks::{storage_nbytes, tensor_identity};

@@ -15,6 +15,7 @@ use crate::reducer::comm_hooks::{BucketHook, GradBucket};
 use crate::reducer::pass::{InPlaceFlight, Pass};
 use crate::reducer::unused::{self, StaticGraphUse};
 use crate::reducer::{grads, lock, ReducerInner, State};
+use crate::step_check::{self, Phase, StepPosition};
 
 /// Bucket `b` as its communication hook sees it.
 fn grad_bucket(layout: &Layout, b: usize) -> GradBucket<'_> {
@@ -56,17 +57,24 @@ impl ReducerInner {
             fresh_grads,
             ready_order,
             static_graph,
+            forwards,
+            backwards,
             ..
         } = st;
         let pass = match pass {
             Some(pass) => pass,
             None => {
+                // The pass's first hook: the step check starts; the pass's first launch waits
+                // for it (`Pass::note_launch`), so that backward computes meanwhile.
+                *backwards += 1;
+                let me = StepPosition::now(Phase::Backward, *forwards, *backwards);
+                let step_check = step_check::begin(&self.group, "replicate", me)?;
                 autograd::queue_end_of_backward(self).map_err(|e| DistError::Collective {
                     rank: self.rank(),
                     op: "replicate",
                     cause: e.message,
                 })?;
-                let mut fresh = Pass::new(layout, &std::mem::take(fresh_grads));
+                let mut fresh = Pass::new(layout, &std::mem::take(fresh_grads), step_check);
                 unused::presume_static_unused(layout, &mut fresh, static_graph.as_ref());
                 pass.insert(fresh)
             }
@@ -138,7 +146,7 @@ impl ReducerInner {
                 return Ok(());
             }
             if layout.buckets[b].flat.numel() > 0 {
-                pass.note_launch();
+                pass.note_launch()?;
                 pass.in_flight[b] = Some(hook.launch(&self.group, &grad_bucket(layout, b))?);
             }
             pass.next_bucket += 1;
@@ -157,6 +165,7 @@ impl ReducerInner {
         }
         let p = &layout.params[i];
         let grad = p.tensor.grad();
+        pass.note_launch()?;
         let ready = pass.params[i].ready;
         let usable = ready
             && grad.defined()
@@ -170,7 +179,6 @@ impl ReducerInner {
         } else {
             Some(tch::no_grad(|| p.tensor.zeros_like()))
         };
-        pass.note_launch();
         let work = self
             .group
             .all_reduce_async(buffer.as_ref().unwrap_or(&grad), ReduceOp::Avg)?;
@@ -204,6 +212,8 @@ impl ReducerInner {
     }
 
     fn finalize(&self, st: &mut State, mut pass: Pass, backward_end: Instant) -> Result<()> {
+        // Before the pass's end sends anything (a pass may end without a launch).
+        pass.finish_step_check()?;
         let unready = pass.unready();
         if !unready.is_empty() && !self.opts.tolerates_unused() {
             // PyTorch leaves the stalled buckets unlaunched and fails the next iteration.

@@ -34,6 +34,10 @@
 //!   callback that the autograd engine runs before `backward()` returns: it launches what is
 //!   left (unused parameters count as zero with `find_unused_parameters`), waits for every
 //!   bucket, and writes the averaged gradients back into `.grad`.
+//! - **Step check.** A synchronised pass's first hook starts the step check
+//!   (`step_check.rs`: every rank's forward and backward counts, all-gathered in a header of
+//!   fixed size), and its first launch waits for it, so that a rank in another pass or step
+//!   fails every rank before any bucket is sent.
 //! - **Rebuild.** After the first iteration the buckets are rebuilt once from the order in
 //!   which gradients became ready (rank 0's order, adopted by all ranks).
 
@@ -55,6 +59,7 @@ use tch::Tensor;
 
 use crate::error::{ArgumentError, DistError, Result};
 use crate::process_group::ProcessGroup;
+use crate::step_check::{Phase, StepPosition};
 use autograd::GradReadyHook;
 use buckets::{Layout, Param};
 use comm_hooks::BucketHook;
@@ -99,8 +104,13 @@ pub(crate) struct State {
     static_graph: Option<StaticGraphUse>,
     /// The last pass left parameters without a gradient: the next forward fails with this.
     unfinished: Option<DistError>,
-    /// An engine failure or a changed static graph; every later pass reports it.
+    /// An engine failure, a changed static graph or a failed step check; every later pass
+    /// reports it.
     failed: Option<DistError>,
+    /// Forwards begun with autograd recording (the step check's step number).
+    forwards: u64,
+    /// Synchronised backward passes begun.
+    backwards: u64,
     stats: ReducerStats,
 }
 
@@ -208,6 +218,8 @@ impl Reducer {
             static_graph: None,
             unfinished: None,
             failed: None,
+            forwards: 0,
+            backwards: 0,
             stats,
         };
         if opts.gradient_as_bucket_view {
@@ -259,7 +271,30 @@ impl Reducer {
         if let Some(e) = st.failed.as_ref().or(st.unfinished.as_ref()) {
             return Err(e.clone());
         }
+        // A forward under no_grad (an evaluation, perhaps on one rank only) is no step.
+        if crate::step_check::grad_enabled() {
+            st.forwards += 1;
+        }
         Ok(())
+    }
+
+    /// The step check before a forward's collectives (replicate's buffer broadcast): fails
+    /// on every rank with [`Mismatch::Step`](crate::Mismatch::Step) when another rank is in
+    /// another pass or step (a rank skipped a backward, or ran one more forward); nothing is
+    /// sent then, and every later pass fails with the same error. Call it after
+    /// [`prepare_for_forward`](Self::prepare_for_forward), before the forward's first
+    /// collective.
+    pub fn check_forward_step(&self) -> Result<()> {
+        let mut st = lock(&self.inner.state);
+        if let Some(e) = &st.failed {
+            return Err(e.clone());
+        }
+        let me = StepPosition::now(Phase::Forward, st.forwards, st.backwards);
+        let result = crate::step_check::check(&self.inner.group, "replicate", me);
+        if let Err(e) = &result {
+            st.failed = Some(e.clone());
+        }
+        result
     }
 
     /// Whether the next backward passes synchronise (false inside `no_sync`).

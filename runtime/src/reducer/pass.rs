@@ -8,8 +8,10 @@ use std::time::Instant;
 use tch::Tensor;
 
 use crate::collectives::Work;
+use crate::error::{DistError, Result};
 use crate::reducer::buckets::Layout;
 use crate::reducer::comm_hooks::InFlight;
+use crate::step_check::PendingCheck;
 
 /// What one parameter did in this pass.
 #[derive(Debug, Clone, Copy, Default)]
@@ -55,12 +57,16 @@ pub(crate) struct Pass {
     pub first_launch: Option<Instant>,
     /// With `TCH_DIST_TRACE`: when the pass began (its first gradient), on the trace's clock.
     pub started_us: Option<f64>,
+    /// The pass's step check, in flight until the pass's first launch waits for it.
+    pub step_check: Option<PendingCheck>,
+    /// How the step check failed: every later launch of the pass fails with it too.
+    pub step_check_failure: Option<DistError>,
 }
 
 impl Pass {
     /// A pass over `layout`'s buckets; `fresh_grads[i]` says whether parameter `i` had no
     /// `.grad` before the pass (missing entries: it had one).
-    pub fn new(layout: &Layout, fresh_grads: &[bool]) -> Pass {
+    pub fn new(layout: &Layout, fresh_grads: &[bool], step_check: PendingCheck) -> Pass {
         Pass {
             params: (0..layout.params.len())
                 .map(|i| ParamPass {
@@ -76,6 +82,8 @@ impl Pass {
             flushing: false,
             first_launch: None,
             started_us: tch_dist_core::trace::enabled().then(tch_dist_core::trace::now_us),
+            step_check: Some(step_check),
+            step_check_failure: None,
         }
     }
 
@@ -91,8 +99,23 @@ impl Pass {
         self.params.iter().map(|p| p.ready).collect()
     }
 
-    /// Notes the first launch of the pass.
-    pub fn note_launch(&mut self) {
+    /// Before each collective of the pass: completes the step check (the first time), then
+    /// notes the first launch.
+    pub fn note_launch(&mut self) -> Result<()> {
+        self.finish_step_check()?;
         self.first_launch.get_or_insert_with(Instant::now);
+        Ok(())
+    }
+
+    /// Completes the step check if it is still in flight; its failure, once it failed.
+    pub fn finish_step_check(&mut self) -> Result<()> {
+        if let Some(e) = &self.step_check_failure {
+            return Err(e.clone());
+        }
+        let result = self.step_check.take().map_or(Ok(()), PendingCheck::finish);
+        if let Err(e) = &result {
+            self.step_check_failure = Some(e.clone());
+        }
+        result
     }
 }
