@@ -165,9 +165,9 @@ pub enum CheckpointError {
         /// The step of the save (`making the temporary folder`, `writing the files`,
         /// `gathering the files' checksums`, `committing`).
         step: &'static str,
-        /// The collective's error.
+        /// The collective's error (boxed: it is large, and a save's error is rare).
         #[source]
-        source: DistError,
+        source: Box<DistError>,
     },
     /// A collective between the ranks failed, or another rank failed (`PeersFailed`).
     #[error(transparent)]

@@ -318,7 +318,7 @@ fn save_impl<M: Shardable + ?Sized>(
                 rank,
                 dir: dir.to_path_buf(),
                 step,
-                source,
+                source: Box::new(source),
             },
             e => e,
         }
@@ -455,7 +455,11 @@ pub fn load<M: Shardable + ?Sized>(
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
     let local = (|| {
-        let (pieces, mut tensors, _) = read_checkpoint(rank, path)?;
+        let Saved {
+            pieces,
+            mut tensors,
+            ..
+        } = read_checkpoint(rank, path)?;
         // A model-only load leaves the optimizer's state aside.
         tensors.retain(|k, _| !k.starts_with(OPTIM_STATE_PREFIX));
         assemble(rank, &targets(module), &pieces, &tensors)
@@ -497,7 +501,11 @@ pub fn load_with_optimizer<M: Shardable + ?Sized>(
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
     let local = (|| {
-        let (pieces, tensors, manifest) = read_checkpoint(rank, path)?;
+        let Saved {
+            pieces,
+            tensors,
+            manifest,
+        } = read_checkpoint(rank, path)?;
         let (algorithm, lr) = read_sidecar(rank, path, manifest.as_ref(), optimizer)?;
         let mut targets = targets(module);
         let model_count = targets.len();
@@ -651,12 +659,18 @@ fn state_targets(
 
 type Pieces = HashMap<String, Vec<Piece>>;
 
-/// Every saved piece by FQN, every tensor's global shape and dtype, and the manifest (none
-/// for a one-file `VarStore::save`). Every file is checked against the manifest.
-fn read_checkpoint(
-    rank: usize,
-    path: &Path,
-) -> Result<(Pieces, BTreeMap<String, TensorEntry>, Option<Manifest>), CheckpointError> {
+/// A checkpoint as read, every file checked against its manifest.
+struct Saved {
+    /// Every saved piece by FQN.
+    pieces: Pieces,
+    /// Every tensor's global shape and dtype.
+    tensors: BTreeMap<String, TensorEntry>,
+    /// The manifest (none for a one-file `VarStore::save`).
+    manifest: Option<Manifest>,
+}
+
+/// Reads the checkpoint `path` (a folder, or a one-file `VarStore::save`).
+fn read_checkpoint(rank: usize, path: &Path) -> Result<Saved, CheckpointError> {
     let mut pieces: Pieces = HashMap::new();
     if path.is_file() {
         // One safetensors file of whole tensors (`VarStore::save`).
@@ -672,7 +686,11 @@ fn read_checkpoint(
             );
             pieces.entry(fqn).or_default().push(p);
         }
-        return Ok((pieces, tensors, None));
+        return Ok(Saved {
+            pieces,
+            tensors,
+            manifest: None,
+        });
     }
     let manifest = files::read_manifest(rank, path)?;
     for (name, entry) in &manifest.files {
@@ -682,7 +700,11 @@ fn read_checkpoint(
         }
     }
     let tensors = manifest.tensors.clone();
-    Ok((pieces, tensors, Some(manifest)))
+    Ok(Saved {
+        pieces,
+        tensors,
+        manifest: Some(manifest),
+    })
 }
 
 /// Checks the model against the checkpoint and builds each of this rank's tensors from the
