@@ -12,9 +12,10 @@
 //! with the SGD optimizer's momentum buffers and a train state (step, epoch, position in the
 //! epoch), keeping the last `--keep-last K` (3). Started again with `--resume`, or
 //! automatically when torchrun's `TORCHELASTIC_RESTART_COUNT` is above 0 (a restart under
-//! `--max-restarts`), it continues from the newest complete checkpoint: the same step, the
-//! same data order, the same optimizer state, so that a killed and restarted job ends where
-//! an uninterrupted one does. `--max-steps S` stops after S steps in all.
+//! `--max-restarts`), it continues from the newest checkpoint that verifies
+//! (`checkpoint::latest_valid`: a damaged newer one is skipped, and said so): the same step,
+//! the same data order, the same optimizer state, so that a killed and restarted job ends
+//! where an uninterrupted one does. `--max-steps S` stops after S steps in all.
 //!
 //! ```text
 //! target/release/tch-dist-run --nproc-per-node 2 --max-restarts 1 -- target/release/examples/train_ddp \
@@ -133,9 +134,24 @@ fn main() {
     // down (NCCL's threads must not outlive CUDA's teardown).
     tch_dist::destroy_process_group();
     if let Err(e) = result {
-        eprintln!("error: {e}");
+        eprintln!("error: {}", with_causes(e.as_ref()));
         std::process::exit(1);
     }
+}
+
+/// `e` and its causes (`source()`), `: `-separated; a cause whose text the message already
+/// holds (an error that prints its cause itself) is not repeated.
+fn with_causes(e: &dyn Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let more = c.to_string();
+        if !text.contains(&more) {
+            text = format!("{text}: {more}");
+        }
+        cause = c.source();
+    }
+    text
 }
 
 /// `opt.backward_step(&loss)` with failures as values: a collective that failed during
@@ -211,7 +227,23 @@ fn run() -> Result<(), Box<dyn Error>> {
     match &args.checkpoint_dir {
         Some(dir) if resume => {
             // Every rank sees the same folder: nothing writes there while the ranks start.
-            if let Some(last) = dcp::latest(dir) {
+            // A damaged newest checkpoint (a changed byte, a missing file) is skipped for the
+            // newest one that verifies on every rank.
+            let found = dcp::latest_valid(dir, &pg)?;
+            if rank == 0 {
+                for s in &found.skipped {
+                    println!("skipped {}: {}", s.dir.display(), s.reason);
+                }
+            }
+            if found.dir.is_none() && !found.skipped.is_empty() {
+                return Err(format!(
+                    "no checkpoint in {} verifies ({} skipped)",
+                    dir.display(),
+                    found.skipped.len()
+                )
+                .into());
+            }
+            if let Some(last) = found.dir {
                 dcp::load_with_optimizer(&last, &model, &mut opt, &pg)?;
                 let state = dcp::load_train_state(&last, &pg)?
                     .ok_or_else(|| format!("{}: no train state", last.display()))?;

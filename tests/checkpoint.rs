@@ -620,3 +620,309 @@ fn optimizer_state_saved_at_2_continues_at_3() {
         );
     });
 }
+
+/// `path` with `from` replaced by `to` (exactly once), written by rank 0 between barriers.
+fn edit_on_rank_0(pg: &ProcessGroup, path: &Path, from: &str, to: &str) {
+    pg.barrier().unwrap();
+    if pg.rank() == 0 {
+        let text = std::fs::read_to_string(path).unwrap();
+        assert_eq!(text.matches(from).count(), 1, "{from:?} in {text}");
+        std::fs::write(path, text.replace(from, to)).unwrap();
+    }
+    pg.barrier().unwrap();
+}
+
+/// Every byte a load uses is checked against the manifest: one digit changed in
+/// `optimizer.json` (lr 0.1 -> 0.5) or in `train_state.json` (step 5 -> 7) is an error on
+/// every rank, and neither the model nor the optimizer changed.
+#[test]
+fn sidecars_are_checksummed() {
+    use tch_dist::checkpoint::SaveOptions;
+    use tch_dist::optim::Sgd;
+    run_ranks("sidecars_are_checksummed", 2, |pg| {
+        let r = pg.rank();
+        let dir = scratch("sidecars_checksummed", &pg);
+        let ckpt = dir.join("step-00000005");
+        let svs = nn::VarStore::new(Device::Cpu);
+        let saved = mlp(&svs, 8, 1);
+        let sgd = Sgd {
+            momentum: 0.9,
+            ..Default::default()
+        };
+        let opts = SaveOptions {
+            train_state: Some(serde_json::json!({ "step": 5 })),
+            keep_last: None,
+        };
+        let sopt = sgd.build(&svs, 0.1).unwrap();
+        checkpoint::save_with_optimizer(&ckpt, &saved, &sopt, &pg, &opts).unwrap();
+
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = mlp(&vs, 8, 2);
+        let before = model.fc1.ws.copy();
+        let mut opt = sgd.build(&vs, 0.3).unwrap();
+        let corrupted = |name: &str| {
+            format!(
+                "rank {r}: checkpoint: {} is corrupted: its SHA-256 differs from the manifest's",
+                ckpt.join(name).display()
+            )
+        };
+        let sidecar = ckpt.join("optimizer.json");
+        edit_on_rank_0(&pg, &sidecar, "\"lr\": 0.1", "\"lr\": 0.5");
+        let err = checkpoint::load_with_optimizer(&ckpt, &model, &mut opt, &pg).unwrap_err();
+        assert_eq!(err.to_string(), corrupted("optimizer.json"));
+        assert!(
+            model.fc1.ws.equal(&before),
+            "a refused load changed the model"
+        );
+        assert_eq!(opt.lr(), 0.3, "a refused load changed the optimizer");
+        edit_on_rank_0(&pg, &sidecar, "\"lr\": 0.5", "\"lr\": 0.1");
+        checkpoint::load_with_optimizer(&ckpt, &model, &mut opt, &pg).unwrap();
+        assert_eq!(opt.lr(), 0.1);
+        assert!(model.fc1.ws.equal(&saved.fc1.ws));
+
+        let state = ckpt.join("train_state.json");
+        edit_on_rank_0(&pg, &state, "\"step\": 5", "\"step\": 7");
+        let err = checkpoint::load_train_state(&ckpt, &pg).unwrap_err();
+        assert_eq!(err.to_string(), corrupted("train_state.json"));
+        edit_on_rank_0(&pg, &state, "\"step\": 7", "\"step\": 5");
+        let state = checkpoint::load_train_state(&ckpt, &pg).unwrap();
+        assert_eq!(state, Some(serde_json::json!({ "step": 5 })));
+
+        // A sidecar the save did not write (the manifest does not list it) is not read.
+        let model_only = dir.join("model-only");
+        checkpoint::save(&model_only, &saved, &pg).unwrap();
+        assert_eq!(
+            checkpoint::load_train_state(&model_only, &pg).unwrap(),
+            None
+        );
+        if r == 0 {
+            std::fs::write(model_only.join("train_state.json"), "{\"step\": 7}").unwrap();
+        }
+        pg.barrier().unwrap();
+        let err = checkpoint::load_train_state(&model_only, &pg).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "rank {r}: checkpoint: {} is corrupted: the manifest does not list it",
+                model_only.join("train_state.json").display()
+            )
+        );
+    });
+}
+
+const COMMIT_CRASH: &str = "a_save_killed_at_each_commit_point_leaves_a_complete_checkpoint";
+
+/// The commit points the test kills rank 0 at (`TCH_DIST_TEST_CHECKPOINT_CRASH`), each
+/// for a save under a new name (`step-00000003`) and over an existing one
+/// (`step-00000002`): (point, name, the checkpoint `latest` then finds, the seed of the
+/// values it holds).
+const COMMIT_CASES: [(&str, &str, &str, i64); 6] = [
+    ("files-written", "step-00000003", "step-00000002", 2),
+    ("manifest-written", "step-00000003", "step-00000002", 2),
+    ("replaced", "step-00000003", "step-00000003", 3),
+    ("files-written", "step-00000002", "step-00000002", 2),
+    ("manifest-written", "step-00000002", "step-00000002", 2),
+    ("replaced", "step-00000002", "step-00000002", 3),
+];
+
+fn commit_case_dir(case: usize) -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("commit_crash")
+        .join(format!("case-{case}"))
+}
+
+/// What a worker of [`a_save_killed_at_each_commit_point_leaves_a_complete_checkpoint`]
+/// does, by `COMMIT_CRASH_MODE`: `setup` saves `step-00000001` and `step-00000002` (seeds 1
+/// and 2) into every case's folder; `crash` saves case `COMMIT_CRASH_CASE`'s name (seed 3)
+/// with rank 0 killed at its point, and rank 1 checks its error; `verify` (one rank) checks
+/// what `latest` and `load` make of each case's folder, then that a new save over the same
+/// name cleans up.
+fn commit_crash_worker(pg: ProcessGroup) {
+    let mode = std::env::var("COMMIT_CRASH_MODE").unwrap();
+    let model = |seed| mlp(&nn::VarStore::new(Device::Cpu), 8, seed);
+    match mode.as_str() {
+        "setup" => {
+            for case in 0..COMMIT_CASES.len() {
+                let dir = commit_case_dir(case);
+                for (name, seed) in [("step-00000001", 1), ("step-00000002", 2)] {
+                    checkpoint::save(dir.join(name), &model(seed), &pg).unwrap();
+                }
+            }
+        }
+        "crash" => {
+            let case: usize = std::env::var("COMMIT_CRASH_CASE").unwrap().parse().unwrap();
+            let ckpt = commit_case_dir(case).join(COMMIT_CASES[case].1);
+            let result = checkpoint::save(&ckpt, &model(3), &pg);
+            assert_eq!(pg.rank(), 1, "rank 0 was not killed: {result:?}");
+            // Rank 1 waited for rank 0 to commit: its error names the checkpoint.
+            let err = result.unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!(
+                    "rank 1: checkpoint.save of {}: committing failed",
+                    ckpt.display()
+                )
+            );
+            let CheckpointError::Save { source, .. } = &err else {
+                panic!("{err:?}");
+            };
+            assert!(source.to_string().contains("rank 0"), "{source}");
+            let cause = std::error::Error::source(&err).expect("the collective's error");
+            assert_eq!(cause.to_string(), source.to_string());
+            // The group is unusable with rank 0 gone: end here.
+            println!(
+                "tch-dist-test: rank body finished: {COMMIT_CRASH} {}",
+                pg.rank()
+            );
+            std::process::exit(0);
+        }
+        "verify" => {
+            for (case, &(point, name, latest, seed)) in COMMIT_CASES.iter().enumerate() {
+                let dir = commit_case_dir(case);
+                let what = format!("killed at {point} saving {name}");
+                let found = checkpoint::latest(&dir).unwrap_or_else(|| panic!("{what}: none"));
+                assert_eq!(found, dir.join(latest), "{what}");
+                let loaded = model(9);
+                checkpoint::load(&found, &loaded, &pg).unwrap();
+                let expected = model(seed);
+                assert!(
+                    loaded.fc1.ws.equal(&expected.fc1.ws),
+                    "{what}: other values"
+                );
+                // A name that held a checkpoint always holds a complete one.
+                if name == latest {
+                    checkpoint::load(dir.join(name), &loaded, &pg).unwrap();
+                }
+                // Saving the same name again works and leaves no temporary folder.
+                checkpoint::save(dir.join(name), &model(4), &pg).unwrap();
+                checkpoint::load(dir.join(name), &loaded, &pg).unwrap();
+                assert!(loaded.fc1.ws.equal(&model(4).fc1.ws), "{what}: re-saved");
+                let mut left: Vec<String> = std::fs::read_dir(&dir)
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.ends_with(".partial") || n.ends_with(".old"))
+                    .collect();
+                left.sort();
+                assert!(left.is_empty(), "{what}: {left:?} left");
+            }
+        }
+        other => panic!("COMMIT_CRASH_MODE={other}"),
+    }
+}
+
+/// Rank 0 killed at each point of a save's commit (after the files, after the manifest,
+/// after the rename), saving under a new name and over an existing one: the name never
+/// lacks a complete checkpoint, `latest` never names a `.partial` folder, and each loads
+/// the values of the last save that committed. Rank 1's error names the checkpoint and
+/// the step of the save.
+#[test]
+fn a_save_killed_at_each_commit_point_leaves_a_complete_checkpoint() {
+    use tch_dist::testing::{describe, Launch};
+    if worker().is_some() {
+        return tch_dist::testing::run_ranks(COMMIT_CRASH, 2, commit_crash_worker);
+    }
+    let _ = std::fs::remove_dir_all(commit_case_dir(0).parent().unwrap());
+    let check = |launch: Launch, rank_0_killed: bool| {
+        let out = launch.run();
+        let killed = out[0].status.is_some_and(|s| !s.success());
+        assert!(
+            killed == rank_0_killed && out[1..].iter().all(|o| o.success()),
+            "{}",
+            describe(&out)
+        );
+    };
+    let mode =
+        |mode: &str, world: usize| Launch::new(COMMIT_CRASH, world).env("COMMIT_CRASH_MODE", mode);
+    check(mode("setup", 2), false);
+    for (case, (point, ..)) in COMMIT_CASES.iter().enumerate() {
+        check(
+            mode("crash", 2)
+                .env("COMMIT_CRASH_CASE", case.to_string())
+                .rank_env(0, "TCH_DIST_TEST_CHECKPOINT_CRASH", *point)
+                .env("TCH_DIST_TIMEOUT_SECS", "20"),
+            true,
+        );
+    }
+    check(mode("verify", 1), false);
+}
+
+/// `latest_valid` falls back from damaged checkpoints (a changed byte, a missing file) to
+/// the newest that verifies on every rank, naming each one it skipped and why; with every
+/// one damaged it finds none and lists them all.
+#[test]
+fn latest_valid_skips_damaged_checkpoints() {
+    run_ranks("latest_valid_skips_damaged_checkpoints", 2, |pg| {
+        let dir = scratch("latest_valid", &pg);
+        let none = checkpoint::latest_valid(dir.join("nothing-here"), &pg).unwrap();
+        assert_eq!(none, checkpoint::LatestValid::default());
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut model = mlp(&vs, 8, 1);
+        shard_module(&mut model, &plan(), 0, &pg).unwrap();
+        let step = |n: u32| dir.join(format!("step-{n:08}"));
+        for n in 1..=3 {
+            checkpoint::save(step(n), &model, &pg).unwrap();
+        }
+        let found = checkpoint::latest_valid(&dir, &pg).unwrap();
+        assert_eq!(found.dir, Some(step(3)));
+        assert!(found.skipped.is_empty());
+        // step 3: one byte of rank 0's file changed; step 2: rank 1's file gone.
+        let flipped = step(3).join(checkpoint::file_name(0));
+        let gone = step(2).join(checkpoint::file_name(1));
+        pg.barrier().unwrap();
+        if pg.rank() == 0 {
+            let mut bytes = std::fs::read(&flipped).unwrap();
+            let last = bytes.len() - 1;
+            bytes[last] ^= 1;
+            std::fs::write(&flipped, bytes).unwrap();
+            std::fs::remove_file(&gone).unwrap();
+        }
+        pg.barrier().unwrap();
+        let both = |what: &dyn Fn(usize) -> String| format!("{}; {}", what(0), what(1));
+        let changed = both(&|r| {
+            format!(
+                "rank {r}: checkpoint: {} is corrupted: its SHA-256 differs from the manifest's",
+                flipped.display()
+            )
+        });
+        let missing = both(&|r| {
+            format!(
+                "rank {r}: checkpoint: {} is corrupted: No such file or directory (os error 2)",
+                gone.display()
+            )
+        });
+        let skipped = |dir: PathBuf, reason: &str| checkpoint::Skipped {
+            dir,
+            reason: reason.to_string(),
+        };
+        let found = checkpoint::latest_valid(&dir, &pg).unwrap();
+        assert_eq!(
+            found,
+            checkpoint::LatestValid {
+                dir: Some(step(1)),
+                skipped: vec![skipped(step(3), &changed), skipped(step(2), &missing)],
+            }
+        );
+        // `latest` reads no file: it still names the newest complete one.
+        assert_eq!(checkpoint::latest(&dir), Some(step(3)));
+        checkpoint::load(found.dir.unwrap(), &model, &pg).unwrap();
+        // Every one damaged: none, all three listed.
+        let manifest = step(1).join(checkpoint::MANIFEST);
+        edit_on_rank_0(&pg, &manifest, "\"world_size\": 2", "\"world_size\": 2,,");
+        let found = checkpoint::latest_valid(&dir, &pg).unwrap();
+        let bad_manifest = both(&|r| {
+            format!(
+                "rank {r}: checkpoint: {}: not a manifest of this format (tch-dist checkpoint 2)",
+                manifest.display()
+            )
+        });
+        assert_eq!(found.dir, None);
+        assert_eq!(
+            found.skipped,
+            vec![
+                skipped(step(3), &changed),
+                skipped(step(2), &missing),
+                skipped(step(1), &bad_manifest)
+            ]
+        );
+    });
+}

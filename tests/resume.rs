@@ -237,3 +237,60 @@ fn killed_under_torchrun_resumes_to_the_same_parameters() {
     let out = run(cmd, "torchrun");
     check_resumed(&dir, &out, kill_at);
 }
+
+/// Copies the folder `from` to `to` (files and folders only).
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// A byte changed in the newest checkpoint (step 30 of the uninterrupted run): `--resume`
+/// skips it, says why, resumes from step 25, and ends at the uninterrupted run's
+/// parameters, saving step 30 again over the damaged one.
+#[test]
+fn a_damaged_newest_checkpoint_falls_back_to_the_one_before() {
+    let _serial = one_job_at_a_time();
+    let _ = reference();
+    let dir = scratch("resume_damaged");
+    copy_tree(
+        &Path::new(env!("CARGO_TARGET_TMPDIR")).join("resume_reference/ckpt"),
+        &dir.join("ckpt"),
+    );
+    let newest = dir.join("ckpt/step-00000030");
+    let file = newest.join("shard-00001-model-00001-of-00001.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&file, bytes).unwrap();
+    let (train, launcher) = binaries();
+    let mut cmd = Command::new(launcher);
+    cmd.args(["--nproc-per-node", "2", "--"])
+        .arg(train)
+        .args(train_args(&dir))
+        .arg("--resume");
+    let out = run(cmd, "tch-dist-run --resume");
+    let skipped = format!(
+        "skipped {}: rank 0: checkpoint: {} is corrupted: its SHA-256 differs from the \
+         manifest's; rank 1: checkpoint: {} is corrupted: its SHA-256 differs from the \
+         manifest's",
+        newest.display(),
+        file.display(),
+        file.display()
+    );
+    assert!(out.contains(&skipped), "no `{skipped}` in\n{out}");
+    let resumed = format!(
+        "resumed from {} at step 25",
+        dir.join("ckpt/step-00000025").display()
+    );
+    assert!(out.contains(&resumed), "no `{resumed}` in\n{out}");
+    // From step 25 it ends where the uninterrupted run does (as after a kill after step 29).
+    check_resumed(&dir, &out, 29);
+}

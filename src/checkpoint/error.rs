@@ -153,6 +153,22 @@ pub enum CheckpointError {
         /// What does not fit.
         problem: String,
     },
+    /// A collective of [`save`](super::save) failed (a peer died, or other ranks failed
+    /// their part: `PeersFailed`): names the checkpoint being written and the step of the
+    /// save; the collective's error is the [`source`](std::error::Error::source).
+    #[error("rank {rank}: checkpoint.save of {dir}: {step} failed")]
+    Save {
+        /// This rank.
+        rank: usize,
+        /// The checkpoint folder being written.
+        dir: PathBuf,
+        /// The step of the save (`making the temporary folder`, `writing the files`,
+        /// `gathering the files' checksums`, `committing`).
+        step: &'static str,
+        /// The collective's error (boxed: it is large, and a save's error is rare).
+        #[source]
+        source: Box<DistError>,
+    },
     /// A collective between the ranks failed, or another rank failed (`PeersFailed`).
     #[error(transparent)]
     Dist(#[from] DistError),

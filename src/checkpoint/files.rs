@@ -4,9 +4,11 @@
 //! - one `shard-{rank+1:05}-model-00001-of-00001.safetensors` per rank; its `__metadata__`
 //!   holds `DCP_SHARDING_INFO`, a JSON string `{fqn: {"saved_offsets": [...]}}` giving where
 //!   each saved piece starts in the global tensor, and `DCP_VERSION` `1.0`, `format` `pt`;
-//! - `manifest.json`, written last: every file with its length and SHA-256, every tensor
-//!   with its global shape and dtype, the world size that wrote it. PyTorch's reader only
-//!   lists `*.safetensors` files, so it ignores the manifest.
+//! - `manifest.json`, written last: every file with its length and SHA-256 (the safetensors
+//!   files in `files`, the JSON sidecars `optimizer.json` and `train_state.json` in
+//!   `sidecars`), every tensor with its global shape and dtype, the world size that wrote
+//!   it. PyTorch's reader only lists `*.safetensors` files, so it ignores the manifest and
+//!   the sidecars.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -20,8 +22,9 @@ use super::CheckpointError;
 
 /// The manifest's name in a checkpoint folder.
 pub const MANIFEST: &str = "manifest.json";
-/// What the manifest's `format` says.
-pub(super) const FORMAT: &str = "tch-dist checkpoint 1";
+/// What the manifest's `format` says. Format 1 did not checksum the sidecars: its
+/// manifests are refused (not a manifest of this format) rather than trusted.
+pub(super) const FORMAT: &str = "tch-dist checkpoint 2";
 
 /// Rank `rank`'s file name (PyTorch's `shard-00001-model-00001-of-00001.safetensors` for
 /// rank 0).
@@ -38,8 +41,10 @@ pub fn file_name(rank: usize) -> String {
 pub(super) struct Manifest {
     pub format: String,
     pub world_size: usize,
-    /// File name -> its length and SHA-256 (hex).
+    /// Safetensors file name -> its length and SHA-256 (hex).
     pub files: BTreeMap<String, FileEntry>,
+    /// JSON sidecar name (`optimizer.json`, `train_state.json`) -> its length and SHA-256.
+    pub sidecars: BTreeMap<String, FileEntry>,
     /// FQN -> its global shape and dtype.
     pub tensors: BTreeMap<String, TensorEntry>,
 }
@@ -48,6 +53,105 @@ pub(super) struct Manifest {
 pub(super) struct FileEntry {
     pub bytes: u64,
     pub sha256: String,
+}
+
+impl FileEntry {
+    /// The entry of a file holding `bytes`.
+    pub fn of(bytes: &[u8]) -> Self {
+        FileEntry {
+            bytes: bytes.len() as u64,
+            sha256: sha256(bytes),
+        }
+    }
+}
+
+/// The sidecars a checkpoint folder may hold: a file of one of these names is read only
+/// when the manifest lists it, and refused when it is there unlisted.
+pub(super) const SIDECARS: [&str; 2] = [super::OPTIMIZER_SIDECAR, super::TRAIN_STATE];
+
+/// The manifest of the checkpoint folder `dir`.
+pub(super) fn read_manifest(rank: usize, dir: &Path) -> Result<Manifest, CheckpointError> {
+    let path = dir.join(MANIFEST);
+    if !path.is_file() {
+        return Err(CheckpointError::NotACheckpoint {
+            rank,
+            dir: dir.to_path_buf(),
+        });
+    }
+    let text = read(rank, &path)?;
+    serde_json::from_slice(&text)
+        .ok()
+        .filter(|m: &Manifest| m.format == FORMAT)
+        .ok_or_else(|| CheckpointError::Format {
+            rank,
+            path,
+            cause: format!("not a manifest of this format ({FORMAT})"),
+        })
+}
+
+/// The bytes of the file `dir/name`, checked against its manifest entry (length and
+/// SHA-256).
+pub(super) fn read_listed(
+    rank: usize,
+    dir: &Path,
+    name: &str,
+    entry: &FileEntry,
+) -> Result<Vec<u8>, CheckpointError> {
+    let file = dir.join(name);
+    let corrupted = |cause: String| CheckpointError::Corrupted {
+        rank,
+        file: file.clone(),
+        cause,
+    };
+    let bytes = std::fs::read(&file).map_err(|e| corrupted(e.to_string()))?;
+    if bytes.len() as u64 != entry.bytes {
+        return Err(corrupted(format!(
+            "{} bytes, the manifest says {}",
+            bytes.len(),
+            entry.bytes
+        )));
+    }
+    if sha256(&bytes) != entry.sha256 {
+        return Err(corrupted("its SHA-256 differs from the manifest's".into()));
+    }
+    Ok(bytes)
+}
+
+/// The sidecar `name` of the checkpoint folder `dir`, checked against the manifest:
+/// `None` when the save wrote none; an error when the file is there but the manifest does
+/// not list it (nothing unverified is read).
+pub(super) fn read_sidecar(
+    rank: usize,
+    dir: &Path,
+    manifest: &Manifest,
+    name: &str,
+) -> Result<Option<Vec<u8>>, CheckpointError> {
+    match manifest.sidecars.get(name) {
+        Some(entry) => read_listed(rank, dir, name, entry).map(Some),
+        None if dir.join(name).exists() => Err(CheckpointError::Corrupted {
+            rank,
+            file: dir.join(name),
+            cause: "the manifest does not list it".into(),
+        }),
+        None => Ok(None),
+    }
+}
+
+/// Checks every byte of the checkpoint folder `dir` that a load may read: the manifest
+/// parses, every file and sidecar it lists has its length and SHA-256, no sidecar is there
+/// unlisted. Reads the whole checkpoint once.
+pub(super) fn verify(rank: usize, dir: &Path) -> Result<(), CheckpointError> {
+    let manifest = read_manifest(rank, dir)?;
+    for (name, entry) in manifest.files.iter().chain(&manifest.sidecars) {
+        read_listed(rank, dir, name, entry)?;
+    }
+    for name in SIDECARS
+        .iter()
+        .filter(|n| !manifest.sidecars.contains_key(**n))
+    {
+        read_sidecar(rank, dir, &manifest, name)?;
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -242,18 +346,8 @@ pub(super) fn read(rank: usize, path: &Path) -> Result<Vec<u8>, CheckpointError>
     })
 }
 
-/// Writes `bytes` to `path`.
-pub(super) fn write(rank: usize, path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    std::fs::write(path, bytes).map_err(|e| CheckpointError::Io {
-        rank,
-        path: path.to_path_buf(),
-        cause: e.to_string(),
-    })
-}
-
 /// `dir` with `suffix` added to its name: `DIR.partial`, the temporary folder a save
-/// writes into before it is renamed to `DIR`, and `DIR.old`, an older checkpoint being
-/// replaced.
+/// writes into before it is renamed to `DIR`, and `DIR.old` (`protocol.rs`).
 pub(super) fn sibling(dir: &Path, suffix: &str) -> PathBuf {
     let mut name = dir
         .file_name()

@@ -18,18 +18,22 @@
 //! any world size, replicated, tensor-parallel or fully sharded: each rank assembles the part it holds
 //! from whichever saved pieces overlap it.
 //!
-//! Crash safety: a save writes into `DIR.partial` and, once every rank's file is written
-//! (the ranks agree on it), rank 0 writes `manifest.json` (every file's length and SHA-256,
-//! every tensor's global shape and dtype) and renames the folder to `DIR` (an older `DIR`
-//! is replaced). `load` refuses a folder without a manifest (an interrupted save is never
-//! loaded) and every file whose length or checksum differs, and checks the key set, global
-//! shapes and dtypes against the model before changing anything, each a
+//! Crash safety: a save writes into `DIR.partial`, every file fsynced; once every rank's
+//! file is written (the ranks agree on it), rank 0 writes the sidecars and `manifest.json`
+//! (every file's length and SHA-256, the sidecars' too, every tensor's global shape and
+//! dtype), fsyncs the folder and puts it in place as `DIR`: a rename, or an atomic swap
+//! with an older `DIR`, so that a crash at any point leaves `DIR` with the old complete
+//! checkpoint or the new one (`protocol.rs`; docs/ARCHITECTURE.md, "Checkpoint commit
+//! protocol"). `load` refuses a folder without a manifest (an interrupted save is never
+//! loaded) and every file whose length or checksum differs, sidecars included, and checks
+//! the key set, global shapes and dtypes against the model before changing anything, each a
 //! [`CheckpointError`] naming the FQN, on every rank. All ranks must see the same folder (one
 //! machine, or a shared file system).
 //!
 //! [`save_with`] also writes a train state (`train_state.json`, any JSON value: step, epoch,
 //! data position) and keeps only the last `k` checkpoints beside the new one; [`latest`]
-//! finds the last complete one to resume from. [`save_with_optimizer`] adds a
+//! finds the last complete one to resume from, [`latest_valid`] the last one that verifies
+//! on every rank, skipping damaged newer ones. [`save_with_optimizer`] adds a
 //! [`tch_dist::optim`](crate::optim) optimizer's state beside the parameters (PyTorch's
 //! flattened names, `optim.state.<fqn>.exp_avg`, sharded like the parameter) and its
 //! settings in the JSON sidecar `optimizer.json`; [`load_with_optimizer`] restores both at
@@ -53,6 +57,8 @@
 
 mod error;
 mod files;
+mod protocol;
+mod retention;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -63,6 +69,7 @@ use tch_dist_runtime::ProcessGroup;
 
 pub use error::CheckpointError;
 pub use files::{file_name, MANIFEST};
+pub use retention::{latest, latest_valid, LatestValid, Skipped};
 
 use files::{FileEntry, Manifest, Piece, TensorEntry};
 
@@ -194,7 +201,8 @@ fn optimizer_targets(
                     rank,
                     fqn: fqn.to_string(),
                     problem: format!(
-                        "its `{name}` is {:?}, neither the parameter's shape {:?} nor a scalar",
+                        "`{}` is {:?}, neither the parameter's shape {:?} nor a scalar",
+                        state_key(fqn, name),
                         t.size(),
                         param.tensor.size()
                     ),
@@ -302,30 +310,32 @@ fn save_impl<M: Shardable + ?Sized>(
 ) -> Result<(), CheckpointError> {
     const OP: &str = "checkpoint.save";
     let rank = group.rank();
-    let tmp = files::sibling(dir, ".partial");
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |e: std::io::Error| CheckpointError::Io {
-            rank,
-            path,
-            cause: e.to_string(),
+    let tmp = files::sibling(dir, protocol::PARTIAL);
+    // A collective's failure names the checkpoint and the step it failed in.
+    let during = |step: &'static str| {
+        move |e: CheckpointError| match e {
+            CheckpointError::Dist(source) => CheckpointError::Save {
+                rank,
+                dir: dir.to_path_buf(),
+                step,
+                source: Box::new(source),
+            },
+            e => e,
         }
     };
-    // 1. Rank 0 makes an empty temporary folder.
+    // The commit protocol, step by step (docs/ARCHITECTURE.md, "Checkpoint commit
+    // protocol"). 1. Rank 0 makes an empty temporary folder.
     let local = if rank == 0 {
-        (|| {
-            if tmp.exists() {
-                std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
-            }
-            std::fs::create_dir_all(&tmp).map_err(io(&tmp))
-        })()
+        protocol::start(rank, &tmp)
     } else {
         Ok(())
     };
-    group.agree(OP, local)?;
-    // 2. Every rank writes its file: its shards, and rank 0 the whole tensors (fully_shard
-    // parameters held gathered go back to their shards first).
-    crate::fully_shard::reshard_all(module)?;
+    group
+        .agree(OP, local)
+        .map_err(during("making the temporary folder"))?;
+    // 2. Every rank writes and fsyncs its file: its shards, and rank 0 the whole tensors
+    // (fully_shard parameters held gathered go back to their shards first).
+    crate::fully_shard::reshard_all(module).map_err(|e| during("writing the files")(e.into()))?;
     let mut targets = targets(module);
     let path = tmp.join(file_name(rank));
     let local = (|| {
@@ -344,27 +354,54 @@ fn save_impl<M: Shardable + ?Sized>(
             .collect();
         if mine.is_empty() {
             // Nothing of its own to write (every tensor replicated, written by rank 0).
-            return Ok(String::new());
+            return Ok(Vec::new());
         }
         let bytes = files::encode(rank, &path, &mine)?;
-        files::write(rank, &path, &bytes)?;
-        Ok::<_, CheckpointError>(format!("{} {}", bytes.len(), files::sha256(&bytes)))
+        protocol::write_durable(rank, &path, &bytes)?;
+        serde_json::to_vec(&FileEntry::of(&bytes)).map_err(|e| CheckpointError::Format {
+            rank,
+            path: path.clone(),
+            cause: e.to_string(),
+        })
     })();
-    let entry = group.agree(OP, local)?;
-    // 3. Rank 0 writes the manifest and puts the folder in place.
-    let entries = group.all_gather_bytes(OP, entry.as_bytes())?;
+    let entry = group
+        .agree(OP, local)
+        .map_err(during("writing the files"))?;
+    let entries = group
+        .all_gather_bytes(OP, &entry)
+        .map_err(|e| during("gathering the files' checksums")(e.into()))?;
+    // 3. Rank 0 writes and fsyncs the sidecars, then the manifest (listing every file with
+    // its checksum), then puts the folder in place and removes what it replaced.
     let local = if rank == 0 {
         (|| {
+            protocol::crash_point("files-written");
+            let format = |path: PathBuf| {
+                move |e: serde_json::Error| CheckpointError::Format {
+                    rank,
+                    path,
+                    cause: e.to_string(),
+                }
+            };
             let mut files_ = BTreeMap::new();
             for (r, e) in entries.iter().enumerate().filter(|(_, e)| !e.is_empty()) {
-                let text = String::from_utf8_lossy(e);
-                let (bytes, sha256) = text.split_once(' ').unwrap_or(("0", ""));
-                files_.insert(
-                    file_name(r),
-                    FileEntry {
-                        bytes: bytes.parse().unwrap_or(0),
-                        sha256: sha256.to_string(),
-                    },
+                let name = file_name(r);
+                let entry = serde_json::from_slice(e).map_err(format(tmp.join(&name)))?;
+                files_.insert(name, entry);
+            }
+            let mut sidecars = BTreeMap::new();
+            if let Some(state) = &opts.train_state {
+                let path = tmp.join(TRAIN_STATE);
+                let text = serde_json::to_string_pretty(state).map_err(format(path.clone()))?;
+                protocol::write_durable(rank, &path, text.as_bytes())?;
+                sidecars.insert(TRAIN_STATE.to_string(), FileEntry::of(text.as_bytes()));
+            }
+            if let Some(opt) = optimizer {
+                let path = tmp.join(OPTIMIZER_SIDECAR);
+                let text = optimizer::sidecar::to_json(opt).map_err(format(path.clone()))?;
+                protocol::write_durable(rank, &path, text.as_bytes())?;
+                sidecars.insert(
+                    OPTIMIZER_SIDECAR.to_string(),
+                    FileEntry::of(text.as_bytes()),
                 );
             }
             let tensors = targets
@@ -383,62 +420,26 @@ fn save_impl<M: Shardable + ?Sized>(
                 format: files::FORMAT.to_string(),
                 world_size: group.world_size(),
                 files: files_,
+                sidecars,
                 tensors,
             };
-            let text =
-                serde_json::to_string_pretty(&manifest).map_err(|e| CheckpointError::Format {
-                    rank,
-                    path: tmp.join(MANIFEST),
-                    cause: e.to_string(),
-                })?;
-            if let Some(state) = &opts.train_state {
-                let path = tmp.join(TRAIN_STATE);
-                let text =
-                    serde_json::to_string_pretty(state).map_err(|e| CheckpointError::Format {
-                        rank,
-                        path: path.clone(),
-                        cause: e.to_string(),
-                    })?;
-                files::write(rank, &path, text.as_bytes())?;
-            }
-            if let Some(opt) = optimizer {
-                let path = tmp.join(OPTIMIZER_SIDECAR);
-                let sidecar = serde_json::json!({
-                    "optimizer": opt.algorithm().name(),
-                    "param_groups": opt.param_groups(),
-                });
-                let text = serde_json::to_string_pretty(&sidecar).map_err(|e| {
-                    CheckpointError::Format {
-                        rank,
-                        path: path.clone(),
-                        cause: e.to_string(),
-                    }
-                })?;
-                files::write(rank, &path, text.as_bytes())?;
-            }
+            let path = tmp.join(MANIFEST);
+            let text = serde_json::to_string_pretty(&manifest).map_err(format(path.clone()))?;
             // The manifest last: a folder without one is never loaded.
-            files::write(rank, &tmp.join(MANIFEST), text.as_bytes())?;
-            // An older checkpoint under the same name goes only once the new one is whole.
-            let old = files::sibling(dir, ".old");
-            if dir.exists() {
-                if old.exists() {
-                    std::fs::remove_dir_all(&old).map_err(io(&old))?;
-                }
-                std::fs::rename(dir, &old).map_err(io(dir))?;
-            }
-            std::fs::rename(&tmp, dir).map_err(io(dir))?;
-            if old.exists() {
-                std::fs::remove_dir_all(&old).map_err(io(&old))?;
-            }
+            protocol::write_durable(rank, &path, text.as_bytes())?;
+            protocol::crash_point("manifest-written");
+            protocol::replace(rank, &tmp, dir)?;
+            protocol::crash_point("replaced");
+            protocol::finish(rank, &tmp)?;
             if let Some(k) = opts.keep_last {
-                prune(rank, dir, k)?;
+                retention::prune(rank, dir, k)?;
             }
             Ok(())
         })()
     } else {
         Ok(())
     };
-    group.agree(OP, local)
+    group.agree(OP, local).map_err(during("committing"))
 }
 
 /// Loads a checkpoint folder written by [`save`] at any world size (or a one-file
@@ -454,7 +455,11 @@ pub fn load<M: Shardable + ?Sized>(
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
     let local = (|| {
-        let (pieces, mut tensors) = read_checkpoint(rank, path)?;
+        let Saved {
+            pieces,
+            mut tensors,
+            ..
+        } = read_checkpoint(rank, path)?;
         // A model-only load leaves the optimizer's state aside.
         tensors.retain(|k, _| !k.starts_with(OPTIM_STATE_PREFIX));
         assemble(rank, &targets(module), &pieces, &tensors)
@@ -496,11 +501,15 @@ pub fn load_with_optimizer<M: Shardable + ?Sized>(
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
     let local = (|| {
-        let (pieces, tensors) = read_checkpoint(rank, path)?;
-        let (algorithm, lr) = read_sidecar(rank, path, optimizer)?;
+        let Saved {
+            pieces,
+            tensors,
+            manifest,
+        } = read_checkpoint(rank, path)?;
+        let (algorithm, lr) = read_sidecar(rank, path, manifest.as_ref(), optimizer)?;
         let mut targets = targets(module);
         let model_count = targets.len();
-        let state = state_targets(rank, &targets, &tensors, &algorithm, optimizer)?;
+        let state = state_targets(rank, path, &targets, &tensors, &algorithm, optimizer)?;
         targets.extend(state);
         let staged = assemble(rank, &targets, &pieces, &tensors)?;
         Ok::<_, CheckpointError>((staged, targets.split_off(model_count), algorithm, lr))
@@ -530,40 +539,41 @@ pub fn load_with_optimizer<M: Shardable + ?Sized>(
     Ok(())
 }
 
-/// The optimizer's class and settings from the sidecar, checked against `optimizer`'s.
+/// The optimizer's class and settings from the sidecar (checked against the manifest),
+/// checked against `optimizer`'s.
 fn read_sidecar(
     rank: usize,
     dir: &Path,
+    manifest: Option<&Manifest>,
     optimizer: &Optimizer,
 ) -> Result<(Algorithm, f64), CheckpointError> {
     let path = dir.join(OPTIMIZER_SIDECAR);
-    if !path.is_file() {
+    let bytes = match manifest {
+        Some(m) => files::read_sidecar(rank, dir, m, OPTIMIZER_SIDECAR)?,
+        // A one-file `VarStore::save` has no sidecar.
+        None => None,
+    };
+    let Some(bytes) = bytes else {
         return Err(CheckpointError::NoOptimizerState {
             rank,
             dir: dir.to_path_buf(),
         });
-    }
-    let bytes = files::read(rank, &path)?;
+    };
     let format = |cause: String| CheckpointError::Format {
         rank,
         path: path.clone(),
         cause,
     };
-    let sidecar: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| format(e.to_string()))?;
-    let name = sidecar["optimizer"]
-        .as_str()
-        .ok_or_else(|| format("no `optimizer` class name".into()))?;
+    let name = optimizer::sidecar::class_of(&bytes).map_err(format)?;
     let expected = optimizer.algorithm().name();
     if name != expected {
         return Err(CheckpointError::OptimizerKind {
             rank,
             expected: expected.to_string(),
-            found: name.to_string(),
+            found: name,
         });
     }
-    let (algorithm, lr) =
-        Optimizer::parse_param_groups(name, &sidecar["param_groups"]).map_err(format)?;
+    let (algorithm, lr) = optimizer::sidecar::settings_of(&bytes).map_err(format)?;
     optimizer::check_settings(&algorithm, lr).map_err(|e| format(e.to_string()))?;
     Ok((algorithm, lr))
 }
@@ -573,6 +583,7 @@ fn read_sidecar(
 /// the algorithm's state names, all of them.
 fn state_targets(
     rank: usize,
+    dir: &Path,
     model: &[Target],
     tensors: &BTreeMap<String, TensorEntry>,
     algorithm: &Algorithm,
@@ -598,7 +609,7 @@ fn state_targets(
                 rank,
                 fqn: fqn.to_string(),
                 problem: format!(
-                    "the checkpoint has `{name}`, which {} with these settings has not (it has {names:?})",
+                    "the checkpoint has `{key}`, a state {} with these settings has not (it has {names:?})",
                     algorithm.name()
                 ),
             });
@@ -620,7 +631,7 @@ fn state_targets(
             let t = if entry.shape.is_empty() {
                 let kind = files::kind_of(&entry.dtype).ok_or_else(|| CheckpointError::Format {
                     rank,
-                    path: PathBuf::from(MANIFEST),
+                    path: dir.join(MANIFEST),
                     cause: format!("`{key}` has dtype {}, which tch cannot hold", entry.dtype),
                 })?;
                 Tensor::zeros([], (kind, param.tensor.device()))
@@ -648,11 +659,18 @@ fn state_targets(
 
 type Pieces = HashMap<String, Vec<Piece>>;
 
-/// Every saved piece by FQN, and every tensor's global shape and dtype.
-fn read_checkpoint(
-    rank: usize,
-    path: &Path,
-) -> Result<(Pieces, BTreeMap<String, TensorEntry>), CheckpointError> {
+/// A checkpoint as read, every file checked against its manifest.
+struct Saved {
+    /// Every saved piece by FQN.
+    pieces: Pieces,
+    /// Every tensor's global shape and dtype.
+    tensors: BTreeMap<String, TensorEntry>,
+    /// The manifest (none for a one-file `VarStore::save`).
+    manifest: Option<Manifest>,
+}
+
+/// Reads the checkpoint `path` (a folder, or a one-file `VarStore::save`).
+fn read_checkpoint(rank: usize, path: &Path) -> Result<Saved, CheckpointError> {
     let mut pieces: Pieces = HashMap::new();
     if path.is_file() {
         // One safetensors file of whole tensors (`VarStore::save`).
@@ -668,47 +686,25 @@ fn read_checkpoint(
             );
             pieces.entry(fqn).or_default().push(p);
         }
-        return Ok((pieces, tensors));
-    }
-    let manifest_path = path.join(MANIFEST);
-    if !manifest_path.is_file() {
-        return Err(CheckpointError::NotACheckpoint {
-            rank,
-            dir: path.to_path_buf(),
+        return Ok(Saved {
+            pieces,
+            tensors,
+            manifest: None,
         });
     }
-    let text = files::read(rank, &manifest_path)?;
-    let manifest: Manifest = serde_json::from_slice(&text)
-        .ok()
-        .filter(|m: &Manifest| m.format == files::FORMAT)
-        .ok_or_else(|| CheckpointError::Format {
-            rank,
-            path: manifest_path.clone(),
-            cause: format!("not a manifest of this format ({})", files::FORMAT),
-        })?;
+    let manifest = files::read_manifest(rank, path)?;
     for (name, entry) in &manifest.files {
-        let file = path.join(name);
-        let corrupted = |cause: String| CheckpointError::Corrupted {
-            rank,
-            file: file.clone(),
-            cause,
-        };
-        let bytes = std::fs::read(&file).map_err(|e| corrupted(e.to_string()))?;
-        if bytes.len() as u64 != entry.bytes {
-            return Err(corrupted(format!(
-                "{} bytes, the manifest says {}",
-                bytes.len(),
-                entry.bytes
-            )));
-        }
-        if files::sha256(&bytes) != entry.sha256 {
-            return Err(corrupted("its SHA-256 differs from the manifest's".into()));
-        }
-        for (fqn, p) in files::decode(rank, &file, &bytes)? {
+        let bytes = files::read_listed(rank, path, name, entry)?;
+        for (fqn, p) in files::decode(rank, &path.join(name), &bytes)? {
             pieces.entry(fqn).or_default().push(p);
         }
     }
-    Ok((pieces, manifest.tensors))
+    let tensors = manifest.tensors.clone();
+    Ok(Saved {
+        pieces,
+        tensors,
+        manifest: Some(manifest),
+    })
 }
 
 /// Checks the model against the checkpoint and builds each of this rank's tensors from the
@@ -796,59 +792,6 @@ fn assemble(
     Ok(out)
 }
 
-/// The complete checkpoints among `dir`'s siblings (folders with a manifest), by name.
-fn complete_siblings(rank: usize, dir: &Path) -> Result<Vec<std::path::PathBuf>, CheckpointError> {
-    let parent = match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => std::path::PathBuf::from("."),
-    };
-    complete_in(rank, &parent)
-}
-
-fn complete_in(rank: usize, parent: &Path) -> Result<Vec<std::path::PathBuf>, CheckpointError> {
-    let entries = std::fs::read_dir(parent).map_err(|e| CheckpointError::Io {
-        rank,
-        path: parent.to_path_buf(),
-        cause: e.to_string(),
-    })?;
-    let mut out: Vec<std::path::PathBuf> = entries
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join(MANIFEST).is_file())
-        .collect();
-    out.sort();
-    Ok(out)
-}
-
-/// Removes all but the last `keep` complete checkpoints beside `dir` (by name).
-fn prune(rank: usize, dir: &Path, keep: usize) -> Result<(), CheckpointError> {
-    let all = complete_siblings(rank, dir)?;
-    let drop = all.len().saturating_sub(keep);
-    for old in &all[..drop] {
-        // The manifest first: a half-removed checkpoint is never taken for a complete one.
-        let manifest = old.join(MANIFEST);
-        std::fs::remove_file(&manifest)
-            .and_then(|_| std::fs::remove_dir_all(old))
-            .map_err(|e| CheckpointError::Io {
-                rank,
-                path: old.clone(),
-                cause: e.to_string(),
-            })?;
-    }
-    Ok(())
-}
-
-/// The last complete checkpoint (a folder with a manifest) in `parent`, by name: where a
-/// restarted job continues from (`None` when there is none yet, or `parent` does not exist).
-///
-/// ```no_run
-/// if let Some(dir) = tch_dist::checkpoint::latest("ckpt") {
-///     println!("resuming from {}", dir.display());
-/// }
-/// ```
-pub fn latest(parent: impl AsRef<Path>) -> Option<std::path::PathBuf> {
-    complete_in(0, parent.as_ref()).ok()?.pop()
-}
-
 /// The train state [`save_with`] wrote into the checkpoint folder `dir` (`None` when it
 /// was saved without one), read on every rank of `group` (an error on one is an error on
 /// all).
@@ -866,22 +809,15 @@ pub fn load_train_state(
 ) -> Result<Option<serde_json::Value>, CheckpointError> {
     let (dir, rank) = (dir.as_ref(), group.rank());
     let local = (|| {
-        if !dir.join(MANIFEST).is_file() {
-            return Err(CheckpointError::NotACheckpoint {
-                rank,
-                dir: dir.to_path_buf(),
-            });
-        }
-        let path = dir.join(TRAIN_STATE);
-        if !path.is_file() {
+        let manifest = files::read_manifest(rank, dir)?;
+        let Some(bytes) = files::read_sidecar(rank, dir, &manifest, TRAIN_STATE)? else {
             return Ok(None);
-        }
-        let bytes = files::read(rank, &path)?;
+        };
         serde_json::from_slice(&bytes)
             .map(Some)
             .map_err(|e| CheckpointError::Format {
                 rank,
-                path,
+                path: dir.join(TRAIN_STATE),
                 cause: e.to_string(),
             })
     })();

@@ -38,6 +38,7 @@
 mod adamw;
 mod error;
 mod sgd;
+pub(crate) mod sidecar;
 
 use std::collections::BTreeMap;
 
@@ -315,79 +316,5 @@ impl Optimizer {
         self.algorithm = algorithm;
         self.lr = lr;
         self.state = state;
-    }
-
-    /// PyTorch's `param_groups` as `get_optimizer_state_dict` gives them (one group; the
-    /// parameters by FQN): what a checkpoint's sidecar holds.
-    pub(crate) fn param_groups(&self) -> serde_json::Value {
-        let params: Vec<&str> = self.param_names().collect();
-        let group = match &self.algorithm {
-            Algorithm::Sgd(s) => serde_json::json!({
-                "lr": self.lr, "momentum": s.momentum, "dampening": s.dampening,
-                "weight_decay": s.weight_decay, "nesterov": s.nesterov, "maximize": false,
-                "foreach": null, "differentiable": false, "fused": true, "params": params,
-            }),
-            Algorithm::AdamW(a) => serde_json::json!({
-                "lr": self.lr, "betas": [a.betas.0, a.betas.1], "eps": a.eps,
-                "weight_decay": a.weight_decay, "amsgrad": a.amsgrad, "maximize": false,
-                "foreach": null, "capturable": false, "differentiable": false, "fused": true,
-                "decoupled_weight_decay": true, "params": params,
-            }),
-        };
-        serde_json::json!([group])
-    }
-
-    /// The algorithm and learning rate that `param_groups` (of an optimizer of `name`)
-    /// describe, or what is wrong with them.
-    pub(crate) fn parse_param_groups(
-        name: &str,
-        groups: &serde_json::Value,
-    ) -> Result<(Algorithm, f64), String> {
-        let group = match groups.as_array().map(Vec::as_slice) {
-            Some([g]) => g,
-            _ => return Err("`param_groups` is not a list of one group".into()),
-        };
-        let num = |key: &str| {
-            group[key]
-                .as_f64()
-                .ok_or_else(|| format!("`param_groups.0.{key}` is not a number"))
-        };
-        let flag = |key: &str| {
-            group[key]
-                .as_bool()
-                .ok_or_else(|| format!("`param_groups.0.{key}` is not a boolean"))
-        };
-        if group["maximize"].as_bool() == Some(true) {
-            return Err("`maximize` is not supported".into());
-        }
-        let algorithm = match name {
-            "SGD" => Algorithm::Sgd(Sgd {
-                momentum: num("momentum")?,
-                dampening: num("dampening")?,
-                weight_decay: num("weight_decay")?,
-                nesterov: flag("nesterov")?,
-            }),
-            "AdamW" => {
-                let betas = match group["betas"].as_array().map(Vec::as_slice) {
-                    Some([b1, b2]) => (b1.as_f64(), b2.as_f64()),
-                    _ => (None, None),
-                };
-                let (Some(b1), Some(b2)) = betas else {
-                    return Err("`param_groups.0.betas` is not two numbers".into());
-                };
-                Algorithm::AdamW(AdamW {
-                    betas: (b1, b2),
-                    eps: num("eps")?,
-                    weight_decay: num("weight_decay")?,
-                    amsgrad: flag("amsgrad")?,
-                })
-            }
-            other => {
-                return Err(format!(
-                    "an optimizer `{other}`, which tch-dist does not have"
-                ))
-            }
-        };
-        Ok((algorithm, num("lr")?))
     }
 }

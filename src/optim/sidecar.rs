@@ -1,0 +1,162 @@
+//! The optimizer's checkpoint sidecar (`optimizer.json`): its PyTorch class name and
+//! PyTorch's `param_groups` as `get_optimizer_state_dict` gives them (one group, the
+//! parameters by FQN), written and read through derived serde structs, one per class.
+
+use serde::{Deserialize, Serialize};
+
+use super::{AdamW, Algorithm, Optimizer, Sgd};
+
+/// `optimizer.json`: `{"optimizer": "SGD", "param_groups": [{...}]}`.
+#[derive(Debug, Serialize, Deserialize)]
+struct Sidecar<G> {
+    optimizer: String,
+    param_groups: Vec<G>,
+}
+
+/// The class alone, read first: a sidecar of another class is refused as such, whatever
+/// its groups hold.
+#[derive(Debug, Deserialize)]
+struct Class {
+    optimizer: String,
+}
+
+/// torch.optim.SGD's param group. Fields PyTorch writes that tch-dist does not use
+/// (`foreach`, `differentiable`, `fused`) may be absent when read.
+#[derive(Debug, Serialize, Deserialize)]
+struct SgdGroup {
+    lr: f64,
+    momentum: f64,
+    dampening: f64,
+    weight_decay: f64,
+    nesterov: bool,
+    maximize: bool,
+    #[serde(default)]
+    foreach: Option<bool>,
+    #[serde(default)]
+    differentiable: bool,
+    #[serde(default)]
+    fused: Option<bool>,
+    params: Vec<String>,
+}
+
+/// torch.optim.AdamW's param group.
+#[derive(Debug, Serialize, Deserialize)]
+struct AdamWGroup {
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+    weight_decay: f64,
+    amsgrad: bool,
+    maximize: bool,
+    #[serde(default)]
+    foreach: Option<bool>,
+    #[serde(default)]
+    capturable: bool,
+    #[serde(default)]
+    differentiable: bool,
+    #[serde(default)]
+    fused: Option<bool>,
+    #[serde(default)]
+    decoupled_weight_decay: Option<bool>,
+    params: Vec<String>,
+}
+
+/// `optimizer`'s sidecar as JSON text.
+pub(crate) fn to_json(optimizer: &Optimizer) -> serde_json::Result<String> {
+    let params: Vec<String> = optimizer.param_names().map(str::to_string).collect();
+    let lr = optimizer.lr();
+    let name = optimizer.algorithm().name().to_string();
+    match optimizer.algorithm() {
+        Algorithm::Sgd(s) => serde_json::to_string_pretty(&Sidecar {
+            optimizer: name,
+            param_groups: vec![SgdGroup {
+                lr,
+                momentum: s.momentum,
+                dampening: s.dampening,
+                weight_decay: s.weight_decay,
+                nesterov: s.nesterov,
+                maximize: false,
+                foreach: None,
+                differentiable: false,
+                fused: Some(true),
+                params,
+            }],
+        }),
+        Algorithm::AdamW(a) => serde_json::to_string_pretty(&Sidecar {
+            optimizer: name,
+            param_groups: vec![AdamWGroup {
+                lr,
+                betas: a.betas,
+                eps: a.eps,
+                weight_decay: a.weight_decay,
+                amsgrad: a.amsgrad,
+                maximize: false,
+                foreach: None,
+                capturable: false,
+                differentiable: false,
+                fused: Some(true),
+                decoupled_weight_decay: Some(true),
+                params,
+            }],
+        }),
+    }
+}
+
+/// The PyTorch class name a sidecar names (`SGD`, `AdamW`), or what is wrong with it.
+pub(crate) fn class_of(bytes: &[u8]) -> Result<String, String> {
+    serde_json::from_slice::<Class>(bytes)
+        .map(|c| c.optimizer)
+        .map_err(|e| e.to_string())
+}
+
+/// The only group of `groups`.
+fn one<G>(groups: Vec<G>) -> Result<G, String> {
+    let n = groups.len();
+    let mut groups = groups.into_iter();
+    match (groups.next(), n) {
+        (Some(g), 1) => Ok(g),
+        _ => Err(format!(
+            "`param_groups` has {n} groups, tch-dist writes and reads one"
+        )),
+    }
+}
+
+/// The algorithm and learning rate a sidecar describes, or what is wrong with it.
+pub(crate) fn settings_of(bytes: &[u8]) -> Result<(Algorithm, f64), String> {
+    let unsupported_maximize = || Err("`maximize` is not supported".to_string());
+    match class_of(bytes)?.as_str() {
+        "SGD" => {
+            let sidecar: Sidecar<SgdGroup> =
+                serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+            let g = one(sidecar.param_groups)?;
+            if g.maximize {
+                return unsupported_maximize();
+            }
+            let sgd = Sgd {
+                momentum: g.momentum,
+                dampening: g.dampening,
+                weight_decay: g.weight_decay,
+                nesterov: g.nesterov,
+            };
+            Ok((Algorithm::Sgd(sgd), g.lr))
+        }
+        "AdamW" => {
+            let sidecar: Sidecar<AdamWGroup> =
+                serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+            let g = one(sidecar.param_groups)?;
+            if g.maximize {
+                return unsupported_maximize();
+            }
+            let adamw = AdamW {
+                betas: g.betas,
+                eps: g.eps,
+                weight_decay: g.weight_decay,
+                amsgrad: g.amsgrad,
+            };
+            Ok((Algorithm::AdamW(adamw), g.lr))
+        }
+        other => Err(format!(
+            "an optimizer `{other}`, which tch-dist does not have"
+        )),
+    }
+}
