@@ -170,8 +170,12 @@ fn a_dead_peer_ends_tensor_parallel_with_one_line() {
     // its backward); either way one line, no panic.
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(stderr.starts_with("error: "), "{stderr}");
+    // Gloo words a lost peer as a reset or as a close, depending on whether rank 0 was
+    // reading or writing when the kernel noticed (both seen here).
     assert!(
-        stderr.contains("Connection reset by peer") || stderr.contains("closed the connection"),
+        ["Connection reset by peer", "Connection closed by peer", "closed the connection"]
+            .iter()
+            .any(|m| stderr.contains(m)),
         "{stderr}"
     );
 }
