@@ -43,8 +43,10 @@ use std::sync::Arc;
 use tch::nn::{Module, ModuleT};
 use tch::Tensor;
 
+mod guard;
 mod scope;
 
+pub use guard::{register_call_guard, CallGuard};
 pub use scope::{register_call_scope, CallScope};
 
 use crate::instances::{any_hooks, InstanceTable, PostHook, PreHook};
@@ -286,7 +288,7 @@ fn run_hooked(
         }
     }
     let input = replaced.as_ref().unwrap_or(xs);
-    let mut out = forward(input);
+    let mut out = forward_or_refusal(|| forward(input))?;
     // Looked up again, as PyTorch does: hooks registered by the pre-hooks or by `forward`
     // run too.
     let (_, post) = hooks_of(&key, first);
@@ -296,6 +298,24 @@ fn run_hooked(
         }
     }
     Ok(out)
+}
+
+/// Runs a hooked call's `forward`: a panic inside it that a [`CallGuard`] caused (an op
+/// refused inside a child run without its hooks) becomes that guard's error, which `call`
+/// raises and `f_call` returns as a failing hook's; any other panic goes on.
+fn forward_or_refusal(forward: impl FnOnce() -> Tensor) -> Result<Tensor, ForwardError> {
+    // Unwind safety: as in `catching_hook_errors`.
+    match std::panic::catch_unwind(AssertUnwindSafe(forward)) {
+        Ok(out) => Ok(out),
+        Err(payload) => {
+            if !payload.is::<ForwardError>() {
+                if let Some(e) = guard::refusal() {
+                    return Err(e);
+                }
+            }
+            std::panic::resume_unwind(payload)
+        }
+    }
 }
 
 thread_local! {
@@ -318,7 +338,13 @@ impl CallDepth {
 
 impl Drop for CallDepth {
     fn drop(&mut self) {
-        HOOKED_DEPTH.with(|d| d.set(d.get() - 1));
+        let depth = HOOKED_DEPTH.with(|d| {
+            d.set(d.get() - 1);
+            d.get()
+        });
+        if depth == 0 {
+            guard::outermost_call_ended();
+        }
     }
 }
 
@@ -339,7 +365,9 @@ fn fail(e: ForwardError) -> ! {
 }
 
 /// Runs `f` as an `f_call`: a hook failing in a child called by `forward` (which cannot
-/// return an error) comes back as the `Err` of this call; any other panic goes on.
+/// return an error) comes back as the `Err` of this call, and so does a panic that a
+/// [`CallGuard`]'s refusal caused (an op refused inside a layer's `forward`); any other
+/// panic goes on.
 fn catching_hook_errors(
     f: impl FnOnce() -> Result<Tensor, ForwardError>,
 ) -> Result<Tensor, ForwardError> {
@@ -357,7 +385,10 @@ fn catching_hook_errors(
         Ok(r) => r,
         Err(payload) => match payload.downcast::<ForwardError>() {
             Ok(e) => Err(*e),
-            Err(other) => std::panic::resume_unwind(other),
+            Err(other) => match guard::refusal() {
+                Some(e) => Err(e),
+                None => std::panic::resume_unwind(other),
+            },
         },
     }
 }

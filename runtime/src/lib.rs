@@ -22,6 +22,7 @@ mod process_group;
 mod reducer;
 mod rendezvous;
 mod sampler;
+mod shard_fence;
 pub mod sharding;
 mod store;
 pub mod testing;
@@ -50,5 +51,6 @@ pub use reducer::{
     DEFAULT_IN_PLACE_MIN_BYTES,
 };
 pub use sampler::{DistributedSampler, SamplerError, SamplerOptions};
+pub use shard_fence::{check_enter, check_exit, take_fence_hit, unfenced, FenceOwner, ShardFence};
 pub use store::Store;
 pub use use_guard::{autograd_mark, UseGuard};

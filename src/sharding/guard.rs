@@ -10,15 +10,26 @@
 //! [`ShardError::HooksBypassed`]. Whatever that check cannot see (the model's root called
 //! with `forward`, a use outside it) fails the backward pass with the same message, before
 //! any guarded parameter gets a gradient, so no optimizer step applies a wrong gradient.
+//!
+//! Autograd sees nothing under `no_grad`, so each hooked module's parameters (all of them,
+//! frozen ones too) are also behind a [`ShardFence`], armed for good (they always hold
+//! their shards) and open on a thread only inside a hooked call of their module: while the
+//! sharded root's call runs, an op that uses one elsewhere is refused inside the op, in
+//! every grad mode, and [`Guard`] makes that the root's `f_call` error.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use tch::Tensor;
-use tch_dist_core::hooks::{register_call_scope, CallScope, ForwardError, RemovableHandle};
+use tch_dist_core::hooks::{
+    register_call_guard, register_call_scope, CallGuard, CallScope, ForwardError, RemovableHandle,
+};
 use tch_dist_core::path::join_fqn;
 use tch_dist_core::Shardable;
-use tch_dist_runtime::{autograd_mark, DistError, ProcessGroup, UseGuard};
+use tch_dist_runtime::{
+    autograd_mark, check_enter, check_exit, take_fence_hit, DistError, FenceOwner, ProcessGroup,
+    ShardFence, UseGuard,
+};
 
 use super::error::{ForwardProblem, HookSite, PlanProblem, ShardError};
 
@@ -41,6 +52,8 @@ pub(super) fn install(
     let rank = group.rank();
     let mut guards: Vec<Guarded> = Vec::new();
     let mut hooks = Vec::new();
+    let mut fenced = false;
+    register_call_guard(&GUARD);
     for fqn in hooked {
         let module = modules[fqn.as_str()];
         let inside_other = |name: &str| {
@@ -49,11 +62,39 @@ pub(super) fn install(
                 .iter()
                 .any(|other| other != fqn && is_within(other, fqn) && is_within(&full, other))
         };
-        let (params, tensors): (Vec<String>, Vec<Tensor>) = module
+        let (all_params, all_tensors): (Vec<String>, Vec<Tensor>) = module
             .named_parameters()
             .into_iter()
-            .filter(|(name, t)| t.requires_grad() && !inside_other(name))
+            .filter(|(name, _)| !inside_other(name))
             .map(|(name, t)| (join_fqn(fqn, &name), t.shallow_clone()))
+            .unzip();
+        if !all_params.is_empty() {
+            let owner = Arc::new(FenceNames {
+                rank,
+                module: fqn.clone(),
+                params: all_params.clone(),
+            });
+            let refs: Vec<&Tensor> = all_tensors.iter().collect();
+            let fence = ShardFence::new(rank, "shard_module", &refs, owner)
+                .map_err(|e| ShardError::dist(group, fqn, e))?;
+            for i in 0..refs.len() {
+                fence
+                    .set_armed(i, true)
+                    .map_err(|e| ShardError::dist(group, fqn, e))?;
+            }
+            fenced = true;
+            let fence = Arc::new(fence);
+            let open = Arc::new(Open {
+                fence: Arc::clone(&fence),
+            });
+            hooks.extend(register_call_scope(module, open).map_err(|source| {
+                ShardError::plan(group, fqn, PlanProblem::Unhookable { source })
+            })?);
+        }
+        let (params, tensors): (Vec<String>, Vec<Tensor>) = all_params
+            .into_iter()
+            .zip(all_tensors)
+            .filter(|(_, t)| t.requires_grad())
             .unzip();
         if params.is_empty() {
             continue;
@@ -89,7 +130,7 @@ pub(super) fn install(
             guard,
         });
     }
-    if !guards.is_empty() {
+    if !guards.is_empty() || fenced {
         let check = Arc::new(Check {
             guards: guards.clone(),
             group: group.clone(),
@@ -146,10 +187,14 @@ struct Check {
 
 impl CallScope for Check {
     fn enter(&self, _module: &dyn Shardable, _input: &Tensor) -> Result<u64, ForwardError> {
+        // From here to `exit`, an op using a sharded parameter outside its module's hooked
+        // call is refused, in every grad mode.
+        check_enter();
         Ok(autograd_mark())
     }
 
     fn exit(&self, _m: &dyn Shardable, output: &Tensor, mark: u64) -> Result<(), ForwardError> {
+        check_exit();
         let guards: Vec<&UseGuard> = self.guards.iter().map(|g| &*g.guard).collect();
         let found = UseGuard::first_unclaimed(&guards, output, mark)
             .map_err(|e| engine_error(&self.group, "", e))?;
@@ -162,4 +207,60 @@ impl CallScope for Check {
             })),
         }
     }
+}
+
+/// The names a fence's refusals give: this rank, the hooked module's FQN and its
+/// parameters' FQNs (the fence's order).
+struct FenceNames {
+    rank: usize,
+    module: String,
+    params: Vec<String>,
+}
+
+impl FenceNames {
+    fn bypassed(&self, index: usize) -> ShardError {
+        ShardError::HooksBypassed {
+            rank: self.rank,
+            module: self.module.clone(),
+            param: self.params.get(index).cloned().unwrap_or_default(),
+        }
+    }
+}
+
+impl FenceOwner for FenceNames {
+    fn refusal(&self, index: usize) -> String {
+        self.bypassed(index).to_string()
+    }
+}
+
+/// Opens a hooked module's fence on this thread for each of its hooked calls.
+struct Open {
+    fence: Arc<ShardFence>,
+}
+
+impl CallScope for Open {
+    fn enter(&self, _module: &dyn Shardable, _input: &Tensor) -> Result<u64, ForwardError> {
+        self.fence.open();
+        Ok(0)
+    }
+
+    fn exit(&self, _m: &dyn Shardable, _output: &Tensor, _mark: u64) -> Result<(), ForwardError> {
+        self.fence.close();
+        Ok(())
+    }
+}
+
+/// shard_module's [`CallGuard`]: a fence's refusal (an op of a bypassed sharded module)
+/// becomes [`ShardError::HooksBypassed`], the error of the hooked call around it.
+struct Guard;
+
+static GUARD: Guard = Guard;
+
+impl CallGuard for Guard {
+    fn refusal(&self) -> Option<ForwardError> {
+        let (names, index) = take_fence_hit::<FenceNames>()?;
+        Some(ForwardError::from_error(names.bypassed(index)))
+    }
+
+    fn outermost_call_ended(&self) {}
 }
