@@ -68,54 +68,50 @@ pub(super) fn install(
             .filter(|(name, _)| !inside_other(name))
             .map(|(name, t)| (join_fqn(fqn, &name), t.shallow_clone()))
             .unzip();
-        if !all_params.is_empty() {
-            let owner = Arc::new(FenceNames {
-                rank,
-                module: fqn.clone(),
-                params: all_params.clone(),
-            });
-            let refs: Vec<&Tensor> = all_tensors.iter().collect();
-            let fence = ShardFence::new(rank, "shard_module", &refs, owner)
+        if all_params.is_empty() {
+            continue;
+        }
+        let owner = Arc::new(FenceNames {
+            rank,
+            module: fqn.clone(),
+            params: all_params.clone(),
+        });
+        let refs: Vec<&Tensor> = all_tensors.iter().collect();
+        let fence = ShardFence::new(rank, "shard_module", &refs, owner)
+            .map_err(|e| ShardError::dist(group, fqn, e))?;
+        for i in 0..refs.len() {
+            fence
+                .set_armed(i, true)
                 .map_err(|e| ShardError::dist(group, fqn, e))?;
-            for i in 0..refs.len() {
-                fence
-                    .set_armed(i, true)
-                    .map_err(|e| ShardError::dist(group, fqn, e))?;
-            }
-            fenced = true;
-            let fence = Arc::new(fence);
-            let open = Arc::new(Open {
-                fence: Arc::clone(&fence),
-            });
-            hooks.extend(register_call_scope(module, open).map_err(|source| {
-                ShardError::plan(group, fqn, PlanProblem::Unhookable { source })
-            })?);
         }
         let (params, tensors): (Vec<String>, Vec<Tensor>) = all_params
             .into_iter()
             .zip(all_tensors)
             .filter(|(_, t)| t.requires_grad())
             .unzip();
-        if params.is_empty() {
-            continue;
-        }
-        let message = {
-            let (module, params) = (fqn.clone(), params.clone());
-            move |i: usize| {
-                ShardError::HooksBypassed {
-                    rank,
-                    module: module.clone(),
-                    param: params[i].clone(),
+        let guard = if params.is_empty() {
+            None
+        } else {
+            let message = {
+                let (module, params) = (fqn.clone(), params.clone());
+                move |i: usize| {
+                    ShardError::HooksBypassed {
+                        rank,
+                        module: module.clone(),
+                        param: params[i].clone(),
+                    }
+                    .to_string()
                 }
-                .to_string()
-            }
+            };
+            let refs: Vec<&Tensor> = tensors.iter().collect();
+            let guard = UseGuard::new(rank, "shard_module", &refs, message)
+                .map_err(|e| ShardError::dist(group, fqn, e))?;
+            Some(Arc::new(guard))
         };
-        let refs: Vec<&Tensor> = tensors.iter().collect();
-        let guard = UseGuard::new(rank, "shard_module", &refs, message)
-            .map_err(|e| ShardError::dist(group, fqn, e))?;
-        let guard = Arc::new(guard);
+        // One scope per module: the marks of two scopes on one module would interleave.
         let scope = Arc::new(Claim {
-            guard: Arc::clone(&guard),
+            guard: guard.clone(),
+            fence,
             group: group.clone(),
             fqn: fqn.clone(),
         });
@@ -124,11 +120,14 @@ pub(super) fn install(
                 ShardError::plan(group, fqn, PlanProblem::Unhookable { source })
             })?,
         );
-        guards.push(Guarded {
-            module: fqn.clone(),
-            params,
-            guard,
-        });
+        fenced = true;
+        if let Some(guard) = guard {
+            guards.push(Guarded {
+                module: fqn.clone(),
+                params,
+                guard,
+            });
+        }
     }
     if !guards.is_empty() || fenced {
         let check = Arc::new(Check {
@@ -159,22 +158,29 @@ fn engine_error(group: &ProcessGroup, fqn: &str, e: DistError) -> ForwardError {
     ForwardError::from_error(ShardError::forward(group, fqn, HookSite::Output, problem))
 }
 
-/// Claims the uses a hooked call of one module made.
+/// Opens the module's fence on this thread for each of its hooked calls, and claims the
+/// uses the call made (for the guard, when some parameters require grad).
 struct Claim {
-    guard: Arc<UseGuard>,
+    guard: Option<Arc<UseGuard>>,
+    fence: ShardFence,
     group: ProcessGroup,
     fqn: String,
 }
 
 impl CallScope for Claim {
     fn enter(&self, _module: &dyn Shardable, _input: &Tensor) -> Result<u64, ForwardError> {
+        self.fence.open();
         Ok(autograd_mark())
     }
 
     fn exit(&self, _m: &dyn Shardable, output: &Tensor, mark: u64) -> Result<(), ForwardError> {
-        self.guard
-            .claim(output, mark)
-            .map_err(|e| engine_error(&self.group, &self.fqn, e))
+        self.fence.close();
+        match &self.guard {
+            Some(guard) => guard
+                .claim(output, mark)
+                .map_err(|e| engine_error(&self.group, &self.fqn, e)),
+            None => Ok(()),
+        }
     }
 }
 
@@ -230,23 +236,6 @@ impl FenceNames {
 impl FenceOwner for FenceNames {
     fn refusal(&self, index: usize) -> String {
         self.bypassed(index).to_string()
-    }
-}
-
-/// Opens a hooked module's fence on this thread for each of its hooked calls.
-struct Open {
-    fence: Arc<ShardFence>,
-}
-
-impl CallScope for Open {
-    fn enter(&self, _module: &dyn Shardable, _input: &Tensor) -> Result<u64, ForwardError> {
-        self.fence.open();
-        Ok(0)
-    }
-
-    fn exit(&self, _m: &dyn Shardable, _output: &Tensor, _mark: u64) -> Result<(), ForwardError> {
-        self.fence.close();
-        Ok(())
     }
 }
 
