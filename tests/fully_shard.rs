@@ -1024,7 +1024,9 @@ fn bypass_is_an_error_in_every_grad_mode_at_2_ranks() {
             fully_shard(&m.emb, FsdpOptions::default()).unwrap();
             fully_shard(&m, FsdpOptions::default()).unwrap();
             let before = values(&vs);
-            let ids = Tensor::from_slice(&[0i64, 5, 2, 7]);
+            // Rows every rank's shard has: without the check, rank 0 returned its (right) rows
+            // and rank 1 its own (wrong) ones, Ok.
+            let ids = Tensor::from_slice(&[0i64, 1, 2, 3]);
             let err = tch::no_grad(|| m.f_call(&ids)).unwrap_err();
             assert_bypassed(&err, rank, "emb", "emb.weight");
             let err = m.f_call(&ids).unwrap_err();
