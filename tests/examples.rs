@@ -173,9 +173,13 @@ fn a_dead_peer_ends_tensor_parallel_with_one_line() {
     // Gloo words a lost peer as a reset or as a close, depending on whether rank 0 was
     // reading or writing when the kernel noticed (both seen here).
     assert!(
-        ["Connection reset by peer", "Connection closed by peer", "closed the connection"]
-            .iter()
-            .any(|m| stderr.contains(m)),
+        [
+            "Connection reset by peer",
+            "Connection closed by peer",
+            "closed the connection"
+        ]
+        .iter()
+        .any(|m| stderr.contains(m)),
         "{stderr}"
     );
 }

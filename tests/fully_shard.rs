@@ -446,10 +446,11 @@ fn bypass_memory_and_unshard_at_2_ranks() {
         let err = m.f_call(&x).unwrap_err();
         let e = err.downcast_ref::<FsdpError>().expect("a typed error");
         assert!(
-            matches!(e, FsdpError::HooksBypassed { param, .. } if param == "weight"),
+            matches!(e, FsdpError::HooksBypassed { module, param, .. }
+                if module == "inner.head" && param == "inner.head.weight"),
             "{e}"
         );
-        assert!(e.to_string().contains("layer.call(&x)"), "{e}");
+        assert!(e.to_string().contains("self.head.call(&x)"), "{e}");
         let after = vs.trainable_variables();
         assert!(before.iter().zip(&after).all(|(a, b)| a.equal(b)));
         assert!(fully_shard::state(&m).unwrap().is_sharded());
@@ -464,7 +465,7 @@ fn bypass_memory_and_unshard_at_2_ranks() {
         // Autograd's own check against the full shape comes first where the shard's
         // gradient cannot be the full one's; the guard's where it could.
         assert!(
-            err.contains("layer.call(&x)") || err.contains("invalid gradient"),
+            err.contains(".call(&x)") || err.contains("invalid gradient"),
             "{err}"
         );
         assert!(!layer.ws.grad().defined());
@@ -920,4 +921,212 @@ fn frozen_weight_trained_bias_at_2_ranks() {
             );
         }
     });
+}
+
+/// An embedding the root's forward runs with `forward`, bypassing its hooks.
+#[derive(Debug, Shardable)]
+struct Embedder {
+    emb: nn::Embedding,
+    head: nn::Linear,
+}
+
+impl Module for Embedder {
+    fn forward(&self, ids: &Tensor) -> Tensor {
+        self.head.call(&self.emb.forward(ids))
+    }
+}
+
+/// Whether [`Stack3`] bypasses its middle layer.
+static BYPASS_MIDDLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Three layers; the middle one run with `forward` while [`BYPASS_MIDDLE`] is set (with its
+/// shard's 8 / 2 rows, the last layer's input would have the wrong width).
+#[derive(Debug, Shardable)]
+struct Stack3 {
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+    fc3: nn::Linear,
+}
+
+impl Module for Stack3 {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        let h = self.fc1.call(xs).relu();
+        let h = if BYPASS_MIDDLE.load(std::sync::atomic::Ordering::Relaxed) {
+            self.fc2.forward(&h)
+        } else {
+            self.fc2.call(&h)
+        };
+        self.fc3.call(&h.relu())
+    }
+}
+
+/// The message of a panic payload.
+fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+    match payload.downcast::<String>() {
+        Ok(s) => *s,
+        Err(p) => p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .unwrap_or_default(),
+    }
+}
+
+/// The bypass error of `param` in `module` (a field of its parent) on `rank`, pinned.
+fn bypass_message(rank: usize, module: &str, param: &str) -> String {
+    let field = module.rsplit('.').next().unwrap();
+    format!(
+        "rank {rank}: fully_shard: parameter `{param}` of `{module}` was used outside a call \
+         of the module through its hooks, where it holds only this rank's shard; call the \
+         module as `self.{field}.call(&x)`, not `x.apply(&self.{field})` or \
+         `self.{field}.forward(&x)`"
+    )
+}
+
+/// `err` is the typed bypass error of `param` in `module` on `rank`.
+fn assert_bypassed(err: &tch_dist::ForwardError, rank: usize, module: &str, param: &str) {
+    assert_eq!(err.message(), bypass_message(rank, module, param));
+    assert!(
+        matches!(
+            err.downcast_ref::<FsdpError>(),
+            Some(FsdpError::HooksBypassed { rank: r, module: m, param: p })
+                if *r == rank && m == module && p == param
+        ),
+        "{err:?}"
+    );
+}
+
+/// The model's trainable values, copied.
+fn values(vs: &nn::VarStore) -> Vec<Tensor> {
+    vs.trainable_variables().iter().map(|t| t.copy()).collect()
+}
+
+fn unchanged(vs: &nn::VarStore, before: &[Tensor]) -> bool {
+    before
+        .iter()
+        .zip(vs.trainable_variables())
+        .all(|(a, b)| a.equal(&b) && !b.grad().defined())
+}
+
+#[test]
+fn bypass_is_an_error_in_every_grad_mode_at_2_ranks() {
+    run_ranks(
+        "bypass_is_an_error_in_every_grad_mode_at_2_ranks",
+        2,
+        |pg| {
+            let rank = pg.rank();
+            // 1. A managed embedding run with `forward` inside the root's forward: under
+            // no_grad (an evaluation loop) and with grad, an error on every rank, nothing changed.
+            let vs = nn::VarStore::new(Device::Cpu);
+            let m = Embedder {
+                emb: nn::embedding(vs.root() / "emb", 8, 4, Default::default()),
+                head: nn::linear(vs.root() / "head", 4, 4, Default::default()),
+            };
+            fully_shard(&m.emb, FsdpOptions::default()).unwrap();
+            fully_shard(&m, FsdpOptions::default()).unwrap();
+            let before = values(&vs);
+            // Rows every rank's shard has: without the check, rank 0 returned its (right) rows
+            // and rank 1 its own (wrong) ones, Ok.
+            let ids = Tensor::from_slice(&[0i64, 1, 2, 3]);
+            let err = tch::no_grad(|| m.f_call(&ids)).unwrap_err();
+            assert_bypassed(&err, rank, "emb", "emb.weight");
+            let err = m.f_call(&ids).unwrap_err();
+            assert_bypassed(&err, rank, "emb", "emb.weight");
+            // `call` panics with the same message.
+            let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                tch::no_grad(|| m.call(&ids))
+            }));
+            assert_eq!(
+                panic_text(panicked.unwrap_err()),
+                bypass_message(rank, "emb", "emb.weight")
+            );
+            assert!(unchanged(&vs, &before));
+            for s in [fully_shard::state(&m), fully_shard::state(&m.emb)] {
+                assert!(s.unwrap().is_sharded(), "back on the shards");
+            }
+
+            // 2. A bypassed managed head (it returned [4, 2] of [4, 4] before) under no_grad.
+            let vs = nn::VarStore::new(Device::Cpu);
+            let m = Bypassing { inner: model(&vs) };
+            fully_shard(&m.inner.head, FsdpOptions::default()).unwrap();
+            fully_shard(&m, FsdpOptions::default()).unwrap();
+            let (x, _) = batch(0);
+            let err = tch::no_grad(|| m.f_call(&x)).unwrap_err();
+            assert_bypassed(&err, rank, "inner.head", "inner.head.weight");
+
+            // 3. A bypassed middle layer: an error naming it, not a shape panic in the next
+            // layer, with and without grad; then the model works again, equal to one process.
+            let vs = nn::VarStore::new(Device::Cpu);
+            let m = Stack3 {
+                fc1: nn::linear(vs.root() / "fc1", 3, 16, Default::default()),
+                fc2: nn::linear(vs.root() / "fc2", 16, 8, Default::default()),
+                fc3: nn::linear(vs.root() / "fc3", 8, 2, Default::default()),
+            };
+            for l in [&m.fc1, &m.fc2, &m.fc3] {
+                fully_shard(l, FsdpOptions::default()).unwrap();
+            }
+            fully_shard(&m, FsdpOptions::default()).unwrap();
+            let before = values(&vs);
+            let x = Tensor::from_slice(&[0.5f32, -1.0, 2.0, 1.5, 0.25, -0.5]).view([2, 3]);
+            let err = m.f_call(&x).unwrap_err();
+            assert_bypassed(&err, rank, "fc2", "fc2.weight");
+            let err = tch::no_grad(|| m.f_call(&x)).unwrap_err();
+            assert_bypassed(&err, rank, "fc2", "fc2.weight");
+            assert!(unchanged(&vs, &before));
+            BYPASS_MIDDLE.store(false, std::sync::atomic::Ordering::Relaxed);
+            let full: std::collections::HashMap<String, Tensor> =
+                full_state_dict(&m).unwrap().into_iter().collect();
+            let dense = |h: &Tensor, l: &str| {
+                h.linear(
+                    &full[&format!("{l}.weight")],
+                    Some(&full[&format!("{l}.bias")]),
+                )
+            };
+            let expected = dense(&dense(&dense(&x, "fc1").relu(), "fc2").relu(), "fc3");
+            let out = tch::no_grad(|| m.f_call(&x)).unwrap();
+            assert!(
+                out.allclose(&expected, 1e-6, 1e-6, false),
+                "{out} {expected}"
+            );
+            assert!(unchanged(&vs, &before));
+        },
+    );
+}
+
+#[test]
+fn errors_name_the_module_fqn() {
+    let source = || tch_dist::DistError::Collective {
+        rank: 1,
+        op: "all_gather",
+        cause: "connection reset".into(),
+    };
+    let nested = FsdpError::Hooked {
+        rank: 1,
+        module: "blocks.3".into(),
+        source: source(),
+    };
+    assert_eq!(
+        nested.to_string(),
+        format!("fully_shard: the hook of `blocks.3` failed: {}", source())
+    );
+    let root = FsdpError::Hooked {
+        rank: 1,
+        module: String::new(),
+        source: source(),
+    };
+    assert_eq!(
+        root.to_string(),
+        format!(
+            "fully_shard: the hook of the root module failed: {}",
+            source()
+        )
+    );
+    let bypassed = FsdpError::HooksBypassed {
+        rank: 0,
+        module: "blocks.3.fc2".into(),
+        param: "blocks.3.fc2.weight".into(),
+    };
+    assert_eq!(
+        bypassed.to_string(),
+        bypass_message(0, "blocks.3.fc2", "blocks.3.fc2.weight")
+    );
 }

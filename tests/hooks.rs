@@ -356,3 +356,77 @@ fn f_call_returns_the_errors_of_hooks_on_children() {
     // And the next calls are unaffected.
     assert_eq!(m.f_call(&ones(3)).unwrap().size(), [1, 2]);
 }
+
+/// A call guard that refuses through a panic (as a refused op makes tch panic inside a
+/// layer): `REFUSED` is set by the "op", taken by `refusal`.
+struct PanicGuard;
+
+thread_local! {
+    static REFUSED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static ENDED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl tch_dist::hooks::CallGuard for PanicGuard {
+    fn refusal(&self) -> Option<ForwardError> {
+        REFUSED
+            .with(|r| r.replace(false))
+            .then(|| ForwardError::new("rank 0: test: `fc1` refused"))
+    }
+
+    fn outermost_call_ended(&self) {
+        ENDED.with(|e| e.set(e.get() + 1));
+    }
+}
+
+static PANIC_GUARD: PanicGuard = PanicGuard;
+
+/// A model whose forward "refuses" inside its first layer while `REFUSE` is set.
+#[derive(Debug, Shardable)]
+struct Refusing {
+    fc1: nn::Linear,
+}
+
+static REFUSE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+impl Module for Refusing {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        if REFUSE.load(std::sync::atomic::Ordering::Relaxed) {
+            REFUSED.with(|r| r.set(true));
+            panic!("the op was refused");
+        }
+        self.fc1.forward(xs)
+    }
+}
+
+#[test]
+fn a_call_guards_refusal_is_the_calls_error() {
+    tch_dist::hooks::register_call_guard(&PANIC_GUARD);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = Refusing {
+        fc1: linear(vs.root() / "fc1", 3, 2),
+    };
+    let outer = mlp(&vs);
+    register_forward_pre_hook(&m, |_, _| None).unwrap();
+    register_forward_pre_hook(&outer, |_, _| None).unwrap();
+    let ended = || ENDED.with(|e| e.get());
+    let before = ended();
+    assert_eq!(m.f_call(&ones(3)).unwrap().size(), [1, 2]);
+    assert_eq!(ended(), before + 1, "one outermost call ended");
+    REFUSE.store(true, std::sync::atomic::Ordering::Relaxed);
+    // f_call returns the guard's error, call panics with its message.
+    let err = m.f_call(&ones(3)).unwrap_err();
+    assert_eq!(err.message(), "rank 0: test: `fc1` refused");
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.call(&ones(3))));
+    assert_eq!(
+        panic_message(panicked.unwrap_err()),
+        "rank 0: test: `fc1` refused"
+    );
+    assert_eq!(ended(), before + 3, "ended also when the call failed");
+    // A panic the guard did not cause goes on.
+    REFUSE.store(false, std::sync::atomic::Ordering::Relaxed);
+    let other = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        m.f_call(&ones(4)) // wrong width: tch panics, no refusal recorded
+    }));
+    assert!(other.is_err());
+    let _ = outer;
+}

@@ -981,3 +981,81 @@ fn clip_grad_norm_over_shards_is_the_unsharded_models() {
         },
     );
 }
+
+/// A Megatron MLP whose forward runs its row-parallel layer with `forward`.
+#[derive(Debug, Shardable)]
+struct BypassFc2 {
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+impl Module for BypassFc2 {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.fc2.forward(&self.fc1.call(xs).gelu("none"))
+    }
+}
+
+#[test]
+fn bypassed_layers_fail_under_no_grad_on_every_rank() {
+    run_ranks(
+        "bypassed_layers_fail_under_no_grad_on_every_rank",
+        2,
+        |pg| {
+            let x = input(&[4, 6]);
+            let expected = |layer: &str| {
+                format!(
+                    "rank {}: shard_module: parameter `{layer}.weight` of `{layer}` was used \
+                     outside a call of the module through its forward hooks, where this rank's \
+                     shard alone gives a wrong result; call the module as \
+                     `self.{layer}.call(&x)`, not `x.apply(&self.{layer})` or \
+                     `self.{layer}.forward(&x)` (a deliberate direct use goes in \
+                     ShardState::allow_direct_use)",
+                    pg.rank()
+                )
+            };
+            let typed = |err: &tch_dist::ForwardError, layer: &str| {
+                matches!(
+                    err.downcast_ref::<ShardError>(),
+                    Some(ShardError::HooksBypassed { rank, module, param })
+                        if *rank == pg.rank() && module == layer
+                            && *param == format!("{layer}.weight")
+                )
+            };
+            // A row-parallel layer run with `forward` (it returned partial sums before).
+            let vs = nn::VarStore::new(Device::Cpu);
+            let r = vs.root();
+            let mut model = BypassFc2 {
+                fc1: nn::linear(&r / "fc1", 6, 8, Default::default()),
+                fc2: nn::linear(&r / "fc2", 8, 5, Default::default()),
+            };
+            let plan = MegatronPlanner::default().build_plan(&model).unwrap();
+            shard_module(&mut model, &plan, 0, &pg).unwrap();
+            let err = tch::no_grad(|| model.f_call(&x)).unwrap_err();
+            assert_eq!(err.message(), expected("fc2"));
+            assert!(typed(&err, "fc2"), "{err:?}");
+
+            // `apply` on a column-parallel layer, frozen parameters, no_grad.
+            let mut vs = nn::VarStore::new(Device::Cpu);
+            let r = vs.root();
+            let mut model = ApplyMlp {
+                fc1: nn::linear(&r / "fc1", 6, 8, Default::default()),
+                fc2: nn::linear(&r / "fc2", 8, 5, Default::default()),
+            };
+            let plan = MegatronPlanner::default().build_plan(&model).unwrap();
+            shard_module(&mut model, &plan, 0, &pg).unwrap();
+            vs.freeze();
+            let err = tch::no_grad(|| model.f_call(&x)).unwrap_err();
+            assert_eq!(err.message(), expected("fc1"));
+            assert!(typed(&err, "fc1"), "{err:?}");
+            let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                tch::no_grad(|| model.call(&x))
+            }));
+            assert_eq!(panic_text(panicked.unwrap_err()), expected("fc1"));
+            // Outside a call, the shards are free (an optimizer step, a checkpoint).
+            assert_eq!(
+                tch::no_grad(|| model.fc1.ws.sum(Kind::Float)).size(),
+                Vec::<i64>::new()
+            );
+        },
+    );
+}

@@ -50,9 +50,11 @@ use tch::nn::{Module, ModuleT};
 use tch::Tensor;
 
 mod call_with;
+mod guard;
 mod scope;
 
 pub use call_with::{CallError, CallOutput, CallWith};
+pub use guard::{register_call_guard, CallGuard};
 pub use scope::{register_call_scope, CallScope};
 
 use crate::instances::{any_hooks, InstanceTable, PostHook, PreHook};
@@ -452,7 +454,7 @@ fn run_hooked<const N: usize, O: CallOutput>(
     } else {
         None
     };
-    let mut outs = forward(input).into_tensors();
+    let mut outs = forward_or_refusal(|| forward(input))?.into_tensors();
     drop(span);
     let expected = outs.len();
     // Looked up again, as PyTorch does: hooks registered by the pre-hooks or by `forward`
@@ -481,6 +483,24 @@ fn run_hooked<const N: usize, O: CallOutput>(
     })
 }
 
+/// Runs a hooked call's `forward`: a panic inside it that a [`CallGuard`] caused (an op
+/// refused inside a child run without its hooks) becomes that guard's error, which `call`
+/// raises and `f_call` returns as a failing hook's; any other panic goes on.
+fn forward_or_refusal<T>(forward: impl FnOnce() -> T) -> Result<T, ForwardError> {
+    // Unwind safety: as in `catching_hook_errors`.
+    match std::panic::catch_unwind(AssertUnwindSafe(forward)) {
+        Ok(out) => Ok(out),
+        Err(payload) => {
+            if !payload.is::<ForwardError>() {
+                if let Some(e) = guard::refusal() {
+                    return Err(e);
+                }
+            }
+            std::panic::resume_unwind(payload)
+        }
+    }
+}
+
 thread_local! {
     /// How many `f_call`/`f_call_t` are running on this thread.
     static F_CALL_DEPTH: Cell<usize> = const { Cell::new(0) };
@@ -501,7 +521,13 @@ impl CallDepth {
 
 impl Drop for CallDepth {
     fn drop(&mut self) {
-        HOOKED_DEPTH.with(|d| d.set(d.get() - 1));
+        let depth = HOOKED_DEPTH.with(|d| {
+            d.set(d.get() - 1);
+            d.get()
+        });
+        if depth == 0 {
+            guard::outermost_call_ended();
+        }
     }
 }
 
@@ -522,7 +548,9 @@ fn fail(e: ForwardError) -> ! {
 }
 
 /// Runs `f` as an `f_call`: a hook failing in a child called by `forward` (which cannot
-/// return an error) comes back as the `Err` of this call; any other panic goes on.
+/// return an error) comes back as the `Err` of this call, and so does a panic that a
+/// [`CallGuard`]'s refusal caused (an op refused inside a layer's `forward`); any other
+/// panic goes on.
 fn catching_hook_errors<T>(f: impl FnOnce() -> Result<T, ForwardError>) -> Result<T, ForwardError> {
     struct Depth;
     impl Drop for Depth {
@@ -538,7 +566,10 @@ fn catching_hook_errors<T>(f: impl FnOnce() -> Result<T, ForwardError>) -> Resul
         Ok(r) => r,
         Err(payload) => match payload.downcast::<ForwardError>() {
             Ok(e) => Err(*e),
-            Err(other) => std::panic::resume_unwind(other),
+            Err(other) => match guard::refusal() {
+                Some(e) => Err(e),
+                None => std::panic::resume_unwind(other),
+            },
         },
     }
 }

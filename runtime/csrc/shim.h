@@ -62,6 +62,7 @@ typedef struct TdrGroup TdrGroup;  // a Gloo backend, optionally an NCCL backend
 typedef struct TdrWork TdrWork;    // an in-flight collective
 typedef struct TdrHook TdrHook;    // a gradient-accumulator post hook's registration
 typedef struct TdrGuard TdrGuard;  // a use guard over one module's parameters
+typedef struct TdrFence TdrFence;  // a shard fence over one module's parameters
 typedef struct TdrInterceptor TdrInterceptor;  // a gradient interceptor's registration
 
 // A Rust callback run on libtorch's autograd threads; returns null or a malloc'ed message,
@@ -199,6 +200,25 @@ char* tdr_guard_claim(TdrGuard* g, TdrTensor* output, uint64_t mark);
 char* tdr_guard_first_unclaimed(TdrGuard** guards, size_t n, TdrTensor* output,
                                 uint64_t mark, size_t* guard, size_t* index);
 void tdr_guard_free(TdrGuard* g);
+
+// Shard fences (src/shard_fence.rs): while this thread is inside a checked call (check_enter
+// .. check_exit, nested), an op using an armed parameter of a fence not opened on this thread
+// fails (a c10::Error inside the op) with the message cb(ctx, index), index being the
+// parameter's position in `params`. tdr_fence_new registers the dispatcher fallback once per
+// process (an error if the key is taken). reset_thread ends every checked call and closes
+// every fence of this thread (an outermost hooked call ended, maybe by unwinding). suspend
+// switches the check off on this thread (true) or back (false) and returns the previous state.
+char* tdr_fence_new(TdrTensor** params, size_t n, TdrCallback cb, void* ctx, TdrFence** out);
+char* tdr_fence_set_armed(TdrFence* f, size_t index, bool armed);
+void tdr_fence_free(TdrFence* f);
+void tdr_fence_check_enter(void);
+void tdr_fence_check_exit(void);
+// open pushes `f` on this thread's open fences; close drops its innermost entry and every
+// entry after it (calls that unwound).
+void tdr_fence_open(TdrFence* f);
+void tdr_fence_close(TdrFence* f);
+void tdr_fence_reset_thread(void);
+bool tdr_fence_suspend(bool suspended);
 
 // Differentiable collectives for tensor parallelism (mode: a TdrParallelMode).
 char* tdr_parallel_op(TdrGroup* g, TdrTensor* input, int mode, int64_t dim,

@@ -41,6 +41,12 @@ pub struct TdrGuard {
     _private: [u8; 0],
 }
 
+/// Opaque shard fence over one module's parameters.
+#[repr(C)]
+pub struct TdrFence {
+    _private: [u8; 0],
+}
+
 /// Opaque registration of a gradient interceptor (fully_shard).
 #[repr(C)]
 pub struct TdrInterceptor {
@@ -291,6 +297,22 @@ extern "C" {
         index: *mut usize,
     ) -> *mut c_char;
     pub fn tdr_guard_free(g: *mut TdrGuard);
+
+    pub fn tdr_fence_new(
+        params: *mut *mut C_tensor,
+        n: usize,
+        cb: TdrCallback,
+        ctx: *mut std::ffi::c_void,
+        out: *mut *mut TdrFence,
+    ) -> *mut c_char;
+    pub fn tdr_fence_set_armed(f: *mut TdrFence, index: usize, armed: bool) -> *mut c_char;
+    pub fn tdr_fence_free(f: *mut TdrFence);
+    pub fn tdr_fence_check_enter();
+    pub fn tdr_fence_check_exit();
+    pub fn tdr_fence_open(f: *mut TdrFence);
+    pub fn tdr_fence_close(f: *mut TdrFence);
+    pub fn tdr_fence_reset_thread();
+    pub fn tdr_fence_suspend(suspended: bool) -> bool;
 
     pub fn tdr_parallel_op(
         g: *mut TdrGroup,

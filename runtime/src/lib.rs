@@ -22,6 +22,7 @@ mod process_group;
 mod reducer;
 mod rendezvous;
 mod sampler;
+mod shard_fence;
 pub mod sharding;
 mod step_check;
 mod store;
@@ -51,6 +52,7 @@ pub use reducer::{
     DEFAULT_IN_PLACE_MIN_BYTES,
 };
 pub use sampler::{DistributedSampler, SamplerError, SamplerOptions};
+pub use shard_fence::{check_enter, check_exit, take_fence_hit, unfenced, FenceOwner, ShardFence};
 pub use step_check::{set_step, step_check_time, NO_STEP_CHECK_ENV};
 pub use store::Store;
 pub use use_guard::{autograd_mark, UseGuard};

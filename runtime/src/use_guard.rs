@@ -10,7 +10,8 @@
 //! and [`UseGuard::first_unclaimed`] finds such a use in an output's graph during forward.
 //!
 //! Only uses recorded by autograd are seen: parameters that do not require grad cannot be
-//! guarded, and nothing is checked under `no_grad`.
+//! guarded, and nothing is checked under `no_grad`; inside hooked calls the
+//! [shard fences](crate::ShardFence) see those uses too, at the dispatcher.
 
 use std::ffi::{c_char, c_void};
 use std::ptr::NonNull;

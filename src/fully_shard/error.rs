@@ -4,6 +4,8 @@ use tch_dist_core::hooks::HookError;
 use tch_dist_core::ContractError;
 use tch_dist_runtime::DistError;
 
+use crate::sharding::{Fix, Key};
+
 /// Errors of [`fully_shard`](super::fully_shard) and its state. A refusal at apply happens on
 /// every rank together and leaves the model unchanged.
 ///
@@ -122,18 +124,23 @@ pub enum FsdpError {
         name: String,
     },
     /// A managed module ran without its hooks (`x.apply(&layer)`, `layer.forward(&x)`)
-    /// inside a call of an enclosing managed module: it computed with this rank's shards.
+    /// inside a hooked call, where its parameters hold only this rank's shards: refused at
+    /// the first op that used one (in every grad mode; `f_call` returns this error, `call`
+    /// panics with its message), or found in the autograd graph (the forward's check, the
+    /// backward pass's).
     #[error(
-        "rank {rank}: fully_shard: parameter `{param}` of a `{module}` was used outside a call \
-         of its module through its hooks (`x.apply(&layer)` or `layer.forward(&x)` bypass \
-         them; call it with `layer.call(&x)`): between steps it holds only this rank's shard"
+        "rank {rank}: fully_shard: parameter `{param}` of {} was used outside a call of the \
+         module through its hooks, where it holds only this rank's shard; {}",
+        Key(module),
+        Fix(module)
     )]
     HooksBypassed {
         /// This rank.
         rank: usize,
-        /// The bypassed module's type.
+        /// The bypassed module's FQN (within the outermost enclosing fully_shard call's
+        /// module; `""` for that module itself).
         module: String,
-        /// The parameter (FQN within that module).
+        /// The parameter's FQN (same base).
         param: String,
     },
     /// The module was not passed to `fully_shard`.
@@ -141,11 +148,12 @@ pub enum FsdpError {
     NotFullyShard,
     /// A forward or backward hook of the managed module `module` failed (the source names
     /// the rank and the collective).
-    #[error("fully_shard: a `{module}`'s hook failed: {source}")]
+    #[error("fully_shard: the hook of {} failed: {source}", Key(module))]
     Hooked {
         /// This rank.
         rank: usize,
-        /// The managed module's FQN (`""` for the model's root).
+        /// The managed module's FQN (within the outermost enclosing fully_shard call's
+        /// module; `""` for that module itself).
         module: String,
         /// What failed.
         source: DistError,

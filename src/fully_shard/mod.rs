@@ -11,9 +11,10 @@
 //! reduce-scatters the gradients as soon as the group's backward is done, while the rest of
 //! backward runs; an end-of-backward callback finishes the groups autograd never reached.
 //!
-//! Apply it bottom-up, then to the root; call children with `.call` (a layer run with
-//! `x.apply(&layer)` bypasses the hooks, and the backward pass then fails with an error that
-//! names the parameter):
+//! Apply it bottom-up, then to the root; call children with `.call` (a managed layer run
+//! with `x.apply(&layer)` or `layer.forward(&x)` bypasses the hooks: inside a hooked call its
+//! first op fails, under `no_grad` too, and `f_call` returns [`FsdpError::HooksBypassed`]
+//! naming the parameter's FQN; outside any, the backward pass fails with that error):
 //!
 //! ```no_run
 //! use tch::nn::{self, Module};
@@ -49,8 +50,8 @@ use std::sync::{Arc, Mutex};
 
 use tch::{Kind, Tensor};
 use tch_dist_core::hooks::{
-    register_call_scope, register_fallible_forward_hook_n, register_fallible_forward_pre_hook_n,
-    RemovableHandle,
+    register_call_guard, register_call_scope, register_fallible_forward_hook_n,
+    register_fallible_forward_pre_hook_n, RemovableHandle,
 };
 use tch_dist_core::path::join_fqn;
 use tch_dist_core::{contract, Shardable};
@@ -214,9 +215,9 @@ pub struct FsdpState {
     /// `reshard_after_forward` as given (`None`: decided by whether a later call encloses
     /// this one).
     reshard_after_forward: Option<ReshardAfterForward>,
-    /// Where the managed parameters are, relative to the module, and the module's FQN
-    /// within the outermost call that encloses it (set by that call).
-    prefix: Mutex<String>,
+    /// The module's FQN within the outermost call that encloses it (set by that call) and
+    /// the managed parameters' FQNs within the module: what errors name.
+    names: Arc<hooks::CallNames>,
     /// The states of the nearest nested calls.
     nested: Vec<Arc<FsdpState>>,
     _hooks: Vec<RemovableHandle>,
@@ -225,8 +226,6 @@ pub struct FsdpState {
     /// The identities this call entered in [`MANAGED`] (its group holds the tensors, so
     /// no other tensor can take one of them while they are there).
     identities: Vec<u64>,
-    /// The managed module's type, for errors.
-    label: String,
 }
 
 impl Drop for FsdpState {
@@ -330,7 +329,7 @@ impl FsdpState {
             if let Some(e) = s.group.take_failure() {
                 found.get_or_insert(FsdpError::Hooked {
                     rank: s.process_group.rank(),
-                    module: s.label.clone(),
+                    module: s.names.module(),
                     source: e,
                 });
             }
@@ -393,14 +392,11 @@ impl FsdpState {
 
     /// This module's FQN within the outermost call that encloses it.
     fn prefix(&self) -> String {
-        self.prefix
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.names.module()
     }
 
     fn set_prefix(&self, prefix: &str) {
-        let mut p = self.prefix.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.names.prefix.lock().unwrap_or_else(|e| e.into_inner());
         *p = if p.is_empty() {
             prefix.to_string()
         } else {
@@ -498,32 +494,25 @@ pub fn fully_shard<M: Shardable + ?Sized>(
     // Every rank starts from rank 0's values, as replicate does.
     let tensors: Vec<&Tensor> = found.params.iter().map(|(_, t)| t).collect();
     group.broadcast_coalesced(&tensors, 0, BROADCAST_BUCKET_BYTES)?;
+    let names = Arc::new(hooks::CallNames {
+        rank,
+        prefix: Mutex::new(String::new()),
+        params: found.params.iter().map(|(n, _)| n.clone()).collect(),
+    });
     // The guard takes each parameter's gradient accumulator while it is full-sized.
-    let trainable: Vec<(String, &Tensor)> = found
-        .params
-        .iter()
-        .filter(|(_, t)| t.requires_grad())
-        .map(|(n, t)| (n.clone(), t))
+    let trainable: Vec<usize> = (0..found.params.len())
+        .filter(|&i| found.params[i].1.requires_grad())
         .collect();
-    let trainable_names: Vec<String> = trainable.iter().map(|(n, _)| n.clone()).collect();
     let guard = if trainable.is_empty() {
         None
     } else {
-        let names: Vec<String> = trainable.iter().map(|(n, _)| n.clone()).collect();
-        let module_label = label.clone();
-        let refs: Vec<&Tensor> = trainable.iter().map(|(_, t)| *t).collect();
+        let refs: Vec<&Tensor> = trainable.iter().map(|&i| &found.params[i].1).collect();
+        let (names, positions) = (Arc::clone(&names), trainable.clone());
         Some(Arc::new(UseGuard::new(
             rank,
             "fully_shard",
             &refs,
-            move |i| {
-                FsdpError::HooksBypassed {
-                    rank,
-                    module: module_label.clone(),
-                    param: names[i].clone(),
-                }
-                .to_string()
-            },
+            move |i| names.bypassed(positions[i]).to_string(),
         )?))
     };
     let identities: Vec<(u64, String)> = found
@@ -563,6 +552,10 @@ pub fn fully_shard<M: Shardable + ?Sized>(
             post_forward_group,
         },
     )?);
+    // Armed while sharded: a managed module run without its hooks inside a hooked forward
+    // fails its first op, in every grad mode.
+    fsdp_group.fence(Arc::clone(&names))?;
+    register_call_guard(&hooks::GUARD);
     for (prefix, n) in &found.nested {
         for inner in n.all() {
             inner.set_prefix(prefix);
@@ -579,15 +572,13 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         .collect();
     let own_guard = guard.map(|g| hooks::NestedGuard {
         guard: g,
-        module: label.clone(),
-        params: trainable_names,
+        names: Arc::clone(&names),
+        trainable,
     });
-    let scope_label = label.clone();
     let scope = Arc::new(hooks::Scope {
         group: Arc::clone(&fsdp_group),
+        names: Arc::clone(&names),
         guard: own_guard.as_ref().map(|g| Arc::clone(&g.guard)),
-        rank,
-        module: label,
         nested: nested_guards,
     });
     let mut hooks: Vec<RemovableHandle> = register_call_scope(module, scope)?.into();
@@ -614,12 +605,11 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         group: fsdp_group,
         process_group: group,
         reshard_after_forward: opts.reshard_after_forward,
-        prefix: Mutex::new(String::new()),
+        names,
         nested: found.nested.into_iter().map(|(_, s)| s).collect(),
         _hooks: hooks,
         guard: own_guard,
         identities: own_identities,
-        label: scope_label,
     })
 }
 

@@ -448,8 +448,9 @@ pub enum ForwardProblem {
     Collective(DistError),
 }
 
-/// A plan key in backquotes, the root module by name.
-struct Key<'a>(&'a str);
+/// A plan key in backquotes, the root module by name (fully_shard's errors name modules
+/// the same way).
+pub(crate) struct Key<'a>(pub(crate) &'a str);
 
 impl fmt::Display for Key<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -462,7 +463,7 @@ impl fmt::Display for Key<'_> {
 }
 
 /// How to call a hooked module: with `call`, as its parent's field.
-struct Fix<'a>(&'a str);
+pub(crate) struct Fix<'a>(pub(crate) &'a str);
 
 impl fmt::Display for Fix<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

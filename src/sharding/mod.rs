@@ -31,16 +31,16 @@
 //! `self.fc1.call(&x)` (or `call_t`/`f_call`). `x.apply(&self.fc1)` and
 //! `self.fc1.forward(&x)` run `Module::forward` alone, which computes with this rank's
 //! shard, and `shard_module` makes that an error on every rank: a parameter of a module it
-//! hooked, used (in the autograd graph) outside a call of that module through its hooks, is
-//! a [`ShardError::HooksBypassed`] naming the module and the fix. `f_call` of the module
-//! passed to `shard_module` returns it (`call` panics with it); where that check cannot see
-//! the use (that module called with `forward`, a use outside it), the backward pass fails
-//! with it before
-//! any gradient of those parameters is accumulated, so no optimizer step applies a wrong
-//! gradient. A layer that a forward does not use is fine; a deliberate direct use (a
-//! regularizer over this rank's shards) goes in [`ShardState::allow_direct_use`]. Autograd
-//! is what sees the uses: nothing is checked under `no_grad` (inference), nor for
-//! parameters that do not require grad.
+//! hooked, used outside a call of that module through its hooks, is a
+//! [`ShardError::HooksBypassed`] naming the module, the parameter and the fix. Inside a call
+//! of the module passed to `shard_module`, the first op that uses it is refused, in every
+//! grad mode (`no_grad` inference too) and for frozen parameters too: `f_call` of that
+//! module returns the error (`call` panics with it). Where no such call runs (that module
+//! called with `forward`, a use outside it), autograd sees the use: the backward pass fails
+//! with the error before any gradient of those parameters is accumulated, so no optimizer
+//! step applies a wrong gradient (nothing is checked there under `no_grad`). A layer that a
+//! forward does not use is fine; a deliberate direct use (a regularizer over this rank's
+//! shards) goes in [`ShardState::allow_direct_use`].
 //!
 //! ```no_run
 //! use tch::nn;
@@ -87,6 +87,7 @@ use std::collections::BTreeMap;
 use tch_dist_core::{contract, Shardable};
 use tch_dist_runtime::ProcessGroup;
 
+pub(crate) use error::{Fix, Key};
 pub use error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError};
 pub use output::OutputLayout;
 pub use plan::{PlanEntry, ShardingPlan, ShardingPlanBuilder};

@@ -9,7 +9,7 @@ use tch_dist_core::hooks::RemovableHandle;
 use tch_dist_core::sharding::ShardedTensorMetadata;
 use tch_dist_core::Shardable;
 use tch_dist_runtime::sharding::{Shard, ShardedTensor};
-use tch_dist_runtime::{autograd_mark, ProcessGroup, UseGuard};
+use tch_dist_runtime::{autograd_mark, unfenced, ProcessGroup, UseGuard};
 
 use super::error::{PlanProblem, ShardError};
 
@@ -106,7 +106,7 @@ impl ShardState {
     /// ```
     pub fn allow_direct_use(&self, f: impl FnOnce() -> Tensor) -> Result<Tensor, ShardError> {
         let mark = autograd_mark();
-        let out = f();
+        let out = unfenced(f);
         UseGuard::claim_any(self.group.rank(), "shard_module", &out, mark)
             .map_err(|e| ShardError::dist(&self.group, "", e))?;
         Ok(out)

@@ -23,6 +23,7 @@ use super::hooks::{self, Interceptor};
 use super::layout::ShardLayout;
 use super::steps;
 use crate::error::{DistError, Result};
+use crate::shard_fence::{FenceOwner, ShardFence};
 use crate::{ProcessGroup, ReduceOp, Work};
 
 /// A parameter handed to [`FsdpGroup::new`]: its FQN (for errors) and the tensor the model,
@@ -137,6 +138,8 @@ struct State {
     /// (empty for backward: the group that ran forward before this one).
     forward_prefetch: Vec<std::sync::Weak<GroupInner>>,
     backward_prefetch: Vec<std::sync::Weak<GroupInner>>,
+    /// Over the parameters' tensors, armed while they hold their shards ([`FsdpGroup::fence`]).
+    fence: Option<ShardFence>,
 }
 
 /// An all-gather of the group's shards in flight.
@@ -310,6 +313,7 @@ impl FsdpGroup {
                 post_forward: None,
                 forward_prefetch: Vec::new(),
                 backward_prefetch: Vec::new(),
+                fence: None,
             }),
         });
         // The interceptors make each accumulator now, while the parameters are full-sized.
@@ -342,6 +346,22 @@ impl FsdpGroup {
     pub fn reshard(&self) -> Result<()> {
         let mut st = self.inner.lock();
         self.inner.reshard_locked(&mut st)
+    }
+
+    /// Fences the parameters ([`ShardFence`]), owned by `owner` (whose indices are the
+    /// parameters' positions here): from now on each is armed while it holds only its shard,
+    /// so that an op of a checked call (a hooked forward) using it without its module's
+    /// hooks is refused.
+    pub fn fence<O: FenceOwner>(&self, owner: Arc<O>) -> Result<()> {
+        let mut st = self.inner.lock();
+        let handles: Vec<&Tensor> = st.tensors.iter().map(|t| &t.handle).collect();
+        let rank = self.inner.group.rank();
+        let fence = ShardFence::new(rank, "fully_shard", &handles, owner)?;
+        for i in 0..st.tensors.len() {
+            fence.set_armed(i, st.sharded)?;
+        }
+        st.fence = Some(fence);
+        Ok(())
     }
 
     /// Whether the parameters hold their shards now.
@@ -627,6 +647,9 @@ impl GroupInner {
                 let Some((l, offset, width)) = place(m) else {
                     continue;
                 };
+                if let Some(fence) = &st.fence {
+                    fence.set_armed(i, false)?;
+                }
                 let t = &mut st.tensors[i];
                 hooks::restore_storage(&t.full)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
@@ -728,11 +751,14 @@ impl GroupInner {
             return Ok(());
         }
         tch::no_grad(|| -> Result<()> {
-            for t in st.tensors.iter_mut() {
+            for (i, t) in st.tensors.iter().enumerate() {
                 hooks::set_data(&t.handle, &t.local)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
                 hooks::release_storage(&t.full)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
+                if let Some(fence) = &st.fence {
+                    fence.set_armed(i, true)?;
+                }
             }
             Ok(())
         })?;
