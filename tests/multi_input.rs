@@ -511,19 +511,19 @@ fn fully_shard_manages_multi_input_blocks_at_2_ranks() {
                 matches!(
                     e,
                     FsdpError::HooksBypassed { module, param, .. }
-                        if module == "Gate" && param == "fc.weight"
+                        if module == "gate" && param == "gate.fc.weight"
                 ),
                 "{e}"
             );
             assert_eq!(
                 err.message(),
                 format!(
-                "rank {}: fully_shard: parameter `fc.weight` of a `Gate` was used outside a call \
-                 of its module through its hooks (`x.apply(&layer)` or `layer.forward(&x)` \
-                 bypass them; call it with `layer.call(&x)`): between steps it holds only this \
-                 rank's shard",
-                pg.rank()
-            )
+                    "rank {}: fully_shard: parameter `gate.fc.weight` of `gate` was used outside \
+                     a call of the module through its hooks, where it holds only this rank's \
+                     shard; call the module as `self.gate.call(&x)`, not `x.apply(&self.gate)` \
+                     or `self.gate.forward(&x)`",
+                    pg.rank()
+                )
             );
             assert!(distance(&before, &vs) == 0.0);
             assert!(fully_shard::state(&m).unwrap().is_sharded());
