@@ -1,6 +1,6 @@
 //! Builds the C++ shim (csrc/shim.cpp) against the libtorch headers that torch-sys found,
 //! with Gloo always and NCCL when its headers and libtorch_cuda are present, and sets the
-//! run-time rpath for this package's own binaries (the launcher, tests).
+//! run-time rpath for this package's own tests (`tch_dist_build::link_libtorch`).
 
 use std::path::{Path, PathBuf};
 
