@@ -25,7 +25,7 @@ fn binaries() -> &'static (PathBuf, PathBuf) {
         let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
         for args in [
             &["-p", "tch-dist", "--example", "train_ddp"][..],
-            &["-p", "tch-dist-runtime", "--bin", "tch-dist-run"][..],
+            &["-p", "tch-dist-launcher", "--bin", "tch-dist-run"][..],
         ] {
             let mut cmd = Command::new(env!("CARGO"));
             cmd.args(["build", "--quiet", "--manifest-path"])

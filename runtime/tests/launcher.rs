@@ -1,21 +1,45 @@
-//! Start-up through `tch-dist-run` and through torchrun, and failures: a rank killed with
-//! SIGKILL mid-collective, nobody listening at MASTER_ADDR:MASTER_PORT, a port already taken.
-//! The launcher's hold on its ranks' whole process trees: SIGTERM to it, ranks that leave
-//! background processes behind, a rank failing while another's grandchild runs.
+//! Start-up of process groups through `tch-dist-run` and through torchrun, and failures: a
+//! rank killed with SIGKILL mid-collective, nobody listening at MASTER_ADDR:MASTER_PORT, a
+//! port already taken. (The launcher's own behaviour, with `sh -c` ranks, is tested in
+//! `launcher/tests/launcher.rs`.)
 //!
-//! The ranks are this test binary itself, re-executed with `TCH_DIST_TEST_WORKER` set, or
-//! `sh -c` scripts whose processes carry a marker variable that /proc shows.
+//! The ranks are this test binary itself, re-executed with `TCH_DIST_TEST_WORKER` set.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use tch::Tensor;
 use tch_dist_runtime::testing::{free_port, worker, Launch, WORKER_ENV};
 use tch_dist_runtime::{Backend, DistError, InitOptions, ProcessGroup, ReduceOp};
 
-fn launcher() -> &'static str {
-    env!("CARGO_BIN_EXE_tch-dist-run")
+/// The launcher, `tch-dist-launcher`'s binary, built once per run of this test binary, in its
+/// profile: cargo builds only this package's own binaries for its tests.
+fn launcher() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let exe = std::env::current_exe().unwrap();
+        let profile_dir = exe.parent().unwrap().parent().unwrap();
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../launcher/Cargo.toml");
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args([
+            "build",
+            "--quiet",
+            "--bin",
+            "tch-dist-run",
+            "--manifest-path",
+        ])
+        .arg(&manifest);
+        if profile_dir.ends_with("release") {
+            cmd.arg("--release");
+        }
+        assert!(
+            cmd.status().unwrap().success(),
+            "cargo build of the launcher failed"
+        );
+        profile_dir.join("tch-dist-run")
+    })
 }
 
 /// Runs `cmd` with a hard wall-clock limit (killing it at the deadline).
@@ -96,53 +120,6 @@ fn launcher_starts_ranks_with_prefixed_output() {
             "{stdout}"
         );
     }
-}
-
-/// Each launch has a run id of its own, the same for all its ranks; the launcher's own
-/// TORCHELASTIC_RUN_ID (torchrun's, a job script's) is passed on.
-#[test]
-fn launcher_gives_its_ranks_a_run_id() {
-    let ids = |outer: Option<&str>| -> Vec<String> {
-        let mut cmd = Command::new(launcher());
-        cmd.env_remove("TORCHELASTIC_RUN_ID")
-            .args(["--nproc-per-node", "2", "--"])
-            .args(["sh", "-c", "echo id=$TORCHELASTIC_RUN_ID"]);
-        if let Some(id) = outer {
-            cmd.env("TORCHELASTIC_RUN_ID", id);
-        }
-        let (out, _) = run_bounded(cmd, Duration::from_secs(30));
-        assert!(out.status.success());
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let mut ids: Vec<String> = stdout
-            .lines()
-            .filter_map(|l| l.split_once("id=").map(|(_, id)| id.to_string()))
-            .collect();
-        ids.dedup();
-        assert_eq!(ids.len(), 1, "one run id for every rank: {stdout}");
-        ids
-    };
-    let first = ids(None);
-    let second = ids(None);
-    assert!(first[0].starts_with("tch-dist-run-"), "{first:?}");
-    assert_ne!(first, second);
-    assert_eq!(ids(Some("job-42")), ["job-42"]);
-}
-
-#[test]
-fn launcher_rejects_bad_arguments() {
-    let out = Command::new(launcher())
-        .args(["--nproc-per-node", "zero", "--", "true"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr)
-        .contains("--nproc-per-node \"zero\" is not a positive integer"));
-    let out = Command::new(launcher())
-        .args(["--nproc-per-node", "2"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("no command given"));
 }
 
 fn torchrun() -> Option<PathBuf> {
@@ -381,258 +358,6 @@ fn cuda_tensor_on_gloo_only_group_is_an_error() {
     let x = Tensor::from_slice(&[4.0f32]);
     pg.all_reduce(&x, ReduceOp::Avg).unwrap();
     assert_eq!(x.double_value(&[0]), 4.0);
-}
-
-/// The variable that marks the processes of one test's ranks (the launcher passes its
-/// environment on, and every process started below inherits it).
-const MARKER_ENV: &str = "TCH_DIST_TEST_MARKER";
-
-/// One test's marker; dropping it SIGKILLs whatever still carries it, so that a failing
-/// test leaves nothing behind either.
-struct Marker(String);
-
-impl Marker {
-    fn new(test: &str) -> Marker {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .subsec_nanos();
-        Marker(format!("{test}-{}-{nanos}", std::process::id()))
-    }
-
-    /// Live processes carrying the marker, as (pid, command line), except `but`.
-    fn processes(&self, but: Option<u32>) -> Vec<(u32, String)> {
-        let needle = format!("{MARKER_ENV}={}", self.0);
-        let mut found = Vec::new();
-        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-                continue;
-            };
-            // A zombie's environment reads as empty: only live processes match.
-            let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
-                continue;
-            };
-            if Some(pid) != but && env.split(|&b| b == 0).any(|v| v == needle.as_bytes()) {
-                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-                let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-                found.push((pid, cmdline.trim_end().to_string()));
-            }
-        }
-        found
-    }
-
-    /// Waits (bounded) until no process carries the marker; returns those left.
-    fn wait_gone(&self) -> Vec<(u32, String)> {
-        let deadline = Instant::now() + Duration::from_secs(2);
-        loop {
-            let left = self.processes(None);
-            if left.is_empty() || Instant::now() > deadline {
-                return left;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// `tch-dist-run --nproc-per-node N -- sh -c SCRIPT`, marked, with `$SYNC` a fresh
-    /// directory the scripts may use.
-    fn sh_ranks(&self, nproc: usize, script: &str) -> Command {
-        let sync = self.sync_dir();
-        std::fs::create_dir_all(&sync).unwrap();
-        let mut cmd = Command::new(launcher());
-        cmd.env(MARKER_ENV, &self.0)
-            .env("SYNC", &sync)
-            .args(["--nproc-per-node", &nproc.to_string()])
-            .args(["--master-port", &free_port().to_string(), "--"])
-            .args(["sh", "-c", script]);
-        cmd
-    }
-
-    fn sync_dir(&self) -> PathBuf {
-        std::env::temp_dir().join(format!("tch-dist-sync-{}", self.0))
-    }
-}
-
-impl Drop for Marker {
-    fn drop(&mut self) {
-        for (pid, _) in self.processes(None) {
-            // SAFETY: kill(2) on a process of this test's own.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-        }
-        let _ = std::fs::remove_dir_all(self.sync_dir());
-    }
-}
-
-fn spawn_piped(mut cmd: Command) -> Child {
-    cmd.stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn")
-}
-
-#[test]
-fn sigterm_to_the_launcher_stops_the_ranks_process_trees() {
-    let marker = Marker::new("sigterm");
-    // Each rank is a shell waiting for its "trainer": two processes in the rank's group.
-    let child = spawn_piped(marker.sh_ranks(2, "sleep 300; echo done"));
-    let launcher_pid = child.id();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while marker
-        .processes(Some(launcher_pid))
-        .iter()
-        .filter(|(_, cmd)| cmd == "sleep 300")
-        .count()
-        < 2
-    {
-        assert!(Instant::now() < deadline, "{:?}", marker.processes(None));
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let signalled = Instant::now();
-    // SAFETY: kill(2) on the launcher this test started.
-    unsafe { libc::kill(launcher_pid as i32, libc::SIGTERM) };
-    let (out, elapsed) = wait_bounded(child, signalled, Duration::from_secs(30));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(
-        out.status.code(),
-        Some(128 + libc::SIGTERM),
-        "{stdout}\n{stderr}"
-    );
-    assert!(
-        stderr.contains("received signal 15 (SIGTERM), stopping all ranks"),
-        "{stderr}"
-    );
-    // The shells got SIGTERM with their trainers (no SIGKILL after the grace period).
-    assert!(elapsed < Duration::from_secs(4), "{elapsed:?}\n{stderr}");
-    assert!(!stdout.contains("done"), "{stdout}");
-    let left = marker.wait_gone();
-    assert!(left.is_empty(), "left running: {left:?}");
-}
-
-#[test]
-fn ranks_that_leave_background_processes_do_not_hold_the_launcher() {
-    let marker = Marker::new("background");
-    // Rank 0 leaves a `sleep 30 &` in its group; rank 1 one that left the group (setsid),
-    // which it waits to see in its own session before exiting.
-    let script = r#"if [ "$RANK" = 0 ]; then sleep 30 &
-else setsid sh -c 'touch "$SYNC/bg"; exec sleep 30' &
-  while [ ! -e "$SYNC/bg" ]; do sleep 0.01; done
-fi
-echo hi"#;
-    let (out, elapsed) = run_bounded(marker.sh_ranks(2, script), Duration::from_secs(60));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(
-        stdout.contains("[rank0]: hi") && stdout.contains("[rank1]: hi"),
-        "{stdout}"
-    );
-    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}\n{stderr}");
-    assert!(
-        stderr.contains(
-            "rank 0 exited; terminating the processes it left running in its process group"
-        ),
-        "{stderr}"
-    );
-    assert!(
-        stderr.contains("terminating 1 process(es) that left their rank's process group"),
-        "{stderr}"
-    );
-    let left = marker.wait_gone();
-    assert!(left.is_empty(), "left running: {left:?}");
-}
-
-#[test]
-fn failing_rank_stops_the_others_process_trees() {
-    let marker = Marker::new("failing");
-    // Rank 0 runs a trainer and a grandchild that left its group and ignores SIGTERM;
-    // rank 1 fails once that grandchild is in place.
-    let script = r#"if [ "$RANK" = 0 ]; then
-  (trap '' TERM; exec setsid sh -c 'touch "$SYNC/bg"; exec sleep 300') &
-  sleep 300; echo done
-else
-  while [ ! -e "$SYNC/bg" ]; do sleep 0.01; done
-  exit 3
-fi"#;
-    let (out, elapsed) = run_bounded(marker.sh_ranks(2, script), Duration::from_secs(60));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(3), "{stdout}\n{stderr}");
-    assert!(
-        stderr.contains("rank 1 failed (exit status: 3); stopping the other ranks"),
-        "{stderr}"
-    );
-    assert!(
-        stderr.contains("terminating 1 process(es) that left their rank's process group"),
-        "{stderr}"
-    );
-    // The grandchild ignores SIGTERM: SIGKILL 5 s later.
-    assert!(stderr.contains("sending SIGKILL"), "{stderr}");
-    assert!(elapsed < Duration::from_secs(15), "{elapsed:?}\n{stderr}");
-    assert!(!stdout.contains("done"), "{stdout}");
-    let left = marker.wait_gone();
-    assert!(left.is_empty(), "left running: {left:?}");
-}
-
-/// `--max-restarts`: rank 1 fails on the first start; the launcher stops rank 0, starts both
-/// again with TORCHELASTIC_RESTART_COUNT=1, and exits 0 when they succeed. Without restarts
-/// left, the failing rank's status is the launcher's.
-#[test]
-fn max_restarts_starts_every_rank_again() {
-    let script = r#"if [ "$TORCHELASTIC_RESTART_COUNT" -lt 1 ] && [ "$RANK" = 1 ]; then exit 3; fi
-if [ "$TORCHELASTIC_RESTART_COUNT" -lt 1 ]; then sleep 30; fi
-echo "rank $RANK start $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS""#;
-    let mut cmd = Command::new(launcher());
-    cmd.args([
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "2",
-        "--",
-        "sh",
-        "-c",
-        script,
-    ]);
-    let (out, took) = run_bounded(cmd, Duration::from_secs(60));
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
-    assert!(stderr.contains("tch-dist-run: rank 1 failed"), "{stderr}");
-    assert!(
-        stderr.contains("tch-dist-run: starting the ranks again (restart 1 of 2)"),
-        "{stderr}"
-    );
-    assert!(!stderr.contains("restart 2 of 2"), "{stderr}");
-    for r in 0..2 {
-        assert!(
-            stdout.contains(&format!("[rank{r}]: rank {r} start 1 of 2")),
-            "{stdout}"
-        );
-    }
-    // Rank 0's `sleep 30` of the first start was stopped, not waited for.
-    assert!(took < Duration::from_secs(20), "took {took:?}");
-
-    // Always failing: one restart, then the rank's status.
-    let mut cmd = Command::new(launcher());
-    cmd.args([
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
-        "--",
-        "sh",
-        "-c",
-    ])
-    .arg(r#"[ "$RANK" = 1 ] && exit 3; sleep 30"#);
-    let (out, _) = run_bounded(cmd, Duration::from_secs(60));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(3), "{stderr}");
-    assert_eq!(
-        stderr.matches("starting the ranks again").count(),
-        1,
-        "{stderr}"
-    );
 }
 
 /// `--nnodes 2 --node-rank R`: two launchers, one rank each, make one world of 2 (global

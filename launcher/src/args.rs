@@ -1,0 +1,197 @@
+//! The command line, and how many ranks this machine lets the launcher start.
+
+pub const USAGE: &str = "usage: tch-dist-run --nproc-per-node N [--nnodes K --node-rank R] [--master-addr ADDR] [--master-port PORT] [--max-restarts M] [--rdzv-id ID] -- CMD [ARGS...]";
+
+pub const HELP: &str = "\
+Starts N ranks of CMD with torchrun's variables and prefixes their output with [rankR]: .
+Each rank runs in its own process group. When a rank fails (also while others are still
+being started), or the launcher gets SIGTERM, SIGINT, SIGHUP or SIGQUIT, no further rank is
+started, every rank's group gets SIGTERM (SIGKILL 5 s later) and the launcher exits with the
+failed rank's status, or 128+N after signal N. Nothing a rank starts outlives the launcher:
+what ranks left running (a `sleep 30 &`) is killed once all ranks have exited, even
+successfully.
+
+--nproc-per-node N: a positive integer, at most what the open-file limit (2 pipes per rank,
+`ulimit -n`) and the process limit (`ulimit -u`) allow.
+--max-restarts M: after a rank fails, all ranks are stopped and started again, up to M times
+(TORCHELASTIC_RESTART_COUNT tells them which start they are). --nnodes K --node-rank R: this
+launcher starts ranks R*N .. R*N+N-1 of K*N, with the same --master-addr and --master-port
+(required) on every node. --rdzv-id ID: the run id (default: TORCHELASTIC_RUN_ID, else a new
+one; with K > 1, one derived from the master's address and port, the same on every node).";
+
+/// The parsed command line.
+pub struct Args {
+    pub nproc: usize,
+    pub nnodes: usize,
+    pub node_rank: usize,
+    pub master_addr: String,
+    pub master_port: Option<u16>,
+    pub max_restarts: u32,
+    pub rdzv_id: Option<String>,
+    pub cmd: Vec<String>,
+}
+
+/// Parses the arguments after the program name. `Err("")` asks for the help text.
+pub fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
+    let mut nproc = None;
+    let mut master_addr = "127.0.0.1".to_string();
+    let mut master_port = None;
+    let (mut nnodes, mut node_rank, mut max_restarts, mut rdzv_id) = (1, 0, 0, None);
+    let mut cmd = Vec::new();
+    while let Some(a) = args.next() {
+        let (flag, inline) = match a.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (a.clone(), None),
+        };
+        let mut value = |name: &str| {
+            inline
+                .clone()
+                .or_else(|| args.next())
+                .ok_or_else(|| format!("{name} needs a value"))
+        };
+        match flag.as_str() {
+            "--nproc-per-node" | "--nproc_per_node" => {
+                let v = value("--nproc-per-node")?;
+                let n = v.parse::<usize>().ok().filter(|n| *n > 0);
+                nproc =
+                    Some(n.ok_or_else(|| {
+                        format!("--nproc-per-node {v:?} is not a positive integer")
+                    })?);
+            }
+            "--master-addr" | "--master_addr" => master_addr = value("--master-addr")?,
+            "--master-port" | "--master_port" => {
+                let v = value("--master-port")?;
+                let p = v.parse::<u16>().ok().filter(|p| *p > 0);
+                master_port =
+                    Some(p.ok_or_else(|| format!("--master-port {v:?} is not a port number"))?);
+            }
+            "--nnodes" => {
+                // torchrun's MIN:MAX form, with MIN = MAX (no elastic membership here).
+                let v = value("--nnodes")?;
+                let n = match v.split_once(':') {
+                    Some((lo, hi)) if lo == hi => lo.parse::<usize>().ok(),
+                    Some(_) => None,
+                    None => v.parse::<usize>().ok(),
+                };
+                nnodes = n.filter(|n| *n > 0).ok_or_else(|| {
+                    format!("--nnodes {v:?} is not a positive integer (or N:N; elastic ranges are not supported)")
+                })?;
+            }
+            "--node-rank" | "--node_rank" => {
+                let v = value("--node-rank")?;
+                node_rank = v
+                    .parse::<usize>()
+                    .map_err(|_| format!("--node-rank {v:?} is not a non-negative integer"))?;
+            }
+            "--max-restarts" | "--max_restarts" => {
+                let v = value("--max-restarts")?;
+                max_restarts = v
+                    .parse::<u32>()
+                    .map_err(|_| format!("--max-restarts {v:?} is not a non-negative integer"))?;
+            }
+            "--rdzv-id" | "--rdzv_id" => {
+                let v = value("--rdzv-id")?;
+                if v.trim().is_empty() {
+                    return Err("--rdzv-id needs a non-empty value".into());
+                }
+                rdzv_id = Some(v);
+            }
+            "-h" | "--help" => return Err(String::new()),
+            "--" => {
+                cmd.extend(args.by_ref());
+                break;
+            }
+            other if other.starts_with('-') => return Err(format!("unknown option {other}")),
+            _ => {
+                cmd.push(a);
+                cmd.extend(args.by_ref());
+                break;
+            }
+        }
+    }
+    let nproc = nproc.ok_or("--nproc-per-node is required")?;
+    if cmd.is_empty() {
+        return Err("no command given after --".into());
+    }
+    if node_rank >= nnodes {
+        return Err(format!(
+            "--node-rank {node_rank} is not below --nnodes {nnodes}"
+        ));
+    }
+    if nnodes.checked_mul(nproc).is_none() {
+        return Err(format!(
+            "--nnodes {nnodes} times --nproc-per-node {nproc} is not a world size"
+        ));
+    }
+    if nnodes > 1 && master_port.is_none() {
+        return Err("--nnodes above 1 needs --master-port (the same on every node)".into());
+    }
+    if nnodes > 1 && max_restarts > 0 {
+        // Restarting one node's ranks alone cannot meet the other nodes' running ranks:
+        // that takes torchrun's elastic agents.
+        return Err("--max-restarts with --nnodes above 1 is not supported (use torchrun)".into());
+    }
+    Ok(Args {
+        nproc,
+        nnodes,
+        node_rank,
+        master_addr,
+        master_port,
+        max_restarts,
+        rdzv_id,
+        cmd,
+    })
+}
+
+/// The launcher's own file descriptors besides the ranks' pipes: the standard streams, the
+/// output's epoll, the pipes a start holds for a moment (the rank's write ends and std's
+/// exec-error pipe), the free-port socket and /proc reads, with room to spare.
+pub const OWN_FDS: u64 = 16;
+
+/// Each rank's pipes that stay open in the launcher for the rank's life: stdout, stderr.
+pub const FDS_PER_RANK: u64 = 2;
+
+/// Refuses an `nproc` this machine's limits cannot start: each rank holds
+/// [`FDS_PER_RANK`] pipes in the launcher (so RLIMIT_NOFILE bounds the ranks), and needs a
+/// process of the user's (RLIMIT_NPROC, which root is exempt from). torchrun bounds neither
+/// and fails part-way through starting; this launcher says so before it starts any rank.
+pub fn check_capacity(nproc: usize) -> Result<(), String> {
+    let nproc = nproc as u64;
+    // SAFETY (both getrlimit calls): getrlimit(2) with a valid out pointer.
+    if let Some(files) = soft_limit(|l| unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, l) }) {
+        let ranks = files.saturating_sub(OWN_FDS) / FDS_PER_RANK;
+        if nproc > ranks {
+            return Err(format!(
+                "--nproc-per-node {nproc} is more ranks than the open-file limit allows: each \
+                 rank needs {FDS_PER_RANK} pipes in the launcher, and RLIMIT_NOFILE (ulimit -n) \
+                 {files} is enough for {ranks}; raise it or start fewer ranks"
+            ));
+        }
+    }
+    // SAFETY: geteuid(2) has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let procs = soft_limit(|l| unsafe { libc::getrlimit(libc::RLIMIT_NPROC, l) });
+    if let (false, Some(procs)) = (root, procs) {
+        if nproc > procs {
+            return Err(format!(
+                "--nproc-per-node {nproc} is more ranks than the process limit allows: each \
+                 rank needs a process, and RLIMIT_NPROC (ulimit -u) is {procs}; raise it or \
+                 start fewer ranks"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The soft limit that `getrlimit` reads (a closure: the resource's type differs between
+/// C libraries), or None when it is unlimited or cannot be read.
+fn soft_limit(getrlimit: impl FnOnce(&mut libc::rlimit) -> libc::c_int) -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    if getrlimit(&mut limit) != 0 || limit.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    Some(limit.rlim_cur)
+}
