@@ -205,8 +205,9 @@ fn a_dead_peer_ends_train_fsdp_with_one_line() {
         "{stderr}"
     );
     assert!(!stderr.contains("timed out"), "{stderr}");
-    // fully_shard's typed error, naming the module, in forward or backward alike.
-    assert!(stderr.contains("fully_shard: a `"), "{stderr}");
+    // fully_shard's typed error, naming the module by its FQN (the root's hook, or a
+    // block's), in forward or backward alike.
+    assert!(stderr.contains("fully_shard: the hook of "), "{stderr}");
     assert!(
         ended_after < Duration::from_secs(15),
         "rank 0 ended {ended_after:?} after rank 1 died:\n{stderr}"
