@@ -17,6 +17,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Device, Kind, Tensor};
+use tch_dist_core::trace;
 
 use super::backward;
 use super::hooks::{self, Interceptor};
@@ -140,6 +141,9 @@ struct State {
     backward_prefetch: Vec<std::sync::Weak<GroupInner>>,
     /// Over the parameters' tensors, armed while they hold their shards ([`FsdpGroup::fence`]).
     fence: Option<ShardFence>,
+    /// With `TCH_DIST_TRACE`: when this pass's backward of the group began (its pre-backward
+    /// hook), on the trace's clock; the span ends where its gradients are handed over.
+    backward_started_us: Option<f64>,
 }
 
 /// An all-gather of the group's shards in flight.
@@ -314,6 +318,7 @@ impl FsdpGroup {
                 forward_prefetch: Vec::new(),
                 backward_prefetch: Vec::new(),
                 fence: None,
+                backward_started_us: None,
             }),
         });
         // The interceptors make each accumulator now, while the parameters are full-sized.
@@ -772,6 +777,9 @@ impl GroupInner {
         backward::queue_finish(self.group.rank())?;
         let explicit = {
             let mut st = self.lock();
+            if st.backward_started_us.is_none() && trace::enabled() {
+                st.backward_started_us = Some(trace::now_us());
+            }
             self.unshard_locked(&mut st)?;
             st.backward_prefetch.clone()
         };
@@ -816,6 +824,13 @@ impl GroupInner {
         }
         st.reduced = true;
         st.received = 0;
+        if let Some(start) = st.backward_started_us.take() {
+            // The group's backward: from its pre-backward hook (the gather) to its gradients'
+            // hand-over (the reduce-scatter's launch, or the stash without gradient sync).
+            let first = self.meta.first().map_or("", |m| m.fqn.as_str());
+            let args = [("params", format!("{} (first: {first})", self.meta.len()))];
+            trace::complete("backward (fully_shard)", "backward", start, trace::now_us(), &args);
+        }
         let grads = std::mem::take(&mut st.grads);
         st.grads = (0..self.meta.len()).map(|_| None).collect();
         if !st.requires_gradient_sync {
