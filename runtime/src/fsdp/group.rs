@@ -829,7 +829,13 @@ impl GroupInner {
             // hand-over (the reduce-scatter's launch, or the stash without gradient sync).
             let first = self.meta.first().map_or("", |m| m.fqn.as_str());
             let args = [("params", format!("{} (first: {first})", self.meta.len()))];
-            trace::complete("backward (fully_shard)", "backward", start, trace::now_us(), &args);
+            trace::complete(
+                "backward (fully_shard)",
+                "backward",
+                start,
+                trace::now_us(),
+                &args,
+            );
         }
         let grads = std::mem::take(&mut st.grads);
         st.grads = (0..self.meta.len()).map(|_| None).collect();
