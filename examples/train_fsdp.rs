@@ -184,6 +184,9 @@ fn backward_step<M: tch_dist::Shardable>(
 
 fn run() -> Result<(), Box<dyn Error>> {
     let args = parse_args()?;
+    // One intra-op thread per rank: the benchmarks and CI run both ranks on one 2-core
+    // machine. A benchmark setting, not advice: on your machine give each rank its share of
+    // the cores (or leave libtorch's default).
     tch::set_num_threads(1);
     let pg = init_process_group(Backend::Gloo)?;
     let (rank, world) = (pg.rank() as i64, pg.world_size() as i64);

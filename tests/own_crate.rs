@@ -28,7 +28,7 @@ fn target_dir() -> PathBuf {
 fn libtorch() -> PathBuf {
     std::env::var_os("LIBTORCH")
         .map(PathBuf::from)
-        .unwrap_or_else(|| checkout().join(".venv/lib/python3.11/site-packages/torch"))
+        .unwrap_or_else(|| checkout().join(".venv/torch"))
 }
 
 /// A fresh folder outside the workspace (under the system's temporary folder), removed when
