@@ -9,7 +9,9 @@ use tch::nn::{self, Module, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::fully_shard::full_state_dict;
 use tch_dist::testing::run_ranks;
-use tch_dist::{fully_shard, replicate, Call, CallT, FsdpOptions, ProcessGroup, Shardable};
+use tch_dist::{
+    fully_shard, replicate, Call, CallT, ForwardError, FsdpOptions, ProcessGroup, Shardable,
+};
 
 /// A Linear, a BatchNorm (buffers: replicate broadcasts them before every forward, a
 /// collective of another size than the backward's buckets) and a head.
@@ -96,6 +98,30 @@ fn step_error(rank: usize, op: &str, theirs: &str, mine: &str) -> String {
     )
 }
 
+/// Three training steps of `forward` (then backward and SGD), rank 1 leaving out step 1's
+/// backward: the first failure as (step, pass, message), if any.
+fn train_skipping_a_backward(
+    rank: usize,
+    opt: &mut nn::Optimizer,
+    forward: impl Fn(usize) -> Result<Tensor, ForwardError>,
+) -> Option<(usize, &'static str, String)> {
+    for step in 0..3 {
+        let out = match forward(step) {
+            Ok(out) => out,
+            Err(e) => return Some((step, "forward", chain(&e))),
+        };
+        if rank == 1 && step == 1 {
+            continue; // rank 1 leaves out this step's backward
+        }
+        opt.zero_grad();
+        if let Err(e) = out.sum(Kind::Float).f_backward() {
+            return Some((step, "backward", e.to_string()));
+        }
+        opt.step();
+    }
+    None
+}
+
 #[test]
 fn replicate_skipped_backward_fails_on_every_rank() {
     run_ranks("replicate_skipped_backward_fails_on_every_rank", 2, |pg| {
@@ -104,26 +130,9 @@ fn replicate_skipped_backward_fails_on_every_rank() {
         replicate::apply(&m, Default::default()).unwrap();
         let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
         let rank = pg.rank();
-        let mut failure = None;
-        for step in 0..3 {
-            let out = match m.f_call_t(&batch(step, &pg), true) {
-                Ok(out) => out,
-                Err(e) => {
-                    failure = Some((step, "forward", chain(&e)));
-                    break;
-                }
-            };
-            if rank == 1 && step == 1 {
-                continue; // rank 1 leaves out this step's backward
-            }
-            opt.zero_grad();
-            if let Err(e) = out.sum(Kind::Float).f_backward() {
-                failure = Some((step, "backward", e.to_string()));
-                break;
-            }
-            opt.step();
-        }
-        let (step, pass, text) = failure.expect("the skipped backward was not noticed");
+        let (step, pass, text) =
+            train_skipping_a_backward(rank, &mut opt, |s| m.f_call_t(&batch(s, &pg), true))
+                .expect("the skipped backward was not noticed");
         // Rank 0's backward of step 2 meets rank 1's forward of step 3.
         let rank0 = "in the backward of step 2 (2 forward and 2 backward passes)";
         let rank1 = "in the forward of step 3 (3 forward and 1 backward passes)";
@@ -209,26 +218,9 @@ fn fully_shard_skipped_backward_fails_on_every_rank() {
             let m = sharded_blocks(&vs);
             let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
             let rank = pg.rank();
-            let mut failure = None;
-            for step in 0..3 {
-                let out = match m.f_call(&batch(step, &pg)) {
-                    Ok(out) => out,
-                    Err(e) => {
-                        failure = Some((step, "forward", chain(&e)));
-                        break;
-                    }
-                };
-                if rank == 1 && step == 1 {
-                    continue; // rank 1 leaves out this step's backward
-                }
-                opt.zero_grad();
-                if let Err(e) = out.sum(Kind::Float).f_backward() {
-                    failure = Some((step, "backward", e.to_string()));
-                    break;
-                }
-                opt.step();
-            }
-            let (step, pass, text) = failure.expect("the skipped backward was not noticed");
+            let (step, pass, text) =
+                train_skipping_a_backward(rank, &mut opt, |s| m.f_call(&batch(s, &pg)))
+                    .expect("the skipped backward was not noticed");
             let rank0 = "in the backward of step 2 (2 forward and 2 backward passes)";
             let rank1 = "in the forward of step 3 (3 forward and 1 backward passes)";
             if rank == 0 {
