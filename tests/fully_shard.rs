@@ -4,6 +4,9 @@
 //! parameters, gradient accumulation without sync; between steps each rank holds only its
 //! shards; and the errors.
 
+#[path = "common/panic_text.rs"]
+mod panic_text;
+use panic_text::panic_text;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::fully_shard::{full_state_dict, FsdpError};
@@ -957,17 +960,6 @@ impl Module for Stack3 {
             self.fc2.call(&h)
         };
         self.fc3.call(&h.relu())
-    }
-}
-
-/// The message of a panic payload.
-fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
-    match payload.downcast::<String>() {
-        Ok(s) => *s,
-        Err(p) => p
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .unwrap_or_default(),
     }
 }
 

@@ -2,6 +2,9 @@
 //! compute what the unsharded model computes and their gradients are its gradients'
 //! shards; plan validation; plans through serde; shard + replicate trains like one process.
 
+#[path = "common/panic_text.rs"]
+mod panic_text;
+use panic_text::panic_text;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::hooks::num_forward_hooks;
@@ -742,17 +745,6 @@ struct ApplyMlp {
 impl Module for ApplyMlp {
     fn forward(&self, xs: &Tensor) -> Tensor {
         xs.apply(&self.fc1).gelu("none").apply(&self.fc2)
-    }
-}
-
-/// The message of a panic payload.
-fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
-    match payload.downcast::<String>() {
-        Ok(s) => *s,
-        Err(p) => p
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .unwrap_or_default(),
     }
 }
 
