@@ -6,41 +6,16 @@
 //!
 //! The ranks' processes carry a marker variable that /proc shows.
 
+#[path = "common/bounded.rs"]
+mod bounded;
+use bounded::{run_bounded, wait_bounded};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn launcher() -> &'static str {
     env!("CARGO_BIN_EXE_tch-dist-run")
-}
-
-/// Runs `cmd` with a hard wall-clock limit (killing it at the deadline).
-fn run_bounded(mut cmd: Command, limit: Duration) -> (Output, Duration) {
-    let start = Instant::now();
-    let child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    wait_bounded(child, start, limit)
-}
-
-/// Waits for `child` until `limit` after `start` (killing it then); returns its output and
-/// the time from `start`.
-fn wait_bounded(mut child: Child, start: Instant, limit: Duration) -> (Output, Duration) {
-    loop {
-        if child.try_wait().expect("try_wait").is_some() {
-            break;
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().expect("output");
-    (out, start.elapsed())
 }
 
 /// Each launch has a run id of its own, the same for all its ranks; the launcher's own

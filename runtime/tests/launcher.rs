@@ -5,8 +5,11 @@
 //!
 //! The ranks are this test binary itself, re-executed with `TCH_DIST_TEST_WORKER` set.
 
+#[path = "../../launcher/tests/common/bounded.rs"]
+mod bounded;
+use bounded::{run_bounded, wait_bounded};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -40,34 +43,6 @@ fn launcher() -> &'static Path {
         );
         profile_dir.join("tch-dist-run")
     })
-}
-
-/// Runs `cmd` with a hard wall-clock limit (killing it at the deadline).
-fn run_bounded(mut cmd: Command, limit: Duration) -> (Output, Duration) {
-    let start = Instant::now();
-    let child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    wait_bounded(child, start, limit)
-}
-
-/// Waits for `child` until `limit` after `start` (killing it then); returns its output and
-/// the time from `start`.
-fn wait_bounded(mut child: Child, start: Instant, limit: Duration) -> (Output, Duration) {
-    loop {
-        if child.try_wait().expect("try_wait").is_some() {
-            break;
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().expect("output");
-    (out, start.elapsed())
 }
 
 /// The body every started rank runs: all-reduce rank+1 and print the sum and its pid.
