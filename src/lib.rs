@@ -153,6 +153,7 @@ pub use tch_dist_runtime::{
 };
 
 pub mod checkpoint;
+pub mod device_mesh;
 pub mod fully_shard;
 pub mod optim;
 pub mod replicate;
@@ -160,6 +161,7 @@ pub mod sharding;
 pub mod sync_batch_norm;
 pub mod utils;
 
+pub use device_mesh::{init_device_mesh, DeviceMesh};
 pub use fully_shard::{fully_shard, FsdpOptions};
 
 /// Data loading for distributed training (PyTorch's `torch.utils.data.distributed`).

@@ -1706,8 +1706,16 @@ void tdr_guard_free(TdrGuard* g) {
 // arguments include an armed parameter (one that holds only its shard now) not opened on
 // this thread (inside its own module's hooked call) is refused with a c10::Error, before
 // any kernel runs; the message is cb(ctx, index), built by the Rust side, which also records
-// the hit for `f_call`'s typed error. Any other op is redispatched below the key. Outside
-// hooked calls the key is not included and nothing is looked at.
+// the hit for `f_call`'s typed error. Any other op is redispatched below the key.
+//
+// Outside hooked calls the thread that created a fence keeps the key included too (the
+// "watch"): a model whose root is run without any hooked call (`model.forward(&x)` under
+// no_grad, where no use guard sees anything) would compute with the shards. There only the
+// ops through which layers apply their weights (linear, matmul, embedding, convolutions,
+// norms, ...: `applies_weights`) are refused on an armed parameter, and never inside a
+// backward pass (a graph task runs: tensor-parallel weights are used as shards there by
+// design); every other op passes, so optimizer steps, checkpoints and `clip_grad_norm`
+// between steps use the shards freely.
 //
 // kFenceKey is DeferredInit: a functionality key above Autograd that libtorch reserves for
 // torchdistx and registers nothing for (registration fails, as an error, if something else
@@ -1743,6 +1751,10 @@ std::atomic<size_t> armed_count{0};
 // the hooked calls running on it, innermost last.
 thread_local int fence_check_depth = 0;
 thread_local std::vector<const TdrFence*> open_fences;
+// Whether this thread watches for ops applying armed weights outside hooked calls (it
+// created a fence that still lives), and how many fences live in the process.
+thread_local bool fence_watch = false;
+std::atomic<size_t> live_fences{0};
 
 std::once_flag fence_registration;
 std::string fence_registration_error;
@@ -1774,6 +1786,40 @@ bool reads_no_elements(const c10::OperatorHandle& op) {
   return names.count(op.schema().name()) > 0;
 }
 
+// The ops through which a layer applies its weights to its input (tch's nn layers and
+// hand-written ones: `linear`, `matmul` after `tr()`, `embedding`, convolutions, norms, the
+// recurrent cells). Outside hooked calls, one of these on an armed parameter is a layer run
+// without its hooks; optimizers, checkpoints and norms never call them on a parameter.
+bool applies_weights(const c10::OperatorHandle& op) {
+  static const std::unordered_set<std::string> names = {
+      "aten::linear",        "aten::matmul",           "aten::mm",
+      "aten::bmm",           "aten::addmm",            "aten::addmv",
+      "aten::mv",            "aten::t",                "aten::transpose",
+      "aten::einsum",        "aten::bilinear",         "aten::embedding",
+      "aten::embedding_bag", "aten::_embedding_bag",   "aten::index_select",
+      "aten::conv1d",        "aten::conv2d",           "aten::conv3d",
+      "aten::convolution",   "aten::_convolution",     "aten::conv_transpose1d",
+      "aten::conv_transpose2d", "aten::conv_transpose3d", "aten::layer_norm",
+      "aten::native_layer_norm", "aten::group_norm",   "aten::native_group_norm",
+      "aten::batch_norm",    "aten::native_batch_norm", "aten::_batch_norm_impl_index",
+      "aten::instance_norm", "aten::rms_norm",         "aten::_fused_rms_norm",
+      "aten::lstm",          "aten::gru",              "aten::rnn_tanh",
+      "aten::rnn_relu",      "aten::lstm_cell",        "aten::gru_cell",
+      "aten::prelu",         "aten::_weight_norm"};
+  return names.count(op.schema().name()) > 0;
+}
+
+// Whether a found armed parameter refuses this op: inside a checked call every op that
+// reads elements; in the watch (outside hooked calls, outside backward) only ops that apply
+// weights.
+bool refuses(const c10::OperatorHandle& op) {
+  if (fence_check_depth > 0) {
+    return !reads_no_elements(op);
+  }
+  return fence_watch && torch::autograd::get_current_graph_task_id() == -1 &&
+         applies_weights(op);
+}
+
 void fence_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                     torch::jit::Stack* stack) {
   if (armed_count.load(std::memory_order_relaxed) > 0) {
@@ -1797,7 +1843,7 @@ void fence_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
           break;
         }
       }
-      if (found != nullptr && !reads_no_elements(op)) {
+      if (found != nullptr && refuses(op)) {
         // Under the lock: the fence (and the Rust context) stays alive for the callback.
         char* msg = found->fence->cb(found->fence->ctx, found->index);
         refusal = msg != nullptr ? std::string(msg)
@@ -1807,7 +1853,9 @@ void fence_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
       }
     }
     if (!refusal.empty()) {
-      TORCH_CHECK(false, refusal);
+      // The message alone (no "Exception raised from ..." line): outside hooked calls it is
+      // what tch's panic shows the user.
+      throw c10::Error(refusal);
     }
   }
   op.redispatchBoxed(ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kFenceKey),
@@ -1838,9 +1886,10 @@ void register_fence_fallback() {
   }
 }
 
-void set_fence_key(bool on) {
+// Includes the key while this thread runs a checked call or watches.
+void update_fence_key() {
   if (fence_registered.load(std::memory_order_relaxed)) {
-    c10::impl::tls_set_dispatch_key_included(kFenceKey, on);
+    c10::impl::tls_set_dispatch_key_included(kFenceKey, fence_check_depth > 0 || fence_watch);
   }
 }
 
@@ -1859,6 +1908,9 @@ char* tdr_fence_new(at::Tensor** params, size_t n, TdrCallback cb, void* ctx, Td
     fence->impls.push_back(params[i]->unsafeGetTensorImpl());
   }
   *out = fence.release();
+  live_fences.fetch_add(1);
+  fence_watch = true;
+  update_fence_key();
   TDR_CATCH
 }
 
@@ -1896,17 +1948,23 @@ void tdr_fence_free(TdrFence* f) {
   } catch (...) {
   }
   delete f;
+  if (live_fences.fetch_sub(1) == 1) {
+    // The last fence is gone: this thread stops watching (another thread that created one
+    // keeps the key until its next checked call ends, at the cost of a lookup per op).
+    fence_watch = false;
+    update_fence_key();
+  }
 }
 
 void tdr_fence_check_enter(void) {
   if (fence_check_depth++ == 0) {
-    set_fence_key(true);
+    update_fence_key();
   }
 }
 
 void tdr_fence_check_exit(void) {
   if (fence_check_depth > 0 && --fence_check_depth == 0) {
-    set_fence_key(false);
+    update_fence_key();
   }
 }
 
@@ -1929,7 +1987,8 @@ void tdr_fence_close(TdrFence* f) {
 void tdr_fence_reset_thread(void) {
   fence_check_depth = 0;
   open_fences.clear();
-  set_fence_key(false);
+  fence_watch = fence_watch && live_fences.load() > 0;
+  update_fence_key();
 }
 
 bool tdr_fence_suspend(bool suspended) {

@@ -15,11 +15,17 @@
 //! ([`take_fence_hit`]), which the API turns into its typed error at `f_call` (through a
 //! [`CallGuard`]).
 //!
-//! Outside checked calls the key is not included and ops cost nothing more: the optimizer
-//! step, checkpoints and `clip_grad_norm` between steps use the shards freely.
+//! Outside checked calls, the thread that created a fence *watches*: the key stays included
+//! and only the ops through which layers apply their weights (`linear`, `matmul`, `t`,
+//! `embedding`, convolutions, norms, recurrent cells) are refused on an armed parameter, and
+//! never inside a backward pass. That catches a root run with no hooked call at all
+//! (`model.forward(&x)` under `no_grad`) — tch then panics inside the layer with the fence's
+//! message, or an `f_` op returns it — while the optimizer step, checkpoints and
+//! `clip_grad_norm` between steps use the shards freely. The cost is the fallback's lookup
+//! on every op of that thread while a fence lives.
 
 use std::any::Any;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_void};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -45,9 +51,12 @@ struct FenceHit {
 }
 
 thread_local! {
-    /// The last op refused on this thread, until taken or until the outermost hooked call
-    /// ends.
+    /// The last op refused on this thread inside a checked call, until taken or until the
+    /// outermost hooked call ends.
     static LAST_HIT: RefCell<Option<FenceHit>> = const { RefCell::new(None) };
+    /// This thread's checked calls (as the shim counts them): a refusal outside them (the
+    /// watch) is not recorded, since no hooked call ends to take or forget it.
+    static CHECKED: Cell<usize> = const { Cell::new(0) };
 }
 
 /// The last op a fence refused on this thread, taken if the fence's owner is an `O`: the
@@ -111,6 +120,7 @@ impl CallGuard for ThreadReset {
     fn outermost_call_ended(&self) {
         // SAFETY: touches only this thread's state.
         unsafe { ffi::tdr_fence_reset_thread() };
+        CHECKED.with(|c| c.set(0));
         LAST_HIT.with(|h| h.borrow_mut().take());
     }
 }
@@ -181,12 +191,14 @@ impl ShardFence {
 /// until the matching [`check_exit`] (or the end of the outermost hooked call), ops using an
 /// armed parameter outside its fence are refused.
 pub fn check_enter() {
+    CHECKED.with(|c| c.set(c.get() + 1));
     // SAFETY: touches only this thread's state.
     unsafe { ffi::tdr_fence_check_enter() }
 }
 
 /// The checked call [`check_enter`] started ends.
 pub fn check_exit() {
+    CHECKED.with(|c| c.set(c.get().saturating_sub(1)));
     // SAFETY: touches only this thread's state.
     unsafe { ffi::tdr_fence_check_exit() }
 }
@@ -216,12 +228,14 @@ unsafe extern "C" fn refusal_trampoline(ctx: *mut c_void, index: usize) -> *mut 
     // SAFETY: `ctx` is the FenceContext registered with the fence, alive while it is.
     let context = unsafe { &*(ctx as *const FenceContext) };
     let message = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        LAST_HIT.with(|h| {
-            *h.borrow_mut() = Some(FenceHit {
-                owner: Arc::clone(&context.any),
-                index,
-            })
-        });
+        if CHECKED.with(Cell::get) > 0 {
+            LAST_HIT.with(|h| {
+                *h.borrow_mut() = Some(FenceHit {
+                    owner: Arc::clone(&context.any),
+                    index,
+                })
+            });
+        }
         context.owner.refusal(index)
     }));
     match message {
@@ -257,7 +271,7 @@ mod tests {
     }
 
     #[test]
-    fn armed_parameters_are_refused_only_inside_checked_calls() {
+    fn armed_parameters_are_refused_inside_checked_calls_and_watched_outside() {
         let w = Tensor::ones([2, 2], (Kind::Float, tch::Device::Cpu));
         let other = Tensor::ones([2, 2], (Kind::Float, tch::Device::Cpu));
         let f = fence(&[&w]);
@@ -267,10 +281,22 @@ mod tests {
         assert!(x.f_matmul(&w).is_ok());
         check_exit();
         f.set_armed(0, true).unwrap();
+        // Outside checked calls (the watch): ops that apply weights are refused, with the
+        // owner's message and no hit (no hooked call ends to take it); others pass.
+        let err = tch::no_grad(|| x.f_matmul(&w)).unwrap_err().to_string();
+        assert!(err.contains("param 0 used outside its call"), "{err}");
+        assert!(x.f_linear(&w, None::<&Tensor>).is_err());
         assert!(
-            x.f_matmul(&w).is_ok(),
-            "outside checked calls nothing is looked at"
+            take_fence_hit::<Names>().is_none(),
+            "the watch records no hit"
         );
+        let mut handle = w.shallow_clone(); // the same tensor object
+        assert!(
+            tch::no_grad(|| handle.f_add_(&other)).is_ok(),
+            "an optimizer's update"
+        );
+        assert!(w.f_mul(&other).is_ok() && w.f_narrow(0, 0, 1).is_ok());
+        assert!(unfenced(|| x.f_matmul(&w)).is_ok());
         // Armed and checked: refused (no_grad too), with the owner's message and a hit.
         check_enter();
         let err = tch::no_grad(|| x.f_matmul(&w)).unwrap_err().to_string();
@@ -305,5 +331,27 @@ mod tests {
         assert!(x.f_matmul(&w).is_ok());
         check_exit();
         assert!(take_fence_hit::<Names>().is_none());
+        assert!(x.f_matmul(&w).is_ok(), "no fence left: nothing watched");
+    }
+
+    #[test]
+    fn the_watch_lets_backward_use_armed_weights() {
+        // A tensor-parallel weight is armed always and used as a shard by its layer's
+        // backward; the watch leaves graph tasks alone.
+        let w = Tensor::ones([2, 2], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+        let x = Tensor::ones([1, 2], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+        let f = fence(&[&w]);
+        check_enter();
+        f.open();
+        let y = x.matmul(&w).sum(Kind::Float);
+        f.close();
+        check_exit();
+        f.set_armed(0, true).unwrap();
+        assert!(y.f_backward().is_ok());
+        assert_eq!(
+            Vec::<f32>::try_from(x.grad().view(-1)).unwrap(),
+            vec![2.0, 2.0]
+        );
+        assert!(x.f_matmul(&w).is_err(), "refused again after backward");
     }
 }

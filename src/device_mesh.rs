@@ -1,0 +1,737 @@
+//! `DeviceMesh`: ranks laid out as an n-dimensional array, one process group per mesh
+//! dimension (PyTorch 2.11's `torch.distributed.device_mesh`).
+//!
+//! [`init_device_mesh`] lays the world out as `0..world` in row-major order over `shape` and
+//! creates the groups exactly as PyTorch does, so that a job mixing tch-dist and PyTorch ranks
+//! agrees on every group's name and store prefix: for each mesh dim in order, a dim that spans
+//! the whole world reuses the default group (PyTorch's `mesh_default` new group where CUDA is
+//! available and the default group is Gloo's); any other dim takes one `new_group` per
+//! subgroup, called by every rank in the same order (the subgroups ordered by their lowest
+//! rank), labelled `mesh_<dim name>`. Slicing ([`DeviceMesh::dim`], [`DeviceMesh::slice`])
+//! creates no group; [`DeviceMesh::flatten`] creates one, once per name.
+//!
+//! | this file | PyTorch |
+//! |---|---|
+//! | [`init_device_mesh`], [`DeviceMesh`] | `torch/distributed/device_mesh.py` (`init_device_mesh`, `DeviceMesh`, `_init_process_groups`, `_flatten`, `from_group`) |
+//! | [`subgroups`] (the ranks of each subgroup of a dim) | `torch/distributed/_mesh_layout.py` (`_MeshLayout.remap_to_tensor`) |
+//!
+//! ```no_run
+//! use tch_dist::device_mesh::init_device_mesh;
+//! // 4 ranks as 2 data-parallel replicas of 2 tensor-parallel ranks.
+//! let mesh = init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+//! let tp = mesh.get_group("tp")?; // rank 0: [0, 1]; rank 2: [2, 3]
+//! let dp = mesh.get_group("dp")?; // rank 0: [0, 2]; rank 1: [1, 3]
+//! assert_eq!(mesh.dim("tp")?.size(), 2);
+//! # Ok::<(), tch_dist::device_mesh::MeshError>(())
+//! ```
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use tch_dist_runtime::{Backend, DistError, ProcessGroup};
+
+/// Why a mesh could not be made or used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MeshError {
+    /// The mesh's description is not one PyTorch accepts (or one this rank's world fits).
+    #[error("rank {rank}: {op}: {problem}")]
+    Invalid {
+        /// This process's rank in the default group.
+        rank: usize,
+        /// `init_device_mesh`, `DeviceMesh::slice`, `DeviceMesh::flatten`, ...
+        op: &'static str,
+        /// What is wrong.
+        problem: MeshProblem,
+    },
+    /// No dimension of the mesh has this name.
+    #[error(
+        "rank {rank}: {op}: the mesh has no dim named `{name}` (its dims: {})",
+        Names(dims)
+    )]
+    UnknownDim {
+        /// This process's rank in the default group.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// The name asked for.
+        name: String,
+        /// The mesh's dim names.
+        dims: Vec<String>,
+    },
+    /// Creating a mesh dim's groups (or the default group) failed.
+    #[error("rank {rank}: {op}: creating the process groups of mesh dim `{dim}` failed")]
+    Group {
+        /// This process's rank in the default group.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// The mesh dim.
+        dim: String,
+        /// What the engine said.
+        #[source]
+        source: DistError,
+    },
+}
+
+/// What is wrong with a mesh's description ([`MeshError::Invalid`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MeshProblem {
+    /// The shape has no dimension.
+    EmptyShape,
+    /// A dimension of size 0.
+    ZeroSize {
+        /// The dim's position.
+        dim: usize,
+    },
+    /// The shape's ranks are not the world's.
+    WorldMismatch {
+        /// The shape.
+        shape: Vec<usize>,
+        /// The default group's size.
+        world_size: usize,
+    },
+    /// Names and shape of different lengths.
+    NamesLength {
+        /// How many names.
+        names: usize,
+        /// How many dims.
+        dims: usize,
+    },
+    /// A name given twice.
+    RepeatedName {
+        /// The name.
+        name: String,
+    },
+    /// The device type is not a plain type name (`"cuda:0"`: PyTorch refuses an index too).
+    DeviceType {
+        /// What was given.
+        given: String,
+    },
+    /// Slice names out of the mesh's order (PyTorch requires them in order).
+    SliceOrder {
+        /// The names given.
+        names: Vec<String>,
+    },
+    /// Slicing or flattening a mesh whose dims have no names.
+    NoNames,
+    /// A flattened dim's name is already a dim of the root mesh, or names another flattening.
+    FlattenName {
+        /// The name.
+        name: String,
+    },
+}
+
+impl fmt::Display for MeshProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MeshProblem::EmptyShape => write!(f, "the mesh shape has no dimension"),
+            MeshProblem::ZeroSize { dim } => write!(f, "mesh dim {dim} has size 0"),
+            MeshProblem::WorldMismatch { shape, world_size } => write!(
+                f,
+                "a mesh of shape {shape:?} holds {} ranks, the world has {world_size}",
+                shape.iter().product::<usize>()
+            ),
+            MeshProblem::NamesLength { names, dims } => write!(
+                f,
+                "{names} mesh dim names for a mesh of {dims} dims (give one name per dim, or none)"
+            ),
+            MeshProblem::RepeatedName { name } => {
+                write!(
+                    f,
+                    "the mesh dim name `{name}` is given twice (each must be unique)"
+                )
+            }
+            MeshProblem::DeviceType { given } => write!(
+                f,
+                "device type {given:?} is not a device type name (\"cpu\" or \"cuda\", without \
+                 an index)"
+            ),
+            MeshProblem::SliceOrder { names } => {
+                write!(f, "the dims {} are not in the mesh's order", Names(names))
+            }
+            MeshProblem::NoNames => write!(f, "the mesh's dims have no names"),
+            MeshProblem::FlattenName { name } => write!(
+                f,
+                "`{name}` is already a dim of the root mesh or another flattening's name"
+            ),
+        }
+    }
+}
+
+/// Names as `` `a`, `b` ``.
+struct Names<'a>(&'a [String]);
+
+impl fmt::Display for Names<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, n) in self.0.iter().enumerate() {
+            if i > 0 {
+                write!(f, ", ")?;
+            }
+            write!(f, "`{n}`")?;
+        }
+        Ok(())
+    }
+}
+
+/// One dimension of a mesh as this rank sees it.
+#[derive(Debug)]
+struct MeshDim {
+    name: String,
+    size: usize,
+    /// This rank's group along the dim.
+    group: ProcessGroup,
+    /// The dims of the root mesh it stands for (one, or several for a flattened dim).
+    root_dims: Vec<usize>,
+}
+
+/// What every mesh sliced or flattened from one [`init_device_mesh`] shares.
+#[derive(Debug)]
+struct RootMesh {
+    device_type: String,
+    shape: Vec<usize>,
+    /// This rank's coordinate in the root mesh.
+    coordinate: Vec<usize>,
+    dims: Vec<Arc<MeshDim>>,
+    /// Whether the root's names were given (slicing and flattening need them).
+    named: bool,
+    /// The default group (the world).
+    world: ProcessGroup,
+    /// Flattened dims, by name (PyTorch's `_flatten_mapping`).
+    flattened: Mutex<BTreeMap<String, Arc<MeshDim>>>,
+}
+
+/// Ranks laid out as an n-dimensional array with a process group per dim (PyTorch's
+/// `DeviceMesh`). Cloning is cheap; slices share their root's groups.
+///
+/// ```no_run
+/// use tch_dist::device_mesh::init_device_mesh;
+/// let mesh = init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+/// let tp = mesh.dim("tp")?; // a 1-D mesh: no new group
+/// assert_eq!(tp.get_local_rank("tp")?, mesh.get_coordinate()[1]);
+/// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct DeviceMesh {
+    root: Arc<RootMesh>,
+    dims: Vec<Arc<MeshDim>>,
+}
+
+/// The ranks of each subgroup along `dim` of a row-major mesh of `shape`, in the order
+/// PyTorch 2.11 creates them (`_MeshLayout.remap_to_tensor`): one subgroup per rank whose
+/// coordinate along `dim` is 0, in increasing order of that rank, holding it and the ranks
+/// that follow it along `dim`.
+///
+/// ```
+/// use tch_dist::device_mesh::subgroups;
+/// assert_eq!(subgroups(&[2, 4], &[0]), [[0, 4], [1, 5], [2, 6], [3, 7]]);
+/// assert_eq!(subgroups(&[2, 4], &[1]), [[0, 1, 2, 3], [4, 5, 6, 7]]);
+/// // Several dims: one subgroup over their product (a flattened dim), row-major.
+/// assert_eq!(subgroups(&[2, 2, 2], &[0, 1]), [[0, 2, 4, 6], [1, 3, 5, 7]]);
+/// ```
+pub fn subgroups(shape: &[usize], dims: &[usize]) -> Vec<Vec<usize>> {
+    let strides = row_major_strides(shape);
+    let world: usize = shape.iter().product();
+    let mut groups = Vec::new();
+    for first in 0..world {
+        if dims.iter().any(|&d| (first / strides[d]) % shape[d] != 0) {
+            continue;
+        }
+        groups.push(along(first, shape, &strides, dims));
+    }
+    groups
+}
+
+/// The ranks from `first` along `dims`, row-major (the last dim varies fastest).
+fn along(first: usize, shape: &[usize], strides: &[usize], dims: &[usize]) -> Vec<usize> {
+    let mut ranks = vec![first];
+    for &d in dims {
+        let (size, stride) = (shape[d], strides[d]);
+        ranks = ranks
+            .iter()
+            .flat_map(|&r| (0..size).map(move |k| r + k * stride))
+            .collect();
+    }
+    ranks
+}
+
+fn row_major_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * shape[d + 1];
+    }
+    strides
+}
+
+/// Lays the world out as a mesh of `shape` (row-major) and creates one process group per
+/// dim, as PyTorch's `init_device_mesh(device_type, mesh_shape, mesh_dim_names)` does
+/// (initialising the default group first if there is none). `names` has one name per dim, or
+/// is empty (then dims are `dim_0`, `dim_1`, ... and cannot be sliced by name, as in PyTorch).
+///
+/// Every rank must call it with the same arguments, in the same order relative to other
+/// group creations (as PyTorch ranks do). Refused on every rank before any group is made:
+/// an empty shape, a dim of size 0, a shape whose ranks are not the world's, names of
+/// another length than the shape or repeated, a device type with an index.
+///
+/// ```no_run
+/// use tch_dist::device_mesh::init_device_mesh;
+/// let mesh = init_device_mesh("cpu", &[4], &["dp"])?; // 1-D: the default group
+/// assert_eq!(mesh.size("dp")?, 4);
+/// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+/// ```
+pub fn init_device_mesh(
+    device_type: &str,
+    shape: &[usize],
+    names: &[&str],
+) -> Result<DeviceMesh, MeshError> {
+    const OP: &str = "init_device_mesh";
+    let world = if tch_dist_runtime::is_initialized() {
+        tch_dist_runtime::default_group()
+    } else {
+        tch_dist_runtime::init_process_group(Backend::default_for_machine())
+    }
+    .map_err(|source| MeshError::Group {
+        rank: 0,
+        op: OP,
+        dim: "default".into(),
+        source,
+    })?;
+    let rank = world.rank();
+    let invalid = |problem| MeshError::Invalid {
+        rank,
+        op: OP,
+        problem,
+    };
+    if device_type.is_empty() || !device_type.chars().all(|c| c.is_ascii_alphabetic()) {
+        return Err(invalid(MeshProblem::DeviceType {
+            given: device_type.to_string(),
+        }));
+    }
+    if shape.is_empty() {
+        return Err(invalid(MeshProblem::EmptyShape));
+    }
+    if let Some(dim) = shape.iter().position(|&s| s == 0) {
+        return Err(invalid(MeshProblem::ZeroSize { dim }));
+    }
+    if !names.is_empty() {
+        if names.len() != shape.len() {
+            return Err(invalid(MeshProblem::NamesLength {
+                names: names.len(),
+                dims: shape.len(),
+            }));
+        }
+        if let Some((i, _)) = names
+            .iter()
+            .enumerate()
+            .find(|(i, n)| names[..*i].contains(n))
+        {
+            return Err(invalid(MeshProblem::RepeatedName {
+                name: names[i].to_string(),
+            }));
+        }
+    }
+    if shape.iter().product::<usize>() != world.world_size() {
+        return Err(invalid(MeshProblem::WorldMismatch {
+            shape: shape.to_vec(),
+            world_size: world.world_size(),
+        }));
+    }
+    let dim_names: Vec<String> = (0..shape.len())
+        .map(|d| {
+            names
+                .get(d)
+                .map_or_else(|| format!("dim_{d}"), |n| n.to_string())
+        })
+        .collect();
+    let strides = row_major_strides(shape);
+    let coordinate: Vec<usize> = (0..shape.len())
+        .map(|d| (rank / strides[d]) % shape[d])
+        .collect();
+    let mut dims = Vec::with_capacity(shape.len());
+    for (d, name) in dim_names.iter().enumerate() {
+        let group = dim_group(&world, shape, &[d], name).map_err(|source| MeshError::Group {
+            rank,
+            op: OP,
+            dim: name.clone(),
+            source,
+        })?;
+        dims.push(Arc::new(MeshDim {
+            name: name.clone(),
+            size: shape[d],
+            group,
+            root_dims: vec![d],
+        }));
+    }
+    let root = Arc::new(RootMesh {
+        device_type: device_type.to_string(),
+        shape: shape.to_vec(),
+        coordinate,
+        dims: dims.clone(),
+        named: !names.is_empty(),
+        world,
+        flattened: Mutex::new(BTreeMap::new()),
+    });
+    Ok(DeviceMesh { root, dims })
+}
+
+/// This rank's group along `dims` of the root mesh, created as PyTorch's
+/// `_init_one_process_group` does (every rank takes part in creating every subgroup).
+fn dim_group(
+    world: &ProcessGroup,
+    shape: &[usize],
+    dims: &[usize],
+    name: &str,
+) -> Result<ProcessGroup, DistError> {
+    let size: usize = dims.iter().map(|&d| shape[d]).product();
+    if size == world.world_size() {
+        // PyTorch makes a new group ("mesh_default") only where CUDA is available and the
+        // default group is Gloo's alone; otherwise the dim's group is the default group.
+        if tch::Cuda::is_available() && world.backend() == Backend::Gloo {
+            let all: Vec<usize> = (0..size).collect();
+            return member(world, &all, world.new_group(&all, world.backend())?);
+        }
+        return Ok(world.clone());
+    }
+    let _ = name; // PyTorch's group_desc `mesh_<name>` labels logs only: nothing to send.
+    let mut mine = None;
+    for ranks in subgroups(shape, dims) {
+        let group = world.new_group(&ranks, world.backend())?;
+        if ranks.contains(&world.rank()) {
+            mine = Some(member(world, &ranks, group)?);
+        }
+    }
+    mine.ok_or_else(|| DistError::Collective {
+        rank: world.rank(),
+        op: "new_group",
+        cause: "this rank is in no subgroup of the mesh dim".into(),
+    })
+}
+
+/// The group `new_group` returned to a member of `ranks`.
+fn member(
+    world: &ProcessGroup,
+    ranks: &[usize],
+    group: Option<ProcessGroup>,
+) -> Result<ProcessGroup, DistError> {
+    group.ok_or_else(|| DistError::Collective {
+        rank: world.rank(),
+        op: "new_group",
+        cause: format!("no group returned to a member of {ranks:?}"),
+    })
+}
+
+impl DeviceMesh {
+    /// Wraps an existing group as a 1-D mesh named `name`, creating no group (PyTorch's
+    /// `DeviceMesh.from_group(group, device_type, mesh_dim_names=(name,))`).
+    ///
+    /// ```no_run
+    /// use tch_dist::device_mesh::DeviceMesh;
+    /// let pg = tch_dist::default_group()?;
+    /// let mesh = DeviceMesh::from_group(&pg, "cpu", "dp");
+    /// assert_eq!(mesh.size("dp").unwrap(), pg.world_size());
+    /// # Ok::<(), tch_dist::DistError>(())
+    /// ```
+    pub fn from_group(group: &ProcessGroup, device_type: &str, name: &str) -> DeviceMesh {
+        let dim = Arc::new(MeshDim {
+            name: name.to_string(),
+            size: group.world_size(),
+            group: group.clone(),
+            root_dims: vec![0],
+        });
+        let root = Arc::new(RootMesh {
+            device_type: device_type.to_string(),
+            shape: vec![group.world_size()],
+            coordinate: vec![group.rank()],
+            dims: vec![Arc::clone(&dim)],
+            named: true,
+            world: group.clone(),
+            flattened: Mutex::new(BTreeMap::new()),
+        });
+        DeviceMesh {
+            root,
+            dims: vec![dim],
+        }
+    }
+
+    /// The device type the mesh was made for (`"cpu"`, `"cuda"`).
+    pub fn device_type(&self) -> &str {
+        &self.root.device_type
+    }
+
+    /// The number of dims.
+    pub fn ndim(&self) -> usize {
+        self.dims.len()
+    }
+
+    /// The size of each dim.
+    pub fn shape(&self) -> Vec<usize> {
+        self.dims.iter().map(|d| d.size).collect()
+    }
+
+    /// The dims' names, in order.
+    pub fn dim_names(&self) -> Vec<&str> {
+        self.dims.iter().map(|d| d.name.as_str()).collect()
+    }
+
+    /// The number of ranks in the mesh.
+    pub fn numel(&self) -> usize {
+        self.dims.iter().map(|d| d.size).product()
+    }
+
+    /// This rank's coordinate along each dim (its rank in each dim's group).
+    pub fn get_coordinate(&self) -> Vec<usize> {
+        self.dims.iter().map(|d| d.group.rank()).collect()
+    }
+
+    /// The global ranks of this rank's (sub)mesh, row-major over its dims: for a slice, the
+    /// ranks that share this rank's coordinates along the root's other dims.
+    pub fn ranks(&self) -> Vec<usize> {
+        let root_dims: Vec<usize> = self
+            .dims
+            .iter()
+            .flat_map(|d| d.root_dims.iter().copied())
+            .collect();
+        let strides = row_major_strides(&self.root.shape);
+        let me = self.root.world.rank();
+        let first = me
+            - root_dims
+                .iter()
+                .map(|&d| self.root.coordinate[d] * strides[d])
+                .sum::<usize>();
+        along(first, &self.root.shape, &strides, &root_dims)
+    }
+
+    fn find(&self, op: &'static str, name: &str) -> Result<&Arc<MeshDim>, MeshError> {
+        self.dims
+            .iter()
+            .find(|d| d.name == name)
+            .ok_or_else(|| self.unknown(op, name))
+    }
+
+    fn unknown(&self, op: &'static str, name: &str) -> MeshError {
+        MeshError::UnknownDim {
+            rank: self.root.world.rank(),
+            op,
+            name: name.to_string(),
+            dims: self.dims.iter().map(|d| d.name.clone()).collect(),
+        }
+    }
+
+    fn invalid(&self, op: &'static str, problem: MeshProblem) -> MeshError {
+        MeshError::Invalid {
+            rank: self.root.world.rank(),
+            op,
+            problem,
+        }
+    }
+
+    /// The process group of dim `name` that holds this rank (PyTorch's `get_group`).
+    pub fn get_group(&self, name: &str) -> Result<&ProcessGroup, MeshError> {
+        Ok(&self.find("DeviceMesh::get_group", name)?.group)
+    }
+
+    /// This rank's rank along dim `name` (PyTorch's `get_local_rank`).
+    pub fn get_local_rank(&self, name: &str) -> Result<usize, MeshError> {
+        Ok(self.find("DeviceMesh::get_local_rank", name)?.group.rank())
+    }
+
+    /// The size of dim `name` (PyTorch's `size(mesh_dim)`).
+    pub fn size(&self, name: &str) -> Result<usize, MeshError> {
+        Ok(self.find("DeviceMesh::size", name)?.size)
+    }
+
+    /// The 1-D mesh of dim `name` (PyTorch's `mesh["tp"]`), creating no group; a flattened
+    /// dim of the root is found by its name too.
+    pub fn dim(&self, name: &str) -> Result<DeviceMesh, MeshError> {
+        self.slice(&[name])
+    }
+
+    /// The sub-mesh of dims `names`, given in the mesh's order (PyTorch's
+    /// `mesh["dp", "cp"]`), creating no group.
+    pub fn slice(&self, names: &[&str]) -> Result<DeviceMesh, MeshError> {
+        const OP: &str = "DeviceMesh::slice";
+        if !self.root.named {
+            return Err(self.invalid(OP, MeshProblem::NoNames));
+        }
+        let mut dims = Vec::with_capacity(names.len());
+        let mut last: Option<usize> = None;
+        for name in names {
+            let found = match self.dims.iter().position(|d| d.name == *name) {
+                Some(i) => {
+                    if last.is_some_and(|l| l >= i) {
+                        return Err(self.invalid(
+                            OP,
+                            MeshProblem::SliceOrder {
+                                names: names.iter().map(|n| n.to_string()).collect(),
+                            },
+                        ));
+                    }
+                    last = Some(i);
+                    Arc::clone(&self.dims[i])
+                }
+                None => {
+                    let flat = self.flattened();
+                    match flat.get(*name) {
+                        Some(d) => Arc::clone(d),
+                        None => return Err(self.unknown(OP, name)),
+                    }
+                }
+            };
+            dims.push(found);
+        }
+        if names.is_empty() {
+            return Err(self.invalid(OP, MeshProblem::EmptyShape));
+        }
+        Ok(DeviceMesh {
+            root: Arc::clone(&self.root),
+            dims,
+        })
+    }
+
+    fn flattened(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Arc<MeshDim>>> {
+        // A poisoned map holds complete entries only (each is inserted whole).
+        self.root
+            .flattened
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// This mesh's dims as one dim named `name` (default: the names joined by `_`), with a
+    /// group of its own, created once per name on the root (PyTorch's `_flatten`); a 1-D
+    /// mesh flattened to its own name is itself. Every rank must call it, in the same order
+    /// relative to other group creations.
+    ///
+    /// ```no_run
+    /// use tch_dist::device_mesh::init_device_mesh;
+    /// let mesh = init_device_mesh("cpu", &[2, 2, 2], &["dp", "cp", "tp"])?;
+    /// let dp_cp = mesh.slice(&["dp", "cp"])?.flatten(None)?; // rank 0: [0, 2, 4, 6]
+    /// assert_eq!(dp_cp.dim_names(), ["dp_cp"]);
+    /// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+    /// ```
+    pub fn flatten(&self, name: Option<&str>) -> Result<DeviceMesh, MeshError> {
+        const OP: &str = "DeviceMesh::flatten";
+        if !self.root.named {
+            return Err(self.invalid(OP, MeshProblem::NoNames));
+        }
+        let name = name.map_or_else(|| self.dim_names().join("_"), str::to_string);
+        if self.dims.len() == 1 && self.dims[0].name == name {
+            return Ok(self.clone());
+        }
+        let root_dims: Vec<usize> = self
+            .dims
+            .iter()
+            .flat_map(|d| d.root_dims.iter().copied())
+            .collect();
+        if self.root.dims.iter().any(|d| d.name == name) {
+            return Err(self.invalid(OP, MeshProblem::FlattenName { name }));
+        }
+        let mut flat = self.flattened();
+        if let Some(existing) = flat.get(&name) {
+            if existing.root_dims == root_dims {
+                return Ok(DeviceMesh {
+                    root: Arc::clone(&self.root),
+                    dims: vec![Arc::clone(existing)],
+                });
+            }
+            return Err(self.invalid(OP, MeshProblem::FlattenName { name }));
+        }
+        let group =
+            dim_group(&self.root.world, &self.root.shape, &root_dims, &name).map_err(|source| {
+                MeshError::Group {
+                    rank: self.root.world.rank(),
+                    op: OP,
+                    dim: name.clone(),
+                    source,
+                }
+            })?;
+        let dim = Arc::new(MeshDim {
+            name: name.clone(),
+            size: group.world_size(),
+            group,
+            root_dims,
+        });
+        flat.insert(name, Arc::clone(&dim));
+        Ok(DeviceMesh {
+            root: Arc::clone(&self.root),
+            dims: vec![dim],
+        })
+    }
+}
+
+impl fmt::Display for DeviceMesh {
+    /// PyTorch's repr: `DeviceMesh((dp=2, tp=2), 'cpu')`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DeviceMesh((")?;
+        for (i, d) in self.dims.iter().enumerate() {
+            if i > 0 {
+                write!(f, ", ")?;
+            }
+            write!(f, "{}={}", d.name, d.size)?;
+        }
+        write!(f, "), '{}')", self.root.device_type)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subgroups_are_pytorchs() {
+        // Pinned from PyTorch 2.11's `_MeshLayout(shape, strides)[d].nest().remap_to_tensor(
+        // torch.arange(world))`.
+        assert_eq!(
+            subgroups(&[2, 2, 2], &[1]),
+            [[0, 2], [1, 3], [4, 6], [5, 7]]
+        );
+        assert_eq!(
+            subgroups(&[2, 2, 2], &[2]),
+            [[0, 1], [2, 3], [4, 5], [6, 7]]
+        );
+        assert_eq!(
+            subgroups(&[2, 3, 4], &[1]),
+            [
+                [0, 4, 8],
+                [1, 5, 9],
+                [2, 6, 10],
+                [3, 7, 11],
+                [12, 16, 20],
+                [13, 17, 21],
+                [14, 18, 22],
+                [15, 19, 23]
+            ]
+        );
+        assert_eq!(subgroups(&[2, 3, 4], &[0]).len(), 12);
+        assert_eq!(subgroups(&[2, 3, 4], &[0])[11], [11, 23]);
+        assert_eq!(subgroups(&[4, 1], &[1]), [[0], [1], [2], [3]]);
+        assert_eq!(subgroups(&[2, 2, 2], &[1, 2]), [[0, 1, 2, 3], [4, 5, 6, 7]]);
+    }
+
+    #[test]
+    fn problems_read_well() {
+        let e = MeshError::Invalid {
+            rank: 1,
+            op: "init_device_mesh",
+            problem: MeshProblem::WorldMismatch {
+                shape: vec![2, 3],
+                world_size: 4,
+            },
+        };
+        assert_eq!(
+            e.to_string(),
+            "rank 1: init_device_mesh: a mesh of shape [2, 3] holds 6 ranks, the world has 4"
+        );
+        let e = MeshError::UnknownDim {
+            rank: 0,
+            op: "DeviceMesh::get_group",
+            name: "pp".into(),
+            dims: vec!["dp".into(), "tp".into()],
+        };
+        assert_eq!(
+            e.to_string(),
+            "rank 0: DeviceMesh::get_group: the mesh has no dim named `pp` (its dims: `dp`, `tp`)"
+        );
+    }
+}
