@@ -787,15 +787,18 @@ fn hooked_layers_used_without_their_hooks_fail_on_every_rank() {
             }));
             assert_eq!(panic_text(panicked.unwrap_err()), expected);
 
-            // 2. Called with `forward`, past that check: backward fails before any gradient
-            // of a guarded parameter, so the optimizer never steps.
+            // 2. Called with `forward` (no hooked call at all): the shard fences' watch refuses
+            // its first op that applies a sharded weight, with grad too (before the watch,
+            // backward failed before any gradient of a guarded parameter); the optimizer
+            // never steps.
             let mut opt = nn::Sgd::default().build(&vs, 0.5).unwrap();
             let mut names: Vec<String> = vs.variables().into_keys().collect();
             names.sort();
             let before: Vec<Tensor> = names.iter().map(|n| vs.variables()[n].copy()).collect();
-            let loss = model.forward(&x).square().mean(Kind::Float);
-            let failed =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| opt.backward_step(&loss)));
+            let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let loss = model.forward(&x).square().mean(Kind::Float);
+                opt.backward_step(&loss)
+            }));
             let text = panic_text(failed.unwrap_err());
             assert!(text.contains(&expected), "{text}");
             for (name, old) in names.iter().zip(&before) {
@@ -808,7 +811,8 @@ fn hooked_layers_used_without_their_hooks_fail_on_every_rank() {
                 );
             }
 
-            // 3. A deliberate direct use (a regularizer on the shards) passes when declared.
+            // 3. A deliberate direct use (a regularizer on the shards: no op that applies a
+            // weight, so the watch lets it through) fails backward unless declared.
             let state = shard_module_state(&model).unwrap();
             let l2 = || model.fc1.ws.square().sum(Kind::Float);
             let err = l2().f_backward().unwrap_err().to_string();
