@@ -154,11 +154,14 @@ pub use tch_dist_runtime::{
 
 pub mod checkpoint;
 pub mod fully_shard;
+pub mod nn;
 pub mod optim;
 pub mod replicate;
 pub mod sharding;
-pub mod sync_batch_norm;
 pub mod utils;
+
+/// [`nn::sync_batch_norm`] at its path before `tch_dist::nn` held it.
+pub use nn::sync_batch_norm;
 
 pub use fully_shard::{fully_shard, FsdpOptions};
 
@@ -175,9 +178,9 @@ pub use tch_dist_core::hooks::{Call, CallT, CallWith, ForwardError};
 pub use tch_dist_core::path;
 pub use tch_dist_core::trace;
 pub use tch_dist_core::{
-    check_against_var_store, contract, hooks, nn, registry, AsDynShardable, ContractApi,
-    ContractError, FqnPath, ModuleKey, ModuleVisitor, ModuleVisitorMut, Shardable, TensorField,
-    TensorKind, VarStoreMismatch,
+    check_against_var_store, contract, hooks, registry, AsDynShardable, ContractApi, ContractError,
+    FqnPath, ModuleKey, ModuleVisitor, ModuleVisitorMut, Shardable, TensorField, TensorKind,
+    VarStoreMismatch,
 };
 
 /// The Rust blocks of README.md, compiled as doctests.
