@@ -174,6 +174,21 @@ pub enum CheckpointError {
         #[source]
         source: Box<DistError>,
     },
+    /// A collective of [`load`](super::load) or
+    /// [`load_with_optimizer`](super::load_with_optimizer) failed (a peer died): names the
+    /// checkpoint being loaded; the collective's error is the
+    /// [`source`](std::error::Error::source). Other ranks' failures stay
+    /// [`Dist`](Self::Dist)`(PeersFailed)`.
+    #[error("rank {rank}: checkpoint.load of {dir} failed")]
+    Load {
+        /// This rank.
+        rank: usize,
+        /// The checkpoint being loaded (a folder, or a one-file `VarStore::save`).
+        dir: PathBuf,
+        /// The collective's error.
+        #[source]
+        source: Box<DistError>,
+    },
     /// A collective between the ranks failed, or another rank failed (`PeersFailed`).
     #[error(transparent)]
     Dist(#[from] DistError),

@@ -75,7 +75,7 @@ mod storage;
 use std::path::Path;
 
 use tch_dist_core::Shardable;
-use tch_dist_runtime::ProcessGroup;
+use tch_dist_runtime::{DistError, ProcessGroup};
 
 pub use error::CheckpointError;
 pub use retention::{latest, latest_valid, LatestValid, Skipped};
@@ -208,6 +208,21 @@ fn save_impl<M: Shardable + ?Sized>(
     )
 }
 
+/// A collective's failure during the load of `path` (a dead peer), naming the checkpoint;
+/// other ranks' failures (`PeersFailed`) and this rank's own errors as they are.
+fn loading(rank: usize, path: &Path) -> impl Fn(CheckpointError) -> CheckpointError + '_ {
+    move |e| match e {
+        CheckpointError::Dist(source) if !matches!(source, DistError::PeersFailed { .. }) => {
+            CheckpointError::Load {
+                rank,
+                dir: path.to_path_buf(),
+                source: Box::new(source),
+            }
+        }
+        e => e,
+    }
+}
+
 /// Loads a checkpoint folder written by [`save`] at any world size (or a one-file
 /// safetensors `VarStore::save`) into `module` over `group`'s ranks: each rank's tensors
 /// (its shards of sharded parameters, the whole of the others) are copied in place, after
@@ -230,7 +245,7 @@ pub fn load<M: Shardable + ?Sized>(
         tensors.retain(|k, _| !k.starts_with(OPTIM_STATE_PREFIX));
         reshard::assemble(rank, &plan::targets(module), &pieces, &tensors)
     })();
-    let staged = group.agree(OP, local)?;
+    let staged = group.agree(OP, local).map_err(loading(rank, path))?;
     tch::no_grad(|| {
         for (target, values) in &staged {
             target.shallow_clone().copy_(values);
@@ -281,7 +296,7 @@ pub fn load_with_optimizer<M: Shardable + ?Sized>(
         Ok::<_, CheckpointError>((staged, targets.split_off(model_count), algorithm, lr))
     })();
     let (staged, state_targets, algorithm, lr) =
-        group.agree(OP, local)?;
+        group.agree(OP, local).map_err(loading(rank, path))?;
     let (model, state) = staged.split_at(staged.len() - state_targets.len());
     tch::no_grad(|| {
         for (target, values) in model {
