@@ -155,13 +155,16 @@ pub use tch_dist_runtime::{
 pub mod checkpoint;
 pub mod device_mesh;
 pub mod fully_shard;
+pub mod nn;
 pub mod optim;
 pub mod replicate;
 pub mod sharding;
-pub mod sync_batch_norm;
 pub mod utils;
 
 pub use device_mesh::{init_device_mesh, DeviceMesh};
+/// [`nn::sync_batch_norm`] at its path before `tch_dist::nn` held it.
+pub use nn::sync_batch_norm;
+
 pub use fully_shard::{fully_shard, FsdpOptions};
 
 /// Data loading for distributed training (PyTorch's `torch.utils.data.distributed`).
@@ -177,9 +180,9 @@ pub use tch_dist_core::hooks::{Call, CallT, CallWith, ForwardError};
 pub use tch_dist_core::path;
 pub use tch_dist_core::trace;
 pub use tch_dist_core::{
-    check_against_var_store, contract, hooks, nn, registry, AsDynShardable, ContractApi,
-    ContractError, FqnPath, ModuleKey, ModuleVisitor, ModuleVisitorMut, Shardable, TensorField,
-    TensorKind, VarStoreMismatch,
+    check_against_var_store, contract, hooks, registry, AsDynShardable, ContractApi, ContractError,
+    FqnPath, ModuleKey, ModuleVisitor, ModuleVisitorMut, Shardable, TensorField, TensorKind,
+    VarStoreMismatch,
 };
 
 /// The Rust blocks of README.md, compiled as doctests.

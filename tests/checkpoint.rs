@@ -846,6 +846,50 @@ fn a_save_killed_at_each_commit_point_leaves_a_complete_checkpoint() {
     check(mode("verify", 1), false);
 }
 
+const LOAD_PEER_DIES: &str = "a_peer_dying_during_a_load_names_the_checkpoint";
+
+/// Rank 0 of two dies after the save, while rank 1 loads: rank 1's error names the
+/// checkpoint it was loading, with the collective's error (the dead peer) as its source, as
+/// a save's error does ([`a_save_killed_at_each_commit_point_leaves_a_complete_checkpoint`]).
+#[test]
+fn a_peer_dying_during_a_load_names_the_checkpoint() {
+    use tch_dist::testing::{describe, Launch};
+    if worker().is_some() {
+        return tch_dist::testing::run_ranks(LOAD_PEER_DIES, 2, |pg| {
+            let ckpt = scratch("load_peer_dies", &pg).join("step-00000001");
+            let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 1);
+            checkpoint::save(&ckpt, &model, &pg).unwrap();
+            pg.barrier().unwrap();
+            if pg.rank() == 0 {
+                // No destructor, no goodbye: a rank that dies.
+                std::process::abort();
+            }
+            let err = checkpoint::load(&ckpt, &model, &pg).unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!("rank 1: checkpoint.load of {} failed", ckpt.display())
+            );
+            let CheckpointError::Load { source, .. } = &err else {
+                panic!("{err:?}");
+            };
+            assert!(source.to_string().contains("rank 0"), "{source}");
+            let cause = std::error::Error::source(&err).expect("the collective's error");
+            assert_eq!(cause.to_string(), source.to_string());
+            // The group is unusable with rank 0 gone: end here.
+            println!(
+                "tch-dist-test: rank body finished: {LOAD_PEER_DIES} {}",
+                pg.rank()
+            );
+            std::process::exit(0);
+        });
+    }
+    let out = Launch::new(LOAD_PEER_DIES, 2)
+        .env("TCH_DIST_TIMEOUT_SECS", "20")
+        .run();
+    let killed = out[0].status.is_some_and(|s| !s.success());
+    assert!(killed && out[1].success(), "{}", describe(&out));
+}
+
 /// `latest_valid` falls back from damaged checkpoints (a changed byte, a missing file) to
 /// the newest that verifies on every rank, naming each one it skipped and why; with every
 /// one damaged it finds none and lists them all.

@@ -16,15 +16,20 @@ use tch_dist_runtime::DistError;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CheckpointError {
-    /// Reading or writing a file or folder failed.
-    #[error("rank {rank}: checkpoint: {path}: {cause}")]
+    /// Reading or writing a file or folder failed: names the operation and the path; what
+    /// the system said is the [`source`](std::error::Error::source).
+    #[error("rank {rank}: checkpoint: {op} {path} failed")]
     Io {
         /// This rank.
         rank: usize,
+        /// What was done: `reading`, `writing`, `fsyncing`, `creating`, `renaming`,
+        /// `swapping`, `removing`, `listing`.
+        op: &'static str,
         /// The file or folder.
         path: PathBuf,
         /// What the system said.
-        cause: String,
+        #[source]
+        source: std::io::Error,
     },
     /// A file is not a checkpoint file this version reads (bad safetensors, bad JSON).
     #[error("rank {rank}: checkpoint: {path}: {cause}")]
@@ -169,7 +174,36 @@ pub enum CheckpointError {
         #[source]
         source: Box<DistError>,
     },
+    /// A collective of [`load`](super::load) or
+    /// [`load_with_optimizer`](super::load_with_optimizer) failed (a peer died): names the
+    /// checkpoint being loaded; the collective's error is the
+    /// [`source`](std::error::Error::source). Other ranks' failures stay
+    /// [`Dist`](Self::Dist)`(PeersFailed)`.
+    #[error("rank {rank}: checkpoint.load of {dir} failed")]
+    Load {
+        /// This rank.
+        rank: usize,
+        /// The checkpoint being loaded (a folder, or a one-file `VarStore::save`).
+        dir: PathBuf,
+        /// The collective's error.
+        #[source]
+        source: Box<DistError>,
+    },
     /// A collective between the ranks failed, or another rank failed (`PeersFailed`).
     #[error(transparent)]
     Dist(#[from] DistError),
+}
+
+/// `err`'s message and each of its sources', `: `-separated: the whole story of an error
+/// whose Display names only its own context (a [`CheckpointError::Io`] and what the system
+/// said). A local stand-in for the facade's `report` until that lands.
+pub(super) fn report(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(e) = source {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        source = e.source();
+    }
+    text
 }

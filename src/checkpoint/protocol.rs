@@ -1,18 +1,181 @@
-//! The commit protocol of a save: how a checkpoint folder comes into place so that a crash
-//! at any point leaves its name with the previous complete checkpoint or the new one,
-//! never with nothing, and never a half-written folder where [`latest`](super::latest)
-//! looks (docs/ARCHITECTURE.md, "Checkpoint commit protocol", says what each crash point
-//! leaves).
+//! The commit protocol of a save: the ranks' steps ([`Save`], in the order they run) and
+//! the file-system moves under them, so that a crash at any point leaves a checkpoint's
+//! name with the previous complete checkpoint or the new one, never with nothing, and never
+//! a half-written folder where [`latest`](super::latest) looks (docs/ARCHITECTURE.md,
+//! "Checkpoint commit protocol", says what each crash point leaves). DCP's
+//! `state_dict_saver.py` (`_save_state_dict`: local plan, global plan, write, finish) and
+//! `filesystem.py` (its writes and the rename of `.metadata` into place).
 //!
 //! Everything is fsynced before it is relied on: each file before its rank reports it
 //! written, the temporary folder before it is renamed, the parent folder after the rename
 //! (so that the rename itself survives a power cut).
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use super::CheckpointError;
+use tch::Tensor;
+use tch_dist_runtime::ProcessGroup;
+
+use super::storage::{self, file_name, FileEntry, Manifest, TensorEntry, MANIFEST};
+use super::{retention, CheckpointError, OPTIMIZER_SIDECAR, TRAIN_STATE};
+use crate::optim::{self, Optimizer};
+
+/// The collectives' name in errors.
+const OP: &str = "checkpoint.save";
+
+/// One save of the checkpoint folder `dir` on this rank, step by step. Every step ends in
+/// a collective that every rank makes, so a failure on one rank is an error on all, and a
+/// collective's own failure (a dead peer) is [`CheckpointError::Save`] naming the folder
+/// and the step.
+pub(super) struct Save<'a> {
+    rank: usize,
+    group: &'a ProcessGroup,
+    dir: &'a Path,
+    /// `DIR.partial`, where the files are written before the folder is put in place.
+    tmp: PathBuf,
+}
+
+/// What rank 0 writes beside the safetensors files, each into its JSON sidecar.
+pub(super) struct Sidecars<'a> {
+    /// `train_state.json`.
+    pub train_state: Option<&'a serde_json::Value>,
+    /// `optimizer.json`.
+    pub optimizer: Option<&'a Optimizer>,
+}
+
+impl<'a> Save<'a> {
+    pub(super) fn new(dir: &'a Path, group: &'a ProcessGroup) -> Self {
+        Save {
+            rank: group.rank(),
+            group,
+            dir,
+            tmp: storage::sibling(dir, PARTIAL),
+        }
+    }
+
+    /// A collective's failure in `step`, naming the checkpoint and the step; any other
+    /// error as it is.
+    pub(super) fn failed(&self, step: &'static str) -> impl Fn(CheckpointError) -> CheckpointError {
+        let (rank, dir) = (self.rank, self.dir.to_path_buf());
+        move |e| match e {
+            CheckpointError::Dist(source) => CheckpointError::Save {
+                rank,
+                dir: dir.clone(),
+                step,
+                source: Box::new(source),
+            },
+            e => e,
+        }
+    }
+
+    /// 1. Rank 0 makes the empty temporary folder, removing what an interrupted save of
+    /// the same name left there.
+    pub(super) fn make_temporary_folder(&self) -> Result<(), CheckpointError> {
+        let local = if self.rank == 0 {
+            start(self.rank, &self.tmp)
+        } else {
+            Ok(())
+        };
+        self.group
+            .agree(OP, local)
+            .map_err(self.failed("making the temporary folder"))
+    }
+
+    /// 2. Every rank with something of its own (`pieces`: FQN, values, offsets) writes and
+    /// fsyncs its safetensors file; the ranks agree, and get the file's entry (its length
+    /// and SHA-256, as JSON; empty for a rank without a file).
+    pub(super) fn write_file(
+        &self,
+        pieces: Result<Vec<(String, Tensor, Vec<i64>)>, CheckpointError>,
+    ) -> Result<Vec<u8>, CheckpointError> {
+        let (rank, path) = (self.rank, self.tmp.join(file_name(self.rank)));
+        let local = pieces.and_then(|mine| {
+            if mine.is_empty() {
+                // Nothing of its own to write (every tensor replicated, written by rank 0).
+                return Ok(Vec::new());
+            }
+            let bytes = storage::encode(rank, &path, &mine)?;
+            write_durable(rank, &path, &bytes)?;
+            Ok(storage::to_json(rank, &path, &FileEntry::of(&bytes))?.into_bytes())
+        });
+        self.group
+            .agree(OP, local)
+            .map_err(self.failed("writing the files"))
+    }
+
+    /// 2 (end). Every rank's file entry, gathered (rank 0 lists them in the manifest).
+    pub(super) fn gather_checksums(&self, entry: &[u8]) -> Result<Vec<Vec<u8>>, CheckpointError> {
+        self.group
+            .all_gather_bytes(OP, entry)
+            .map_err(|e| self.failed("gathering the files' checksums")(e.into()))
+    }
+
+    /// 3 to 5. Rank 0 writes and fsyncs the sidecars, then the manifest (every file with
+    /// its checksum, every tensor's global shape and dtype), puts the folder in place,
+    /// removes what it replaced and prunes to `keep_last`; the ranks agree.
+    pub(super) fn commit(
+        &self,
+        entries: &[Vec<u8>],
+        tensors: BTreeMap<String, TensorEntry>,
+        sidecars: Sidecars<'_>,
+        keep_last: Option<usize>,
+    ) -> Result<(), CheckpointError> {
+        let local = if self.rank == 0 {
+            self.commit_on_rank_0(entries, tensors, sidecars, keep_last)
+        } else {
+            Ok(())
+        };
+        self.group
+            .agree(OP, local)
+            .map_err(self.failed("committing"))
+    }
+
+    fn commit_on_rank_0(
+        &self,
+        entries: &[Vec<u8>],
+        tensors: BTreeMap<String, TensorEntry>,
+        sidecars: Sidecars<'_>,
+        keep_last: Option<usize>,
+    ) -> Result<(), CheckpointError> {
+        let (rank, tmp) = (self.rank, &self.tmp);
+        crash_point("files-written");
+        let mut files = BTreeMap::new();
+        for (r, e) in entries.iter().enumerate().filter(|(_, e)| !e.is_empty()) {
+            let name = file_name(r);
+            let entry = storage::from_json(rank, &tmp.join(&name), e)?;
+            files.insert(name, entry);
+        }
+        let mut written = BTreeMap::new();
+        if let Some(state) = sidecars.train_state {
+            let entry = storage::write_json(rank, &tmp.join(TRAIN_STATE), state)?;
+            written.insert(TRAIN_STATE.to_string(), entry);
+        }
+        if let Some(opt) = sidecars.optimizer {
+            let sidecar = optim::sidecar::of(opt);
+            let entry = storage::write_json(rank, &tmp.join(OPTIMIZER_SIDECAR), &sidecar)?;
+            written.insert(OPTIMIZER_SIDECAR.to_string(), entry);
+        }
+        let manifest = Manifest {
+            format: storage::FORMAT.to_string(),
+            world_size: self.group.world_size(),
+            files,
+            sidecars: written,
+            tensors,
+        };
+        // The manifest last: a folder without one is never loaded.
+        storage::write_json(rank, &tmp.join(MANIFEST), &manifest)?;
+        crash_point("manifest-written");
+        replace(rank, tmp, self.dir)?;
+        crash_point("replaced");
+        finish(rank, tmp)?;
+        if let Some(k) = keep_last {
+            retention::prune(rank, self.dir, k)?;
+        }
+        Ok(())
+    }
+}
 
 /// The suffix of the folder a save writes into (`DIR.partial`) before it is renamed into
 /// place; after a replace it holds the old checkpoint until that is removed.
@@ -41,31 +204,37 @@ pub(super) fn crash_point(point: &str) {
     }
 }
 
-fn io(rank: usize, path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError {
+/// An I/O error of `op` on `path`.
+pub(super) fn io(
+    rank: usize,
+    op: &'static str,
+    path: &Path,
+) -> impl FnOnce(std::io::Error) -> CheckpointError {
     let path = path.to_path_buf();
-    move |e| CheckpointError::Io {
+    move |source| CheckpointError::Io {
         rank,
+        op,
         path,
-        cause: e.to_string(),
+        source,
     }
 }
 
 /// Writes `bytes` to a new file `path` and fsyncs it.
 pub(super) fn write_durable(rank: usize, path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    let mut file = File::create(path).map_err(io(rank, path))?;
-    file.write_all(bytes).map_err(io(rank, path))?;
-    file.sync_all().map_err(io(rank, path))
+    let mut file = File::create(path).map_err(io(rank, "writing", path))?;
+    file.write_all(bytes).map_err(io(rank, "writing", path))?;
+    file.sync_all().map_err(io(rank, "fsyncing", path))
 }
 
 /// Fsyncs the folder `dir` (its entries: the names of the files in it).
 fn sync_dir(rank: usize, dir: &Path) -> Result<(), CheckpointError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
-        .map_err(io(rank, dir))
+        .map_err(io(rank, "fsyncing", dir))
 }
 
 /// The folder `dir` is in (`.` for a bare name).
-fn parent_of(dir: &Path) -> PathBuf {
+pub(super) fn parent_of(dir: &Path) -> PathBuf {
     match dir.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
@@ -77,7 +246,7 @@ pub(super) fn start(rank: usize, tmp: &Path) -> Result<(), CheckpointError> {
     if tmp.exists() {
         remove_checkpoint(rank, tmp)?;
     }
-    std::fs::create_dir_all(tmp).map_err(io(rank, tmp))
+    std::fs::create_dir_all(tmp).map_err(io(rank, "creating", tmp))
 }
 
 /// Puts the complete folder `tmp` in place as `dir`: fsyncs `tmp`, then renames it to
@@ -92,16 +261,16 @@ pub(super) fn replace(rank: usize, tmp: &Path, dir: &Path) -> Result<(), Checkpo
     sync_dir(rank, tmp)?;
     if dir.exists() {
         if !exchange(rank, tmp, dir)? {
-            let old = super::files::sibling(dir, OLD);
+            let old = storage::sibling(dir, OLD);
             if old.exists() {
                 remove_checkpoint(rank, &old)?;
             }
-            std::fs::rename(dir, &old).map_err(io(rank, dir))?;
-            std::fs::rename(tmp, dir).map_err(io(rank, dir))?;
-            std::fs::rename(&old, tmp).map_err(io(rank, &old))?;
+            std::fs::rename(dir, &old).map_err(io(rank, "renaming", dir))?;
+            std::fs::rename(tmp, dir).map_err(io(rank, "renaming", dir))?;
+            std::fs::rename(&old, tmp).map_err(io(rank, "renaming", &old))?;
         }
     } else {
-        std::fs::rename(tmp, dir).map_err(io(rank, dir))?;
+        std::fs::rename(tmp, dir).map_err(io(rank, "renaming", dir))?;
     }
     sync_dir(rank, &parent_of(dir))
 }
@@ -112,11 +281,8 @@ fn exchange(rank: usize, a: &Path, b: &Path) -> Result<bool, CheckpointError> {
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt;
     let c = |p: &Path| {
-        CString::new(p.as_os_str().as_bytes()).map_err(|e| CheckpointError::Io {
-            rank,
-            path: p.to_path_buf(),
-            cause: e.to_string(),
-        })
+        CString::new(p.as_os_str().as_bytes())
+            .map_err(|e| io(rank, "swapping", p)(std::io::Error::from(e)))
     };
     let (ca, cb) = (c(a)?, c(b)?);
     // SAFETY: renameat2(2) with two NUL-terminated paths that outlive the call; the raw
@@ -137,7 +303,7 @@ fn exchange(rank: usize, a: &Path, b: &Path) -> Result<bool, CheckpointError> {
     let e = std::io::Error::last_os_error();
     match e.raw_os_error() {
         Some(libc::EINVAL) | Some(libc::ENOSYS) | Some(libc::EOPNOTSUPP) => Ok(false),
-        _ => Err(io(rank, b)(e)),
+        _ => Err(io(rank, "swapping", b)(e)),
     }
 }
 
@@ -157,9 +323,9 @@ pub(super) fn finish(rank: usize, tmp: &Path) -> Result<(), CheckpointError> {
 /// Removes the checkpoint folder `dir`, its manifest first: a half-removed checkpoint is
 /// never taken for a complete one.
 pub(super) fn remove_checkpoint(rank: usize, dir: &Path) -> Result<(), CheckpointError> {
-    let manifest = dir.join(super::MANIFEST);
+    let manifest = dir.join(MANIFEST);
     if manifest.exists() {
-        std::fs::remove_file(&manifest).map_err(io(rank, &manifest))?;
+        std::fs::remove_file(&manifest).map_err(io(rank, "removing", &manifest))?;
     }
-    std::fs::remove_dir_all(dir).map_err(io(rank, dir))
+    std::fs::remove_dir_all(dir).map_err(io(rank, "removing", dir))
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use tch_dist_runtime::ProcessGroup;
 
-use super::{files, protocol, CheckpointError, MANIFEST};
+use super::{protocol, storage, CheckpointError, MANIFEST};
 
 /// The complete checkpoints in `parent` (folders with a manifest, never a save's
 /// temporary `.partial` or `.old` folder), oldest first by name. A missing `parent` has
@@ -15,13 +15,7 @@ pub(super) fn complete_in(rank: usize, parent: &Path) -> Result<Vec<PathBuf>, Ch
     let entries = match std::fs::read_dir(parent) {
         Ok(entries) => entries,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => {
-            return Err(CheckpointError::Io {
-                rank,
-                path: parent.to_path_buf(),
-                cause: e.to_string(),
-            })
-        }
+        Err(e) => return Err(protocol::io(rank, "listing", parent)(e)),
     };
     let mut out: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -35,17 +29,9 @@ pub(super) fn complete_in(rank: usize, parent: &Path) -> Result<Vec<PathBuf>, Ch
     Ok(out)
 }
 
-/// The folder `dir` is in (`.` for a bare name).
-fn parent_of(dir: &Path) -> PathBuf {
-    match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    }
-}
-
 /// Removes all but the last `keep` complete checkpoints beside `dir` (by name).
 pub(super) fn prune(rank: usize, dir: &Path, keep: usize) -> Result<(), CheckpointError> {
-    let all = complete_in(rank, &parent_of(dir))?;
+    let all = complete_in(rank, &protocol::parent_of(dir))?;
     let drop = all.len().saturating_sub(keep);
     for old in &all[..drop] {
         protocol::remove_checkpoint(rank, old)?;
@@ -132,9 +118,10 @@ pub fn latest_valid(
     let mut found = LatestValid::default();
     for name in rank_0.lines().rev().filter(|n| !n.is_empty()) {
         let dir = parent.join(name);
-        let verdict = match files::verify(rank, &dir) {
+        let verdict = match storage::verify(rank, &dir) {
             Ok(()) => String::new(),
-            Err(e) => e.to_string(),
+            // The whole story: an I/O error's own text names only the file.
+            Err(e) => super::error::report(&e),
         };
         let verdicts = group.all_gather_bytes(OP, verdict.as_bytes())?;
         let failures: Vec<String> = verdicts

@@ -8,7 +8,7 @@ use super::{AdamW, Algorithm, Optimizer, Sgd};
 
 /// `optimizer.json`: `{"optimizer": "SGD", "param_groups": [{...}]}`.
 #[derive(Debug, Serialize, Deserialize)]
-struct Sidecar<G> {
+pub(crate) struct Sidecar<G> {
     optimizer: String,
     param_groups: Vec<G>,
 }
@@ -23,7 +23,7 @@ struct Class {
 /// torch.optim.SGD's param group. Fields PyTorch writes that tch-dist does not use
 /// (`foreach`, `differentiable`, `fused`) may be absent when read.
 #[derive(Debug, Serialize, Deserialize)]
-struct SgdGroup {
+pub(crate) struct SgdGroup {
     lr: f64,
     momentum: f64,
     dampening: f64,
@@ -41,7 +41,7 @@ struct SgdGroup {
 
 /// torch.optim.AdamW's param group.
 #[derive(Debug, Serialize, Deserialize)]
-struct AdamWGroup {
+pub(crate) struct AdamWGroup {
     lr: f64,
     betas: (f64, f64),
     eps: f64,
@@ -61,13 +61,23 @@ struct AdamWGroup {
     params: Vec<String>,
 }
 
-/// `optimizer`'s sidecar as JSON text.
-pub(crate) fn to_json(optimizer: &Optimizer) -> serde_json::Result<String> {
+/// A sidecar of either class, as it is written (untagged: the class's own struct).
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub(crate) enum OptimizerSidecar {
+    /// torch.optim.SGD's.
+    Sgd(Sidecar<SgdGroup>),
+    /// torch.optim.AdamW's.
+    AdamW(Sidecar<AdamWGroup>),
+}
+
+/// `optimizer`'s sidecar, for the checkpoint to write as JSON.
+pub(crate) fn of(optimizer: &Optimizer) -> OptimizerSidecar {
     let params: Vec<String> = optimizer.param_names().map(str::to_string).collect();
     let lr = optimizer.lr();
     let name = optimizer.algorithm().name().to_string();
     match optimizer.algorithm() {
-        Algorithm::Sgd(s) => serde_json::to_string_pretty(&Sidecar {
+        Algorithm::Sgd(s) => OptimizerSidecar::Sgd(Sidecar {
             optimizer: name,
             param_groups: vec![SgdGroup {
                 lr,
@@ -82,7 +92,7 @@ pub(crate) fn to_json(optimizer: &Optimizer) -> serde_json::Result<String> {
                 params,
             }],
         }),
-        Algorithm::AdamW(a) => serde_json::to_string_pretty(&Sidecar {
+        Algorithm::AdamW(a) => OptimizerSidecar::AdamW(Sidecar {
             optimizer: name,
             param_groups: vec![AdamWGroup {
                 lr,

@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tch::{Kind, Tensor};
@@ -63,6 +64,44 @@ impl FileEntry {
             sha256: sha256(bytes),
         }
     }
+}
+
+/// `value` as JSON text: every JSON file of a checkpoint (the manifest, the sidecars) and
+/// every file entry the ranks exchange is written through here, from its serde struct.
+pub(super) fn to_json<T: Serialize + ?Sized>(
+    rank: usize,
+    path: &Path,
+    value: &T,
+) -> Result<String, CheckpointError> {
+    serde_json::to_string_pretty(value).map_err(|e| CheckpointError::Format {
+        rank,
+        path: path.to_path_buf(),
+        cause: e.to_string(),
+    })
+}
+
+/// The serde struct JSON text `bytes` (from the file `path`) holds.
+pub(super) fn from_json<T: DeserializeOwned>(
+    rank: usize,
+    path: &Path,
+    bytes: &[u8],
+) -> Result<T, CheckpointError> {
+    serde_json::from_slice(bytes).map_err(|e| CheckpointError::Format {
+        rank,
+        path: path.to_path_buf(),
+        cause: e.to_string(),
+    })
+}
+
+/// Writes `value` as the JSON file `path` (fsynced) and returns its manifest entry.
+pub(super) fn write_json<T: Serialize + ?Sized>(
+    rank: usize,
+    path: &Path,
+    value: &T,
+) -> Result<FileEntry, CheckpointError> {
+    let text = to_json(rank, path, value)?;
+    super::protocol::write_durable(rank, path, text.as_bytes())?;
+    Ok(FileEntry::of(text.as_bytes()))
 }
 
 /// The sidecars a checkpoint folder may hold: a file of one of these names is read only
@@ -165,6 +204,9 @@ pub(super) struct TensorEntry {
 struct ShardingInfo {
     saved_offsets: Vec<i64>,
 }
+
+/// Every saved piece, by FQN.
+pub(super) type Pieces = HashMap<String, Vec<Piece>>;
 
 /// One saved piece of a tensor: where it starts in the global tensor, and its values.
 pub(super) struct Piece {
@@ -337,13 +379,57 @@ pub(super) fn decode(
     Ok(out)
 }
 
+/// A checkpoint as read, every file checked against its manifest.
+pub(super) struct Saved {
+    /// Every saved piece by FQN.
+    pub pieces: Pieces,
+    /// Every tensor's global shape and dtype.
+    pub tensors: BTreeMap<String, TensorEntry>,
+    /// The manifest (none for a one-file `VarStore::save`).
+    pub manifest: Option<Manifest>,
+}
+
+/// Reads the checkpoint `path` (a folder, or a one-file `VarStore::save`).
+pub(super) fn read_checkpoint(rank: usize, path: &Path) -> Result<Saved, CheckpointError> {
+    let mut pieces: Pieces = HashMap::new();
+    if path.is_file() {
+        // One safetensors file of whole tensors (`VarStore::save`).
+        let bytes = read(rank, path)?;
+        let mut tensors = BTreeMap::new();
+        for (fqn, p) in decode(rank, path, &bytes)? {
+            tensors.insert(
+                fqn.clone(),
+                TensorEntry {
+                    shape: p.values.size(),
+                    dtype: dtype_name(p.values.kind()),
+                },
+            );
+            pieces.entry(fqn).or_default().push(p);
+        }
+        return Ok(Saved {
+            pieces,
+            tensors,
+            manifest: None,
+        });
+    }
+    let manifest = read_manifest(rank, path)?;
+    for (name, entry) in &manifest.files {
+        let bytes = read_listed(rank, path, name, entry)?;
+        for (fqn, p) in decode(rank, &path.join(name), &bytes)? {
+            pieces.entry(fqn).or_default().push(p);
+        }
+    }
+    let tensors = manifest.tensors.clone();
+    Ok(Saved {
+        pieces,
+        tensors,
+        manifest: Some(manifest),
+    })
+}
+
 /// Reads `path`.
 pub(super) fn read(rank: usize, path: &Path) -> Result<Vec<u8>, CheckpointError> {
-    std::fs::read(path).map_err(|e| CheckpointError::Io {
-        rank,
-        path: path.to_path_buf(),
-        cause: e.to_string(),
-    })
+    std::fs::read(path).map_err(super::protocol::io(rank, "reading", path))
 }
 
 /// `dir` with `suffix` added to its name: `DIR.partial`, the temporary folder a save

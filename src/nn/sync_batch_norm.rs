@@ -21,7 +21,7 @@ use std::borrow::Borrow;
 
 use tch::nn::{self, ModuleT, Path};
 use tch::{Kind, Tensor};
-use tch_dist_core::{ModuleVisitor, ModuleVisitorMut, Shardable};
+use tch_dist_core::Shardable;
 use tch_dist_runtime::sharding::functional;
 use tch_dist_runtime::{default_group, DistError, ProcessGroup};
 
@@ -73,18 +73,30 @@ pub enum SyncBatchNormError {
 /// # let _ = y;
 /// # Ok(()) }
 /// ```
-#[derive(Debug)]
+///
+/// It walks as `tch::nn::BatchNorm` does, through the derive: parameters `weight`, `bias`
+/// (absent when not affine), buffers `running_mean`, `running_var`, the names of tch's
+/// `BatchNorm` and PyTorch's `SyncBatchNorm`.
+#[derive(Debug, Shardable)]
+#[shardable(crate = "crate")]
 pub struct SyncBatchNorm {
-    /// The running mean (buffer `running_mean`).
-    pub running_mean: Tensor,
-    /// The running (unbiased) variance (buffer `running_var`).
-    pub running_var: Tensor,
     /// The scale (parameter `weight`; `None` when not affine).
+    #[shardable(param, rename = "weight")]
     pub ws: Option<Tensor>,
     /// The shift (parameter `bias`; `None` when not affine).
+    #[shardable(param, rename = "bias")]
     pub bs: Option<Tensor>,
+    /// The running mean (buffer `running_mean`).
+    #[shardable(buffer)]
+    pub running_mean: Tensor,
+    /// The running (unbiased) variance (buffer `running_var`).
+    #[shardable(buffer)]
+    pub running_var: Tensor,
+    #[shardable(skip)]
     eps: f64,
+    #[shardable(skip)]
     momentum: f64,
+    #[shardable(skip)]
     group: Option<ProcessGroup>,
 }
 
@@ -230,30 +242,5 @@ impl ModuleT for SyncBatchNorm {
             Ok(ys) => ys,
             Err(e) => panic!("{e}"),
         }
-    }
-}
-
-/// `weight`, `bias` (absent when not affine), buffers `running_mean`, `running_var`: the
-/// names of `tch::nn::BatchNorm` and PyTorch's `SyncBatchNorm`.
-impl Shardable for SyncBatchNorm {
-    fn visit<'a>(&'a self, v: &mut dyn ModuleVisitor<'a>) {
-        if let Some(w) = &self.ws {
-            v.visit_param("weight", w);
-        }
-        if let Some(b) = &self.bs {
-            v.visit_param("bias", b);
-        }
-        v.visit_buffer("running_mean", &self.running_mean);
-        v.visit_buffer("running_var", &self.running_var);
-    }
-    fn visit_mut<'a>(&'a mut self, v: &mut dyn ModuleVisitorMut<'a>) {
-        if let Some(w) = &mut self.ws {
-            v.visit_param("weight", w);
-        }
-        if let Some(b) = &mut self.bs {
-            v.visit_param("bias", b);
-        }
-        v.visit_buffer("running_mean", &mut self.running_mean);
-        v.visit_buffer("running_var", &mut self.running_var);
     }
 }

@@ -1,0 +1,328 @@
+//! What a checkpoint holds and who writes it, DCP's planner (`planner.py`,
+//! `default_planner.py`): the model's tensors with this rank's place in each global tensor
+//! ([`Target`]), which of them this rank writes, the optimizer's state flattened to PyTorch's
+//! names (`optim.state.<fqn>.<name>`, laid out as its parameter), and, on load, the
+//! optimizer state and settings a checkpoint holds, checked against the model and the
+//! optimizer, and unflattened again.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+
+use tch::Tensor;
+use tch_dist_core::Shardable;
+
+use super::storage::{self, Manifest, TensorEntry};
+use super::{CheckpointError, MANIFEST, OPTIMIZER_SIDECAR, OPTIM_STATE_PREFIX};
+use crate::optim::{self as optimizer, Algorithm, Optimizer, ParamState};
+
+/// One tensor of the model as a checkpoint sees it: this rank's part of a global tensor.
+pub(super) struct Target {
+    /// The FQN (`optim.state.<fqn>.<name>` for optimizer state).
+    pub fqn: String,
+    /// This rank's part (the whole tensor when not sharded).
+    pub tensor: Tensor,
+    /// Where this rank's part starts in the global tensor.
+    pub offsets: Vec<i64>,
+    /// The global tensor's shape.
+    pub global: Vec<i64>,
+    /// Whether the part is a shard (written by its holder) or the whole tensor (by rank 0).
+    pub sharded: bool,
+}
+
+/// Where this rank's part of each sharded parameter sits: FQN -> (offsets of this rank's
+/// shard, the global shape). The one place that says how a parameter is sharded
+/// (`shard_module`'s and `fully_shard`'s); parameters it does not list are
+/// whole on every rank. Optimizer state of a parameter's shape is sharded the same way.
+fn shard_layouts<M: Shardable + ?Sized>(module: &M) -> HashMap<String, (Vec<i64>, Vec<i64>)> {
+    let mut shards = HashMap::new();
+    for (fqn, p) in crate::sharding::sharded_params_in(module) {
+        let Some(meta) = p.state.metadata(&p.local_fqn) else {
+            continue;
+        };
+        let rank = p.state.group().rank();
+        if let Some(mine) = meta
+            .shards_metadata
+            .iter()
+            .find(|s| s.placement.rank() == rank)
+        {
+            shards.insert(fqn, (mine.shard_offsets.clone(), meta.size.clone()));
+        }
+    }
+    // fully_shard's shards, found by tensor identity so that a tied parameter's second
+    // name is saved as the shard it is too.
+    let fsdp = crate::fully_shard::fsdp_params_in(module);
+    let mut fsdp_by_identity: HashMap<u64, (Vec<i64>, Vec<i64>)> = HashMap::new();
+    for (fqn, t) in module.named_parameters() {
+        if let Some(p) = fsdp.get(&fqn) {
+            fsdp_by_identity.insert(
+                tch_dist_runtime::fsdp::tensor_identity(t),
+                (p.info.offsets.clone(), p.info.shape.clone()),
+            );
+        }
+    }
+    for (fqn, t) in module.named_parameters() {
+        if let Some(layout) = fsdp_by_identity.get(&tch_dist_runtime::fsdp::tensor_identity(t)) {
+            shards.entry(fqn).or_insert_with(|| layout.clone());
+        }
+    }
+    shards
+}
+
+/// The model's parameters and buffers, with this rank's place in each global tensor.
+pub(super) fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
+    let shards = shard_layouts(module);
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for (fqn, t) in module
+        .named_parameters()
+        .into_iter()
+        .chain(module.named_buffers())
+    {
+        if !seen.insert(fqn.clone()) {
+            continue;
+        }
+        let (offsets, global, sharded) = match shards.get(&fqn) {
+            Some((o, g)) => (o.clone(), g.clone(), true),
+            None => (vec![0; t.dim()], t.size(), false),
+        };
+        out.push(Target {
+            fqn,
+            tensor: t.shallow_clone(),
+            offsets,
+            global,
+            sharded,
+        });
+    }
+    out
+}
+
+/// `optim.state.<fqn>.<name>`.
+fn state_key(fqn: &str, name: &str) -> String {
+    format!("{OPTIM_STATE_PREFIX}{fqn}.{name}")
+}
+
+/// The place of a state tensor of the parameter `param` in its global tensor: a tensor of
+/// the parameter's (local) shape is laid out as the parameter (sharded with it), a scalar
+/// (`step`) is whole on every rank.
+fn state_layout(param: &Target, t: &Tensor) -> Option<(Vec<i64>, Vec<i64>, bool)> {
+    if t.dim() > 0 && t.size() == param.tensor.size() {
+        Some((param.offsets.clone(), param.global.clone(), param.sharded))
+    } else if t.dim() == 0 {
+        Some((vec![], vec![], false))
+    } else {
+        None
+    }
+}
+
+/// The optimizer's state tensors as checkpoint targets, each laid out as its parameter.
+pub(super) fn optimizer_targets(
+    rank: usize,
+    model: &[Target],
+    opt: &Optimizer,
+) -> Result<Vec<Target>, CheckpointError> {
+    let by_fqn: HashMap<&str, &Target> = model.iter().map(|t| (t.fqn.as_str(), t)).collect();
+    let mut out = Vec::new();
+    for (fqn, state) in opt.states() {
+        let param = by_fqn
+            .get(fqn)
+            .ok_or_else(|| CheckpointError::OptimizerState {
+                rank,
+                fqn: fqn.to_string(),
+                problem: "the optimizer has state for it, but the model has no such parameter"
+                    .into(),
+            })?;
+        for (name, t) in state.iter() {
+            let (offsets, global, sharded) =
+                state_layout(param, t).ok_or_else(|| CheckpointError::OptimizerState {
+                    rank,
+                    fqn: fqn.to_string(),
+                    problem: format!(
+                        "`{}` is {:?}, neither the parameter's shape {:?} nor a scalar",
+                        state_key(fqn, name),
+                        t.size(),
+                        param.tensor.size()
+                    ),
+                })?;
+            out.push(Target {
+                fqn: state_key(fqn, name),
+                tensor: t.shallow_clone(),
+                offsets,
+                global,
+                sharded,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The optimizer's class and settings from the sidecar (checked against the manifest),
+/// checked against `optimizer`'s.
+pub(super) fn saved_settings(
+    rank: usize,
+    dir: &Path,
+    manifest: Option<&Manifest>,
+    optimizer: &Optimizer,
+) -> Result<(Algorithm, f64), CheckpointError> {
+    let path = dir.join(OPTIMIZER_SIDECAR);
+    let bytes = match manifest {
+        Some(m) => storage::read_sidecar(rank, dir, m, OPTIMIZER_SIDECAR)?,
+        // A one-file `VarStore::save` has no sidecar.
+        None => None,
+    };
+    let Some(bytes) = bytes else {
+        return Err(CheckpointError::NoOptimizerState {
+            rank,
+            dir: dir.to_path_buf(),
+        });
+    };
+    let format = |cause: String| CheckpointError::Format {
+        rank,
+        path: path.clone(),
+        cause,
+    };
+    let name = optimizer::sidecar::class_of(&bytes).map_err(format)?;
+    let expected = optimizer.algorithm().name();
+    if name != expected {
+        return Err(CheckpointError::OptimizerKind {
+            rank,
+            expected: expected.to_string(),
+            found: name,
+        });
+    }
+    let (algorithm, lr) = optimizer::sidecar::settings_of(&bytes).map_err(format)?;
+    optimizer::check_settings(&algorithm, lr).map_err(|e| format(e.to_string()))?;
+    Ok((algorithm, lr))
+}
+
+/// Targets for the saved optimizer state (zeros laid out as their parameters), after
+/// checking that every state key names a parameter of the model and of the optimizer, with
+/// the algorithm's state names, all of them.
+pub(super) fn state_targets(
+    rank: usize,
+    dir: &Path,
+    model: &[Target],
+    tensors: &BTreeMap<String, TensorEntry>,
+    algorithm: &Algorithm,
+    optimizer: &Optimizer,
+) -> Result<Vec<Target>, CheckpointError> {
+    let by_fqn: HashMap<&str, &Target> = model.iter().map(|t| (t.fqn.as_str(), t)).collect();
+    let params: HashSet<&str> = optimizer.param_names().collect();
+    let names = algorithm.state_names();
+    let mut saved: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for key in tensors.keys() {
+        let Some(rest) = key.strip_prefix(OPTIM_STATE_PREFIX) else {
+            continue;
+        };
+        let (fqn, name) = rest.rsplit_once('.').unwrap_or((rest, ""));
+        if !by_fqn.contains_key(fqn) || !params.contains(fqn) {
+            return Err(CheckpointError::UnexpectedKey {
+                rank,
+                fqn: key.clone(),
+            });
+        }
+        if !names.contains(&name) {
+            return Err(CheckpointError::OptimizerState {
+                rank,
+                fqn: fqn.to_string(),
+                problem: format!(
+                    "the checkpoint has `{key}`, a state {} with these settings has not (it has {names:?})",
+                    algorithm.name()
+                ),
+            });
+        }
+        saved.entry(fqn).or_default().push(name);
+    }
+    let mut out = Vec::new();
+    for (fqn, have) in saved {
+        let param = by_fqn[fqn];
+        for name in names {
+            if !have.contains(name) {
+                return Err(CheckpointError::MissingKey {
+                    rank,
+                    fqn: state_key(fqn, name),
+                });
+            }
+            let key = state_key(fqn, name);
+            let entry = &tensors[&key];
+            let t = if entry.shape.is_empty() {
+                let kind =
+                    storage::kind_of(&entry.dtype).ok_or_else(|| CheckpointError::Format {
+                        rank,
+                        path: dir.join(MANIFEST),
+                        cause: format!("`{key}` has dtype {}, which tch cannot hold", entry.dtype),
+                    })?;
+                Tensor::zeros([], (kind, param.tensor.device()))
+            } else {
+                param.tensor.detach().zeros_like()
+            };
+            // A scalar is whole everywhere; anything else must be of the parameter's global
+            // shape (checked by `assemble`), laid out as the parameter.
+            let (offsets, global, sharded) = if entry.shape.is_empty() {
+                (vec![], vec![], false)
+            } else {
+                (param.offsets.clone(), param.global.clone(), param.sharded)
+            };
+            out.push(Target {
+                fqn: key,
+                tensor: t,
+                offsets,
+                global,
+                sharded,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// What this rank writes of `targets`: its shards (an empty one has nothing to write), and
+/// on rank 0 the whole tensors, as (FQN, values on the CPU, contiguous, offsets in the
+/// global tensor).
+pub(super) fn to_write(rank: usize, targets: &[Target]) -> Vec<(String, Tensor, Vec<i64>)> {
+    targets
+        .iter()
+        // An empty shard (more ranks than rows) has nothing to write.
+        .filter(|t| (t.sharded && t.tensor.numel() > 0) || (!t.sharded && rank == 0))
+        .map(|t| {
+            let values = t.tensor.detach().to_device(tch::Device::Cpu).contiguous();
+            (t.fqn.clone(), values, t.offsets.clone())
+        })
+        .collect()
+}
+
+/// The manifest's `tensors`: every target's global shape and dtype.
+pub(super) fn tensor_entries(targets: &[Target]) -> BTreeMap<String, TensorEntry> {
+    targets
+        .iter()
+        .map(|t| {
+            (
+                t.fqn.clone(),
+                TensorEntry {
+                    shape: t.global.clone(),
+                    dtype: storage::dtype_name(t.tensor.kind()),
+                },
+            )
+        })
+        .collect()
+}
+
+/// The loaded optimizer state, unflattened: each [`state_targets`] target's values (in
+/// `values`, in the same order) under its parameter's FQN and its state name.
+pub(super) fn unflatten_state(
+    targets: &[Target],
+    values: &[(Tensor, Tensor)],
+) -> BTreeMap<String, ParamState> {
+    let mut by_fqn: BTreeMap<String, BTreeMap<String, Tensor>> = BTreeMap::new();
+    for (t, (_, values)) in targets.iter().zip(values) {
+        let key = &t.fqn[OPTIM_STATE_PREFIX.len()..];
+        if let Some((fqn, name)) = key.rsplit_once('.') {
+            by_fqn
+                .entry(fqn.to_string())
+                .or_default()
+                .insert(name.to_string(), values.shallow_clone());
+        }
+    }
+    by_fqn
+        .into_iter()
+        .map(|(fqn, entries)| (fqn, ParamState::from_map(entries)))
+        .collect()
+}

@@ -1,0 +1,16 @@
+//! Layers: tch's layers as [`Shardable`](crate::Shardable) modules and the walkable
+//! drop-ins for its recurrent layers (core's, re-exported), and the layers that run
+//! collectives themselves.
+//!
+//! | file | what it does | PyTorch's counterpart |
+//! | --- | --- | --- |
+//! | core's `nn.rs` (re-exported) | `Shardable` for tch's layers with PyTorch's names, [`lstm`], [`gru`], the layers' typed paths | `torch/nn/modules/*` (the names of their tensors) |
+//! | `sync_batch_norm.rs` | [`SyncBatchNorm`]: batch normalisation over every rank's batch | `torch/nn/modules/batchnorm.py` (`SyncBatchNorm`), `torch/nn/modules/_functions.py` (`SyncBatchNorm`'s autograd function) |
+//!
+//! [`sync_batch_norm`] is also at `tch_dist::sync_batch_norm`, its path before this folder.
+
+pub use tch_dist_core::nn::*;
+
+pub mod sync_batch_norm;
+
+pub use sync_batch_norm::{SyncBatchNorm, SyncBatchNormError};

@@ -1,0 +1,143 @@
+//! What a replicate call manages: the parameters and buffers the derive form finds by
+//! walking the module ([`in_module`]), with what `ignored_modules` and `ignored_params`
+//! leave out; the wrapper form finds its own in the `VarStore` (`wrap.rs`). Either way the
+//! result is a [`Found`] for [`set_up`](super::state::set_up).
+
+use tch::Tensor;
+use tch_dist_core::{registry, ModuleKey, ModuleVisitor, Shardable};
+use tch_dist_runtime::{default_group, ProcessGroup};
+
+use super::{Options, ReplicateError};
+
+/// Whether `ignored` names `fqn`: the FQN itself, or a module prefix of it.
+pub(super) fn is_ignored(fqn: &str, ignored: &[String]) -> bool {
+    ignored.iter().any(|i| {
+        fqn == i
+            || (fqn.len() > i.len()
+                && fqn.starts_with(i.as_str())
+                && fqn.as_bytes()[i.len()] == b'.')
+    })
+}
+
+/// The first entry of `ignored` that names none of `fqns`.
+pub(super) fn unknown_ignored<'a>(ignored: &'a [String], fqns: &[String]) -> Option<&'a String> {
+    ignored
+        .iter()
+        .find(|i| !fqns.iter().any(|f| is_ignored(f, std::slice::from_ref(*i))))
+}
+
+/// The group `opts` names, or the default group.
+pub(super) fn group_of(opts: &Options) -> Result<ProcessGroup, ReplicateError> {
+    Ok(match &opts.process_group {
+        Some(g) => g.clone(),
+        None => default_group()?,
+    })
+}
+
+/// Collects the parameters replicate manages: requires-grad parameters outside ignored
+/// modules, outside submodules managed by `fully_shard`, and not sharded by `shard_module`.
+struct ParamCollector<'a> {
+    ignored: &'a [ModuleKey],
+    /// `Options::ignored_params`.
+    ignored_params: &'a [String],
+    /// Every parameter and buffer FQN walked (what `ignored_params` may name).
+    seen: Vec<String>,
+    /// FQNs of parameters held as shards by `shard_module` (they are not replicated).
+    sharded: std::collections::HashSet<String>,
+    path: Vec<String>,
+    /// Depth at which a skipped subtree started.
+    skip_from: Option<usize>,
+    params: Vec<(String, Tensor)>,
+    buffers: Vec<(String, Tensor)>,
+}
+
+impl<'a> ParamCollector<'a> {
+    fn fqn(&self, leaf: &str) -> String {
+        let mut parts: Vec<&str> = self.path.iter().map(String::as_str).collect();
+        parts.push(leaf);
+        parts.retain(|p| !p.is_empty());
+        parts.join(".")
+    }
+}
+
+impl<'m> ModuleVisitor<'m> for ParamCollector<'_> {
+    fn enter_module(&mut self, name: &str, module: &'m dyn Shardable) {
+        self.path.push(name.to_string());
+        if self.skip_from.is_none() {
+            let ignored = ModuleKey::of(module).is_some_and(|k| self.ignored.contains(&k));
+            if ignored || registry(module).contains(&"fully_shard") {
+                self.skip_from = Some(self.path.len());
+            }
+        }
+    }
+
+    fn exit_module(&mut self, _name: &str) {
+        if self.skip_from == Some(self.path.len()) {
+            self.skip_from = None;
+        }
+        self.path.pop();
+    }
+
+    fn visit_param(&mut self, name: &str, tensor: &'m Tensor) {
+        let fqn = self.fqn(name);
+        self.seen.push(fqn.clone());
+        if self.skip_from.is_none()
+            && tensor.requires_grad()
+            && !self.sharded.contains(&fqn)
+            && !is_ignored(&fqn, self.ignored_params)
+        {
+            self.params.push((fqn, tensor.shallow_clone()));
+        }
+    }
+
+    fn visit_buffer(&mut self, name: &str, tensor: &'m Tensor) {
+        let fqn = self.fqn(name);
+        self.seen.push(fqn.clone());
+        if self.skip_from.is_none() && !is_ignored(&fqn, self.ignored_params) {
+            self.buffers.push((fqn, tensor.shallow_clone()));
+        }
+    }
+}
+
+/// What a form found in its model, for [`set_up`](super::state::set_up).
+pub(super) struct Found {
+    /// Requires-grad parameters replicate manages, in registration order.
+    pub params: Vec<(String, Tensor)>,
+    /// Buffers replicate broadcasts, in an order that is the same on every rank.
+    pub buffers: Vec<(String, Tensor)>,
+    /// A problem only this form can see (checked with the others, on every rank at once).
+    pub problem: Option<ReplicateError>,
+}
+
+/// What replicate manages in `module` (the derive form): requires-grad parameters and
+/// buffers in walk order, outside `ignored_modules`, outside children registered with
+/// `fully_shard`, without `ignored_params` and the parameters `shard_module` sharded; an
+/// `ignored_params` entry that names nothing is its problem.
+pub(super) fn in_module<M: Shardable + ?Sized>(module: &M, opts: &Options, rank: usize) -> Found {
+    // The root itself may be ignored (then nothing is managed), like PyTorch.
+    let root_ignored = ModuleKey::of(module).is_some_and(|k| opts.ignored_modules.contains(&k));
+    let mut c = ParamCollector {
+        ignored: &opts.ignored_modules,
+        ignored_params: &opts.ignored_params,
+        sharded: crate::sharding::sharded_params_in(module)
+            .into_keys()
+            .collect(),
+        path: Vec::new(),
+        skip_from: root_ignored.then_some(0),
+        seen: Vec::new(),
+        params: Vec::new(),
+        buffers: Vec::new(),
+    };
+    module.visit(&mut c);
+    let problem = unknown_ignored(&opts.ignored_params, &c.seen).map(|name| {
+        ReplicateError::UnknownIgnoredParam {
+            rank,
+            name: name.clone(),
+        }
+    });
+    Found {
+        params: c.params,
+        buffers: c.buffers,
+        problem,
+    }
+}
