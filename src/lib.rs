@@ -153,6 +153,7 @@ pub use tch_dist_runtime::{
 };
 
 pub mod checkpoint;
+pub mod data;
 pub mod fully_shard;
 pub mod optim;
 pub mod replicate;
@@ -161,11 +162,6 @@ pub mod sync_batch_norm;
 pub mod utils;
 
 pub use fully_shard::{fully_shard, FsdpOptions};
-
-/// Data loading for distributed training (PyTorch's `torch.utils.data.distributed`).
-pub mod data {
-    pub use tch_dist_runtime::{DistributedSampler, SamplerError, SamplerOptions};
-}
 
 // --- macros and core (issue 3) ---
 

@@ -14,7 +14,6 @@ mod ffi;
 pub mod fsdp;
 pub mod kernels;
 mod reducer;
-mod sampler;
 mod shard_fence;
 pub mod sharding;
 mod step_check;
@@ -55,7 +54,6 @@ pub use reducer::{
     CommHook, PowerSgdOptions, Reducer, ReducerOptions, ReducerStats, DEFAULT_FIRST_BUCKET_BYTES,
     DEFAULT_IN_PLACE_MIN_BYTES,
 };
-pub use sampler::{DistributedSampler, SamplerError, SamplerOptions};
 pub use shard_fence::{check_enter, check_exit, take_fence_hit, unfenced, FenceOwner, ShardFence};
 pub use step_check::{set_step, step_check_time, NO_STEP_CHECK_ENV};
 pub use store::Store;
