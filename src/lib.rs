@@ -153,6 +153,7 @@ pub use tch_dist_runtime::{
 };
 
 pub mod checkpoint;
+pub mod data;
 pub mod device_mesh;
 pub mod fully_shard;
 pub mod nn;
@@ -166,11 +167,6 @@ pub use device_mesh::{init_device_mesh, DeviceMesh};
 pub use nn::sync_batch_norm;
 
 pub use fully_shard::{fully_shard, FsdpOptions};
-
-/// Data loading for distributed training (PyTorch's `torch.utils.data.distributed`).
-pub mod data {
-    pub use tch_dist_runtime::{DistributedSampler, SamplerError, SamplerOptions};
-}
 
 // --- macros and core (issue 3) ---
 

@@ -1,11 +1,14 @@
 //! The `extern "C"` surface of csrc/shim.cpp, mirrored from its contract csrc/shim.h, and the
 //! one place its errors become Rust values.
 //!
-//! Every fallible shim function returns a `char*`: null on success, else a malloc'ed message
-//! that [`take_error`] copies into a `String` and frees; [`shim!`] makes that call-and-check
-//! one expression. All `unsafe` of the runtime that touches the shim goes through the
-//! declarations below; callers comment why each call is sound. `tests::header_and_bindings_agree`
-//! reads shim.h and fails when a prototype or an enum code here differs from it.
+//! Every fallible shim function returns a `char*`: null on success, else a malloc'ed message,
+//! declared here as a [`ShimStatus`] that [`check`] turns into a `Result` (copying the
+//! message into a `String` and freeing it). A call site writes the `unsafe` itself,
+//! `ffi::check(unsafe { ffi::tdr_x(args) })`, with a `// SAFETY:` comment saying why the call
+//! is sound, so the compiler sees every unsafe place. `tests::header_and_bindings_agree`
+//! reads shim.h and fails when a prototype or an enum code here differs from it;
+//! `tests::unsafe_files_are_listed` fails when docs/ARCHITECTURE.md's list of the files
+//! with `unsafe` code differs from the tree.
 
 use std::ffi::{c_char, c_int, CStr};
 
@@ -107,31 +110,31 @@ extern "C" {
         connect_timeout_ms: i64,
         timeout_ms: i64,
         out: *mut *mut TdrStore,
-    ) -> *mut c_char;
-    pub fn tdr_store_check_in(s: *mut TdrStore, timeout_ms: i64) -> *mut c_char;
+    ) -> ShimStatus;
+    pub fn tdr_store_check_in(s: *mut TdrStore, timeout_ms: i64) -> ShimStatus;
     pub fn tdr_store_prefix(
         base: *mut TdrStore,
         prefix: *const c_char,
         out: *mut *mut TdrStore,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_store_set(
         s: *mut TdrStore,
         key: *const c_char,
         data: *const u8,
         len: usize,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_store_get(
         s: *mut TdrStore,
         key: *const c_char,
         data: *mut *mut u8,
         len: *mut usize,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_store_add(
         s: *mut TdrStore,
         key: *const c_char,
         delta: i64,
         out: *mut i64,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_store_compare_set(
         s: *mut TdrStore,
         key: *const c_char,
@@ -141,12 +144,12 @@ extern "C" {
         desired_len: usize,
         data: *mut *mut u8,
         len: *mut usize,
-    ) -> *mut c_char;
-    pub fn tdr_store_check(s: *mut TdrStore, key: *const c_char, out: *mut bool) -> *mut c_char;
+    ) -> ShimStatus;
+    pub fn tdr_store_check(s: *mut TdrStore, key: *const c_char, out: *mut bool) -> ShimStatus;
     pub fn tdr_store_free(s: *mut TdrStore);
 
-    pub fn tdr_cuda_set_device(device: c_int) -> *mut c_char;
-    pub fn tdr_cuda_device_uuid(device: c_int, out: *mut *mut c_char) -> *mut c_char;
+    pub fn tdr_cuda_set_device(device: c_int) -> ShimStatus;
+    pub fn tdr_cuda_device_uuid(device: c_int, out: *mut *mut c_char) -> ShimStatus;
 
     pub fn tdr_nccl_compiled() -> bool;
     pub fn tdr_group_new(
@@ -163,10 +166,10 @@ extern "C" {
         cuda_via_gloo: bool,
         detail: bool,
         out: *mut *mut TdrGroup,
-    ) -> *mut c_char;
-    pub fn tdr_group_connect(g: *mut TdrGroup) -> *mut c_char;
-    pub fn tdr_group_set_foreign_peers(g: *mut TdrGroup, foreign: bool) -> *mut c_char;
-    pub fn tdr_group_shutdown(g: *mut TdrGroup) -> *mut c_char;
+    ) -> ShimStatus;
+    pub fn tdr_group_connect(g: *mut TdrGroup) -> ShimStatus;
+    pub fn tdr_group_set_foreign_peers(g: *mut TdrGroup, foreign: bool) -> ShimStatus;
+    pub fn tdr_group_shutdown(g: *mut TdrGroup) -> ShimStatus;
     pub fn tdr_group_free(g: *mut TdrGroup);
 
     pub fn tdr_all_reduce(
@@ -174,26 +177,26 @@ extern "C" {
         t: *mut C_tensor,
         op: c_int,
         out: *mut *mut TdrWork,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_broadcast(
         g: *mut TdrGroup,
         t: *mut C_tensor,
         root: c_int,
         out: *mut *mut TdrWork,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_all_gather(
         g: *mut TdrGroup,
         outputs: *const *mut C_tensor,
         n: usize,
         input: *mut C_tensor,
         out: *mut *mut TdrWork,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_all_gather_flat(
         g: *mut TdrGroup,
         output: *mut C_tensor,
         input: *mut C_tensor,
         out: *mut *mut TdrWork,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_reduce_scatter(
         g: *mut TdrGroup,
         output: *mut C_tensor,
@@ -201,42 +204,42 @@ extern "C" {
         n: usize,
         op: c_int,
         out: *mut *mut TdrWork,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_reduce_scatter_flat(
         g: *mut TdrGroup,
         output: *mut C_tensor,
         input: *mut C_tensor,
         op: c_int,
         out: *mut *mut TdrWork,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_all_to_all(
         g: *mut TdrGroup,
         output: *mut C_tensor,
         input: *mut C_tensor,
         out: *mut *mut TdrWork,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_send(
         g: *mut TdrGroup,
         t: *mut C_tensor,
         dst: c_int,
         tag: c_int,
         out: *mut *mut TdrWork,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_recv(
         g: *mut TdrGroup,
         t: *mut C_tensor,
         src: c_int,
         tag: c_int,
         out: *mut *mut TdrWork,
-    ) -> *mut c_char;
-    pub fn tdr_barrier(g: *mut TdrGroup, out: *mut *mut TdrWork) -> *mut c_char;
+    ) -> ShimStatus;
+    pub fn tdr_barrier(g: *mut TdrGroup, out: *mut *mut TdrWork) -> ShimStatus;
     pub fn tdr_monitored_barrier(
         g: *mut TdrGroup,
         timeout_ms: i64,
         wait_all_ranks: bool,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
 
-    pub fn tdr_work_wait(w: *mut TdrWork, timeout_ms: i64, cpu_bound: bool) -> *mut c_char;
+    pub fn tdr_work_wait(w: *mut TdrWork, timeout_ms: i64, cpu_bound: bool) -> ShimStatus;
     pub fn tdr_work_on_stream(w: *mut TdrWork) -> bool;
     pub fn tdr_work_is_completed(w: *mut TdrWork) -> bool;
     pub fn tdr_work_free(w: *mut TdrWork);
@@ -247,14 +250,14 @@ extern "C" {
         ctx: *mut std::ffi::c_void,
         index: usize,
         out: *mut *mut TdrHook,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_hook_remove(h: *mut TdrHook);
     pub fn tdr_queue_end_of_backward(
         cb: TdrCallback,
         ctx: *mut std::ffi::c_void,
         index: usize,
-    ) -> *mut c_char;
-    pub fn tdr_set_grad(param: *mut C_tensor, grad: *mut C_tensor) -> *mut c_char;
+    ) -> ShimStatus;
+    pub fn tdr_set_grad(param: *mut C_tensor, grad: *mut C_tensor) -> ShimStatus;
 
     pub fn tdr_add_grad_interceptor(
         param: *mut C_tensor,
@@ -263,7 +266,7 @@ extern "C" {
         release: TdrRelease,
         index: usize,
         out: *mut *mut TdrInterceptor,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_interceptor_remove(h: *mut TdrInterceptor);
     pub fn tdr_add_output_grad_hook(
         output: *mut C_tensor,
@@ -271,11 +274,11 @@ extern "C" {
         ctx: *mut std::ffi::c_void,
         release: TdrRelease,
         index: usize,
-    ) -> *mut c_char;
-    pub fn tdr_storage_release(t: *mut C_tensor) -> *mut c_char;
-    pub fn tdr_storage_restore(t: *mut C_tensor) -> *mut c_char;
+    ) -> ShimStatus;
+    pub fn tdr_storage_release(t: *mut C_tensor) -> ShimStatus;
+    pub fn tdr_storage_restore(t: *mut C_tensor) -> ShimStatus;
     pub fn tdr_storage_nbytes(t: *mut C_tensor) -> usize;
-    pub fn tdr_set_data_keep_accumulator(param: *mut C_tensor, data: *mut C_tensor) -> *mut c_char;
+    pub fn tdr_set_data_keep_accumulator(param: *mut C_tensor, data: *mut C_tensor) -> ShimStatus;
     pub fn tdr_tensor_identity(t: *mut C_tensor) -> u64;
     pub fn tdr_tensor_version(t: *mut C_tensor) -> u64;
 
@@ -286,8 +289,8 @@ extern "C" {
         cb: TdrCallback,
         ctx: *mut std::ffi::c_void,
         out: *mut *mut TdrGuard,
-    ) -> *mut c_char;
-    pub fn tdr_guard_claim(g: *mut TdrGuard, output: *mut C_tensor, mark: u64) -> *mut c_char;
+    ) -> ShimStatus;
+    pub fn tdr_guard_claim(g: *mut TdrGuard, output: *mut C_tensor, mark: u64) -> ShimStatus;
     pub fn tdr_guard_first_unclaimed(
         guards: *mut *mut TdrGuard,
         n: usize,
@@ -295,7 +298,7 @@ extern "C" {
         mark: u64,
         guard: *mut usize,
         index: *mut usize,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_guard_free(g: *mut TdrGuard);
 
     pub fn tdr_fence_new(
@@ -304,8 +307,8 @@ extern "C" {
         cb: TdrCallback,
         ctx: *mut std::ffi::c_void,
         out: *mut *mut TdrFence,
-    ) -> *mut c_char;
-    pub fn tdr_fence_set_armed(f: *mut TdrFence, index: usize, armed: bool) -> *mut c_char;
+    ) -> ShimStatus;
+    pub fn tdr_fence_set_armed(f: *mut TdrFence, index: usize, armed: bool) -> ShimStatus;
     pub fn tdr_fence_free(f: *mut TdrFence);
     pub fn tdr_fence_check_enter();
     pub fn tdr_fence_check_exit();
@@ -322,9 +325,9 @@ extern "C" {
         sizes: *const i64,
         n: usize,
         out: *mut *mut C_tensor,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
 
-    pub fn tdr_randperm(n: i64, seed: u64, out: *mut *mut C_tensor) -> *mut c_char;
+    pub fn tdr_randperm(n: i64, seed: u64, out: *mut *mut C_tensor) -> ShimStatus;
 
     pub fn tdr_fused_adamw(
         params: *const *mut C_tensor,
@@ -341,7 +344,7 @@ extern "C" {
         eps: f64,
         amsgrad: bool,
         maximize: bool,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
     pub fn tdr_fused_sgd(
         params: *const *mut C_tensor,
         grads: *const *mut C_tensor,
@@ -354,20 +357,38 @@ extern "C" {
         nesterov: bool,
         maximize: bool,
         is_first_step: bool,
-    ) -> *mut c_char;
+    ) -> ShimStatus;
 }
 
-/// Calls the fallible shim entry point `$f` and turns its returned message into
-/// `Result<(), ShimError>`: the one error-check pattern of every call into the shim.
+/// What a fallible shim entry point returns: null on success, else a malloc'ed message
+/// (with its kind in `tdr_last_error_kind`) that [`check`] takes and frees.
 ///
-/// The expansion is an `unsafe` call; the caller states above the macro, in a `// SAFETY:`
-/// comment, why the arguments are valid (live handles and tensors, valid out-pointers).
-/// What the shim returns is null or a message it has not freed, which `take_error` frees once.
+/// Only the declarations above make one (the field is private), so a `ShimStatus` always
+/// holds what the shim returned, and [`check`] can be safe: the `unsafe` of a shim call is
+/// the call itself, written at the call site.
+#[must_use = "a shim call's status must go through ffi::check, which frees its message"]
+#[repr(transparent)]
+pub struct ShimStatus(*mut c_char);
+
+/// Turns what a fallible shim call returned into `Result<(), ShimError>`, freeing the
+/// message: the one error check of every call into the shim, written
+/// `ffi::check(unsafe { ffi::tdr_x(args) })` with the caller's `// SAFETY:` comment above
+/// (why the arguments are valid: live handles and tensors, valid out-pointers).
+pub fn check(status: ShimStatus) -> Result<(), ShimError> {
+    // SAFETY: a `ShimStatus` only comes from a shim entry point that just returned on this
+    // thread: null, or a message not yet freed, which `take_error` frees once.
+    unsafe { take_error(status.0) }
+}
+
+/// The old form of [`check`]: `shim!(tdr_x(args))` calls `$f` and checks it, hiding the
+/// `unsafe` of the call inside the macro. **Deprecated**: kept for the files not converted
+/// yet (fsdp/, reducer/autograd.rs, use_guard.rs, shard_fence.rs); write
+/// `ffi::check(unsafe { ffi::tdr_x(args) })`, so that the compiler sees each unsafe call
+/// where it is made.
 macro_rules! shim {
     ($f:ident($($arg:expr),* $(,)?)) => {
-        // SAFETY: the arguments are vouched for at the call site; the return value goes
-        // straight to `take_error`, which frees it exactly once.
-        unsafe { $crate::ffi::take_error($crate::ffi::$f($($arg),*)) }
+        // SAFETY: the arguments are vouched for at the call site's `// SAFETY:` comment.
+        $crate::ffi::check(unsafe { $crate::ffi::$f($($arg),*) })
     };
 }
 pub(crate) use shim;
@@ -425,7 +446,7 @@ impl From<ShimError> for String {
 /// # Safety
 /// `err` must be null or a message returned by the shim function called last on this
 /// thread, not yet freed.
-pub unsafe fn take_error(err: *mut c_char) -> Result<(), ShimError> {
+unsafe fn take_error(err: *mut c_char) -> Result<(), ShimError> {
     if err.is_null() {
         return Ok(());
     }
@@ -449,9 +470,11 @@ pub unsafe fn take_error(err: *mut c_char) -> Result<(), ShimError> {
 #[cfg(test)]
 mod tests {
     //! The contract check: shim.h and the declarations above must agree on every prototype
-    //! (name, parameter types, return type) and every enum code.
+    //! (name, parameter types, return type) and every enum code; and the list of files with
+    //! `unsafe` code in docs/ARCHITECTURE.md is the tree's.
 
-    use std::collections::BTreeMap;
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::path::Path;
 
     const HEADER: &str = include_str!("../csrc/shim.h");
     const BINDINGS: &str = include_str!("ffi.rs");
@@ -491,6 +514,10 @@ mod tests {
             t = rest.trim();
         }
         let base = t.rsplit("::").next().unwrap_or(t);
+        if base == "ShimStatus" {
+            // The owned `char*` of a fallible entry point.
+            return ("c_char".to_string(), depth + 1);
+        }
         (base.to_string(), depth)
     }
 
@@ -613,5 +640,102 @@ mod tests {
             ),
         ];
         assert_eq!(codes, BTreeMap::from(rust), "the enum codes");
+    }
+
+    /// `s` without comments, string and character literals, so that only code is left.
+    fn code_only(s: &str) -> String {
+        let b = s.as_bytes();
+        let mut out = String::with_capacity(s.len());
+        let mut i = 0;
+        while i < b.len() {
+            let rest = &s[i..];
+            if rest.starts_with("//") {
+                i += rest.find('\n').unwrap_or(rest.len());
+            } else if rest.starts_with("/*") {
+                i += rest.find("*/").map_or(rest.len(), |e| e + 2);
+            } else if rest.starts_with("r#\"") || rest.starts_with("r\"") {
+                let hashes = rest[1..].bytes().take_while(|&c| c == b'#').count();
+                let close = format!("\"{}", "#".repeat(hashes));
+                let body = 2 + hashes;
+                i += rest[body..]
+                    .find(&close)
+                    .map_or(rest.len(), |e| body + e + close.len());
+            } else if b[i] == b'"' {
+                let mut j = i + 1;
+                while j < b.len() && b[j] != b'"' {
+                    j += if b[j] == b'\\' { 2 } else { 1 };
+                }
+                i = j + 1;
+            } else if b[i] == b'\''
+                && (b.get(i + 1) == Some(&b'\\') || b.get(i + 2) == Some(&b'\''))
+            {
+                // A character literal ('x', '\n', '\''); a lifetime ('a) is code.
+                let start = if b[i + 1] == b'\\' { 3 } else { 2 };
+                let close = b[(i + start).min(b.len())..]
+                    .iter()
+                    .position(|&c| c == b'\'');
+                i += start + close.map_or(b.len(), |e| e + 1);
+            } else {
+                let c = rest.chars().next().expect("not at the end");
+                out.push(c);
+                i += c.len_utf8();
+            }
+        }
+        out
+    }
+
+    /// The `.rs` files under `dir` (relative to the workspace root), recursively.
+    fn rust_files(root: &Path, dir: &str, out: &mut Vec<String>) {
+        let mut entries: Vec<_> = std::fs::read_dir(root.join(dir))
+            .unwrap_or_else(|e| panic!("{dir}: {e}"))
+            .map(|e| e.expect("a directory entry").path())
+            .collect();
+        entries.sort();
+        for path in entries {
+            let rel = path.strip_prefix(root).expect("under the root");
+            let rel = rel.to_str().expect("a UTF-8 path").to_string();
+            if path.is_dir() {
+                rust_files(root, &rel, out);
+            } else if rel.ends_with(".rs") {
+                out.push(rel);
+            }
+        }
+    }
+
+    /// Every `.rs` file of runtime/src and launcher/src whose code has the `unsafe` keyword
+    /// (or calls the deprecated `shim!`, which hides it) is in docs/ARCHITECTURE.md's list
+    /// (the bullets after "Files with `unsafe` code"), and nothing else is.
+    #[test]
+    fn unsafe_files_are_listed() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut files = Vec::new();
+        rust_files(&root, "runtime/src", &mut files);
+        rust_files(&root, "launcher/src", &mut files);
+        let has_unsafe = |file: &String| {
+            let code = code_only(&std::fs::read_to_string(root.join(file)).expect("readable"));
+            code.split(|c: char| !(c.is_alphanumeric() || c == '_' || c == '!'))
+                .any(|w| w == "unsafe" || w == "shim!")
+        };
+        let found: BTreeSet<String> = files.into_iter().filter(has_unsafe).collect();
+        let doc = std::fs::read_to_string(root.join("docs/ARCHITECTURE.md")).expect("the doc");
+        let list = doc
+            .split("Files with `unsafe` code")
+            .nth(1)
+            .expect("docs/ARCHITECTURE.md has the list of files with `unsafe` code");
+        let listed: BTreeSet<String> = list
+            .lines()
+            .skip_while(|l| !l.starts_with("- "))
+            .take_while(|l| l.starts_with("- "))
+            .map(|l| {
+                l.split('`')
+                    .nth(1)
+                    .expect("a bullet starts with the file's path in backticks")
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(
+            found, listed,
+            "the files with `unsafe` code (left) and docs/ARCHITECTURE.md's list (right)"
+        );
     }
 }

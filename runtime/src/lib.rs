@@ -8,27 +8,30 @@
 
 #![warn(missing_docs)]
 
-mod coalesced;
-mod collectives;
-mod desync;
-mod devices;
-mod env;
+mod c10d;
 mod error;
 mod ffi;
 pub mod fsdp;
-pub mod fused;
-mod objects;
-mod process_group;
+pub mod kernels;
 mod reducer;
-mod rendezvous;
-mod sampler;
 mod shard_fence;
 pub mod sharding;
 mod step_check;
-mod store;
 pub mod testing;
 mod use_guard;
-mod verify;
+
+/// The fused optimizers under their first path (`tch_dist_runtime::fused::adamw`); they live in
+/// [`kernels`].
+pub mod fused {
+    pub use crate::kernels::{adamw, sgd, AdamWHyper, KernelError, SgdHyper};
+}
+
+// The c10d layer's modules under the crate-root paths the engines' files use
+// (`crate::process_group::ProcessGroup`, `crate::collectives::Work`).
+use c10d::{
+    coalesced, collectives, desync, devices, env, group as process_group, objects, rendezvous,
+    store,
+};
 
 pub use coalesced::BROADCAST_BUCKET_BYTES;
 pub use collectives::{ReduceOp, Work};
@@ -51,7 +54,6 @@ pub use reducer::{
     CommHook, PowerSgdOptions, Reducer, ReducerOptions, ReducerStats, DEFAULT_FIRST_BUCKET_BYTES,
     DEFAULT_IN_PLACE_MIN_BYTES,
 };
-pub use sampler::{DistributedSampler, SamplerError, SamplerOptions};
 pub use shard_fence::{check_enter, check_exit, take_fence_hit, unfenced, FenceOwner, ShardFence};
 pub use step_check::{set_step, step_check_time, NO_STEP_CHECK_ENV};
 pub use store::Store;

@@ -23,7 +23,7 @@ use std::ffi::c_int;
 use tch::Tensor;
 
 use crate::error::{DistError, Result};
-use crate::ffi::{self, shim};
+use crate::ffi;
 use crate::process_group::ProcessGroup;
 
 #[derive(Clone, Copy)]
@@ -46,15 +46,17 @@ fn run(
     let mut out = std::ptr::null_mut();
     // SAFETY: a live group and tensor; `sizes` outlives the call; the shim catches every C++
     // exception and hands back a new tensor that we own.
-    shim!(tdr_parallel_op(
-        group.raw(),
-        x.as_ptr() as *mut _,
-        mode as c_int,
-        dim,
-        sizes.as_ptr(),
-        sizes.len(),
-        &mut out,
-    ))
+    ffi::check(unsafe {
+        ffi::tdr_parallel_op(
+            group.raw(),
+            x.as_ptr() as *mut _,
+            mode as c_int,
+            dim,
+            sizes.as_ptr(),
+            sizes.len(),
+            &mut out,
+        )
+    })
     .map_err(|e| group.op_context(op).failure(e))?;
     if out.is_null() {
         return Err(DistError::Collective {

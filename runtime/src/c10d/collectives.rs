@@ -12,7 +12,7 @@ use tch_dist_core::trace;
 use torch_sys::C_tensor;
 
 use crate::error::{ArgumentError, DistError, Result};
-use crate::ffi::{self, shim, FailureKind, ShimError};
+use crate::ffi::{self, FailureKind, ShimError};
 use crate::process_group::ProcessGroup;
 use crate::store::millis;
 
@@ -167,7 +167,7 @@ impl Work {
         let ms = millis(limit).max(1);
         let wait_start = self.traced.as_ref().map(|_| trace::now_us());
         // SAFETY: live work handle; exceptions are caught in the shim.
-        let result = shim!(tdr_work_wait(self.ptr.as_ptr(), ms, cpu_bound));
+        let result = ffi::check(unsafe { ffi::tdr_work_wait(self.ptr.as_ptr(), ms, cpu_bound) });
         let OpContext { rank, op, .. } = self.context;
         if let Some(start) = wait_start {
             self.trace_waited(start, result.is_ok());
@@ -257,7 +257,7 @@ impl ProcessGroup {
     fn launch(
         &self,
         context: OpContext,
-        call: impl FnOnce(*mut ffi::TdrGroup, *mut *mut ffi::TdrWork) -> *mut std::ffi::c_char,
+        call: impl FnOnce(*mut ffi::TdrGroup, *mut *mut ffi::TdrWork) -> ffi::ShimStatus,
     ) -> Result<Work> {
         self.check_open(context.op)?;
         let mut out = std::ptr::null_mut();
@@ -269,9 +269,7 @@ impl ProcessGroup {
                 group: self.group_name().to_string(),
             })
         });
-        let err = call(self.raw(), &mut out);
-        // SAFETY: `err` is the return value of the shim function `call` just called.
-        unsafe { ffi::take_error(err) }.map_err(|e| context.failure(e))?;
+        ffi::check(call(self.raw(), &mut out)).map_err(|e| context.failure(e))?;
         let ptr = NonNull::new(out).ok_or_else(|| DistError::Collective {
             rank: context.rank,
             op: context.op,
@@ -487,11 +485,9 @@ impl ProcessGroup {
         const OP: &str = "monitored_barrier";
         self.check_open(OP)?;
         // SAFETY: live group; blocking call bounded by `timeout` inside Gloo.
-        shim!(tdr_monitored_barrier(
-            self.raw(),
-            millis(timeout),
-            wait_all_ranks
-        ))
+        ffi::check(unsafe {
+            ffi::tdr_monitored_barrier(self.raw(), millis(timeout), wait_all_ranks)
+        })
         .map_err(|e| match e.kind {
             FailureKind::ShutDown => DistError::ShutDown {
                 rank: self.rank(),

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use tch_dist_runtime::{DistributedSampler, SamplerOptions};
+use tch_dist::data::{DistributedSampler, SamplerOptions};
 
 /// The grid: (len, num_replicas, shuffle, drop_last, seed, epoch).
 const CASES: &[(usize, usize, bool, bool, u64, u64)] = &[
@@ -39,7 +39,7 @@ for line in sys.stdin:
 
 #[test]
 fn indices_equal_pytorchs() {
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
     assert!(python.exists(), "the .venv's python (run `make setup`)");
     let input: String = CASES
         .iter()

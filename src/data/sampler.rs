@@ -12,15 +12,13 @@
 
 use std::fmt;
 
-use tch::Tensor;
-
-use crate::ffi::shim;
-use crate::process_group::{default_group, ProcessGroup};
+use tch_dist_runtime::kernels::{self, KernelError};
+use tch_dist_runtime::{default_group, ProcessGroup};
 
 /// Why a [`DistributedSampler`] could not be made or could not shuffle.
 ///
 /// ```
-/// use tch_dist_runtime::{DistributedSampler, SamplerError, SamplerOptions};
+/// use tch_dist::data::{DistributedSampler, SamplerError, SamplerOptions};
 /// let err = DistributedSampler::new(10, SamplerOptions { num_replicas: Some(2), rank: Some(2), ..Default::default() })
 ///     .unwrap_err();
 /// assert!(matches!(err, SamplerError::InvalidRank { rank: 2, num_replicas: 2 }));
@@ -59,7 +57,7 @@ pub enum SamplerError {
 /// [`DistributedSampler`]'s settings, PyTorch's keyword arguments with its defaults.
 ///
 /// ```
-/// let opts = tch_dist_runtime::SamplerOptions { shuffle: false, ..Default::default() };
+/// let opts = tch_dist::data::SamplerOptions { shuffle: false, ..Default::default() };
 /// assert_eq!((opts.seed, opts.drop_last), (0, false));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,9 +93,9 @@ impl Default for SamplerOptions {
 ///
 /// ```no_run
 /// use tch::Tensor;
-/// use tch_dist_runtime::{DistributedSampler, SamplerOptions};
+/// use tch_dist::data::{DistributedSampler, SamplerOptions};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// tch_dist_runtime::init_process_group(tch_dist_runtime::Backend::Gloo)?;
+/// tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
 /// let (xs, ys) = (Tensor::randn([1000, 8], tch::kind::FLOAT_CPU), Tensor::zeros([1000], tch::kind::INT64_CPU));
 /// let mut sampler = DistributedSampler::new(1000, SamplerOptions::default())?;
 /// for epoch in 0..3 {
@@ -142,10 +140,10 @@ impl DistributedSampler {
     /// process group.
     ///
     /// ```
-    /// use tch_dist_runtime::{DistributedSampler, SamplerOptions};
+    /// use tch_dist::data::{DistributedSampler, SamplerOptions};
     /// let s = DistributedSampler::new(10, SamplerOptions { num_replicas: Some(3), rank: Some(0), ..Default::default() })?;
     /// assert_eq!((s.len(), s.total_size()), (4, 12));
-    /// # Ok::<(), tch_dist_runtime::SamplerError>(())
+    /// # Ok::<(), tch_dist::data::SamplerError>(())
     /// ```
     pub fn new(len: usize, opts: SamplerOptions) -> Result<Self, SamplerError> {
         let group = match (opts.num_replicas, opts.rank) {
@@ -160,8 +158,8 @@ impl DistributedSampler {
     ///
     /// ```no_run
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let pg = tch_dist_runtime::ProcessGroup::from_env(tch_dist_runtime::Backend::Gloo)?;
-    /// let s = tch_dist_runtime::DistributedSampler::for_group(100, &pg, Default::default())?;
+    /// let pg = tch_dist::ProcessGroup::from_env(tch_dist::Backend::Gloo)?;
+    /// let s = tch_dist::data::DistributedSampler::for_group(100, &pg, Default::default())?;
     /// # let _ = s;
     /// # Ok(()) }
     /// ```
@@ -239,11 +237,11 @@ impl DistributedSampler {
     /// This rank's indices for the current epoch, in order (PyTorch's `list(sampler)`).
     ///
     /// ```
-    /// use tch_dist_runtime::{DistributedSampler, SamplerOptions};
+    /// use tch_dist::data::{DistributedSampler, SamplerOptions};
     /// // 5 rows over 2 ranks, no shuffle: padded with row 0, rank 1 gets rows 1, 3, 0.
     /// let opts = SamplerOptions { num_replicas: Some(2), rank: Some(1), shuffle: false, ..Default::default() };
     /// assert_eq!(DistributedSampler::new(5, opts)?.indices()?, [1, 3, 0]);
-    /// # Ok::<(), tch_dist_runtime::SamplerError>(())
+    /// # Ok::<(), tch_dist::data::SamplerError>(())
     /// ```
     pub fn indices(&self) -> Result<Vec<i64>, SamplerError> {
         let all: Vec<i64> = if self.shuffle {
@@ -267,19 +265,16 @@ impl DistributedSampler {
     }
 }
 
-/// `torch.randperm(len, generator=torch.Generator().manual_seed(seed))`.
+/// `torch.randperm(len, generator=torch.Generator().manual_seed(seed))`, through the
+/// runtime's kernel.
 fn randperm(len: usize, seed: u64) -> Result<Vec<i64>, SamplerError> {
     let failed = |cause: String| SamplerError::Shuffle { len, cause };
     let n = i64::try_from(len).map_err(|e| failed(e.to_string()))?;
-    let mut out = std::ptr::null_mut();
-    // SAFETY: `out` is a valid out-pointer; the shim catches every C++ exception and on
-    // success hands back a new tensor that we own.
-    shim!(tdr_randperm(n, seed, &mut out)).map_err(|e| failed(e.message))?;
-    if out.is_null() {
-        return Err(failed("the engine returned no tensor".into()));
-    }
-    // SAFETY: `out` is a fresh `new at::Tensor` from the shim, owned by the returned Tensor.
-    let perm = unsafe { Tensor::from_ptr(out) };
+    let perm = kernels::randperm(n, seed).map_err(|e| match e {
+        // The engine's words alone: the variant already names the shuffle.
+        KernelError::Engine { cause, .. } => failed(cause),
+        other => failed(other.to_string()),
+    })?;
     Vec::<i64>::try_from(&perm).map_err(|e| failed(e.to_string()))
 }
 

@@ -6,7 +6,7 @@
 use std::ffi::{c_char, CStr};
 
 use crate::error::{DistError, Result};
-use crate::ffi::{self, shim};
+use crate::ffi;
 use crate::process_group::ProcessGroup;
 
 /// The GPU a rank uses, as the other ranks compare it.
@@ -43,7 +43,7 @@ impl DeviceClaim {
     pub fn of_cuda_device(device: usize) -> Result<DeviceClaim> {
         let mut out: *mut c_char = std::ptr::null_mut();
         // SAFETY: valid out-pointer; the shim catches every exception.
-        let uuid = match shim!(tdr_cuda_device_uuid(device as i32, &mut out)) {
+        let uuid = match ffi::check(unsafe { ffi::tdr_cuda_device_uuid(device as i32, &mut out) }) {
             Ok(()) => {
                 // SAFETY: on success `out` is a NUL-terminated malloc'ed string we free once.
                 let s = unsafe { CStr::from_ptr(out) }
@@ -125,10 +125,12 @@ impl ProcessGroup {
             return Ok(());
         };
         // SAFETY: a plain call with an integer; the shim catches every exception.
-        shim!(tdr_cuda_set_device(d as i32)).map_err(|e| DistError::Collective {
-            rank: self.rank(),
-            op: "set_current_device",
-            cause: e.message,
+        ffi::check(unsafe { ffi::tdr_cuda_set_device(d as i32) }).map_err(|e| {
+            DistError::Collective {
+                rank: self.rank(),
+                op: "set_current_device",
+                cause: e.message,
+            }
         })
     }
 

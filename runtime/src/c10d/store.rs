@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{DistError, Result};
-use crate::ffi::{self, shim};
+use crate::ffi;
 
 /// A handle on a c10d store (TCPStore, or a PrefixStore over one). Cheap to clone.
 #[derive(Clone)]
@@ -56,15 +56,17 @@ impl Store {
         let host = CString::new(host).map_err(|_| format!("{host:?} contains a NUL byte"))?;
         let mut out = std::ptr::null_mut();
         // SAFETY: valid C string and out-pointer; the shim catches every exception.
-        shim!(tdr_store_tcp(
-            host.as_ptr(),
-            port,
-            is_server,
-            world_size as i32,
-            millis(connect_timeout).max(1),
-            millis(timeout),
-            &mut out,
-        ))?;
+        ffi::check(unsafe {
+            ffi::tdr_store_tcp(
+                host.as_ptr(),
+                port,
+                is_server,
+                world_size as i32,
+                millis(connect_timeout).max(1),
+                millis(timeout),
+                &mut out,
+            )
+        })?;
         Ok(Self::from_raw(out))
     }
 
@@ -73,7 +75,8 @@ impl Store {
     /// most `timeout`. The error is the engine's message.
     pub(crate) fn check_in(&self, timeout: Duration) -> std::result::Result<(), String> {
         // SAFETY: live store handle; the shim catches every exception.
-        shim!(tdr_store_check_in(self.raw(), millis(timeout).max(1))).map_err(|e| e.message)
+        ffi::check(unsafe { ffi::tdr_store_check_in(self.raw(), millis(timeout).max(1)) })
+            .map_err(|e| e.message)
     }
 
     fn from_raw(ptr: *mut ffi::TdrStore) -> Store {
@@ -89,7 +92,7 @@ impl Store {
         let c_prefix = cstring(OP, prefix)?;
         let mut out = std::ptr::null_mut();
         // SAFETY: live store handle, valid C string and out-pointer.
-        shim!(tdr_store_prefix(self.raw(), c_prefix.as_ptr(), &mut out))
+        ffi::check(unsafe { ffi::tdr_store_prefix(self.raw(), c_prefix.as_ptr(), &mut out) })
             .map_err(|e| store_error(OP, prefix, e))?;
         Ok(Self::from_raw(out))
     }
@@ -109,12 +112,9 @@ impl Store {
         const OP: &str = "set";
         let c_key = cstring(OP, key)?;
         // SAFETY: live store; `value` outlives the call, which copies it.
-        shim!(tdr_store_set(
-            self.raw(),
-            c_key.as_ptr(),
-            value.as_ptr(),
-            value.len()
-        ))
+        ffi::check(unsafe {
+            ffi::tdr_store_set(self.raw(), c_key.as_ptr(), value.as_ptr(), value.len())
+        })
         .map_err(|e| store_error(OP, key, e))
     }
 
@@ -125,13 +125,8 @@ impl Store {
         let mut data = std::ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: live store, valid out-pointers.
-        shim!(tdr_store_get(
-            self.raw(),
-            c_key.as_ptr(),
-            &mut data,
-            &mut len
-        ))
-        .map_err(|e| store_error(OP, key, e))?;
+        ffi::check(unsafe { ffi::tdr_store_get(self.raw(), c_key.as_ptr(), &mut data, &mut len) })
+            .map_err(|e| store_error(OP, key, e))?;
         // SAFETY: on success `data` holds `len` malloc'ed bytes that we copy and free once.
         let value = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
         unsafe { ffi::tdr_bytes_free(data) };
@@ -145,7 +140,7 @@ impl Store {
         let c_key = cstring(OP, key)?;
         let mut out = 0i64;
         // SAFETY: live store, valid out-pointer.
-        shim!(tdr_store_add(self.raw(), c_key.as_ptr(), delta, &mut out))
+        ffi::check(unsafe { ffi::tdr_store_add(self.raw(), c_key.as_ptr(), delta, &mut out) })
             .map_err(|e| store_error(OP, key, e))?;
         Ok(out)
     }
@@ -167,16 +162,18 @@ impl Store {
         let mut len = 0usize;
         // SAFETY: live store; both slices outlive the call, which copies them; valid
         // out-pointers.
-        shim!(tdr_store_compare_set(
-            self.raw(),
-            c_key.as_ptr(),
-            expected.as_ptr(),
-            expected.len(),
-            desired.as_ptr(),
-            desired.len(),
-            &mut data,
-            &mut len
-        ))
+        ffi::check(unsafe {
+            ffi::tdr_store_compare_set(
+                self.raw(),
+                c_key.as_ptr(),
+                expected.as_ptr(),
+                expected.len(),
+                desired.as_ptr(),
+                desired.len(),
+                &mut data,
+                &mut len,
+            )
+        })
         .map_err(|e| store_error(OP, key, e))?;
         // SAFETY: on success `data` holds `len` malloc'ed bytes that we copy and free once.
         let value = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
@@ -190,7 +187,7 @@ impl Store {
         let c_key = cstring(OP, key)?;
         let mut out = false;
         // SAFETY: live store, valid C string and out-pointer.
-        shim!(tdr_store_check(self.raw(), c_key.as_ptr(), &mut out))
+        ffi::check(unsafe { ffi::tdr_store_check(self.raw(), c_key.as_ptr(), &mut out) })
             .map_err(|e| store_error(OP, key, e))?;
         Ok(out)
     }

@@ -1,15 +1,17 @@
-//! libtorch's fused optimizer kernels (`at::_fused_adamw_`, `at::_fused_sgd_`), which tch does
-//! not expose, as safe functions over lists of tensors: the stepping engine of the facade's
-//! `tch_dist::optim`. They run on CPU and CUDA tensors alike (libtorch 2.11 has CPU kernels).
+//! libtorch kernels that tch does not expose, as safe functions: the fused optimizers
+//! (`at::_fused_adamw_`, `at::_fused_sgd_`) over lists of tensors, the stepping engine of the
+//! facade's `tch_dist::optim` (they run on CPU and CUDA tensors alike: libtorch 2.11 has CPU
+//! kernels), and [`randperm`] from a seeded generator, the shuffle of the facade's
+//! `tch_dist::data::DistributedSampler`.
 
 use tch::Tensor;
 
-use crate::ffi::shim;
+use crate::ffi;
 
-/// Why a fused kernel did not run: its lists do not line up, or libtorch refused the call.
+/// Why a kernel did not run: its lists do not line up, or libtorch refused the call.
 ///
 /// ```
-/// use tch_dist_runtime::fused::{sgd, KernelError, SgdHyper};
+/// use tch_dist_runtime::kernels::{sgd, KernelError, SgdHyper};
 /// let p = tch::Tensor::zeros([2], tch::kind::FLOAT_CPU);
 /// let err = sgd(&[&p], &[], None, &SgdHyper { lr: 0.1, ..Default::default() }, false).unwrap_err();
 /// assert!(matches!(err, KernelError::Lengths { kernel: "_fused_sgd_", list: "grads", expected: 1, found: 0 }));
@@ -42,7 +44,7 @@ pub enum KernelError {
 /// AdamW's hyperparameters for one [`adamw`] call (torch.optim.AdamW's names).
 ///
 /// ```
-/// let h = tch_dist_runtime::fused::AdamWHyper { lr: 1e-3, beta1: 0.9, beta2: 0.999, weight_decay: 1e-2, eps: 1e-8, amsgrad: false, maximize: false };
+/// let h = tch_dist_runtime::kernels::AdamWHyper { lr: 1e-3, beta1: 0.9, beta2: 0.999, weight_decay: 1e-2, eps: 1e-8, amsgrad: false, maximize: false };
 /// # let _ = h;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -66,7 +68,7 @@ pub struct AdamWHyper {
 /// SGD's hyperparameters for one [`sgd`] call (torch.optim.SGD's names).
 ///
 /// ```
-/// let h = tch_dist_runtime::fused::SgdHyper { lr: 0.1, momentum: 0.9, ..Default::default() };
+/// let h = tch_dist_runtime::kernels::SgdHyper { lr: 0.1, momentum: 0.9, ..Default::default() };
 /// assert_eq!(h.dampening, 0.0);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -115,7 +117,7 @@ fn ptrs(ts: &[&Tensor]) -> Vec<*mut torch_sys::C_tensor> {
 ///
 /// ```
 /// use tch::Tensor;
-/// use tch_dist_runtime::fused::{adamw, AdamWHyper};
+/// use tch_dist_runtime::kernels::{adamw, AdamWHyper};
 /// let p = Tensor::ones([2], tch::kind::FLOAT_CPU);
 /// let g = Tensor::ones([2], tch::kind::FLOAT_CPU);
 /// let (m, v, s) = (p.zeros_like(), p.zeros_like(), Tensor::zeros([], tch::kind::FLOAT_CPU));
@@ -123,7 +125,7 @@ fn ptrs(ts: &[&Tensor]) -> Vec<*mut torch_sys::C_tensor> {
 /// adamw(&[&p], &[&g], &[&m], &[&v], None, &[&s], &h)?;
 /// assert_eq!(s.double_value(&[]), 1.0);
 /// assert!((p.double_value(&[0]) - 0.9).abs() < 1e-6); // the first step moves by lr
-/// # Ok::<(), tch_dist_runtime::fused::KernelError>(())
+/// # Ok::<(), tch_dist_runtime::kernels::KernelError>(())
 /// ```
 pub fn adamw(
     params: &[&Tensor],
@@ -160,22 +162,24 @@ pub fn adamw(
     // SAFETY: every array holds `n` pointers to live tensors borrowed for this call (or is
     // null: `max_exp_avg_sqs` without amsgrad); the shim copies the tensor handles into a
     // TensorList and catches every C++ exception.
-    shim!(tdr_fused_adamw(
-        p.as_ptr(),
-        g.as_ptr(),
-        m.as_ptr(),
-        v.as_ptr(),
-        vmax_ptr,
-        s.as_ptr(),
-        n,
-        h.lr,
-        h.beta1,
-        h.beta2,
-        h.weight_decay,
-        h.eps,
-        h.amsgrad,
-        h.maximize
-    ))
+    ffi::check(unsafe {
+        ffi::tdr_fused_adamw(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            vmax_ptr,
+            s.as_ptr(),
+            n,
+            h.lr,
+            h.beta1,
+            h.beta2,
+            h.weight_decay,
+            h.eps,
+            h.amsgrad,
+            h.maximize,
+        )
+    })
     .map_err(|e| KernelError::Engine {
         kernel: K,
         cause: e.message,
@@ -189,12 +193,12 @@ pub fn adamw(
 ///
 /// ```
 /// use tch::Tensor;
-/// use tch_dist_runtime::fused::{sgd, SgdHyper};
+/// use tch_dist_runtime::kernels::{sgd, SgdHyper};
 /// let p = Tensor::ones([2], tch::kind::FLOAT_CPU);
 /// let g = Tensor::ones([2], tch::kind::FLOAT_CPU);
 /// sgd(&[&p], &[&g], None, &SgdHyper { lr: 0.5, ..Default::default() }, false)?;
 /// assert_eq!(p.double_value(&[0]), 0.5);
-/// # Ok::<(), tch_dist_runtime::fused::KernelError>(())
+/// # Ok::<(), tch_dist_runtime::kernels::KernelError>(())
 /// ```
 pub fn sgd(
     params: &[&Tensor],
@@ -213,21 +217,48 @@ pub fn sgd(
     let b = momentum_buffers.map(ptrs);
     let b_ptr = b.as_ref().map_or(std::ptr::null(), |b| b.as_ptr());
     // SAFETY: as in `adamw`: `n` live tensors per array, or a null buffer list.
-    shim!(tdr_fused_sgd(
-        p.as_ptr(),
-        g.as_ptr(),
-        b_ptr,
-        n,
-        h.weight_decay,
-        h.momentum,
-        h.lr,
-        h.dampening,
-        h.nesterov,
-        h.maximize,
-        is_first_step
-    ))
+    ffi::check(unsafe {
+        ffi::tdr_fused_sgd(
+            p.as_ptr(),
+            g.as_ptr(),
+            b_ptr,
+            n,
+            h.weight_decay,
+            h.momentum,
+            h.lr,
+            h.dampening,
+            h.nesterov,
+            h.maximize,
+            is_first_step,
+        )
+    })
     .map_err(|e| KernelError::Engine {
         kernel: K,
         cause: e.message,
     })
+}
+
+/// `torch.randperm(n, generator=torch.Generator().manual_seed(seed))`: the permutation of
+/// `0..n` that PyTorch's CPU generator (mt19937) seeded with `seed` draws, as an int64 CPU
+/// tensor.
+///
+/// ```
+/// let perm = tch_dist_runtime::kernels::randperm(5, 0)?;
+/// let mut seen = Vec::<i64>::try_from(&perm).unwrap();
+/// seen.sort();
+/// assert_eq!(seen, [0, 1, 2, 3, 4]);
+/// # Ok::<(), tch_dist_runtime::kernels::KernelError>(())
+/// ```
+pub fn randperm(n: i64, seed: u64) -> Result<Tensor, KernelError> {
+    const K: &str = "randperm";
+    let engine = |cause: String| KernelError::Engine { kernel: K, cause };
+    let mut out = std::ptr::null_mut();
+    // SAFETY: `out` is a valid out-pointer; the shim catches every C++ exception and on
+    // success hands back a new tensor that we own.
+    ffi::check(unsafe { ffi::tdr_randperm(n, seed, &mut out) }).map_err(|e| engine(e.message))?;
+    if out.is_null() {
+        return Err(engine("the engine returned no tensor".into()));
+    }
+    // SAFETY: `out` is a fresh `new at::Tensor` from the shim, owned by the returned Tensor.
+    Ok(unsafe { Tensor::from_ptr(out) })
 }

@@ -1,0 +1,28 @@
+//! The c10d layer: tch-dist's bindings of libtorch's `torch/csrc/distributed/c10d` (stores,
+//! process groups, collectives) and the Python-side logic PyTorch keeps in
+//! `torch/distributed/` (launch variables, rendezvous, the default group, object
+//! collectives), over the shim's store, group and collectives sections.
+//!
+//! | file | what it does | PyTorch's counterpart |
+//! |---|---|---|
+//! | `env.rs` | the launch environment: torchrun's variables, then Slurm's; debug level, switches, default timeouts | `torch/distributed/rendezvous.py` (`_env_rendezvous_handler`), `distributed_c10d.py`'s `_get_default_timeout` |
+//! | `rendezvous.rs` | the rendezvous steps, each by one deadline: resolving MASTER_ADDR, waiting for a listener, the run id, join keys, who never came, the store-based barrier | `rendezvous.py`, `distributed_c10d.py`'s `_store_based_barrier` |
+//! | `store.rs` | `Store`: the TCPStore and prefix stores | `torch/csrc/distributed/c10d/TCPStore.hpp`, `PrefixStore.hpp` |
+//! | `group/` | `ProcessGroup`, `Backend`, `InitOptions`/`GroupOptions`, creating groups, the default group (its own table) | `ProcessGroup.hpp`, `distributed_c10d.py` (`init_process_group`, `new_group`, `_world`) |
+//! | `collectives.rs` | collectives on `tch::Tensor`, blocking and async (`Work`) | `distributed_c10d.py`'s collectives, `Work.hpp` |
+//! | `coalesced.rs` | broadcasting many tensors as a few flat buffers | `_broadcast_coalesced` (`torch/csrc/distributed/c10d/comm.cpp`) |
+//! | `objects.rs` | object collectives that meet PyTorch's on the wire (strings, bytes) | `broadcast_object_list`, `all_gather_object` |
+//! | `verify.rs` | every rank passes the same tensors (name, shape, dtype) | `_verify_param_shape_across_processes` |
+//! | `desync.rs` | reading the shim's `TCH_DIST_DEBUG=DETAIL` reports into `Desync` values | `ProcessGroupWrapper.cpp` |
+//! | `devices.rs` | each rank's claim on its GPU; no two ranks of an NCCL group on one GPU | `torch.cuda.set_device`, NCCL's "Duplicate GPU detected" |
+
+pub(crate) mod coalesced;
+pub(crate) mod collectives;
+pub(crate) mod desync;
+pub(crate) mod devices;
+pub(crate) mod env;
+pub(crate) mod group;
+pub(crate) mod objects;
+pub(crate) mod rendezvous;
+pub(crate) mod store;
+pub(crate) mod verify;
