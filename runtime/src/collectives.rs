@@ -272,10 +272,10 @@ impl ProcessGroup {
         let err = call(self.raw(), &mut out);
         // SAFETY: `err` is the return value of the shim function `call` just called.
         unsafe { ffi::take_error(err) }.map_err(|e| context.failure(e))?;
-        let ptr = NonNull::new(out).ok_or_else(|| DistError::Collective {
+        let ptr = NonNull::new(out).ok_or_else(|| DistError::Internal {
             rank: context.rank,
             op: context.op,
-            cause: "the engine returned no work handle".into(),
+            what: "the engine returned no work handle",
         })?;
         self.note_launch();
         Ok(Work {

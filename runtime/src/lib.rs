@@ -39,7 +39,8 @@ pub use env::{
 };
 pub use error::{
     ArgumentError, CallTensor, CollectiveCall, Desync, DistError, EnvError, Mismatch,
-    NamedSignature, Phase, PickleError, RendezvousError, Result, StepPosition, TensorSignature,
+    MisuseProblem, NamedSignature, Phase, PickleError, RendezvousError, Result, StepPosition,
+    TensorSignature,
 };
 pub use objects::Object;
 pub use process_group::{
