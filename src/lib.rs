@@ -162,6 +162,12 @@ pub mod utils;
 
 pub use fully_shard::{fully_shard, FsdpOptions};
 
+// --- errors: the composed message (src/report.rs) ---
+
+mod report;
+pub use report::report;
+pub use tch_dist_runtime::MisuseProblem;
+
 /// Data loading for distributed training (PyTorch's `torch.utils.data.distributed`).
 pub mod data {
     pub use tch_dist_runtime::{DistributedSampler, SamplerError, SamplerOptions};
