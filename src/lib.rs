@@ -166,7 +166,7 @@ pub use fully_shard::{fully_shard, FsdpOptions};
 
 mod report;
 pub use report::report;
-pub use tch_dist_runtime::MisuseProblem;
+pub use tch_dist_runtime::{MisuseProblem, ReducerError};
 
 /// Data loading for distributed training (PyTorch's `torch.utils.data.distributed`).
 pub mod data {

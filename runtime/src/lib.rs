@@ -49,8 +49,8 @@ pub use process_group::{
     INIT_BARRIER_ENV, NO_SHORTCUTS_ENV, USE_AGENT_STORE_ENV,
 };
 pub use reducer::{
-    CommHook, PowerSgdOptions, Reducer, ReducerOptions, ReducerStats, DEFAULT_FIRST_BUCKET_BYTES,
-    DEFAULT_IN_PLACE_MIN_BYTES,
+    CommHook, PowerSgdOptions, Reducer, ReducerError, ReducerOptions, ReducerStats,
+    DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
 };
 pub use sampler::{DistributedSampler, SamplerError, SamplerOptions};
 pub use shard_fence::{check_enter, check_exit, take_fence_hit, unfenced, FenceOwner, ShardFence};

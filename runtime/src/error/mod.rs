@@ -37,7 +37,10 @@ pub use mismatch::{Mismatch, NamedSignature, TensorSignature};
 pub use misuse::MisuseProblem;
 pub use pickle::PickleError;
 pub use rendezvous::RendezvousError;
-use text::{Joined, PeerText, RankList};
+pub(crate) use text::Joined;
+use text::{PeerText, RankList};
+
+pub use crate::reducer::ReducerError;
 
 pub use crate::step_check::{Phase, StepPosition};
 
@@ -171,55 +174,11 @@ pub enum DistError {
         /// The ranks that failed.
         ranks: Vec<usize>,
     },
-    /// `static_graph`: a parameter's use changed after the first iteration.
-    #[error(
-        "rank {rank}: replicate: the training graph changed in this iteration: `{fqn}` {} in \
-         the first iteration but {} in this one, which static_graph=true does not allow",
-        if *used_in_first_pass { "got a gradient" } else { "got no gradient" },
-        if *used_in_first_pass { "none" } else { "one" }
-    )]
-    GraphChanged {
-        /// This process's rank.
-        rank: usize,
-        /// The parameter whose use changed.
-        fqn: String,
-        /// Whether it got a gradient in the first iteration.
-        used_in_first_pass: bool,
-    },
-    /// The previous backward pass left parameters without a gradient (PyTorch's
-    /// "Expected to have finished reduction in the prior iteration" error, whose wording
-    /// names the rank again where it lists the parameters).
-    #[error(
-        "rank {rank}: replicate failed: Expected to have finished reduction in the prior iteration \
-         before starting a new one. This error indicates that your module has parameters that \
-         were not used in producing loss. You can enable unused parameter detection by passing \
-         `find_unused_parameters: true` in replicate::Options, and by making sure all forward \
-         outputs participate in calculating loss. Parameter indices which did not receive \
-         grad: {}. Parameters which did not receive grad for rank {rank}: {}",
-        Joined(indices, " "),
-        Joined(fqns, ", ")
-    )]
-    UnfinishedReduction {
-        /// This process's rank.
-        rank: usize,
-        /// The parameters' indices in registration order.
-        indices: Vec<usize>,
-        /// The parameters' FQNs, in the same order.
-        fqns: Vec<String>,
-    },
-    /// A parameter's gradient changed after its all-reduce had started (it was marked ready
-    /// twice in one backward pass).
-    #[error(
-        "rank {rank}: replicate: parameter `{fqn}` received a gradient after its all-reduce \
-         had started (it was marked ready twice in one backward pass, e.g. used in several \
-         reentrant backward passes or outside forward)"
-    )]
-    GradientAfterLaunch {
-        /// This process's rank.
-        rank: usize,
-        /// The parameter.
-        fqn: String,
-    },
+    /// The reducer refused a backward pass (a changed graph under `static_graph`, an
+    /// unfinished reduction, a gradient after its all-reduce started), named after the API
+    /// that runs it (boxed, as `problem` above).
+    #[error(transparent)]
+    Reducer(Box<ReducerError>),
     /// A key-value store operation (c10d's TCPStore) failed or timed out.
     #[error("store {op} of `{key}` failed: {cause}")]
     Store {
@@ -310,12 +269,10 @@ impl DistError {
             | DistError::Mismatch { rank, .. }
             | DistError::Desync { rank, .. }
             | DistError::PeersFailed { rank, .. }
-            | DistError::GraphChanged { rank, .. }
-            | DistError::UnfinishedReduction { rank, .. }
-            | DistError::GradientAfterLaunch { rank, .. }
             | DistError::ShutDown { rank, .. }
             | DistError::DuplicateDevice { rank, .. }
             | DistError::Object { rank, .. } => Some(*rank),
+            DistError::Reducer(e) => Some(e.rank()),
             DistError::Env(_)
             | DistError::Store { .. }
             | DistError::NotInitialized

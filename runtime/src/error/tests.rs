@@ -120,31 +120,37 @@ fn dist_error_texts() {
              nothing was changed",
         ),
         (
-            DistError::GraphChanged {
+            ReducerError::GraphChanged {
                 rank: 1,
+                op: "replicate",
                 fqn: "b".into(),
                 used_in_first_pass: true,
-            },
+            }
+            .into(),
             "rank 1: replicate: the training graph changed in this iteration: `b` got a \
              gradient in the first iteration but none in this one, which static_graph=true \
              does not allow",
         ),
         (
-            DistError::GraphChanged {
+            ReducerError::GraphChanged {
                 rank: 1,
+                op: "replicate",
                 fqn: "b".into(),
                 used_in_first_pass: false,
-            },
+            }
+            .into(),
             "rank 1: replicate: the training graph changed in this iteration: `b` got no \
              gradient in the first iteration but one in this one, which static_graph=true \
              does not allow",
         ),
         (
-            DistError::UnfinishedReduction {
+            ReducerError::UnfinishedReduction {
                 rank: 0,
+                op: "replicate",
                 indices: vec![2, 3],
                 fqns: vec!["head.weight".into(), "head.bias".into()],
-            },
+            }
+            .into(),
             "rank 0: replicate failed: Expected to have finished reduction in the prior \
              iteration before starting a new one. This error indicates that your module has \
              parameters that were not used in producing loss. You can enable unused \
@@ -154,10 +160,12 @@ fn dist_error_texts() {
              Parameters which did not receive grad for rank 0: head.weight, head.bias",
         ),
         (
-            DistError::GradientAfterLaunch {
+            ReducerError::GradientAfterLaunch {
                 rank: 1,
+                op: "replicate",
                 fqn: "fc.weight".into(),
-            },
+            }
+            .into(),
             "rank 1: replicate: parameter `fc.weight` received a gradient after its \
              all-reduce had started (it was marked ready twice in one backward pass, e.g. \
              used in several reentrant backward passes or outside forward)",

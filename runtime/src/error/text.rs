@@ -52,7 +52,7 @@ impl fmt::Display for RankValues<'_> {
 }
 
 /// Items joined by a separator.
-pub(super) struct Joined<'a, T>(pub(super) &'a [T], pub(super) &'static str);
+pub(crate) struct Joined<'a, T>(pub(crate) &'a [T], pub(crate) &'static str);
 
 impl<T: fmt::Display> fmt::Display for Joined<'_, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
