@@ -700,3 +700,28 @@ fn mismatch_texts() {
         assert_eq!(m.to_string(), text);
     }
 }
+
+#[test]
+fn misuse_texts() {
+    let cases = [
+        (
+            MisuseProblem::Undecodable {
+                what: "tensor signatures",
+                from: None,
+            },
+            "a rank sent tensor signatures that this rank cannot decode (another tch-dist \
+             build?)",
+        ),
+        (
+            MisuseProblem::NoSuchParameter { index: 7 },
+            "no such parameter (index 7)",
+        ),
+        (
+            MisuseProblem::GradientOrder,
+            "rank 0's gradient order is not an order of this rank's parameters",
+        ),
+    ];
+    for (problem, text) in cases {
+        assert_eq!(problem.to_string(), text);
+    }
+}
