@@ -12,7 +12,7 @@ fn main() {
     // down (NCCL's threads must not outlive CUDA's teardown).
     tch_dist::destroy_process_group();
     if let Err(e) = result {
-        eprintln!("error: {e}");
+        eprintln!("error: {}", tch_dist::report(&e));
         std::process::exit(1);
     }
 }

@@ -134,24 +134,9 @@ fn main() {
     // down (NCCL's threads must not outlive CUDA's teardown).
     tch_dist::destroy_process_group();
     if let Err(e) = result {
-        eprintln!("error: {}", with_causes(e.as_ref()));
+        eprintln!("error: {}", tch_dist::report(&*e));
         std::process::exit(1);
     }
-}
-
-/// `e` and its causes (`source()`), `: `-separated; a cause whose text the message already
-/// holds (an error that prints its cause itself) is not repeated.
-fn with_causes(e: &dyn Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let more = c.to_string();
-        if !text.contains(&more) {
-            text = format!("{text}: {more}");
-        }
-        cause = c.source();
-    }
-    text
 }
 
 /// `opt.backward_step(&loss)` with failures as values: a collective that failed during

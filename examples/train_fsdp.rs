@@ -158,7 +158,7 @@ fn main() {
     let result = run();
     tch_dist::destroy_process_group();
     if let Err(e) = result {
-        eprintln!("error: {e}");
+        eprintln!("error: {}", tch_dist::report(&*e));
         std::process::exit(1);
     }
 }

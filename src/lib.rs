@@ -168,6 +168,12 @@ pub use nn::sync_batch_norm;
 
 pub use fully_shard::{fully_shard, FsdpOptions};
 
+// --- errors: the composed message (src/report.rs) ---
+
+mod report;
+pub use report::report;
+pub use tch_dist_runtime::{MisuseProblem, ReducerError};
+
 // --- macros and core (issue 3) ---
 
 #[doc(hidden)]

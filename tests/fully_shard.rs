@@ -1097,8 +1097,13 @@ fn errors_name_the_module_fqn() {
         source: source(),
     };
     assert_eq!(
-        nested.to_string(),
+        tch_dist::report(&nested),
         format!("fully_shard: the hook of `blocks.3` failed: {}", source())
+    );
+    // Display names its own context only; the DistError is the source.
+    assert_eq!(
+        nested.to_string(),
+        "fully_shard: the hook of `blocks.3` failed"
     );
     let root = FsdpError::Hooked {
         rank: 1,
@@ -1106,7 +1111,7 @@ fn errors_name_the_module_fqn() {
         source: source(),
     };
     assert_eq!(
-        root.to_string(),
+        tch_dist::report(&root),
         format!(
             "fully_shard: the hook of the root module failed: {}",
             source()

@@ -444,9 +444,7 @@ fn every_plan_error_is_reported_before_anything_changes() {
                 ),
             ];
             for (plan, expected) in cases {
-                let err = shard_module(&mut model, &plan, 0, &pg)
-                    .unwrap_err()
-                    .to_string();
+                let err = tch_dist::report(&shard_module(&mut model, &plan, 0, &pg).unwrap_err());
                 assert!(err.contains(expected), "expected `{expected}` in: {err}");
                 assert!(
                     err.starts_with(&format!("rank {}: shard_module", pg.rank())),
@@ -471,7 +469,7 @@ fn every_plan_error_is_reported_before_anything_changes() {
                 "{err:?}"
             );
             let err = shard_module(&mut model, &ShardingPlan::default(), 2, &pg).unwrap_err();
-            assert!(err.to_string().contains("src_rank 2"), "{err}");
+            assert!(tch_dist::report(&err).contains("src_rank 2"), "{err}");
             assert!(matches!(err, ShardError::InvalidArgument { .. }), "{err:?}");
             // Ranks with different plans fail together, naming the entry and each rank's
             // value (before, each rank sharded its own way and they hung or computed garbage).

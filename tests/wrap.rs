@@ -252,7 +252,8 @@ fn unused_variables_fail_the_next_forward_as_in_the_derive_form() {
             assert_eq!(fe.message(), err);
             assert!(matches!(
                 fe.downcast_ref::<DistError>(),
-                Some(DistError::UnfinishedReduction { .. })
+                Some(DistError::Reducer(r))
+                    if matches!(**r, tch_dist::ReducerError::UnfinishedReduction { .. })
             ));
             // forward panics with it, as `call` does.
             let panic =

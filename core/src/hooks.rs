@@ -108,10 +108,20 @@ impl ForwardError {
         }
     }
 
-    /// The typed error `error`, with its message.
+    /// The typed error `error`, with its composed message: its Display and each
+    /// [`source`](std::error::Error::source)'s, joined with `": "` (the text `call` panics
+    /// with). The message holds the causes, so this error has no `source()` of its own;
+    /// [`downcast_ref`](Self::downcast_ref) gives the typed error.
     pub fn from_error(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        let mut message = error.to_string();
+        let mut cause = error.source();
+        while let Some(e) = cause {
+            message.push_str(": ");
+            message.push_str(&e.to_string());
+            cause = e.source();
+        }
         ForwardError {
-            message: error.to_string(),
+            message,
             source: Some(Arc::new(error)),
         }
     }
@@ -133,13 +143,9 @@ impl std::fmt::Display for ForwardError {
     }
 }
 
-impl std::error::Error for ForwardError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source
-            .as_deref()
-            .map(|e| e as &(dyn std::error::Error + 'static))
-    }
-}
+/// No `source()`: the message already holds the typed error's text and its causes', so a
+/// report of this error (anyhow's `{:#}`, `tch_dist::report`) prints them once.
+impl std::error::Error for ForwardError {}
 
 /// Two forward errors are equal when their messages are.
 impl PartialEq for ForwardError {

@@ -42,7 +42,8 @@ pub use env::{
 };
 pub use error::{
     ArgumentError, CallTensor, CollectiveCall, Desync, DistError, EnvError, Mismatch,
-    NamedSignature, Phase, PickleError, RendezvousError, Result, StepPosition, TensorSignature,
+    MisuseProblem, NamedSignature, Phase, PickleError, RendezvousError, Result, StepPosition,
+    TensorSignature,
 };
 pub use objects::Object;
 pub use process_group::{
@@ -51,8 +52,8 @@ pub use process_group::{
     INIT_BARRIER_ENV, NO_SHORTCUTS_ENV, USE_AGENT_STORE_ENV,
 };
 pub use reducer::{
-    CommHook, PowerSgdOptions, Reducer, ReducerOptions, ReducerStats, DEFAULT_FIRST_BUCKET_BYTES,
-    DEFAULT_IN_PLACE_MIN_BYTES,
+    CommHook, PowerSgdOptions, Reducer, ReducerError, ReducerOptions, ReducerStats,
+    DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
 };
 pub use shard_fence::{check_enter, check_exit, take_fence_hit, unfenced, FenceOwner, ShardFence};
 pub use step_check::{set_step, step_check_time, NO_STEP_CHECK_ENV};

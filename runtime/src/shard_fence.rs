@@ -154,8 +154,11 @@ impl ShardFence {
             &mut out,
         ))
         .map_err(|e| failure(rank, op, e.message))?;
-        let ptr = NonNull::new(out)
-            .ok_or_else(|| failure(rank, op, "the engine returned no fence".into()))?;
+        let ptr = NonNull::new(out).ok_or(DistError::Internal {
+            rank,
+            op,
+            what: "the engine returned no fence",
+        })?;
         Ok(ShardFence {
             ptr,
             _context: context,

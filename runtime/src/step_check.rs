@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use tch::{Kind, Tensor};
 
 use crate::collectives::Work;
-use crate::error::{DistError, Mismatch, Result};
+use crate::error::{DistError, Mismatch, MisuseProblem, Result};
 use crate::process_group::ProcessGroup;
 
 /// The header's first element: a value no pass counter takes, so that a header never reads
@@ -279,13 +279,13 @@ fn compare(group: &ProcessGroup, op: &'static str, me: StepPosition, all: &Tenso
         cause: format!("reading the step check: {e}"),
     })?;
     for (other_rank, row) in all.chunks(LEN).enumerate() {
-        let other = StepPosition::decode(row).ok_or_else(|| DistError::Collective {
+        let other = StepPosition::decode(row).ok_or_else(|| DistError::Misuse {
             rank: group.rank(),
             op,
-            cause: format!(
-                "rank {other_rank} sent a step check that does not decode (another tch-dist \
-                 build?)"
-            ),
+            problem: Box::new(MisuseProblem::Undecodable {
+                what: "a step check",
+                from: Some(other_rank),
+            }),
         })?;
         if other != me {
             return Err(DistError::Mismatch {

@@ -91,8 +91,11 @@ impl UseGuard {
             &mut out,
         ))
         .map_err(|e| failure(rank, op, e.message))?;
-        let ptr = NonNull::new(out)
-            .ok_or_else(|| failure(rank, op, "the engine returned no guard".into()))?;
+        let ptr = NonNull::new(out).ok_or(DistError::Internal {
+            rank,
+            op,
+            what: "the engine returned no guard",
+        })?;
         Ok(UseGuard {
             ptr,
             _context: inner,

@@ -277,11 +277,14 @@ fn unused_parameter_without_detection_fails_next_iteration() {
             let typed = reducer.prepare_for_forward().unwrap_err();
             assert_eq!(
                 typed,
-                tch_dist_runtime::DistError::UnfinishedReduction {
-                    rank: pg.rank(),
-                    indices: vec![4],
-                    fqns: vec!["unused.weight".into()]
-                }
+                tch_dist_runtime::DistError::from(
+                    tch_dist_runtime::ReducerError::UnfinishedReduction {
+                        rank: pg.rank(),
+                        op: "replicate",
+                        indices: vec![4],
+                        fqns: vec!["unused.weight".into()]
+                    }
+                )
             );
             assert!(
                 err.contains("Parameter indices which did not receive grad: 4."),

@@ -230,11 +230,14 @@ fn static_graph_reuses_the_first_pass_and_refuses_a_changed_graph() {
                 assert_eq!(again.to_string(), expected);
                 assert_eq!(
                     again,
-                    tch_dist_runtime::DistError::GraphChanged {
-                        rank: pg.rank(),
-                        fqn: "b".into(),
-                        used_in_first_pass: false
-                    }
+                    tch_dist_runtime::DistError::from(
+                        tch_dist_runtime::ReducerError::GraphChanged {
+                            rank: pg.rank(),
+                            op: "replicate",
+                            fqn: "b".into(),
+                            used_in_first_pass: false
+                        }
+                    )
                 );
             }
         },

@@ -147,8 +147,8 @@ pub enum FsdpError {
     #[error("fully_shard: this module is not managed by fully_shard (call fully_shard first)")]
     NotFullyShard,
     /// A forward or backward hook of the managed module `module` failed (the source names
-    /// the rank and the collective).
-    #[error("fully_shard: the hook of {} failed: {source}", Key(module))]
+    /// the rank and the collective; [`report`](crate::report) gives both).
+    #[error("fully_shard: the hook of {} failed", Key(module))]
     Hooked {
         /// This rank.
         rank: usize,

@@ -81,7 +81,8 @@ pub enum OptimError {
         /// What libtorch (or a hook) said.
         cause: String,
     },
-    /// libtorch's fused kernel refused the step.
-    #[error("optimizer step: {0}")]
+    /// libtorch's fused kernel refused the step (the [`KernelError`] is the source:
+    /// [`report`](crate::report) gives `optimizer step: <the kernel's reason>`).
+    #[error("optimizer step")]
     Kernel(#[from] KernelError),
 }

@@ -5,8 +5,13 @@
 //!
 //! Every message names the rank, the operation (`shard_module`) and the FQN at fault once.
 //! Plan errors read `rank R: shard_module: `FQN`: what`; a failing hook reads
-//! `shard_module: <part> `FQN` on rank R: what`, as PyTorch's module call raises it. A
-//! [`DistError`] inside keeps its own text after its `rank R: ` prefix, which is not repeated.
+//! `shard_module: <part> `FQN` on rank R: what`, as PyTorch's module call raises it.
+//!
+//! One rule (see [`report`](crate::report)): a variant's Display names only its own context,
+//! and what went wrong inside it is its [`source`](std::error::Error::source): the plan
+//! entry's [`PlanProblem`], the spec check's [`ShardingError`], the [`DistError`] of a failed
+//! collective. `report(&err)` gives the whole text. A [`DistError`] names its rank itself, so
+//! the context around it does not.
 
 use std::fmt;
 use std::sync::Arc;
@@ -24,35 +29,41 @@ use tch_dist_runtime::{ArgumentError, DistError, ProcessGroup};
 /// ```
 /// use tch_dist::sharding::{PlanProblem, ShardError};
 /// let e = ShardError::Plan { rank: 1, fqn: "fc3.weight".into(), problem: PlanProblem::NotAParameter };
-/// assert_eq!(e.to_string(), "rank 1: shard_module: `fc3.weight`: is not a parameter of the model");
+/// assert_eq!(e.to_string(), "rank 1: shard_module: `fc3.weight`");
+/// assert_eq!(
+///     tch_dist::report(&e),
+///     "rank 1: shard_module: `fc3.weight`: is not a parameter of the model"
+/// );
 /// ```
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum ShardError {
     /// The plan does not fit the model or the group; nothing was changed.
-    #[error("rank {rank}: shard_module: {}: {problem}", Key(fqn))]
+    #[error("rank {rank}: shard_module: {}", Key(fqn))]
     Plan {
         /// This rank.
         rank: usize,
         /// The plan key (FQN) at fault (`""`: the root module).
         fqn: String,
         /// What is wrong.
+        #[source]
         problem: PlanProblem,
     },
     /// An argument of [`shard_module`](super::shard_module) is out of range (`src_rank`);
     /// nothing was changed.
-    #[error("rank {rank}: shard_module: {problem}")]
+    #[error("rank {rank}: shard_module")]
     InvalidArgument {
         /// This rank.
         rank: usize,
         /// What is wrong.
+        #[source]
         problem: ArgumentError,
     },
     /// The engine failed while sharding `fqn` (scattering or broadcasting its values, or
     /// rebuilding a sharded tensor); the modules sharded before it stay sharded.
-    #[error("rank {rank}: shard_module: {}: {}", Key(fqn), WithoutRank(source, *rank))]
+    #[error("{}shard_module: {}", RankUnlessNamed(source, *rank), Key(fqn))]
     Dist {
-        /// This rank.
+        /// This rank (named here unless the source names it).
         rank: usize,
         /// The module or parameter being sharded.
         fqn: String,
@@ -61,7 +72,7 @@ pub enum ShardError {
     },
     /// A sharded module's forward hook failed: the module call (`f_call`) returns this
     /// error inside a [`ForwardError`](crate::ForwardError), `call` panics with its message.
-    #[error("shard_module: {site} {} on rank {rank}{}", Key(fqn), Detail(problem, *rank))]
+    #[error("shard_module: {site} {}{}", Key(fqn), Detail(problem, *rank))]
     Forward {
         /// This rank.
         rank: usize,
@@ -164,13 +175,13 @@ pub enum PlanProblem {
     )]
     SharderOnParameter,
     /// A spec's placements name ranks outside the group (or a rank twice).
-    #[error("placements do not match the group: {source}")]
+    #[error("placements do not match the group")]
     Placements {
         /// What the spec check said.
         source: Box<ShardingError>,
     },
     /// A spec does not fit its parameter's shape (its dim is out of range, ...).
-    #[error("the spec does not fit the parameter's shape {shape:?}: {source}")]
+    #[error("the spec does not fit the parameter's shape {shape:?}")]
     SpecShape {
         /// The parameter's shape.
         shape: Vec<i64>,
@@ -205,7 +216,7 @@ pub enum PlanProblem {
         module: String,
     },
     /// A spec on `module`'s weight: the layer cannot be sharded so.
-    #[error("`{module}`: {source}")]
+    #[error("`{module}`")]
     Layer {
         /// The layer's FQN.
         module: String,
@@ -213,7 +224,7 @@ pub enum PlanProblem {
         source: SharderError,
     },
     /// A sharder refused the module ([`Sharder::check`](super::Sharder::check)).
-    #[error("{sharder}: {source}")]
+    #[error("{sharder}")]
     Sharder {
         /// The sharder's name.
         sharder: String,
@@ -252,7 +263,7 @@ pub enum PlanProblem {
     #[error("output_plan: only a ChunkShardingSpec can lay out a module output")]
     OutputNotChunk,
     /// An `output_plan` spec's placements name ranks outside the group (or a rank twice).
-    #[error("output_plan: placements do not match the group: {source}")]
+    #[error("output_plan: placements do not match the group")]
     OutputPlacements {
         /// What the spec check said.
         source: Box<ShardingError>,
@@ -280,13 +291,13 @@ pub enum PlanProblem {
     )]
     LocalNotSharded,
     /// The module needs a hook (for its output), and hooks cannot be registered on it.
-    #[error("its output cannot be hooked: {source}")]
+    #[error("its output cannot be hooked")]
     Unhookable {
         /// Why.
         source: HookError,
     },
     /// The shards a sharder computed for a parameter do not form a valid layout.
-    #[error("invalid shard layout: {source}")]
+    #[error("invalid shard layout")]
     Layout {
         /// What the layout check said.
         source: Box<ShardingError>,
@@ -480,26 +491,33 @@ impl fmt::Display for Fix<'_> {
     }
 }
 
-/// A [`DistError`]'s message without its leading `rank R: `, which the outer message names.
-struct WithoutRank<'a>(&'a DistError, usize);
+/// `rank R: `, unless the [`DistError`] inside names rank R itself (its message goes on
+/// after this one's, through `source()`).
+struct RankUnlessNamed<'a>(&'a DistError, usize);
 
-impl fmt::Display for WithoutRank<'_> {
+impl fmt::Display for RankUnlessNamed<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let text = self.0.to_string();
-        let prefix = format!("rank {}: ", self.1);
-        f.write_str(text.strip_prefix(&prefix).unwrap_or(&text))
+        if self.0.rank() == Some(self.1) {
+            Ok(())
+        } else {
+            write!(f, "rank {}: ", self.1)
+        }
     }
 }
 
-/// A forward problem after `... on rank R`: ` expects ...` for a width, `: ...` otherwise.
+/// A forward problem after the hook's module: ` on rank R expects ...` for a width,
+/// ` on rank R: ...` otherwise, and `: ...` for a failed collective, whose [`DistError`]
+/// names the rank itself.
 struct Detail<'a>(&'a ForwardProblem, usize);
 
 impl fmt::Display for Detail<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let rank = self.1;
         match self.0 {
-            ForwardProblem::InputWidth { .. } => write!(f, " {}", self.0),
-            ForwardProblem::Collective(e) => write!(f, ": {}", WithoutRank(e, self.1)),
-            other => write!(f, ": {other}"),
+            ForwardProblem::InputWidth { .. } => write!(f, " on rank {rank} {}", self.0),
+            ForwardProblem::Collective(e) if e.rank() == Some(rank) => write!(f, ": {e}"),
+            ForwardProblem::Collective(e) => write!(f, " on rank {rank}: {e}"),
+            other => write!(f, " on rank {rank}: {other}"),
         }
     }
 }

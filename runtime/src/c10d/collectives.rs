@@ -270,10 +270,10 @@ impl ProcessGroup {
             })
         });
         ffi::check(call(self.raw(), &mut out)).map_err(|e| context.failure(e))?;
-        let ptr = NonNull::new(out).ok_or_else(|| DistError::Collective {
+        let ptr = NonNull::new(out).ok_or_else(|| DistError::Internal {
             rank: context.rank,
             op: context.op,
-            cause: "the engine returned no work handle".into(),
+            what: "the engine returned no work handle",
         })?;
         self.note_launch();
         Ok(Work {

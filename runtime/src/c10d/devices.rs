@@ -5,7 +5,7 @@
 
 use std::ffi::{c_char, CStr};
 
-use crate::error::{DistError, Result};
+use crate::error::{DistError, MisuseProblem, Result};
 use crate::ffi;
 use crate::process_group::ProcessGroup;
 
@@ -145,10 +145,13 @@ impl ProcessGroup {
             .iter()
             .map(|b| DeviceClaim::decode(b))
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| DistError::Collective {
+            .ok_or_else(|| DistError::Misuse {
                 rank: self.rank(),
                 op: OP,
-                cause: "a rank's device claim arrived garbled".into(),
+                problem: Box::new(MisuseProblem::Undecodable {
+                    what: "a device claim",
+                    from: None,
+                }),
             })?;
         match first_shared_gpu(&claims) {
             None => Ok(()),

@@ -6,7 +6,7 @@
 use tch::{Device, Kind, Tensor};
 use tch_dist_core::sharding::Dtype;
 
-use crate::error::{DistError, Mismatch, NamedSignature, Result, TensorSignature};
+use crate::error::{DistError, Mismatch, MisuseProblem, NamedSignature, Result, TensorSignature};
 use crate::process_group::ProcessGroup;
 
 impl ProcessGroup {
@@ -261,11 +261,13 @@ impl ProcessGroup {
     }
 
     fn garbled(&self, op: &'static str) -> DistError {
-        DistError::Collective {
+        DistError::Misuse {
             rank: self.rank(),
             op,
-            cause: "a rank sent tensor signatures that do not decode (a different tch-dist build?)"
-                .into(),
+            problem: Box::new(MisuseProblem::Undecodable {
+                what: "tensor signatures",
+                from: None,
+            }),
         }
     }
 }

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use tch::Tensor;
 
+use super::ReducerError;
 use crate::collectives::ReduceOp;
 use crate::error::{DistError, Result};
 use crate::reducer::autograd;
@@ -81,11 +82,13 @@ impl ReducerInner {
         };
         let static_graph = static_graph.as_ref();
         if unused::presumed_unused(static_graph, index) {
-            return Err(DistError::GraphChanged {
+            return Err(ReducerError::GraphChanged {
                 rank: self.rank(),
+                op: self.opts.api,
                 fqn: layout.params[index].fqn.clone(),
                 used_in_first_pass: false,
-            });
+            }
+            .into());
         }
         let as_view = self.opts.gradient_as_bucket_view;
         let in_place = layout.params[index].in_place;
@@ -94,10 +97,12 @@ impl ReducerInner {
             // bucket slice already took the first gradient; refresh it with the final one. An
             // in-place gradient is read at launch, so only a launched one is a problem.
             if in_place && pass.params[index].launched && !self.group.skips_communication() {
-                return Err(DistError::GradientAfterLaunch {
+                return Err(ReducerError::GradientAfterLaunch {
                     rank: self.rank(),
+                    op: self.opts.api,
                     fqn: layout.params[index].fqn.clone(),
-                });
+                }
+                .into());
             }
             if pass.params[index].released {
                 grads::add_second_gradient(layout, index, self.rank())?;
@@ -217,14 +222,18 @@ impl ReducerInner {
         let unready = pass.unready();
         if !unready.is_empty() && !self.opts.tolerates_unused() {
             // PyTorch leaves the stalled buckets unlaunched and fails the next iteration.
-            st.unfinished = Some(DistError::UnfinishedReduction {
-                rank: self.rank(),
-                fqns: unready
-                    .iter()
-                    .map(|&i| st.layout.params[i].fqn.clone())
-                    .collect(),
-                indices: unready,
-            });
+            st.unfinished = Some(
+                ReducerError::UnfinishedReduction {
+                    rank: self.rank(),
+                    op: self.opts.api,
+                    fqns: unready
+                        .iter()
+                        .map(|&i| st.layout.params[i].fqn.clone())
+                        .collect(),
+                    indices: unready,
+                }
+                .into(),
+            );
             self.wait_all(st, &mut pass)?;
             return grads::restore_released(&st.layout, &pass, self.rank());
         }
@@ -278,11 +287,13 @@ impl ReducerInner {
         if let Some(seen) = &st.static_graph {
             if let Some(i) = (0..pass.params.len()).find(|&i| seen.local[i] != pass.params[i].ready)
             {
-                return Err(DistError::GraphChanged {
+                return Err(ReducerError::GraphChanged {
                     rank: self.rank(),
+                    op: self.opts.api,
                     fqn: st.layout.params[i].fqn.clone(),
                     used_in_first_pass: seen.local[i],
-                });
+                }
+                .into());
             }
         }
         let first = pass.first_launch.unwrap_or(done);

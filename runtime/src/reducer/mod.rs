@@ -12,6 +12,7 @@
 //! | `unused.rs` | `find_unused_parameters` and `static_graph` | `search_unused_parameters`, `static_graph_` |
 //! | `comm_hooks/` | the hook interface and one file per hook | `comm.hpp`, `default_comm_hooks.cpp`, `powerSGD_hook.py` |
 //! | `autograd.rs` | the engine's hooks and callbacks | `grad_accumulator()->add_post_hook`, `queue_callback` |
+//! | `error.rs` | [`ReducerError`]: the passes the reducer refuses, named after the API that runs it | the `RuntimeError`s of `reducer.cpp` |
 //!
 //! How a pass goes:
 //!
@@ -46,6 +47,7 @@ pub(crate) use autograd::{queue_end_of_backward_fn, set_grad_for};
 mod backward;
 mod buckets;
 pub(crate) mod comm_hooks;
+mod error;
 mod grads;
 mod options;
 mod pass;
@@ -67,6 +69,7 @@ use pass::Pass;
 use unused::StaticGraphUse;
 
 pub use comm_hooks::PowerSgdOptions;
+pub use error::ReducerError;
 pub use options::{
     CommHook, ReducerOptions, DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
 };

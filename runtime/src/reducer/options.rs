@@ -58,6 +58,8 @@ pub struct ReducerOptions {
     /// PyTorch does). The bucket layout is the same either way; with
     /// `gradient_as_bucket_view` only the copied gradients are bucket views.
     pub in_place_min_bytes: usize,
+    /// The API that runs the reducer, as its errors name it (default `replicate`).
+    pub api: &'static str,
 }
 
 impl Default for ReducerOptions {
@@ -70,6 +72,7 @@ impl Default for ReducerOptions {
             static_graph: false,
             comm_hook: CommHook::AllReduceMean,
             in_place_min_bytes: DEFAULT_IN_PLACE_MIN_BYTES,
+            api: "replicate",
         }
     }
 }

@@ -59,10 +59,10 @@ fn run(
     })
     .map_err(|e| group.op_context(op).failure(e))?;
     if out.is_null() {
-        return Err(DistError::Collective {
+        return Err(DistError::Internal {
             rank: group.rank(),
             op,
-            cause: "the engine returned no tensor".into(),
+            what: "the engine returned no tensor",
         });
     }
     // SAFETY: `out` is a fresh `new at::Tensor` from the shim, owned by the returned Tensor.

@@ -87,15 +87,16 @@ fn shard_name(e: &ShardError) -> &'static str {
     }
 }
 
-/// Checks that `cases` pins every variant `name` knows of, each once, and its text.
-fn pin<T: fmt::Display>(cases: Vec<(T, &str)>, name: fn(&T) -> &'static str, all: &[&str]) {
+/// Checks that `cases` pins every variant `name` knows of, each once, and its composed text
+/// ([`report`](crate::report): its Display, then its sources').
+fn pin<T: std::error::Error>(cases: Vec<(T, &str)>, name: fn(&T) -> &'static str, all: &[&str]) {
     let mut seen: Vec<&str> = cases.iter().map(|(v, _)| name(v)).collect();
     seen.sort_unstable();
     let mut all = all.to_vec();
     all.sort_unstable();
     assert_eq!(seen, all, "every variant pinned once");
     for (value, text) in cases {
-        assert_eq!(value.to_string(), text, "{}", name(&value));
+        assert_eq!(crate::report(&value), text, "{}", name(&value));
     }
 }
 
@@ -447,7 +448,8 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
                         cause: "Connection reset".into(),
                     },
                 },
-                "rank 1: shard_module: `fc1.weight`: scatter failed: Connection reset",
+                // The DistError names the rank (once), after the context.
+                "shard_module: `fc1.weight`: rank 1: scatter failed: Connection reset",
             ),
             (
                 forward(
@@ -517,14 +519,17 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
         },
     };
     assert_eq!(
-        root.to_string(),
+        crate::report(&root),
         "rank 0: shard_module: the root module: rowwise_linear: this `Mlp` has no `weight` \
          parameter"
     );
+    // Display names only the variant's own context; the problem is its source.
+    assert_eq!(root.to_string(), "rank 0: shard_module: the root module");
+    // A failed collective's DistError names the rank itself, so the hook's context does not.
     let collective = forward(HookSite::Output, ForwardProblem::Collective(dist()));
     assert_eq!(
         collective.to_string(),
-        "shard_module: output of `fc2` on rank 1: all_gather (differentiable) failed: rank \
+        "shard_module: output of `fc2`: rank 1: all_gather (differentiable) failed: rank \
          0 closed the connection"
     );
     let dim = forward(
@@ -539,17 +544,27 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
     let column = forward(HookSite::ColumnParallel, ForwardProblem::Collective(dist()));
     assert!(column
         .to_string()
-        .starts_with("shard_module: column-parallel `fc2` on rank 1: all_gather"));
-    // A DistError without the rank prefix (not from this group) is kept whole.
+        .starts_with("shard_module: column-parallel `fc2`: rank 1: all_gather"));
+    // A DistError that names no rank (not from this group): the context names it.
     let other = ShardError::Dist {
         rank: 1,
         fqn: "fc1".into(),
         source: DistError::NotInitialized,
     };
     assert_eq!(
-        other.to_string(),
+        crate::report(&other),
         "rank 1: shard_module: `fc1`: the default process group is not initialized; call \
          init_process_group first"
+    );
+    assert_eq!(other.to_string(), "rank 1: shard_module: `fc1`");
+    let other_rank = forward(
+        HookSite::RowParallel,
+        ForwardProblem::Collective(DistError::NotInitialized),
+    );
+    assert_eq!(
+        other_rank.to_string(),
+        "shard_module: row-parallel `fc2` on rank 1: the default process group is not \
+         initialized; call init_process_group first"
     );
     let root_bypassed = ShardError::HooksBypassed {
         rank: 0,
@@ -563,8 +578,16 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
          wrong result; call the module with `.call(&x)`, not `x.apply(..)` or `.forward(..)` \
          (a deliberate direct use goes in ShardState::allow_direct_use)"
     );
-    for e in [root, collective, dim, column, other, root_bypassed] {
-        let text = e.to_string();
+    for e in [
+        root,
+        collective,
+        dim,
+        column,
+        other,
+        other_rank,
+        root_bypassed,
+    ] {
+        let text = crate::report(&e);
         assert_eq!(text.matches("shard_module").count(), 1, "{text}");
         let rank = if text.contains("rank 0:") { 0 } else { 1 };
         assert_eq!(
@@ -574,4 +597,42 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
             "{text}"
         );
     }
+}
+
+/// Display names only the variant's own context: the error inside is its source, printed
+/// once by [`report`](crate::report) (and by anyhow's or eyre's `{:#}`).
+#[test]
+fn displays_name_only_their_own_context() {
+    let placements = PlanProblem::Placements {
+        source: Box::new(ShardingError::DimOutOfRange { dim: 2, ndim: 2 }),
+    };
+    assert_eq!(placements.to_string(), "placements do not match the group");
+    assert!(std::error::Error::source(&placements).is_some());
+    let layer = PlanProblem::Layer {
+        module: "fc1".into(),
+        source: SharderError::ZeroFused,
+    };
+    assert_eq!(layer.to_string(), "`fc1`");
+    assert_eq!(crate::report(&layer), "`fc1`: fused must be at least 1");
+    let plan = ShardError::Plan {
+        rank: 0,
+        fqn: "fc1".into(),
+        problem: layer,
+    };
+    assert_eq!(plan.to_string(), "rank 0: shard_module: `fc1`");
+    assert_eq!(
+        crate::report(&plan),
+        "rank 0: shard_module: `fc1`: `fc1`: fused must be at least 1"
+    );
+    let invalid = ShardError::InvalidArgument {
+        rank: 1,
+        problem: ArgumentError::SelfPeer,
+    };
+    assert_eq!(invalid.to_string(), "rank 1: shard_module");
+    let dist = ShardError::Dist {
+        rank: 1,
+        fqn: "fc1.weight".into(),
+        source: dist(),
+    };
+    assert_eq!(dist.to_string(), "shard_module: `fc1.weight`");
 }

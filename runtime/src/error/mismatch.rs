@@ -1,0 +1,140 @@
+//! [`Mismatch`]: what differs across ranks, and the tensor signatures ranks compare.
+
+use std::fmt;
+
+use tch::Kind;
+
+use super::text::RankValues;
+use crate::step_check::StepPosition;
+
+/// A tensor's shape and dtype, as ranks compare them (written `[8, 4] (Float)`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSignature {
+    /// The shape.
+    pub shape: Vec<i64>,
+    /// The element type.
+    pub kind: Kind,
+}
+
+impl fmt::Display for TensorSignature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?} ({:?})", self.shape, self.kind)
+    }
+}
+
+/// One entry of a list of tensors the ranks compare: its name and signature.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedSignature {
+    /// The tensor's FQN.
+    pub fqn: String,
+    /// Its shape and dtype.
+    pub signature: TensorSignature,
+}
+
+impl fmt::Display for NamedSignature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "`{}` with shape {:?} ({:?})",
+            self.fqn, self.signature.shape, self.signature.kind
+        )
+    }
+}
+
+/// What differs across ranks (the `mismatch` of [`DistError::Mismatch`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Mismatch {
+    /// A named tensor has another shape or dtype on `other_rank` than on `reference_rank`.
+    #[error(
+        "{what} differ across ranks: `{fqn}` has shape {:?} ({:?}) on rank {reference_rank} but \
+         shape {:?} ({:?}) on rank {other_rank}",
+        reference.shape, reference.kind, other.shape, other.kind
+    )]
+    Tensor {
+        /// What the list holds ("parameters", "buffers").
+        what: &'static str,
+        /// The tensor's FQN.
+        fqn: String,
+        /// The rank whose list is the reference.
+        reference_rank: usize,
+        /// The tensor there.
+        reference: TensorSignature,
+        /// The rank that differs.
+        other_rank: usize,
+        /// The tensor there.
+        other: TensorSignature,
+    },
+    /// The ranks' lists differ in length or names; `index` is the first entry that differs.
+    #[error(
+        "{what} differ across ranks: rank {reference_rank} has {reference_len} {what} and rank \
+         {other_rank} has {other_len}; entry {index} is {} on rank {reference_rank} but {} on \
+         rank {other_rank}",
+        Entry(reference_entry.as_ref()),
+        Entry(other_entry.as_ref())
+    )]
+    List {
+        /// What the list holds ("parameters", "buffers").
+        what: &'static str,
+        /// The rank whose list is the reference.
+        reference_rank: usize,
+        /// Its length.
+        reference_len: usize,
+        /// The rank that differs.
+        other_rank: usize,
+        /// Its length.
+        other_len: usize,
+        /// The first differing position.
+        index: usize,
+        /// The entry there on the reference rank (`None`: its list is shorter).
+        reference_entry: Option<NamedSignature>,
+        /// The entry there on the other rank.
+        other_entry: Option<NamedSignature>,
+    },
+    /// An option has different values on different ranks.
+    #[error("option `{option}` differs across ranks: {}", RankValues(values))]
+    OptionValue {
+        /// The option's name.
+        option: String,
+        /// Its value on each rank, in rank order.
+        values: Vec<String>,
+    },
+    /// One unnamed tensor (the source of a scatter) differs.
+    #[error("rank {reference_rank} passes a tensor of shape {reference}, but rank {other_rank} passed {other}")]
+    Shape {
+        /// The rank whose tensor is the reference (the source).
+        reference_rank: usize,
+        /// Its tensor.
+        reference: TensorSignature,
+        /// The rank that differs.
+        other_rank: usize,
+        /// Its tensor.
+        other: TensorSignature,
+    },
+    /// The always-on step check (`step_check.rs`): another rank is at another step or in
+    /// another pass; nothing of this pass was sent.
+    #[error(
+        "rank {other_rank} is {other} while this rank is {this} (a rank skipped or repeated \
+         a step, a forward or a backward)"
+    )]
+    Step {
+        /// The rank that differs (the lowest one).
+        other_rank: usize,
+        /// Where it is.
+        other: StepPosition,
+        /// Where this rank is.
+        this: StepPosition,
+    },
+}
+
+/// A list entry, or `missing` past the list's end.
+struct Entry<'a>(Option<&'a NamedSignature>);
+
+impl fmt::Display for Entry<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(e) => write!(f, "{e}"),
+            None => f.write_str("missing"),
+        }
+    }
+}
