@@ -390,7 +390,7 @@ fn dim_group(
         // default group is Gloo's alone; otherwise the dim's group is the default group.
         if tch::Cuda::is_available() && world.backend() == Backend::Gloo {
             let all: Vec<usize> = (0..size).collect();
-            return member(world, &all, world.new_group(&all, world.backend())?);
+            return member(world, world.new_group(&all, world.backend())?);
         }
         return Ok(world.clone());
     }
@@ -399,26 +399,22 @@ fn dim_group(
     for ranks in subgroups(shape, dims) {
         let group = world.new_group(&ranks, world.backend())?;
         if ranks.contains(&world.rank()) {
-            mine = Some(member(world, &ranks, group)?);
+            mine = Some(member(world, group)?);
         }
     }
-    mine.ok_or_else(|| DistError::Collective {
+    mine.ok_or_else(|| DistError::Internal {
         rank: world.rank(),
         op: "new_group",
-        cause: "this rank is in no subgroup of the mesh dim".into(),
+        what: "this rank is in no subgroup of the mesh dim",
     })
 }
 
-/// The group `new_group` returned to a member of `ranks`.
-fn member(
-    world: &ProcessGroup,
-    ranks: &[usize],
-    group: Option<ProcessGroup>,
-) -> Result<ProcessGroup, DistError> {
-    group.ok_or_else(|| DistError::Collective {
+/// The group `new_group` returned to a member of the subgroup it made.
+fn member(world: &ProcessGroup, group: Option<ProcessGroup>) -> Result<ProcessGroup, DistError> {
+    group.ok_or_else(|| DistError::Internal {
         rank: world.rank(),
         op: "new_group",
-        cause: format!("no group returned to a member of {ranks:?}"),
+        what: "no group returned to a member of the subgroup",
     })
 }
 

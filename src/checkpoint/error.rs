@@ -193,17 +193,3 @@ pub enum CheckpointError {
     #[error(transparent)]
     Dist(#[from] DistError),
 }
-
-/// `err`'s message and each of its sources', `: `-separated: the whole story of an error
-/// whose Display names only its own context (a [`CheckpointError::Io`] and what the system
-/// said). A local stand-in for the facade's `report` until that lands.
-pub(super) fn report(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(e) = source {
-        text.push_str(": ");
-        text.push_str(&e.to_string());
-        source = e.source();
-    }
-    text
-}

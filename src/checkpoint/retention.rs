@@ -121,7 +121,7 @@ pub fn latest_valid(
         let verdict = match storage::verify(rank, &dir) {
             Ok(()) => String::new(),
             // The whole story: an I/O error's own text names only the file.
-            Err(e) => super::error::report(&e),
+            Err(e) => crate::report(&e),
         };
         let verdicts = group.all_gather_bytes(OP, verdict.as_bytes())?;
         let failures: Vec<String> = verdicts
