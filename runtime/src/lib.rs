@@ -8,6 +8,7 @@
 
 #![warn(missing_docs)]
 
+mod autograd;
 mod coalesced;
 mod collectives;
 mod desync;
@@ -27,9 +28,9 @@ pub mod sharding;
 mod step_check;
 mod store;
 pub mod testing;
-mod use_guard;
 mod verify;
 
+pub use autograd::{autograd_mark, UseGuard};
 pub use coalesced::BROADCAST_BUCKET_BYTES;
 pub use collectives::{ReduceOp, Work};
 pub use devices::{first_shared_gpu, DeviceClaim};
@@ -55,4 +56,3 @@ pub use sampler::{DistributedSampler, SamplerError, SamplerOptions};
 pub use shard_fence::{check_enter, check_exit, take_fence_hit, unfenced, FenceOwner, ShardFence};
 pub use step_check::{set_step, step_check_time, NO_STEP_CHECK_ENV};
 pub use store::Store;
-pub use use_guard::{autograd_mark, UseGuard};

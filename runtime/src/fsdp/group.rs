@@ -20,9 +20,10 @@ use tch::{Device, Kind, Tensor};
 use tch_dist_core::trace;
 
 use super::backward;
-use super::hooks::{self, Interceptor};
+use super::hooks;
 use super::layout::ShardLayout;
 use super::steps;
+use crate::autograd::{self, is_float, Interceptor};
 use crate::error::{DistError, Result};
 use crate::shard_fence::{FenceOwner, ShardFence};
 use crate::{ProcessGroup, ReduceOp, Work};
@@ -54,15 +55,6 @@ pub struct FsdpGroupOptions {
     /// smaller group of ranks (PyTorch's `reshard_after_forward=N`, this rank's group of N)
     /// rather than over the whole group, so that backward gathers within it.
     pub post_forward_group: Option<ProcessGroup>,
-}
-
-/// Whether mixed precision casts tensors of `kind` (the floating-point dtypes); the facade's
-/// input and output casts use it too.
-pub fn is_float(kind: Kind) -> bool {
-    matches!(
-        kind,
-        Kind::Half | Kind::Float | Kind::Double | Kind::BFloat16
-    )
 }
 
 /// What a parameter is, apart from its tensors.
@@ -326,7 +318,7 @@ impl FsdpGroup {
         for (i, p) in params.iter().enumerate() {
             if p.param.requires_grad() {
                 interceptors.push(
-                    Interceptor::add(&p.param, &inner, i)
+                    hooks::intercept_grads(&p.param, &inner, i)
                         .map_err(|e| engine(&group, "fully_shard", e.message))?,
                 );
             }
@@ -533,7 +525,7 @@ impl FsdpGroup {
         let st = self.inner.lock();
         st.tensors
             .iter()
-            .map(|t| hooks::storage_nbytes(&t.full))
+            .map(|t| autograd::storage_nbytes(&t.full))
             .sum()
     }
 }
@@ -597,7 +589,7 @@ impl GroupInner {
             versions: st
                 .tensors
                 .iter()
-                .map(|t| hooks::tensor_version(&t.handle))
+                .map(|t| autograd::tensor_version(&t.handle))
                 .collect(),
         })
     }
@@ -607,7 +599,7 @@ impl GroupInner {
         st.tensors
             .iter()
             .zip(&g.versions)
-            .any(|(t, v)| hooks::tensor_version(&t.handle) != *v)
+            .any(|(t, v)| autograd::tensor_version(&t.handle) != *v)
     }
 
     fn unshard_locked(&self, st: &mut State) -> Result<()> {
@@ -656,14 +648,14 @@ impl GroupInner {
                     fence.set_armed(i, false)?;
                 }
                 let t = &mut st.tensors[i];
-                hooks::restore_storage(&t.full)
+                autograd::restore_storage(&t.full)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
                 let rows =
                     gathered[m.bucket]
                         .view([ranks, width])
                         .narrow(1, offset, l.padded_numel());
                 l.copy_from_rank_major(&t.full, &rows);
-                hooks::set_data(&t.handle, &t.full)
+                autograd::set_data(&t.handle, &t.full)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
             }
             Ok(())
@@ -757,9 +749,9 @@ impl GroupInner {
         }
         tch::no_grad(|| -> Result<()> {
             for (i, t) in st.tensors.iter().enumerate() {
-                hooks::set_data(&t.handle, &t.local)
+                autograd::set_data(&t.handle, &t.local)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
-                hooks::release_storage(&t.full)
+                autograd::release_storage(&t.full)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
                 if let Some(fence) = &st.fence {
                     fence.set_armed(i, true)?;
@@ -987,7 +979,7 @@ impl GroupInner {
                     } else {
                         shard.copy()
                     };
-                    crate::reducer::set_grad_for(handle, Some(&own), rank, "fully_shard")?;
+                    autograd::set_grad_for(handle, Some(&own), rank, "fully_shard")?;
                 }
             }
         }

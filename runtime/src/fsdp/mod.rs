@@ -20,6 +20,6 @@ mod hooks;
 mod layout;
 mod steps;
 
-pub use group::{is_float, FsdpGroup, FsdpGroupOptions, ManagedParam, ShardInfo};
-pub use hooks::{storage_nbytes, tensor_identity};
+pub use crate::autograd::{is_float, storage_nbytes, tensor_identity};
+pub use group::{FsdpGroup, FsdpGroupOptions, ManagedParam, ShardInfo};
 pub use layout::ShardLayout;
