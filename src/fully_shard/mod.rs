@@ -402,6 +402,8 @@ impl FsdpState {
         } else {
             join_fqn(prefix, &p)
         };
+        // The engine's own errors (a `.grad` of the wrong shape) name the same FQNs.
+        self.group.set_module_fqn(&p);
     }
 }
 

@@ -153,8 +153,12 @@ struct Gather {
 
 /// The shared part of a group, which libtorch's hooks call into.
 pub(crate) struct GroupInner {
-    /// The managed module's FQN, for errors.
+    /// The managed module's type, for errors.
     module: String,
+    /// The managed module's FQN as the outermost enclosing call sees it (set when that call
+    /// is applied; `""` until then, and for that call's own module): errors name each
+    /// parameter by its FQN from there.
+    module_fqn: Mutex<String>,
     group: ProcessGroup,
     meta: Vec<ParamMeta>,
     buckets: Vec<BucketMeta>,
@@ -286,6 +290,7 @@ impl FsdpGroup {
         let n = params.len();
         let inner = Arc::new(GroupInner {
             module: module.to_string(),
+            module_fqn: Mutex::new(String::new()),
             group: group.clone(),
             meta,
             buckets,
@@ -458,6 +463,16 @@ impl FsdpGroup {
         self.inner.lock().reshard_after_backward = reshard;
     }
 
+    /// The managed module's FQN as the outermost enclosing call sees it (that call sets it
+    /// when it is applied): errors name the parameters by their FQNs from there.
+    pub fn set_module_fqn(&self, fqn: &str) {
+        *self
+            .inner
+            .module_fqn
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = fqn.to_string();
+    }
+
     /// Changes `reshard_after_forward`.
     pub fn set_reshard_after_forward(&self, reshard: bool) {
         self.inner.lock().options.reshard_after_forward = reshard;
@@ -549,6 +564,12 @@ pub struct ShardInfo {
 impl GroupInner {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The FQN of parameter `m` as the outermost enclosing call sees it.
+    fn param_fqn(&self, m: &ParamMeta) -> String {
+        let module = self.module_fqn.lock().unwrap_or_else(|e| e.into_inner());
+        tch_dist_core::path::join_fqn(&module, &m.fqn)
     }
 
     /// Keeps `e`, a hook's error, for the next forward (the first one of a pass).
@@ -961,7 +982,7 @@ impl GroupInner {
                             cause: format!(
                                 "module `{}`: `.grad` of `{}` has shape {:?}, not its shard's {:?}",
                                 self.module,
-                                m.fqn,
+                                self.param_fqn(m),
                                 existing.size(),
                                 shard.size()
                             ),
