@@ -44,6 +44,15 @@
 //! opt.backward_step(&model.f_call(&x)?.cross_entropy_for_logits(&y))?;
 //! # Ok(()) }
 //! ```
+//!
+//! | file | what it does | PyTorch's counterpart |
+//! |---|---|---|
+//! | `mod.rs` | the API: [`fully_shard`], [`full_state_dict`] | `_fully_shard.py`, `_fsdp_init.py` |
+//! | `options.rs` | [`FsdpOptions`] and its parts | `fully_shard`'s keyword arguments, `MixedPrecisionPolicy` |
+//! | `state.rs` | [`FsdpState`] | `FSDPModule` methods, `_fsdp_state.py` |
+//! | `collect.rs` | what a call manages, and why it refuses | `_fsdp_init.py` (`_get_managed_modules`) |
+//! | `hooks.rs` | the call scope per managed module, the call guard | `FSDPState._pre_forward` / `_post_forward` |
+//! | `error.rs` | [`FsdpError`] | (the errors of `_fsdp_init.py`) |
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};

@@ -6,6 +6,14 @@
 //! of the pass that fires (a pre-backward hook or an interceptor) queues the callback, which
 //! finishes the joined groups in the order they joined (forward order, the same on every
 //! rank), so the collectives of groups autograd never reached are issued alike everywhere.
+//!
+//! The pass is process-wide (one `static`), not PyTorch's per-root `_state_ctx`: groups
+//! with no enclosing call (fully_shard on blocks under a `replicate`d root) share one
+//! backward pass here, and a per-root context would queue one callback per root (in the
+//! order their first hooks fire, not forward order), never queue one for a root autograd
+//! did not reach (so its groups would not issue their zero reduce-scatters), and begin the
+//! step check's backward pass once per root. Moving to per-root contexts needs those cases
+//! decided first.
 
 use std::sync::{Arc, Mutex};
 
