@@ -1127,3 +1127,37 @@ fn errors_name_the_module_fqn() {
         bypass_message(0, "blocks.3.fc2", "blocks.3.fc2.weight")
     );
 }
+
+/// A nested call's engine error names the parameter by its FQN from the root (issue 22,
+/// item 8): applied bottom-up (`head`, then the root), a `.grad` of the wrong shape on the
+/// head's weight fails backward naming `head.weight`, not `weight`.
+#[test]
+fn bottom_up_grad_shape_mismatch_names_the_full_fqn_at_2_ranks() {
+    run_ranks(
+        "bottom_up_grad_shape_mismatch_names_the_full_fqn_at_2_ranks",
+        2,
+        |pg| {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let m = model(&vs);
+            fully_shard(&m.head, FsdpOptions::default()).unwrap();
+            fully_shard(&m, FsdpOptions::default()).unwrap();
+            let (x, y) = batch(0);
+            let loss = |m: &Model| {
+                m.call(&slice(&x, &pg))
+                    .mse_loss(&slice(&y, &pg), tch::Reduction::Mean)
+            };
+            loss(&m).backward();
+            assert_eq!(m.head.ws.grad().size(), [1, DIMS[3]]);
+            // `.grad` no longer the shard's shape: the next synchronised backward refuses it.
+            let _ = tch::no_grad(|| m.head.ws.grad().resize_([3]));
+            let err = loss(&m).f_backward().unwrap_err().to_string();
+            assert!(
+                err.contains(&format!(
+                    "`.grad` of `head.weight` has shape [3], not its shard's [1, {}]",
+                    DIMS[3]
+                )),
+                "{err}"
+            );
+        },
+    );
+}

@@ -8,6 +8,7 @@
 
 #![warn(missing_docs)]
 
+mod autograd;
 mod c10d;
 mod error;
 mod ffi;
@@ -18,7 +19,6 @@ mod shard_fence;
 pub mod sharding;
 mod step_check;
 pub mod testing;
-mod use_guard;
 
 /// The fused optimizers under their first path (`tch_dist_runtime::fused::adamw`); they live in
 /// [`kernels`].
@@ -33,6 +33,7 @@ use c10d::{
     store,
 };
 
+pub use autograd::{autograd_mark, UseGuard};
 pub use coalesced::BROADCAST_BUCKET_BYTES;
 pub use collectives::{ReduceOp, Work};
 pub use devices::{first_shared_gpu, DeviceClaim};
@@ -58,4 +59,3 @@ pub use reducer::{
 pub use shard_fence::{check_enter, check_exit, take_fence_hit, unfenced, FenceOwner, ShardFence};
 pub use step_check::{set_step, step_check_time, NO_STEP_CHECK_ENV};
 pub use store::Store;
-pub use use_guard::{autograd_mark, UseGuard};

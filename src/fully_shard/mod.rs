@@ -44,6 +44,15 @@
 //! opt.backward_step(&model.f_call(&x)?.cross_entropy_for_logits(&y))?;
 //! # Ok(()) }
 //! ```
+//!
+//! | file | what it does | PyTorch's counterpart |
+//! |---|---|---|
+//! | `mod.rs` | the API: [`fully_shard`], [`full_state_dict`] | `_fully_shard.py`, `_fsdp_init.py` |
+//! | `options.rs` | [`FsdpOptions`] and its parts | `fully_shard`'s keyword arguments, `MixedPrecisionPolicy` |
+//! | `state.rs` | [`FsdpState`] | `FSDPModule` methods, `_fsdp_state.py` |
+//! | `collect.rs` | what a call manages, and why it refuses | `_fsdp_init.py` (`_get_managed_modules`) |
+//! | `hooks.rs` | the call scope per managed module, the call guard | `FSDPState._pre_forward` / `_post_forward` |
+//! | `error.rs` | [`FsdpError`] | (the errors of `_fsdp_init.py`) |
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -58,352 +67,23 @@ use tch_dist_core::{contract, Shardable};
 use tch_dist_runtime::fsdp::{
     is_float, tensor_identity, FsdpGroup, FsdpGroupOptions, ManagedParam, ShardInfo,
 };
-use tch_dist_runtime::{
-    default_group, DistError, GroupOptions, ProcessGroup, UseGuard, BROADCAST_BUCKET_BYTES,
-};
+use tch_dist_runtime::{default_group, DistError, GroupOptions, UseGuard, BROADCAST_BUCKET_BYTES};
 
 mod collect;
 mod error;
 mod hooks;
+mod options;
+mod state;
 
 pub use error::FsdpError;
+pub use options::{FsdpOptions, MixedPrecisionPolicy, ReshardAfterForward, ShardPlacementFn};
+pub use state::FsdpState;
 
 use collect::{collect, is_within};
 
 /// The state [`fully_shard`] stored for `module` (PyTorch's `FSDPModule` methods), if it was
 /// applied to it.
 pub use fully_shard_state as state;
-
-/// Options of [`fully_shard`] (PyTorch's keyword arguments, with its defaults).
-///
-/// ```
-/// let opts = tch_dist::FsdpOptions { reshard_after_forward: Some(false.into()), ..Default::default() };
-/// assert!(opts.ignored_params.is_empty());
-/// ```
-#[derive(Debug, Clone, Default)]
-pub struct FsdpOptions {
-    /// What happens to the gathered parameters after forward ([`ReshardAfterForward`]:
-    /// PyTorch's `True`, `False` or an int). `None`, the default: freed, except for the root
-    /// (a call no later call encloses), which backward needs first.
-    pub reshard_after_forward: Option<ReshardAfterForward>,
-    /// Parameters (FQNs within the module, or module prefixes) left alone: not sharded, not
-    /// synchronised.
-    pub ignored_params: Vec<String>,
-    /// The group to shard over (default: the default group).
-    pub process_group: Option<ProcessGroup>,
-    /// Mixed precision (default: none).
-    pub mp_policy: MixedPrecisionPolicy,
-    /// Which dimension each parameter is sharded along (PyTorch's `shard_placement_fn`):
-    /// `None`, or the function returning `None` for a parameter, means dim 0.
-    pub shard_placement_fn: Option<ShardPlacementFn>,
-}
-
-/// Chooses the dimension a parameter is sharded along, from its FQN (within the module
-/// passed to [`fully_shard`]) and the parameter; `None` keeps dim 0. A dimension other than
-/// 0 must divide evenly over the ranks.
-///
-/// ```
-/// use tch_dist::fully_shard::{FsdpOptions, ShardPlacementFn};
-/// // Shard weights along their input features.
-/// let by_columns = ShardPlacementFn::new(|fqn, t| (fqn.ends_with("weight") && t.dim() == 2).then_some(1));
-/// let opts = FsdpOptions { shard_placement_fn: Some(by_columns), ..Default::default() };
-/// # let _ = opts;
-/// ```
-#[derive(Clone)]
-pub struct ShardPlacementFn(Arc<PlacementFn>);
-
-/// The function a [`ShardPlacementFn`] wraps.
-type PlacementFn = dyn Fn(&str, &Tensor) -> Option<usize> + Send + Sync;
-
-impl ShardPlacementFn {
-    /// Wraps `f`.
-    pub fn new(f: impl Fn(&str, &Tensor) -> Option<usize> + Send + Sync + 'static) -> Self {
-        ShardPlacementFn(Arc::new(f))
-    }
-
-    /// The dimension for parameter `fqn`.
-    pub fn dim(&self, fqn: &str, t: &Tensor) -> Option<usize> {
-        (self.0)(fqn, t)
-    }
-}
-
-impl std::fmt::Debug for ShardPlacementFn {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ShardPlacementFn(..)")
-    }
-}
-
-/// PyTorch's `reshard_after_forward`: `true`, `false`, or a number of ranks.
-///
-/// ```
-/// use tch_dist::fully_shard::ReshardAfterForward;
-/// assert_eq!(ReshardAfterForward::from(true), ReshardAfterForward::Reshard);
-/// assert_eq!(ReshardAfterForward::from(8), ReshardAfterForward::ToRanks(8));
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReshardAfterForward {
-    /// Free the gathered parameters after forward and gather them again for backward.
-    Reshard,
-    /// Keep them gathered until backward.
-    Keep,
-    /// Keep a shard over `n` ranks (a divisor of the group's size: this rank and the
-    /// `n - 1` next to it, as in one node), gathered within those ranks for backward:
-    /// between forward and backward each rank holds 1/n of the parameters.
-    ToRanks(usize),
-}
-
-impl From<bool> for ReshardAfterForward {
-    fn from(reshard: bool) -> Self {
-        if reshard {
-            ReshardAfterForward::Reshard
-        } else {
-            ReshardAfterForward::Keep
-        }
-    }
-}
-
-impl From<usize> for ReshardAfterForward {
-    fn from(n: usize) -> Self {
-        ReshardAfterForward::ToRanks(n)
-    }
-}
-
-/// Mixed precision (PyTorch's `MixedPrecisionPolicy`): the dtypes floating-point parameters
-/// are gathered and computed in, and gradients reduced in. The shards, `.grad` and so the
-/// optimizer stay in the parameters' own dtype.
-///
-/// ```
-/// use tch::Kind;
-/// let mp = tch_dist::fully_shard::MixedPrecisionPolicy {
-///     param_dtype: Some(Kind::BFloat16),
-///     reduce_dtype: Some(Kind::Float),
-///     ..Default::default()
-/// };
-/// assert!(mp.cast_forward_inputs);
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MixedPrecisionPolicy {
-    /// Gather parameters in this dtype (forward and backward compute in it); `None`: their
-    /// own.
-    pub param_dtype: Option<Kind>,
-    /// Reduce gradients in this dtype; `None`: `param_dtype`, else the parameters' own.
-    pub reduce_dtype: Option<Kind>,
-    /// Cast the module's floating-point outputs (each tensor of a tuple) to this dtype;
-    /// `None`: leave them.
-    pub output_dtype: Option<Kind>,
-    /// Cast every floating-point input to `param_dtype` before the module runs (each tensor
-    /// of a [`call_with`](crate::CallWith::call_with); default `true`).
-    pub cast_forward_inputs: bool,
-}
-
-impl Default for MixedPrecisionPolicy {
-    fn default() -> Self {
-        MixedPrecisionPolicy {
-            param_dtype: None,
-            reduce_dtype: None,
-            output_dtype: None,
-            cast_forward_inputs: true,
-        }
-    }
-}
-
-/// What `fully_shard` keeps per managed module (PyTorch's `FSDPModule` methods), returned
-/// by [`fully_shard`] and by [`state`].
-pub struct FsdpState {
-    group: Arc<FsdpGroup>,
-    process_group: ProcessGroup,
-    /// `reshard_after_forward` as given (`None`: decided by whether a later call encloses
-    /// this one).
-    reshard_after_forward: Option<ReshardAfterForward>,
-    /// The module's FQN within the outermost call that encloses it (set by that call) and
-    /// the managed parameters' FQNs within the module: what errors name.
-    names: Arc<hooks::CallNames>,
-    /// The states of the nearest nested calls.
-    nested: Vec<Arc<FsdpState>>,
-    _hooks: Vec<RemovableHandle>,
-    /// The bypass guard over this call's trainable parameters.
-    guard: Option<hooks::NestedGuard>,
-    /// The identities this call entered in [`MANAGED`] (its group holds the tensors, so
-    /// no other tensor can take one of them while they are there).
-    identities: Vec<u64>,
-}
-
-impl Drop for FsdpState {
-    fn drop(&mut self) {
-        let mut m = MANAGED.lock().unwrap_or_else(|e| e.into_inner());
-        for id in &self.identities {
-            m.remove(id);
-        }
-    }
-}
-
-impl std::fmt::Debug for FsdpState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FsdpState")
-            .field("group", &self.group)
-            .field("nested", &self.nested.len())
-            .finish()
-    }
-}
-
-impl FsdpState {
-    /// Gathers the full parameters of this module's group, so that methods other than
-    /// `forward` can use them (PyTorch's `unshard()`); [`reshard`](Self::reshard) frees them.
-    pub fn unshard(&self) -> Result<(), FsdpError> {
-        Ok(self.group.unshard()?)
-    }
-
-    /// Frees the gathered parameters: each holds this rank's shard again.
-    pub fn reshard(&self) -> Result<(), FsdpError> {
-        Ok(self.group.reshard()?)
-    }
-
-    /// Whether backward reduce-scatters gradients (the default) or accumulates them locally
-    /// for a later synchronised backward (gradient accumulation without communication);
-    /// applies to the nested calls too, as PyTorch's `recurse=True`.
-    pub fn set_requires_gradient_sync(&self, sync: bool) {
-        self.group.set_requires_gradient_sync(sync);
-        for n in &self.nested {
-            n.set_requires_gradient_sync(sync);
-        }
-    }
-
-    /// Whether a backward without gradient sync frees the gathered parameters (default
-    /// `true`); nested calls too. A synchronised backward always reshards.
-    pub fn set_reshard_after_backward(&self, reshard: bool) {
-        self.group.set_reshard_after_backward(reshard);
-        for n in &self.nested {
-            n.set_reshard_after_backward(reshard);
-        }
-    }
-
-    /// Changes `reshard_after_forward` of this call (not of nested ones).
-    pub fn set_reshard_after_forward(&self, reshard: bool) {
-        self.group.set_reshard_after_forward(reshard);
-    }
-
-    /// The modules whose parameters start gathering when this module's forward starts
-    /// (PyTorch's `set_modules_to_forward_prefetch`; default none): the next block's, so
-    /// that its all-gather overlaps this block's forward.
-    ///
-    /// ```no_run
-    /// # fn demo(blocks: &[tch::nn::Linear]) -> Result<(), tch_dist::fully_shard::FsdpError> {
-    /// use tch_dist::fully_shard::{state, FsdpError};
-    /// let states: Vec<_> = blocks.iter().map(|b| state(b).ok_or(FsdpError::NotFullyShard)).collect::<Result<_, _>>()?;
-    /// for pair in states.windows(2) {
-    ///     pair[0].set_modules_to_forward_prefetch(&[&*pair[1]]);
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub fn set_modules_to_forward_prefetch(&self, modules: &[&FsdpState]) {
-        let groups: Vec<&FsdpGroup> = modules.iter().map(|m| &*m.group).collect();
-        self.group.set_forward_prefetch(&groups);
-    }
-
-    /// The modules whose parameters start gathering when this module's backward starts
-    /// (PyTorch's `set_modules_to_backward_prefetch`); default: the module whose forward ran
-    /// just before this one's, whose backward comes next.
-    pub fn set_modules_to_backward_prefetch(&self, modules: &[&FsdpState]) {
-        let groups: Vec<&FsdpGroup> = modules.iter().map(|m| &*m.group).collect();
-        self.group.set_backward_prefetch(&groups);
-    }
-
-    /// The typed error of a fully_shard hook that failed the last backward pass (in this
-    /// call or a nested one), taken: libtorch fails `backward` with its message only (tch's
-    /// `f_backward` returns it as text), and the next forward would return it.
-    ///
-    /// ```no_run
-    /// # fn demo<M: tch_dist::Shardable>(model: &M, loss: &tch::Tensor) -> Result<(), Box<dyn std::error::Error>> {
-    /// if let Err(text) = loss.f_backward() {
-    ///     let state = tch_dist::fully_shard::state(model);
-    ///     return Err(match state.and_then(|s| s.take_backward_error()) {
-    ///         Some(typed) => typed.into(),
-    ///         None => text.into(),
-    ///     });
-    /// }
-    /// # Ok(()) }
-    /// ```
-    pub fn take_backward_error(&self) -> Option<FsdpError> {
-        let mut found = None;
-        for s in self.all_ref() {
-            if let Some(e) = s.group.take_failure() {
-                found.get_or_insert(FsdpError::Hooked {
-                    rank: s.process_group.rank(),
-                    module: s.names.module(),
-                    source: e,
-                });
-            }
-        }
-        found
-    }
-
-    /// This call and every nested one, outermost first (borrowed).
-    fn all_ref(&self) -> Vec<&FsdpState> {
-        let mut out = vec![self];
-        for n in &self.nested {
-            out.extend(n.all_ref());
-        }
-        out
-    }
-
-    /// Whether this module's parameters hold their shards now.
-    pub fn is_sharded(&self) -> bool {
-        self.group.is_sharded()
-    }
-
-    /// Where this call's parameters are sharded: FQN (within the outermost enclosing
-    /// call's module), full shape, and this rank's first row and row count.
-    pub fn shards(&self) -> Vec<ShardInfo> {
-        let prefix = self.prefix();
-        self.group
-            .params()
-            .into_iter()
-            .map(|mut s| {
-                s.fqn = join_fqn(&prefix, &s.fqn);
-                s
-            })
-            .collect()
-    }
-
-    /// Bytes the gathered (full) parameters of this call hold now: 0 while sharded.
-    pub fn gathered_bytes(&self) -> usize {
-        self.group.full_bytes()
-    }
-
-    /// Bytes of the shards kept between forward and backward with
-    /// `reshard_after_forward` = n ranks (0 otherwise, and outside that window).
-    pub fn post_forward_bytes(&self) -> usize {
-        self.group.post_forward_bytes()
-    }
-
-    /// The group this call shards over.
-    pub fn process_group(&self) -> &ProcessGroup {
-        &self.process_group
-    }
-
-    /// This call and every nested one, outermost first.
-    fn all(self: &Arc<Self>) -> Vec<Arc<FsdpState>> {
-        let mut out = vec![Arc::clone(self)];
-        for n in &self.nested {
-            out.extend(n.all());
-        }
-        out
-    }
-
-    /// This module's FQN within the outermost call that encloses it.
-    fn prefix(&self) -> String {
-        self.names.module()
-    }
-
-    fn set_prefix(&self, prefix: &str) {
-        let mut p = self.names.prefix.lock().unwrap_or_else(|e| e.into_inner());
-        *p = if p.is_empty() {
-            prefix.to_string()
-        } else {
-            join_fqn(prefix, &p)
-        };
-    }
-}
 
 /// Identities of every parameter any fully_shard call manages, with its FQN there.
 static MANAGED: Mutex<BTreeMap<u64, String>> = Mutex::new(BTreeMap::new());

@@ -6,11 +6,22 @@
 //! of the pass that fires (a pre-backward hook or an interceptor) queues the callback, which
 //! finishes the joined groups in the order they joined (forward order, the same on every
 //! rank), so the collectives of groups autograd never reached are issued alike everywhere.
+//!
+//! The pass is process-wide (one `static`), not PyTorch's per-root `_state_ctx`: groups
+//! with no enclosing call (fully_shard on blocks under a `replicate`d root) share one
+//! backward pass here, and a per-root context would queue one callback per root (in the
+//! order their first hooks fire, not forward order), never queue one for a root autograd
+//! did not reach (so its groups would not issue their zero reduce-scatters), and begin the
+//! step check's backward pass once per root. Moving to per-root contexts needs those cases
+//! decided first.
 
 use std::sync::{Arc, Mutex};
 
+use tch::Tensor;
+
 use super::group::GroupInner;
 use super::steps;
+use crate::autograd::{self, Callback, Reply};
 use crate::error::{DistError, Result};
 
 struct Pass {
@@ -61,7 +72,9 @@ pub(crate) fn queue_finish(rank: usize) -> Result<()> {
     if p.queued {
         return Ok(());
     }
-    crate::reducer::queue_end_of_backward_fn(finish_trampoline).map_err(|e| {
+    // SAFETY: called from a hook of the running pass; the context is a 'static unit (the
+    // callback finds its groups in `PASS`).
+    unsafe { autograd::queue_end_of_backward::<FinishAll>(&()) }.map_err(|e| {
         DistError::Collective {
             rank,
             op: "fully_shard",
@@ -100,14 +113,14 @@ fn finish_all() -> Result<()> {
     first.map_or(Ok(()), Err)
 }
 
-unsafe extern "C" fn finish_trampoline(
-    _ctx: *mut std::ffi::c_void,
-    _index: usize,
-) -> *mut std::ffi::c_char {
-    let result = std::panic::catch_unwind(finish_all);
-    match result {
-        Ok(Ok(())) => std::ptr::null_mut(),
-        Ok(Err(e)) => crate::ffi::malloc_message(&e.to_string()),
-        Err(_) => crate::ffi::malloc_message("fully_shard: internal panic at the end of backward"),
+/// Called by libtorch at the end of the backward pass.
+struct FinishAll;
+
+impl Callback for FinishAll {
+    type Context = ();
+    const PANIC: &'static str = "fully_shard: internal panic at the end of backward";
+
+    fn run(_: &(), _index: usize, _grad: Option<Tensor>) -> Reply {
+        finish_all().map_err(|e| e.to_string())
     }
 }

@@ -20,9 +20,10 @@ use tch::{Device, Kind, Tensor};
 use tch_dist_core::trace;
 
 use super::backward;
-use super::hooks::{self, Interceptor};
+use super::hooks;
 use super::layout::ShardLayout;
 use super::steps;
+use crate::autograd::{self, is_float, Interceptor};
 use crate::error::{DistError, Result};
 use crate::shard_fence::{FenceOwner, ShardFence};
 use crate::{ProcessGroup, ReduceOp, Work};
@@ -54,15 +55,6 @@ pub struct FsdpGroupOptions {
     /// smaller group of ranks (PyTorch's `reshard_after_forward=N`, this rank's group of N)
     /// rather than over the whole group, so that backward gathers within it.
     pub post_forward_group: Option<ProcessGroup>,
-}
-
-/// Whether mixed precision casts tensors of `kind` (the floating-point dtypes); the facade's
-/// input and output casts use it too.
-pub fn is_float(kind: Kind) -> bool {
-    matches!(
-        kind,
-        Kind::Half | Kind::Float | Kind::Double | Kind::BFloat16
-    )
 }
 
 /// What a parameter is, apart from its tensors.
@@ -161,8 +153,12 @@ struct Gather {
 
 /// The shared part of a group, which libtorch's hooks call into.
 pub(crate) struct GroupInner {
-    /// The managed module's FQN, for errors.
+    /// The managed module's type, for errors.
     module: String,
+    /// The managed module's FQN as the outermost enclosing call sees it (set when that call
+    /// is applied; `""` until then, and for that call's own module): errors name each
+    /// parameter by its FQN from there.
+    module_fqn: Mutex<String>,
     group: ProcessGroup,
     meta: Vec<ParamMeta>,
     buckets: Vec<BucketMeta>,
@@ -294,6 +290,7 @@ impl FsdpGroup {
         let n = params.len();
         let inner = Arc::new(GroupInner {
             module: module.to_string(),
+            module_fqn: Mutex::new(String::new()),
             group: group.clone(),
             meta,
             buckets,
@@ -326,7 +323,7 @@ impl FsdpGroup {
         for (i, p) in params.iter().enumerate() {
             if p.param.requires_grad() {
                 interceptors.push(
-                    Interceptor::add(&p.param, &inner, i)
+                    hooks::intercept_grads(&p.param, &inner, i)
                         .map_err(|e| engine(&group, "fully_shard", e.message))?,
                 );
             }
@@ -466,6 +463,16 @@ impl FsdpGroup {
         self.inner.lock().reshard_after_backward = reshard;
     }
 
+    /// The managed module's FQN as the outermost enclosing call sees it (that call sets it
+    /// when it is applied): errors name the parameters by their FQNs from there.
+    pub fn set_module_fqn(&self, fqn: &str) {
+        *self
+            .inner
+            .module_fqn
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = fqn.to_string();
+    }
+
     /// Changes `reshard_after_forward`.
     pub fn set_reshard_after_forward(&self, reshard: bool) {
         self.inner.lock().options.reshard_after_forward = reshard;
@@ -533,7 +540,7 @@ impl FsdpGroup {
         let st = self.inner.lock();
         st.tensors
             .iter()
-            .map(|t| hooks::storage_nbytes(&t.full))
+            .map(|t| autograd::storage_nbytes(&t.full))
             .sum()
     }
 }
@@ -557,6 +564,12 @@ pub struct ShardInfo {
 impl GroupInner {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The FQN of parameter `m` as the outermost enclosing call sees it.
+    fn param_fqn(&self, m: &ParamMeta) -> String {
+        let module = self.module_fqn.lock().unwrap_or_else(|e| e.into_inner());
+        tch_dist_core::path::join_fqn(&module, &m.fqn)
     }
 
     /// Keeps `e`, a hook's error, for the next forward (the first one of a pass).
@@ -597,7 +610,7 @@ impl GroupInner {
             versions: st
                 .tensors
                 .iter()
-                .map(|t| hooks::tensor_version(&t.handle))
+                .map(|t| autograd::tensor_version(&t.handle))
                 .collect(),
         })
     }
@@ -607,7 +620,7 @@ impl GroupInner {
         st.tensors
             .iter()
             .zip(&g.versions)
-            .any(|(t, v)| hooks::tensor_version(&t.handle) != *v)
+            .any(|(t, v)| autograd::tensor_version(&t.handle) != *v)
     }
 
     fn unshard_locked(&self, st: &mut State) -> Result<()> {
@@ -656,14 +669,14 @@ impl GroupInner {
                     fence.set_armed(i, false)?;
                 }
                 let t = &mut st.tensors[i];
-                hooks::restore_storage(&t.full)
+                autograd::restore_storage(&t.full)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
                 let rows =
                     gathered[m.bucket]
                         .view([ranks, width])
                         .narrow(1, offset, l.padded_numel());
                 l.copy_from_rank_major(&t.full, &rows);
-                hooks::set_data(&t.handle, &t.full)
+                autograd::set_data(&t.handle, &t.full)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
             }
             Ok(())
@@ -757,9 +770,9 @@ impl GroupInner {
         }
         tch::no_grad(|| -> Result<()> {
             for (i, t) in st.tensors.iter().enumerate() {
-                hooks::set_data(&t.handle, &t.local)
+                autograd::set_data(&t.handle, &t.local)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
-                hooks::release_storage(&t.full)
+                autograd::release_storage(&t.full)
                     .map_err(|e| engine(&self.group, "fully_shard", e.message))?;
                 if let Some(fence) = &st.fence {
                     fence.set_armed(i, true)?;
@@ -969,7 +982,7 @@ impl GroupInner {
                             cause: format!(
                                 "module `{}`: `.grad` of `{}` has shape {:?}, not its shard's {:?}",
                                 self.module,
-                                m.fqn,
+                                self.param_fqn(m),
                                 existing.size(),
                                 shard.size()
                             ),
@@ -987,7 +1000,7 @@ impl GroupInner {
                     } else {
                         shard.copy()
                     };
-                    crate::reducer::set_grad_for(handle, Some(&own), rank, "fully_shard")?;
+                    autograd::set_grad_for(handle, Some(&own), rank, "fully_shard")?;
                 }
             }
         }

@@ -1,8 +1,11 @@
 //! Where each rank's shard of a parameter sits: `torch.chunk` along dim 0 (or another dim
 //! that the ranks divide evenly), every chunk padded to the first chunk's rows (PyTorch's
-//! FSDP2 layout).
+//! FSDP2 layout). The chunk arithmetic itself is core's (`tch_dist_core::sharding::chunk`,
+//! shared with tensor parallelism's chunk specs); this file adds the padding and the copies
+//! in and out of the collectives' rank-major buffers.
 
 use tch::Tensor;
+use tch_dist_core::sharding::chunk::{chunk_bounds, split_size};
 
 /// One parameter's dim-0 sharding over `world` ranks, as rank `rank` sees it.
 ///
@@ -54,14 +57,14 @@ impl ShardLayout {
         } else {
             row_numel
         };
-        let world = world.max(1) as i64;
+        let world = world.max(1);
         ShardLayout {
             shape: shape.to_vec(),
             dim,
             rows,
             row_numel,
-            chunk_rows: (rows + world - 1) / world,
-            world,
+            chunk_rows: split_size(rows, world),
+            world: world as i64,
             rank: rank as i64,
         }
     }
@@ -104,12 +107,17 @@ impl ShardLayout {
     /// The first full row this rank holds (its offset in a distributed checkpoint; `rows`
     /// for an empty shard past the end).
     pub fn row_offset(&self) -> i64 {
-        (self.rank * self.chunk_rows).min(self.rows)
+        self.bounds().0
     }
 
     /// Rows this rank holds (without padding).
     pub fn local_rows(&self) -> i64 {
-        (self.rows - self.rank * self.chunk_rows).clamp(0, self.chunk_rows)
+        self.bounds().1
+    }
+
+    /// This rank's `(first row, rows)`: `torch.chunk`'s chunk `rank` of `world`.
+    fn bounds(&self) -> (i64, i64) {
+        chunk_bounds(self.rows, self.world as usize, self.rank as usize)
     }
 
     /// Elements this rank holds (without padding).

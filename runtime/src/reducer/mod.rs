@@ -43,7 +43,6 @@
 //!   which gradients became ready (rank 0's order, adopted by all ranks).
 
 mod autograd;
-pub(crate) use autograd::{queue_end_of_backward_fn, set_grad_for};
 mod backward;
 mod buckets;
 pub(crate) mod comm_hooks;

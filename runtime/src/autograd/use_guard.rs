@@ -13,11 +13,12 @@
 //! guarded, and nothing is checked under `no_grad`; inside hooked calls the
 //! [shard fences](crate::ShardFence) see those uses too, at the dispatcher.
 
-use std::ffi::{c_char, c_void};
+use std::ffi::c_void;
 use std::ptr::NonNull;
 
 use tch::Tensor;
 
+use super::callback::{trampoline, Callback, Reply};
 use crate::error::{DistError, Result};
 use crate::ffi::{self, shim};
 
@@ -86,7 +87,7 @@ impl UseGuard {
         shim!(tdr_guard_new(
             raw.as_mut_ptr(),
             raw.len(),
-            guard_message_trampoline,
+            trampoline::<GuardMessage>,
             &*inner as *const GuardInner as *mut c_void,
             &mut out,
         ))
@@ -163,15 +164,15 @@ fn failure(rank: usize, op: &'static str, cause: String) -> DistError {
 
 /// Called by libtorch when a backward pass goes through an unclaimed use of parameter
 /// `index`: the message the pass fails with.
-unsafe extern "C" fn guard_message_trampoline(ctx: *mut c_void, index: usize) -> *mut c_char {
-    // SAFETY: `ctx` is the GuardInner registered with the guard, alive while the guard is.
-    let inner = unsafe { &*(ctx as *const GuardInner) };
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (inner.message)(index))) {
-        Ok(message) => ffi::malloc_message(&message),
-        Err(_) => ffi::malloc_message(
-            "a guarded parameter was used outside its module's hooked call (and its message \
-             panicked)",
-        ),
+struct GuardMessage;
+
+impl Callback for GuardMessage {
+    type Context = GuardInner;
+    const PANIC: &'static str = "a guarded parameter was used outside its module's hooked call \
+                                 (and its message panicked)";
+
+    fn run(inner: &GuardInner, index: usize, _grad: Option<Tensor>) -> Reply {
+        Err((inner.message)(index))
     }
 }
 

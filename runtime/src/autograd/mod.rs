@@ -1,0 +1,23 @@
+//! The autograd bindings both engines (the reducer and fully_shard) share: how libtorch's
+//! callbacks come back into Rust, the hooks they register, the tensor primitives they need,
+//! and the use guard.
+//!
+//! | file | what it does | PyTorch's counterpart |
+//! |---|---|---|
+//! | `callback.rs` | the one trampoline: context back to its Rust value, `catch_unwind`, the reply (null or a message) to the shim | pybind11's exception translation around Python hooks |
+//! | `hooks.rs` | grad-ready hook, gradient interceptor, output-grad hook, end-of-backward callback, assigning `.grad` | `AccumulateGrad` post hooks, `register_post_accumulate_grad_hook`, `Tensor.register_hook`, `Variable._execution_engine.queue_callback` |
+//! | `tensor.rs` | storage release/restore, `set_data` keeping the accumulator, identity, version, `is_float` | `_free_storage` / `_alloc_storage`, `Tensor.data =`, `_version`, `torch.is_floating_point` |
+//! | `use_guard.rs` | a module's parameters used in the graph only through its hooked calls | (none: PyTorch's FSDP2 does not check) |
+
+mod callback;
+mod hooks;
+mod tensor;
+mod use_guard;
+
+pub(crate) use callback::{Callback, Reply};
+pub(crate) use hooks::{
+    add_output_grad_hook, queue_end_of_backward, set_grad_for, GradReadyHook, Interceptor,
+};
+pub use tensor::{is_float, storage_nbytes, tensor_identity};
+pub(crate) use tensor::{release_storage, restore_storage, set_data, tensor_version};
+pub use use_guard::{autograd_mark, UseGuard};
