@@ -1,6 +1,7 @@
-//! Builds the C++ shim (csrc/shim.cpp) against the libtorch headers that torch-sys found,
-//! with Gloo always and NCCL when its headers and libtorch_cuda are present, and sets the
-//! run-time rpath for this package's own tests (`tch_dist_build::link_libtorch`).
+//! Builds the C++ shim (every csrc/*.cpp, sharing csrc/internal.h) against the libtorch
+//! headers that torch-sys found, with Gloo always and NCCL when its headers and libtorch_cuda
+//! are present, and sets the run-time rpath for this package's own tests
+//! (`tch_dist_build::link_libtorch`).
 
 use std::path::{Path, PathBuf};
 
@@ -9,8 +10,7 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_DOC_ONLY").is_some() {
         return;
     }
-    println!("cargo:rerun-if-changed=csrc/shim.cpp");
-    println!("cargo:rerun-if-changed=csrc/shim.h");
+    let sources = shim_sources();
     let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         panic!(
             "torch-sys did not report its libtorch folder (DEP_TCH_LIBTORCH_LIB); run `make setup`"
@@ -29,7 +29,7 @@ fn main() {
         .cpp(true)
         .std("c++17")
         .warnings(false)
-        .file("csrc/shim.cpp")
+        .files(&sources)
         .include("csrc")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
@@ -71,4 +71,20 @@ fn main() {
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");
     tch_dist_build::link_libtorch();
+}
+
+/// The shim's translation units (csrc/*.cpp, sorted), after telling cargo to rerun this
+/// script when any file in csrc/ changes or a file is added there.
+fn shim_sources() -> Vec<PathBuf> {
+    println!("cargo:rerun-if-changed=csrc");
+    let mut files: Vec<PathBuf> = std::fs::read_dir("csrc")
+        .expect("runtime/csrc is readable")
+        .map(|entry| entry.expect("runtime/csrc is readable").path())
+        .collect();
+    files.sort();
+    for file in &files {
+        println!("cargo:rerun-if-changed={}", file.display());
+    }
+    files.retain(|file| file.extension().is_some_and(|ext| ext == "cpp"));
+    files
 }
