@@ -1,15 +1,3 @@
-// The shard fences: what is left of the single-file shim until the section moves to
-// fence.cpp.
-
-#include "internal.h"
-
-#include <torch/library.h>
-
-#include <algorithm>
-#include <cstdlib>
-#include <unordered_map>
-#include <unordered_set>
-
 // ---------------------------------------------------------------------------------------
 // Shard fences (src/shard_fence.rs). A parameter an API keeps as this rank's shard (a
 // fully_shard parameter between its uses, a tensor-parallel layer's weight) gives a wrong
@@ -27,6 +15,15 @@
 // torchdistx and registers nothing for (registration fails, as an error, if something else
 // did). The fallback is registered once, on the first fence.
 // ---------------------------------------------------------------------------------------
+
+#include "internal.h"
+
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <unordered_map>
+#include <unordered_set>
 
 struct TdrFence {
   std::vector<c10::TensorImpl*> impls;  // the parameters' tensor objects (set_data keeps them)
