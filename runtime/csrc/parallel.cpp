@@ -1,0 +1,194 @@
+// Differentiable collectives for tensor parallelism (Megatron's conjugate pairs). The loss
+// is computed the same on every rank, so a replicated tensor's gradient is replicated:
+//   reduce:         forward all-reduce (sum) of partial results, backward identity
+//   copy:           forward identity,                           backward all-reduce (sum)
+//   gather:         forward all-gather along `dim`,             backward own slice
+//   split:          forward own slice along `dim`,              backward all-gather
+//   reduce_scatter: forward sum then own slice along `dim`,     backward all-gather
+// Slices along `dim` follow `sizes` (one per rank, uneven allowed, zeros allowed).
+// The backward node holds the group's backends, so a graph may outlive the Rust handle.
+
+#include "internal.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include <algorithm>
+
+using namespace tdr;
+
+namespace {
+
+at::Tensor all_reduce_sum(const TdrGroup& g, const at::Tensor& x) {
+  at::Tensor t = x.contiguous().clone();  // never write into the caller's tensor
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor buf;
+  {
+    Route r = route(g, t);
+    buf = r.staged ? host_copy(t) : t;
+    std::vector<at::Tensor> ts{buf};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::SUM;
+    o.timeout = g.timeout;
+    work = checked(g, r, {"all_reduce", ts}, [&]() { return r.backend->allreduce(ts, o); });
+  }
+  work->wait();
+  return buf.device() == t.device() ? buf : buf.to(t.device());
+}
+
+int64_t slice_offset(const std::vector<int64_t>& sizes, int rank) {
+  int64_t off = 0;
+  for (int r = 0; r < rank; ++r) {
+    off += sizes[r];
+  }
+  return off;
+}
+
+at::Tensor own_slice(const TdrGroup& g, const at::Tensor& x, int64_t dim,
+                     const std::vector<int64_t>& sizes) {
+  int64_t total = slice_offset(sizes, g.size);
+  if (x.size(dim) != total) {
+    throw std::runtime_error("expected " + std::to_string(total) + " entries along dim " +
+                             std::to_string(dim) + " (the sum of the ranks' slices), got " +
+                             c10::str(x.sizes()));
+  }
+  return x.narrow(dim, slice_offset(sizes, g.rank), sizes[g.rank]).contiguous();
+}
+
+at::Tensor all_gather_uneven(const TdrGroup& g, const at::Tensor& x, int64_t dim,
+                             const std::vector<int64_t>& sizes) {
+  if (x.size(dim) != sizes[g.rank]) {
+    throw std::runtime_error("this rank's slice has " + std::to_string(x.size(dim)) +
+                             " entries along dim " + std::to_string(dim) + ", expected " +
+                             std::to_string(sizes[g.rank]));
+  }
+  int64_t widest = *std::max_element(sizes.begin(), sizes.end());
+  auto shape = x.sizes().vec();
+  shape[dim] = widest;
+  at::Tensor padded = at::zeros(shape, x.options());
+  if (sizes[g.rank] > 0) {
+    padded.narrow(dim, 0, sizes[g.rank]).copy_(x);
+  }
+  std::vector<std::vector<at::Tensor>> outs(1);
+  std::vector<at::Tensor> ins;
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    Route r = route(g, padded);
+    ins.push_back(r.staged ? host_copy(padded) : padded);
+    for (int i = 0; i < g.size; ++i) {
+      outs[0].push_back(at::empty_like(ins[0]));
+    }
+    c10d::AllgatherOptions o;
+    o.timeout = g.timeout;
+    work = checked(g, r, {"all_gather", ins}, [&]() { return r.backend->allgather(outs, ins, o); });
+  }
+  work->wait();
+  std::vector<at::Tensor> pieces;
+  for (int r = 0; r < g.size; ++r) {
+    pieces.push_back(outs[0][r].narrow(dim, 0, sizes[r]));
+  }
+  at::Tensor whole = at::cat(pieces, dim);
+  return whole.device() == x.device() ? whole : whole.to(x.device());
+}
+
+at::Tensor parallel_forward(const TdrGroup& g, const at::Tensor& x, int mode, int64_t dim,
+                            const std::vector<int64_t>& sizes) {
+  switch (mode) {
+    case TDR_PARALLEL_REDUCE:
+      return all_reduce_sum(g, x);
+    case TDR_PARALLEL_COPY:
+      return x.clone();
+    case TDR_PARALLEL_GATHER:
+      return all_gather_uneven(g, x, dim, sizes);
+    case TDR_PARALLEL_SPLIT:
+      return own_slice(g, x, dim, sizes);
+    case TDR_PARALLEL_REDUCE_SCATTER:
+      return own_slice(g, all_reduce_sum(g, x), dim, sizes);
+    default:
+      throw std::runtime_error("unknown parallel op " + std::to_string(mode));
+  }
+}
+
+struct TdrParallelBackward : public torch::autograd::Node {
+  TdrGroup group;
+  int mode = TDR_PARALLEL_REDUCE;
+  int64_t dim = 0;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> output_shape;
+  at::TensorOptions output_options;
+
+  std::string name() const override { return "TdrParallelBackward"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    at::NoGradGuard no_grad;
+    // Every rank must run the same collective: a missing gradient counts as zeros.
+    at::Tensor g = grads[0].defined() ? grads[0] : at::zeros(output_shape, output_options);
+    switch (mode) {
+      case TDR_PARALLEL_REDUCE:
+        return {g};
+      case TDR_PARALLEL_COPY:
+        return {all_reduce_sum(group, g)};
+      case TDR_PARALLEL_GATHER:
+        return {own_slice(group, g, dim, sizes)};
+      case TDR_PARALLEL_SPLIT:
+      case TDR_PARALLEL_REDUCE_SCATTER:
+        return {all_gather_uneven(group, g.contiguous(), dim, sizes)};
+      default:
+        throw std::runtime_error("unknown parallel op " + std::to_string(mode));
+    }
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+char* tdr_parallel_op(TdrGroup* g, at::Tensor* input, int mode, int64_t dim,
+                      const int64_t* sizes, size_t n, at::Tensor** out) {
+  TDR_TRY
+  const at::Tensor& x = *input;
+  std::vector<int64_t> slices;
+  if (mode != TDR_PARALLEL_REDUCE && mode != TDR_PARALLEL_COPY) {
+    if (static_cast<int>(n) != g->size) {
+      throw std::runtime_error("expected one slice size per rank (" + std::to_string(g->size) +
+                               "), got " + std::to_string(n));
+    }
+    if (x.dim() == 0) {
+      throw std::runtime_error("a scalar cannot be split or gathered along a dimension");
+    }
+    if (dim < -x.dim() || dim >= x.dim()) {
+      throw std::runtime_error("dim " + std::to_string(dim) + " out of range for a tensor of " +
+                               std::to_string(x.dim()) + " dims");
+    }
+    if (dim < 0) {
+      dim += x.dim();
+    }
+    slices.assign(sizes, sizes + n);
+    for (auto s : slices) {
+      if (s < 0) {
+        throw std::runtime_error("negative slice size " + std::to_string(s));
+      }
+    }
+  }
+  at::Tensor y;
+  {
+    at::NoGradGuard no_grad;
+    y = parallel_forward(*g, x, mode, dim, slices);
+  }
+  if (x.requires_grad() && at::GradMode::is_enabled()) {
+    auto node = std::shared_ptr<TdrParallelBackward>(new TdrParallelBackward(),
+                                                     torch::autograd::deleteNode);
+    node->group = *g;
+    node->mode = mode;
+    node->dim = dim;
+    node->sizes = slices;
+    node->output_shape = y.sizes().vec();
+    node->output_options = y.options();
+    node->set_next_edges(torch::autograd::collect_next_edges(x));
+    torch::autograd::set_history(y, node);
+  }
+  *out = new at::Tensor(std::move(y));
+  TDR_CATCH
+}
+
+}  // extern "C"
