@@ -2,8 +2,11 @@
 //! compute what the unsharded model computes and their gradients are its gradients'
 //! shards; plan validation; plans through serde; shard + replicate trains like one process.
 
+#[path = "common/mlp.rs"]
+mod mlp;
 #[path = "common/panic_text.rs"]
 mod panic_text;
+use mlp::{Activation, Mlp};
 use panic_text::panic_text;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
@@ -16,24 +19,9 @@ use tch_dist::sharding::{
 use tch_dist::testing::run_ranks;
 use tch_dist::{registry, replicate, Call, ProcessGroup, Shardable};
 
-#[derive(Debug, Shardable)]
-struct Mlp {
-    fc1: nn::Linear,
-    fc2: nn::Linear,
-}
-
-impl Module for Mlp {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        self.fc2.call(&self.fc1.call(xs).gelu("none"))
-    }
-}
-
+/// `d` -> `hidden` -> `out` with the exact GELU.
 fn mlp(vs: &nn::VarStore, d: i64, hidden: i64, out: i64) -> Mlp {
-    let root = vs.root();
-    Mlp {
-        fc1: nn::linear(&root / "fc1", d, hidden, Default::default()),
-        fc2: nn::linear(&root / "fc2", hidden, out, Default::default()),
-    }
+    mlp::mlp(&vs.root(), d, hidden, out, Activation::Gelu)
 }
 
 /// torch.chunk's piece `rank` of `t` along `dim` (empty when there are more ranks than rows).
@@ -633,10 +621,7 @@ impl Module for Net {
 
 fn net(vs: &nn::VarStore) -> Net {
     Net {
-        mlp: Mlp {
-            fc1: nn::linear(vs.root() / "mlp" / "fc1", 4, 8, Default::default()),
-            fc2: nn::linear(vs.root() / "mlp" / "fc2", 8, 6, Default::default()),
-        },
+        mlp: mlp::mlp(&(vs.root() / "mlp"), 4, 8, 6, Activation::Gelu),
         head: nn::linear(vs.root() / "head", 6, 3, Default::default()),
     }
 }
