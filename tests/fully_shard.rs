@@ -7,6 +7,9 @@
 #[path = "common/panic_text.rs"]
 mod panic_text;
 use panic_text::panic_text;
+#[path = "common/blocks.rs"]
+mod blocks;
+use blocks::{blocks, Blocks as Model};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::fully_shard::{full_state_dict, FsdpError};
@@ -20,32 +23,8 @@ const BATCH: i64 = 12;
 /// three ranks: one rank's shard is empty).
 const DIMS: [i64; 5] = [15, 7, 17, 16, 2];
 
-#[derive(Debug, Shardable)]
-struct Model {
-    blocks: Vec<nn::Linear>,
-    head: nn::Linear,
-}
-
-impl Module for Model {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        let h = self
-            .blocks
-            .iter()
-            .fold(xs.shallow_clone(), |h, b| b.call(&h).tanh());
-        self.head.call(&h)
-    }
-}
-
 fn model(vs: &nn::VarStore) -> Model {
-    let p = vs.root();
-    let blocks = (0..DIMS.len() - 2)
-        .map(|i| nn::linear(&p / "blocks" / i, DIMS[i], DIMS[i + 1], Default::default()))
-        .collect();
-    let n = DIMS.len();
-    Model {
-        blocks,
-        head: nn::linear(&p / "head", DIMS[n - 2], DIMS[n - 1], Default::default()),
-    }
+    blocks(&vs.root(), &DIMS)
 }
 
 /// The whole batch of `step`, the same on every rank.
