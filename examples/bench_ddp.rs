@@ -46,9 +46,15 @@ use std::time::Instant;
 use tch::nn::{self, Module, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::{
-    fully_shard, init_process_group, replicate, Backend, Call, CallT, FsdpOptions, ProcessGroup,
-    ReduceOp, Shardable,
+    fully_shard, init_process_group, replicate, Backend, Call, CallT, CallWith, FsdpOptions,
+    ProcessGroup, ReduceOp, Shardable,
 };
+
+#[path = "common/attention_block.rs"]
+mod attention_block;
+#[path = "common/cli.rs"]
+mod cli;
+use attention_block::Block;
 
 #[derive(Debug, Shardable)]
 struct Mlp {
@@ -112,57 +118,6 @@ const T_HEADS: i64 = 4;
 const T_VOCAB: i64 = 128;
 const T_SEQ: i64 = 64;
 
-/// A GPT-2 block: `x + proj(attn(ln1(x)))`, then `x + fc2(gelu(fc1(ln2(x))))`.
-#[derive(Debug, Shardable)]
-struct Block {
-    ln1: nn::LayerNorm,
-    qkv: nn::Linear,
-    proj: nn::Linear,
-    ln2: nn::LayerNorm,
-    fc1: nn::Linear,
-    fc2: nn::Linear,
-    /// The model's causal mask `[seq, seq]`, true above the diagonal (future positions),
-    /// shared: a block is a `Module` of one input, so that it can be called through `.call`
-    /// (fully_shard's hooks).
-    #[shardable(skip)]
-    mask: Tensor,
-}
-
-impl Block {
-    fn new(p: nn::Path, mask: &Tensor) -> Block {
-        let d = T_DIM;
-        Block {
-            mask: mask.shallow_clone(),
-            ln1: nn::layer_norm(&p / "ln1", vec![d], Default::default()),
-            qkv: nn::linear(&p / "qkv", d, 3 * d, Default::default()),
-            proj: nn::linear(&p / "proj", d, d, Default::default()),
-            ln2: nn::layer_norm(&p / "ln2", vec![d], Default::default()),
-            fc1: nn::linear(&p / "fc1", d, 4 * d, Default::default()),
-            fc2: nn::linear(&p / "fc2", 4 * d, d, Default::default()),
-        }
-    }
-}
-
-impl Module for Block {
-    /// `x` is `[batch, seq, dim]`.
-    fn forward(&self, x: &Tensor) -> Tensor {
-        let mask = &self.mask;
-        let (b, t, d) = x.size3().expect("[batch, seq, dim]");
-        let dh = d / T_HEADS;
-        let qkv = self.qkv.call(&self.ln1.call(x)).split(d, 2);
-        let heads = |z: &Tensor| z.view([b, t, T_HEADS, dh]).transpose(1, 2);
-        let (q, k, v) = (heads(&qkv[0]), heads(&qkv[1]), heads(&qkv[2]));
-        let att = q.matmul(&k.transpose(-2, -1)) * (1.0 / (dh as f64).sqrt());
-        let att = att
-            .masked_fill(mask, f64::NEG_INFINITY)
-            .softmax(-1, Kind::Float);
-        let y = att.matmul(&v).transpose(1, 2).contiguous().view([b, t, d]);
-        let x = x + self.proj.call(&y);
-        let h = self.fc1.call(&self.ln2.call(&x)).gelu("none");
-        &x + self.fc2.call(&h)
-    }
-}
-
 #[derive(Debug, Shardable)]
 struct Transformer {
     tok: nn::Embedding,
@@ -173,23 +128,26 @@ struct Transformer {
     /// Positions 0..seq.
     #[shardable(skip)]
     positions: Tensor,
+    /// The causal mask `[seq, seq]`, true above the diagonal (future positions).
+    #[shardable(skip)]
+    mask: Tensor,
 }
 
 impl Transformer {
     fn new(p: &nn::Path) -> Transformer {
         let d = T_DIM;
         let dev = p.device();
-        // The causal mask (not a buffer: nothing to broadcast), shared by the blocks.
-        let mask = Tensor::ones([T_SEQ, T_SEQ], (Kind::Bool, dev)).triu(1);
         Transformer {
             tok: nn::embedding(p / "tok", T_VOCAB, d, Default::default()),
             pos: nn::embedding(p / "pos", T_SEQ, d, Default::default()),
             blocks: (0..T_BLOCKS)
-                .map(|i| Block::new(p / "blocks" / i, &mask))
+                .map(|i| Block::new(p / "blocks" / i, T_DIM, T_HEADS))
                 .collect(),
             ln_f: nn::layer_norm(p / "ln_f", vec![d], Default::default()),
             head: nn::linear(p / "head", d, T_VOCAB, Default::default()),
             positions: Tensor::arange(T_SEQ, (Kind::Int64, dev)),
+            // Not a buffer (nothing to broadcast); each block takes it as its second input.
+            mask: Tensor::ones([T_SEQ, T_SEQ], (Kind::Bool, dev)).triu(1),
         }
     }
 }
@@ -199,7 +157,9 @@ impl Module for Transformer {
     fn forward(&self, idx: &Tensor) -> Tensor {
         let mut x = self.tok.call(idx) + self.pos.call(&self.positions);
         for b in &self.blocks {
-            x = b.call(&x);
+            // Two inputs through `call_with`: the block's hooks (fully_shard's, replicate's)
+            // run as for `call`.
+            x = b.call_with([&x, &self.mask], |b, [x, mask]| b.forward(x, Some(mask)));
         }
         self.head.call(&self.ln_f.call(&x))
     }
@@ -461,14 +421,7 @@ fn parse_args() -> Result<Args, String> {
 }
 
 fn main() {
-    let result = run();
-    // Before the process exits, whatever happened: the default group's backends are shut
-    // down (NCCL's threads must not outlive CUDA's teardown).
-    tch_dist::destroy_process_group();
-    if let Err(e) = result {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    cli::main_with(run);
 }
 
 /// Peak and current resident set size in MiB (VmHWM and VmRSS of /proc/self/status).
