@@ -38,12 +38,12 @@
 //! again (`--pair-rank`, `--duplicate-rank`), started with torchrun's variables.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use tch::nn::{self, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
+use tch_dist::testing::{free_port, Launch};
 use tch_dist::{
     destroy_process_group, init_process_group, init_process_group_with, replicate, Backend, Call,
     CommHook, DeviceClaim, DistError, InitOptions, PowerSgdOptions, ProcessGroup, ReduceOp,
@@ -52,7 +52,10 @@ use tch_dist::{
 
 #[path = "../tests/common/replicate_net.rs"]
 mod replicate_net;
-use replicate_net::{batch, local_loss, net, BUCKETS_ONE_PER_PARAM, PARAM_FQNS};
+use replicate_net::{
+    batch, each_case_against_plain, local_loss, net, option_cases, Case, BUCKETS_ONE_PER_PARAM,
+    PARAM_FQNS,
+};
 
 /// The whole run's limit.
 const LIMIT: Duration = Duration::from_secs(300);
@@ -82,13 +85,6 @@ fn backend() -> Backend {
 enum Outcome {
     Pass,
     Skip(&'static str),
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port on 127.0.0.1")
 }
 
 /// A one-rank group on cuda:0 (eagerly connected) or on CPU.
@@ -273,77 +269,50 @@ fn check_reducer_with_shortcuts(pg: &ProcessGroup) -> Outcome {
 // 2. A group of one without shortcuts: every replicate case communicates
 // ---------------------------------------------------------------------------------------
 
-fn replicate_cases(pg: &ProcessGroup) -> Vec<(&'static str, replicate::Options, bool)> {
-    let on = |opts: replicate::Options| replicate::Options {
-        process_group: Some(pg.clone()),
-        ..opts
-    };
+/// The shared option cases (tests/common/replicate_net.rs) and this run's own (one bucket,
+/// PowerSGD, `device_id`), all on `pg`.
+fn replicate_cases(pg: &ProcessGroup) -> Vec<Case> {
     let full_rank = PowerSgdOptions {
         matrix_approximation_rank: 8,
         start_powersgd_iter: 2,
         min_compression_rate: 0.0,
         ..Default::default()
     };
-    vec![
-        ("defaults", on(replicate::Options::default()), false),
-        (
-            "one bucket",
-            on(replicate::Options {
+    let mut cases = option_cases();
+    // After "defaults", as the run has always listed it.
+    cases.insert(
+        1,
+        Case {
+            name: "one bucket",
+            options: replicate::Options {
                 bucket_cap_mb: 1e6,
                 ..Default::default()
-            }),
-            false,
-        ),
-        (
-            "a bucket per parameter",
-            on(replicate::Options {
-                bucket_cap_mb: 1e-9,
-                ..Default::default()
-            }),
-            false,
-        ),
-        (
-            "gradient_as_bucket_view",
-            on(replicate::Options {
-                gradient_as_bucket_view: true,
-                bucket_cap_mb: 1e-9,
-                ..Default::default()
-            }),
-            false,
-        ),
-        (
-            "find_unused_parameters",
-            on(replicate::Options {
-                find_unused_parameters: true,
-                ..Default::default()
-            }),
-            true,
-        ),
-        (
-            "static_graph",
-            on(replicate::Options {
-                static_graph: true,
-                ..Default::default()
-            }),
-            true,
-        ),
-        (
-            "PowerSGD (full rank: exact)",
-            on(replicate::Options {
+            },
+            head: false,
+        },
+    );
+    cases.extend([
+        Case {
+            name: "PowerSGD (full rank: exact)",
+            options: replicate::Options {
                 comm_hook: CommHook::PowerSgd(full_rank),
                 ..Default::default()
-            }),
-            false,
-        ),
-        (
-            "device_id moves the input",
-            on(replicate::Options {
+            },
+            head: false,
+        },
+        Case {
+            name: "device_id moves the input",
+            options: replicate::Options {
                 device_id: Some(dev().into()),
                 ..Default::default()
-            }),
-            false,
-        ),
-    ]
+            },
+            head: false,
+        },
+    ]);
+    for case in &mut cases {
+        case.options.process_group = Some(pg.clone());
+    }
+    cases
 }
 
 fn check_replicate_case(pg: &ProcessGroup, opts: replicate::Options, head: bool) -> Outcome {
@@ -647,55 +616,28 @@ fn check_wait_probe(pg: &ProcessGroup) -> Outcome {
 // 4, 5. Child ranks
 // ---------------------------------------------------------------------------------------
 
-/// Starts this binary as `n` ranks with `mode` and torchrun's variables plus `env`, waits for
-/// them (killing them at CHILD_LIMIT) and returns each rank's (success, output).
+/// Starts this binary as `n` ranks with `mode` and torchrun's variables plus `env`
+/// (`tch_dist::testing::Launch`), waits for them (killing them at CHILD_LIMIT) and returns
+/// each rank's (success, output).
 fn spawn_ranks(mode: &str, n: usize, env: &[(&str, &str)]) -> Vec<(bool, String)> {
     let exe = std::env::current_exe().expect("this binary's path");
-    let port = free_port().to_string();
-    let mut children = Vec::new();
+    let mut argv = vec![exe.to_string_lossy().into_owned(), mode.to_string()];
+    if cpu() {
+        argv.push("--cpu".into());
+    }
+    let mut launch = Launch::new(mode, n)
+        .timeout(CHILD_LIMIT)
+        .env("TCH_DIST_TIMEOUT_SECS", "60");
+    for &(key, value) in env {
+        launch = launch.env(key, value);
+    }
     for rank in 0..n {
-        let mut cmd = Command::new(&exe);
-        cmd.arg(mode);
-        if cpu() {
-            cmd.arg("--cpu");
-        }
-        cmd.env("RANK", rank.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("WORLD_SIZE", n.to_string())
-            .env("LOCAL_WORLD_SIZE", n.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", &port)
-            .env("TCH_DIST_TIMEOUT_SECS", "60")
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        children.push(cmd.spawn().expect("starting a rank"));
+        launch = launch.rank_program(rank, argv.clone());
     }
-    let deadline = Instant::now() + CHILD_LIMIT;
-    loop {
-        let done = children
-            .iter_mut()
-            .all(|c| c.try_wait().ok().flatten().is_some());
-        if done || Instant::now() >= deadline {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    children
+    launch
+        .run()
         .into_iter()
-        .map(|mut c| {
-            if c.try_wait().ok().flatten().is_none() {
-                let _ = c.kill();
-            }
-            let out = c.wait_with_output().expect("a rank's output");
-            let text = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            (out.status.success(), text)
-        })
+        .map(|o| (o.success(), format!("{}{}", o.stdout, o.stderr)))
         .collect()
 }
 
@@ -734,47 +676,15 @@ fn pair_rank() -> Result<(), String> {
         );
     }
     assert_eq!(pg.world_size(), 2);
-    let cases = vec![
-        ("defaults", replicate::Options::default(), false),
-        (
-            "a bucket per parameter",
-            replicate::Options {
-                bucket_cap_mb: 1e-9,
-                ..Default::default()
-            },
-            false,
-        ),
-        (
-            "gradient_as_bucket_view",
-            replicate::Options {
-                gradient_as_bucket_view: true,
-                ..Default::default()
-            },
-            false,
-        ),
-        (
-            "find_unused_parameters",
-            replicate::Options {
-                find_unused_parameters: true,
-                ..Default::default()
-            },
-            true,
-        ),
-    ];
-    let mut worst: f64 = 0.0;
-    for (name, opts, head) in cases {
-        let d = replicate_net::train_both(&pg, dev(), opts, head, 4);
-        if d >= 1e-5 {
-            return Err(format!("{name}: max |replicate - plain| = {d}"));
-        }
-        worst = worst.max(d);
-    }
+    let cases = option_cases();
+    let count = cases.len();
+    let worst = each_case_against_plain(&pg, dev(), cases, 4, 1e-5)?;
     let d = replicate_net::no_sync_vs_one_step(&pg, dev(), 3);
     if d >= 1e-5 {
         return Err(format!("no_sync: {d}"));
     }
     println!(
-        "pair rank {}: 4 replicate cases and no_sync on {:?} with {} collectives, max |replicate - plain| = {worst:.2e}",
+        "pair rank {}: {count} replicate cases and no_sync on {:?} with {} collectives, max |replicate - plain| = {worst:.2e}",
         pg.rank(),
         dev(),
         pg.launched_collectives()
@@ -1035,7 +945,12 @@ fn main() {
             std::process::exit(1);
         }
     };
-    for (name, opts, head) in replicate_cases(&alone) {
+    for Case {
+        name,
+        options: opts,
+        head,
+    } in replicate_cases(&alone)
+    {
         tally.run(&format!("without shortcuts, replicate: {name}"), || {
             check_replicate_case(&alone, opts, head)
         });
