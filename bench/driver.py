@@ -1,12 +1,12 @@
 """The DDP benchmark driver: tch-dist `replicate` against PyTorch DDP (see docs/PERFORMANCE.md).
 
 CPU (`make bench`): a suite of three models, each defined identically in
-examples/bench_ddp.rs and bench/pytorch_ddp.py: `mlp` (1024-2048-2048-1024-10, 8.4M
+examples/bench_ddp/ and bench/pytorch_ddp.py: `mlp` (1024-2048-2048-1024-10, 8.4M
 parameters in 8 tensors, batch 64), `transformer` (GPT-2-style, 6 blocks of width 256, 4.8M
 parameters in 78 tensors, batch 2 x 64 tokens) and `convnet` (nine conv + BatchNorm2d + ReLU
 blocks on 32x32 images, 0.48M parameters in 29 tensors and 18 BatchNorm buffers, batch 8);
 SGD, 2 ranks on this machine's cores, Gloo, one torch thread per rank. Per model, PyTorch
-DDP (bench/pytorch_ddp.py) and tch-dist (examples/bench_ddp.rs) run in alternating order for
+DDP (bench/pytorch_ddp.py) and tch-dist (examples/bench_ddp/) run in alternating order for
 several rounds, so that machine noise hits both, with and without gradient_as_bucket_view;
 plain single-process training (tch and PyTorch), two plain processes at once and the raw
 Gloo all-reduce of the same bytes (the floor) are measured beside them. Prints a table per

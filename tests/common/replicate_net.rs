@@ -1,5 +1,5 @@
 //! The model, the option cases and the equivalence checks shared by `tests/replicate.rs`
-//! (CPU, Gloo, 2-3 ranks), `tests/wrap.rs` and `examples/gpu_check.rs` (CUDA, NCCL, one rank),
+//! (CPU, Gloo, 2-3 ranks), `tests/wrap.rs` and `examples/gpu_check/` (CUDA, NCCL, one rank),
 //! included by each with `#[path]`: an example cannot import test code, and the GPU run must
 //! check what the tests check.
 
