@@ -1,12 +1,12 @@
 """The DDP benchmark driver: tch-dist `replicate` against PyTorch DDP (see docs/PERFORMANCE.md).
 
 CPU (`make bench`): a suite of three models, each defined identically in
-examples/bench_ddp.rs and bench/pytorch_ddp.py: `mlp` (1024-2048-2048-1024-10, 8.4M
+examples/bench_ddp/ and bench/pytorch_ddp.py: `mlp` (1024-2048-2048-1024-10, 8.4M
 parameters in 8 tensors, batch 64), `transformer` (GPT-2-style, 6 blocks of width 256, 4.8M
 parameters in 78 tensors, batch 2 x 64 tokens) and `convnet` (nine conv + BatchNorm2d + ReLU
 blocks on 32x32 images, 0.48M parameters in 29 tensors and 18 BatchNorm buffers, batch 8);
 SGD, 2 ranks on this machine's cores, Gloo, one torch thread per rank. Per model, PyTorch
-DDP (bench/pytorch_ddp.py) and tch-dist (examples/bench_ddp.rs) run in alternating order for
+DDP (bench/pytorch_ddp.py) and tch-dist (examples/bench_ddp/) run in alternating order for
 several rounds, so that machine noise hits both, with and without gradient_as_bucket_view;
 plain single-process training (tch and PyTorch), two plain processes at once and the raw
 Gloo all-reduce of the same bytes (the floor) are measured beside them. Prints a table per
@@ -43,19 +43,19 @@ is shared), up to --retries times, and the table shows what remained.
     python3 bench/driver.py [--models mlp,transformer,convnet,fsdp] [--rounds N] [--steps N]
                             [--warmup N] [--budget SECONDS] [--fsdp-budget SECONDS] [-v]
     python3 bench/driver.py --gpu --bin-dir DIR --script DIR/pytorch_ddp.py --python python3
+
+Beside it: runner.py runs the jobs (the launcher, `BENCH {json}` lines, the machine's load,
+repeats), figures.py makes the tables' figures, charts.py draws the SVG charts.
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 import charts
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from figures import floor_lines, paired_ratio, pooled_median, table
+from runner import ROOT, Runner, print_step_check
 
 # The CPU suite: what each model is, and its rounds / timed steps / warm-up steps (chosen so
 # that the whole `make bench` stays under 10 minutes here; --rounds/--steps/--warmup override).
@@ -100,200 +100,6 @@ FSDP = dict(
     steps=15,
     warmup=3,
 )
-
-
-def print_step_check(runs):
-    """The always-on step check's cost: its time per step (rank 0, measured inside the
-    runtime) over the median step, per run, the median of those."""
-    ratios = [x.get("step_check_ms", 0.0) / x["median_ms"] for x in runs if x.get("median_ms")]
-    if ratios:
-        ms = statistics.median(x.get("step_check_ms", 0.0) for x in runs)
-        print(
-            f"step_check_vs_step={statistics.median(ratios):.4f}  (time in the step check per "
-            f"step, {ms:.3f} ms, / the median step; goal <= 0.01)"
-        )
-
-
-def parse_bench(output):
-    """Every `BENCH {json}` line of a run (the launcher prefixes lines with `[rankR]: `)."""
-    out = []
-    for line in output.splitlines():
-        i = line.find("BENCH {")
-        if i >= 0:
-            out.append(json.loads(line[i + len("BENCH ") :]))
-    return out
-
-
-def machine_idle_fraction(seconds=0.5):
-    def sample():
-        with open("/proc/stat") as f:
-            t = [int(x) for x in f.readline().split()[1:9]]
-        return sum(t), t[3] + t[4]
-
-    a = sample()
-    time.sleep(seconds)
-    b = sample()
-    total = b[0] - a[0]
-    return (b[1] - a[1]) / total if total else 1.0
-
-
-def wait_until_quiet(max_seconds, idle=0.9):
-    """Waits (at most `max_seconds`) until other programs leave the CPUs mostly idle."""
-    deadline = time.time() + max_seconds
-    while time.time() < deadline and machine_idle_fraction() < idle:
-        pass
-
-
-def foreign_fraction(recs, ncpu):
-    """The share of the machine's CPUs that other programs used during a run's timed window
-    (machine busy time minus the ranks' own CPU time, per CPU and wall second)."""
-    w = next(r for r in recs if r.get("rank", 0) == 0)["window"]
-    own = sum(r["window"]["cpu_ms"] for r in recs)
-    return max(0.0, w["machine_busy_ms"] - own) / (ncpu * w["wall_ms"])
-
-
-class Runner:
-    def __init__(self, a):
-        self.a = a
-        self.launcher = os.path.join(a.bin_dir, "tch-dist-run")
-        self.bench = os.path.join(a.bin_dir, "bench_ddp")
-        if not os.path.exists(self.bench):
-            self.bench = os.path.join(a.bin_dir, "examples", "bench_ddp")
-        self.ncpu = os.cpu_count() or 1
-        self.results = {}  # configuration -> rank-0 records, one per run
-        self.retried = 0
-        self.model = a.model  # what --model the runs get (None: the programs' default)
-        self.steps, self.warmup = a.steps, a.warmup
-        # The time budget (--budget): waiting for a quiet machine, repeating runs and, after
-        # two, rounds stop when what is left would not fit the runs still planned at the pace
-        # so far.
-        # The caller sets, per part of the suite, its deadline and how many runs it plans.
-        self.deadline = float("inf")
-        self.planned = 0
-        self.done = 0  # runs of the current part
-        self.total_runs = 0
-        self.run_seconds = 0.0
-        self.not_repeated = 0
-        self.cut_rounds = 0
-
-    def slack(self):
-        """Seconds before the deadline that the planned runs leave for waits and repeats."""
-        pace = self.run_seconds / self.total_runs if self.total_runs else 8.0
-        left = self.deadline - time.time()
-        return left - max(0, self.planned - self.done) * pace
-
-    def run(self, name, cmd, distributed, env=None):
-        if distributed:
-            cmd = [self.launcher, "--nproc-per-node", str(self.a.nproc), "--"] + cmd
-        for attempt in range(self.a.retries + 1):
-            wait_until_quiet(min(self.a.quiet_wait, max(0.0, self.slack())))
-            t = time.time()
-            p = subprocess.run(
-                cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, **(env or {}))
-            )
-            if p.returncode != 0:
-                sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
-                raise SystemExit(f"bench: `{' '.join(cmd)}` failed with status {p.returncode}")
-            recs = parse_bench(p.stdout)
-            if not recs:
-                sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
-                raise SystemExit(f"bench: `{' '.join(cmd)}` printed no BENCH line")
-            rank0 = next(r for r in recs if r.get("rank", 0) == 0)
-            foreign = foreign_fraction(recs, self.ncpu)
-            rank0["foreign"] = foreign
-            rank0["peak_rss_mib_max"] = max(r["peak_rss_mib"] for r in recs)
-            rank0["state_bytes_max"] = max(r.get("state_bytes", 0) for r in recs)
-            self.run_seconds += time.time() - t
-            self.total_runs += 1
-            if foreign <= self.a.max_foreign or attempt == self.a.retries:
-                break
-            if self.slack() < self.run_seconds / self.total_runs:
-                self.not_repeated += 1
-                break  # no time left for a repeat
-            self.retried += 1
-            if self.a.verbose:
-                print(
-                    f"  {self.model or ''} {name}: other programs used {foreign:.0%} of the CPUs; again",
-                    flush=True,
-                )
-        self.done += 1
-        self.results.setdefault(name, []).append(rank0)
-        if self.a.verbose:
-            print(
-                f"  {self.model or ''} {name:<22} "
-                f"{rank0.get('median_ms', rank0.get('sum_ms', 0)):8.2f} ms"
-                f"  foreign {foreign:4.0%}  ({time.time() - t:.1f} s)",
-                flush=True,
-            )
-        return rank0
-
-    def common(self):
-        a = self.a
-        out = ["--steps", str(self.steps), "--warmup", str(self.warmup)]
-        if a.gpu:
-            out += ["--device", a.device, "--threads", "0"]
-        if self.model:
-            out += ["--model", self.model]
-        return out
-
-    def tch(self, name, mode, *extra, launch=None, env=None):
-        cmd = [self.bench, "--mode", mode] + self.common() + list(extra)
-        return self.run(name, cmd, mode != "plain" if launch is None else launch, env)
-
-    def torch(self, name, mode, *extra):
-        cmd = [self.a.python, self.a.script, "--mode", mode] + self.common() + list(extra)
-        return self.run(name, cmd, mode != "plain")
-
-
-def pooled_median(recs):
-    return statistics.median([s for r in recs for s in r["steps_ms"]])
-
-
-def paired_ratio(a, b):
-    """Median over rounds of a/b, each tch-dist run against the PyTorch run beside it."""
-    return statistics.median(x["median_ms"] / y["median_ms"] for x, y in zip(a, b))
-
-
-def table(r, keys):
-    res = r.results
-    med = {k: pooled_median(v) for k, v in res.items() if k != "allreduce"}
-    peak = {k: max(x["peak_rss_mib_max"] for x in v) for k, v in res.items()}
-    print()
-    print(
-        f"{'configuration':<20} {'step ms':>8} {'x plain':>8} {'fwd':>6} {'bwd':>6} {'opt':>6} "
-        f"{'cpu/rank':>8} {'faults':>7} {'peak RSS MiB':>12} {'foreign':>7}  runs"
-    )
-    for k in keys:
-        if k not in med:
-            continue
-        plain = med["tch_plain"] if k.startswith("tch") else med["pytorch_plain"]
-        if k.endswith("_trim"):
-            plain = med["tch_plain_trim"]
-        v = res[k]
-        ph = {
-            p: statistics.median(x.get(p, 0) for x in v)
-            for p in ("fwd_ms", "bwd_ms", "opt_ms", "cpu_ms", "page_faults")
-        }
-        print(
-            f"{k:<20} {med[k]:8.2f} {med[k] / plain:8.2f} {ph['fwd_ms']:6.1f} {ph['bwd_ms']:6.1f} "
-            f"{ph['opt_ms']:6.1f} {ph['cpu_ms']:8.1f} {ph['page_faults']:7.0f} {peak[k]:12.1f} "
-            f"{max(x['foreign'] for x in v):7.0%}  {len(v)}"
-        )
-    return med, peak
-
-
-def floor_lines(floor, label):
-    print(
-        f"raw {label} all_reduce of {floor['bytes'] / 1e6:.1f} MB in one tensor: SUM "
-        f"{floor['sum_ms']:.2f} ms ({floor['sum_cpu_ms']:.1f} ms CPU per rank), AVG {floor['avg_ms']:.2f} ms"
-    )
-    print(
-        "the same bytes as tch-dist's collectives: "
-        + ", ".join(
-            f"{s / 1e6:.2f} MB {m:.2f} ms" for s, m in zip(floor["sizes"], floor["per_size_ms"])
-        )
-        + f"; all {len(floor['sizes'])} launched back to back: {floor['buckets_ms']:.2f} ms"
-    )
 
 
 def cpu_model(a, r, model):

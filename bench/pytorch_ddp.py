@@ -1,5 +1,5 @@
 """The DDP and FSDP benchmarks' PyTorch side: the same models, batch and loop as
-examples/bench_ddp.rs (`--model mlp|transformer|convnet|gpu`; see there for what each is).
+examples/bench_ddp/ (`--model mlp|transformer|convnet|gpu`; see there for what each is).
 
     tch-dist-run --nproc-per-node 2 -- python3 bench/pytorch_ddp.py --mode ddp [--model NAME] [--bucket-cap-mb 25]
         [--grad-as-bucket-view] [--no-broadcast-buffers]
@@ -58,7 +58,7 @@ class Mlp(nn.Module):
         return x
 
 
-# The transformer's shape (examples/bench_ddp.rs: T_DIM, T_BLOCKS, T_HEADS, T_VOCAB, T_SEQ).
+# The transformer's shape (examples/bench_ddp/models.rs: T_DIM, T_BLOCKS, T_HEADS, T_VOCAB, T_SEQ).
 T_DIM, T_BLOCKS, T_HEADS, T_VOCAB, T_SEQ = 256, 6, 4, 128, 64
 
 
@@ -95,7 +95,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in range(T_BLOCKS))
         self.ln_f = nn.LayerNorm(T_DIM)
         self.head = nn.Linear(T_DIM, T_VOCAB)
-        # Plain attributes, not buffers (nothing for DDP to broadcast), as in bench_ddp.rs.
+        # Plain attributes, not buffers (nothing for DDP to broadcast), as in examples/bench_ddp/models.rs.
         self.mask = torch.ones(T_SEQ, T_SEQ, dtype=torch.bool).triu(1)
         self.positions = torch.arange(T_SEQ)
 
@@ -106,7 +106,7 @@ class Transformer(nn.Module):
         return self.head(self.ln_f(x))
 
 
-# Output channels and stride of the convnet's nine blocks (bench_ddp.rs: CONV).
+# Output channels and stride of the convnet's nine blocks (examples/bench_ddp/models.rs: CONV).
 CONV = [(32, 1), (32, 1), (32, 1), (64, 2), (64, 1), (64, 1), (128, 2), (128, 1), (128, 1)]
 
 
@@ -147,7 +147,7 @@ def build(model):
 
 
 def batch_of(model, batch, device):
-    """One fixed batch per rank: inputs, targets and the loss (as bench_ddp.rs)."""
+    """One fixed batch per rank: inputs, targets and the loss (as examples/bench_ddp/)."""
     if model in ("mlp", "gpu"):
         w, _ = widths(model)
         x = torch.randn(batch, w[0], device=device)

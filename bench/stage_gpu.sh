@@ -13,7 +13,8 @@ for bin in "$rel/tch-dist-run" "$rel/examples/bench_ddp" "$rel/examples/gpu_chec
     cp "$bin" "$dest/"
     strip "$dest/$(basename "$bin")"
 done
-cp "$root/bench/pytorch_ddp.py" "$root/bench/driver.py" "$root/bench/charts.py" "$dest/"
+cp "$root/bench/pytorch_ddp.py" "$root/bench/driver.py" "$root/bench/runner.py" \
+    "$root/bench/figures.py" "$root/bench/charts.py" "$dest/"
 cp "$root/bench/gpu_run.sh" "$dest/run.sh"
 chmod +x "$dest/run.sh"
 

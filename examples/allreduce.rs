@@ -6,15 +6,11 @@
 
 use tch_dist::{init_process_group, Backend, ReduceOp};
 
+#[path = "common/cli.rs"]
+mod cli;
+
 fn main() {
-    let result = run();
-    // Before the process exits, whatever happened: the default group's backends are shut
-    // down (NCCL's threads must not outlive CUDA's teardown).
-    tch_dist::destroy_process_group();
-    if let Err(e) = result {
-        eprintln!("error: {}", tch_dist::report(&e));
-        std::process::exit(1);
-    }
+    cli::main_with(run);
 }
 
 fn run() -> Result<(), tch_dist::DistError> {

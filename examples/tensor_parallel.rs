@@ -25,6 +25,9 @@ use tch_dist::{init_process_group, Backend, Call, Shardable};
 #[path = "common/digits.rs"]
 mod digits;
 
+#[path = "common/cli.rs"]
+mod cli;
+
 #[derive(Debug, Shardable)]
 struct Block {
     norm: nn::LayerNorm,
@@ -85,30 +88,20 @@ fn parse_args() -> Result<Args, String> {
         batch: 64,
         lr: 0.01,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+    let mut flags = cli::Flags::from_env();
+    while let Some(flag) = flags.next_flag() {
         match flag.as_str() {
-            "--epochs" => a.epochs = value()?.parse().map_err(|e| format!("--epochs: {e}"))?,
-            "--batch-size" => {
-                a.batch = value()?.parse().map_err(|e| format!("--batch-size: {e}"))?
-            }
-            "--lr" => a.lr = value()?.parse().map_err(|e| format!("--lr: {e}"))?,
-            other => return Err(format!("unknown argument {other}")),
+            "--epochs" => a.epochs = flags.parsed(&flag)?,
+            "--batch-size" => a.batch = flags.parsed(&flag)?,
+            "--lr" => a.lr = flags.parsed(&flag)?,
+            other => return Err(cli::unknown(other)),
         }
     }
     Ok(a)
 }
 
 fn main() {
-    let result = run();
-    // Before the process exits, whatever happened: the default group's backends are shut
-    // down (NCCL's threads must not outlive CUDA's teardown).
-    tch_dist::destroy_process_group();
-    if let Err(e) = result {
-        eprintln!("error: {}", tch_dist::report(&*e));
-        std::process::exit(1);
-    }
+    cli::main_with(run);
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {

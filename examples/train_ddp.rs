@@ -22,9 +22,6 @@
 //!     [--epochs N] [--checkpoint-dir DIR --checkpoint-every N] [--resume]
 //! ```
 //!
-//! For tests: `TCH_DIST_TEST_KILL_AT_STEP=S` makes rank 1 SIGKILL itself after step S on
-//! the first start only (`TORCHELASTIC_RESTART_COUNT` 0 or unset).
-//!
 //! Every failure ends the program with one line, `error: ...`, and exit status 1: a peer
 //! that dies mid-training is `error: rank 0: all_reduce failed: rank 1 closed the
 //! connection`, not a panic (tch's `backward_step` unwraps the backward pass; this loop
@@ -46,6 +43,9 @@ mod checkpoint;
 #[path = "common/digits.rs"]
 mod digits;
 use digits::load_digits;
+
+#[path = "common/cli.rs"]
+mod cli;
 
 #[derive(Debug, Shardable)]
 struct Net {
@@ -95,31 +95,20 @@ fn parse_args() -> Result<Args, String> {
         keep_last: 3,
         max_steps: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
-        match arg.as_str() {
-            "--epochs" => a.epochs = value()?.parse().map_err(|e| format!("--epochs: {e}"))?,
-            "--batch-size" => {
-                a.batch = value()?.parse().map_err(|e| format!("--batch-size: {e}"))?
-            }
-            "--lr" => a.lr = value()?.parse().map_err(|e| format!("--lr: {e}"))?,
+    let mut flags = cli::Flags::from_env();
+    while let Some(flag) = flags.next_flag() {
+        match flag.as_str() {
+            "--epochs" => a.epochs = flags.parsed(&flag)?,
+            "--batch-size" => a.batch = flags.parsed(&flag)?,
+            "--lr" => a.lr = flags.parsed(&flag)?,
             "--resume" => a.resume = true,
-            "--checkpoint" => a.checkpoint = value()?.into(),
-            "--data" => a.data = value()?.into(),
-            "--checkpoint-dir" => a.checkpoint_dir = Some(value()?.into()),
-            "--checkpoint-every" => {
-                a.checkpoint_every = value()?
-                    .parse()
-                    .map_err(|e| format!("--checkpoint-every: {e}"))?
-            }
-            "--keep-last" => {
-                a.keep_last = value()?.parse().map_err(|e| format!("--keep-last: {e}"))?
-            }
-            "--max-steps" => {
-                a.max_steps = Some(value()?.parse().map_err(|e| format!("--max-steps: {e}"))?)
-            }
-            other => return Err(format!("unknown argument {other}")),
+            "--checkpoint" => a.checkpoint = flags.value(&flag)?.into(),
+            "--data" => a.data = flags.value(&flag)?.into(),
+            "--checkpoint-dir" => a.checkpoint_dir = Some(flags.value(&flag)?.into()),
+            "--checkpoint-every" => a.checkpoint_every = flags.parsed(&flag)?,
+            "--keep-last" => a.keep_last = flags.parsed(&flag)?,
+            "--max-steps" => a.max_steps = Some(flags.parsed(&flag)?),
+            other => return Err(cli::unknown(other)),
         }
     }
     if a.checkpoint_every > 0 && a.checkpoint_dir.is_none() {
@@ -129,14 +118,14 @@ fn parse_args() -> Result<Args, String> {
 }
 
 fn main() {
-    let result = run();
-    // Before the process exits, whatever happened: the default group's backends are shut
-    // down (NCCL's threads must not outlive CUDA's teardown).
-    tch_dist::destroy_process_group();
-    if let Err(e) = result {
-        eprintln!("error: {}", tch_dist::report(&*e));
-        std::process::exit(1);
-    }
+    train_main(|_step| {});
+}
+
+/// The program, calling `after_step(step)` after each optimizer step, before any checkpoint
+/// of it (tests/resume/train_ddp_crash.rs, a test build of this example, crashes a rank
+/// there).
+pub fn train_main(after_step: impl FnMut(u64)) {
+    cli::main_with(|| run(after_step));
 }
 
 /// `opt.backward_step(&loss)` with failures as values: a collective that failed during
@@ -152,7 +141,7 @@ fn backward_step(model: &Net, opt: &mut Optimizer, loss: &Tensor) -> Result<(), 
 }
 
 /// torchrun's (and tch-dist-run's) restart count: 0 on the first start.
-fn restart_count() -> Result<u64, String> {
+pub fn restart_count() -> Result<u64, String> {
     match std::env::var("TORCHELASTIC_RESTART_COUNT") {
         Ok(v) => v
             .parse()
@@ -187,7 +176,7 @@ impl Position {
     }
 }
 
-fn run() -> Result<(), Box<dyn Error>> {
+fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
     let args = parse_args()?;
     // One intra-op thread per rank: the benchmarks and CI run both ranks on one 2-core
     // machine. A benchmark setting, not advice: on your machine give each rank its share of
@@ -246,13 +235,6 @@ fn run() -> Result<(), Box<dyn Error>> {
     }
     tch_dist::check_against_var_store(&model, &vs)?;
     replicate::apply(&model, replicate::Options::default())?;
-    let kill_at: Option<u64> = match std::env::var("TCH_DIST_TEST_KILL_AT_STEP") {
-        Ok(v) if restart_count()? == 0 && rank == 1 => Some(
-            v.parse()
-                .map_err(|_| format!("TCH_DIST_TEST_KILL_AT_STEP={v:?} is not a step"))?,
-        ),
-        _ => None,
-    };
 
     // Each rank reads its own share of every epoch's shuffled rows (PyTorch's
     // DistributedSampler: the same rows a PyTorch rank with the same seed would read), in
@@ -313,11 +295,7 @@ fn run() -> Result<(), Box<dyn Error>> {
             backward_step(&model, &mut opt, &loss)?;
             global += 1;
             seen += len;
-            if kill_at == Some(global) {
-                // The test's crash: after the step, before any checkpoint of it.
-                // SAFETY: raise(3) with a valid signal; SIGKILL ends this process here.
-                unsafe { libc::raise(libc::SIGKILL) };
-            }
+            after_step(global);
             if let (Some(dir), true) = (
                 &args.checkpoint_dir,
                 args.checkpoint_every > 0 && global % args.checkpoint_every == 0,

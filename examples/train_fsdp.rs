@@ -32,6 +32,12 @@ use tch_dist::{fully_shard, init_process_group, Backend, Call, FsdpOptions, Shar
 mod digits;
 use digits::load_digits;
 
+#[path = "common/attention_block.rs"]
+mod attention_block;
+#[path = "common/cli.rs"]
+mod cli;
+use attention_block::Block;
+
 /// Tokens per image (its rows), pixels per token, model width, heads, blocks.
 const SEQ: i64 = 8;
 const PIXELS: i64 = 8;
@@ -39,46 +45,12 @@ const DIM: i64 = 64;
 const HEADS: i64 = 4;
 const BLOCKS: usize = 2;
 
-/// A pre-LayerNorm transformer block: `x + proj(attn(ln1(x)))`, then
-/// `x + fc2(gelu(fc1(ln2(x))))` (bidirectional attention: the whole image is seen at once).
-#[derive(Debug, Shardable)]
-struct Block {
-    ln1: nn::LayerNorm,
-    qkv: nn::Linear,
-    proj: nn::Linear,
-    ln2: nn::LayerNorm,
-    fc1: nn::Linear,
-    fc2: nn::Linear,
-}
-
-impl Block {
-    fn new(p: nn::Path) -> Block {
-        let d = DIM;
-        Block {
-            ln1: nn::layer_norm(&p / "ln1", vec![d], Default::default()),
-            qkv: nn::linear(&p / "qkv", d, 3 * d, Default::default()),
-            proj: nn::linear(&p / "proj", d, d, Default::default()),
-            ln2: nn::layer_norm(&p / "ln2", vec![d], Default::default()),
-            fc1: nn::linear(&p / "fc1", d, 4 * d, Default::default()),
-            fc2: nn::linear(&p / "fc2", 4 * d, d, Default::default()),
-        }
-    }
-}
-
+/// A block of the shared pre-LayerNorm transformer (common/attention_block.rs), called with
+/// one input: its attention is bidirectional (the whole image is seen at once), no mask.
 impl Module for Block {
     /// `[batch, seq, dim]` to `[batch, seq, dim]`.
     fn forward(&self, x: &Tensor) -> Tensor {
-        let (b, t, d) = (x.size()[0], x.size()[1], x.size()[2]);
-        let dh = d / HEADS;
-        let qkv = self.qkv.call(&self.ln1.call(x)).split(d, 2);
-        let heads = |z: &Tensor| z.view([b, t, HEADS, dh]).transpose(1, 2);
-        let (q, k, v) = (heads(&qkv[0]), heads(&qkv[1]), heads(&qkv[2]));
-        let att =
-            (q.matmul(&k.transpose(-2, -1)) * (1.0 / (dh as f64).sqrt())).softmax(-1, Kind::Float);
-        let y = att.matmul(&v).transpose(1, 2).contiguous().view([b, t, d]);
-        let x = x + self.proj.call(&y);
-        let h = self.fc1.call(&self.ln2.call(&x)).gelu("none");
-        &x + self.fc2.call(&h)
+        Block::forward(self, x, None)
     }
 }
 
@@ -99,7 +71,9 @@ impl Net {
         Net {
             patch: nn::linear(p / "patch", PIXELS, DIM, Default::default()),
             pos: nn::embedding(p / "pos", SEQ, DIM, Default::default()),
-            blocks: (0..BLOCKS).map(|i| Block::new(p / "blocks" / i)).collect(),
+            blocks: (0..BLOCKS)
+                .map(|i| Block::new(p / "blocks" / i, DIM, HEADS))
+                .collect(),
             ln_f: nn::layer_norm(p / "ln_f", vec![DIM], Default::default()),
             head: nn::linear(p / "head", DIM, 10, Default::default()),
             positions: Tensor::arange(SEQ, (Kind::Int64, p.device())),
@@ -135,17 +109,14 @@ fn parse_args() -> Result<Args, String> {
         lr: 3e-3,
         data: digits::default_path(),
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = || it.next().ok_or_else(|| format!("{arg} needs a value"));
-        match arg.as_str() {
-            "--epochs" => a.epochs = value()?.parse().map_err(|e| format!("--epochs: {e}"))?,
-            "--batch-size" => {
-                a.batch = value()?.parse().map_err(|e| format!("--batch-size: {e}"))?
-            }
-            "--lr" => a.lr = value()?.parse().map_err(|e| format!("--lr: {e}"))?,
-            "--data" => a.data = value()?.into(),
-            other => return Err(format!("unknown argument {other}")),
+    let mut flags = cli::Flags::from_env();
+    while let Some(flag) = flags.next_flag() {
+        match flag.as_str() {
+            "--epochs" => a.epochs = flags.parsed(&flag)?,
+            "--batch-size" => a.batch = flags.parsed(&flag)?,
+            "--lr" => a.lr = flags.parsed(&flag)?,
+            "--data" => a.data = flags.value(&flag)?.into(),
+            other => return Err(cli::unknown(other)),
         }
     }
     if a.batch <= 0 {
@@ -155,12 +126,7 @@ fn parse_args() -> Result<Args, String> {
 }
 
 fn main() {
-    let result = run();
-    tch_dist::destroy_process_group();
-    if let Err(e) = result {
-        eprintln!("error: {}", tch_dist::report(&*e));
-        std::process::exit(1);
-    }
+    cli::main_with(run);
 }
 
 /// `opt.backward_step(&loss)` with failures as values: a collective that failed during

@@ -11,8 +11,11 @@ use tch_dist::hooks::{
 };
 use tch_dist::{Call, CallT, ForwardError, Shardable};
 
+#[path = "common/mlp.rs"]
+mod mlp;
 #[path = "common/walk.rs"]
 mod walk;
+use mlp::{Activation, Mlp};
 use walk::linear;
 
 type Log = Arc<Mutex<Vec<String>>>;
@@ -33,24 +36,9 @@ fn ones(n: i64) -> Tensor {
     Tensor::ones([1, n], (Kind::Float, Device::Cpu))
 }
 
-#[derive(Debug, Shardable)]
-struct Mlp {
-    fc1: nn::Linear,
-    fc2: nn::Linear,
-}
-
-impl Module for Mlp {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        // Calling children through `call` lets hooks on them run.
-        self.fc2.call(&self.fc1.call(xs).relu())
-    }
-}
-
+/// 3 -> 3 -> 2 with ReLU; it calls its children through `call`, so hooks on them run.
 fn mlp(vs: &nn::VarStore) -> Mlp {
-    Mlp {
-        fc1: linear(vs.root() / "fc1", 3, 3),
-        fc2: linear(vs.root() / "fc2", 3, 2),
-    }
+    mlp::mlp(&vs.root(), 3, 3, 2, Activation::Relu)
 }
 
 #[test]

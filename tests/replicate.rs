@@ -9,7 +9,8 @@ use tch_dist::{replicate, Backend, Call, ProcessGroup};
 #[path = "common/replicate_net.rs"]
 mod replicate_net;
 use replicate_net::{
-    batch, local_loss, net, no_sync_vs_one_step, BUCKETS_ONE_PER_PARAM, PARAM_FQNS,
+    batch, each_case_against_plain, local_loss, net, no_sync_vs_one_step, option_cases,
+    BUCKETS_ONE_PER_PARAM, PARAM_FQNS,
 };
 
 /// [`replicate_net::train_both`] on CPU.
@@ -331,37 +332,8 @@ fn world_size_one_without_shortcuts_communicates_and_matches() {
             bucket_cap_mb: 1e-9,
             ..Default::default()
         };
-        let cases: Vec<(&str, replicate::Options, bool)> = vec![
-            ("defaults", replicate::Options::default(), false),
-            ("a bucket per parameter", per_param(), false),
-            (
-                "gradient_as_bucket_view",
-                replicate::Options {
-                    gradient_as_bucket_view: true,
-                    ..per_param()
-                },
-                false,
-            ),
-            (
-                "find_unused_parameters",
-                replicate::Options {
-                    find_unused_parameters: true,
-                    ..Default::default()
-                },
-                true,
-            ),
-            (
-                "static_graph",
-                replicate::Options {
-                    static_graph: true,
-                    ..Default::default()
-                },
-                true,
-            ),
-        ];
-        for (what, opts, head) in cases {
-            let d = train_both(&pg, opts, head, 3);
-            assert!(d < 1e-6, "{what}: {d}");
+        if let Err(e) = each_case_against_plain(&pg, Device::Cpu, option_cases(), 3, 1e-6) {
+            panic!("{e}");
         }
         assert_eq!(
             collectives_per_step(&pg, replicate::Options::default(), 3),

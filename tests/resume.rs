@@ -1,6 +1,6 @@
-//! Resume that loses no step: `examples/train_ddp` on 2 ranks, one of which SIGKILLs itself
-//! after a step the test picks (its first start only), restarted by `tch-dist-run
-//! --max-restarts 1` and by the `.venv`'s `torchrun --no-python --max-restarts 1`, ends with
+//! Resume that loses no step: `examples/train_ddp` on 2 ranks (its test build,
+//! tests/resume/train_ddp_crash.rs), one of which SIGKILLs itself after a step the test
+//! picks (its first start only), restarted by `tch-dist-run --max-restarts 1` and by the `.venv`'s `torchrun --no-python --max-restarts 1`, ends with
 //! parameters within 1e-6 of an uninterrupted run of the same length: it continued from its
 //! last checkpoint at the same step, in the same data order, with the same momentum. And
 //! PyTorch loads one of its checkpoints, optimizer state included.
@@ -16,7 +16,7 @@ use tch::Tensor;
 const STEPS: u64 = 30;
 const EVERY: u64 = 5;
 
-/// (train_ddp, tch-dist-run), built once in this test binary's profile.
+/// (train_ddp_crash, tch-dist-run), built once in this test binary's profile.
 fn binaries() -> &'static (PathBuf, PathBuf) {
     static BUILT: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
     BUILT.get_or_init(|| {
@@ -24,7 +24,7 @@ fn binaries() -> &'static (PathBuf, PathBuf) {
         let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
         let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
         for args in [
-            &["-p", "tch-dist", "--example", "train_ddp"][..],
+            &["-p", "tch-dist", "--example", "train_ddp_crash"][..],
             &["-p", "tch-dist-launcher", "--bin", "tch-dist-run"][..],
         ] {
             let mut cmd = Command::new(env!("CARGO"));
@@ -40,7 +40,7 @@ fn binaries() -> &'static (PathBuf, PathBuf) {
             );
         }
         (
-            profile_dir.join("examples/train_ddp"),
+            profile_dir.join("examples/train_ddp_crash"),
             profile_dir.join("tch-dist-run"),
         )
     })

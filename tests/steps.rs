@@ -5,7 +5,10 @@
 //! collective is sent (before the check, Gloo aborted the peer: "Received data size doesn't
 //! match expected size").
 
-use tch::nn::{self, Module, ModuleT, OptimizerConfig};
+#[path = "common/blocks.rs"]
+mod blocks;
+use blocks::{blocks, Blocks};
+use tch::nn::{self, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::fully_shard::full_state_dict;
 use tch_dist::testing::run_ranks;
@@ -38,31 +41,9 @@ fn net(vs: &nn::VarStore) -> Net {
     }
 }
 
-/// Blocks of Linear layers, one `fully_shard` group each, and the root's head.
-#[derive(Debug, Shardable)]
-struct Blocks {
-    blocks: Vec<nn::Linear>,
-    head: nn::Linear,
-}
-
-impl Module for Blocks {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        let h = self
-            .blocks
-            .iter()
-            .fold(xs.shallow_clone(), |h, b| b.call(&h).tanh());
-        self.head.call(&h)
-    }
-}
-
+/// Two blocks of Linear layers (6 -> 6), one `fully_shard` group each, and the root's head.
 fn sharded_blocks(vs: &nn::VarStore) -> Blocks {
-    let p = vs.root();
-    let m = Blocks {
-        blocks: (0..2)
-            .map(|i| nn::linear(&p / "blocks" / i, 6, 6, Default::default()))
-            .collect(),
-        head: nn::linear(&p / "head", 6, 3, Default::default()),
-    };
+    let m = blocks(&vs.root(), &[6, 6, 6, 3]);
     for b in &m.blocks {
         fully_shard(b, FsdpOptions::default()).unwrap();
     }

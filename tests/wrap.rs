@@ -12,7 +12,7 @@ use tch_dist::{Call, CommHook, DistError, ProcessGroup, ReduceOp};
 
 #[path = "common/replicate_net.rs"]
 mod replicate_net;
-use replicate_net::{batch, local_loss, max_diff, net, slice};
+use replicate_net::{batch, local_loss, max_diff, net, option_cases, slice, Case};
 
 /// `fc2(tanh(fc1(x)))`, as `replicate_net::Net`, as an `nn::seq()`; with `head`, the store
 /// also holds a layer the model never uses.
@@ -399,43 +399,21 @@ fn without_broadcast_buffers_statistics_stay_local() {
 #[test]
 fn wrapper_and_derive_form_agree() {
     run_ranks("wrapper_and_derive_form_agree", 3, |pg| {
-        let cases: Vec<(&str, replicate::Options, bool)> = vec![
-            ("defaults", replicate::Options::default(), false),
-            (
-                "a bucket per parameter, views",
-                replicate::Options {
-                    bucket_cap_mb: 1e-9,
-                    gradient_as_bucket_view: true,
-                    ..Default::default()
-                },
-                false,
-            ),
-            (
-                "find_unused_parameters",
-                replicate::Options {
-                    find_unused_parameters: true,
-                    ..Default::default()
-                },
-                true,
-            ),
-            (
-                "static_graph",
-                replicate::Options {
-                    static_graph: true,
-                    ..Default::default()
-                },
-                true,
-            ),
-            (
-                "fp16 compression",
-                replicate::Options {
-                    comm_hook: CommHook::Fp16Compress,
-                    ..Default::default()
-                },
-                false,
-            ),
-        ];
-        for (what, opts, head) in cases {
+        let mut cases = option_cases();
+        cases.push(Case {
+            name: "fp16 compression",
+            options: replicate::Options {
+                comm_hook: CommHook::Fp16Compress,
+                ..Default::default()
+            },
+            head: false,
+        });
+        for Case {
+            name: what,
+            options: opts,
+            head,
+        } in cases
+        {
             tch::manual_seed(3 + pg.rank() as i64 * 1000);
             let dvs = nn::VarStore::new(Device::Cpu);
             let derived = net(&dvs, 8, head);

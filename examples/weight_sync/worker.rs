@@ -16,6 +16,9 @@ use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 use tch_dist::{init_process_group, Object, Shardable};
 
+#[path = "../common/cli.rs"]
+mod cli;
+
 #[derive(Debug, Shardable)]
 struct Policy {
     fc1: nn::Linear,
@@ -45,12 +48,7 @@ fn observations(rank: usize, step: usize) -> Tensor {
 }
 
 fn main() {
-    let result = run();
-    tch_dist::destroy_process_group();
-    if let Err(e) = result {
-        eprintln!("error: {}", tch_dist::report(&*e));
-        std::process::exit(1);
-    }
+    cli::main_with(run);
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {

@@ -232,102 +232,131 @@ fn rust_rank(scenario: &str) {
     println!("interop ok rank {rank}");
 }
 
-/// Runs a mixed job: `python_ranks` are PyTorch ranks, the others this test binary.
-fn mixed(test: &str, world: usize, python_ranks: &[usize], scenario: &str) -> Vec<RankOutput> {
-    let mut launch = Launch::new(test, world)
-        .timeout(DEADLINE)
-        .env("INTEROP_SCENARIO", scenario);
-    for &r in python_ranks {
-        launch = launch.rank_program(r, vec![python(), peer_script()]);
+/// One mixed job: `python_ranks` are PyTorch ranks (peer.py), the others this test binary,
+/// every rank with `env`.
+struct Mixed {
+    /// The `#[test]` function's name: the Rust ranks run it again as workers.
+    test: &'static str,
+    world: usize,
+    python_ranks: &'static [usize],
+    env: &'static [(&'static str, &'static str)],
+}
+
+impl Mixed {
+    /// On one of the job's Rust ranks (a worker `Launch` started), runs `rust_side` and
+    /// returns `None`; otherwise launches the job and returns the ranks' outputs and their
+    /// description.
+    fn launch(&self, rust_side: impl FnOnce()) -> Option<(Vec<RankOutput>, String)> {
+        if worker().as_deref() == Some(self.test) {
+            rust_side();
+            return None;
+        }
+        let mut launch = Launch::new(self.test, self.world).timeout(DEADLINE);
+        for &(key, value) in self.env {
+            launch = launch.env(key, value);
+        }
+        for &r in self.python_ranks {
+            launch = launch.rank_program(r, vec![python(), peer_script()]);
+        }
+        let out = launch.run();
+        let desc = describe(&out);
+        Some((out, desc))
     }
-    let out = launch.run();
-    let desc = describe(&out);
-    for o in &out {
-        assert!(o.success(), "rank {} failed:\n{desc}", o.rank);
-        assert!(
-            o.stdout.contains(&format!("interop ok rank {}", o.rank)),
-            "rank {} did not finish:\n{desc}",
-            o.rank
-        );
-        assert!(
-            !o.stderr.contains("has failed to bind"),
-            "a store bind error:\n{desc}"
-        );
+
+    /// [`Mixed::launch`], and every rank succeeded, printed `interop ok rank R` and met no
+    /// store bind error.
+    fn run(&self, rust_side: impl FnOnce()) -> Option<(Vec<RankOutput>, String)> {
+        let (out, desc) = self.launch(rust_side)?;
+        for o in &out {
+            assert!(o.success(), "rank {} failed:\n{desc}", o.rank);
+            assert!(
+                o.stdout.contains(&format!("interop ok rank {}", o.rank)),
+                "rank {} did not finish:\n{desc}",
+                o.rank
+            );
+            assert!(
+                !o.stderr.contains("has failed to bind"),
+                "a store bind error:\n{desc}"
+            );
+        }
+        Some((out, desc))
     }
-    out
 }
 
 fn scenario() -> String {
     std::env::var("INTEROP_SCENARIO").unwrap_or_else(|_| "full".into())
 }
 
+/// The Rust side of a scenario job: peer.py's `main` for `INTEROP_SCENARIO`.
+fn scenario_rank() {
+    rust_rank(&scenario())
+}
+
 #[test]
 fn python_rank_0_and_rust_rank_1() {
-    if worker().as_deref() == Some("python_rank_0_and_rust_rank_1") {
-        return rust_rank(&scenario());
+    Mixed {
+        test: "python_rank_0_and_rust_rank_1",
+        world: 2,
+        python_ranks: &[0],
+        env: &[("INTEROP_SCENARIO", "full")],
     }
-    mixed("python_rank_0_and_rust_rank_1", 2, &[0], "full");
+    .run(scenario_rank);
 }
 
 #[test]
 fn rust_rank_0_and_python_rank_1() {
-    if worker().as_deref() == Some("rust_rank_0_and_python_rank_1") {
-        return rust_rank(&scenario());
+    Mixed {
+        test: "rust_rank_0_and_python_rank_1",
+        world: 2,
+        python_ranks: &[1],
+        env: &[("INTEROP_SCENARIO", "full")],
     }
-    mixed("rust_rank_0_and_python_rank_1", 2, &[1], "full");
+    .run(scenario_rank);
 }
 
 #[test]
 fn three_ranks_rust_python_rust() {
-    if worker().as_deref() == Some("three_ranks_rust_python_rust") {
-        return rust_rank(&scenario());
+    Mixed {
+        test: "three_ranks_rust_python_rust",
+        world: 3,
+        python_ranks: &[1],
+        env: &[("INTEROP_SCENARIO", "full")],
     }
-    mixed("three_ranks_rust_python_rust", 3, &[1], "full");
+    .run(scenario_rank);
 }
 
 /// PyTorch's optional store-based barrier (TORCH_DIST_INIT_BARRIER=1) after
 /// init_process_group and every new_group, with PyTorch ranks 0 and 2 around a Rust rank.
 #[test]
 fn three_ranks_python_rust_python_with_init_barrier() {
-    if worker().as_deref() == Some("three_ranks_python_rust_python_with_init_barrier") {
-        return rust_rank(&scenario());
+    Mixed {
+        test: "three_ranks_python_rust_python_with_init_barrier",
+        world: 3,
+        python_ranks: &[0, 2],
+        env: &[("TORCH_DIST_INIT_BARRIER", "1")],
     }
-    let mut launch = Launch::new("three_ranks_python_rust_python_with_init_barrier", 3)
-        .timeout(DEADLINE)
-        .env("TORCH_DIST_INIT_BARRIER", "1");
-    for r in [0, 2] {
-        launch = launch.rank_program(r, vec![python(), peer_script()]);
-    }
-    let out = launch.run();
-    let desc = describe(&out);
-    for o in &out {
-        assert!(o.success(), "rank {} failed:\n{desc}", o.rank);
-        assert!(
-            o.stdout.contains(&format!("interop ok rank {}", o.rank)),
-            "{desc}"
-        );
-    }
+    .run(scenario_rank);
 }
 
 /// A Rust rank 0 that waits for a missing rank names that rank only: the PyTorch rank that
 /// came (it writes no tch-dist join key) counts as joined by its Gloo key.
 #[test]
 fn a_missing_rank_beside_a_python_rank_is_named() {
-    const TEST: &str = "a_missing_rank_beside_a_python_rank_is_named";
-    if worker().as_deref() == Some(TEST) {
+    let job = Mixed {
+        test: "a_missing_rank_beside_a_python_rank_is_named",
+        world: 3,
+        python_ranks: &[1],
+        env: &[("TCH_DIST_TIMEOUT_SECS", "15")],
+    };
+    let Some((out, desc)) = job.launch(|| {
         if std::env::var("RANK").as_deref() == Ok("2") {
             return; // never joins
         }
         let err = tch_dist_runtime::init_process_group("gloo").unwrap_err();
         println!("error: {err}");
+    }) else {
         return;
-    }
-    let out = Launch::new(TEST, 3)
-        .timeout(DEADLINE)
-        .env("TCH_DIST_TIMEOUT_SECS", "15")
-        .rank_program(1, vec![python(), peer_script()])
-        .run();
-    let desc = describe(&out);
+    };
     let line = out[0]
         .stdout
         .lines()
@@ -486,24 +515,21 @@ fn detail_rank() {
 /// all-reduces) is an error on both sides, not a hang.
 #[test]
 fn detail_on_both_sides() {
-    if worker().as_deref() == Some("detail_on_both_sides") {
-        return detail_rank();
-    }
-    let out = Launch::new("detail_on_both_sides", 2)
-        .timeout(DEADLINE)
-        .env("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
-        .env("TCH_DIST_TIMEOUT_SECS", "20")
-        .env("INTEROP_SCENARIO", "detail")
-        .rank_program(0, vec![python(), peer_script()])
-        .run();
-    let desc = describe(&out);
+    let job = Mixed {
+        test: "detail_on_both_sides",
+        world: 2,
+        python_ranks: &[0],
+        env: &[
+            ("TORCH_DISTRIBUTED_DEBUG", "DETAIL"),
+            ("TCH_DIST_TIMEOUT_SECS", "20"),
+            ("INTEROP_SCENARIO", "detail"),
+        ],
+    };
+    let Some((out, desc)) = job.run(detail_rank) else {
+        return;
+    };
     for o in &out {
-        assert!(o.success(), "rank {} failed:\n{desc}", o.rank);
         assert!(o.stdout.contains("detail mismatch: "), "{desc}");
-        assert!(
-            o.stdout.contains(&format!("interop ok rank {}", o.rank)),
-            "{desc}"
-        );
     }
     // The Rust rank's error is a typed desync naming its own call (the PyTorch rank shares
     // nothing beyond c10d's fingerprints); the PyTorch rank's is c10d's.
@@ -526,44 +552,27 @@ fn detail_on_both_sides() {
 /// collective goes over the device its tag picks, so both sides must have as many.
 #[test]
 fn two_gloo_devices_per_rank() {
-    if worker().as_deref() == Some("two_gloo_devices_per_rank") {
-        return rust_rank(&scenario());
+    Mixed {
+        test: "two_gloo_devices_per_rank",
+        world: 2,
+        python_ranks: &[0],
+        env: &[
+            ("GLOO_SOCKET_IFNAME", "lo,lo"),
+            ("INTEROP_SCENARIO", "default_group"),
+        ],
     }
-    let out = Launch::new("two_gloo_devices_per_rank", 2)
-        .timeout(DEADLINE)
-        .env("GLOO_SOCKET_IFNAME", "lo,lo")
-        .env("INTEROP_SCENARIO", "default_group")
-        .rank_program(0, vec![python(), peer_script()])
-        .run();
-    let desc = describe(&out);
-    for o in &out {
-        assert!(o.success(), "rank {} failed:\n{desc}", o.rank);
-        assert!(
-            o.stdout.contains(&format!("interop ok rank {}", o.rank)),
-            "{desc}"
-        );
-    }
+    .run(scenario_rank);
 }
 
 /// Gloo's lazy init (`TORCH_GLOO_LAZY_INIT=1` on every rank): the pairs connect at their first
 /// use, on both sides alike.
 #[test]
 fn lazy_gloo_init_on_both_sides() {
-    if worker().as_deref() == Some("lazy_gloo_init_on_both_sides") {
-        return rust_rank(&scenario());
+    Mixed {
+        test: "lazy_gloo_init_on_both_sides",
+        world: 3,
+        python_ranks: &[2],
+        env: &[("TORCH_GLOO_LAZY_INIT", "1"), ("INTEROP_SCENARIO", "full")],
     }
-    let out = Launch::new("lazy_gloo_init_on_both_sides", 3)
-        .timeout(DEADLINE)
-        .env("TORCH_GLOO_LAZY_INIT", "1")
-        .env("INTEROP_SCENARIO", "full")
-        .rank_program(2, vec![python(), peer_script()])
-        .run();
-    let desc = describe(&out);
-    for o in &out {
-        assert!(o.success(), "rank {} failed:\n{desc}", o.rank);
-        assert!(
-            o.stdout.contains(&format!("interop ok rank {}", o.rank)),
-            "{desc}"
-        );
-    }
+    .run(scenario_rank);
 }

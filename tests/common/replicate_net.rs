@@ -1,6 +1,7 @@
-//! The model and the equivalence checks shared by `tests/replicate.rs` (CPU, Gloo, 2-3 ranks)
-//! and `examples/gpu_check.rs` (CUDA, NCCL, one rank), included by both with `#[path]`: an
-//! example cannot import test code, and the GPU run must check what the tests check.
+//! The model, the option cases and the equivalence checks shared by `tests/replicate.rs`
+//! (CPU, Gloo, 2-3 ranks), `tests/wrap.rs` and `examples/gpu_check/` (CUDA, NCCL, one rank),
+//! included by each with `#[path]`: an example cannot import test code, and the GPU run must
+//! check what the tests check.
 
 #![allow(dead_code)] // each includer uses part of it
 
@@ -132,3 +133,81 @@ pub fn no_sync_vs_one_step(pg: &ProcessGroup, device: Device, k: usize) -> f64 {
 /// `replicate::state` reports for `net(.., 8, false)`.
 pub const PARAM_FQNS: [&str; 4] = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"];
 pub const BUCKETS_ONE_PER_PARAM: [&str; 4] = ["fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"];
+
+/// One replicate option case of the equivalence checks.
+pub struct Case {
+    /// What the failure message names.
+    pub name: &'static str,
+    pub options: replicate::Options,
+    /// Whether the model has the head that forward leaves unused.
+    pub head: bool,
+}
+
+/// The option cases every replicate equivalence check runs (tests/replicate.rs,
+/// tests/wrap.rs, gpu_check's pair of ranks; gpu_check's group of one adds its own):
+/// defaults, a bucket per parameter (with and without `gradient_as_bucket_view`),
+/// `find_unused_parameters` and `static_graph` (both with the unused head).
+pub fn option_cases() -> Vec<Case> {
+    let per_param = || replicate::Options {
+        bucket_cap_mb: 1e-9,
+        ..Default::default()
+    };
+    let case = |name, options, head| Case {
+        name,
+        options,
+        head,
+    };
+    vec![
+        case("defaults", replicate::Options::default(), false),
+        case("a bucket per parameter", per_param(), false),
+        case(
+            "gradient_as_bucket_view",
+            replicate::Options {
+                gradient_as_bucket_view: true,
+                ..per_param()
+            },
+            false,
+        ),
+        case(
+            "find_unused_parameters",
+            replicate::Options {
+                find_unused_parameters: true,
+                ..Default::default()
+            },
+            true,
+        ),
+        case(
+            "static_graph",
+            replicate::Options {
+                static_graph: true,
+                ..Default::default()
+            },
+            true,
+        ),
+    ]
+}
+
+/// [`train_both`] for each case, `steps` steps on `device`: the largest difference of all, or
+/// the first case whose difference reaches `tolerance`, named.
+pub fn each_case_against_plain(
+    pg: &ProcessGroup,
+    device: Device,
+    cases: Vec<Case>,
+    steps: usize,
+    tolerance: f64,
+) -> Result<f64, String> {
+    let mut worst: f64 = 0.0;
+    for Case {
+        name,
+        options,
+        head,
+    } in cases
+    {
+        let d = train_both(pg, device, options, head, steps);
+        if d >= tolerance {
+            return Err(format!("{name}: max |replicate - plain| = {d}"));
+        }
+        worst = worst.max(d);
+    }
+    Ok(worst)
+}

@@ -1,0 +1,101 @@
+//! What a run measures beside step times: resident memory, CPU time, page faults, the
+//! machine's busy time, medians and the timed window.
+
+use super::*;
+
+/// Peak and current resident set size in MiB (VmHWM and VmRSS of /proc/self/status).
+pub(crate) fn rss_mib() -> (f64, f64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<f64>().ok())
+            .map_or(0.0, |kb| kb / 1024.0)
+    };
+    (field("VmHWM:"), field("VmRSS:"))
+}
+
+pub(crate) fn rusage() -> libc::rusage {
+    // SAFETY: getrusage fills the struct we pass; RUSAGE_SELF covers every thread.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    ru
+}
+
+/// CPU time (user + system, all threads) this process has used, in ms.
+pub(crate) fn cpu_ms() -> f64 {
+    let ru = rusage();
+    let tv = |t: libc::timeval| t.tv_sec as f64 * 1e3 + t.tv_usec as f64 / 1e3;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Minor page faults (fresh memory touched) so far.
+pub(crate) fn page_faults() -> f64 {
+    rusage().ru_minflt as f64
+}
+
+/// Busy CPU time of the whole machine so far, in ms (from /proc/stat; USER_HZ is 100): with
+/// the ranks' own CPU time it tells how much other programs ran during a measurement.
+pub(crate) fn machine_busy_ms() -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: Vec<f64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal: everything but idle and iowait.
+    let busy: f64 = ticks
+        .iter()
+        .take(8)
+        .enumerate()
+        .filter(|(i, _)| *i != 3 && *i != 4)
+        .map(|(_, t)| t)
+        .sum();
+    busy * 10.0
+}
+
+pub(crate) fn median(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+/// The timed part of a run: wall time, this process's CPU time and the machine's busy time.
+pub(crate) struct Window {
+    pub(crate) wall_ms: f64,
+    pub(crate) cpu_ms: f64,
+    pub(crate) machine_busy_ms: f64,
+}
+
+impl Window {
+    pub(crate) fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "wall_ms": self.wall_ms,
+            "cpu_ms": self.cpu_ms,
+            "machine_busy_ms": self.machine_busy_ms,
+        })
+    }
+}
+
+pub(crate) fn sync(device: Device) {
+    if let Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
+
+pub(crate) fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}

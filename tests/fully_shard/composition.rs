@@ -1,0 +1,333 @@
+//! fully_shard with the others: under `replicate` and beside `shard_module` (2-D), mixed
+//! precision, resharding to fewer ranks, the optimizer state's checkpoint resharded 2 → 3,
+//! a frozen weight beside a trained bias.
+
+use super::*;
+
+/// fully_shard on the blocks and `replicate` on the root (which then manages only the
+/// head): equal to one process.
+fn with_replicate(pg: &ProcessGroup) -> f64 {
+    tch::manual_seed(3);
+    let ref_vs = nn::VarStore::new(Device::Cpu);
+    let reference = model(&ref_vs);
+    tch::manual_seed(3 + pg.rank() as i64 * 1000);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = model(&vs);
+    for b in &m.blocks {
+        fully_shard(b, FsdpOptions::default()).unwrap();
+    }
+    let r = tch_dist::replicate::apply(&m, Default::default()).unwrap();
+    assert_eq!(r.param_fqns(), ["head.weight", "head.bias"]);
+    let mut opt = nn::AdamW::default().build(&vs, 1e-2).unwrap();
+    let mut ref_opt = nn::AdamW::default().build(&ref_vs, 1e-2).unwrap();
+    for step in 0..3 {
+        step_both(&reference, &mut ref_opt, &m, &mut opt, step, pg);
+    }
+    max_diff_full(&m, &ref_vs)
+}
+
+/// Tensor parallelism on blocks 1 and 2 (`shard_module`, column- then row-wise) and
+/// fully_shard on the rest, over the same ranks (every rank on the whole batch, as tensor
+/// parallelism needs); also `clip_grad_norm` over both kinds of shards: the norm is the
+/// unsharded model's.
+fn two_d(pg: &ProcessGroup) -> f64 {
+    use tch_dist::sharding::{shard_module, ColwiseLinear, RowwiseLinear, ShardingPlan};
+    tch::manual_seed(3);
+    let ref_vs = nn::VarStore::new(Device::Cpu);
+    let reference = model(&ref_vs);
+    tch::manual_seed(3);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let mut m = model(&vs);
+    let plan = ShardingPlan::builder()
+        .shard_module(Model::path().blocks().at(1), ColwiseLinear::default())
+        .shard_module(Model::path().blocks().at(2), RowwiseLinear)
+        .return_local_tensor(Model::path().blocks().at(1))
+        .build();
+    shard_module(&mut m, &plan, 0, pg).unwrap();
+    fully_shard(&m.blocks[0], FsdpOptions::default()).unwrap();
+    fully_shard(&m.head, FsdpOptions::default()).unwrap();
+    fully_shard(&m, FsdpOptions::default()).unwrap();
+    let mut opt = nn::AdamW::default().build(&vs, 1e-2).unwrap();
+    let mut ref_opt = nn::AdamW::default().build(&ref_vs, 1e-2).unwrap();
+    for step in 0..3 {
+        let (x, y) = batch(step);
+        ref_opt.zero_grad();
+        reference
+            .forward(&x)
+            .mse_loss(&y, tch::Reduction::Mean)
+            .backward();
+        let ref_norm = tch_dist::utils::clip_grad_norm(&reference, 0.05, 2.0).unwrap();
+        ref_opt.step();
+        opt.zero_grad();
+        m.call(&x).mse_loss(&y, tch::Reduction::Mean).backward();
+        let norm = tch_dist::utils::clip_grad_norm(&m, 0.05, 2.0).unwrap();
+        assert!(
+            (norm - ref_norm).abs() < 1e-5 * ref_norm.max(1.0),
+            "step {step}: clip_grad_norm {norm} vs one process {ref_norm}"
+        );
+        assert!(ref_norm > 0.05, "the clip applies ({ref_norm})");
+        opt.step();
+    }
+    max_diff_full(&m, &ref_vs)
+}
+
+fn composition_cases(pg: ProcessGroup) {
+    let diff = with_replicate(&pg);
+    assert!(
+        diff < 1e-5,
+        "fully_shard + replicate vs one process: {diff}"
+    );
+    let diff = two_d(&pg);
+    assert!(
+        diff < 1e-5,
+        "shard_module + fully_shard vs one process: {diff}"
+    );
+}
+
+#[test]
+fn composes_with_replicate_and_shard_module_at_2_ranks() {
+    run_ranks(
+        "composition::composes_with_replicate_and_shard_module_at_2_ranks",
+        2,
+        composition_cases,
+    );
+}
+
+#[test]
+fn composes_with_replicate_and_shard_module_at_3_ranks() {
+    run_ranks(
+        "composition::composes_with_replicate_and_shard_module_at_3_ranks",
+        3,
+        composition_cases,
+    );
+}
+
+/// Mixed precision (bf16 parameters, f32 reduction, f32 output): shards, `.grad` and the
+/// optimizer stay f32, gathered parameters are bf16, and training follows one f32 process
+/// within bf16's precision.
+fn mixed_precision(pg: &ProcessGroup) -> f64 {
+    use tch_dist::fully_shard::MixedPrecisionPolicy;
+    tch::manual_seed(3);
+    let ref_vs = nn::VarStore::new(Device::Cpu);
+    let reference = model(&ref_vs);
+    tch::manual_seed(3);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = model(&vs);
+    let mp = MixedPrecisionPolicy {
+        param_dtype: Some(Kind::BFloat16),
+        reduce_dtype: Some(Kind::Float),
+        ..Default::default()
+    };
+    for b in &m.blocks {
+        let opts = FsdpOptions {
+            mp_policy: mp,
+            ..Default::default()
+        };
+        fully_shard(b, opts).unwrap();
+    }
+    let root = FsdpOptions {
+        mp_policy: MixedPrecisionPolicy {
+            output_dtype: Some(Kind::Float),
+            ..mp
+        },
+        ..Default::default()
+    };
+    fully_shard(&m, root).unwrap();
+    let s = fully_shard::state(&m.blocks[1]).unwrap();
+    s.unshard().unwrap();
+    assert_eq!(m.blocks[1].ws.kind(), Kind::BFloat16, "gathered in bf16");
+    s.reshard().unwrap();
+    // SGD: the difference scales with bf16's gradient error (AdamW's normalised steps
+    // would turn a tiny gradient's rounding into a whole step).
+    let mut opt = nn::Sgd::default().build(&vs, 0.2).unwrap();
+    let mut ref_opt = nn::Sgd::default().build(&ref_vs, 0.2).unwrap();
+    for step in 0..3 {
+        let (x, y) = batch(step);
+        ref_opt.backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean));
+        let out = m.call(&slice(&x, pg));
+        assert_eq!(out.kind(), Kind::Float, "output_dtype");
+        opt.backward_step(&out.mse_loss(&slice(&y, pg), tch::Reduction::Mean));
+        for (fqn, t) in vs.variables() {
+            assert_eq!(t.kind(), Kind::Float, "{fqn}: the shard stays f32");
+            assert_eq!(t.grad().kind(), Kind::Float, "{fqn}: .grad is f32");
+        }
+        assert_sharded(&m, &vs, pg);
+    }
+    max_diff_full(&m, &ref_vs)
+}
+
+#[test]
+fn mixed_precision_at_2_ranks() {
+    run_ranks("composition::mixed_precision_at_2_ranks", 2, |pg| {
+        let diff = mixed_precision(&pg);
+        assert!(diff < 5e-3, "bf16 vs one f32 process: {diff}");
+        assert!(diff > 0.0, "computed in bf16 indeed");
+    });
+}
+
+#[test]
+fn reshard_to_fewer_ranks_at_4_ranks() {
+    run_ranks("composition::reshard_to_fewer_ranks_at_4_ranks", 4, |pg| {
+        let (diff, moved) = train(&pg, Groups::ToRanks(2), 3);
+        assert!(moved > 1e-2, "training moved the weights ({moved})");
+        assert!(
+            diff < 1e-5,
+            "reshard_after_forward=2 vs one process: {diff}"
+        );
+        // Between forward and backward each block keeps its shard over 2 ranks: half of
+        // block 1's 17 x 7 + 17 (9 rows, padded) in f32.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let m = model(&vs);
+        apply(&m, Groups::ToRanks(2), FsdpOptions::default());
+        let (x, y) = batch(0);
+        let loss = m
+            .call(&slice(&x, &pg))
+            .mse_loss(&slice(&y, &pg), tch::Reduction::Mean);
+        let b1 = fully_shard::state(&m.blocks[1]).unwrap();
+        assert_eq!(b1.gathered_bytes(), 0);
+        assert_eq!(b1.post_forward_bytes(), (9 * 7 + 9) * 4);
+        loss.backward();
+        assert_eq!(b1.post_forward_bytes(), 0);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let m = model(&vs);
+        let opts = FsdpOptions {
+            reshard_after_forward: Some(3.into()),
+            ..Default::default()
+        };
+        let err = fully_shard(&m.blocks[0], opts).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                FsdpError::ReshardRanks {
+                    ranks: 3,
+                    world: 4,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    });
+}
+
+/// fully_shard with `tch_dist::optim::AdamW`: trained 2 steps by ranks 0 and 1, saved with
+/// the optimizer's (sharded) state, loaded at 3 ranks and trained 2 more, equals 4 steps in
+/// one process.
+#[test]
+fn optimizer_state_checkpoint_reshards_2_to_3() {
+    run_ranks(
+        "composition::optimizer_state_checkpoint_reshards_2_to_3",
+        3,
+        |pg| {
+            use tch_dist::{checkpoint, optim};
+            let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("fsdp_optim");
+            if pg.rank() == 0 {
+                let _ = std::fs::remove_dir_all(&dir);
+                std::fs::create_dir_all(&dir).unwrap();
+            }
+            pg.barrier().unwrap();
+            let ckpt = dir.join("step-00000002");
+            let train = |m: &Model, opt: &mut optim::Optimizer, group: &ProcessGroup, steps| {
+                for step in steps {
+                    let (x, y) = batch(step);
+                    let loss = m
+                        .call(&slice(&x, group))
+                        .mse_loss(&slice(&y, group), tch::Reduction::Mean);
+                    opt.backward_step(&loss).unwrap();
+                }
+            };
+            let sharded = |vs: &nn::VarStore, group: &ProcessGroup| {
+                let m = model(vs);
+                for b in &m.blocks {
+                    let opts = FsdpOptions {
+                        process_group: Some(group.clone()),
+                        ..Default::default()
+                    };
+                    fully_shard(b, opts).unwrap();
+                }
+                let opts = FsdpOptions {
+                    process_group: Some(group.clone()),
+                    ..Default::default()
+                };
+                fully_shard(&m, opts).unwrap();
+                m
+            };
+            let pair = pg.new_group(&[0, 1], tch_dist::Backend::Gloo).unwrap();
+            if let Some(pair) = &pair {
+                tch::manual_seed(3);
+                let vs = nn::VarStore::new(Device::Cpu);
+                let m = sharded(&vs, pair);
+                let mut opt = optim::AdamW::default().build(&vs, 1e-2).unwrap();
+                train(&m, &mut opt, pair, 0..2);
+                let opts = checkpoint::SaveOptions::default();
+                checkpoint::save_with_optimizer(&ckpt, &m, &opt, pair, &opts).unwrap();
+            }
+            pg.barrier().unwrap();
+            tch::manual_seed(50 + pg.rank() as i64);
+            let vs = nn::VarStore::new(Device::Cpu);
+            let m = sharded(&vs, &pg);
+            let mut opt = optim::AdamW::default().build(&vs, 1e-2).unwrap();
+            checkpoint::load_with_optimizer(&ckpt, &m, &mut opt, &pg).unwrap();
+            train(&m, &mut opt, &pg, 2..4);
+            // The reference: one process, 4 steps.
+            tch::manual_seed(3);
+            let ref_vs = nn::VarStore::new(Device::Cpu);
+            let reference = model(&ref_vs);
+            let mut ref_opt = optim::AdamW::default().build(&ref_vs, 1e-2).unwrap();
+            for step in 0..4 {
+                let (x, y) = batch(step);
+                ref_opt
+                    .backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+                    .unwrap();
+            }
+            let diff = max_diff_full(&m, &ref_vs);
+            assert!(diff < 1e-5, "saved at 2, resumed at 3: {diff}");
+        },
+    );
+}
+
+/// A block whose weight is frozen and whose bias trains, inside a graph whose input needs
+/// a gradient: its bias's gradient can arrive before autograd has used the frozen weight
+/// for the input's gradient, so the group must not free its weight then. Against one
+/// process, per-block groups, both resharding modes.
+#[test]
+fn frozen_weight_trained_bias_at_2_ranks() {
+    run_ranks(
+        "composition::frozen_weight_trained_bias_at_2_ranks",
+        2,
+        |pg| {
+            for reshard_after_forward in [true, false] {
+                tch::manual_seed(3);
+                let ref_vs = nn::VarStore::new(Device::Cpu);
+                let reference = model(&ref_vs);
+                tch::manual_seed(3);
+                let vs = nn::VarStore::new(Device::Cpu);
+                let m = model(&vs);
+                for w in [
+                    &m.blocks[1].ws,
+                    &m.blocks[2].ws,
+                    &reference.blocks[1].ws,
+                    &reference.blocks[2].ws,
+                ] {
+                    let _ = w.set_requires_grad(false);
+                }
+                apply(
+                    &m,
+                    Groups::PerBlock {
+                        reshard_after_forward,
+                    },
+                    FsdpOptions::default(),
+                );
+                let mut opt = nn::AdamW::default().build(&vs, 1e-2).unwrap();
+                let mut ref_opt = nn::AdamW::default().build(&ref_vs, 1e-2).unwrap();
+                for step in 0..3 {
+                    step_both(&reference, &mut ref_opt, &m, &mut opt, step, &pg);
+                }
+                let diff = max_diff_full(&m, &ref_vs);
+                assert!(
+                    diff < 1e-5,
+                    "frozen weights (reshard {reshard_after_forward}): {diff}"
+                );
+            }
+        },
+    );
+}

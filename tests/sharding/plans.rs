@@ -1,0 +1,265 @@
+//! Plans and sharded tensors: every plan error reported before anything changes, plans
+//! through JSON and TOML, `ShardedTensor` scatter, gather and reshard.
+
+use super::*;
+
+#[test]
+fn every_plan_error_is_reported_before_anything_changes() {
+    run_ranks(
+        "plans::every_plan_error_is_reported_before_anything_changes",
+        2,
+        |pg| {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mut model = mlp(&vs, 6, 8, 5);
+            let cpu = |r| Placement::new(r, Device::Cpu);
+            let ok = ChunkShardingSpec::new(0, vec![cpu(0), cpu(1)]);
+            let cases: Vec<(ShardingPlan, &str)> = vec![
+                (
+                    ShardingPlan::builder()
+                        .shard_param("fc3.weight", ok.clone())
+                        .build(),
+                    "`fc3.weight`: is not a parameter of the model",
+                ),
+                (
+                    ShardingPlan::builder()
+                        .shard_param(
+                            Mlp::path().fc1().weight(),
+                            ChunkShardingSpec::new(2, vec![cpu(0), cpu(1)]),
+                        )
+                        .build(),
+                    "dim 2",
+                ),
+                (
+                    ShardingPlan::builder()
+                        .shard_param(
+                            Mlp::path().fc1().weight(),
+                            ChunkShardingSpec::new(0, vec![cpu(0), cpu(2)]),
+                        )
+                        .build(),
+                    "placements do not match the group",
+                ),
+                (
+                    ShardingPlan::builder()
+                        .shard_module(Mlp::path().fc1(), ColwiseLinear::default())
+                        .shard_param(Mlp::path().fc1().weight(), ok.clone())
+                        .build(),
+                    "`fc1.weight`: a parameter spec inside `fc1`",
+                ),
+                (
+                    ShardingPlan::builder()
+                        .shard_param("fc1", ok.clone())
+                        .build(),
+                    "`fc1`: names a module",
+                ),
+                (
+                    ShardingPlan::builder()
+                        .shard_module("fc2.bias", RowwiseLinear)
+                        .build(),
+                    "`fc2.bias`: names a parameter",
+                ),
+                (
+                    ShardingPlan::builder()
+                        .shard_param(
+                            Mlp::path().fc1().bias(),
+                            ChunkShardingSpec::new(0, vec![cpu(0), cpu(1)]),
+                        )
+                        .build(),
+                    "only a linear layer's `weight`",
+                ),
+                (
+                    ShardingPlan::builder()
+                        .shard_module(Mlp::path().fc1(), ColwiseLinear::default())
+                        .output("fc9", ok.clone())
+                        .build(),
+                    "`fc9`: output_plan names a module that is not in the model",
+                ),
+                (
+                    ShardingPlan::builder()
+                        .shard_module(Mlp::path().fc2(), RowwiseLinear)
+                        .return_local_tensor(Mlp::path().fc2())
+                        .build(),
+                    "`fc2`: return_local_tensor: this module's output is not split",
+                ),
+                (
+                    ShardingPlan::builder()
+                        .shard_module(Mlp::path().fc1(), ColwiseLinear { fused: 3 })
+                        .build(),
+                    "not divisible into fused=3 parts",
+                ),
+            ];
+            for (plan, expected) in cases {
+                let err = tch_dist::report(&shard_module(&mut model, &plan, 0, &pg).unwrap_err());
+                assert!(err.contains(expected), "expected `{expected}` in: {err}");
+                assert!(
+                    err.starts_with(&format!("rank {}: shard_module", pg.rank())),
+                    "{err}"
+                );
+                // Named once: no doubled `rank R:` prefix.
+                assert_eq!(
+                    err.matches(&format!("rank {}:", pg.rank())).count(),
+                    1,
+                    "{err}"
+                );
+                assert_eq!(err.matches("shard_module").count(), 1, "{err}");
+            }
+            // The errors are typed.
+            let plan = ShardingPlan::builder()
+                .shard_module("fc2.bias", RowwiseLinear)
+                .build();
+            let err = shard_module(&mut model, &plan, 0, &pg).unwrap_err();
+            assert!(
+                matches!(&err, ShardError::Plan { rank, fqn, problem: PlanProblem::SharderOnParameter }
+                    if *rank == pg.rank() && fqn == "fc2.bias"),
+                "{err:?}"
+            );
+            let err = shard_module(&mut model, &ShardingPlan::default(), 2, &pg).unwrap_err();
+            assert!(tch_dist::report(&err).contains("src_rank 2"), "{err}");
+            assert!(matches!(err, ShardError::InvalidArgument { .. }), "{err:?}");
+            // Ranks with different plans fail together, naming the entry and each rank's
+            // value (before, each rank sharded its own way and they hung or computed garbage).
+            let plan = if pg.rank() == 0 {
+                ShardingPlan::builder().shard_module(Mlp::path().fc1(), ColwiseLinear::default())
+            } else {
+                ShardingPlan::builder().shard_module(Mlp::path().fc1(), RowwiseLinear)
+            }
+            .build();
+            let err = shard_module(&mut model, &plan, 0, &pg).unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!(
+                    "rank {}: shard_module: option `plan[\"fc1\"]` differs across ranks: rank 0 \
+                     has Sharder(\"colwise_linear\"), rank 1 has Sharder(\"rowwise_linear\")",
+                    pg.rank()
+                )
+            );
+            // A different source rank is a difference too.
+            let err = shard_module(&mut model, &ShardingPlan::default(), pg.rank(), &pg)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.ends_with("option `src_rank` differs across ranks: rank 0 has 0, rank 1 has 1"),
+                "{err}"
+            );
+            // Nothing changed: whole parameters, no hooks, no registration.
+            assert_eq!(model.fc1.ws.size(), [8, 6]);
+            assert_eq!(num_forward_hooks(&model.fc1), (0, 0));
+            assert!(registry(&model).is_empty());
+            // And the module can still be sharded, once.
+            let plan = ShardingPlan::builder()
+                .shard_param(Mlp::path().fc1().weight(), ok)
+                .build();
+            shard_module(&mut model, &plan, 0, &pg).unwrap();
+            assert_eq!(registry(&model), ["shard_module"]);
+            let again = shard_module(&mut model, &plan, 0, &pg).unwrap_err();
+            assert!(
+                again
+                    .to_string()
+                    .contains("can only be applied to a module once"),
+                "{again}"
+            );
+        },
+    );
+}
+
+#[test]
+fn plans_round_trip_through_json_and_toml() {
+    let cpu = |r| Placement::new(r, Device::Cpu);
+    let plan = ShardingPlan::builder()
+        .shard_param(
+            Mlp::path().fc1().weight(),
+            ChunkShardingSpec::new(0, vec![cpu(0), cpu(1)]),
+        )
+        .shard_module(Mlp::path().fc2(), RowwiseLinear)
+        .shard_module("blocks.0.qkv", ColwiseLinear { fused: 3 })
+        .output(
+            Mlp::path().fc2(),
+            ChunkShardingSpec::new(0, vec![cpu(0), cpu(1)]),
+        )
+        .return_local_tensor(Mlp::path().fc2())
+        .build();
+    let json = serde_json::to_string_pretty(&plan).unwrap();
+    assert!(json.contains("\"rank:1/cpu\""), "{json}");
+    assert_eq!(serde_json::from_str::<ShardingPlan>(&json).unwrap(), plan);
+    let text = toml::to_string(&plan).unwrap();
+    assert_eq!(toml::from_str::<ShardingPlan>(&text).unwrap(), plan);
+    let bad = r#"{"plan": {"fc1": {"sharder": "diagonal_linear"}}}"#;
+    let err = serde_json::from_str::<ShardingPlan>(bad)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("unknown sharder `diagonal_linear`"), "{err}");
+}
+
+#[test]
+fn sharded_tensors_scatter_gather_and_reshard() {
+    run_ranks(
+        "plans::sharded_tensors_scatter_gather_and_reshard",
+        3,
+        |pg| {
+            let cpu = |r| Placement::new(r, Device::Cpu);
+            let full = Tensor::arange(20, (Kind::Float, Device::Cpu)).view([10, 2]);
+            // Every rank but the source passes other values: the source's win.
+            let mine = if pg.rank() == 1 {
+                full.copy()
+            } else {
+                full.zeros_like()
+            };
+            let rows: ShardingSpec = ChunkShardingSpec::new(0, vec![cpu(0), cpu(1), cpu(2)]).into();
+            let st = ShardedTensor::scatter(&mine, &rows, 1, &pg).unwrap();
+            let expected_rows = [4, 4, 2][pg.rank()];
+            assert_eq!(st.local_tensor().unwrap().size(), [expected_rows, 2]);
+            assert!(st
+                .local_tensor()
+                .unwrap()
+                .equal(&chunk(&full, 0, 3, pg.rank())));
+            assert!(st.all_gather().unwrap().equal(&full));
+            let gathered = st.gather(2).unwrap();
+            assert_eq!(gathered.is_some(), pg.rank() == 2);
+            if let Some(g) = gathered {
+                assert!(g.equal(&full));
+            }
+            // More ranks than rows: empty shards.
+            let two = Tensor::from_slice(&[1.0f32, 2.0]).view([2, 1]);
+            let st2 = ShardedTensor::scatter(&two, &rows, 0, &pg).unwrap();
+            assert_eq!(st2.local_tensor().unwrap().size()[0], [1, 1, 0][pg.rank()]);
+            assert!(st2.all_gather().unwrap().equal(&two));
+            // Reshard rows -> columns, and to an explicit layout with two shards on rank 0.
+            let cols: ShardingSpec = ChunkShardingSpec::new(1, vec![cpu(2), cpu(0), cpu(1)]).into();
+            let by_col = st.reshard(&cols).unwrap();
+            let col_of = |r: usize| [1, 2, 0][r]; // rank 2 holds chunk 0
+            let expect = chunk(&full, 1, 3, col_of(pg.rank()));
+            assert!(by_col.local_tensor().unwrap().equal(&expect));
+            let shard = |off: i64, rows: i64, rank| ShardMetadata {
+                shard_offsets: vec![off, 0],
+                shard_sizes: vec![rows, 2],
+                placement: cpu(rank),
+            };
+            let explicit: ShardingSpec =
+                EnumerableShardingSpec::new(vec![shard(0, 3, 0), shard(3, 5, 1), shard(8, 2, 0)])
+                    .unwrap()
+                    .into();
+            let ex = by_col.reshard(&explicit).unwrap();
+            assert_eq!(ex.local_shards().len(), [2, 1, 0][pg.rank()]);
+            if pg.rank() == 0 {
+                assert!(
+                    ex.local_tensor().is_err(),
+                    "two shards: no single local tensor"
+                );
+                assert!(ex.local_shards()[1].tensor.equal(&full.narrow(0, 8, 2)));
+            }
+            assert!(ex.all_gather().unwrap().equal(&full));
+            // A shape mismatch fails on every rank, naming both shapes.
+            let wrong = if pg.rank() == 2 {
+                Tensor::zeros([9, 2], (Kind::Float, Device::Cpu))
+            } else {
+                full.copy()
+            };
+            let err = ShardedTensor::scatter(&wrong, &rows, 0, &pg)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("[10, 2]") && err.contains("rank 2 passed [9, 2]"),
+                "{err}"
+            );
+        },
+    );
+}
