@@ -1,5 +1,5 @@
-//! Builds the C++ shim (every csrc/*.cpp, sharing csrc/internal.h; warnings on, and errors in
-//! a checkout) against the libtorch headers that torch-sys found, with Gloo always and NCCL
+//! Builds the C++ shim (every csrc/*.cpp, sharing csrc/internal.h, compiled as one unity
+//! translation unit; warnings on, and errors in a checkout) against the libtorch headers that torch-sys found, with Gloo always and NCCL
 //! when its headers and libtorch_cuda are present, and sets the run-time rpath for this
 //! package's own tests (`tch_dist_build::link_libtorch`).
 
@@ -10,7 +10,7 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_DOC_ONLY").is_some() {
         return;
     }
-    let sources = shim_sources();
+    let unity = unity_source(&shim_sources());
     let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         panic!(
             "torch-sys did not report its libtorch folder (DEP_TCH_LIBTORCH_LIB); run `make setup`"
@@ -33,7 +33,11 @@ fn main() {
         .warnings(true)
         .extra_warnings(true)
         .warnings_into_errors(warnings_are_errors())
-        .files(&sources)
+        // In one translation unit every section's anonymous namespace is the unity file's,
+        // so GCC's check that a header's types use none (-Wsubobject-linkage) misfires on
+        // the section files it includes.
+        .flag("-Wno-subobject-linkage")
+        .file(&unity)
         .include("csrc")
         .flag("-isystem")
         .flag(include.display().to_string())
@@ -86,7 +90,26 @@ fn warnings_are_errors() -> bool {
     !Path::new("Cargo.toml.orig").exists()
 }
 
-/// The shim's translation units (csrc/*.cpp, sorted), after telling cargo to rerun this
+/// One file that includes every section of the shim (`OUT_DIR/shim_unity.cpp`): the sections
+/// stay one file each for readers, but libtorch's headers, most of the compile time, are
+/// parsed once instead of once per section (twelve times as much CPU otherwise, paid again by
+/// every build that compiles the runtime: the tests' own-crate, resume and trybuild builds).
+fn unity_source(sections: &[PathBuf]) -> PathBuf {
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let here = std::env::current_dir().expect("the package folder");
+    let text: String = sections
+        .iter()
+        .map(|file| format!("#include \"{}\"\n", here.join(file).display()))
+        .collect();
+    let unity = out.join("shim_unity.cpp");
+    // Rewritten only when it changes, so that cc's output stays fresh only when it should.
+    if std::fs::read_to_string(&unity).ok().as_deref() != Some(text.as_str()) {
+        std::fs::write(&unity, text).expect("OUT_DIR is writable");
+    }
+    unity
+}
+
+/// The shim's sections (csrc/*.cpp, sorted), after telling cargo to rerun this
 /// script when any file in csrc/ changes or a file is added there.
 fn shim_sources() -> Vec<PathBuf> {
     println!("cargo:rerun-if-changed=csrc");

@@ -1,4 +1,4 @@
-//! 1. The default group: NCCL's eager init, collectives beside Gloo, and the reducer with
+//! Part 1, the default group: NCCL's eager init, collectives beside Gloo, and the reducer with
 //! the shortcuts of a group of one.
 
 use super::*;

@@ -1,4 +1,4 @@
-//! 3. The wait probe: `Work::wait` on NCCL is stream-ordered (it does not wait for the GPU),
+//! Part 3, the wait probe: `Work::wait` on NCCL is stream-ordered (it does not wait for the GPU),
 //! `wait_timeout` does wait.
 
 use super::*;

@@ -1,4 +1,4 @@
-//! 2. (and 7.) A group of one without shortcuts: every replicate case communicates, against
+//! Parts 2 and 7, a group of one without shortcuts: every replicate case communicates, against
 //! plain training (tests/common/replicate_net.rs's cases and this run's own), bucket counts,
 //! in-place thresholds, `no_sync`, `fully_shard`, the state and the unused-parameter error.
 

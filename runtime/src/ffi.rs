@@ -1,4 +1,4 @@
-//! The `extern "C"` surface of csrc/shim.cpp, mirrored from its contract csrc/shim.h, and the
+//! The `extern "C"` surface of csrc/*.cpp, mirrored from its contract csrc/shim.h, and the
 //! one place its errors become Rust values.
 //!
 //! Every fallible shim function returns a `char*`: null on success, else a malloc'ed message,
@@ -380,19 +380,6 @@ pub fn check(status: ShimStatus) -> Result<(), ShimError> {
     unsafe { take_error(status.0) }
 }
 
-/// The old form of [`check`]: `shim!(tdr_x(args))` calls `$f` and checks it, hiding the
-/// `unsafe` of the call inside the macro. **Deprecated**: kept for the files not converted
-/// yet (fsdp/, reducer/autograd.rs, use_guard.rs, shard_fence.rs); write
-/// `ffi::check(unsafe { ffi::tdr_x(args) })`, so that the compiler sees each unsafe call
-/// where it is made.
-macro_rules! shim {
-    ($f:ident($($arg:expr),* $(,)?)) => {
-        // SAFETY: the arguments are vouched for at the call site's `// SAFETY:` comment.
-        $crate::ffi::check(unsafe { $crate::ffi::$f($($arg),*) })
-    };
-}
-pub(crate) use shim;
-
 /// Copies `msg` into a malloc'ed C string the shim frees (for callback errors).
 pub fn malloc_message(msg: &str) -> *mut c_char {
     let bytes = msg.as_bytes();
@@ -703,7 +690,7 @@ mod tests {
     }
 
     /// Every `.rs` file of runtime/src and launcher/src whose code has the `unsafe` keyword
-    /// (or calls the deprecated `shim!`, which hides it) is in docs/ARCHITECTURE.md's list
+    /// is in docs/ARCHITECTURE.md's list
     /// (the bullets after "Files with `unsafe` code"), and nothing else is.
     #[test]
     fn unsafe_files_are_listed() {
@@ -713,8 +700,8 @@ mod tests {
         rust_files(&root, "launcher/src", &mut files);
         let has_unsafe = |file: &String| {
             let code = code_only(&std::fs::read_to_string(root.join(file)).expect("readable"));
-            code.split(|c: char| !(c.is_alphanumeric() || c == '_' || c == '!'))
-                .any(|w| w == "unsafe" || w == "shim!")
+            code.split(|c: char| !(c.is_alphanumeric() || c == '_'))
+                .any(|w| w == "unsafe")
         };
         let found: BTreeSet<String> = files.into_iter().filter(has_unsafe).collect();
         let doc = std::fs::read_to_string(root.join("docs/ARCHITECTURE.md")).expect("the doc");

@@ -2,7 +2,7 @@
 //! collectives, the gradient reducer, sharded tensors, and the helpers that run ranks as
 //! real processes.
 //!
-//! All `unsafe` code talks to the shim (csrc/shim.h, csrc/shim.cpp) through the private
+//! All `unsafe` code talks to the shim (csrc/shim.h, the contract of csrc/*.cpp) through the private
 //! `ffi` module; everything public returns [`Result`] with a [`DistError`] naming the rank,
 //! the operation and the cause.
 

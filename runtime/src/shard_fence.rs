@@ -34,7 +34,7 @@ use tch::Tensor;
 use tch_dist_core::hooks::{register_call_guard, CallGuard, ForwardError};
 
 use crate::error::{DistError, Result};
-use crate::ffi::{self, shim};
+use crate::ffi;
 
 /// What a fence's refusals say, and whom the hits belong to (the API's names for the
 /// parameters).
@@ -146,13 +146,15 @@ impl ShardFence {
         let mut out = std::ptr::null_mut();
         // SAFETY: live tensors and out-pointer; the context is boxed and outlives the fence
         // (freed after it in Drop); exceptions are caught in the shim.
-        shim!(tdr_fence_new(
-            raw.as_mut_ptr(),
-            raw.len(),
-            refusal_trampoline,
-            &*context as *const FenceContext as *mut c_void,
-            &mut out,
-        ))
+        ffi::check(unsafe {
+            ffi::tdr_fence_new(
+                raw.as_mut_ptr(),
+                raw.len(),
+                refusal_trampoline,
+                &*context as *const FenceContext as *mut c_void,
+                &mut out,
+            )
+        })
         .map_err(|e| failure(rank, op, e.message))?;
         let ptr = NonNull::new(out).ok_or(DistError::Internal {
             rank,
@@ -171,7 +173,7 @@ impl ShardFence {
     /// outside its module's call are refused) or disarms it (it is whole).
     pub fn set_armed(&self, index: usize, armed: bool) -> Result<()> {
         // SAFETY: a live fence.
-        shim!(tdr_fence_set_armed(self.ptr.as_ptr(), index, armed))
+        ffi::check(unsafe { ffi::tdr_fence_set_armed(self.ptr.as_ptr(), index, armed) })
             .map_err(|e| failure(self.rank, self.op, e.message))
     }
 

@@ -70,7 +70,7 @@ impl<'a> Save<'a> {
         }
     }
 
-    /// 1. Rank 0 makes the empty temporary folder, removing what an interrupted save of
+    /// Step 1: Rank 0 makes the empty temporary folder, removing what an interrupted save of
     /// the same name left there.
     pub(super) fn make_temporary_folder(&self) -> Result<(), CheckpointError> {
         let local = if self.rank == 0 {
@@ -83,7 +83,7 @@ impl<'a> Save<'a> {
             .map_err(self.failed("making the temporary folder"))
     }
 
-    /// 2. Every rank with something of its own (`pieces`: FQN, values, offsets) writes and
+    /// Step 2: Every rank with something of its own (`pieces`: FQN, values, offsets) writes and
     /// fsyncs its safetensors file; the ranks agree, and get the file's entry (its length
     /// and SHA-256, as JSON; empty for a rank without a file).
     pub(super) fn write_file(

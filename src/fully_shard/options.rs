@@ -32,7 +32,7 @@ pub struct FsdpOptions {
 }
 
 /// Chooses the dimension a parameter is sharded along, from its FQN (within the module
-/// passed to [`fully_shard`]) and the parameter; `None` keeps dim 0. A dimension other than
+/// passed to [`fully_shard`](crate::fully_shard())) and the parameter; `None` keeps dim 0. A dimension other than
 /// 0 must divide evenly over the ranks.
 ///
 /// ```

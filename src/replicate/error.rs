@@ -81,7 +81,7 @@ pub enum ReplicateError {
         /// The entry.
         name: String,
     },
-    /// [`wrap`]/[`wrap_t`] got `Options::ignored_modules`: a wrapped module is not walked,
+    /// [`wrap`](crate::replicate::wrap)/[`wrap_t`](crate::replicate::wrap_t) got `Options::ignored_modules`: a wrapped module is not walked,
     /// so its submodules cannot be found; `Options::ignored_params` names what to ignore.
     #[error(
         "rank {rank}: replicate: ignored_modules ({modules:?}) cannot be used with \

@@ -1,7 +1,7 @@
 //! `replicate`: data-parallel training (PyTorch's composable `replicate`, i.e. DDP).
 //!
 //! Applied to a module, it checks that every rank holds the same parameters, broadcasts
-//! rank 0's parameters and buffers, and installs a [`Reducer`] whose gradient hooks average
+//! rank 0's parameters and buffers, and installs a [`Reducer`](crate::Reducer) whose gradient hooks average
 //! gradients across ranks in buckets while backward is still running. The training loop
 //! stays an ordinary tch loop.
 //!

@@ -44,12 +44,12 @@ pub struct Options {
     /// Bucket size in MiB (default 25; the first bucket is 1 MiB).
     pub bucket_cap_mb: f64,
     /// Modules whose parameters replicate leaves alone (and their children). Only for
-    /// [`apply`]: a wrapped module is not walked ([`wrap`] refuses it); use `ignored_params`.
+    /// [`apply`](crate::replicate::apply): a wrapped module is not walked ([`wrap`](crate::replicate::wrap) refuses it); use `ignored_params`.
     pub ignored_modules: Vec<ModuleKey>,
     /// Parameters and buffers replicate leaves alone, by FQN (`"head.weight"`), or by the
     /// FQN of a module holding them (`"head"`: every `head.*`); PyTorch's
     /// `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`. An entry that
-    /// matches nothing is an error. Both forms ([`apply`], [`wrap`]).
+    /// matches nothing is an error. Both forms ([`apply`](crate::replicate::apply), [`wrap`](crate::replicate::wrap)).
     pub ignored_params: Vec<String>,
     /// The device of the module (CUDA index or device; CPU means none): inputs are moved
     /// there and every parameter must be there. Default: for a module on CUDA, the group's

@@ -23,8 +23,8 @@ fn managed() -> std::sync::MutexGuard<'static, std::collections::HashSet<usize>>
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// What replicate keeps per model: see [`state`] (the derive form) and
-/// [`Replicated::state`] (the wrapper form).
+/// What replicate keeps per model: see [`state`](crate::replicate::state) (the derive form) and
+/// [`Replicated::state`](crate::replicate::Replicated::state) (the wrapper form).
 pub struct ReplicateState {
     pub(super) reducer: Reducer,
     pub(super) param_fqns: Vec<String>,
@@ -62,7 +62,7 @@ impl std::fmt::Debug for ReplicateState {
 
 impl ReplicateState {
     /// FQNs of the parameters whose gradients replicate averages, in registration order
-    /// (walk order for [`apply`]; for [`wrap`], the `VarStore`'s creation order with each
+    /// (walk order for [`apply`](crate::replicate::apply); for [`wrap`](crate::replicate::wrap), the `VarStore`'s creation order with each
     /// layer's `weight` before its `bias`, the same order for the same model).
     ///
     /// ```no_run
@@ -81,7 +81,7 @@ impl ReplicateState {
     }
 
     /// FQNs of the buffers replicate broadcasts from rank 0 (at start-up, and before each
-    /// forward with `broadcast_buffers`), in walk order for [`apply`], sorted for [`wrap`].
+    /// forward with `broadcast_buffers`), in walk order for [`apply`](crate::replicate::apply), sorted for [`wrap`](crate::replicate::wrap).
     ///
     /// ```no_run
     /// # use tch::nn;

@@ -12,7 +12,7 @@ use tch::Tensor;
 
 use super::callback::{grad_trampoline, release, share, trampoline, Callback};
 use crate::error::{DistError, Result};
-use crate::ffi::{self, shim, ShimError};
+use crate::ffi::{self, ShimError};
 
 /// A post hook on one parameter's gradient accumulator; removed on drop.
 pub(crate) struct GradReadyHook {
@@ -45,13 +45,15 @@ impl GradReadyHook {
         let mut out = std::ptr::null_mut();
         // SAFETY: a live tensor and out-pointer; the context outlives the hook (the caller's
         // promise); exceptions are caught in the shim.
-        shim!(tdr_add_grad_ready_hook(
-            param.as_ptr() as *mut _,
-            trampoline::<C>,
-            ctx as *mut c_void,
-            index,
-            &mut out,
-        ))?;
+        ffi::check(unsafe {
+            ffi::tdr_add_grad_ready_hook(
+                param.as_ptr() as *mut _,
+                trampoline::<C>,
+                ctx as *mut c_void,
+                index,
+                &mut out,
+            )
+        })?;
         NonNull::new(out)
             .map(|ptr| GradReadyHook { ptr })
             .ok_or_else(|| ShimError {
@@ -92,14 +94,16 @@ impl Interceptor {
         let mut out = std::ptr::null_mut();
         // SAFETY: a live tensor and out-pointer; the context is a strong reference that the
         // shim releases through `release` (also when registration fails).
-        shim!(tdr_add_grad_interceptor(
-            param.as_ptr() as *mut _,
-            grad_trampoline::<C>,
-            share(ctx),
-            release::<C::Context>,
-            index,
-            &mut out,
-        ))?;
+        ffi::check(unsafe {
+            ffi::tdr_add_grad_interceptor(
+                param.as_ptr() as *mut _,
+                grad_trampoline::<C>,
+                share(ctx),
+                release::<C::Context>,
+                index,
+                &mut out,
+            )
+        })?;
         NonNull::new(out)
             .map(|ptr| Interceptor { ptr })
             .ok_or_else(|| ShimError {
@@ -116,13 +120,15 @@ pub(crate) fn add_output_grad_hook<C: Callback>(
     ctx: &Arc<C::Context>,
 ) -> std::result::Result<(), ShimError> {
     // SAFETY: a live tensor; the context is released by the shim with the hook.
-    shim!(tdr_add_output_grad_hook(
-        output.as_ptr() as *mut _,
-        grad_trampoline::<C>,
-        share(ctx),
-        release::<C::Context>,
-        0,
-    ))
+    ffi::check(unsafe {
+        ffi::tdr_add_output_grad_hook(
+            output.as_ptr() as *mut _,
+            grad_trampoline::<C>,
+            share(ctx),
+            release::<C::Context>,
+            0,
+        )
+    })
 }
 
 /// Queues `C` with `ctx` to run once, at the end of the backward pass that is running on
@@ -135,11 +141,7 @@ pub(crate) unsafe fn queue_end_of_backward<C: Callback>(
 ) -> std::result::Result<(), ShimError> {
     // SAFETY: called inside a hook of a running backward pass, where queueing is allowed;
     // the context outlives the pass (the caller's promise).
-    shim!(tdr_queue_end_of_backward(
-        trampoline::<C>,
-        ctx as *mut c_void,
-        0
-    ))
+    ffi::check(unsafe { ffi::tdr_queue_end_of_backward(trampoline::<C>, ctx as *mut c_void, 0) })
 }
 
 /// Makes `grad` the `.grad` of `param` (`None` clears it); API `op` is named in the error.
@@ -151,9 +153,11 @@ pub(crate) fn set_grad_for(
 ) -> Result<()> {
     let g = grad.map_or(std::ptr::null_mut(), |g| g.as_ptr() as *mut _);
     // SAFETY: live tensors; the shim assigns the grad under its own error handling.
-    shim!(tdr_set_grad(param.as_ptr() as *mut _, g)).map_err(|e| DistError::Collective {
-        rank,
-        op,
-        cause: e.message,
+    ffi::check(unsafe { ffi::tdr_set_grad(param.as_ptr() as *mut _, g) }).map_err(|e| {
+        DistError::Collective {
+            rank,
+            op,
+            cause: e.message,
+        }
     })
 }

@@ -4,7 +4,7 @@
 
 use tch::{Kind, Tensor};
 
-use crate::ffi::{self, shim, ShimError};
+use crate::ffi::{self, ShimError};
 
 /// Whether mixed precision casts tensors of `kind` (the floating-point dtypes); the facade's
 /// input and output casts use it too.
@@ -19,23 +19,22 @@ pub fn is_float(kind: Kind) -> bool {
 /// [`restore_storage`]).
 pub(crate) fn release_storage(t: &Tensor) -> std::result::Result<(), ShimError> {
     // SAFETY: a live tensor.
-    shim!(tdr_storage_release(t.as_ptr() as *mut _))
+    ffi::check(unsafe { ffi::tdr_storage_release(t.as_ptr() as *mut _) })
 }
 
 /// Gives `t`'s storage memory for `t` again (uninitialized).
 pub(crate) fn restore_storage(t: &Tensor) -> std::result::Result<(), ShimError> {
     // SAFETY: a live tensor.
-    shim!(tdr_storage_restore(t.as_ptr() as *mut _))
+    ffi::check(unsafe { ffi::tdr_storage_restore(t.as_ptr() as *mut _) })
 }
 
 /// Points `param` at `data` (`Tensor::set_data`), keeping its gradient accumulator, and so
 /// the hooks on it, also when the dtype changes (mixed precision).
 pub(crate) fn set_data(param: &Tensor, data: &Tensor) -> std::result::Result<(), ShimError> {
     // SAFETY: live tensors; the shim checks the types are compatible.
-    shim!(tdr_set_data_keep_accumulator(
-        param.as_ptr() as *mut _,
-        data.as_ptr() as *mut _
-    ))
+    ffi::check(unsafe {
+        ffi::tdr_set_data_keep_accumulator(param.as_ptr() as *mut _, data.as_ptr() as *mut _)
+    })
 }
 
 /// Bytes `t`'s storage holds now (0 once released).

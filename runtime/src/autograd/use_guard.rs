@@ -20,7 +20,7 @@ use tch::Tensor;
 
 use super::callback::{trampoline, Callback, Reply};
 use crate::error::{DistError, Result};
-use crate::ffi::{self, shim};
+use crate::ffi;
 
 /// Autograd's sequence number on this thread: every autograd node made on this thread after
 /// this call is at or after the mark.
@@ -84,13 +84,15 @@ impl UseGuard {
         let mut out = std::ptr::null_mut();
         // SAFETY: live tensors and out-pointer; `inner` is boxed and lives as long as the
         // guard (it is freed after the guard in Drop); exceptions are caught in the shim.
-        shim!(tdr_guard_new(
-            raw.as_mut_ptr(),
-            raw.len(),
-            trampoline::<GuardMessage>,
-            &*inner as *const GuardInner as *mut c_void,
-            &mut out,
-        ))
+        ffi::check(unsafe {
+            ffi::tdr_guard_new(
+                raw.as_mut_ptr(),
+                raw.len(),
+                trampoline::<GuardMessage>,
+                &*inner as *const GuardInner as *mut c_void,
+                &mut out,
+            )
+        })
         .map_err(|e| failure(rank, op, e.message))?;
         let ptr = NonNull::new(out).ok_or(DistError::Internal {
             rank,
@@ -109,11 +111,9 @@ impl UseGuard {
     /// thread made since `mark` (the call's [`autograd_mark`]).
     pub fn claim(&self, output: &Tensor, mark: u64) -> Result<()> {
         // SAFETY: a live guard and tensor.
-        shim!(tdr_guard_claim(
-            self.ptr.as_ptr(),
-            output.as_ptr() as *mut _,
-            mark
-        ))
+        ffi::check(unsafe {
+            ffi::tdr_guard_claim(self.ptr.as_ptr(), output.as_ptr() as *mut _, mark)
+        })
         .map_err(|e| failure(self.rank, self.op, e.message))
     }
 
@@ -122,11 +122,9 @@ impl UseGuard {
     /// shards).
     pub fn claim_any(rank: usize, op: &'static str, output: &Tensor, mark: u64) -> Result<()> {
         // SAFETY: a live tensor; a null guard means every guard.
-        shim!(tdr_guard_claim(
-            std::ptr::null_mut(),
-            output.as_ptr() as *mut _,
-            mark
-        ))
+        ffi::check(unsafe {
+            ffi::tdr_guard_claim(std::ptr::null_mut(), output.as_ptr() as *mut _, mark)
+        })
         .map_err(|e| failure(rank, op, e.message))
     }
 
@@ -145,14 +143,16 @@ impl UseGuard {
         let mut raw: Vec<*mut ffi::TdrGuard> = guards.iter().map(|g| g.ptr.as_ptr()).collect();
         let (mut guard, mut index) = (0usize, 0usize);
         // SAFETY: live guards and tensor; out-pointers to locals.
-        shim!(tdr_guard_first_unclaimed(
-            raw.as_mut_ptr(),
-            raw.len(),
-            output.as_ptr() as *mut _,
-            mark,
-            &mut guard,
-            &mut index,
-        ))
+        ffi::check(unsafe {
+            ffi::tdr_guard_first_unclaimed(
+                raw.as_mut_ptr(),
+                raw.len(),
+                output.as_ptr() as *mut _,
+                mark,
+                &mut guard,
+                &mut index,
+            )
+        })
         .map_err(|e| failure(first.rank, first.op, e.message))?;
         Ok((guard != usize::MAX).then_some((guard, index)))
     }

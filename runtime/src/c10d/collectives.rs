@@ -270,7 +270,7 @@ impl ProcessGroup {
             })
         });
         ffi::check(call(self.raw(), &mut out)).map_err(|e| context.failure(e))?;
-        let ptr = NonNull::new(out).ok_or_else(|| DistError::Internal {
+        let ptr = NonNull::new(out).ok_or(DistError::Internal {
             rank: context.rank,
             op: context.op,
             what: "the engine returned no work handle",

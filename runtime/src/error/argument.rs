@@ -5,7 +5,7 @@ use tch::Device;
 
 use super::mismatch::TensorSignature;
 
-/// What is wrong with an argument (the `problem` of [`DistError::InvalidArgument`]).
+/// What is wrong with an argument (the `problem` of [`DistError::InvalidArgument`](crate::DistError::InvalidArgument)).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ArgumentError {

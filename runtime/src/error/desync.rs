@@ -8,7 +8,7 @@ use tch::Device;
 use super::mismatch::TensorSignature;
 use super::text::{MaybeRanks, RankList};
 
-/// What `TCH_DIST_DEBUG=DETAIL` found (the `desync` of [`DistError::Desync`]).
+/// What `TCH_DIST_DEBUG=DETAIL` found (the `desync` of [`DistError::Desync`](crate::DistError::Desync)).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Desync {

@@ -41,7 +41,7 @@ impl fmt::Display for NamedSignature {
     }
 }
 
-/// What differs across ranks (the `mismatch` of [`DistError::Mismatch`]).
+/// What differs across ranks (the `mismatch` of [`DistError::Mismatch`](crate::DistError::Mismatch)).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Mismatch {

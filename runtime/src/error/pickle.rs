@@ -1,6 +1,6 @@
 //! [`PickleError`]: why an object from a PyTorch rank is not a pickle tch-dist reads.
 
-/// Why a pickle is not one tch-dist reads (the `problem` of [`DistError::Object`]): it reads
+/// Why a pickle is not one tch-dist reads (the `problem` of [`DistError::Object`](crate::DistError::Object)): it reads
 /// one `str` or `bytes` and nothing else, so that no received object runs code.
 ///
 /// ```

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::text::RankList;
 
-/// Why a rendezvous failed (the `problem` of [`DistError::Rendezvous`]).
+/// Why a rendezvous failed (the `problem` of [`DistError::Rendezvous`](crate::DistError::Rendezvous)).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RendezvousError {

@@ -24,7 +24,7 @@ use super::hooks;
 use super::layout::ShardLayout;
 use super::steps;
 use crate::autograd::{self, is_float, Interceptor};
-use crate::error::{DistError, Result};
+use crate::error::{DistError, MisuseProblem, Result};
 use crate::shard_fence::{FenceOwner, ShardFence};
 use crate::{ProcessGroup, ReduceOp, Work};
 
@@ -976,16 +976,15 @@ impl GroupInner {
                 let existing = handle.grad();
                 if existing.defined() {
                     if existing.size() != shard.size() {
-                        return Err(DistError::Collective {
+                        return Err(DistError::Misuse {
                             rank,
                             op: "fully_shard",
-                            cause: format!(
-                                "module `{}`: `.grad` of `{}` has shape {:?}, not its shard's {:?}",
-                                self.module,
-                                self.param_fqn(m),
-                                existing.size(),
-                                shard.size()
-                            ),
+                            problem: Box::new(MisuseProblem::GradShape {
+                                module: self.module.clone(),
+                                fqn: self.param_fqn(m),
+                                shape: existing.size(),
+                                expected: shard.size(),
+                            }),
                         });
                     }
                     tch::no_grad(|| {

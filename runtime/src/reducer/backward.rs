@@ -9,7 +9,7 @@ use tch::Tensor;
 
 use super::ReducerError;
 use crate::collectives::ReduceOp;
-use crate::error::{DistError, Result};
+use crate::error::{DistError, MisuseProblem, Result};
 use crate::reducer::autograd;
 use crate::reducer::buckets::{rebuild_order, Layout};
 use crate::reducer::comm_hooks::{BucketHook, GradBucket};
@@ -69,10 +69,10 @@ impl ReducerInner {
                 // for it (`Pass::note_launch`), so that backward computes meanwhile.
                 *backwards += 1;
                 let me = StepPosition::now(Phase::Backward, *forwards, *backwards);
-                let step_check = step_check::begin(&self.group, "replicate", me)?;
+                let step_check = step_check::begin(&self.group, self.opts.api, me)?;
                 autograd::queue_end_of_backward(self).map_err(|e| DistError::Collective {
                     rank: self.rank(),
-                    op: "replicate",
+                    op: self.opts.api,
                     cause: e.message,
                 })?;
                 let mut fresh = Pass::new(layout, &std::mem::take(fresh_grads), step_check);
@@ -266,10 +266,10 @@ impl ReducerInner {
             });
         }
         if pass.next_bucket != st.layout.buckets.len() {
-            return Err(DistError::Collective {
+            return Err(DistError::Internal {
                 rank: self.rank(),
-                op: "replicate",
-                cause: "internal error: not every bucket was launched".into(),
+                op: self.opts.api,
+                what: "not every bucket was launched",
             });
         }
         self.wait_all(st, &mut pass)?;
@@ -333,7 +333,7 @@ impl ReducerInner {
         let order: Vec<usize> = Vec::<i64>::try_from(&t)
             .map_err(|e| DistError::Collective {
                 rank: self.rank(),
-                op: "replicate",
+                op: self.opts.api,
                 cause: format!("reading rank 0's gradient order: {e}"),
             })?
             .iter()
@@ -346,10 +346,10 @@ impl ReducerInner {
                 .iter()
                 .any(|&i| i >= n || std::mem::replace(&mut seen[i], true))
         {
-            return Err(DistError::Collective {
+            return Err(DistError::Misuse {
                 rank: self.rank(),
-                op: "replicate",
-                cause: "rank 0's gradient order is not an order of this rank's parameters".into(),
+                op: self.opts.api,
+                problem: Box::new(MisuseProblem::GradientOrder),
             });
         }
         st.stats.rebuilt = true;

@@ -62,7 +62,7 @@ impl ReducerInner {
         self.group.all_reduce(&used, ReduceOp::Max)?;
         let used = Vec::<i32>::try_from(&used).map_err(|e| DistError::Collective {
             rank: self.rank(),
-            op: "replicate",
+            op: self.opts.api,
             cause: format!("reading the used-parameter map: {e}"),
         })?;
         Ok(used.iter().map(|&u| u != 0).collect())

@@ -38,7 +38,7 @@ pub const INIT_BARRIER_ENV: &str = "TORCH_DIST_INIT_BARRIER";
 /// An NCCL group binds one CUDA device, as `init_process_group(device_id=...)` with
 /// `torch.cuda.set_device(local_rank)` does in PyTorch: `device_id` when given, else the
 /// local rank (LOCAL_RANK). It becomes the creating thread's current device and NCCL's bound
-/// device, and [`ProcessGroup::bound_device`] reports it.
+/// device, and [`ProcessGroup::bound_device`](crate::ProcessGroup::bound_device) reports it.
 ///
 /// ```
 /// use tch_dist_runtime::{Backend, InitOptions};
@@ -266,7 +266,7 @@ impl InitOptions {
     }
 }
 
-/// How [`ProcessGroup::new_group_with`] creates a subgroup.
+/// How [`ProcessGroup::new_group_with`](crate::ProcessGroup::new_group_with) creates a subgroup.
 ///
 /// ```
 /// use tch_dist_runtime::{Backend, GroupOptions};

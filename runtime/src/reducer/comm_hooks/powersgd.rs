@@ -235,14 +235,11 @@ impl PowerSgd {
             }
             self.qs.insert(index, qs);
         }
-        let qs = self
-            .qs
-            .get_mut(&index)
-            .ok_or_else(|| DistError::Collective {
-                rank: group.rank(),
-                op: "PowerSGD",
-                cause: "the warm-start Q memory of this bucket was lost".into(),
-            })?;
+        let qs = self.qs.get_mut(&index).ok_or_else(|| DistError::Internal {
+            rank: group.rank(),
+            op: "PowerSGD",
+            what: "the warm-start Q memory of this bucket was lost",
+        })?;
 
         // P = M Q, summed over ranks (one all-reduce for the whole bucket).
         let ps: Vec<Tensor> = matrices

@@ -10,10 +10,11 @@
 //! rank), labelled `mesh_<dim name>`. Slicing ([`DeviceMesh::dim`], [`DeviceMesh::slice`])
 //! creates no group; [`DeviceMesh::flatten`] creates one, once per name.
 //!
-//! | this file | PyTorch |
+//! | piece | PyTorch |
 //! |---|---|
 //! | [`init_device_mesh`], [`DeviceMesh`] | `torch/distributed/device_mesh.py` (`init_device_mesh`, `DeviceMesh`, `_init_process_groups`, `_flatten`, `from_group`) |
 //! | [`subgroups`] (the ranks of each subgroup of a dim) | `torch/distributed/_mesh_layout.py` (`_MeshLayout.remap_to_tensor`) |
+//! | `error.rs`: [`MeshError`], [`MeshProblem`] | the `RuntimeError`s / `ValueError`s of `device_mesh.py` |
 //!
 //! ```no_run
 //! use tch_dist::device_mesh::init_device_mesh;
@@ -31,150 +32,9 @@ use std::sync::{Arc, Mutex};
 
 use tch_dist_runtime::{Backend, DistError, ProcessGroup};
 
-/// Why a mesh could not be made or used.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum MeshError {
-    /// The mesh's description is not one PyTorch accepts (or one this rank's world fits).
-    #[error("rank {rank}: {op}: {problem}")]
-    Invalid {
-        /// This process's rank in the default group.
-        rank: usize,
-        /// `init_device_mesh`, `DeviceMesh::slice`, `DeviceMesh::flatten`, ...
-        op: &'static str,
-        /// What is wrong.
-        problem: MeshProblem,
-    },
-    /// No dimension of the mesh has this name.
-    #[error(
-        "rank {rank}: {op}: the mesh has no dim named `{name}` (its dims: {})",
-        Names(dims)
-    )]
-    UnknownDim {
-        /// This process's rank in the default group.
-        rank: usize,
-        /// The operation.
-        op: &'static str,
-        /// The name asked for.
-        name: String,
-        /// The mesh's dim names.
-        dims: Vec<String>,
-    },
-    /// Creating a mesh dim's groups (or the default group) failed.
-    #[error("rank {rank}: {op}: creating the process groups of mesh dim `{dim}` failed")]
-    Group {
-        /// This process's rank in the default group.
-        rank: usize,
-        /// The operation.
-        op: &'static str,
-        /// The mesh dim.
-        dim: String,
-        /// What the engine said.
-        #[source]
-        source: DistError,
-    },
-}
+mod error;
 
-/// What is wrong with a mesh's description ([`MeshError::Invalid`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum MeshProblem {
-    /// The shape has no dimension.
-    EmptyShape,
-    /// A dimension of size 0.
-    ZeroSize {
-        /// The dim's position.
-        dim: usize,
-    },
-    /// The shape's ranks are not the world's.
-    WorldMismatch {
-        /// The shape.
-        shape: Vec<usize>,
-        /// The default group's size.
-        world_size: usize,
-    },
-    /// Names and shape of different lengths.
-    NamesLength {
-        /// How many names.
-        names: usize,
-        /// How many dims.
-        dims: usize,
-    },
-    /// A name given twice.
-    RepeatedName {
-        /// The name.
-        name: String,
-    },
-    /// The device type is not a plain type name (`"cuda:0"`: PyTorch refuses an index too).
-    DeviceType {
-        /// What was given.
-        given: String,
-    },
-    /// Slice names out of the mesh's order (PyTorch requires them in order).
-    SliceOrder {
-        /// The names given.
-        names: Vec<String>,
-    },
-    /// Slicing or flattening a mesh whose dims have no names.
-    NoNames,
-    /// A flattened dim's name is already a dim of the root mesh, or names another flattening.
-    FlattenName {
-        /// The name.
-        name: String,
-    },
-}
-
-impl fmt::Display for MeshProblem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            MeshProblem::EmptyShape => write!(f, "the mesh shape has no dimension"),
-            MeshProblem::ZeroSize { dim } => write!(f, "mesh dim {dim} has size 0"),
-            MeshProblem::WorldMismatch { shape, world_size } => write!(
-                f,
-                "a mesh of shape {shape:?} holds {} ranks, the world has {world_size}",
-                shape.iter().product::<usize>()
-            ),
-            MeshProblem::NamesLength { names, dims } => write!(
-                f,
-                "{names} mesh dim names for a mesh of {dims} dims (give one name per dim, or none)"
-            ),
-            MeshProblem::RepeatedName { name } => {
-                write!(
-                    f,
-                    "the mesh dim name `{name}` is given twice (each must be unique)"
-                )
-            }
-            MeshProblem::DeviceType { given } => write!(
-                f,
-                "device type {given:?} is not a device type name (\"cpu\" or \"cuda\", without \
-                 an index)"
-            ),
-            MeshProblem::SliceOrder { names } => {
-                write!(f, "the dims {} are not in the mesh's order", Names(names))
-            }
-            MeshProblem::NoNames => write!(f, "the mesh's dims have no names"),
-            MeshProblem::FlattenName { name } => write!(
-                f,
-                "`{name}` is already a dim of the root mesh or another flattening's name"
-            ),
-        }
-    }
-}
-
-/// Names as `` `a`, `b` ``.
-struct Names<'a>(&'a [String]);
-
-impl fmt::Display for Names<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (i, n) in self.0.iter().enumerate() {
-            if i > 0 {
-                write!(f, ", ")?;
-            }
-            write!(f, "`{n}`")?;
-        }
-        Ok(())
-    }
-}
+pub use error::{MeshError, MeshProblem};
 
 /// One dimension of a mesh as this rank sees it.
 #[derive(Debug)]
@@ -236,7 +96,10 @@ pub fn subgroups(shape: &[usize], dims: &[usize]) -> Vec<Vec<usize>> {
     let world: usize = shape.iter().product();
     let mut groups = Vec::new();
     for first in 0..world {
-        if dims.iter().any(|&d| (first / strides[d]) % shape[d] != 0) {
+        if dims
+            .iter()
+            .any(|&d| !(first / strides[d]).is_multiple_of(shape[d]))
+        {
             continue;
         }
         groups.push(along(first, shape, &strides, dims));
@@ -296,7 +159,7 @@ pub fn init_device_mesh(
         rank: 0,
         op: OP,
         dim: "default".into(),
-        source,
+        source: Box::new(source),
     })?;
     let rank = world.rank();
     let invalid = |problem| MeshError::Invalid {
@@ -355,7 +218,7 @@ pub fn init_device_mesh(
             rank,
             op: OP,
             dim: name.clone(),
-            source,
+            source: Box::new(source),
         })?;
         dims.push(Arc::new(MeshDim {
             name: name.clone(),
@@ -639,7 +502,7 @@ impl DeviceMesh {
                     rank: self.root.world.rank(),
                     op: OP,
                     dim: name.clone(),
-                    source,
+                    source: Box::new(source),
                 }
             })?;
         let dim = Arc::new(MeshDim {
