@@ -22,7 +22,7 @@
 //! let mesh = init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
 //! let tp = mesh.get_group("tp")?; // rank 0: [0, 1]; rank 2: [2, 3]
 //! let dp = mesh.get_group("dp")?; // rank 0: [0, 2]; rank 1: [1, 3]
-//! assert_eq!(mesh.dim("tp")?.size(), 2);
+//! assert_eq!(mesh.dim("tp")?.size("tp")?, 2);
 //! # Ok::<(), tch_dist::device_mesh::MeshError>(())
 //! ```
 
