@@ -47,7 +47,8 @@
 //!
 //! | file | what it does | PyTorch's counterpart |
 //! |---|---|---|
-//! | `mod.rs` | the API: [`fully_shard`], [`full_state_dict`] | `_fully_shard.py`, `_fsdp_init.py` |
+//! | `mod.rs` | the API: [`fully_shard`] (a sequence of `init.rs`'s steps), [`full_state_dict`] | `_fully_shard.py` (`fully_shard`) |
+//! | `init.rs` | the steps of one call: process group, checks on every rank, rank 0's values, bypass guard, parameter group and fence, nested calls adopted, forward hooks, managed identities | `_fsdp_init.py` |
 //! | `options.rs` | [`FsdpOptions`] and its parts | `fully_shard`'s keyword arguments, `MixedPrecisionPolicy` |
 //! | `state.rs` | [`FsdpState`] | `FSDPModule` methods, `_fsdp_state.py` |
 //! | `collect.rs` | what a call manages, and why it refuses | `_fsdp_init.py` (`_get_managed_modules`) |
@@ -57,21 +58,16 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-use tch::{Kind, Tensor};
-use tch_dist_core::hooks::{
-    register_call_guard, register_call_scope, register_fallible_forward_hook_n,
-    register_fallible_forward_pre_hook_n, RemovableHandle,
-};
+use tch::Tensor;
 use tch_dist_core::path::join_fqn;
 use tch_dist_core::{contract, Shardable};
-use tch_dist_runtime::fsdp::{
-    is_float, tensor_identity, FsdpGroup, FsdpGroupOptions, ManagedParam, ShardInfo,
-};
-use tch_dist_runtime::{default_group, DistError, GroupOptions, UseGuard, BROADCAST_BUCKET_BYTES};
+use tch_dist_runtime::fsdp::{tensor_identity, ManagedParam, ShardInfo};
+use tch_dist_runtime::DistError;
 
 mod collect;
 mod error;
 mod hooks;
+mod init;
 mod options;
 mod state;
 
@@ -113,174 +109,30 @@ pub fn fully_shard<M: Shardable + ?Sized>(
     module: &M,
     opts: FsdpOptions,
 ) -> Result<FsdpState, FsdpError> {
-    let group = match &opts.process_group {
-        Some(g) => g.clone(),
-        None => default_group()?,
-    };
+    let group = init::process_group(&opts)?;
     let rank = group.rank();
-    let label = short_type(module.as_dyn_shardable());
-    let found = collect(module.as_dyn_shardable(), &opts.ignored_params, rank);
-    // The dimension each parameter is sharded along, checked.
-    let world = group.world_size() as i64;
-    let mut dims = Vec::with_capacity(found.params.len());
-    let mut problem = found.problem;
-    for (fqn, t) in &found.params {
-        let dim = opts
-            .shard_placement_fn
-            .as_ref()
-            .and_then(|f| f.dim(fqn, t))
-            .unwrap_or(0);
-        let size = t.size();
-        if dim > 0 && problem.is_none() && (dim >= size.len() || size[dim] % world != 0) {
-            problem = Some(FsdpError::ShardDim {
-                rank,
-                fqn: fqn.clone(),
-                dim,
-                shape: size.clone(),
-                world: world as usize,
-            });
-        }
-        dims.push(dim);
-    }
-    if let Some(ReshardAfterForward::ToRanks(n)) = opts.reshard_after_forward {
-        if problem.is_none() && (n == 0 || group.world_size() % n != 0) {
-            problem = Some(FsdpError::ReshardRanks {
-                rank,
-                ranks: n,
-                world: group.world_size(),
-            });
-        }
-    }
-    let local = match problem {
-        Some(p) => Err(p),
-        None => Ok(()),
-    };
-    group.agree("fully_shard", local)?;
-    let options: Vec<(String, String)> = [
-        (
-            "reshard_after_forward",
-            format!("{:?}", opts.reshard_after_forward),
-        ),
-        ("ignored_params", format!("{:?}", opts.ignored_params)),
-        ("mp_policy", format!("{:?}", opts.mp_policy)),
-        ("shard_placement_fn dims", format!("{dims:?}")),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
-    group.verify_same_options("fully_shard", &options)?;
-    let named: Vec<(&str, &Tensor)> = found.params.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    group.verify_same_tensors("fully_shard", "parameters", 0, &named)?;
-    // Every rank starts from rank 0's values, as replicate does.
-    let tensors: Vec<&Tensor> = found.params.iter().map(|(_, t)| t).collect();
-    group.broadcast_coalesced(&tensors, 0, BROADCAST_BUCKET_BYTES)?;
-    let names = Arc::new(hooks::CallNames {
-        rank,
-        prefix: Mutex::new(String::new()),
-        params: found.params.iter().map(|(n, _)| n.clone()).collect(),
-    });
-    // The guard takes each parameter's gradient accumulator while it is full-sized.
-    let trainable: Vec<usize> = (0..found.params.len())
-        .filter(|&i| found.params[i].1.requires_grad())
-        .collect();
-    let guard = if trainable.is_empty() {
-        None
-    } else {
-        let refs: Vec<&Tensor> = trainable.iter().map(|&i| &found.params[i].1).collect();
-        let (names, positions) = (Arc::clone(&names), trainable.clone());
-        Some(Arc::new(UseGuard::new(
-            rank,
-            "fully_shard",
-            &refs,
-            move |i| names.bypassed(positions[i]).to_string(),
-        )?))
-    };
-    let identities: Vec<(u64, String)> = found
-        .params
-        .iter()
-        .map(|(n, t)| (tensor_identity(t), n.clone()))
-        .collect();
-    let params: Vec<ManagedParam> = found
-        .params
+    let mut found = collect(module.as_dyn_shardable(), &opts.ignored_params, rank);
+    let dims = init::check(&mut found, &opts, &group)?;
+    init::broadcast_from_rank0(&found, &group)?;
+    let names = init::call_names(&found, rank);
+    let guard = init::use_guard(&found, &names)?;
+    let identities = init::identities(&found.params);
+    let params: Vec<ManagedParam> = std::mem::take(&mut found.params)
         .into_iter()
         .zip(dims)
         .map(|((fqn, param), dim)| ManagedParam { fqn, param, dim })
         .collect();
-    // Resharding to n ranks: this rank's n consecutive ranks, as a group of their own (only
-    // its members create it).
-    let post_forward_group = match opts.reshard_after_forward {
-        Some(ReshardAfterForward::ToRanks(n)) if n > 1 && n < group.world_size() => {
-            let members: Vec<usize> = group.global_ranks().to_vec();
-            let mine = &members[rank / n * n..rank / n * n + n];
-            let sub_opts = GroupOptions::new(group.backend()).with_local_synchronization();
-            group.new_group_with(mine, &sub_opts)?
-        }
-        _ => None,
-    };
-    let fsdp_group = Arc::new(FsdpGroup::new(
-        &label,
-        params,
-        group.clone(),
-        FsdpGroupOptions {
-            // The root's default; an enclosing call turns it on for this one.
-            reshard_after_forward: !matches!(
-                opts.reshard_after_forward,
-                None | Some(ReshardAfterForward::Keep) | Some(ReshardAfterForward::ToRanks(1))
-            ),
-            param_dtype: opts.mp_policy.param_dtype,
-            reduce_dtype: opts.mp_policy.reduce_dtype,
-            post_forward_group,
-        },
-    )?);
-    // Armed while sharded: a managed module run without its hooks inside a hooked forward
-    // fails its first op, in every grad mode.
-    fsdp_group.fence(Arc::clone(&names))?;
-    register_call_guard(&hooks::GUARD);
-    for (prefix, n) in &found.nested {
-        for inner in n.all() {
-            inner.set_prefix(prefix);
-            if inner.reshard_after_forward.is_none() {
-                inner.group.set_reshard_after_forward(true);
-            }
-        }
-    }
-    let nested_guards: Vec<hooks::NestedGuard> = found
-        .nested
-        .iter()
-        .flat_map(|(_, n)| n.all())
-        .filter_map(|s| s.guard.clone())
-        .collect();
-    let own_guard = guard.map(|g| hooks::NestedGuard {
-        guard: g,
-        names: Arc::clone(&names),
-        trainable,
-    });
-    let scope = Arc::new(hooks::Scope {
-        group: Arc::clone(&fsdp_group),
-        names: Arc::clone(&names),
-        guard: own_guard.as_ref().map(|g| Arc::clone(&g.guard)),
-        nested: nested_guards,
-    });
-    let mut hooks: Vec<RemovableHandle> = register_call_scope(module, scope)?.into();
-    let mp = opts.mp_policy;
-    // Every floating input and output, as PyTorch's `_cast_fp_tensor` over the args pytree.
-    if let Some(dtype) = mp.param_dtype.filter(|_| mp.cast_forward_inputs) {
-        hooks.push(register_fallible_forward_pre_hook_n(
-            module,
-            move |_, xs| Ok(cast_floats(xs, dtype)),
-        )?);
-    }
-    if let Some(dtype) = mp.output_dtype {
-        hooks.push(register_fallible_forward_hook_n(
-            module,
-            move |_, _, outs| Ok(cast_floats(outs, dtype)),
-        )?);
-    }
-    let own_identities: Vec<u64> = identities.iter().map(|(id, _)| *id).collect();
-    MANAGED
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .extend(identities);
+    let label = short_type(module.as_dyn_shardable());
+    let fsdp_group = init::param_group(&label, params, &opts, &group, &names)?;
+    init::adopt_nested(&found.nested, &fsdp_group);
+    let hooks = init::register_hooks(
+        module,
+        &fsdp_group,
+        &names,
+        guard.as_ref(),
+        &found.nested,
+        &opts,
+    )?;
     Ok(FsdpState {
         group: fsdp_group,
         process_group: group,
@@ -288,25 +140,8 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         names,
         nested: found.nested.into_iter().map(|(_, s)| s).collect(),
         _hooks: hooks,
-        guard: own_guard,
-        identities: own_identities,
-    })
-}
-
-/// `tensors` with each floating one of another dtype cast to `dtype` (`None`: none is).
-fn cast_floats(tensors: &[Tensor], dtype: Kind) -> Option<Vec<Tensor>> {
-    let cast = |t: &Tensor| is_float(t.kind()) && t.kind() != dtype;
-    tensors.iter().any(cast).then(|| {
-        tensors
-            .iter()
-            .map(|t| {
-                if cast(t) {
-                    t.to_kind(dtype)
-                } else {
-                    t.shallow_clone()
-                }
-            })
-            .collect()
+        guard,
+        identities: init::enter_managed(identities),
     })
 }
 
@@ -354,6 +189,29 @@ pub(crate) fn fsdp_params_in<M: Shardable + ?Sized>(module: &M) -> HashMap<Strin
         }
     }
     out
+}
+
+/// Makes the outermost fully_shard calls in `module` (blocks with no common enclosing
+/// fully_shard, as under a `replicate`d root) share one backward pass: the first one's end of
+/// backward finishes them all, in forward order, so that a block autograd did not reach on
+/// some rank still issues its (zero) reduce-scatter there, alike on every rank.
+pub(crate) fn share_backward_pass<M: Shardable + ?Sized>(module: &M) {
+    let mut roots: Vec<(String, Arc<FsdpState>)> = Vec::new();
+    for (prefix, m) in module.named_modules() {
+        if roots.iter().any(|(o, _)| is_within(&prefix, o)) {
+            continue;
+        }
+        if let Some(s) = fully_shard_state(m) {
+            roots.push((prefix, s));
+        }
+    }
+    if let Some((_, first)) = roots.first() {
+        for (_, root) in &roots[1..] {
+            for s in root.all() {
+                s.group.set_root(&first.group);
+            }
+        }
+    }
 }
 
 /// Puts every fully_shard parameter in `module` back on its shard (a checkpoint reads and

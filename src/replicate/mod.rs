@@ -79,6 +79,8 @@ pub fn apply<M: Shardable + ?Sized>(
     let group = group_of(&opts)?;
     let found = collect::in_module(module, &opts, group.rank());
     let mut replicated = set_up(group, found, &opts)?;
+    // fully_shard blocks under this root run one backward pass, as under a fully_shard root.
+    crate::fully_shard::share_backward_pass(module);
     let input_device = replicated.input_device;
     let pre_hook = register_fallible_forward_pre_hook_n(module, move |m, xs| {
         // PyTorch raises from forward here: `f_call` returns the error, `call` panics with it

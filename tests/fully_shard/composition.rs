@@ -26,6 +26,28 @@ fn with_replicate(pg: &ProcessGroup) -> f64 {
     max_diff_full(&m, &ref_vs)
 }
 
+/// fully_shard on each block and on the head, with no call enclosing them: each is a root
+/// of its own (its own backward pass and end-of-backward callback, as in PyTorch), and
+/// training still equals one process.
+fn roots_without_a_common_root(pg: &ProcessGroup) -> f64 {
+    tch::manual_seed(3);
+    let ref_vs = nn::VarStore::new(Device::Cpu);
+    let reference = model(&ref_vs);
+    tch::manual_seed(3 + pg.rank() as i64 * 1000);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = model(&vs);
+    for b in &m.blocks {
+        fully_shard(b, FsdpOptions::default()).unwrap();
+    }
+    fully_shard(&m.head, FsdpOptions::default()).unwrap();
+    let mut opt = nn::AdamW::default().build(&vs, 1e-2).unwrap();
+    let mut ref_opt = nn::AdamW::default().build(&ref_vs, 1e-2).unwrap();
+    for step in 0..3 {
+        step_both(&reference, &mut ref_opt, &m, &mut opt, step, pg);
+    }
+    max_diff_full(&m, &ref_vs)
+}
+
 /// Tensor parallelism on blocks 1 and 2 (`shard_module`, column- then row-wise) and
 /// fully_shard on the rest, over the same ranks (every rank on the whole batch, as tensor
 /// parallelism needs); also `clip_grad_norm` over both kinds of shards: the norm is the
@@ -76,6 +98,11 @@ fn composition_cases(pg: ProcessGroup) {
     assert!(
         diff < 1e-5,
         "fully_shard + replicate vs one process: {diff}"
+    );
+    let diff = roots_without_a_common_root(&pg);
+    assert!(
+        diff < 1e-5,
+        "fully_shard roots without a common root vs one process: {diff}"
     );
     let diff = two_d(&pg);
     assert!(

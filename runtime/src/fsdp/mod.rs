@@ -2,23 +2,30 @@
 //! over a process group, gathered around their module's forward and backward, with
 //! gradients reduce-scattered to the shards while backward runs.
 //!
-//! | file | what it does | PyTorch's counterpart |
+//! | file | what it does | PyTorch's counterpart (`torch/distributed/fsdp/_fully_shard/`) |
 //! |---|---|---|
-//! | `layout.rs` ([`ShardLayout`]) | where each rank's rows of a parameter sit (`torch.chunk`, padded; core's chunk arithmetic) and the copies in and out of the collectives' buffers | `FSDPParam._init_sharded_param`, `_fsdp_collectives.py` copy-in/out |
-//! | `group.rs` ([`FsdpGroup`]) | one call's parameters, the state machine (sharded or gathered), the all-gathers and reduce-scatters, `.grad` | `_fsdp_param_group.py`, `_fsdp_param.py`, `_fsdp_collectives.py` |
-//! | `backward.rs` | the pass across all groups: join order, prefetches, the end-of-backward callback | `FSDPState._root_post_backward_final_callback`, `_state_ctx` |
+//! | `layout.rs` ([`ShardLayout`]) | where each rank's rows of a parameter sit (`torch.chunk`, padded; core's chunk arithmetic) and the copies in and out of the collectives' rank-major buffers | `FSDPParam._init_sharded_param`'s arithmetic |
+//! | `param.rs` ([`ManagedParam`], [`ShardInfo`]) | one parameter: its place in its bucket's flat shard, its three tensors (handle, rows, full) and the moves between them | `_fsdp_param.py` (`FSDPParam`, `to_sharded`, `to_unsharded`) |
+//! | `collectives.rs` | the all-gathers and their copy-out, the reduce-scatters with their copy-in and the averaged shards' copy-out into `.grad` | `_fsdp_collectives.py` (`foreach_all_gather`, `foreach_all_gather_copy_out`, `foreach_reduce`) |
+//! | `group.rs` | one call's state machine: `ShardedState` (sharded, sharded over the post-forward group, unsharded) and `BackwardState` (idle, expected, handed over), the moves forward and backward drive | `_fsdp_param_group.py` (`FSDPParamGroup`, `ShardedState`, `TrainingState`) |
+//! | `module.rs` ([`FsdpGroup`], [`FsdpGroupOptions`]) | the handle the facade holds: pre/post-forward, unshard/reshard, setters, full values | `_fully_shard.py` (`FSDPModule`'s methods) |
+//! | `context.rs` | one root's backward pass, handed down to the groups under it: join order, prefetches, the end-of-backward callback | `_fsdp_state.py` (`_state_ctx`, `_root_post_backward_final_callback`) |
 //! | `hooks.rs` | the group's autograd callbacks (gradient interceptor, pre-backward hook), registered through `crate::autograd` | `FSDPParamGroup.pre_backward`, `_register_post_backward_hook` |
 //! | `steps.rs` | which pass this process is in, and the step check before each pass's first collective | (none: tch-dist's step check) |
 //!
 //! The facade's `tch_dist::fully_shard` decides what each group manages and drives it from
 //! forward hooks.
 
-mod backward;
+mod collectives;
+mod context;
 mod group;
 mod hooks;
 mod layout;
+mod module;
+mod param;
 mod steps;
 
 pub use crate::autograd::{is_float, storage_nbytes, tensor_identity};
-pub use group::{FsdpGroup, FsdpGroupOptions, ManagedParam, ShardInfo};
 pub use layout::ShardLayout;
+pub use module::{FsdpGroup, FsdpGroupOptions};
+pub use param::{ManagedParam, ShardInfo};

@@ -76,14 +76,19 @@ pub(crate) fn forward_ends() {
     }
 }
 
-/// The first hook of a backward pass ran.
+/// The first hook of a root's backward pass ran. Several roots (fully_shard calls with no
+/// common enclosing call) each begin it in one backward: the first begins the pass.
 pub(crate) fn backward_begins() {
     let mut t = tracker();
     t.depth = 0;
-    t.begin(Phase::Backward);
+    if t.phase != Phase::Backward {
+        t.begin(Phase::Backward);
+    }
 }
 
-/// The backward pass ended (its end-of-backward callback finished every group).
+/// A root's backward pass ended (its end-of-backward callback finished its groups); the
+/// callbacks of other roots in the same backward run after it, in the new phase, alike on
+/// every rank.
 pub(crate) fn backward_ends() {
     tracker().begin(Phase::Between);
 }

@@ -1,0 +1,284 @@
+//! [`FsdpGroup`], the handle the facade's `fully_shard` holds for one call's group: the
+//! operations its forward hooks drive (pre- and post-forward), the explicit ones (unshard,
+//! reshard, the full value of a parameter) and the setters (PyTorch's `FSDPModule` methods,
+//! `fully_shard.py`).
+
+use std::sync::{Arc, Mutex, Weak};
+
+use tch::{Kind, Tensor};
+
+use super::context::PassContext;
+use super::group::{BackwardState, GroupInner, ShardedState, State};
+use super::hooks;
+use super::param::{self, engine, ManagedParam, ShardInfo};
+use super::{collectives, steps};
+use crate::autograd::{self, Interceptor};
+use crate::error::{DistError, Result};
+use crate::shard_fence::{FenceOwner, ShardFence};
+use crate::ProcessGroup;
+
+/// Per-group switches (PyTorch's `fully_shard` options and `FSDPModule` setters).
+#[derive(Debug, Clone)]
+pub struct FsdpGroupOptions {
+    /// Free the gathered parameters after forward (gather them again for backward).
+    pub reshard_after_forward: bool,
+    /// Gather floating-point parameters in this dtype (forward and backward compute in it);
+    /// `None`: their own.
+    pub param_dtype: Option<Kind>,
+    /// Reduce floating-point gradients in this dtype; `None`: `param_dtype`, else the
+    /// parameter's own.
+    pub reduce_dtype: Option<Kind>,
+    /// With `reshard_after_forward`: keep, between forward and backward, a shard over this
+    /// smaller group of ranks (PyTorch's `reshard_after_forward=N`, this rank's group of N)
+    /// rather than over the whole group, so that backward gathers within it.
+    pub post_forward_group: Option<ProcessGroup>,
+}
+
+/// One `fully_shard` call's parameters, sharded over a group of ranks.
+///
+/// Built by `tch_dist::fully_shard`, which drives it from forward hooks; see there for
+/// the user-facing API. Dropping it removes its gradient hooks (the parameters keep their
+/// shards).
+pub struct FsdpGroup {
+    inner: Arc<GroupInner>,
+    _interceptors: Vec<Interceptor>,
+}
+
+impl std::fmt::Debug for FsdpGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsdpGroup")
+            .field("module", &self.inner.module)
+            .field("params", &self.inner.meta.len())
+            .finish()
+    }
+}
+
+impl FsdpGroup {
+    /// Shards `params` (the same names, shapes and values on every rank; the caller checked)
+    /// over `group`: each parameter's tensor now holds this rank's rows, and its gradients
+    /// are reduce-scattered to them. `module` names the managed module in errors.
+    pub fn new(
+        module: &str,
+        params: Vec<ManagedParam>,
+        group: ProcessGroup,
+        options: FsdpGroupOptions,
+    ) -> Result<FsdpGroup> {
+        let (meta, buckets) = param::plan(&params, &group, &options);
+        let expected = meta.iter().filter(|m| m.requires_grad).count();
+        let (flats, tensors) = param::shard_in(&meta, &buckets, &params);
+        let n = params.len();
+        let inner = Arc::new(GroupInner {
+            module: module.to_string(),
+            module_fqn: Mutex::new(String::new()),
+            group: group.clone(),
+            meta,
+            buckets,
+            expected,
+            failure: Mutex::new(None),
+            context: Mutex::new(PassContext::new()),
+            state: Mutex::new(State {
+                tensors,
+                flats,
+                // Full-sized until the reshard below.
+                sharded: ShardedState::Unsharded,
+                backward: BackwardState::Idle,
+                options,
+                reshard_after_backward: true,
+                requires_gradient_sync: true,
+                grads: (0..n).map(|_| None).collect(),
+                stash: (0..n).map(|_| None).collect(),
+                forward_prefetch: Vec::new(),
+                backward_prefetch: Vec::new(),
+                fence: None,
+                backward_started_us: None,
+            }),
+        });
+        // The interceptors make each accumulator now, while the parameters are full-sized.
+        let mut interceptors = Vec::new();
+        for (i, p) in params.iter().enumerate() {
+            if p.param.requires_grad() {
+                interceptors.push(
+                    hooks::intercept_grads(&p.param, &inner, i)
+                        .map_err(|e| engine(&group, e.message))?,
+                );
+            }
+        }
+        {
+            let mut st = inner.lock();
+            inner.reshard_locked(&mut st)?;
+        }
+        Ok(FsdpGroup {
+            inner,
+            _interceptors: interceptors,
+        })
+    }
+
+    /// Runs this group's backward passes in `root`'s context (PyTorch's root sharing its
+    /// `_state_ctx`): `root`'s one end-of-backward callback finishes both, in forward order.
+    /// The enclosing call sets it when it is applied, before any forward.
+    pub fn set_root(&self, root: &FsdpGroup) {
+        let ctx = root.inner.context();
+        *self.inner.context.lock().unwrap_or_else(|e| e.into_inner()) = ctx;
+    }
+
+    /// Gathers the full parameters (before forward; or to run other methods than forward).
+    pub fn unshard(&self) -> Result<()> {
+        let mut st = self.inner.lock();
+        self.inner.unshard_locked(&mut st)
+    }
+
+    /// Frees the full parameters: each holds this rank's shard again.
+    pub fn reshard(&self) -> Result<()> {
+        let mut st = self.inner.lock();
+        self.inner.reshard_locked(&mut st)
+    }
+
+    /// Fences the parameters ([`ShardFence`]), owned by `owner` (whose indices are the
+    /// parameters' positions here): from now on each is armed while it holds only its shard,
+    /// so that an op of a checked call (a hooked forward) using it without its module's
+    /// hooks is refused.
+    pub fn fence<O: FenceOwner>(&self, owner: Arc<O>) -> Result<()> {
+        let mut st = self.inner.lock();
+        let handles: Vec<&Tensor> = st.tensors.iter().map(|t| &t.handle).collect();
+        let rank = self.inner.group.rank();
+        let fence = ShardFence::new(rank, "fully_shard", &handles, owner)?;
+        GroupInner::arm_fence(&st, &fence)?;
+        st.fence = Some(fence);
+        Ok(())
+    }
+
+    /// Whether the parameters hold their shards now.
+    pub fn is_sharded(&self) -> bool {
+        GroupInner::is_sharded(&self.inner.lock())
+    }
+
+    /// The typed error of a hook that failed the last backward pass, taken (the pass itself
+    /// failed with its message).
+    pub fn take_failure(&self) -> Option<DistError> {
+        self.inner.take_failure()
+    }
+
+    /// Before the managed module's forward: gathers the parameters, then starts gathering
+    /// those of the groups set to be prefetched ([`set_forward_prefetch`](Self::set_forward_prefetch)).
+    pub fn pre_forward(&self) -> Result<()> {
+        if let Some(e) = self.inner.take_failure() {
+            return Err(e);
+        }
+        steps::forward_begins();
+        let next = {
+            let mut st = self.inner.lock();
+            self.inner.unshard_locked(&mut st)?;
+            st.forward_prefetch.clone()
+        };
+        let context = self.inner.context();
+        for g in next.iter().filter_map(Weak::upgrade) {
+            g.prefetch()?;
+            context.note_prefetch(&g);
+        }
+        Ok(())
+    }
+
+    /// The groups whose all-gathers start when this group's forward starts (PyTorch's
+    /// `set_modules_to_forward_prefetch`); default none.
+    pub fn set_forward_prefetch(&self, groups: &[&FsdpGroup]) {
+        self.inner.lock().forward_prefetch =
+            groups.iter().map(|g| Arc::downgrade(&g.inner)).collect();
+    }
+
+    /// The groups whose all-gathers start when this group's backward starts (PyTorch's
+    /// `set_modules_to_backward_prefetch`); default: the group whose forward ran just
+    /// before this one's, whose backward comes next.
+    pub fn set_backward_prefetch(&self, groups: &[&FsdpGroup]) {
+        self.inner.lock().backward_prefetch =
+            groups.iter().map(|g| Arc::downgrade(&g.inner)).collect();
+    }
+
+    /// After the managed module's forward, with its output: hooks the output so that its
+    /// backward gathers the parameters again, and frees them now when
+    /// `reshard_after_forward` (always when the output records no graph: no backward will
+    /// come).
+    pub fn post_forward(&self, output: &Tensor) -> Result<()> {
+        self.post_forward_outputs(&[output])
+    }
+
+    /// [`post_forward`](Self::post_forward) for a module with several outputs (a tuple):
+    /// hooks each output that records a graph, as PyTorch's `_register_pre_backward_hook`
+    /// hooks every tensor of the output (the first hook to fire gathers the parameters, the
+    /// others find them gathered), and frees the parameters once.
+    pub fn post_forward_outputs(&self, outputs: &[&Tensor]) -> Result<()> {
+        steps::forward_ends();
+        let mut records = false;
+        for output in outputs.iter().filter(|o| o.requires_grad()) {
+            hooks::add_pre_backward_hook(output, &self.inner)
+                .map_err(|e| engine(&self.inner.group, e.message))?;
+            records = true;
+        }
+        let mut st = self.inner.lock();
+        self.inner.post_forward_locked(&mut st, records)
+    }
+
+    /// Whether backward reduce-scatters gradients (`true`, the default) or accumulates the
+    /// full gradients locally for a later synchronised backward (gradient accumulation).
+    pub fn set_requires_gradient_sync(&self, sync: bool) {
+        self.inner.lock().requires_gradient_sync = sync;
+    }
+
+    /// Whether a backward pass without gradient sync frees the gathered parameters (the
+    /// default) or keeps them for the next micro-batch. A synchronised backward always
+    /// reshards: `.grad` holds shards, and so must the parameters.
+    pub fn set_reshard_after_backward(&self, reshard: bool) {
+        self.inner.lock().reshard_after_backward = reshard;
+    }
+
+    /// The managed module's FQN as the outermost enclosing call sees it (that call sets it
+    /// when it is applied): errors name the parameters by their FQNs from there.
+    pub fn set_module_fqn(&self, fqn: &str) {
+        *self
+            .inner
+            .module_fqn
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = fqn.to_string();
+    }
+
+    /// Changes `reshard_after_forward`.
+    pub fn set_reshard_after_forward(&self, reshard: bool) {
+        self.inner.lock().options.reshard_after_forward = reshard;
+    }
+
+    /// The managed parameters: FQN, full shape, and where this rank's shard sits.
+    pub fn params(&self) -> Vec<ShardInfo> {
+        self.inner
+            .meta
+            .iter()
+            .map(|m| m.info(m.fqn.clone()))
+            .collect()
+    }
+
+    /// The full value of managed parameter `index` (a new tensor; collective: every rank
+    /// calls it for the same parameters in the same order).
+    pub fn full_param(&self, index: usize) -> Result<Tensor> {
+        let inner = &self.inner;
+        let m = inner
+            .meta
+            .get(index)
+            .ok_or_else(|| engine(&inner.group, "no such parameter"))?;
+        // From the shards whatever the state: a gathered tensor may be in `param_dtype`.
+        let local = inner.lock().tensors[index].local.shallow_clone();
+        collectives::gather_full(&inner.group, m, &inner.buckets[m.bucket], &local)
+    }
+
+    /// Bytes of the shards kept over the post-forward group now (between forward and
+    /// backward with `post_forward_group`; 0 otherwise).
+    pub fn post_forward_bytes(&self) -> usize {
+        GroupInner::post_forward_bytes(&self.inner.lock())
+    }
+
+    /// Bytes of memory the full tensors of the parameters hold now (0 while sharded).
+    pub fn full_bytes(&self) -> usize {
+        let st = self.inner.lock();
+        st.tensors
+            .iter()
+            .map(|t| autograd::storage_nbytes(&t.full))
+            .sum()
+    }
+}
