@@ -66,8 +66,11 @@
 //! ```
 
 mod error;
+mod index;
 mod plan;
 mod protocol;
+mod read_plan;
+mod reader;
 mod reshard;
 mod retention;
 mod storage;
@@ -78,6 +81,8 @@ use tch_dist_core::Shardable;
 use tch_dist_runtime::{DistError, ProcessGroup};
 
 pub use error::CheckpointError;
+pub use index::DIGEST_BLOCK_BYTES;
+pub use reader::LoadStats;
 pub use retention::{latest, latest_valid, LatestValid, Skipped};
 pub use storage::{file_name, MANIFEST};
 
@@ -226,24 +231,46 @@ fn loading(rank: usize, path: &Path) -> impl Fn(CheckpointError) -> CheckpointEr
 /// Loads a checkpoint folder written by [`save`] at any world size (or a one-file
 /// safetensors `VarStore::save`) into `module` over `group`'s ranks: each rank's tensors
 /// (its shards of sharded parameters, the whole of the others) are copied in place, after
-/// every check passed on every rank (see the [module docs](self)).
+/// every check passed on every rank (see the [module docs](self)). Each rank reads the
+/// manifest, each file's header and only the rows of the saved pieces that overlap its
+/// tensors, and checks what it read against the manifest's digests ([`load_with_stats`]
+/// says how much it read; [`verify`] checks every byte).
 pub fn load<M: Shardable + ?Sized>(
     path: impl AsRef<Path>,
     module: &M,
     group: &ProcessGroup,
 ) -> Result<(), CheckpointError> {
+    load_with_stats(path, module, group).map(|_| ())
+}
+
+/// [`load`], returning what this rank read: the bytes (the manifest, each file's header,
+/// the slices of its tensors) and the files it opened, as [`LoadStats`].
+///
+/// ```no_run
+/// # use tch::nn;
+/// # use tch_dist::Shardable;
+/// # #[derive(Debug, Shardable)]
+/// # struct Net { fc: nn::Linear }
+/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net) -> Result<(), tch_dist::checkpoint::CheckpointError> {
+/// let stats = tch_dist::checkpoint::load_with_stats("ckpt/step-00000100", model, pg)?;
+/// println!("rank {} read {} bytes from {} files", pg.rank(), stats.bytes_read, stats.files_opened);
+/// # Ok(()) }
+/// ```
+pub fn load_with_stats<M: Shardable + ?Sized>(
+    path: impl AsRef<Path>,
+    module: &M,
+    group: &ProcessGroup,
+) -> Result<LoadStats, CheckpointError> {
     const OP: &str = "checkpoint.load";
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
+    let mut reader = reader::Reader::new(rank);
     let local = (|| {
-        let storage::Saved {
-            pieces,
-            mut tensors,
-            ..
-        } = storage::read_checkpoint(rank, path)?;
+        let opened = reader.open(path)?;
+        let mut tensors = opened.tensors.clone();
         // A model-only load leaves the optimizer's state aside.
         tensors.retain(|k, _| !k.starts_with(OPTIM_STATE_PREFIX));
-        reshard::assemble(rank, &plan::targets(module), &pieces, &tensors)
+        reader.fetch(&opened, &plan::targets(module), &tensors)
     })();
     let staged = group.agree(OP, local).map_err(loading(rank, path))?;
     tch::no_grad(|| {
@@ -251,7 +278,24 @@ pub fn load<M: Shardable + ?Sized>(
             target.shallow_clone().copy_(values);
         }
     });
-    Ok(())
+    Ok(reader.stats)
+}
+
+/// Checks every byte of the checkpoint folder `dir` against its manifest: every
+/// safetensors file and sidecar it lists has its length and SHA-256, and no sidecar is
+/// there unlisted. A [`load`] checks only what it reads (the manifest, the headers, the
+/// blocks of the slices each rank needs, the sidecars it uses), so a damaged byte in a
+/// piece no rank of this world size needs is found here, not by the load: run it where a
+/// checkpoint is kept for long, or before loading at a new world size. One process
+/// (errors say rank 0), one read of the whole checkpoint, a block at a time.
+///
+/// ```no_run
+/// if let Err(e) = tch_dist::checkpoint::verify("ckpt/step-00000100") {
+///     eprintln!("damaged: {e}");
+/// }
+/// ```
+pub fn verify(dir: impl AsRef<Path>) -> Result<(), CheckpointError> {
+    storage::verify(0, dir.as_ref())
 }
 
 /// [`load`] and the optimizer's state and settings that [`save_with_optimizer`] saved,
@@ -281,18 +325,17 @@ pub fn load_with_optimizer<M: Shardable + ?Sized>(
     const OP: &str = "checkpoint.load";
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
+    let mut reader = reader::Reader::new(rank);
     let local = (|| {
-        let storage::Saved {
-            pieces,
-            tensors,
-            manifest,
-        } = storage::read_checkpoint(rank, path)?;
-        let (algorithm, lr) = plan::saved_settings(rank, path, manifest.as_ref(), optimizer)?;
+        let opened = reader.open(path)?;
+        let tensors = &opened.tensors;
+        let (algorithm, lr) =
+            plan::saved_settings(rank, path, opened.manifest.as_ref(), optimizer)?;
         let mut targets = plan::targets(module);
         let model_count = targets.len();
-        let state = plan::state_targets(rank, path, &targets, &tensors, &algorithm, optimizer)?;
+        let state = plan::state_targets(rank, path, &targets, tensors, &algorithm, optimizer)?;
         targets.extend(state);
-        let staged = reshard::assemble(rank, &targets, &pieces, &tensors)?;
+        let staged = reader.fetch(&opened, &targets, tensors)?;
         Ok::<_, CheckpointError>((staged, targets.split_off(model_count), algorithm, lr))
     })();
     let (staged, state_targets, algorithm, lr) =
