@@ -18,14 +18,34 @@
 //! any world size, replicated, tensor-parallel or fully sharded: each rank assembles the part it holds
 //! from whichever saved pieces overlap it.
 //!
+//! **A load reads only what its rank needs.** It reads the manifest and each file's
+//! safetensors header (8 bytes, then the JSON with `DCP_SHARDING_INFO`), makes a *read
+//! plan* from them and this rank's targets (`read_plan.rs`: for each of its tensors, the
+//! saved pieces that overlap it and, of each, the dim-0 rows that overlap, one contiguous
+//! byte range), reads those ranges with positioned reads, decodes each alone and copies it
+//! into place; nothing is decoded whole to be narrowed. A tensor sharded on dim 0
+//! (fully_shard, colwise) costs a rank its share; one sharded on another dim (rowwise) the
+//! overlapping rows whole. [`load_with_stats`] says how many bytes and files a rank read.
+//!
+//! **What is verified when.** Per-file SHA-256s cannot check a partial read, so the
+//! manifest (format `tch-dist checkpoint 3`) also holds each file's header digest and, per
+//! piece, the SHA-256 of each block of whole dim-0 rows of at most [`DIGEST_BLOCK_BYTES`].
+//! A load checks exactly what it reads: the header, each block its ranges cover (a range
+//! is widened to whole blocks: at most one block more at each end), the sidecars it uses
+//! whole. The cost: one digest per 64 KiB in the manifest, and a damaged byte in a slice no
+//! rank of this load reads (another layout's, the optimizer state on a model-only load)
+//! goes unnoticed by the load: [`verify`] (every file and sidecar, every byte, against its
+//! whole-file SHA-256) and [`latest_valid`] find it. A checkpoint of format 2 (no piece
+//! digests) still loads, every file read whole and checked against its SHA-256.
+//!
 //! Crash safety: a save writes into `DIR.partial`, every file fsynced; once every rank's
 //! file is written (the ranks agree on it), rank 0 writes the sidecars and `manifest.json`
-//! (every file's length and SHA-256, the sidecars' too, every tensor's global shape and
-//! dtype), fsyncs the folder and puts it in place as `DIR`: a rename, or an atomic swap
+//! (every file's length and SHA-256 and its digests, the sidecars' too, every tensor's
+//! global shape and dtype), fsyncs the folder and puts it in place as `DIR`: a rename, or an atomic swap
 //! with an older `DIR`, so that a crash at any point leaves `DIR` with the old complete
 //! checkpoint or the new one (`protocol.rs`; docs/ARCHITECTURE.md, "Checkpoint commit
 //! protocol"). `load` refuses a folder without a manifest (an interrupted save is never
-//! loaded) and every file whose length or checksum differs, sidecars included, and checks
+//! loaded) and every file whose length, header or read bytes differ, sidecars included, and checks
 //! the key set, global shapes and dtypes against the model before changing anything, each a
 //! [`CheckpointError`] naming the FQN, on every rank. All ranks must see the same folder (one
 //! machine, or a shared file system).
@@ -41,11 +61,14 @@
 //!
 //! | file | what it does | PyTorch's counterpart (`torch/distributed/checkpoint/`) |
 //! | --- | --- | --- |
-//! | `mod.rs` | the API: [`save`], [`save_with`], [`save_with_optimizer`], [`load`], [`load_with_optimizer`], [`load_train_state`] | `state_dict_saver.py` (`save`), `state_dict_loader.py` (`load`) |
+//! | `mod.rs` | the API: [`save`], [`save_with`], [`save_with_optimizer`], [`load`], [`load_with_stats`], [`load_with_optimizer`], [`load_train_state`], [`verify`] | `state_dict_saver.py` (`save`), `state_dict_loader.py` (`load`) |
 //! | `plan.rs` | what a checkpoint holds and who writes it: the model's tensors with this rank's place in each global one, the optimizer's state flattened to PyTorch's names and back | `planner.py`, `default_planner.py` (`create_local_plan`, `flatten_state_dict`) |
+//! | `index.rs` | a safetensors header parsed without the data; the pieces' block digests ([`DIGEST_BLOCK_BYTES`]) | `_hf_storage.py` (`_get_safetensors_file_metadata`) |
+//! | `read_plan.rs` | the read plan: the overlapping pieces of each target and the rows of each to read, as byte ranges (pure, unit-tested) | `default_planner.py` (`create_default_local_load_plan`), `reshard.py` |
+//! | `reader.rs` | a load's I/O: manifest, headers, positioned reads of the planned ranges, each checked and decoded alone, counted in [`LoadStats`]; format 2 read whole | `_hf_storage.py` (`HuggingFaceStorageReader.read_data`) |
 //! | `reshard.rs` | a rank's part assembled from the saved pieces that overlap it (pure offset arithmetic, unit-tested) and the checks of the model against the checkpoint | `default_planner.py`, `_reshard`, `resharding.py` (`_check_shard_metadata_pair_overlap`) |
 //! | `protocol.rs` | the ranks' save, as named steps, and the file-system moves that make it crash-safe (fsyncs, the rename or swap into place) | `state_dict_saver.py` (`_save_state_dict`'s steps), `filesystem.py` |
-//! | `storage.rs` | the files: the safetensors layout, `DCP_SHARDING_INFO`, the manifest and sidecars through their serde structs, reading every file against its checksum | `_hf_storage.py` / `hf_storage.py` (`HuggingFaceStorageReader`/`Writer`), `storage.py`, `metadata.py` |
+//! | `storage.rs` | the files: the safetensors layout, `DCP_SHARDING_INFO`, the manifest and sidecars through their serde structs, whole files against their checksums ([`verify`], format 2) | `_hf_storage.py` / `hf_storage.py` (`HuggingFaceStorageReader`/`Writer`), `storage.py`, `metadata.py` |
 //! | `retention.rs` | [`latest`], [`latest_valid`], pruning to `keep_last` | (none: torchtitan's checkpoint manager keeps the last k) |
 //! | `error.rs` | [`CheckpointError`] | DCP's `CheckpointException` |
 //!

@@ -5,8 +5,8 @@
 //!   holds `DCP_SHARDING_INFO`, a JSON string `{fqn: {"saved_offsets": [...]}}` giving where
 //!   each saved piece starts in the global tensor, and `DCP_VERSION` `1.0`, `format` `pt`;
 //! - `manifest.json`, written last: every file with its length and SHA-256 (the safetensors
-//!   files in `files`, the JSON sidecars `optimizer.json` and `train_state.json` in
-//!   `sidecars`), every tensor with its global shape and dtype, the world size that wrote
+//!   files in `files`, each with its header's SHA-256 and its pieces' block digests,
+//!   `index.rs`; the JSON sidecars `optimizer.json` and `train_state.json` in `sidecars`), every tensor with its global shape and dtype, the world size that wrote
 //!   it. PyTorch's reader only lists `*.safetensors` files, so it ignores the manifest and
 //!   the sidecars.
 
