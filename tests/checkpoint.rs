@@ -17,6 +17,9 @@ use tch_dist::sharding::{
 use tch_dist::testing::{run_ranks, worker};
 use tch_dist::{Backend, Call, DistError, ProcessGroup, Shardable};
 
+/// Checkpoints PyTorch's `HuggingFaceStorageWriter` wrote load.
+#[path = "checkpoint/from_pytorch.rs"]
+mod from_pytorch;
 /// Each rank reads only its slices; what a load checks; format 2 still loads.
 #[path = "checkpoint/reads.rs"]
 mod reads;

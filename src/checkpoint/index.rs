@@ -57,11 +57,19 @@ impl PieceHeader {
     }
 }
 
+/// The `__metadata__` key a tch-dist save adds to every file it writes (the manifest's
+/// format as its value; PyTorch's reader ignores it): a folder of such files without a
+/// manifest is an interrupted tch-dist save, never loaded, where one without them is
+/// PyTorch's own output.
+pub(super) const MARK: &str = "TCH_DIST_FORMAT";
+
 /// A safetensors file's header.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Header {
     /// The header's own length: 8 + the JSON's; the data start there.
     pub len: u64,
+    /// Whether a tch-dist save wrote it ([`MARK`] in `__metadata__`).
+    pub tch_dist: bool,
     /// Every tensor of the file, in the order of their bytes.
     pub pieces: Vec<PieceHeader>,
 }
@@ -201,7 +209,12 @@ pub(super) fn parse(
             end: len + hi,
         });
     }
-    Ok(Header { len, pieces })
+    let tch_dist = meta.as_ref().is_some_and(|m| m.contains_key(MARK));
+    Ok(Header {
+        len,
+        tch_dist,
+        pieces,
+    })
 }
 
 /// The digests of every piece of the safetensors file `bytes` (the whole file, as a save

@@ -5,8 +5,9 @@
 //! `HuggingFaceStorageReader.read_data` is the counterpart (it reads every tensor whole).
 //!
 //! A format-2 checkpoint (no piece digests) is read as before: every file whole, checked
-//! against its SHA-256. A one-file `VarStore::save` has no manifest: its slices are read by
-//! the plan and checked against nothing (it never had a checksum).
+//! against its SHA-256. A one-file `VarStore::save`, and a folder PyTorch's
+//! `HuggingFaceStorageWriter` wrote (no manifest, no tch-dist mark in its files), are read
+//! by the plan and checked against nothing (they carry no checksum).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -179,10 +180,7 @@ impl Reader {
         }
         let manifest_path = path.join(MANIFEST);
         if !manifest_path.is_file() {
-            return Err(CheckpointError::NotACheckpoint {
-                rank: self.rank,
-                dir: path.to_path_buf(),
-            });
+            return self.open_pytorch(path);
         }
         let text = storage::read(self.rank, &manifest_path)?;
         self.stats.bytes_read += text.len() as u64;
@@ -235,6 +233,78 @@ impl Reader {
             tensors: manifest.tensors.clone(),
             manifest: Some(manifest),
             source,
+        })
+    }
+
+    /// Opens the folder `dir` without a manifest as PyTorch's `HuggingFaceStorageWriter`
+    /// output (its `*.safetensors` files, each tensor's global shape the pieces' extent,
+    /// as `HuggingFaceStorageReader.read_metadata` computes it): nothing to check it against.
+    /// Refused as an interrupted tch-dist save ([`NotACheckpoint`](CheckpointError::NotACheckpoint))
+    /// when it is a save's temporary folder (`DIR.partial`, `DIR.old`), holds no
+    /// safetensors file, or any of its files was written by tch-dist (`index::MARK`).
+    fn open_pytorch(&mut self, dir: &Path) -> Result<Opened, CheckpointError> {
+        let rank = self.rank;
+        let not_a_checkpoint = || CheckpointError::NotACheckpoint {
+            rank,
+            dir: dir.to_path_buf(),
+        };
+        let temporary = dir
+            .file_name()
+            .is_some_and(|n| super::protocol::is_temporary(&n.to_string_lossy()));
+        if temporary || !dir.is_dir() {
+            return Err(not_a_checkpoint());
+        }
+        let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(super::protocol::io(self.rank, "listing", dir))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        names.sort();
+        if names.is_empty() {
+            return Err(not_a_checkpoint());
+        }
+        let mut files = Vec::new();
+        let mut tensors: BTreeMap<String, TensorEntry> = BTreeMap::new();
+        for path in names {
+            let (file, header) = self.open_file(&path, None)?;
+            if header.tch_dist {
+                return Err(not_a_checkpoint());
+            }
+            for p in &header.pieces {
+                let entry = tensors.entry(p.fqn.clone()).or_insert_with(|| TensorEntry {
+                    shape: vec![0; p.shape.len()],
+                    dtype: p.dtype.clone(),
+                });
+                if entry.dtype != p.dtype || entry.shape.len() != p.shape.len() {
+                    return Err(CheckpointError::Format {
+                        rank: self.rank,
+                        path: path.clone(),
+                        cause: format!(
+                            "`{}` is {} {:?} here, {} of {} dimensions in another file",
+                            p.fqn,
+                            p.dtype,
+                            p.shape,
+                            entry.dtype,
+                            entry.shape.len()
+                        ),
+                    });
+                }
+                for (g, (o, n)) in entry.shape.iter_mut().zip(p.offsets.iter().zip(&p.shape)) {
+                    *g = (*g).max(o + n);
+                }
+            }
+            let pieces = header.pieces.into_iter().map(|p| (p, None)).collect();
+            files.push(IndexedFile {
+                path,
+                file,
+                pieces,
+                digests: None,
+            });
+        }
+        Ok(Opened {
+            manifest: None,
+            tensors,
+            source: Source::Indexed(files),
         })
     }
 

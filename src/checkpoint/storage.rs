@@ -390,6 +390,7 @@ pub(super) fn encode(
         ("DCP_SHARDING_INFO".to_string(), sharding),
         ("DCP_VERSION".to_string(), "1.0".to_string()),
         ("format".to_string(), "pt".to_string()),
+        (index::MARK.to_string(), FORMAT.to_string()),
     ]);
     safetensors::tensor::serialize(views, &Some(metadata)).map_err(|e| format(format!("{e:?}")))
 }
