@@ -38,14 +38,21 @@
 //! whole-file SHA-256) and [`latest_valid`] find it. A checkpoint of format 2 (no piece
 //! digests) still loads, every file read whole and checked against its SHA-256.
 //!
+//! **What PyTorch wrote loads too**: a folder from `dcp.save(sd,
+//! storage_writer=HuggingFaceStorageWriter(dir))` (also `save_distributed=True`) has no
+//! manifest and no checksums, so it is read by the same plan and checked against nothing.
+//! Every file tch-dist writes carries `TCH_DIST_FORMAT` in its `__metadata__`, so a folder
+//! of tch-dist files without a manifest (or named `DIR.partial`) is still refused as an
+//! interrupted save.
+//!
 //! Crash safety: a save writes into `DIR.partial`, every file fsynced; once every rank's
 //! file is written (the ranks agree on it), rank 0 writes the sidecars and `manifest.json`
 //! (every file's length and SHA-256 and its digests, the sidecars' too, every tensor's
 //! global shape and dtype), fsyncs the folder and puts it in place as `DIR`: a rename, or an atomic swap
 //! with an older `DIR`, so that a crash at any point leaves `DIR` with the old complete
 //! checkpoint or the new one (`protocol.rs`; docs/ARCHITECTURE.md, "Checkpoint commit
-//! protocol"). `load` refuses a folder without a manifest (an interrupted save is never
-//! loaded) and every file whose length, header or read bytes differ, sidecars included, and checks
+//! protocol"). `load` refuses a folder of tch-dist files without a manifest (an interrupted save is
+//! never loaded) and every file whose length, header or read bytes differ, sidecars included, and checks
 //! the key set, global shapes and dtypes against the model before changing anything, each a
 //! [`CheckpointError`] naming the FQN, on every rank. All ranks must see the same folder (one
 //! machine, or a shared file system).
