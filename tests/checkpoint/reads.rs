@@ -379,3 +379,56 @@ fn a_format_2_checkpoint_loads_reading_every_file_whole() {
         },
     );
 }
+
+/// A manifest whose digests do not fit its files (a piece without digests, a piece with
+/// fewer blocks than rows) is refused on every rank, naming the file and the tensor, and
+/// the model does not change.
+#[test]
+fn a_manifest_whose_digests_do_not_fit_is_refused() {
+    run_ranks(
+        "reads::a_manifest_whose_digests_do_not_fit_is_refused",
+        2,
+        |pg| {
+            let r = pg.rank();
+            let ckpt = scratch("reads_bad_digests", &pg).join("ckpt");
+            checkpoint::save(&ckpt, &mlp(&nn::VarStore::new(Device::Cpu), 8, 1), &pg).unwrap();
+            let manifest = ckpt.join(checkpoint::MANIFEST);
+            let original = std::fs::read(&manifest).unwrap();
+            let file = ckpt.join(checkpoint::file_name(0));
+            let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 2);
+            let before = model.fc1.ws.copy();
+            let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
+                pg.barrier().unwrap();
+                if r == 0 {
+                    let mut m: serde_json::Value = serde_json::from_slice(&original).unwrap();
+                    edit(&mut m["files"][checkpoint::file_name(0)]["pieces"]);
+                    std::fs::write(&manifest, serde_json::to_vec(&m).unwrap()).unwrap();
+                }
+                pg.barrier().unwrap();
+                let err = checkpoint::load(&ckpt, &model, &pg).unwrap_err();
+                assert!(model.fc1.ws.equal(&before), "the model changed");
+                err.to_string()
+            };
+            let err = edited(&|p| {
+                p.as_object_mut().unwrap().remove("fc2.bias");
+            });
+            assert_eq!(
+                err,
+                format!(
+                    "rank {r}: checkpoint: {} is corrupted: the manifest has no digests of \
+                     `fc2.bias`",
+                    file.display()
+                )
+            );
+            let err = edited(&|p| p["fc1.weight"]["sha256"] = serde_json::json!([]));
+            assert_eq!(
+                err,
+                format!(
+                    "rank {r}: checkpoint: {} is corrupted: the manifest's digests of \
+                     `fc1.weight` do not fit its 8 rows",
+                    file.display()
+                )
+            );
+        },
+    );
+}
