@@ -1,6 +1,6 @@
 //! Checkpoints PyTorch wrote load into tch-dist: `dcp.save` with `HuggingFaceStorageWriter`
 //! from a plain PyTorch model (one file, no manifest) and from a `fully_shard`ed one at 2
-//! ranks (`save_distributed=True`: one file per rank), each loaded at 1 and 2 ranks into a
+//! ranks (`save_distributed=True`: one file per rank), each loaded at 1, 2 and 3 ranks into a
 //! plain, a fully_shard and a tensor-parallel tch-dist model, values equal to what PyTorch
 //! saved. Such a folder has no checksums, so nothing is verified; one named as a save's
 //! temporary folder (`.partial`) is refused as an interrupted save.
@@ -56,7 +56,7 @@ fn pytorch_saves(name: &str, ranks: Option<usize>) {
 }
 
 #[test]
-fn pytorch_written_checkpoints_load_at_1_and_2_ranks() {
+fn pytorch_written_checkpoints_load_at_1_2_and_3_ranks() {
     if worker().is_none() {
         let _ = std::fs::remove_dir_all(folder());
         std::fs::create_dir_all(folder()).unwrap();
@@ -64,10 +64,15 @@ fn pytorch_written_checkpoints_load_at_1_and_2_ranks() {
         pytorch_saves("fsdp2", Some(2));
     }
     run_ranks(
-        "from_pytorch::pytorch_written_checkpoints_load_at_1_and_2_ranks",
-        2,
+        "from_pytorch::pytorch_written_checkpoints_load_at_1_2_and_3_ranks",
+        3,
         |pg| {
-            let one = pg.new_group(&[0], Backend::Gloo).unwrap();
+            // Rank 0 alone, ranks 0 and 1, all three (fc1's 8 rows as 3 + 3 + 2 there).
+            let groups = [
+                pg.new_group(&[0], Backend::Gloo).unwrap(),
+                pg.new_group(&[0, 1], Backend::Gloo).unwrap(),
+                Some(pg.clone()),
+            ];
             for name in ["plain", "fsdp2"] {
                 let ckpt = folder().join(name);
                 // What PyTorch saved, from its one-file copy.
@@ -75,22 +80,25 @@ fn pytorch_written_checkpoints_load_at_1_and_2_ranks() {
                 let whole = mlp(&reference, 8, 9);
                 checkpoint::load(folder().join(format!("{name}.safetensors")), &whole, &pg)
                     .unwrap();
-                if let Some(one) = &one {
-                    let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 2);
-                    checkpoint::load(&ckpt, &model, one).unwrap();
-                    equals_reference(&model, &reference, &format!("{name} at 1 rank"));
+                for g in groups.iter().flatten() {
+                    let at = format!("{name} at {} ranks", g.world_size());
+                    let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 3);
+                    checkpoint::load(&ckpt, &model, g).unwrap();
+                    equals_reference(&model, &reference, &format!("{at}, plain"));
+                    let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 4);
+                    let opts = FsdpOptions {
+                        process_group: Some(g.clone()),
+                        ..Default::default()
+                    };
+                    fully_shard(&model, opts).unwrap();
+                    checkpoint::load(&ckpt, &model, g).unwrap();
+                    fsdp_equals_reference(&model, &reference, &format!("{at}, fully_shard"));
+                    let mut model = mlp(&nn::VarStore::new(Device::Cpu), 8, 5);
+                    shard_module(&mut model, &plan(), 0, g).unwrap();
+                    checkpoint::load(&ckpt, &model, g).unwrap();
+                    equals_reference(&model, &reference, &format!("{at}, tensor-parallel"));
                 }
-                let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 3);
-                checkpoint::load(&ckpt, &model, &pg).unwrap();
-                equals_reference(&model, &reference, &format!("{name} at 2 ranks, plain"));
-                let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 4);
-                fully_shard(&model, FsdpOptions::default()).unwrap();
-                checkpoint::load(&ckpt, &model, &pg).unwrap();
-                fsdp_equals_reference(&model, &reference, &format!("{name}, fully_shard at 2"));
-                let mut model = mlp(&nn::VarStore::new(Device::Cpu), 8, 5);
-                shard_module(&mut model, &plan(), 0, &pg).unwrap();
-                checkpoint::load(&ckpt, &model, &pg).unwrap();
-                equals_reference(&model, &reference, &format!("{name}, tensor-parallel at 2"));
+                pg.barrier().unwrap();
             }
             // The same files in a folder named as a save's temporary one: an interrupted
             // save, refused.
