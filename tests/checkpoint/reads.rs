@@ -122,6 +122,7 @@ fn save_fsdp_at_2(pg: &ProcessGroup, ckpt: &Path) {
 /// Rank r of 4 reads rows 16384r.. of fc1 (16384 rows of 16 bytes, 16384 of 4), row r of
 /// fc2.weight (256 KiB), and the 2-value piece of fc2.bias that holds its value (one digest
 /// block: 4 bytes more than its share); nothing else but the manifest and the headers.
+/// From a one-file `model.safetensors`, exactly its share and the header.
 #[test]
 fn fully_shard_saved_at_2_loads_at_4_reading_only_its_rows() {
     run_ranks(
@@ -140,6 +141,23 @@ fn fully_shard_saved_at_2_loads_at_4_reading_only_its_rows() {
             // A quarter and the overhead: under a third.
             reads_only(&ckpt, stats, rchar, slices, 3, "fully_shard 2 -> 4");
             fsdp_equals_reference(&model, &reference, "fully_shard 2 -> 4");
+            // A Hugging Face-style `model.safetensors` (one file of whole tensors, no
+            // sharding info, no digests): exactly its share, fc2.bias's one value too.
+            let hf = ckpt.with_file_name("model.safetensors");
+            if pg.rank() == 0 {
+                reference.save(&hf).unwrap();
+            }
+            pg.barrier().unwrap();
+            let model = wide(&nn::VarStore::new(Device::Cpu), 3);
+            fully_shard(&model, FsdpOptions::default()).unwrap();
+            let stats = checkpoint::load_with_stats(&hf, &model, &pg).unwrap();
+            let share = 16384 * 16 + 16384 * 4 + 65536 * 4 + 4;
+            let expected = LoadStats {
+                bytes_read: header(&hf).0 + share,
+                files_opened: 1,
+            };
+            assert_eq!(stats, expected, "model.safetensors -> 4");
+            fsdp_equals_reference(&model, &reference, "model.safetensors -> 4");
         },
     );
 }
