@@ -2,8 +2,9 @@
 //! from a plain PyTorch model (one file, no manifest) and from a `fully_shard`ed one at 2
 //! ranks (`save_distributed=True`: one file per rank), each loaded at 1, 2 and 3 ranks into a
 //! plain, a fully_shard and a tensor-parallel tch-dist model, values equal to what PyTorch
-//! saved. Such a folder has no checksums, so nothing is verified; one named as a save's
-//! temporary folder (`.partial`) is refused as an interrupted save.
+//! saved; saved again by tch-dist, PyTorch reads the same values back. Such a folder has
+//! no checksums, so nothing is verified; one named as a save's temporary folder
+//! (`.partial`) is refused as an interrupted save.
 
 use std::path::{Path, PathBuf};
 
@@ -97,6 +98,11 @@ fn pytorch_written_checkpoints_load_at_1_2_and_3_ranks() {
                     shard_module(&mut model, &plan(), 0, g).unwrap();
                     checkpoint::load(&ckpt, &model, g).unwrap();
                     equals_reference(&model, &reference, &format!("{at}, tensor-parallel"));
+                    if g.world_size() == 3 {
+                        // Saved again by tch-dist, for PyTorch to read back below.
+                        checkpoint::save(folder().join(format!("{name}-by-tch-dist")), &model, g)
+                            .unwrap();
+                    }
                 }
                 pg.barrier().unwrap();
             }
@@ -117,4 +123,11 @@ fn pytorch_written_checkpoints_load_at_1_2_and_3_ranks() {
             );
         },
     );
+    // The round trip PyTorch -> tch-dist -> PyTorch keeps every value.
+    if worker().is_none() {
+        for name in ["plain", "fsdp2"] {
+            let full = folder().join(format!("{name}.safetensors"));
+            super::pytorch_loads(&folder().join(format!("{name}-by-tch-dist")), &full);
+        }
+    }
 }
