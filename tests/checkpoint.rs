@@ -17,6 +17,13 @@ use tch_dist::sharding::{
 use tch_dist::testing::{run_ranks, worker};
 use tch_dist::{Backend, Call, DistError, ProcessGroup, Shardable};
 
+/// Checkpoints PyTorch's `HuggingFaceStorageWriter` wrote load.
+#[path = "checkpoint/from_pytorch.rs"]
+mod from_pytorch;
+/// Each rank reads only its slices; what a load checks; format 2 still loads.
+#[path = "checkpoint/reads.rs"]
+mod reads;
+
 #[derive(Debug, Shardable)]
 struct Mlp {
     fc1: nn::Linear,
@@ -384,10 +391,12 @@ fn refusals_name_the_fqn_on_every_rank() {
             std::fs::write(&file, &changed).unwrap();
         }
         pg.barrier().unwrap();
+        // The last bytes are fc2.weight's ([5, 8]: one digest block), which both ranks read.
         unchanged(
             checkpoint::load(&ckpt, &model, &pg).unwrap_err(),
             &format!(
-                "rank {r}: checkpoint: {} is corrupted: its SHA-256 differs from the manifest's",
+                "rank {r}: checkpoint: {} is corrupted: `fc2.weight`'s rows 0..5 differ from the \
+                 manifest's SHA-256",
                 file.display()
             ),
         );
@@ -955,7 +964,8 @@ fn latest_valid_skips_damaged_checkpoints() {
         let found = checkpoint::latest_valid(&dir, &pg).unwrap();
         let bad_manifest = both(&|r| {
             format!(
-                "rank {r}: checkpoint: {}: not a manifest of this format (tch-dist checkpoint 2)",
+                "rank {r}: checkpoint: {}: not a manifest of this format (tch-dist checkpoint 3, \
+                 or tch-dist checkpoint 2)",
                 manifest.display()
             )
         });

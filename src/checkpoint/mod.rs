@@ -18,14 +18,41 @@
 //! any world size, replicated, tensor-parallel or fully sharded: each rank assembles the part it holds
 //! from whichever saved pieces overlap it.
 //!
+//! **A load reads only what its rank needs.** It reads the manifest and each file's
+//! safetensors header (8 bytes, then the JSON with `DCP_SHARDING_INFO`), makes a *read
+//! plan* from them and this rank's targets (`read_plan.rs`: for each of its tensors, the
+//! saved pieces that overlap it and, of each, the dim-0 rows that overlap, one contiguous
+//! byte range), reads those ranges with positioned reads, decodes each alone and copies it
+//! into place; nothing is decoded whole to be narrowed. A tensor sharded on dim 0
+//! (fully_shard, colwise) costs a rank its share; one sharded on another dim (rowwise) the
+//! overlapping rows whole. [`load_with_stats`] says how many bytes and files a rank read.
+//!
+//! **What is verified when.** Per-file SHA-256s cannot check a partial read, so the
+//! manifest (format `tch-dist checkpoint 3`) also holds each file's header digest and, per
+//! piece, the SHA-256 of each block of whole dim-0 rows of at most [`DIGEST_BLOCK_BYTES`].
+//! A load checks exactly what it reads: the header, each block its ranges cover (a range
+//! is widened to whole blocks: at most one block more at each end), the sidecars it uses
+//! whole. The cost: one digest per 64 KiB in the manifest, and a damaged byte in a slice no
+//! rank of this load reads (another layout's, the optimizer state on a model-only load)
+//! goes unnoticed by the load: [`verify`] (every file and sidecar, every byte, against its
+//! whole-file SHA-256) and [`latest_valid`] find it. A checkpoint of format 2 (no piece
+//! digests) still loads, every file read whole and checked against its SHA-256.
+//!
+//! **What PyTorch wrote loads too**: a folder from `dcp.save(sd,
+//! storage_writer=HuggingFaceStorageWriter(dir))` (also `save_distributed=True`) has no
+//! manifest and no checksums, so it is read by the same plan and checked against nothing.
+//! Every file tch-dist writes carries `TCH_DIST_FORMAT` in its `__metadata__`, so a folder
+//! of tch-dist files without a manifest (or named `DIR.partial`) is still refused as an
+//! interrupted save.
+//!
 //! Crash safety: a save writes into `DIR.partial`, every file fsynced; once every rank's
 //! file is written (the ranks agree on it), rank 0 writes the sidecars and `manifest.json`
-//! (every file's length and SHA-256, the sidecars' too, every tensor's global shape and
-//! dtype), fsyncs the folder and puts it in place as `DIR`: a rename, or an atomic swap
+//! (every file's length and SHA-256 and its digests, the sidecars' too, every tensor's
+//! global shape and dtype), fsyncs the folder and puts it in place as `DIR`: a rename, or an atomic swap
 //! with an older `DIR`, so that a crash at any point leaves `DIR` with the old complete
 //! checkpoint or the new one (`protocol.rs`; docs/ARCHITECTURE.md, "Checkpoint commit
-//! protocol"). `load` refuses a folder without a manifest (an interrupted save is never
-//! loaded) and every file whose length or checksum differs, sidecars included, and checks
+//! protocol"). `load` refuses a folder of tch-dist files without a manifest (an interrupted save is
+//! never loaded) and every file whose length, header or read bytes differ, sidecars included, and checks
 //! the key set, global shapes and dtypes against the model before changing anything, each a
 //! [`CheckpointError`] naming the FQN, on every rank. All ranks must see the same folder (one
 //! machine, or a shared file system).
@@ -41,11 +68,14 @@
 //!
 //! | file | what it does | PyTorch's counterpart (`torch/distributed/checkpoint/`) |
 //! | --- | --- | --- |
-//! | `mod.rs` | the API: [`save`], [`save_with`], [`save_with_optimizer`], [`load`], [`load_with_optimizer`], [`load_train_state`] | `state_dict_saver.py` (`save`), `state_dict_loader.py` (`load`) |
+//! | `mod.rs` | the API: [`save`], [`save_with`], [`save_with_optimizer`], [`load`], [`load_with_stats`], [`load_with_optimizer`], [`load_train_state`], [`verify`] | `state_dict_saver.py` (`save`), `state_dict_loader.py` (`load`) |
 //! | `plan.rs` | what a checkpoint holds and who writes it: the model's tensors with this rank's place in each global one, the optimizer's state flattened to PyTorch's names and back | `planner.py`, `default_planner.py` (`create_local_plan`, `flatten_state_dict`) |
+//! | `index.rs` | a safetensors header parsed without the data; the pieces' block digests ([`DIGEST_BLOCK_BYTES`]) | `_hf_storage.py` (`_get_safetensors_file_metadata`) |
+//! | `read_plan.rs` | the read plan: the overlapping pieces of each target and the rows of each to read, as byte ranges (pure, unit-tested) | `default_planner.py` (`create_default_local_load_plan`), `reshard.py` |
+//! | `reader.rs` | a load's I/O: manifest, headers, positioned reads of the planned ranges, each checked and decoded alone, counted in [`LoadStats`]; format 2 read whole | `_hf_storage.py` (`HuggingFaceStorageReader.read_data`) |
 //! | `reshard.rs` | a rank's part assembled from the saved pieces that overlap it (pure offset arithmetic, unit-tested) and the checks of the model against the checkpoint | `default_planner.py`, `_reshard`, `resharding.py` (`_check_shard_metadata_pair_overlap`) |
 //! | `protocol.rs` | the ranks' save, as named steps, and the file-system moves that make it crash-safe (fsyncs, the rename or swap into place) | `state_dict_saver.py` (`_save_state_dict`'s steps), `filesystem.py` |
-//! | `storage.rs` | the files: the safetensors layout, `DCP_SHARDING_INFO`, the manifest and sidecars through their serde structs, reading every file against its checksum | `_hf_storage.py` / `hf_storage.py` (`HuggingFaceStorageReader`/`Writer`), `storage.py`, `metadata.py` |
+//! | `storage.rs` | the files: the safetensors layout, `DCP_SHARDING_INFO`, the manifest and sidecars through their serde structs, whole files against their checksums ([`verify`], format 2) | `_hf_storage.py` / `hf_storage.py` (`HuggingFaceStorageReader`/`Writer`), `storage.py`, `metadata.py` |
 //! | `retention.rs` | [`latest`], [`latest_valid`], pruning to `keep_last` | (none: torchtitan's checkpoint manager keeps the last k) |
 //! | `error.rs` | [`CheckpointError`] | DCP's `CheckpointException` |
 //!
@@ -66,8 +96,11 @@
 //! ```
 
 mod error;
+mod index;
 mod plan;
 mod protocol;
+mod read_plan;
+mod reader;
 mod reshard;
 mod retention;
 mod storage;
@@ -78,6 +111,8 @@ use tch_dist_core::Shardable;
 use tch_dist_runtime::{DistError, ProcessGroup};
 
 pub use error::CheckpointError;
+pub use index::DIGEST_BLOCK_BYTES;
+pub use reader::LoadStats;
 pub use retention::{latest, latest_valid, LatestValid, Skipped};
 pub use storage::{file_name, MANIFEST};
 
@@ -226,24 +261,46 @@ fn loading(rank: usize, path: &Path) -> impl Fn(CheckpointError) -> CheckpointEr
 /// Loads a checkpoint folder written by [`save`] at any world size (or a one-file
 /// safetensors `VarStore::save`) into `module` over `group`'s ranks: each rank's tensors
 /// (its shards of sharded parameters, the whole of the others) are copied in place, after
-/// every check passed on every rank (see the [module docs](self)).
+/// every check passed on every rank (see the [module docs](self)). Each rank reads the
+/// manifest, each file's header and only the rows of the saved pieces that overlap its
+/// tensors, and checks what it read against the manifest's digests ([`load_with_stats`]
+/// says how much it read; [`verify`] checks every byte).
 pub fn load<M: Shardable + ?Sized>(
     path: impl AsRef<Path>,
     module: &M,
     group: &ProcessGroup,
 ) -> Result<(), CheckpointError> {
+    load_with_stats(path, module, group).map(|_| ())
+}
+
+/// [`load`], returning what this rank read: the bytes (the manifest, each file's header,
+/// the slices of its tensors) and the files it opened, as [`LoadStats`].
+///
+/// ```no_run
+/// # use tch::nn;
+/// # use tch_dist::Shardable;
+/// # #[derive(Debug, Shardable)]
+/// # struct Net { fc: nn::Linear }
+/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net) -> Result<(), tch_dist::checkpoint::CheckpointError> {
+/// let stats = tch_dist::checkpoint::load_with_stats("ckpt/step-00000100", model, pg)?;
+/// println!("rank {} read {} bytes from {} files", pg.rank(), stats.bytes_read, stats.files_opened);
+/// # Ok(()) }
+/// ```
+pub fn load_with_stats<M: Shardable + ?Sized>(
+    path: impl AsRef<Path>,
+    module: &M,
+    group: &ProcessGroup,
+) -> Result<LoadStats, CheckpointError> {
     const OP: &str = "checkpoint.load";
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
+    let mut reader = reader::Reader::new(rank);
     let local = (|| {
-        let storage::Saved {
-            pieces,
-            mut tensors,
-            ..
-        } = storage::read_checkpoint(rank, path)?;
+        let opened = reader.open(path)?;
+        let mut tensors = opened.tensors.clone();
         // A model-only load leaves the optimizer's state aside.
         tensors.retain(|k, _| !k.starts_with(OPTIM_STATE_PREFIX));
-        reshard::assemble(rank, &plan::targets(module), &pieces, &tensors)
+        reader.fetch(&opened, &plan::targets(module), &tensors)
     })();
     let staged = group.agree(OP, local).map_err(loading(rank, path))?;
     tch::no_grad(|| {
@@ -251,7 +308,24 @@ pub fn load<M: Shardable + ?Sized>(
             target.shallow_clone().copy_(values);
         }
     });
-    Ok(())
+    Ok(reader.stats)
+}
+
+/// Checks every byte of the checkpoint folder `dir` against its manifest: every
+/// safetensors file and sidecar it lists has its length and SHA-256, and no sidecar is
+/// there unlisted. A [`load`] checks only what it reads (the manifest, the headers, the
+/// blocks of the slices each rank needs, the sidecars it uses), so a damaged byte in a
+/// piece no rank of this world size needs is found here, not by the load: run it where a
+/// checkpoint is kept for long, or before loading at a new world size. One process
+/// (errors say rank 0), one read of the whole checkpoint, a block at a time.
+///
+/// ```no_run
+/// if let Err(e) = tch_dist::checkpoint::verify("ckpt/step-00000100") {
+///     eprintln!("damaged: {e}");
+/// }
+/// ```
+pub fn verify(dir: impl AsRef<Path>) -> Result<(), CheckpointError> {
+    storage::verify(0, dir.as_ref())
 }
 
 /// [`load`] and the optimizer's state and settings that [`save_with_optimizer`] saved,
@@ -281,18 +355,17 @@ pub fn load_with_optimizer<M: Shardable + ?Sized>(
     const OP: &str = "checkpoint.load";
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
+    let mut reader = reader::Reader::new(rank);
     let local = (|| {
-        let storage::Saved {
-            pieces,
-            tensors,
-            manifest,
-        } = storage::read_checkpoint(rank, path)?;
-        let (algorithm, lr) = plan::saved_settings(rank, path, manifest.as_ref(), optimizer)?;
+        let opened = reader.open(path)?;
+        let tensors = &opened.tensors;
+        let (algorithm, lr) =
+            plan::saved_settings(rank, path, opened.manifest.as_ref(), optimizer)?;
         let mut targets = plan::targets(module);
         let model_count = targets.len();
-        let state = plan::state_targets(rank, path, &targets, &tensors, &algorithm, optimizer)?;
+        let state = plan::state_targets(rank, path, &targets, tensors, &algorithm, optimizer)?;
         targets.extend(state);
-        let staged = reshard::assemble(rank, &targets, &pieces, &tensors)?;
+        let staged = reader.fetch(&opened, &targets, tensors)?;
         Ok::<_, CheckpointError>((staged, targets.split_off(model_count), algorithm, lr))
     })();
     let (staged, state_targets, algorithm, lr) =

@@ -85,7 +85,8 @@ impl<'a> Save<'a> {
 
     /// Step 2: Every rank with something of its own (`pieces`: FQN, values, offsets) writes and
     /// fsyncs its safetensors file; the ranks agree, and get the file's entry (its length
-    /// and SHA-256, as JSON; empty for a rank without a file).
+    /// and SHA-256, its header's and its pieces' block digests, as JSON; empty for a rank
+    /// without a file).
     pub(super) fn write_file(
         &self,
         pieces: Result<Vec<(String, Tensor, Vec<i64>)>, CheckpointError>,
@@ -98,7 +99,8 @@ impl<'a> Save<'a> {
             }
             let bytes = storage::encode(rank, &path, &mine)?;
             write_durable(rank, &path, &bytes)?;
-            Ok(storage::to_json(rank, &path, &FileEntry::of(&bytes))?.into_bytes())
+            let entry = FileEntry::of_safetensors(rank, &path, &bytes)?;
+            Ok(storage::to_json(rank, &path, &entry)?.into_bytes())
         });
         self.group
             .agree(OP, local)

@@ -53,16 +53,14 @@ pub(super) fn overlap(
         .collect()
 }
 
-/// Checks the model against the checkpoint (every saved tensor is a target, every target
-/// is saved with its global shape and dtype) and builds each of this rank's tensors from
-/// the pieces that overlap it: (the target's tensor, its values). Nothing in the model
-/// changes here.
-pub(super) fn assemble(
+/// Checks the model against the checkpoint: every saved tensor is a target, every target
+/// is saved with its global shape and dtype (from the manifest alone: before any data is
+/// read).
+pub(super) fn check(
     rank: usize,
     targets: &[Target],
-    pieces: &Pieces,
     tensors: &BTreeMap<String, TensorEntry>,
-) -> Result<Vec<(Tensor, Tensor)>, CheckpointError> {
+) -> Result<(), CheckpointError> {
     let names: HashSet<&str> = targets.iter().map(|t| t.fqn.as_str()).collect();
     if let Some(fqn) = tensors.keys().find(|k| !names.contains(k.as_str())) {
         return Err(CheckpointError::UnexpectedKey {
@@ -70,7 +68,6 @@ pub(super) fn assemble(
             fqn: fqn.clone(),
         });
     }
-    let mut out = Vec::new();
     for t in targets {
         let saved = tensors
             .get(&t.fqn)
@@ -95,6 +92,22 @@ pub(super) fn assemble(
                 found: saved.dtype.clone(),
             });
         }
+    }
+    Ok(())
+}
+
+/// [`check`]s the model against the checkpoint and builds each of this rank's tensors from
+/// the pieces that overlap it (whole saved pieces, or the rows of them a load read): (the
+/// target's tensor, its values). Nothing in the model changes here.
+pub(super) fn assemble(
+    rank: usize,
+    targets: &[Target],
+    pieces: &Pieces,
+    tensors: &BTreeMap<String, TensorEntry>,
+) -> Result<Vec<(Tensor, Tensor)>, CheckpointError> {
+    check(rank, targets, tensors)?;
+    let mut out = Vec::new();
+    for t in targets {
         let values = t.tensor.detach().zeros_like();
         let covered = fill(t, &values, pieces.get(&t.fqn).map_or(&[], Vec::as_slice));
         let needed = t.tensor.numel() as i64;

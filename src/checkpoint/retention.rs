@@ -83,8 +83,8 @@ pub struct LatestValid {
 /// parses, and every file it lists (the safetensors files and the sidecars
 /// `optimizer.json`, `train_state.json`) has the recorded length and SHA-256, and no
 /// sidecar is there that the manifest does not list. That is one read of the whole
-/// checkpoint per rank (as much as a load reads), for the one it returns and for each one
-/// it skips; the load then reads it again. It does not check the checkpoint against a
+/// checkpoint per rank (more than a load, which reads only its rank's slices), for the one
+/// it returns and for each one it skips; the load then reads its slices again. It does not check the checkpoint against a
 /// model (keys, shapes, dtypes: the load does), so a checkpoint of another model is not
 /// skipped but refused by the load. The ranks agree on each verdict: a checkpoint that
 /// fails on one rank is skipped on all of them, with every failing rank's error.

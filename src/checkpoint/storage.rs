@@ -5,8 +5,8 @@
 //!   holds `DCP_SHARDING_INFO`, a JSON string `{fqn: {"saved_offsets": [...]}}` giving where
 //!   each saved piece starts in the global tensor, and `DCP_VERSION` `1.0`, `format` `pt`;
 //! - `manifest.json`, written last: every file with its length and SHA-256 (the safetensors
-//!   files in `files`, the JSON sidecars `optimizer.json` and `train_state.json` in
-//!   `sidecars`), every tensor with its global shape and dtype, the world size that wrote
+//!   files in `files`, each with its header's SHA-256 and its pieces' block digests,
+//!   `index.rs`; the JSON sidecars `optimizer.json` and `train_state.json` in `sidecars`), every tensor with its global shape and dtype, the world size that wrote
 //!   it. PyTorch's reader only lists `*.safetensors` files, so it ignores the manifest and
 //!   the sidecars.
 
@@ -19,13 +19,18 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tch::{Kind, Tensor};
 
+use super::index::{self, PieceDigests, ShardingInfo};
 use super::CheckpointError;
 
 /// The manifest's name in a checkpoint folder.
 pub const MANIFEST: &str = "manifest.json";
-/// What the manifest's `format` says. Format 1 did not checksum the sidecars: its
-/// manifests are refused (not a manifest of this format) rather than trusted.
-pub(super) const FORMAT: &str = "tch-dist checkpoint 2";
+/// What the manifest's `format` says. Format 3 adds each file's header digest and its
+/// pieces' block digests (`index.rs`), so that a load checks exactly the bytes it reads.
+pub(super) const FORMAT: &str = "tch-dist checkpoint 3";
+/// The format before per-piece digests: still loaded, each file read whole and checked
+/// against its SHA-256. Format 1 did not checksum the sidecars: its manifests are refused
+/// (not a manifest of this format) rather than trusted.
+pub(super) const FORMAT_2: &str = "tch-dist checkpoint 2";
 
 /// Rank `rank`'s file name (PyTorch's `shard-00001-model-00001-of-00001.safetensors` for
 /// rank 0).
@@ -52,17 +57,38 @@ pub(super) struct Manifest {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(super) struct FileEntry {
+    /// The file's length.
     pub bytes: u64,
+    /// The whole file's SHA-256 ([`verify`] and format 2's loads check it).
     pub sha256: String,
+    /// A safetensors file's header's SHA-256 (its first 8 + n bytes; format 3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header_sha256: Option<String>,
+    /// A safetensors file's pieces' block digests, by FQN (format 3).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pieces: BTreeMap<String, PieceDigests>,
 }
 
 impl FileEntry {
-    /// The entry of a file holding `bytes`.
+    /// The entry of a file holding `bytes` (a sidecar: checked whole).
     pub fn of(bytes: &[u8]) -> Self {
         FileEntry {
             bytes: bytes.len() as u64,
             sha256: sha256(bytes),
+            header_sha256: None,
+            pieces: BTreeMap::new(),
         }
+    }
+
+    /// The entry of the safetensors file `bytes` (at `path`): its length and SHA-256, its
+    /// header's and its pieces' digests.
+    pub fn of_safetensors(rank: usize, path: &Path, bytes: &[u8]) -> Result<Self, CheckpointError> {
+        let (header, pieces) = index::digests(rank, path, bytes)?;
+        Ok(FileEntry {
+            header_sha256: Some(header),
+            pieces,
+            ..FileEntry::of(bytes)
+        })
     }
 }
 
@@ -118,13 +144,22 @@ pub(super) fn read_manifest(rank: usize, dir: &Path) -> Result<Manifest, Checkpo
         });
     }
     let text = read(rank, &path)?;
-    serde_json::from_slice(&text)
+    parse_manifest(rank, &path, &text)
+}
+
+/// The manifest the JSON text `text` (of the file `path`) holds, of format 3 or 2.
+pub(super) fn parse_manifest(
+    rank: usize,
+    path: &Path,
+    text: &[u8],
+) -> Result<Manifest, CheckpointError> {
+    serde_json::from_slice(text)
         .ok()
-        .filter(|m: &Manifest| m.format == FORMAT)
+        .filter(|m: &Manifest| m.format == FORMAT || m.format == FORMAT_2)
         .ok_or_else(|| CheckpointError::Format {
             rank,
-            path,
-            cause: format!("not a manifest of this format ({FORMAT})"),
+            path: path.to_path_buf(),
+            cause: format!("not a manifest of this format ({FORMAT}, or {FORMAT_2})"),
         })
 }
 
@@ -176,13 +211,13 @@ pub(super) fn read_sidecar(
     }
 }
 
-/// Checks every byte of the checkpoint folder `dir` that a load may read: the manifest
-/// parses, every file and sidecar it lists has its length and SHA-256, no sidecar is there
-/// unlisted. Reads the whole checkpoint once.
+/// Checks every byte of the checkpoint folder `dir`: the manifest parses, every file and
+/// sidecar it lists has its length and SHA-256, no sidecar is there unlisted. Reads the
+/// whole checkpoint once, a block at a time (never a whole file in memory).
 pub(super) fn verify(rank: usize, dir: &Path) -> Result<(), CheckpointError> {
     let manifest = read_manifest(rank, dir)?;
     for (name, entry) in manifest.files.iter().chain(&manifest.sidecars) {
-        read_listed(rank, dir, name, entry)?;
+        check_streamed(rank, &dir.join(name), entry)?;
     }
     for name in SIDECARS
         .iter()
@@ -193,16 +228,46 @@ pub(super) fn verify(rank: usize, dir: &Path) -> Result<(), CheckpointError> {
     Ok(())
 }
 
+/// Checks the file `file` against its manifest entry (length, SHA-256), reading it a block
+/// at a time.
+fn check_streamed(rank: usize, file: &Path, entry: &FileEntry) -> Result<(), CheckpointError> {
+    use std::io::Read;
+    let corrupted = |cause: String| CheckpointError::Corrupted {
+        rank,
+        file: file.to_path_buf(),
+        cause,
+    };
+    let mut f = std::fs::File::open(file).map_err(|e| corrupted(e.to_string()))?;
+    let (mut hasher, mut buf, mut len) = (Sha256::new(), vec![0u8; 1 << 20], 0u64);
+    loop {
+        let n = f.read(&mut buf).map_err(|e| corrupted(e.to_string()))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        len += n as u64;
+    }
+    if len != entry.bytes {
+        return Err(corrupted(format!(
+            "{len} bytes, the manifest says {}",
+            entry.bytes
+        )));
+    }
+    let hex: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    if hex != entry.sha256 {
+        return Err(corrupted("its SHA-256 differs from the manifest's".into()));
+    }
+    Ok(())
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(super) struct TensorEntry {
     pub shape: Vec<i64>,
     pub dtype: String,
-}
-
-/// `DCP_SHARDING_INFO`'s value per FQN.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct ShardingInfo {
-    saved_offsets: Vec<i64>,
 }
 
 /// Every saved piece, by FQN.
@@ -325,6 +390,7 @@ pub(super) fn encode(
         ("DCP_SHARDING_INFO".to_string(), sharding),
         ("DCP_VERSION".to_string(), "1.0".to_string()),
         ("format".to_string(), "pt".to_string()),
+        (index::MARK.to_string(), FORMAT.to_string()),
     ]);
     safetensors::tensor::serialize(views, &Some(metadata)).map_err(|e| format(format!("{e:?}")))
 }
@@ -377,54 +443,6 @@ pub(super) fn decode(
         out.insert(fqn, Piece { offsets, values });
     }
     Ok(out)
-}
-
-/// A checkpoint as read, every file checked against its manifest.
-pub(super) struct Saved {
-    /// Every saved piece by FQN.
-    pub pieces: Pieces,
-    /// Every tensor's global shape and dtype.
-    pub tensors: BTreeMap<String, TensorEntry>,
-    /// The manifest (none for a one-file `VarStore::save`).
-    pub manifest: Option<Manifest>,
-}
-
-/// Reads the checkpoint `path` (a folder, or a one-file `VarStore::save`).
-pub(super) fn read_checkpoint(rank: usize, path: &Path) -> Result<Saved, CheckpointError> {
-    let mut pieces: Pieces = HashMap::new();
-    if path.is_file() {
-        // One safetensors file of whole tensors (`VarStore::save`).
-        let bytes = read(rank, path)?;
-        let mut tensors = BTreeMap::new();
-        for (fqn, p) in decode(rank, path, &bytes)? {
-            tensors.insert(
-                fqn.clone(),
-                TensorEntry {
-                    shape: p.values.size(),
-                    dtype: dtype_name(p.values.kind()),
-                },
-            );
-            pieces.entry(fqn).or_default().push(p);
-        }
-        return Ok(Saved {
-            pieces,
-            tensors,
-            manifest: None,
-        });
-    }
-    let manifest = read_manifest(rank, path)?;
-    for (name, entry) in &manifest.files {
-        let bytes = read_listed(rank, path, name, entry)?;
-        for (fqn, p) in decode(rank, &path.join(name), &bytes)? {
-            pieces.entry(fqn).or_default().push(p);
-        }
-    }
-    let tensors = manifest.tensors.clone();
-    Ok(Saved {
-        pieces,
-        tensors,
-        manifest: Some(manifest),
-    })
 }
 
 /// Reads `path`.

@@ -1,0 +1,133 @@
+//! Checkpoints PyTorch wrote load into tch-dist: `dcp.save` with `HuggingFaceStorageWriter`
+//! from a plain PyTorch model (one file, no manifest) and from a `fully_shard`ed one at 2
+//! ranks (`save_distributed=True`: one file per rank), each loaded at 1, 2 and 3 ranks into a
+//! plain, a fully_shard and a tensor-parallel tch-dist model, values equal to what PyTorch
+//! saved; saved again by tch-dist, PyTorch reads the same values back. Such a folder has
+//! no checksums, so nothing is verified; one named as a save's temporary folder
+//! (`.partial`) is refused as an interrupted save.
+
+use std::path::{Path, PathBuf};
+
+use tch::nn;
+use tch::Device;
+use tch_dist::checkpoint::{self, CheckpointError};
+use tch_dist::sharding::shard_module;
+use tch_dist::testing::{run_ranks, worker};
+use tch_dist::{fully_shard, Backend, FsdpOptions};
+
+use super::{bounded, clean, equals_reference, fsdp_equals_reference, mlp, plan, python};
+
+fn folder() -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join("from_pytorch")
+}
+
+/// Runs tests/checkpoint/pytorch_save.py writing `name` (and `name.safetensors`, the
+/// reference) into [`folder`]: in one process, or under torchrun at `ranks`.
+fn pytorch_saves(name: &str, ranks: Option<usize>) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/checkpoint/pytorch_save.py");
+    let (ckpt, full) = (
+        folder().join(name),
+        folder().join(format!("{name}.safetensors")),
+    );
+    let mut cmd = match ranks {
+        None => clean(python().join("python")),
+        Some(n) => {
+            let mut cmd = clean(python().join("torchrun"));
+            cmd.args(["--standalone", "--nproc-per-node", &n.to_string()]);
+            cmd
+        }
+    };
+    cmd.arg(&script)
+        .args([&ckpt, &full])
+        .env("OMP_NUM_THREADS", "1");
+    let out = bounded(cmd);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let verdicts: Vec<String> = match ranks {
+        None => vec!["saved 1".into()],
+        Some(n) => (0..n).map(|r| format!("saved rank {r} of {n}")).collect(),
+    };
+    for v in verdicts {
+        assert!(
+            stdout.contains(&v),
+            "PyTorch: no `{v}` ({}):\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn pytorch_written_checkpoints_load_at_1_2_and_3_ranks() {
+    if worker().is_none() {
+        let _ = std::fs::remove_dir_all(folder());
+        std::fs::create_dir_all(folder()).unwrap();
+        pytorch_saves("plain", None);
+        pytorch_saves("fsdp2", Some(2));
+    }
+    run_ranks(
+        "from_pytorch::pytorch_written_checkpoints_load_at_1_2_and_3_ranks",
+        3,
+        |pg| {
+            // Rank 0 alone, ranks 0 and 1, all three (fc1's 8 rows as 3 + 3 + 2 there).
+            let groups = [
+                pg.new_group(&[0], Backend::Gloo).unwrap(),
+                pg.new_group(&[0, 1], Backend::Gloo).unwrap(),
+                Some(pg.clone()),
+            ];
+            for name in ["plain", "fsdp2"] {
+                let ckpt = folder().join(name);
+                // What PyTorch saved, from its one-file copy.
+                let reference = nn::VarStore::new(Device::Cpu);
+                let whole = mlp(&reference, 8, 9);
+                checkpoint::load(folder().join(format!("{name}.safetensors")), &whole, &pg)
+                    .unwrap();
+                for g in groups.iter().flatten() {
+                    let at = format!("{name} at {} ranks", g.world_size());
+                    let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 3);
+                    checkpoint::load(&ckpt, &model, g).unwrap();
+                    equals_reference(&model, &reference, &format!("{at}, plain"));
+                    let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 4);
+                    let opts = FsdpOptions {
+                        process_group: Some(g.clone()),
+                        ..Default::default()
+                    };
+                    fully_shard(&model, opts).unwrap();
+                    checkpoint::load(&ckpt, &model, g).unwrap();
+                    fsdp_equals_reference(&model, &reference, &format!("{at}, fully_shard"));
+                    let mut model = mlp(&nn::VarStore::new(Device::Cpu), 8, 5);
+                    shard_module(&mut model, &plan(), 0, g).unwrap();
+                    checkpoint::load(&ckpt, &model, g).unwrap();
+                    equals_reference(&model, &reference, &format!("{at}, tensor-parallel"));
+                    if g.world_size() == 3 {
+                        // Saved again by tch-dist, for PyTorch to read back below.
+                        checkpoint::save(folder().join(format!("{name}-by-tch-dist")), &model, g)
+                            .unwrap();
+                    }
+                }
+                pg.barrier().unwrap();
+            }
+            // The same files in a folder named as a save's temporary one: an interrupted
+            // save, refused.
+            let partial = folder().join("plain-copy.partial");
+            if pg.rank() == 0 {
+                std::fs::create_dir_all(&partial).unwrap();
+                let file = "model-00001-of-00001.safetensors";
+                std::fs::copy(folder().join("plain").join(file), partial.join(file)).unwrap();
+            }
+            pg.barrier().unwrap();
+            let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 6);
+            let err = checkpoint::load(&partial, &model, &pg).unwrap_err();
+            assert!(
+                matches!(err, CheckpointError::NotACheckpoint { rank, .. } if rank == pg.rank()),
+                "{err:?}"
+            );
+        },
+    );
+    // The round trip PyTorch -> tch-dist -> PyTorch keeps every value.
+    if worker().is_none() {
+        for name in ["plain", "fsdp2"] {
+            let full = folder().join(format!("{name}.safetensors"));
+            super::pytorch_loads(&folder().join(format!("{name}-by-tch-dist")), &full);
+        }
+    }
+}
