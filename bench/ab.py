@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import sys
 
-from driver import foreign_fraction, parse_bench, wait_until_quiet
+from runner import foreign_fraction, parse_bench, wait_until_quiet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

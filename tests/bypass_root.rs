@@ -7,6 +7,8 @@
 
 #[path = "common/panic_text.rs"]
 mod panic_text;
+#[path = "common/unchanged.rs"]
+mod unchanged;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use panic_text::panic_text;
@@ -16,6 +18,7 @@ use tch_dist::fully_shard::full_state_dict;
 use tch_dist::sharding::{shard_module, MegatronPlanner, ShardingPlanner};
 use tch_dist::testing::run_ranks;
 use tch_dist::{fully_shard, Call, FsdpOptions, Shardable};
+use unchanged::{unchanged, values};
 
 /// Whether [`Embedder`]'s and [`Mlp`]'s forwards call their layers through their hooks.
 static HOOKED: AtomicBool = AtomicBool::new(false);
@@ -73,17 +76,6 @@ fn panics(f: impl FnOnce() -> Tensor) -> String {
 fn without_grad(f: impl FnOnce() -> Tensor) -> Tensor {
     let _no_grad = tch::no_grad_guard();
     f()
-}
-
-fn values(vs: &nn::VarStore) -> Vec<Tensor> {
-    vs.trainable_variables().iter().map(|t| t.copy()).collect()
-}
-
-fn unchanged(vs: &nn::VarStore, before: &[Tensor]) -> bool {
-    before
-        .iter()
-        .zip(vs.trainable_variables())
-        .all(|(a, b)| a.equal(&b) && !b.grad().defined())
 }
 
 #[test]

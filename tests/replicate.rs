@@ -56,6 +56,51 @@ fn replicate_matches_single_process_training() {
     });
 }
 
+/// `device_mesh`: a 1-D mesh (a dim of a 3x1 mesh) averages over its group, equal to one
+/// process; a 2-D mesh, or a mesh with a process group, is refused on every rank.
+#[test]
+fn replicate_over_a_mesh_dim() {
+    run_ranks("replicate_over_a_mesh_dim", 3, |pg| {
+        use tch_dist::device_mesh::init_device_mesh;
+        let rank = pg.rank();
+        let mesh = init_device_mesh("cpu", &[3, 1], &["dp", "tp"]).unwrap();
+        let over_dp = replicate::Options {
+            device_mesh: Some(mesh.dim("dp").unwrap()),
+            ..Default::default()
+        };
+        let d = train_both(&pg, over_dp, false, 3);
+        assert!(d < 1e-5, "over mesh[\"dp\"]: {d}");
+        let vs = nn::VarStore::new(Device::Cpu);
+        let fc = nn::linear(vs.root() / "fc", 2, 2, Default::default());
+        let whole = replicate::Options {
+            device_mesh: Some(mesh.clone()),
+            ..Default::default()
+        };
+        let e = replicate::apply(&fc, whole).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "rank {rank}: replicate: the device_mesh has 2 dims; replicate averages over a \
+                 1-D mesh (one dim of it: `mesh.dim(\"dp\")`)"
+            )
+        );
+        let both = replicate::Options {
+            device_mesh: Some(mesh.dim("dp").unwrap()),
+            process_group: Some(pg.clone()),
+            ..Default::default()
+        };
+        let e = replicate::apply(&fc, both).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "rank {rank}: replicate: both `device_mesh` and `process_group` were given; \
+                 give one"
+            )
+        );
+        assert!(replicate::state(&fc).is_none());
+    });
+}
+
 #[test]
 fn state_reports_fqns_and_buckets() {
     run_ranks("state_reports_fqns_and_buckets", 2, |pg| {

@@ -27,6 +27,10 @@ pub(super) struct Target {
     pub global: Vec<i64>,
     /// Whether the part is a shard (written by its holder) or the whole tensor (by rank 0).
     pub sharded: bool,
+    /// A shard that another replica holds too (HSDP: the ranks of a 2-D mesh's replicate
+    /// dim hold the same shards): written only by the first replica, so the checkpoint holds
+    /// each piece once, as DCP's de-duplicated save plans do.
+    pub replica_copy: bool,
 }
 
 /// Where this rank's part of each sharded parameter sits: FQN -> (offsets of this rank's
@@ -71,6 +75,15 @@ fn shard_layouts<M: Shardable + ?Sized>(module: &M) -> HashMap<String, (Vec<i64>
 /// The model's parameters and buffers, with this rank's place in each global tensor.
 pub(super) fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
     let shards = shard_layouts(module);
+    let replica_copies: HashSet<String> = crate::fully_shard::fsdp_params_in(module)
+        .into_iter()
+        .filter(|(_, p)| {
+            p.state
+                .replicate_group()
+                .is_some_and(|replicas| replicas.rank() != 0)
+        })
+        .map(|(fqn, _)| fqn)
+        .collect();
     let mut seen = HashSet::new();
     let mut out = Vec::new();
     for (fqn, t) in module
@@ -86,6 +99,7 @@ pub(super) fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
             None => (vec![0; t.dim()], t.size(), false),
         };
         out.push(Target {
+            replica_copy: sharded && replica_copies.contains(&fqn),
             fqn,
             tensor: t.shallow_clone(),
             offsets,
@@ -149,6 +163,7 @@ pub(super) fn optimizer_targets(
                 offsets,
                 global,
                 sharded,
+                replica_copy: sharded && param.replica_copy,
             });
         }
     }
@@ -268,6 +283,7 @@ pub(super) fn state_targets(
                 offsets,
                 global,
                 sharded,
+                replica_copy: sharded && param.replica_copy,
             });
         }
     }
@@ -281,7 +297,9 @@ pub(super) fn to_write(rank: usize, targets: &[Target]) -> Vec<(String, Tensor, 
     targets
         .iter()
         // An empty shard (more ranks than rows) has nothing to write.
-        .filter(|t| (t.sharded && t.tensor.numel() > 0) || (!t.sharded && rank == 0))
+        .filter(|t| {
+            (t.sharded && !t.replica_copy && t.tensor.numel() > 0) || (!t.sharded && rank == 0)
+        })
         .map(|t| {
             let values = t.tensor.detach().to_device(tch::Device::Cpu).contiguous();
             (t.fqn.clone(), values, t.offsets.clone())

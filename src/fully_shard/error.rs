@@ -100,6 +100,15 @@ pub enum FsdpError {
         /// The group's size.
         world: usize,
     },
+    /// `mesh` has another number of dims than 1 (FSDP) or 2 (HSDP), or both `mesh` and
+    /// `process_group` were given, or a 2-D mesh does not span the default group.
+    #[error("rank {rank}: fully_shard: {problem}")]
+    Mesh {
+        /// This rank.
+        rank: usize,
+        /// What is wrong with it.
+        problem: MeshUse,
+    },
     /// A submodule is managed by `replicate`, which cannot run inside `fully_shard`.
     #[error(
         "rank {rank}: fully_shard: submodule `{module}` is managed by replicate; apply \
@@ -164,4 +173,29 @@ impl From<crate::sharding::ShardError> for FsdpError {
     fn from(e: crate::sharding::ShardError) -> Self {
         FsdpError::Shard(Box::new(e))
     }
+}
+
+/// What is wrong with the `mesh` given to `fully_shard` ([`FsdpError::Mesh`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MeshUse {
+    /// Neither 1-D nor 2-D.
+    #[error(
+        "the mesh has {ndim} dims; fully_shard takes a 1-D mesh (FSDP) or a 2-D one (HSDP: dim \
+         0 replicates, dim 1 shards)"
+    )]
+    Dims {
+        /// Its number of dims.
+        ndim: usize,
+    },
+    /// Both `mesh` and `process_group`.
+    #[error("both `mesh` and `process_group` were given; give one")]
+    AndGroup,
+    /// A 2-D mesh over fewer ranks than the default group.
+    #[error("the 2-D mesh spans {numel} ranks and the default group {world}; it must span all")]
+    NotWorld {
+        /// The mesh's ranks.
+        numel: usize,
+        /// The default group's.
+        world: usize,
+    },
 }

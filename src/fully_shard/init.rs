@@ -18,15 +18,69 @@ use tch_dist_runtime::{
 };
 
 use super::collect::Collected;
-use super::{hooks, FsdpError, FsdpOptions, FsdpState, ReshardAfterForward, MANAGED};
+use super::{hooks, FsdpError, FsdpOptions, FsdpState, MeshUse, ReshardAfterForward, MANAGED};
 
-/// The process group to shard over: the options', else the default group
-/// (`_get_device_from_mesh` / `_init_default_fully_shard_mesh`).
-pub(super) fn process_group(opts: &FsdpOptions) -> Result<ProcessGroup, FsdpError> {
-    Ok(match &opts.process_group {
-        Some(g) => g.clone(),
-        None => default_group()?,
-    })
+/// The groups of one call: the shard group (the options' `process_group`, a 1-D mesh's
+/// group, a 2-D mesh's dim 1, else the default group), the replicate group (HSDP: a 2-D
+/// mesh's dim 0) and the group over all of them, where the checks and rank 0's broadcast
+/// run (`_get_device_from_mesh`, `_init_default_fully_shard_mesh`).
+pub(super) struct Groups {
+    pub shard: ProcessGroup,
+    pub replicate: Option<ProcessGroup>,
+    pub all: ProcessGroup,
+}
+
+pub(super) fn process_groups(opts: &FsdpOptions) -> Result<Groups, FsdpError> {
+    let Some(mesh) = &opts.mesh else {
+        let g = match &opts.process_group {
+            Some(g) => g.clone(),
+            None => default_group()?,
+        };
+        return Ok(Groups {
+            shard: g.clone(),
+            replicate: None,
+            all: g,
+        });
+    };
+    let world = default_group()?;
+    let refuse = |problem| FsdpError::Mesh {
+        rank: world.rank(),
+        problem,
+    };
+    if opts.process_group.is_some() {
+        return Err(refuse(MeshUse::AndGroup));
+    }
+    let names = mesh.dim_names();
+    // The names are the mesh's own: each has its group.
+    let group = |name: &str| {
+        mesh.get_group(name)
+            .cloned()
+            .map_err(|_| refuse(MeshUse::Dims { ndim: mesh.ndim() }))
+    };
+    match names.as_slice() {
+        [shard] => {
+            let g = group(shard)?;
+            Ok(Groups {
+                shard: g.clone(),
+                replicate: None,
+                all: g,
+            })
+        }
+        [replicate, shard] => {
+            if mesh.numel() != world.world_size() {
+                return Err(refuse(MeshUse::NotWorld {
+                    numel: mesh.numel(),
+                    world: world.world_size(),
+                }));
+            }
+            Ok(Groups {
+                shard: group(shard)?,
+                replicate: Some(group(replicate)?),
+                all: world,
+            })
+        }
+        _ => Err(refuse(MeshUse::Dims { ndim: mesh.ndim() })),
+    }
 }
 
 /// The dimension each parameter is sharded along (`shard_placement_fn`, else 0), and the
@@ -77,9 +131,10 @@ fn shard_dims(
 pub(super) fn check(
     found: &mut Collected,
     opts: &FsdpOptions,
-    group: &ProcessGroup,
+    groups: &Groups,
 ) -> Result<Vec<usize>, FsdpError> {
-    let (dims, problem) = shard_dims(found, opts, group);
+    let (dims, problem) = shard_dims(found, opts, &groups.shard);
+    let group = &groups.all;
     let local = match found.problem.take().or(problem) {
         Some(p) => Err(p),
         None => Ok(()),
@@ -162,9 +217,10 @@ pub(super) fn param_group(
     label: &str,
     params: Vec<ManagedParam>,
     opts: &FsdpOptions,
-    group: &ProcessGroup,
+    groups: &Groups,
     names: &Arc<hooks::CallNames>,
 ) -> Result<Arc<FsdpGroup>, FsdpError> {
+    let group = &groups.shard;
     let fsdp_group = Arc::new(FsdpGroup::new(
         label,
         params,
@@ -178,6 +234,7 @@ pub(super) fn param_group(
             param_dtype: opts.mp_policy.param_dtype,
             reduce_dtype: opts.mp_policy.reduce_dtype,
             post_forward_group: post_forward_group(opts, group)?,
+            replicate_group: groups.replicate.clone(),
         },
     )?);
     fsdp_group.fence(Arc::clone(names))?;

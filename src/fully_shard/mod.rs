@@ -71,7 +71,7 @@ mod init;
 mod options;
 mod state;
 
-pub use error::FsdpError;
+pub use error::{FsdpError, MeshUse};
 pub use options::{FsdpOptions, MixedPrecisionPolicy, ReshardAfterForward, ShardPlacementFn};
 pub use state::FsdpState;
 
@@ -109,11 +109,11 @@ pub fn fully_shard<M: Shardable + ?Sized>(
     module: &M,
     opts: FsdpOptions,
 ) -> Result<FsdpState, FsdpError> {
-    let group = init::process_group(&opts)?;
-    let rank = group.rank();
+    let groups = init::process_groups(&opts)?;
+    let rank = groups.shard.rank();
     let mut found = collect(module.as_dyn_shardable(), &opts.ignored_params, rank);
-    let dims = init::check(&mut found, &opts, &group)?;
-    init::broadcast_from_rank0(&found, &group)?;
+    let dims = init::check(&mut found, &opts, &groups)?;
+    init::broadcast_from_rank0(&found, &groups.all)?;
     let names = init::call_names(&found, rank);
     let guard = init::use_guard(&found, &names)?;
     let identities = init::identities(&found.params);
@@ -123,7 +123,7 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         .map(|((fqn, param), dim)| ManagedParam { fqn, param, dim })
         .collect();
     let label = short_type(module.as_dyn_shardable());
-    let fsdp_group = init::param_group(&label, params, &opts, &group, &names)?;
+    let fsdp_group = init::param_group(&label, params, &opts, &groups, &names)?;
     init::adopt_nested(&found.nested, &fsdp_group);
     let hooks = init::register_hooks(
         module,
@@ -135,7 +135,8 @@ pub fn fully_shard<M: Shardable + ?Sized>(
     )?;
     Ok(FsdpState {
         group: fsdp_group,
-        process_group: group,
+        process_group: groups.shard,
+        replicate_group: groups.replicate,
         reshard_after_forward: opts.reshard_after_forward,
         names,
         nested: found.nested.into_iter().map(|(_, s)| s).collect(),

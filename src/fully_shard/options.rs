@@ -7,6 +7,8 @@ use std::sync::Arc;
 use tch::{Kind, Tensor};
 use tch_dist_runtime::ProcessGroup;
 
+use crate::device_mesh::DeviceMesh;
+
 /// Options of [`fully_shard`](super::fully_shard) (PyTorch's keyword arguments, with its defaults).
 ///
 /// ```
@@ -24,6 +26,19 @@ pub struct FsdpOptions {
     pub ignored_params: Vec<String>,
     /// The group to shard over (default: the default group).
     pub process_group: Option<ProcessGroup>,
+    /// PyTorch's `mesh`, instead of `process_group`: a 1-D mesh shards over its group; a 2-D
+    /// mesh is HSDP — parameters sharded over dim 1 (`dp_shard`) and replicated over dim 0
+    /// (`dp_replicate`): each gradient is reduce-scattered over the shard group, then
+    /// all-reduced over the replicate group. A 2-D mesh must span the default group.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tch_dist::device_mesh::init_device_mesh;
+    /// let mesh = init_device_mesh("cpu", &[2, 2], &["dp_replicate", "dp_shard"])?;
+    /// let opts = tch_dist::FsdpOptions { mesh: Some(mesh), ..Default::default() };
+    /// # let _ = opts; Ok(()) }
+    /// ```
+    pub mesh: Option<DeviceMesh>,
     /// Mixed precision (default: none).
     pub mp_policy: MixedPrecisionPolicy,
     /// Which dimension each parameter is sharded along (PyTorch's `shard_placement_fn`):

@@ -16,6 +16,8 @@ use super::{hooks, FsdpError, ReshardAfterForward, MANAGED};
 pub struct FsdpState {
     pub(super) group: Arc<FsdpGroup>,
     pub(super) process_group: ProcessGroup,
+    /// HSDP: the ranks holding the same shards (a 2-D mesh's dim 0).
+    pub(super) replicate_group: Option<ProcessGroup>,
     /// `reshard_after_forward` as given (`None`: decided by whether a later call encloses
     /// this one).
     pub(super) reshard_after_forward: Option<ReshardAfterForward>,
@@ -183,6 +185,11 @@ impl FsdpState {
     /// The group this call shards over.
     pub fn process_group(&self) -> &ProcessGroup {
         &self.process_group
+    }
+
+    /// HSDP: the group of ranks holding the same shards as this one (`None`: plain FSDP).
+    pub fn replicate_group(&self) -> Option<&ProcessGroup> {
+        self.replicate_group.as_ref()
     }
 
     /// This call and every nested one, outermost first.

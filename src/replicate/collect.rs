@@ -28,10 +28,29 @@ pub(super) fn unknown_ignored<'a>(ignored: &'a [String], fqns: &[String]) -> Opt
 
 /// The group `opts` names, or the default group.
 pub(super) fn group_of(opts: &Options) -> Result<ProcessGroup, ReplicateError> {
-    Ok(match &opts.process_group {
-        Some(g) => g.clone(),
-        None => default_group()?,
-    })
+    let Some(mesh) = &opts.device_mesh else {
+        return Ok(match &opts.process_group {
+            Some(g) => g.clone(),
+            None => default_group()?,
+        });
+    };
+    let names = mesh.dim_names();
+    match (names.as_slice(), &opts.process_group) {
+        // A mesh's own dim always has its group.
+        ([name], None) => Ok(mesh
+            .get_group(name)
+            .map_err(|_| tch_dist_runtime::DistError::Internal {
+                rank: mesh.get_coordinate().first().copied().unwrap_or(0),
+                op: "replicate",
+                what: "a mesh's dim without its group",
+            })?
+            .clone()),
+        (_, group) => Err(ReplicateError::Mesh {
+            rank: default_group()?.rank(),
+            ndim: mesh.ndim(),
+            with_group: group.is_some(),
+        }),
+    }
 }
 
 /// Collects the parameters replicate manages: requires-grad parameters outside ignored

@@ -33,6 +33,26 @@ pub enum ReplicateError {
     /// replicate's forward hook could not be registered.
     #[error(transparent)]
     Hook(#[from] HookError),
+    /// `device_mesh` is not 1-D, or was given with `process_group`.
+    #[error(
+        "rank {rank}: replicate: {}",
+        if *with_group {
+            "both `device_mesh` and `process_group` were given; give one".to_string()
+        } else {
+            format!(
+                "the device_mesh has {ndim} dims; replicate averages over a 1-D mesh (one dim \
+                 of it: `mesh.dim(\"dp\")`)"
+            )
+        }
+    )]
+    Mesh {
+        /// This rank.
+        rank: usize,
+        /// The mesh's dims.
+        ndim: usize,
+        /// Whether `process_group` was given too.
+        with_group: bool,
+    },
     /// `Options::ignore` got a module without parameters or buffers, which cannot be
     /// identified.
     #[error("replicate: cannot ignore a `{module}`: it has no parameters or buffers")]

@@ -79,6 +79,9 @@ pub struct Options {
     pub in_place_min_bytes: usize,
     /// The group to average over (default: the default process group).
     pub process_group: Option<ProcessGroup>,
+    /// PyTorch's `device_mesh`, instead of `process_group`: a 1-D mesh (a dim of a larger
+    /// one, `mesh.dim("dp")?`) whose group replicate averages over.
+    pub device_mesh: Option<crate::device_mesh::DeviceMesh>,
 }
 
 impl Default for Options {
@@ -95,6 +98,7 @@ impl Default for Options {
             comm_hook: CommHook::AllReduceMean,
             in_place_min_bytes: tch_dist_runtime::DEFAULT_IN_PLACE_MIN_BYTES,
             process_group: None,
+            device_mesh: None,
         }
     }
 }

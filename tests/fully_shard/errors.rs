@@ -2,6 +2,7 @@
 //! forward, memory, `unshard`, an error in every grad mode), refusals at `fully_shard` time
 //! and errors naming the module's FQN.
 
+use super::unchanged::{unchanged, values};
 use super::*;
 
 /// A model whose forward runs its head with `apply`, bypassing the head's hooks.
@@ -302,17 +303,6 @@ fn assert_bypassed(err: &tch_dist::ForwardError, rank: usize, module: &str, para
 }
 
 /// The model's trainable values, copied.
-fn values(vs: &nn::VarStore) -> Vec<Tensor> {
-    vs.trainable_variables().iter().map(|t| t.copy()).collect()
-}
-
-fn unchanged(vs: &nn::VarStore, before: &[Tensor]) -> bool {
-    before
-        .iter()
-        .zip(vs.trainable_variables())
-        .all(|(a, b)| a.equal(&b) && !b.grad().defined())
-}
-
 #[test]
 fn bypass_is_an_error_in_every_grad_mode_at_2_ranks() {
     run_ranks(
@@ -439,5 +429,51 @@ fn errors_name_the_module_fqn() {
     assert_eq!(
         bypassed.to_string(),
         bypass_message(0, "blocks.3.fc2", "blocks.3.fc2.weight")
+    );
+}
+
+/// A mesh fully_shard cannot use is refused on every rank before anything changes: three
+/// dims, and a mesh given together with a process group.
+#[test]
+fn meshes_fully_shard_cannot_use_are_refused_at_2_ranks() {
+    run_ranks(
+        "errors::meshes_fully_shard_cannot_use_are_refused_at_2_ranks",
+        2,
+        |pg| {
+            use tch_dist::device_mesh::init_device_mesh;
+            let rank = pg.rank();
+            let vs = nn::VarStore::new(Device::Cpu);
+            let m = model(&vs);
+            let before = values(&vs);
+            let mesh = init_device_mesh("cpu", &[2, 1, 1], &["a", "b", "c"]).unwrap();
+            let opts = FsdpOptions {
+                mesh: Some(mesh),
+                ..Default::default()
+            };
+            let e = fully_shard(&m, opts).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "rank {rank}: fully_shard: the mesh has 3 dims; fully_shard takes a 1-D mesh \
+                     (FSDP) or a 2-D one (HSDP: dim 0 replicates, dim 1 shards)"
+                )
+            );
+            let mesh = init_device_mesh("cpu", &[2], &["dp"]).unwrap();
+            let opts = FsdpOptions {
+                mesh: Some(mesh),
+                process_group: Some(pg.clone()),
+                ..Default::default()
+            };
+            let e = fully_shard(&m, opts).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "rank {rank}: fully_shard: both `mesh` and `process_group` were given; give \
+                     one"
+                )
+            );
+            assert!(unchanged(&vs, &before), "nothing changed on rank {rank}");
+            assert!(fully_shard::state(&m).is_none());
+        },
     );
 }

@@ -15,6 +15,8 @@ mod panic_text;
 use panic_text::panic_text;
 #[path = "../common/blocks.rs"]
 mod blocks;
+#[path = "../common/unchanged.rs"]
+mod unchanged;
 use blocks::{blocks, Blocks as Model};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};

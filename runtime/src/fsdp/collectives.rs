@@ -221,10 +221,14 @@ pub(crate) fn reduce_scatter(
 impl Reduction {
     /// Waits for the reduce-scatters and installs each trainable parameter's averaged shard
     /// as its `.grad`, or adds it to the `.grad` it has (PyTorch's `foreach_reduce`, second
-    /// half). `fqn` names a parameter in errors.
+    /// half). With `replicas` (HSDP: the group of ranks holding the same shards), each
+    /// reduced shard is first all-reduced over them, so the average is over every rank of
+    /// both groups. `fqn` names a parameter in errors.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn finish(
         self,
         group: &ProcessGroup,
+        replicas: Option<&ProcessGroup>,
         module: &str,
         meta: &[ParamMeta],
         buckets: &[BucketMeta],
@@ -234,7 +238,18 @@ impl Reduction {
         for w in self.works {
             w.wait()?;
         }
-        let world = group.world_size() as f64;
+        let mut world = group.world_size() as f64;
+        if let Some(replicas) = replicas {
+            steps::before_collective(replicas)?;
+            let mut works = Vec::new();
+            for out in self.outputs.iter().flatten() {
+                works.push(replicas.all_reduce_async(out, ReduceOp::Sum)?);
+            }
+            for w in works {
+                w.wait()?;
+            }
+            world *= replicas.world_size() as f64;
+        }
         let rank = group.rank();
         for (b, out) in buckets.iter().zip(self.outputs) {
             let Some(mut out) = out else { continue };

@@ -404,6 +404,7 @@ impl GroupInner {
         };
         reduction.finish(
             &self.group,
+            st.options.replicate_group.as_ref(),
             &self.module,
             &self.meta,
             &self.buckets,

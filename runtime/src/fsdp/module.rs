@@ -32,6 +32,11 @@ pub struct FsdpGroupOptions {
     /// smaller group of ranks (PyTorch's `reshard_after_forward=N`, this rank's group of N)
     /// rather than over the whole group, so that backward gathers within it.
     pub post_forward_group: Option<ProcessGroup>,
+    /// HSDP (a 2-D mesh): the ranks holding the same shards as this one. Each
+    /// reduce-scattered gradient shard is then all-reduced over them, so that `.grad` is the
+    /// average over every rank of both groups (PyTorch 2.11's HSDP: reduce-scatter over the
+    /// shard dim, all-reduce over the replicate dim). `None`: plain FSDP.
+    pub replicate_group: Option<ProcessGroup>,
 }
 
 /// One `fully_shard` call's parameters, sharded over a group of ranks.
