@@ -49,6 +49,18 @@ pub enum ShardError {
         #[source]
         problem: PlanProblem,
     },
+    /// [`parallelize_module`](super::parallelize_module)'s mesh or plan asks for what
+    /// tch-dist does not build; nothing was changed.
+    #[error("rank {rank}: parallelize_module: {}", Key(fqn))]
+    Parallelize {
+        /// This rank.
+        rank: usize,
+        /// The plan key (FQN) at fault (`""`: the mesh).
+        fqn: String,
+        /// What is wrong.
+        #[source]
+        problem: StyleProblem,
+    },
     /// An argument of [`shard_module`](super::shard_module) is out of range (`src_rank`);
     /// nothing was changed.
     #[error("rank {rank}: shard_module")]
@@ -149,6 +161,42 @@ impl ShardError {
             problem,
         }
     }
+}
+
+/// What [`parallelize_module`](super::parallelize_module) does not build
+/// ([`ShardError::Parallelize`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StyleProblem {
+    /// The mesh is not 1-D.
+    #[error(
+        "the mesh has {ndim} dims; parallelize_module takes a 1-D mesh (one dim of it: \
+         `mesh.dim(\"tp\")`)"
+    )]
+    MeshDims {
+        /// Its number of dims.
+        ndim: usize,
+    },
+    /// A layout the style does not support here.
+    #[error(
+        "{style} with {which}_layouts = {layout:?} is not supported (ColwiseParallel: input \
+         Replicate, output Shard(-1) or Replicate; RowwiseParallel: input Shard(-1) or \
+         Replicate, output Replicate)"
+    )]
+    Layout {
+        /// The style's name.
+        style: &'static str,
+        /// `"input"` or `"output"`.
+        which: &'static str,
+        /// The layout asked for.
+        layout: super::parallel::Layout,
+    },
+    /// `use_local_output = false`.
+    #[error(
+        "use_local_output = false asks for a DTensor output, which tch-dist does not have; \
+         outputs are local tensors"
+    )]
+    DTensorOutput,
 }
 
 /// What is wrong with one entry of a [`ShardingPlan`](super::ShardingPlan) (or with the key

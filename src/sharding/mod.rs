@@ -76,6 +76,7 @@
 mod error;
 mod guard;
 mod output;
+mod parallel;
 mod plan;
 mod planner;
 mod sharder;
@@ -88,8 +89,11 @@ use tch_dist_core::{contract, Shardable};
 use tch_dist_runtime::ProcessGroup;
 
 pub(crate) use error::{Fix, Key};
-pub use error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError};
+pub use error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError, StyleProblem};
 pub use output::OutputLayout;
+pub use parallel::{
+    parallelize_module, ColwiseParallel, Layout, ParallelStyle, ParallelizePlan, RowwiseParallel,
+};
 pub use plan::{PlanEntry, ShardingPlan, ShardingPlanBuilder};
 pub use planner::{MegatronPlanner, ShardingPlanner};
 pub use sharder::{ColwiseLinear, RowwiseLinear, ShardedModule, Sharder};

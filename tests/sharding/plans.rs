@@ -263,3 +263,107 @@ fn sharded_tensors_scatter_gather_and_reshard() {
         },
     );
 }
+
+/// `parallelize_module` on a 1-D mesh (PyTorch's API): ColwiseParallel then RowwiseParallel
+/// (Megatron's MLP) trains like the unsharded model (SGD with momentum, 3 steps, every rank
+/// on the whole batch); ColwiseParallel with a replicated output feeds a replicated input;
+/// layouts tch-dist does not build, a 2-D mesh and a module the model does not have are
+/// refused on every rank, the model unchanged.
+#[test]
+fn parallelize_module_styles_on_a_mesh() {
+    run_ranks("plans::parallelize_module_styles_on_a_mesh", 2, |pg| {
+        use tch_dist::device_mesh::init_device_mesh;
+        use tch_dist::sharding::{
+            parallelize_module, ColwiseParallel, Layout, ParallelizePlan, RowwiseParallel,
+        };
+        let rank = pg.rank();
+        let mesh = init_device_mesh("cpu", &[2], &["tp"]).unwrap();
+        let sgd = nn::Sgd {
+            momentum: 0.9,
+            ..Default::default()
+        };
+        for gathered in [false, true] {
+            let (ref_vs, reference, vs, mut model) = twin_models(&pg, |vs| mlp(vs, 6, 8, 5));
+            let colwise = ColwiseParallel {
+                output_layouts: if gathered {
+                    Layout::Replicate
+                } else {
+                    Layout::Shard(-1)
+                },
+                ..Default::default()
+            };
+            let rowwise = RowwiseParallel {
+                input_layouts: if gathered {
+                    Layout::Replicate
+                } else {
+                    Layout::Shard(-1)
+                },
+                ..Default::default()
+            };
+            let plan = ParallelizePlan::new()
+                .style(Mlp::path().fc1(), colwise)
+                .style(Mlp::path().fc2(), rowwise);
+            parallelize_module(&mut model, &mesh, &plan).unwrap();
+            assert_eq!(model.fc1.ws.size(), [4, 6]);
+            assert_eq!(model.fc2.ws.size(), [5, 4]);
+            let mut opt = sgd.build(&vs, 0.02).unwrap();
+            let mut ref_opt = sgd.build(&ref_vs, 0.02).unwrap();
+            for step in 0..3 {
+                let x = input(&[4, 6]) * (1.0 + step as f64 / 4.0);
+                opt.backward_step(&model.call(&x).sin().sum(Kind::Float));
+                ref_opt.backward_step(&reference.forward(&x).sin().sum(Kind::Float));
+            }
+            let values = shard_check(&pg, 1e-5, false);
+            values("fc1.weight", &model.fc1.ws, &reference.fc1.ws, Some(0));
+            values("fc2.weight", &model.fc2.ws, &reference.fc2.ws, Some(1));
+            let (b, b_ref) = (
+                model.fc2.bs.as_ref().unwrap(),
+                reference.fc2.bs.as_ref().unwrap(),
+            );
+            values("fc2.bias", b, b_ref, None);
+        }
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut model = mlp(&vs, 6, 8, 5);
+        let before = model.fc1.ws.copy();
+        let refused = |mesh, plan: ParallelizePlan, model: &mut Mlp| {
+            parallelize_module(model, mesh, &plan)
+                .unwrap_err()
+                .to_string()
+        };
+        let seq = ColwiseParallel {
+            input_layouts: Layout::Shard(0),
+            ..Default::default()
+        };
+        assert_eq!(
+            tch_dist::report(
+                &parallelize_module(
+                    &mut model,
+                    &mesh,
+                    &ParallelizePlan::new().style(Mlp::path().fc1(), seq)
+                )
+                .unwrap_err()
+            ),
+            format!(
+                "rank {rank}: parallelize_module: `fc1`: ColwiseParallel with input_layouts = \
+                 Shard(0) is not supported (ColwiseParallel: input Replicate, output Shard(-1) \
+                 or Replicate; RowwiseParallel: input Shard(-1) or Replicate, output Replicate)"
+            )
+        );
+        let mesh_2d = init_device_mesh("cpu", &[2, 1], &["dp", "tp"]).unwrap();
+        let plan = ParallelizePlan::new().style(Mlp::path().fc1(), ColwiseParallel::default());
+        assert_eq!(
+            refused(&mesh_2d, plan, &mut model),
+            format!("rank {rank}: parallelize_module: the root module")
+        );
+        let plan = ParallelizePlan::new().style("fc9", RowwiseParallel::default());
+        assert_eq!(
+            refused(&mesh, plan, &mut model),
+            format!("rank {rank}: shard_module: `fc9`")
+        );
+        assert!(
+            model.fc1.ws.equal(&before),
+            "nothing changed on rank {rank}"
+        );
+        assert!(shard_module_state(&model).is_none());
+    });
+}

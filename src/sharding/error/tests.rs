@@ -78,6 +78,7 @@ fn forward_name(p: &ForwardProblem) -> &'static str {
 fn shard_name(e: &ShardError) -> &'static str {
     match e {
         ShardError::Plan { .. } => "Plan",
+        ShardError::Parallelize { .. } => "Parallelize",
         ShardError::InvalidArgument { .. } => "InvalidArgument",
         ShardError::Dist { .. } => "Dist",
         ShardError::Forward { .. } => "Forward",
@@ -428,6 +429,20 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
                 "rank 1: shard_module: `fc3.weight`: is not a parameter of the model",
             ),
             (
+                ShardError::Parallelize {
+                    rank: 1,
+                    fqn: "fc1".into(),
+                    problem: StyleProblem::Layout {
+                        style: "ColwiseParallel",
+                        which: "output",
+                        layout: crate::sharding::Layout::Shard(0),
+                    },
+                },
+                "rank 1: parallelize_module: `fc1`: ColwiseParallel with output_layouts = \
+                 Shard(0) is not supported (ColwiseParallel: input Replicate, output Shard(-1) \
+                 or Replicate; RowwiseParallel: input Shard(-1) or Replicate, output Replicate)",
+            ),
+            (
                 ShardError::InvalidArgument {
                     rank: 1,
                     problem: ArgumentError::RankNotInGroup {
@@ -501,6 +516,7 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
         shard_name,
         &[
             "Plan",
+            "Parallelize",
             "InvalidArgument",
             "Dist",
             "Forward",
@@ -635,4 +651,39 @@ fn displays_name_only_their_own_context() {
         source: dist(),
     };
     assert_eq!(dist.to_string(), "shard_module: `fc1.weight`");
+}
+
+#[test]
+fn every_style_problem_has_its_text() {
+    let name = |p: &StyleProblem| match p {
+        StyleProblem::MeshDims { .. } => "MeshDims",
+        StyleProblem::Layout { .. } => "Layout",
+        StyleProblem::DTensorOutput => "DTensorOutput",
+    };
+    pin(
+        vec![
+            (
+                StyleProblem::MeshDims { ndim: 2 },
+                "the mesh has 2 dims; parallelize_module takes a 1-D mesh (one dim of it: \
+                 `mesh.dim(\"tp\")`)",
+            ),
+            (
+                StyleProblem::Layout {
+                    style: "RowwiseParallel",
+                    which: "output",
+                    layout: crate::sharding::Layout::Shard(1),
+                },
+                "RowwiseParallel with output_layouts = Shard(1) is not supported \
+                 (ColwiseParallel: input Replicate, output Shard(-1) or Replicate; \
+                 RowwiseParallel: input Shard(-1) or Replicate, output Replicate)",
+            ),
+            (
+                StyleProblem::DTensorOutput,
+                "use_local_output = false asks for a DTensor output, which tch-dist does not \
+                 have; outputs are local tensors",
+            ),
+        ],
+        name,
+        &["MeshDims", "Layout", "DTensorOutput"],
+    );
 }
