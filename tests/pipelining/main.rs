@@ -7,6 +7,7 @@
 //! | file | what it tests | PyTorch's counterpart |
 //! | --- | --- | --- |
 //! | `main.rs` | the model and the one-process reference; parity of every schedule | `test/distributed/pipelining/test_schedule_multiproc.py` (`test_forward_only`, `test_grad_with_manual`) |
+//! | `composition.rs` | pp 2 × dp 2 on a mesh with `fully_shard` per stage, gradients reduced once per step (ignored: see the test) | torchtitan's pp × FSDP, `test_composability/test_pp_composability.py` |
 //! | `errors.rs` | refusals on every rank, a shape that changes, a stage killed mid-step | the `ValueError`s of `schedules.py`, `test_schedule.py` |
 
 use std::ops::Range;
@@ -18,6 +19,7 @@ use tch_dist::pipelining::{PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleI
 use tch_dist::testing::run_ranks;
 use tch_dist::ProcessGroup;
 
+mod composition;
 mod errors;
 
 /// The whole batch of every step.
