@@ -4,10 +4,11 @@
 //!
 //! The protocol between stage `s` (on rank `s % P`) and stage `s + 1` (rank `(s + 1) % P`):
 //!
-//! - once, before the first microbatch's activation of the first step: its metadata (shape
-//!   and dtype) as one string object over the object channel (`send_object_list`, PyTorch's
-//!   runtime shape inference also goes by `recv_object_list`), so that the receiver can
-//!   allocate its buffers;
+//! - once, before the first microbatch's activation of the first step (and again at a step
+//!   whose batch size differs from the last exchange's, which every rank learns from the
+//!   step's check): its metadata (shape and dtype) as one string object over the object
+//!   channel (`send_object_list`; PyTorch's runtime shape inference also goes by
+//!   `recv_object_list`), so that the receiver can allocate its buffers;
 //! - per microbatch `m`: the activation with tag [`tag`]`(s, m, forward)`, and later the
 //!   gradient of that activation back with `tag(s + 1, m, backward)`: distinct per stage,
 //!   microbatch and direction, so that the transfers of several stages between the same two
