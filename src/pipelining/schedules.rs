@@ -169,7 +169,7 @@ impl<M: 'static> Runner<M> {
         }
         if kind == Kind::Interleaved {
             let (rounds, _) = order::rounds(group_size, n);
-            if n % rounds != 0 {
+            if !n.is_multiple_of(rounds) {
                 return Some(PipelineProblem::Rounds {
                     n_microbatches: n,
                     rounds,

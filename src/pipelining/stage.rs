@@ -9,7 +9,7 @@
 //!   step's check): its metadata (shape and dtype) as one string object over the object
 //!   channel (`send_object_list`; PyTorch's runtime shape inference also goes by
 //!   `recv_object_list`), so that the receiver can allocate its buffers;
-//! - per microbatch `m`: the activation with tag [`tag`]`(s, m, forward)`, and later the
+//! - per microbatch `m`: the activation with tag `tag(s, m, forward)`, and later the
 //!   gradient of that activation back with `tag(s + 1, m, backward)`: distinct per stage,
 //!   microbatch and direction, so that the transfers of several stages between the same two
 //!   ranks (interleaved schedules) never match the wrong receive.
