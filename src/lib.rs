@@ -13,6 +13,8 @@
 //! - [`fully_shard()`](fully_shard()): fully sharded data parallelism (PyTorch's FSDP2):
 //!   parameters, gradients and optimizer state sharded across ranks, gathered per block
 //!   around forward and backward;
+//! - [`pipelining`]: pipeline parallelism (`PipelineStage`, `ScheduleGPipe`, `Schedule1F1B`,
+//!   `ScheduleInterleaved1F1B`);
 //! - [`sharding`]: tensor parallelism (`ShardingPlan`, sharders, planners, `shard_module`,
 //!   `ShardedTensor`).
 //!
@@ -158,6 +160,7 @@ pub mod device_mesh;
 pub mod fully_shard;
 pub mod nn;
 pub mod optim;
+pub mod pipelining;
 pub mod replicate;
 pub mod sharding;
 pub mod utils;

@@ -1,0 +1,50 @@
+//! Pipeline parallelism: a model's layers split into stages on different ranks,
+//! microbatches flowing through them so that the stages work at once (PyTorch 2.11's
+//! `torch.distributed.pipelining`).
+//!
+//! Each rank builds its part of the model under the whole model's `VarStore` paths, wraps it
+//! in a [`PipelineStage`] and hands the stage to a schedule ([`ScheduleGPipe`],
+//! [`Schedule1F1B`], or [`ScheduleInterleaved1F1B`] for several stages per rank); every step
+//! then gives the batch to the first stage and the target to the last, and the optimizer
+//! steps on each rank's own parameters. A pipeline's group is any process group (a mesh's
+//! `"pp"` dim: `mesh.get_group("pp")`).
+//!
+//! | file | job | PyTorch |
+//! |---|---|---|
+//! | `stage.rs`: [`PipelineStage`], [`TensorMeta`] | a stage's part, forward/backward per microbatch, activation metadata sent ahead, P2P transfers and their tags | `stage.py` (`PipelineStage`, `_PipelineStageBase`, `get_fwd_send_ops`, ..., `_shape_inference`) |
+//! | `schedules.rs`: [`ScheduleGPipe`], [`Schedule1F1B`], [`ScheduleInterleaved1F1B`] | the step: checks on every rank, running the order of work, loss and its scaling | `schedules.py` (`PipelineScheduleSingle`, `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`, `scale_grads`) |
+//! | `order.rs` | each schedule's order of forwards and backwards on one rank | `schedules.py` (`_step_microbatches`, `_get_1f1b_rank_ops`, `_calculate_single_rank_operations`) |
+//! | `microbatch.rs` | splitting a batch along dim 0, the step's batch check on every rank | `microbatch.py` (`split_args_kwargs_into_chunks`, `TensorChunkSpec`) |
+//! | `error.rs`: [`PipelineError`], [`PipelineProblem`], [`Transfer`] | why a schedule refused or a step failed | the `ValueError`s / `RuntimeError`s of `schedules.py` and `stage.py` |
+//!
+//! ```no_run
+//! use tch::nn::{self, Module};
+//! use tch_dist::pipelining::{PipelineStage, Schedule1F1B};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?; // 2 ranks
+//! let vs = nn::VarStore::new(tch::Device::Cpu);
+//! let layers = vs.root() / "layers";
+//! // The whole model is layers.0 (rank 0) then layers.1 (rank 1).
+//! let part = nn::seq().add(nn::linear(&layers / pg.rank(), 8, 8, Default::default()));
+//! let stage = PipelineStage::new(part, pg.rank(), 2, tch::Device::Cpu, &pg);
+//! let mut schedule = Schedule1F1B::new(stage, 4, |out, y| out.mse_loss(y, tch::Reduction::Mean))?;
+//! let mut opt = tch_dist::optim::Sgd { momentum: 0.9, ..Default::default() }.build(&vs, 0.01)?;
+//! let x = tch::Tensor::randn([16, 8], tch::kind::FLOAT_CPU);
+//! let y = tch::Tensor::zeros([16, 8], tch::kind::FLOAT_CPU);
+//! let mut losses = Vec::new();
+//! let first = pg.rank() == 0;
+//! schedule.step(first.then_some(&x), (!first).then_some(&y), &mut losses)?;
+//! opt.step()?; // each rank steps its own stage's parameters
+//! opt.zero_grad();
+//! # Ok(()) }
+//! ```
+
+mod error;
+mod microbatch;
+mod order;
+mod schedules;
+mod stage;
+
+pub use error::{PipelineError, PipelineProblem, Transfer};
+pub use schedules::{Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B};
+pub use stage::{PipelineStage, TensorMeta};

@@ -1,0 +1,197 @@
+//! Each schedule's order of work on one rank: the list of (stage, forward or backward,
+//! microbatch) actions it runs, as PyTorch's schedules order them
+//! (`torch/distributed/pipelining/schedules.py`: `ScheduleGPipe._step_microbatches`,
+//! `Schedule1F1B._step_microbatches`, `_get_1f1b_rank_ops` and
+//! `ScheduleInterleaved1F1B._calculate_single_rank_operations`).
+//!
+//! Communication is not in the lists: a forward receives its input just before it runs and
+//! sends its output right after, a backward likewise with gradients (see `stage.rs`).
+
+use std::collections::BTreeMap;
+
+/// Forward or backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Work {
+    Forward,
+    Backward,
+}
+
+/// One compute action of a rank's schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Action {
+    pub stage: usize,
+    pub work: Work,
+    pub microbatch: usize,
+}
+
+fn f(stage: usize, microbatch: usize) -> Action {
+    Action {
+        stage,
+        work: Work::Forward,
+        microbatch,
+    }
+}
+
+fn b(stage: usize, microbatch: usize) -> Action {
+    Action {
+        stage,
+        work: Work::Backward,
+        microbatch,
+    }
+}
+
+/// GPipe (fill-drain): every forward, then every backward, in microbatch order.
+pub(crate) fn gpipe(stage: usize, n: usize) -> Vec<Action> {
+    (0..n)
+        .map(|m| f(stage, m))
+        .chain((0..n).map(|m| b(stage, m)))
+        .collect()
+}
+
+/// 1F1B: `min(n, num_stages - stage)` warmup forwards, then a backward and a forward in
+/// turn ("1B1F") while forwards remain, then the remaining backwards.
+pub(crate) fn one_f_one_b(stage: usize, num_stages: usize, n: usize) -> Vec<Action> {
+    let warmup = n.min(num_stages - stage);
+    let mut order: Vec<Action> = (0..warmup).map(|m| f(stage, m)).collect();
+    let (mut fwd, mut bwd) = (warmup, 0);
+    loop {
+        order.push(b(stage, bwd));
+        bwd += 1;
+        if fwd == n {
+            break;
+        }
+        order.push(f(stage, fwd));
+        fwd += 1;
+    }
+    order.extend((bwd..n).map(|m| b(stage, m)));
+    order
+}
+
+/// Interleaved 1F1B's rounds: `max(1, n / group_size)`, and the microbatches per round.
+pub(crate) fn rounds(group_size: usize, n: usize) -> (usize, usize) {
+    let rounds = (n / group_size).max(1);
+    (rounds, n / rounds)
+}
+
+/// Interleaved 1F1B on `rank` of `group_size` holding `n_local` stages (`rank`,
+/// `rank + group_size`, ...): forwards in rounds of `per_round` microbatches per local stage
+/// (depth first), warmup `(n_local - 1) * per_round + 2 * (group_size - 1 - rank)` forwards
+/// (at most all of them), then one forward and one backward in turn, then the backwards; the
+/// backwards go through the local stages from the last in the same rounds.
+pub(crate) fn interleaved_1f1b(
+    rank: usize,
+    group_size: usize,
+    n_local: usize,
+    n: usize,
+) -> Vec<Action> {
+    let (_, per_round) = rounds(group_size, n);
+    let total = n_local * n;
+    let warmup = ((n_local - 1) * per_round + 2 * (group_size - 1 - rank)).min(total);
+    let fwd_bwd = total - warmup;
+    let forward_stage = |op: usize| ((op / per_round) % n_local) * group_size + rank;
+    let backward_stage =
+        |op: usize| (n_local - 1 - ((op - warmup) / per_round) % n_local) * group_size + rank;
+    let mut next_fwd: BTreeMap<usize, usize> = BTreeMap::new();
+    let mut next_bwd: BTreeMap<usize, usize> = BTreeMap::new();
+    let take = |map: &mut BTreeMap<usize, usize>, stage: usize| {
+        let m = map.entry(stage).or_insert(0);
+        *m += 1;
+        *m - 1
+    };
+    let mut order = Vec::with_capacity(2 * total);
+    for op in 0..warmup + fwd_bwd + warmup {
+        if op < warmup + fwd_bwd {
+            let s = forward_stage(op);
+            order.push(f(s, take(&mut next_fwd, s)));
+        }
+        if op >= warmup {
+            let s = backward_stage(op);
+            order.push(b(s, take(&mut next_bwd, s)));
+        }
+    }
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(order: &[Action]) -> String {
+        order
+            .iter()
+            .map(|a| {
+                let w = if a.work == Work::Forward { 'F' } else { 'B' };
+                format!("{w}{}.{}", a.stage, a.microbatch)
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    #[test]
+    fn gpipe_fills_then_drains() {
+        assert_eq!(text(&gpipe(1, 3)), "F1.0 F1.1 F1.2 B1.0 B1.1 B1.2");
+    }
+
+    #[test]
+    fn one_f_one_b_warms_up_by_distance_to_the_end() {
+        // 4 stages, 4 microbatches (PyTorch's warmup: num_stages - stage_index).
+        assert_eq!(
+            text(&one_f_one_b(0, 4, 4)),
+            "F0.0 F0.1 F0.2 F0.3 B0.0 B0.1 B0.2 B0.3"
+        );
+        assert_eq!(
+            text(&one_f_one_b(2, 4, 4)),
+            "F2.0 F2.1 B2.0 F2.2 B2.1 F2.3 B2.2 B2.3"
+        );
+        assert_eq!(
+            text(&one_f_one_b(3, 4, 4)),
+            "F3.0 B3.0 F3.1 B3.1 F3.2 B3.2 F3.3 B3.3"
+        );
+    }
+
+    #[test]
+    fn interleaved_goes_depth_first_in_rounds() {
+        // 2 ranks x 2 stages, 4 microbatches: 2 rounds of 2 microbatches.
+        assert_eq!(rounds(2, 4), (2, 2));
+        assert_eq!(
+            text(&interleaved_1f1b(0, 2, 2, 4)),
+            "F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 B2.1 F2.2 B0.0 F2.3 B0.1 B2.2 B2.3 B0.2 B0.3"
+        );
+        assert_eq!(
+            text(&interleaved_1f1b(1, 2, 2, 4)),
+            "F1.0 F1.1 F3.0 B3.0 F3.1 B3.1 F1.2 B1.0 F1.3 B1.1 F3.2 B3.2 F3.3 B3.3 B1.2 B1.3"
+        );
+        // PyTorch's own orders (`_calculate_single_rank_operations`, Nones dropped).
+        assert_eq!(
+            text(&interleaved_1f1b(0, 2, 2, 8)),
+            "F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 B2.1 F2.2 B0.0 F2.3 B0.1 F0.4 B2.2 F0.5 B2.3 \
+             F2.4 B0.2 F2.5 B0.3 F0.6 B2.4 F0.7 B2.5 F2.6 B0.4 F2.7 B0.5 B2.6 B2.7 B0.6 B0.7"
+        );
+        assert_eq!(
+            text(&interleaved_1f1b(0, 4, 2, 8)),
+            "F0.0 F0.1 F0.2 F0.3 F4.0 F4.1 F4.2 F4.3 F0.4 F0.5 F0.6 B4.0 F0.7 B4.1 F4.4 B4.2 \
+             F4.5 B4.3 F4.6 B0.0 F4.7 B0.1 B0.2 B0.3 B4.4 B4.5 B4.6 B4.7 B0.4 B0.5 B0.6 B0.7"
+        );
+        assert_eq!(
+            text(&interleaved_1f1b(3, 4, 2, 8)),
+            "F3.0 F3.1 F3.2 F3.3 F7.0 B7.0 F7.1 B7.1 F7.2 B7.2 F7.3 B7.3 F3.4 B3.0 F3.5 B3.1 \
+             F3.6 B3.2 F3.7 B3.3 F7.4 B7.4 F7.5 B7.5 F7.6 B7.6 F7.7 B7.7 B3.4 B3.5 B3.6 B3.7"
+        );
+        // Every rank runs every forward and backward of its stages once.
+        for rank in 0..2 {
+            let order = interleaved_1f1b(rank, 2, 2, 8);
+            assert_eq!(order.len(), 32);
+            for s in [rank, rank + 2] {
+                for m in 0..8 {
+                    assert_eq!(
+                        order
+                            .iter()
+                            .filter(|a| a.stage == s && a.microbatch == m)
+                            .count(),
+                        2
+                    );
+                }
+            }
+        }
+    }
+}

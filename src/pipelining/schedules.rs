@@ -1,0 +1,584 @@
+//! The schedules: [`ScheduleGPipe`], [`Schedule1F1B`] (one stage per rank) and
+//! [`ScheduleInterleaved1F1B`] (several stages per rank, loop placement), as PyTorch's of the
+//! same names in `torch/distributed/pipelining/schedules.py`.
+//!
+//! A schedule owns its stages. Its constructor checks, on every rank of the pipeline's group
+//! together (one small all-reduce), that the stages and microbatch count fit and that every
+//! rank was given the same settings; [`step`](Schedule1F1B::step) checks the batch the same
+//! way, then runs the rank's order of work (see `order.rs`).
+//!
+//! Loss and gradient scaling as PyTorch's `scale_grads=True` (the default): the loss is
+//! computed per microbatch on the last stage, `losses` receives each microbatch's loss, and
+//! the gradients are those of the mean of the microbatch losses. PyTorch divides the
+//! accumulated gradients by `n_microbatches` after the last backward; here each
+//! microbatch's backward starts from its loss divided by `n_microbatches` (the same
+//! gradients: exactly so for a power-of-two count, otherwise up to rounding), which also
+//! lets data parallelism on a stage reduce the final gradients in its last backward.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use tch::Tensor;
+use tch_dist_core::hooks::ForwardError;
+use tch_dist_runtime::{ProcessGroup, ReduceOp};
+
+use super::error::{PipelineError, PipelineProblem};
+use super::microbatch::{check_step, split};
+use super::order::{self, Action, Work};
+use super::stage::{tags_fit, PendingSend, PipelineStage};
+
+/// The loss of the last stage: `loss_fn(output, target)` for one microbatch (the mean over
+/// its samples, as PyTorch's default `scale_grads=True` assumes).
+type LossFn = Box<dyn Fn(&Tensor, &Tensor) -> Tensor>;
+
+/// What every schedule shares: its stages on this rank, the order of work, the loss.
+struct Runner<M> {
+    /// The step's name in errors.
+    op: &'static str,
+    stages: Vec<PipelineStage<M>>,
+    order: Vec<Action>,
+    n_microbatches: usize,
+    loss_fn: LossFn,
+    scale_grads: bool,
+    group: ProcessGroup,
+    /// The batch size the stages' activation metadata was exchanged for.
+    meta_batch: Option<i64>,
+}
+
+/// The schedules, as the agreement check names them.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    GPipe = 1,
+    OneFOneB = 2,
+    Interleaved = 3,
+}
+
+fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "a panic without a message".to_string())
+}
+
+impl<M: 'static> Runner<M> {
+    fn new(
+        (op, step_op): (&'static str, &'static str),
+        kind: Kind,
+        mut stages: Vec<PipelineStage<M>>,
+        n_microbatches: usize,
+        loss_fn: LossFn,
+    ) -> Result<Self, PipelineError> {
+        stages.sort_by_key(PipelineStage::stage_index);
+        let Some(first) = stages.first() else {
+            return Err(PipelineError::Invalid {
+                rank: tch_dist_runtime::default_group().map_or(0, |g| g.rank()),
+                op,
+                problem: PipelineProblem::NoStages,
+            });
+        };
+        let group = first.group().clone();
+        let (rank, group_size) = (group.rank(), group.world_size());
+        let num_stages = first.num_stages();
+        let own = Self::validate(kind, &stages, &group, n_microbatches);
+        agree(
+            &group,
+            op,
+            own,
+            [
+                ("num_stages", num_stages as i64),
+                ("n_microbatches", n_microbatches as i64),
+                ("schedule", kind as i64),
+                ("stages per rank", stages.len() as i64),
+            ],
+        )?;
+        let order = match kind {
+            Kind::GPipe => order::gpipe(first.stage_index(), n_microbatches),
+            Kind::OneFOneB => order::one_f_one_b(first.stage_index(), num_stages, n_microbatches),
+            Kind::Interleaved => {
+                order::interleaved_1f1b(rank, group_size, stages.len(), n_microbatches)
+            }
+        };
+        Ok(Self {
+            op: step_op,
+            stages,
+            order,
+            n_microbatches,
+            loss_fn,
+            scale_grads: true,
+            group,
+            meta_batch: None,
+        })
+    }
+
+    /// This rank's own problem with its stages and the schedule's settings, if any.
+    fn validate(
+        kind: Kind,
+        stages: &[PipelineStage<M>],
+        group: &ProcessGroup,
+        n: usize,
+    ) -> Option<PipelineProblem> {
+        let (rank, group_size) = (group.rank(), group.world_size());
+        let num_stages = stages[0].num_stages();
+        if group_size < 2 {
+            return Some(PipelineProblem::GroupTooSmall { group_size });
+        }
+        if stages
+            .iter()
+            .any(|s| s.group().group_name() != group.group_name() || s.num_stages() != num_stages)
+        {
+            return Some(PipelineProblem::Groups);
+        }
+        if kind != Kind::Interleaved && stages.len() != 1 {
+            return Some(PipelineProblem::NumStages {
+                num_stages,
+                group_size,
+                local_stages: stages.len(),
+            });
+        }
+        for s in stages {
+            if s.stage_index() >= num_stages {
+                return Some(PipelineProblem::StageIndex {
+                    stage_index: s.stage_index(),
+                    num_stages,
+                });
+            }
+        }
+        if num_stages != group_size * stages.len() {
+            return Some(PipelineProblem::NumStages {
+                num_stages,
+                group_size,
+                local_stages: stages.len(),
+            });
+        }
+        for (k, s) in stages.iter().enumerate() {
+            if s.stage_index() != rank + k * group_size {
+                return Some(PipelineProblem::Placement {
+                    stage_index: s.stage_index(),
+                    rank,
+                    group_size,
+                });
+            }
+        }
+        if n == 0 {
+            return Some(PipelineProblem::ZeroMicrobatches);
+        }
+        if kind == Kind::OneFOneB && n < num_stages {
+            return Some(PipelineProblem::FewerMicrobatchesThanStages {
+                n_microbatches: n,
+                num_stages,
+            });
+        }
+        if kind == Kind::Interleaved {
+            let (rounds, _) = order::rounds(group_size, n);
+            if !n.is_multiple_of(rounds) {
+                return Some(PipelineProblem::Rounds {
+                    n_microbatches: n,
+                    rounds,
+                });
+            }
+        }
+        if !tags_fit(num_stages, n) {
+            return Some(PipelineProblem::TooManyTags {
+                num_stages,
+                n_microbatches: n,
+            });
+        }
+        None
+    }
+
+    fn holds_first(&self) -> bool {
+        self.stages.iter().any(PipelineStage::is_first)
+    }
+
+    fn holds_last(&self) -> bool {
+        self.stages.iter().any(PipelineStage::is_last)
+    }
+
+    fn step(
+        &mut self,
+        input: Option<&Tensor>,
+        target: Option<&Tensor>,
+        losses: &mut Vec<Tensor>,
+    ) -> Result<(), PipelineError> {
+        let n = self.n_microbatches;
+        let batch = check_step(
+            &self.group,
+            self.op,
+            n,
+            self.holds_first(),
+            self.holds_last(),
+            input,
+            target,
+        )?;
+        // Every rank learnt the batch's size from the check: when it changes, the shapes do,
+        // and every stage exchanges metadata again (PyTorch infers shapes once).
+        if self.meta_batch != Some(batch) {
+            self.stages.iter_mut().for_each(PipelineStage::reset_meta);
+            self.meta_batch = Some(batch);
+        }
+        let inputs = input.filter(|_| self.holds_first()).map(|x| split(x, n));
+        let targets = target.filter(|_| self.holds_last()).map(|y| split(y, n));
+        let mut pending = Vec::new();
+        let mut step_losses: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
+        let result = self.run(
+            inputs.as_deref(),
+            targets.as_deref(),
+            &mut pending,
+            &mut step_losses,
+        );
+        let rank = self.group.rank();
+        // Every send is waited for, also after a failure (its own error comes second).
+        let sent = pending
+            .into_iter()
+            .map(|p| p.wait(rank))
+            .collect::<Result<Vec<()>, _>>();
+        if result.is_err() || sent.is_err() {
+            self.stages.iter_mut().for_each(PipelineStage::clear);
+            self.meta_batch = None;
+        }
+        result?;
+        sent?;
+        losses.extend(step_losses.into_iter().flatten());
+        Ok(())
+    }
+
+    fn run(
+        &mut self,
+        inputs: Option<&[Tensor]>,
+        targets: Option<&[Tensor]>,
+        pending: &mut Vec<PendingSend>,
+        losses: &mut [Option<Tensor>],
+    ) -> Result<(), PipelineError> {
+        let n = self.n_microbatches;
+        let rank = self.group.rank();
+        for a in self.order.clone() {
+            let Some(stage) = self.stages.iter_mut().find(|s| s.stage_index() == a.stage) else {
+                continue;
+            };
+            let mb = a.microbatch;
+            match a.work {
+                Work::Forward => {
+                    let input = if stage.is_first() {
+                        match inputs.and_then(|x| x.get(mb)) {
+                            Some(x) => stage.place_input(x),
+                            None => continue,
+                        }
+                    } else {
+                        stage.recv_activation(mb)?
+                    };
+                    let output = forward_catching(stage, mb, input)?;
+                    if stage.is_last() {
+                        let Some(y) = targets.and_then(|y| y.get(mb)) else {
+                            continue;
+                        };
+                        let loss_fn = &self.loss_fn;
+                        let loss = catch_unwind(AssertUnwindSafe(|| loss_fn(&output, y))).map_err(
+                            |p| PipelineError::Loss {
+                                rank,
+                                stage: a.stage,
+                                microbatch: mb,
+                                message: panic_text(p),
+                            },
+                        )?;
+                        losses[mb] = Some(loss.detach());
+                        let root = if self.scale_grads {
+                            loss / n as f64
+                        } else {
+                            loss
+                        };
+                        stage.set_loss(mb, root);
+                    } else {
+                        stage.send_activation(mb, &output, pending)?;
+                    }
+                }
+                Work::Backward => stage.backward_one_chunk(mb, mb + 1 == n, pending)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The stage's forward, with a panic inside it (libtorch refusing a shape) as its error.
+fn forward_catching<M: 'static>(
+    stage: &mut PipelineStage<M>,
+    mb: usize,
+    input: Tensor,
+) -> Result<Tensor, PipelineError> {
+    let rank = stage.group().rank();
+    let index = stage.stage_index();
+    catch_unwind(AssertUnwindSafe(|| stage.forward_one_chunk(mb, input))).unwrap_or_else(|p| {
+        Err(PipelineError::Forward {
+            rank,
+            stage: index,
+            microbatch: mb,
+            source: ForwardError::new(panic_text(p)),
+        })
+    })
+}
+
+/// Every rank's settings and whether it refused, exchanged once, so that a refusal or a
+/// disagreement is the same error on every rank before any activation moves.
+fn agree(
+    group: &ProcessGroup,
+    op: &'static str,
+    own: Option<PipelineProblem>,
+    settings: [(&'static str, i64); 4],
+) -> Result<(), PipelineError> {
+    let (rank, world) = (group.rank(), group.world_size());
+    const W: usize = 5;
+    let mut values = vec![0i64; world * W];
+    for (i, (_, v)) in settings.iter().enumerate() {
+        values[rank * W + i] = *v;
+    }
+    values[rank * W + 4] = i64::from(own.is_some());
+    let t = Tensor::from_slice(&values);
+    group
+        .all_reduce(&t, ReduceOp::Sum)
+        .map_err(|e| PipelineError::Check {
+            rank,
+            op,
+            source: Box::new(e),
+        })?;
+    let all: Vec<i64> = Vec::<i64>::try_from(&t).unwrap_or(values);
+    let refuse = |problem| PipelineError::Invalid { rank, op, problem };
+    if let Some(problem) = own {
+        return Err(refuse(problem));
+    }
+    if let Some(peer) = (0..world).find(|r| all[r * W + 4] != 0) {
+        return Err(refuse(PipelineProblem::PeerRefused { peer }));
+    }
+    for (i, (setting, this)) in settings.iter().enumerate() {
+        if let Some(other_rank) = (0..world).find(|r| all[r * W + i] != *this) {
+            return Err(refuse(PipelineProblem::Disagree {
+                setting,
+                this: *this,
+                other_rank,
+                other: all[other_rank * W + i],
+            }));
+        }
+    }
+    Ok(())
+}
+
+macro_rules! single_stage_schedule {
+    ($(#[$doc:meta])* $name:ident, $kind:expr, $op_new:literal, $op_step:literal) => {
+        $(#[$doc])*
+        pub struct $name<M> {
+            runner: Runner<M>,
+        }
+
+        impl<M> std::fmt::Debug for $name<M> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($name))
+                    .field("stage", &self.runner.stages[0])
+                    .field("n_microbatches", &self.runner.n_microbatches)
+                    .finish_non_exhaustive()
+            }
+        }
+
+        impl<M: 'static> $name<M> {
+            /// The schedule over this rank's `stage`, splitting each batch into
+            /// `n_microbatches`, with `loss_fn(output, target)` on the last stage. Every rank
+            /// of the stage's group calls it together; any rank's refusal (stage count,
+            /// placement, microbatch count, settings that differ between ranks) is an error on
+            /// every rank.
+            pub fn new(
+                stage: PipelineStage<M>,
+                n_microbatches: usize,
+                loss_fn: impl Fn(&Tensor, &Tensor) -> Tensor + 'static,
+            ) -> Result<Self, PipelineError> {
+                let runner = Runner::new(
+                    ($op_new, $op_step),
+                    $kind,
+                    vec![stage],
+                    n_microbatches,
+                    Box::new(loss_fn),
+                )?;
+                Ok(Self { runner })
+            }
+
+            /// Whether gradients are those of the mean of the microbatch losses (`true`, as
+            /// PyTorch's default `scale_grads=True`) or of their sum.
+            pub fn scale_grads(mut self, scale: bool) -> Self {
+                self.runner.scale_grads = scale;
+                self
+            }
+
+            /// One training step over a batch: `input` on the first stage's rank, `target`
+            /// on the last's (`None` elsewhere), split along dim 0 into the microbatches;
+            /// `losses` gets each microbatch's loss on the last stage. Gradients accumulate
+            /// in the stage's parameters' `.grad`; the optimizer steps afterwards.
+            pub fn step(
+                &mut self,
+                input: Option<&Tensor>,
+                target: Option<&Tensor>,
+                losses: &mut Vec<Tensor>,
+            ) -> Result<(), PipelineError> {
+                self.runner.step(input, target, losses)
+            }
+
+            /// This rank's stage.
+            pub fn stage(&self) -> &PipelineStage<M> {
+                &self.runner.stages[0]
+            }
+
+            /// This rank's stage, mutably.
+            pub fn stage_mut(&mut self) -> &mut PipelineStage<M> {
+                &mut self.runner.stages[0]
+            }
+
+            /// The stage, given back.
+            pub fn into_stage(self) -> PipelineStage<M> {
+                let mut stages = self.runner.stages;
+                stages.swap_remove(0)
+            }
+        }
+    };
+}
+
+single_stage_schedule!(
+    /// GPipe (PyTorch's `ScheduleGPipe`): every microbatch's forward, then every backward
+    /// (fill-drain; activations of all microbatches are alive at once).
+    ///
+    /// ```no_run
+    /// use tch::nn::{self, Module};
+    /// use tch_dist::pipelining::{PipelineStage, ScheduleGPipe};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?; // 2 ranks
+    /// let vs = nn::VarStore::new(tch::Device::Cpu);
+    /// let part = nn::linear(vs.root() / "layers" / pg.rank(), 4, 4, Default::default());
+    /// let stage = PipelineStage::new(part, pg.rank(), 2, tch::Device::Cpu, &pg);
+    /// let mut schedule = ScheduleGPipe::new(stage, 4, |out, y| out.mse_loss(y, tch::Reduction::Mean))?;
+    /// let x = tch::Tensor::randn([8, 4], tch::kind::FLOAT_CPU);
+    /// let mut losses = Vec::new();
+    /// let first = pg.rank() == 0;
+    /// schedule.step(first.then_some(&x), (!first).then_some(&x), &mut losses)?;
+    /// # Ok(()) }
+    /// ```
+    ScheduleGPipe,
+    Kind::GPipe,
+    "ScheduleGPipe::new",
+    "ScheduleGPipe::step"
+);
+
+single_stage_schedule!(
+    /// 1F1B (PyTorch's `Schedule1F1B`): stage `s` runs `num_stages - s` warmup forwards,
+    /// then one backward and one forward in turn, then the remaining backwards, so that at
+    /// most `num_stages - s` microbatches' activations are alive. Needs at least as many
+    /// microbatches as stages. Bubble `(p - 1) / m` of the step for `p` stages and `m`
+    /// microbatches, as GPipe's, with less memory.
+    ///
+    /// ```no_run
+    /// use tch::nn;
+    /// use tch_dist::pipelining::{PipelineStage, Schedule1F1B};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?; // 2 ranks
+    /// let vs = nn::VarStore::new(tch::Device::Cpu);
+    /// let part = nn::linear(vs.root() / "layers" / pg.rank(), 4, 4, Default::default());
+    /// let stage = PipelineStage::new(part, pg.rank(), 2, tch::Device::Cpu, &pg);
+    /// let mut schedule = Schedule1F1B::new(stage, 4, |out, y| out.mse_loss(y, tch::Reduction::Mean))?;
+    /// let mut opt = tch_dist::optim::Sgd { momentum: 0.9, ..Default::default() }.build(&vs, 0.1)?;
+    /// let (x, y) = (tch::Tensor::randn([8, 4], tch::kind::FLOAT_CPU), tch::Tensor::zeros([8, 4], tch::kind::FLOAT_CPU));
+    /// let mut losses = Vec::new();
+    /// let first = pg.rank() == 0;
+    /// schedule.step(first.then_some(&x), (!first).then_some(&y), &mut losses)?;
+    /// opt.step()?;
+    /// opt.zero_grad();
+    /// # Ok(()) }
+    /// ```
+    Schedule1F1B,
+    Kind::OneFOneB,
+    "Schedule1F1B::new",
+    "Schedule1F1B::step"
+);
+
+/// Interleaved 1F1B (PyTorch's `ScheduleInterleaved1F1B`, Megatron's interleaved schedule):
+/// each rank holds several stages in loop placement (rank `r` of `P`: stages `r`, `r + P`,
+/// ...), forwards go depth first in rounds of `n_microbatches / max(1, n_microbatches / P)`
+/// microbatches per local stage, then one forward and one backward in turn; the bubble
+/// shrinks by the number of stages per rank, for more messages.
+///
+/// ```no_run
+/// use tch::nn;
+/// use tch_dist::pipelining::{PipelineStage, ScheduleInterleaved1F1B};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?; // 2 ranks, 4 stages
+/// let vs = nn::VarStore::new(tch::Device::Cpu);
+/// let (r, p) = (pg.rank(), pg.world_size());
+/// let stages: Vec<_> = [r, r + p]
+///     .into_iter()
+///     .map(|s| {
+///         let part = nn::linear(vs.root() / "layers" / s, 4, 4, Default::default());
+///         PipelineStage::new(part, s, 2 * p, tch::Device::Cpu, &pg)
+///     })
+///     .collect();
+/// let mut schedule =
+///     ScheduleInterleaved1F1B::new(stages, 4, |out, y| out.mse_loss(y, tch::Reduction::Mean))?;
+/// # Ok(()) }
+/// ```
+pub struct ScheduleInterleaved1F1B<M> {
+    runner: Runner<M>,
+}
+
+impl<M> std::fmt::Debug for ScheduleInterleaved1F1B<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ScheduleInterleaved1F1B")
+            .field("stages", &self.runner.stages)
+            .field("n_microbatches", &self.runner.n_microbatches)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<M: 'static> ScheduleInterleaved1F1B<M> {
+    /// The schedule over this rank's `stages` (in any order), as
+    /// [`Schedule1F1B::new`]; the stage count must be the group's size times the stages per
+    /// rank, and the microbatches a multiple of `max(1, n_microbatches / P)`.
+    pub fn new(
+        stages: Vec<PipelineStage<M>>,
+        n_microbatches: usize,
+        loss_fn: impl Fn(&Tensor, &Tensor) -> Tensor + 'static,
+    ) -> Result<Self, PipelineError> {
+        let runner = Runner::new(
+            (
+                "ScheduleInterleaved1F1B::new",
+                "ScheduleInterleaved1F1B::step",
+            ),
+            Kind::Interleaved,
+            stages,
+            n_microbatches,
+            Box::new(loss_fn),
+        )?;
+        Ok(Self { runner })
+    }
+
+    /// As [`Schedule1F1B::scale_grads`].
+    pub fn scale_grads(mut self, scale: bool) -> Self {
+        self.runner.scale_grads = scale;
+        self
+    }
+
+    /// One training step, as [`Schedule1F1B::step`] (the input on the rank holding stage 0,
+    /// the target on the one holding the last stage).
+    pub fn step(
+        &mut self,
+        input: Option<&Tensor>,
+        target: Option<&Tensor>,
+        losses: &mut Vec<Tensor>,
+    ) -> Result<(), PipelineError> {
+        self.runner.step(input, target, losses)
+    }
+
+    /// This rank's stages, by stage index.
+    pub fn stages(&self) -> &[PipelineStage<M>] {
+        &self.runner.stages
+    }
+
+    /// This rank's stages, mutably.
+    pub fn stages_mut(&mut self) -> &mut [PipelineStage<M>] {
+        &mut self.runner.stages
+    }
+
+    /// The stages, given back.
+    pub fn into_stages(self) -> Vec<PipelineStage<M>> {
+        self.runner.stages
+    }
+}

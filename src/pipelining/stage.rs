@@ -1,0 +1,665 @@
+//! [`PipelineStage`]: one stage's part of the model, its forward and backward per
+//! microbatch, and the point-to-point transfers with its neighbours (PyTorch's
+//! `torch/distributed/pipelining/stage.py`, `PipelineStage`).
+//!
+//! The protocol between stage `s` (on rank `s % P`) and stage `s + 1` (rank `(s + 1) % P`):
+//!
+//! - once, before the first microbatch's activation of the first step (and again at a step
+//!   whose batch size differs from the last exchange's, which every rank learns from the
+//!   step's check): its metadata (shape and dtype) as one string object over the object
+//!   channel (`send_object_list`; PyTorch's runtime shape inference also goes by
+//!   `recv_object_list`), so that the receiver can allocate its buffers;
+//! - per microbatch `m`: the activation with tag `tag(s, m, forward)`, and later the
+//!   gradient of that activation back with `tag(s + 1, m, backward)`: distinct per stage,
+//!   microbatch and direction, so that the transfers of several stages between the same two
+//!   ranks (interleaved schedules) never match the wrong receive.
+//!
+//! Sends are asynchronous (waited for at the end of the step, as PyTorch's schedules wait for
+//! their send works late); receives are waited for before the compute that needs them. With
+//! a schedule whose order respects the data dependencies, no rank then waits for a rank that
+//! waits for it.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use tch::nn::ModuleT;
+use tch::{Device, Kind, Tensor};
+use tch_dist_core::hooks::{catch_forward_errors, ForwardError};
+use tch_dist_runtime::{DistError, Object, ProcessGroup, Work};
+
+use super::error::{PipelineError, Transfer};
+
+/// The shape and dtype of one activation, as the first microbatch had it (PyTorch's
+/// `_make_tensor_from_meta` goes by the same two).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorMeta {
+    /// The activation's shape (the microbatch's, dim 0 included).
+    pub shape: Vec<i64>,
+    /// Its dtype.
+    pub kind: Kind,
+}
+
+/// The dtypes an activation may have, with PyTorch's names (what the metadata string says).
+const KINDS: [(Kind, &str); 10] = [
+    (Kind::Float, "float32"),
+    (Kind::Double, "float64"),
+    (Kind::Half, "float16"),
+    (Kind::BFloat16, "bfloat16"),
+    (Kind::Int64, "int64"),
+    (Kind::Int, "int32"),
+    (Kind::Int16, "int16"),
+    (Kind::Int8, "int8"),
+    (Kind::Uint8, "uint8"),
+    (Kind::Bool, "bool"),
+];
+
+/// What the metadata string starts with (a version, so that a change is an error, not a
+/// misread).
+const META_PREFIX: &str = "tch-dist-pipelining-meta-v1";
+
+impl TensorMeta {
+    /// The metadata of `t`.
+    pub fn of(t: &Tensor) -> Self {
+        Self {
+            shape: t.size(),
+            kind: t.kind(),
+        }
+    }
+
+    fn kind_name(&self) -> String {
+        KINDS
+            .iter()
+            .find(|(k, _)| *k == self.kind)
+            .map_or_else(|| format!("{:?}", self.kind), |(_, n)| n.to_string())
+    }
+
+    /// The string sent ahead: `tch-dist-pipelining-meta-v1 float32 4,16`.
+    pub(crate) fn encode(&self) -> String {
+        let dims: Vec<String> = self.shape.iter().map(i64::to_string).collect();
+        format!("{META_PREFIX} {} {}", self.kind_name(), dims.join(","))
+    }
+
+    /// The metadata a string from [`encode`](Self::encode) describes.
+    pub(crate) fn decode(text: &str) -> Option<Self> {
+        let mut words = text.split(' ');
+        if words.next()? != META_PREFIX {
+            return None;
+        }
+        let name = words.next()?;
+        let kind = KINDS.iter().find(|(_, n)| *n == name)?.0;
+        let dims = words.next()?;
+        let shape = if dims.is_empty() {
+            Vec::new()
+        } else {
+            dims.split(',')
+                .map(|d| d.parse::<i64>().ok().filter(|&d| d >= 0))
+                .collect::<Option<Vec<i64>>>()?
+        };
+        words.next().is_none().then_some(Self { shape, kind })
+    }
+}
+
+impl fmt::Display for TensorMeta {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{:?}", self.kind_name(), self.shape)
+    }
+}
+
+/// The direction of a transfer, for its tag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Direction {
+    Forward = 0,
+    Backward = 1,
+}
+
+/// The message tag of what stage `sender` sends for `microbatch` in `direction` (tag 0 is
+/// the object channel's).
+pub(crate) fn tag(
+    num_stages: usize,
+    sender: usize,
+    microbatch: usize,
+    direction: Direction,
+) -> i32 {
+    (1 + 2 * (microbatch * num_stages + sender) + direction as usize) as i32
+}
+
+/// The largest `stages x microbatches` whose tags fit an `i32`.
+pub(crate) fn tags_fit(num_stages: usize, n_microbatches: usize) -> bool {
+    n_microbatches
+        .checked_mul(num_stages)
+        .and_then(|n| n.checked_mul(2))
+        .is_some_and(|n| n < i32::MAX as usize - 2)
+}
+
+/// A stage's forward: the part, its input, the train flag.
+type ForwardFn<M> = Box<dyn Fn(&M, &Tensor, bool) -> Result<Tensor, ForwardError>>;
+/// Called before each microbatch's backward with whether it is the step's last.
+type BackwardFn = Box<dyn FnMut(bool) -> Result<(), Box<dyn std::error::Error + Send + Sync>>>;
+
+/// What a stage keeps of one microbatch between its forward and its backward.
+struct Chunk {
+    /// The received activation (a leaf that requires grad), on stages after the first.
+    input: Option<Tensor>,
+    /// The output (or, on the last stage, the loss to run backward from).
+    output: Tensor,
+}
+
+/// A send in flight, with the tensor it reads (kept alive until it completes).
+pub(crate) struct PendingSend {
+    work: Work,
+    _tensor: Tensor,
+    stage: usize,
+    transfer: Transfer,
+    microbatch: usize,
+    peer_stage: usize,
+    peer_rank: usize,
+}
+
+impl PendingSend {
+    /// Waits for the send; its failure names both stages.
+    pub(crate) fn wait(self, rank: usize) -> Result<(), PipelineError> {
+        let PendingSend {
+            work,
+            stage,
+            transfer,
+            microbatch,
+            peer_stage,
+            peer_rank,
+            ..
+        } = self;
+        work.wait().map_err(|e| PipelineError::Transfer {
+            rank,
+            stage,
+            transfer,
+            microbatch,
+            peer_stage,
+            peer_rank,
+            source: Box::new(e),
+        })
+    }
+}
+
+/// One stage of a pipeline: it owns its part of the model (PyTorch's `PipelineStage(submodule,
+/// stage_index, num_stages, device, group=...)`).
+///
+/// The part is any `impl Module` / `ModuleT` (`nn::seq()`, a `#[derive(Shardable)]` block
+/// with a forward), built under the same `VarStore` paths as in the whole model, so that its
+/// FQNs are the whole model's (`layers.2.weight` on the stage that holds layer 2) and its
+/// checkpoint loads into the unsplit model. Its parameters stay in the `VarStore` the user
+/// built it in, which the optimizer goes by.
+///
+/// Activation shapes are found at run time, as PyTorch does without example inputs: the
+/// first microbatch's (shape, dtype) goes ahead to the next stage once; every later
+/// microbatch must match it.
+///
+/// ```no_run
+/// use tch::nn::{self, Module};
+/// use tch_dist::pipelining::PipelineStage;
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?; // 2 ranks
+/// let vs = nn::VarStore::new(tch::Device::Cpu);
+/// let layers = vs.root() / "layers";
+/// // Rank 0 holds layer 0, rank 1 layer 1: the whole model's paths.
+/// let i = pg.rank();
+/// let part = nn::seq().add(nn::linear(&layers / i, 8, 8, Default::default()));
+/// let stage = PipelineStage::new(part, i, 2, tch::Device::Cpu, &pg);
+/// assert_eq!(stage.stage_index(), i);
+/// # Ok(()) }
+/// ```
+pub struct PipelineStage<M> {
+    module: M,
+    forward: ForwardFn<M>,
+    on_backward: Option<BackwardFn>,
+    stage_index: usize,
+    num_stages: usize,
+    device: Device,
+    group: ProcessGroup,
+    /// What the previous stage said its activations are (first step).
+    input_meta: Option<TensorMeta>,
+    /// What this stage told the next one.
+    output_meta: Option<TensorMeta>,
+    chunks: BTreeMap<usize, Chunk>,
+}
+
+impl<M> fmt::Debug for PipelineStage<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PipelineStage")
+            .field("stage_index", &self.stage_index)
+            .field("num_stages", &self.num_stages)
+            .field("device", &self.device)
+            .field("rank", &self.group.rank())
+            .field("input_meta", &self.input_meta)
+            .field("output_meta", &self.output_meta)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<M: ModuleT + 'static> PipelineStage<M> {
+    /// Stage `stage_index` of `num_stages`, running `module.forward_t(x, true)`, on the
+    /// pipeline's `group` (stage `s` lives on group rank `s % group.world_size()`).
+    ///
+    /// The schedule that takes the stage checks it, on every rank of the group together (a
+    /// stage index out of range, a group of one rank, a stage on the wrong rank are refused
+    /// there on every rank, not here on one), because a refusal on one rank alone would leave
+    /// the others waiting for its activations.
+    pub fn new(
+        module: M,
+        stage_index: usize,
+        num_stages: usize,
+        device: Device,
+        group: &ProcessGroup,
+    ) -> Self {
+        Self::with_forward(
+            module,
+            |m: &M, x: &Tensor, train| catch_forward_errors(|| Ok(m.forward_t(x, train))),
+            stage_index,
+            num_stages,
+            device,
+            group,
+        )
+    }
+}
+
+impl<M: 'static> PipelineStage<M> {
+    /// [`new`](PipelineStage::new) with the stage's forward given: for a part that is no
+    /// `ModuleT`, or whose hooks must run (`|m, x, train| m.f_call_t(x, train)` for a
+    /// `#[derive(Shardable)]` part under `fully_shard` or `replicate`).
+    ///
+    /// ```no_run
+    /// use tch::nn;
+    /// use tch_dist::pipelining::PipelineStage;
+    /// use tch_dist::Call;
+    /// # let pg = tch_dist::default_group()?;
+    /// let vs = nn::VarStore::new(tch::Device::Cpu);
+    /// let fc = nn::linear(vs.root() / "layers" / 0, 8, 8, Default::default());
+    /// let stage = PipelineStage::with_forward(
+    ///     fc,
+    ///     |fc, x, _train| Ok(fc.call(x).relu()),
+    ///     0,
+    ///     2,
+    ///     tch::Device::Cpu,
+    ///     &pg,
+    /// );
+    /// # Ok::<(), tch_dist::DistError>(())
+    /// ```
+    pub fn with_forward(
+        module: M,
+        forward: impl Fn(&M, &Tensor, bool) -> Result<Tensor, ForwardError> + 'static,
+        stage_index: usize,
+        num_stages: usize,
+        device: Device,
+        group: &ProcessGroup,
+    ) -> Self {
+        Self {
+            module,
+            forward: Box::new(forward),
+            on_backward: None,
+            stage_index,
+            num_stages,
+            device,
+            group: group.clone(),
+            input_meta: None,
+            output_meta: None,
+            chunks: BTreeMap::new(),
+        }
+    }
+}
+
+impl<M> PipelineStage<M> {
+    /// Calls `f(last_backward)` before each microbatch's backward, `last_backward` true for
+    /// the step's last microbatch: where data parallelism on the stage's module reduces
+    /// gradients once per step (torchtitan's use of `set_requires_gradient_sync`, PyTorch's
+    /// `backward_maybe_with_nosync`).
+    ///
+    /// ```no_run
+    /// # use tch::nn;
+    /// # let pg = tch_dist::default_group()?;
+    /// # let vs = nn::VarStore::new(tch::Device::Cpu);
+    /// # let part = nn::linear(vs.root() / "layers" / 0, 8, 8, Default::default());
+    /// let stage = tch_dist::pipelining::PipelineStage::new(part, 0, 2, tch::Device::Cpu, &pg)
+    ///     .on_backward(|last| {
+    ///         // e.g. fsdp_state.set_requires_gradient_sync(last)
+    ///         let _ = last;
+    ///         Ok(())
+    ///     });
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn on_backward(
+        mut self,
+        f: impl FnMut(bool) -> Result<(), Box<dyn std::error::Error + Send + Sync>> + 'static,
+    ) -> Self {
+        self.on_backward = Some(Box::new(f));
+        self
+    }
+
+    /// The stage's part of the model.
+    pub fn module(&self) -> &M {
+        &self.module
+    }
+
+    /// The stage's part, mutably.
+    pub fn module_mut(&mut self) -> &mut M {
+        &mut self.module
+    }
+
+    /// The part, given back.
+    pub fn into_module(self) -> M {
+        self.module
+    }
+
+    /// This stage's index.
+    pub fn stage_index(&self) -> usize {
+        self.stage_index
+    }
+
+    /// The number of stages of the pipeline.
+    pub fn num_stages(&self) -> usize {
+        self.num_stages
+    }
+
+    /// Whether this is stage 0.
+    pub fn is_first(&self) -> bool {
+        self.stage_index == 0
+    }
+
+    /// Whether this is the last stage.
+    pub fn is_last(&self) -> bool {
+        self.stage_index + 1 == self.num_stages
+    }
+
+    /// The pipeline's group.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// The metadata of this stage's input, once the first step received it.
+    pub fn input_meta(&self) -> Option<&TensorMeta> {
+        self.input_meta.as_ref()
+    }
+
+    fn rank_of(&self, stage: usize) -> usize {
+        stage % self.group.world_size()
+    }
+
+    fn transfer_error(
+        &self,
+        transfer: Transfer,
+        microbatch: usize,
+        peer_stage: usize,
+        e: DistError,
+    ) -> PipelineError {
+        PipelineError::Transfer {
+            rank: self.group.rank(),
+            stage: self.stage_index,
+            transfer,
+            microbatch,
+            peer_stage,
+            peer_rank: self.rank_of(peer_stage),
+            source: Box::new(e),
+        }
+    }
+
+    /// Receives microbatch `mb`'s activation from the previous stage (its metadata first, on
+    /// the first step): a leaf that requires grad where it is floating point.
+    pub(crate) fn recv_activation(&mut self, mb: usize) -> Result<Tensor, PipelineError> {
+        let prev = self.stage_index - 1;
+        let peer = self.rank_of(prev);
+        let meta = match &self.input_meta {
+            Some(meta) => meta.clone(),
+            None => {
+                let mut got = [Object::from("")];
+                self.group
+                    .recv_object_list(&mut got, peer)
+                    .map_err(|e| self.transfer_error(Transfer::RecvMetadata, mb, prev, e))?;
+                let text = got[0].as_str().unwrap_or_default().to_string();
+                let meta = TensorMeta::decode(&text).ok_or_else(|| PipelineError::Metadata {
+                    rank: self.group.rank(),
+                    stage: self.stage_index,
+                    from_stage: prev,
+                    text: text.clone(),
+                })?;
+                self.input_meta = Some(meta.clone());
+                meta
+            }
+        };
+        let buffer = Tensor::empty(meta.shape.as_slice(), (meta.kind, self.device));
+        let t = tag(self.num_stages, prev, mb, Direction::Forward);
+        self.group
+            .recv_async(&buffer, peer, t)
+            .and_then(Work::wait)
+            .map_err(|e| self.transfer_error(Transfer::RecvActivation, mb, prev, e))?;
+        Ok(
+            if matches!(
+                meta.kind,
+                Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16
+            ) {
+                buffer.set_requires_grad(true)
+            } else {
+                buffer
+            },
+        )
+    }
+
+    /// Runs the part on microbatch `mb`'s input, keeping what its backward needs.
+    pub(crate) fn forward_one_chunk(
+        &mut self,
+        mb: usize,
+        input: Tensor,
+    ) -> Result<Tensor, PipelineError> {
+        let output = (self.forward)(&self.module, &input, true).map_err(|source| {
+            PipelineError::Forward {
+                rank: self.group.rank(),
+                stage: self.stage_index,
+                microbatch: mb,
+                source,
+            }
+        })?;
+        let input = (!self.is_first()).then_some(input);
+        self.chunks.insert(
+            mb,
+            Chunk {
+                input,
+                output: output.shallow_clone(),
+            },
+        );
+        Ok(output)
+    }
+
+    /// The last stage: microbatch `mb`'s loss (scaled as the schedule wants) is what its
+    /// backward starts from.
+    pub(crate) fn set_loss(&mut self, mb: usize, loss: Tensor) {
+        if let Some(chunk) = self.chunks.get_mut(&mb) {
+            chunk.output = loss;
+        }
+    }
+
+    /// Sends microbatch `mb`'s output to the next stage (its metadata ahead, on the first
+    /// microbatch this stage ever sends).
+    pub(crate) fn send_activation(
+        &mut self,
+        mb: usize,
+        output: &Tensor,
+        pending: &mut Vec<PendingSend>,
+    ) -> Result<(), PipelineError> {
+        let next = self.stage_index + 1;
+        let peer = self.rank_of(next);
+        let meta = TensorMeta::of(output);
+        match &self.output_meta {
+            Some(expected) if *expected != meta => {
+                return Err(PipelineError::ShapeMismatch {
+                    rank: self.group.rank(),
+                    stage: self.stage_index,
+                    next_stage: next,
+                    microbatch: mb,
+                    expected: expected.clone(),
+                    got: meta,
+                })
+            }
+            Some(_) => {}
+            None => {
+                self.group
+                    .send_object_list(&[Object::from(meta.encode())], peer)
+                    .map_err(|e| self.transfer_error(Transfer::SendMetadata, mb, next, e))?;
+                self.output_meta = Some(meta);
+            }
+        }
+        let data = output.detach();
+        let t = tag(self.num_stages, self.stage_index, mb, Direction::Forward);
+        let work = self
+            .group
+            .send_async(&data, peer, t)
+            .map_err(|e| self.transfer_error(Transfer::SendActivation, mb, next, e))?;
+        pending.push(PendingSend {
+            work,
+            _tensor: data,
+            stage: self.stage_index,
+            transfer: Transfer::SendActivation,
+            microbatch: mb,
+            peer_stage: next,
+            peer_rank: peer,
+        });
+        Ok(())
+    }
+
+    /// Microbatch `mb`'s backward: from its loss on the last stage, else from the gradient
+    /// of its output received from the next stage; then the gradient of its input goes back
+    /// to the previous stage. Parameters' gradients accumulate in their `.grad`.
+    pub(crate) fn backward_one_chunk(
+        &mut self,
+        mb: usize,
+        last_backward: bool,
+        pending: &mut Vec<PendingSend>,
+    ) -> Result<(), PipelineError> {
+        let rank = self.group.rank();
+        let stage = self.stage_index;
+        let Some(chunk) = self.chunks.remove(&mb) else {
+            return Err(PipelineError::Backward {
+                rank,
+                stage,
+                microbatch: mb,
+                source: tch::TchError::Kind(format!(
+                    "microbatch {mb} has no forward on stage {stage} (an internal schedule error)"
+                )),
+            });
+        };
+        if let Some(f) = self.on_backward.as_mut() {
+            f(last_backward).map_err(|source| PipelineError::GradientSync {
+                rank,
+                stage,
+                microbatch: mb,
+                source,
+            })?;
+        }
+        let root = if self.is_last() {
+            chunk.output
+        } else {
+            let next = stage + 1;
+            let grad = chunk.output.zeros_like();
+            let t = tag(self.num_stages, next, mb, Direction::Backward);
+            self.group
+                .recv_async(&grad, self.rank_of(next), t)
+                .and_then(Work::wait)
+                .map_err(|e| self.transfer_error(Transfer::RecvGradient, mb, next, e))?;
+            // d(sum(out * g))/d(out) is g exactly: backward from the output with the received
+            // gradient, through Tensor::backward.
+            (&chunk.output * &grad).sum(chunk.output.kind())
+        };
+        root.f_backward()
+            .map_err(|source| PipelineError::Backward {
+                rank,
+                stage,
+                microbatch: mb,
+                source,
+            })?;
+        if let Some(input) = chunk.input {
+            let prev = stage - 1;
+            let grad = input.grad();
+            let grad = if grad.defined() {
+                grad
+            } else {
+                // The part did not use its input (or it is not floating point): the previous
+                // stage's backward still waits for a gradient.
+                input.zeros_like()
+            };
+            let t = tag(self.num_stages, stage, mb, Direction::Backward);
+            let peer = self.rank_of(prev);
+            let work = self
+                .group
+                .send_async(&grad, peer, t)
+                .map_err(|e| self.transfer_error(Transfer::SendGradient, mb, prev, e))?;
+            pending.push(PendingSend {
+                work,
+                _tensor: grad,
+                stage,
+                transfer: Transfer::SendGradient,
+                microbatch: mb,
+                peer_stage: prev,
+                peer_rank: peer,
+            });
+        }
+        Ok(())
+    }
+
+    /// Forgets the activation metadata, so that the next step sends (or receives) it again:
+    /// every rank does so together when the batch's size changes.
+    pub(crate) fn reset_meta(&mut self) {
+        self.input_meta = None;
+        self.output_meta = None;
+    }
+
+    /// Forgets every microbatch kept (after a failed step).
+    pub(crate) fn clear(&mut self) {
+        self.chunks.clear();
+    }
+
+    /// Moves the first stage's microbatch input to the stage's device.
+    pub(crate) fn place_input(&self, x: &Tensor) -> Tensor {
+        x.to_device(self.device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_round_trips_and_refuses_what_is_not_it() {
+        let meta = TensorMeta {
+            shape: vec![4, 16],
+            kind: Kind::Float,
+        };
+        assert_eq!(meta.encode(), "tch-dist-pipelining-meta-v1 float32 4,16");
+        assert_eq!(TensorMeta::decode(&meta.encode()), Some(meta.clone()));
+        assert_eq!(meta.to_string(), "float32[4, 16]");
+        let scalar = TensorMeta {
+            shape: vec![],
+            kind: Kind::Int64,
+        };
+        assert_eq!(TensorMeta::decode(&scalar.encode()), Some(scalar));
+        for bad in [
+            "",
+            "tch-dist-pipelining-meta-v2 float32 4",
+            "tch-dist-pipelining-meta-v1 complex 4",
+            "tch-dist-pipelining-meta-v1 float32 4,-1",
+            "tch-dist-pipelining-meta-v1 float32 4 extra",
+        ] {
+            assert_eq!(TensorMeta::decode(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn tags_are_distinct_per_stage_microbatch_and_direction() {
+        let mut seen = std::collections::BTreeSet::new();
+        for s in 0..4 {
+            for m in 0..8 {
+                for d in [Direction::Forward, Direction::Backward] {
+                    let t = tag(4, s, m, d);
+                    assert!(t > 0);
+                    assert!(seen.insert(t));
+                }
+            }
+        }
+        assert!(tags_fit(4, 8));
+        assert!(!tags_fit(1 << 16, 1 << 16));
+    }
+}

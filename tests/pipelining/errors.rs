@@ -1,0 +1,404 @@
+//! Refusals (on every rank, before any activation moves, changing nothing), a stage whose
+//! output changes shape, and a stage killed mid-step.
+
+use std::cell::Cell;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use tch::nn::{self, Module};
+use tch::{Device, Tensor};
+use tch_dist::pipelining::{
+    PipelineError, PipelineProblem, PipelineStage, Schedule1F1B, ScheduleGPipe,
+    ScheduleInterleaved1F1B, Transfer,
+};
+use tch_dist::testing::{describe, run_ranks, run_ranks_with, worker, Launch};
+use tch_dist::Backend;
+
+use super::{batch, mse, part, sgd, stages, Part, BATCH, MODEL};
+
+const CUTS: [usize; 3] = [0, 2, 6];
+
+/// The problem of an `Invalid` error from `op` on this rank, and its message.
+fn problem(rank: usize, op: &str, e: PipelineError) -> (PipelineProblem, String) {
+    let text = e.to_string();
+    match e {
+        PipelineError::Invalid {
+            rank: r,
+            op: o,
+            problem,
+        } if r == rank && o == op => (problem, text),
+        e => panic!("{e:?}"),
+    }
+}
+
+#[test]
+fn schedules_refuse_on_every_rank_before_any_work() {
+    run_ranks(
+        "errors::schedules_refuse_on_every_rank_before_any_work",
+        2,
+        |pg| {
+            let rank = pg.rank();
+            let vs = nn::VarStore::new(Device::Cpu);
+
+            // 1F1B needs a microbatch per stage at least: every rank, the same error.
+            let e =
+                Schedule1F1B::new(stages(&pg, &vs, &MODEL, &CUTS).remove(0), 1, mse).unwrap_err();
+            let (p, text) = problem(rank, "Schedule1F1B::new", e);
+            assert_eq!(
+                p,
+                PipelineProblem::FewerMicrobatchesThanStages {
+                    n_microbatches: 1,
+                    num_stages: 2
+                }
+            );
+            assert_eq!(
+                text,
+                format!(
+                    "rank {rank}: Schedule1F1B::new: 1 microbatches are fewer than the 2 stages \
+                 (1F1B needs at least one per stage)"
+                )
+            );
+
+            // Zero microbatches.
+            let e =
+                ScheduleGPipe::new(stages(&pg, &vs, &MODEL, &CUTS).remove(0), 0, mse).unwrap_err();
+            assert_eq!(
+                problem(rank, "ScheduleGPipe::new", e).1,
+                format!("rank {rank}: ScheduleGPipe::new: n_microbatches must be at least 1")
+            );
+
+            // Three stages over two ranks of one stage each: every rank.
+            let three =
+                |s: usize| PipelineStage::new(part(&vs, &MODEL, 0..1), s, 3, Device::Cpu, &pg);
+            let e = ScheduleGPipe::new(three(rank), 4, mse).unwrap_err();
+            let (p, text) = problem(rank, "ScheduleGPipe::new", e);
+            assert_eq!(
+                p,
+                PipelineProblem::NumStages {
+                    num_stages: 3,
+                    group_size: 2,
+                    local_stages: 1
+                }
+            );
+            assert_eq!(
+                text,
+                format!(
+                    "rank {rank}: ScheduleGPipe::new: 3 stages do not fit 2 ranks holding 1 \
+                 stage(s) each (num_stages must be 2)"
+                )
+            );
+
+            // Only rank 1 is wrong (3 stages): it says why, rank 0 that rank 1 refused.
+            let stage = if rank == 1 {
+                three(1)
+            } else {
+                stages(&pg, &vs, &MODEL, &CUTS).remove(0)
+            };
+            let (p, text) = problem(
+                rank,
+                "Schedule1F1B::new",
+                Schedule1F1B::new(stage, 4, mse).unwrap_err(),
+            );
+            if rank == 1 {
+                assert!(
+                    matches!(p, PipelineProblem::NumStages { num_stages: 3, .. }),
+                    "{p:?}"
+                );
+            } else {
+                assert_eq!(p, PipelineProblem::PeerRefused { peer: 1 });
+                assert_eq!(
+                    text,
+                    "rank 0: Schedule1F1B::new: rank 1 refused the pipeline (its error says why)"
+                );
+            }
+
+            // A stage on the wrong rank (rank 0 holding stage 1 and rank 1 stage 0).
+            let swapped =
+                PipelineStage::new(part(&vs, &MODEL, 0..1), 1 - rank, 2, Device::Cpu, &pg);
+            let (p, _) = problem(
+                rank,
+                "ScheduleGPipe::new",
+                ScheduleGPipe::new(swapped, 4, mse).unwrap_err(),
+            );
+            assert_eq!(
+                p,
+                PipelineProblem::Placement {
+                    stage_index: 1 - rank,
+                    rank,
+                    group_size: 2
+                }
+            );
+
+            // The ranks disagree on the microbatch count.
+            let n = 4 + 4 * rank;
+            let stage = stages(&pg, &vs, &MODEL, &CUTS).remove(0);
+            let (p, text) = problem(
+                rank,
+                "ScheduleGPipe::new",
+                ScheduleGPipe::new(stage, n, mse).unwrap_err(),
+            );
+            assert_eq!(
+                p,
+                PipelineProblem::Disagree {
+                    setting: "n_microbatches",
+                    this: n as i64,
+                    other_rank: 1 - rank,
+                    other: (8 - 4 * rank) as i64
+                }
+            );
+            assert_eq!(
+                text,
+                format!(
+                "rank {rank}: ScheduleGPipe::new: this rank was given n_microbatches {n}, rank \
+                 {} was given {} (every rank of the pipeline must agree)",
+                1 - rank,
+                8 - 4 * rank
+            )
+            );
+
+            // Interleaved: 2 ranks x 2 stages need 4 stages, not 3 (stages 0, 2 and 1).
+            let mine: Vec<_> = if rank == 0 {
+                vec![three(0), three(2)]
+            } else {
+                vec![three(1)]
+            };
+            let (p, _) = problem(
+                rank,
+                "ScheduleInterleaved1F1B::new",
+                ScheduleInterleaved1F1B::new(mine, 4, mse).unwrap_err(),
+            );
+            let expected_local = if rank == 0 { 2 } else { 1 };
+            assert_eq!(
+                p,
+                PipelineProblem::NumStages {
+                    num_stages: 3,
+                    group_size: 2,
+                    local_stages: expected_local
+                }
+            );
+        },
+    );
+}
+
+#[test]
+fn a_step_whose_batch_does_not_fit_is_refused_on_every_rank_and_changes_nothing() {
+    run_ranks(
+        "errors::a_step_whose_batch_does_not_fit_is_refused_on_every_rank_and_changes_nothing",
+        2,
+        |pg| {
+            let rank = pg.rank();
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mine = stages(&pg, &vs, &MODEL, &CUTS);
+            let mut schedule = Schedule1F1B::new(mine.into_iter().next().unwrap(), 4, mse).unwrap();
+            let first = rank == 0;
+            let no_grads =
+                |vs: &nn::VarStore| vs.trainable_variables().iter().all(|t| !t.grad().defined());
+            let mut losses = Vec::new();
+
+            // 6 rows do not split into 4 microbatches: the last rank learns it too.
+            let (x, y) = batch(0, 6);
+            let e = schedule
+                .step(first.then_some(&x), (!first).then_some(&y), &mut losses)
+                .unwrap_err();
+            let (p, text) = problem(rank, "Schedule1F1B::step", e);
+            assert_eq!(
+                p,
+                PipelineProblem::BatchNotDivisible {
+                    batch: 6,
+                    n_microbatches: 4
+                }
+            );
+            assert_eq!(
+                text,
+                format!(
+                    "rank {rank}: Schedule1F1B::step: a batch of 6 does not split into 4 equal \
+                     microbatches"
+                )
+            );
+            assert!(losses.is_empty() && no_grads(&vs));
+
+            // Input and target of different batches.
+            let (x, _) = batch(0, 8);
+            let (_, y) = batch(0, 12);
+            let e = schedule
+                .step(first.then_some(&x), (!first).then_some(&y), &mut losses)
+                .unwrap_err();
+            assert_eq!(
+                problem(rank, "Schedule1F1B::step", e).0,
+                PipelineProblem::TargetBatch {
+                    input: 8,
+                    target: 12
+                }
+            );
+
+            // The last stage without a target: it says so, the first that it refused.
+            let (x, y) = batch(0, BATCH);
+            let e = schedule
+                .step(first.then_some(&x), None, &mut losses)
+                .unwrap_err();
+            let (p, text) = problem(rank, "Schedule1F1B::step", e);
+            if first {
+                assert_eq!(p, PipelineProblem::PeerRefused { peer: 1 });
+            } else {
+                assert_eq!(p, PipelineProblem::MissingTarget);
+                assert_eq!(
+                    text,
+                    "rank 1: Schedule1F1B::step: the last stage needs a target"
+                );
+            }
+            assert!(losses.is_empty() && no_grads(&vs));
+
+            // The same schedule still trains.
+            schedule
+                .step(first.then_some(&x), (!first).then_some(&y), &mut losses)
+                .unwrap();
+            assert_eq!(losses.len(), if first { 0 } else { 4 });
+            assert!(vs.trainable_variables().iter().all(|t| t.grad().defined()));
+            let _ = sgd(&vs);
+        },
+    );
+}
+
+/// Stage 0's output loses a column from step 2 on: stage 0 refuses to send it, naming both
+/// stages and both shapes; stage 1, waiting for it, fails once rank 0 has gone.
+#[test]
+fn an_output_that_changes_shape_is_an_error_naming_both_stages() {
+    const TEST: &str = "errors::an_output_that_changes_shape_is_an_error_naming_both_stages";
+    let launch = Launch::new(TEST, 2).env("TCH_DIST_TIMEOUT_SECS", "10");
+    run_ranks_with(&launch, Backend::Gloo, |pg| {
+        let rank = pg.rank();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let calls = Rc::new(Cell::new(0usize));
+        let seen = calls.clone();
+        let range = if rank == 0 { 0..2 } else { 2..6 };
+        let stage = PipelineStage::with_forward(
+            part(&vs, &MODEL, range),
+            move |m: &Part, x: &Tensor, _train| {
+                seen.set(seen.get() + 1);
+                let y = m.forward(x);
+                Ok(if rank == 0 && seen.get() > 4 {
+                    y.narrow(1, 0, 11)
+                } else {
+                    y
+                })
+            },
+            rank,
+            2,
+            Device::Cpu,
+            &pg,
+        );
+        let mut schedule = ScheduleGPipe::new(stage, 4, mse).unwrap();
+        let first = rank == 0;
+        let (x, y) = batch(0, 8);
+        let mut losses = Vec::new();
+        schedule
+            .step(first.then_some(&x), (!first).then_some(&y), &mut losses)
+            .unwrap();
+        let e = schedule
+            .step(first.then_some(&x), (!first).then_some(&y), &mut losses)
+            .unwrap_err();
+        if first {
+            assert_eq!(
+                e.to_string(),
+                "rank 0: stage 0: the output of microbatch 0 is float32[2, 11], but stage 1 was \
+                 told float32[2, 12] (the first microbatch's): every microbatch must have the \
+                 same shape and dtype"
+            );
+        } else {
+            match &e {
+                PipelineError::Transfer {
+                    stage: 1,
+                    transfer: Transfer::RecvActivation,
+                    microbatch: 0,
+                    peer_stage: 0,
+                    peer_rank: 0,
+                    ..
+                } => {}
+                e => panic!("{e:?}"),
+            }
+            assert_eq!(
+                e.to_string(),
+                "rank 1: stage 1: receiving the activation of microbatch 0 from stage 0 (rank \
+                 0) failed"
+            );
+            assert!(std::error::Error::source(&e).is_some());
+        }
+    });
+}
+
+const KILLED: &str = "errors::a_stage_killed_mid_step_fails_every_other_rank_within_the_timeout";
+const KILLED_TIMEOUT_SECS: u64 = 5;
+
+/// 4 stages, 1F1B: stage 2 dies during its third forward of the second step. Every other
+/// rank's step fails within the group's timeout + 1.5 s with one line naming its stage, and
+/// every process ends.
+#[test]
+fn a_stage_killed_mid_step_fails_every_other_rank_within_the_timeout() {
+    if worker().is_some() {
+        return run_ranks(KILLED, 4, |pg| {
+            let rank = pg.rank();
+            let vs = nn::VarStore::new(Device::Cpu);
+            let cuts = [0, 1, 3, 4, 6];
+            let calls = Rc::new(Cell::new(0usize));
+            let seen = calls.clone();
+            let stage = PipelineStage::with_forward(
+                part(&vs, &MODEL, cuts[rank]..cuts[rank + 1]),
+                move |m: &Part, x: &Tensor, _train| {
+                    seen.set(seen.get() + 1);
+                    if rank == 2 && seen.get() == 8 + 3 {
+                        // No destructor, no goodbye: a rank that dies.
+                        std::process::abort();
+                    }
+                    Ok(m.forward(x))
+                },
+                rank,
+                4,
+                Device::Cpu,
+                &pg,
+            );
+            let mut schedule = Schedule1F1B::new(stage, 8, mse).unwrap();
+            let (x, y) = batch(0, BATCH);
+            let (first, last) = (rank == 0, rank == 3);
+            let mut losses = Vec::new();
+            schedule
+                .step(first.then_some(&x), last.then_some(&y), &mut losses)
+                .unwrap();
+            let started = Instant::now();
+            let e = schedule
+                .step(first.then_some(&x), last.then_some(&y), &mut losses)
+                .unwrap_err();
+            let took = started.elapsed();
+            let limit = Duration::from_secs(KILLED_TIMEOUT_SECS) + Duration::from_millis(1500);
+            assert!(took < limit, "rank {rank}: failed after {took:?}: {e}");
+            let line = e.to_string();
+            assert!(
+                line.starts_with(&format!("rank {rank}: stage {rank}: ")) && !line.contains('\n'),
+                "{line}"
+            );
+            assert!(matches!(e, PipelineError::Transfer { .. }), "{e:?}");
+            println!("pipeline-error: {line}");
+            // The group is unusable with rank 2 gone: end here.
+            println!("tch-dist-test: rank body finished: {KILLED} {rank}");
+            std::process::exit(0);
+        });
+    }
+    let started = Instant::now();
+    let out = Launch::new(KILLED, 4)
+        .env("TCH_DIST_TIMEOUT_SECS", KILLED_TIMEOUT_SECS.to_string())
+        .timeout(Duration::from_secs(90))
+        .run();
+    // Every process ended by itself (none killed at the deadline).
+    assert!(out.iter().all(|o| o.status.is_some()), "{}", describe(&out));
+    assert!(!out[2].success(), "{}", describe(&out));
+    for r in [0, 1, 3] {
+        assert!(out[r].success(), "{}", describe(&out));
+        assert!(
+            out[r]
+                .stdout
+                .contains(&format!("pipeline-error: rank {r}: stage {r}: ")),
+            "{}",
+            describe(&out)
+        );
+    }
+    assert!(started.elapsed() < Duration::from_secs(60));
+}
