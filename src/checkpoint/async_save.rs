@@ -14,6 +14,7 @@ use tch_dist_core::Shardable;
 use tch_dist_runtime::{Backend, GroupOptions, ProcessGroup};
 
 use super::{protocol, CheckpointError, SaveOptions};
+use crate::optim::Optimizer;
 
 /// The background thread's outcome.
 type Outcome = Result<(), CheckpointError>;
@@ -191,6 +192,7 @@ impl Drop for AsyncSave {
 pub(super) fn start<M: Shardable + ?Sized>(
     dir: &Path,
     module: &M,
+    optimizer: Option<&Optimizer>,
     group: &ProcessGroup,
     opts: &SaveOptions,
 ) -> Result<AsyncSave, CheckpointError> {
@@ -199,7 +201,8 @@ pub(super) fn start<M: Shardable + ?Sized>(
     // every rank, and one staged copy at a time.
     wait_in_flight();
     let background = background_group(group, dir)?;
-    let (pieces, tensors) = super::stage(dir, module, None, group, true);
+    let (pieces, tensors) = super::stage(dir, module, optimizer, group, true);
+    let sidecar = optimizer.map(crate::optim::sidecar::of);
     let (dir_owned, opts) = (dir.to_path_buf(), opts.clone());
     let thread = std::thread::Builder::new()
         .name(format!("tch-dist async_save rank {rank}"))
@@ -207,9 +210,18 @@ pub(super) fn start<M: Shardable + ?Sized>(
             let save = protocol::Save::new(&dir_owned, &background);
             let sidecars = protocol::Sidecars {
                 train_state: opts.train_state.as_ref(),
-                optimizer: None,
+                optimizer: sidecar,
             };
-            save.run(pieces, tensors, sidecars, opts.keep_last)
+            let outcome = save.run(pieces, tensors, sidecars, opts.keep_last);
+            // The staged copy and the file's bytes are freed by now, but glibc keeps freed
+            // memory of this thread's arena mapped: give it back, or every save's thread
+            // leaves its shard resident (the growth pytorch#170163 reports).
+            #[cfg(all(target_os = "linux", target_env = "gnu"))]
+            // SAFETY: malloc_trim(3) only returns free memory to the system.
+            unsafe {
+                libc::malloc_trim(0);
+            }
+            outcome
         })
         .map_err(protocol::io(rank, "starting the writer of", dir))?;
     let job = Arc::new(Job {

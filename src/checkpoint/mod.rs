@@ -248,7 +248,7 @@ pub fn async_save<M: Shardable + ?Sized>(
     module: &M,
     group: &ProcessGroup,
 ) -> Result<AsyncSave, CheckpointError> {
-    async_save::start(dir.as_ref(), module, group, &SaveOptions::default())
+    async_save::start(dir.as_ref(), module, None, group, &SaveOptions::default())
 }
 
 /// [`async_save`] with [`save_with`]'s options: a train state, pruning to `keep_last`
@@ -272,7 +272,32 @@ pub fn async_save_with<M: Shardable + ?Sized>(
     group: &ProcessGroup,
     opts: &SaveOptions,
 ) -> Result<AsyncSave, CheckpointError> {
-    async_save::start(dir.as_ref(), module, group, opts)
+    async_save::start(dir.as_ref(), module, None, group, opts)
+}
+
+/// [`async_save_with`] and the optimizer's state, as [`save_with_optimizer`] writes it: the
+/// state tensors are staged with the parameters, the settings (`optimizer.json`) taken at
+/// the call; [`load_with_optimizer`] restores both.
+///
+/// ```no_run
+/// # use tch::nn;
+/// # use tch_dist::Shardable;
+/// # #[derive(Debug, Shardable)]
+/// # struct Net { fc: nn::Linear }
+/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net, opt: &tch_dist::optim::Optimizer) -> Result<(), tch_dist::checkpoint::CheckpointError> {
+/// use tch_dist::checkpoint::{self, SaveOptions};
+/// let pending = checkpoint::async_save_with_optimizer("ckpt/step-00000100", model, opt, pg, &SaveOptions::default())?;
+/// pending.wait()?;
+/// # Ok(()) }
+/// ```
+pub fn async_save_with_optimizer<M: Shardable + ?Sized>(
+    dir: impl AsRef<Path>,
+    module: &M,
+    optimizer: &Optimizer,
+    group: &ProcessGroup,
+    opts: &SaveOptions,
+) -> Result<AsyncSave, CheckpointError> {
+    async_save::start(dir.as_ref(), module, Some(optimizer), group, opts)
 }
 
 /// How many save plans this process computed and how many saves reused one (the plan of a
@@ -299,7 +324,7 @@ fn save_impl<M: Shardable + ?Sized>(
     let (pieces, tensors) = stage(dir, module, optimizer, group, false);
     let sidecars = protocol::Sidecars {
         train_state: opts.train_state.as_ref(),
-        optimizer,
+        optimizer: optimizer.map(crate::optim::sidecar::of),
     };
     protocol::Save::new(dir, group).run(pieces, tensors, sidecars, opts.keep_last)
 }

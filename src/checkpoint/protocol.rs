@@ -20,7 +20,7 @@ use tch_dist_runtime::ProcessGroup;
 
 use super::storage::{self, file_name, FileEntry, Manifest, TensorEntry, MANIFEST};
 use super::{retention, CheckpointError, OPTIMIZER_SIDECAR, TRAIN_STATE};
-use crate::optim::{self, Optimizer};
+use crate::optim;
 
 /// The collectives' name in errors.
 const OP: &str = "checkpoint.save";
@@ -41,8 +41,9 @@ pub(super) struct Save<'a> {
 pub(super) struct Sidecars<'a> {
     /// `train_state.json`.
     pub train_state: Option<&'a serde_json::Value>,
-    /// `optimizer.json`.
-    pub optimizer: Option<&'a Optimizer>,
+    /// `optimizer.json`'s content (taken at the call: an async save's background must not
+    /// read the optimizer, which the next step changes).
+    pub optimizer: Option<optim::sidecar::OptimizerSidecar>,
 }
 
 impl<'a> Save<'a> {
@@ -172,9 +173,8 @@ impl<'a> Save<'a> {
             let entry = storage::write_json(rank, &tmp.join(TRAIN_STATE), state)?;
             written.insert(TRAIN_STATE.to_string(), entry);
         }
-        if let Some(opt) = sidecars.optimizer {
-            let sidecar = optim::sidecar::of(opt);
-            let entry = storage::write_json(rank, &tmp.join(OPTIMIZER_SIDECAR), &sidecar)?;
+        if let Some(sidecar) = &sidecars.optimizer {
+            let entry = storage::write_json(rank, &tmp.join(OPTIMIZER_SIDECAR), sidecar)?;
             written.insert(OPTIMIZER_SIDECAR.to_string(), entry);
         }
         let manifest = Manifest {
