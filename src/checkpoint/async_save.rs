@@ -1,8 +1,8 @@
-//! [`async_save`]: a save that returns once this rank's tensors are staged to host memory,
+//! [`async_save`](super::async_save()): a save that returns once this rank's tensors are staged to host memory,
 //! writing, agreeing and committing in a background thread over a process group of its own
 //! (DCP's `async_save` with its `DefaultStager` and `_ThreadBasedAsyncCheckpointExecutor`).
 //!
-//! At most one async save is in flight in a process: the next [`async_save`] (or a
+//! At most one async save is in flight in a process: the next [`async_save`](super::async_save()) (or a
 //! [`save`](super::save)) waits for the previous one first, so that the background group's
 //! collectives run in one order on every rank and at most one staged copy is held.
 
@@ -73,7 +73,7 @@ pub(super) fn wait_in_flight() {
 }
 
 /// The background groups, one per group that async saves ran over, by the group's name and
-/// global ranks: created at the first [`async_save`] over it, reused afterwards.
+/// global ranks: created at the first [`async_save`](super::async_save()) over it, reused afterwards.
 static BACKGROUND_GROUPS: Mutex<Vec<((String, Vec<usize>), ProcessGroup)>> = Mutex::new(Vec::new());
 
 /// `group`'s background group: a Gloo group of the same ranks, created collectively (every
@@ -232,4 +232,34 @@ pub(super) fn start<M: Shardable + ?Sized>(
     });
     *lock(&IN_FLIGHT) = Some(job.clone());
     Ok(AsyncSave { job, waited: false })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A panicked background thread is an error naming the rank, the folder and the panic,
+    /// kept for `wait`; a second join returns at once.
+    #[test]
+    fn a_panicking_background_is_an_error_of_the_handle() {
+        let thread = std::thread::spawn(|| -> Outcome { panic!("boom") });
+        let job = Arc::new(Job {
+            thread: Mutex::new(Some(thread)),
+            outcome: Mutex::new(None),
+            rank: 1,
+            dir: PathBuf::from("ckpt/step-00000001"),
+        });
+        let handle = AsyncSave {
+            job: job.clone(),
+            waited: false,
+        };
+        let err = handle.wait().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "rank 1: checkpoint.async_save of ckpt/step-00000001: the background write \
+             failed: boom"
+        );
+        assert!(job.is_finished());
+        job.join();
+    }
 }

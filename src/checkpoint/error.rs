@@ -189,7 +189,7 @@ pub enum CheckpointError {
         #[source]
         source: Box<DistError>,
     },
-    /// The background thread of [`async_save`](super::async_save) panicked (a bug: its
+    /// The background thread of [`async_save`](super::async_save()) panicked (a bug: its
     /// errors are values); the other ranks' saves then fail on a collective.
     #[error("rank {rank}: checkpoint.async_save of {dir}: the background write failed: {cause}")]
     Background {

@@ -57,6 +57,15 @@
 //! [`CheckpointError`] naming the FQN, on every rank. All ranks must see the same folder (one
 //! machine, or a shared file system).
 //!
+//! **Async save**: [`async_save`](async_save()) (PyTorch's `dcp.async_save`) copies this rank's pieces
+//! to host memory and returns an [`AsyncSave`]; a background thread writes, agrees and
+//! commits by the same steps over a Gloo group of the same ranks of its own (created at the
+//! first `async_save` over a group), so that its collectives never interleave with
+//! training's. One is in flight at a time per process (the next waits for it); a crash
+//! during it leaves what a crash of [`save`] leaves: [`latest`] stays on the previous
+//! checkpoint. **Plan once**: the save plan of a model and layout is computed at its first
+//! save and reused by later ones ([`plan_cache_stats`]).
+//!
 //! [`save_with`] also writes a train state (`train_state.json`, any JSON value: step, epoch,
 //! data position) and keeps only the last `k` checkpoints beside the new one; [`latest`]
 //! finds the last complete one to resume from, [`latest_valid`] the last one that verifies
@@ -68,7 +77,9 @@
 //!
 //! | file | what it does | PyTorch's counterpart (`torch/distributed/checkpoint/`) |
 //! | --- | --- | --- |
-//! | `mod.rs` | the API: [`save`], [`save_with`], [`save_with_optimizer`], [`load`], [`load_with_stats`], [`load_with_optimizer`], [`load_train_state`], [`verify`] | `state_dict_saver.py` (`save`), `state_dict_loader.py` (`load`) |
+//! | `mod.rs` | the API: [`save`], [`save_with`], [`save_with_optimizer`], [`async_save`](async_save()), [`async_save_with`], [`async_save_with_optimizer`], [`load`], [`load_with_stats`], [`load_with_optimizer`], [`load_train_state`], [`verify`], [`plan_cache_stats`] | `state_dict_saver.py` (`save`, `async_save`), `state_dict_loader.py` (`load`) |
+//! | `async_save.rs` | [`AsyncSave`]: staging, the one save in flight per process, the background group and thread | `state_dict_saver.py` (`async_save`), `staging.py` (`DefaultStager`), `_async_thread_executor.py` |
+//! | `plan_cache.rs` | the save plan cached per model and layout ([`PlanCacheStats`]) | `default_planner.py` (`enable_plan_caching`, `_cached_save_plan`) |
 //! | `plan.rs` | what a checkpoint holds and who writes it: the model's tensors with this rank's place in each global one, the optimizer's state flattened to PyTorch's names and back | `planner.py`, `default_planner.py` (`create_local_plan`, `flatten_state_dict`) |
 //! | `index.rs` | a safetensors header parsed without the data; the pieces' block digests ([`DIGEST_BLOCK_BYTES`]) | `_hf_storage.py` (`_get_safetensors_file_metadata`) |
 //! | `read_plan.rs` | the read plan: the overlapping pieces of each target and the rows of each to read, as byte ranges (pure, unit-tested) | `default_planner.py` (`create_default_local_load_plan`), `reshard.py` |
@@ -251,7 +262,7 @@ pub fn async_save<M: Shardable + ?Sized>(
     async_save::start(dir.as_ref(), module, None, group, &SaveOptions::default())
 }
 
-/// [`async_save`] with [`save_with`]'s options: a train state, pruning to `keep_last`
+/// [`async_save`](async_save()) with [`save_with`]'s options: a train state, pruning to `keep_last`
 /// (after the commit, in the background).
 ///
 /// ```no_run

@@ -23,8 +23,8 @@ use super::storage::TensorEntry;
 /// How many plans the cache keeps (a job saves one model, or a few).
 const CACHED_PLANS: usize = 4;
 
-/// How often [`cached_targets`] computed a plan and how often it reused one, in this
-/// process: what [`plan_cache_stats`](super::plan_cache_stats) returns.
+/// How often this process computed a save plan and how often a save reused one: what
+/// [`plan_cache_stats`](super::plan_cache_stats) returns.
 ///
 /// ```
 /// let stats = tch_dist::checkpoint::plan_cache_stats();

@@ -111,7 +111,7 @@ impl<'a> Save<'a> {
     /// Every step after the plan, in order: the temporary folder, this rank's file
     /// (`pieces`), the checksums, the commit with the manifest's `tensors`, the sidecars and
     /// the pruning to `keep_last`. What [`save`](super::save) runs on the caller's thread
-    /// and [`async_save`](super::async_save) in its background thread.
+    /// and [`async_save`](super::async_save()) in its background thread.
     pub(super) fn run(
         &self,
         pieces: Result<Vec<(String, Tensor, Vec<i64>)>, CheckpointError>,
