@@ -114,7 +114,9 @@ fn background_group(group: &ProcessGroup, dir: &Path) -> Result<ProcessGroup, Ch
 /// An async save in progress: PyTorch's `Future` from `dcp.async_save`. [`wait`](Self::wait)
 /// returns its outcome; dropping it without waiting waits too (so that no background write
 /// outlives its handle unseen) and prints an error it ended in to stderr, as its outcome
-/// would otherwise be lost.
+/// would otherwise be lost. A process that ends while a save is in flight (its handle
+/// leaked, `std::process::exit`) ends the save as a crash would: `DIR.partial` is left, and
+/// [`latest`](super::latest) stays on the previous checkpoint.
 ///
 /// ```no_run
 /// # use tch::nn;

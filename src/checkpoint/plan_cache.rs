@@ -8,7 +8,10 @@
 //! it), its local shape and dtype, and the rank and world size of the group. A changed
 //! model (another object, a new parameter, a reshaped shard, another group size) is a new
 //! key and its plan is computed afresh; the cache keeps the plans of the last
-//! [`CACHED_PLANS`] keys.
+//! [`CACHED_PLANS`] keys. The key does not hold the tensors (that would keep a dropped
+//! model's memory alive): what it cannot tell apart is a new model whose every tensor
+//! reuses a dropped one's identity (its address) with the same FQN, local shape and dtype
+//! but another layout (another global shape) at the same rank and world size.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
