@@ -8,7 +8,9 @@
 //! that the checkpoint has exactly the model's keys, shapes and dtypes.
 //!
 //! With `--checkpoint-dir DIR --checkpoint-every N` it writes a distributed checkpoint
-//! (`tch_dist::checkpoint`, loadable by PyTorch) every N steps into `DIR/step-00000010`, ...,
+//! (`tch_dist::checkpoint`, loadable by PyTorch) every N steps into `DIR/step-00000010`, ...
+//! (`checkpoint::async_save_with_optimizer`: staged to host memory, written while the next
+//! step trains, waited for once that step is done and at the end),
 //! with the SGD optimizer's momentum buffers and a train state (step, epoch, position in the
 //! epoch), keeping the last `--keep-last K` (3). Started again with `--resume`, or
 //! automatically when torchrun's `TORCHELASTIC_RESTART_COUNT` is above 0 (a restart under
@@ -272,6 +274,8 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
     let start = Instant::now();
     let mut seen = 0i64;
     let mut global = start_at.step;
+    // The checkpoint being written in the background, if any.
+    let mut pending: Option<dcp::AsyncSave> = None;
     'epochs: for epoch in start_at.epoch..args.epochs as u64 {
         sampler.set_epoch(epoch);
         let order = Tensor::from_slice(&sampler.indices()?);
@@ -293,6 +297,12 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
                 .f_call(&x_train.index_select(0, &mine))?
                 .cross_entropy_for_logits(&y_train.index_select(0, &mine));
             backward_step(&model, &mut opt, &loss)?;
+            // The checkpoint of the step before was written while this step trained; it
+            // is complete before anything else happens, so that a crash from here on finds
+            // it (a killed job resumes from the last checkpoint before the step it died at).
+            if let Some(p) = pending.take() {
+                p.wait()?;
+            }
             global += 1;
             seen += len;
             after_step(global);
@@ -317,13 +327,14 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
                     train_state: Some(next.to_json()),
                     keep_last: Some(args.keep_last),
                 };
-                dcp::save_with_optimizer(
+                // Staged to host memory now, written while the next step trains.
+                pending = Some(dcp::async_save_with_optimizer(
                     dir.join(format!("step-{global:08}")),
                     &model,
                     &opt,
                     &pg,
                     &opts,
-                )?;
+                )?);
             }
             if let Some(b) = &bar {
                 b.set_prefix(format!("{}/{}", epoch + 1, args.epochs));
@@ -335,6 +346,10 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
                 b.inc(1);
             }
         }
+    }
+    // The last checkpoint, complete before the program ends.
+    if let Some(p) = pending.take() {
+        p.wait()?;
     }
     if let Some(b) = &bar {
         b.finish();

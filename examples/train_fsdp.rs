@@ -11,8 +11,15 @@
 //! set through the sharded model under `no_grad` (forward is a collective: the groups are
 //! gathered one by one), and rank 0 prints `test_accuracy=0.xx`.
 //!
+//! With `--checkpoint-dir DIR --checkpoint-every N` it writes a distributed checkpoint of
+//! the model every N steps into `DIR/step-00000010`, ... (each rank its shards, with a train
+//! state `{"step", "epoch"}`; the last 3 kept) by `checkpoint::async_save_with`: staged to
+//! host memory, written while the next step trains, waited for once that step is done and
+//! at the end.
+//!
 //! ```text
-//! target/release/tch-dist-run --nproc-per-node 2 -- target/release/examples/train_fsdp [--epochs N] [--batch-size N] [--lr LR]
+//! target/release/tch-dist-run --nproc-per-node 2 -- target/release/examples/train_fsdp [--epochs N] [--batch-size N] [--lr LR] \
+//!     [--checkpoint-dir DIR --checkpoint-every N]
 //! ```
 //!
 //! Every failure ends the program with one line, `error: ...`, and exit status 1 (tch's
@@ -25,6 +32,7 @@ use std::time::Instant;
 
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
+use tch_dist::checkpoint;
 use tch_dist::data::{DistributedSampler, SamplerOptions};
 use tch_dist::{fully_shard, init_process_group, Backend, Call, FsdpOptions, Shardable};
 
@@ -100,6 +108,8 @@ struct Args {
     batch: i64,
     lr: f64,
     data: PathBuf,
+    checkpoint_dir: Option<PathBuf>,
+    checkpoint_every: u64,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -108,6 +118,8 @@ fn parse_args() -> Result<Args, String> {
         batch: 64,
         lr: 3e-3,
         data: digits::default_path(),
+        checkpoint_dir: None,
+        checkpoint_every: 0,
     };
     let mut flags = cli::Flags::from_env();
     while let Some(flag) = flags.next_flag() {
@@ -116,8 +128,13 @@ fn parse_args() -> Result<Args, String> {
             "--batch-size" => a.batch = flags.parsed(&flag)?,
             "--lr" => a.lr = flags.parsed(&flag)?,
             "--data" => a.data = flags.value(&flag)?.into(),
+            "--checkpoint-dir" => a.checkpoint_dir = Some(flags.value(&flag)?.into()),
+            "--checkpoint-every" => a.checkpoint_every = flags.parsed(&flag)?,
             other => return Err(cli::unknown(other)),
         }
+    }
+    if a.checkpoint_every > 0 && a.checkpoint_dir.is_none() {
+        return Err("--checkpoint-every needs --checkpoint-dir".into());
     }
     if a.batch <= 0 {
         return Err("--batch-size must be positive".into());
@@ -215,6 +232,9 @@ fn run() -> Result<(), Box<dyn Error>> {
     }
     let start = Instant::now();
     let mut seen = 0i64;
+    let mut global = 0u64;
+    // The checkpoint being written in the background, if any.
+    let mut pending: Option<checkpoint::AsyncSave> = None;
     for epoch in 0..args.epochs {
         sampler.set_epoch(epoch as u64);
         let order = Tensor::from_slice(&sampler.indices()?);
@@ -226,7 +246,25 @@ fn run() -> Result<(), Box<dyn Error>> {
                 .f_call(&x_train.index_select(0, &mine))?
                 .cross_entropy_for_logits(&y_train.index_select(0, &mine));
             backward_step(&model, &mut opt, &loss)?;
+            // The checkpoint of the step before was written while this step trained.
+            if let Some(p) = pending.take() {
+                p.wait()?;
+            }
+            global += 1;
             seen += len;
+            if let (Some(dir), true) = (
+                &args.checkpoint_dir,
+                args.checkpoint_every > 0 && global % args.checkpoint_every == 0,
+            ) {
+                // Each rank's shards, staged to host memory now and written while the next
+                // step trains.
+                let opts = checkpoint::SaveOptions {
+                    train_state: Some(serde_json::json!({ "step": global, "epoch": epoch })),
+                    keep_last: Some(3),
+                };
+                let dir = dir.join(format!("step-{global:08}"));
+                pending = Some(checkpoint::async_save_with(dir, &model, &pg, &opts)?);
+            }
             if let Some(b) = &bar {
                 b.set_prefix(format!("{}/{}", epoch + 1, args.epochs));
                 b.set_message(format!(
@@ -237,6 +275,10 @@ fn run() -> Result<(), Box<dyn Error>> {
                 b.inc(1);
             }
         }
+    }
+    // The last checkpoint, complete before the program ends.
+    if let Some(p) = pending.take() {
+        p.wait()?;
     }
     if let Some(b) = &bar {
         b.finish();

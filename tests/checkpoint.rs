@@ -17,6 +17,9 @@ use tch_dist::sharding::{
 use tch_dist::testing::{run_ranks, worker};
 use tch_dist::{Backend, Call, DistError, ProcessGroup, Shardable};
 
+/// `async_save`: training goes on while it writes; crash safety; memory; the plan cache.
+#[path = "checkpoint/async_save.rs"]
+mod async_save;
 /// Checkpoints PyTorch's `HuggingFaceStorageWriter` wrote load.
 #[path = "checkpoint/from_pytorch.rs"]
 mod from_pytorch;

@@ -189,6 +189,17 @@ pub enum CheckpointError {
         #[source]
         source: Box<DistError>,
     },
+    /// The background thread of [`async_save`](super::async_save()) panicked (a bug: its
+    /// errors are values); the other ranks' saves then fail on a collective.
+    #[error("rank {rank}: checkpoint.async_save of {dir}: the background write failed: {cause}")]
+    Background {
+        /// This rank.
+        rank: usize,
+        /// The checkpoint folder being written.
+        dir: PathBuf,
+        /// What the panic said.
+        cause: String,
+    },
     /// A collective between the ranks failed, or another rank failed (`PeersFailed`).
     #[error(transparent)]
     Dist(#[from] DistError),

@@ -57,6 +57,15 @@
 //! [`CheckpointError`] naming the FQN, on every rank. All ranks must see the same folder (one
 //! machine, or a shared file system).
 //!
+//! **Async save**: [`async_save`](async_save()) (PyTorch's `dcp.async_save`) copies this rank's pieces
+//! to host memory and returns an [`AsyncSave`]; a background thread writes, agrees and
+//! commits by the same steps over a Gloo group of the same ranks of its own (created at the
+//! first `async_save` over a group), so that its collectives never interleave with
+//! training's. One is in flight at a time per process (the next waits for it); a crash
+//! during it leaves what a crash of [`save`] leaves: [`latest`] stays on the previous
+//! checkpoint. **Plan once**: the save plan of a model and layout is computed at its first
+//! save and reused by later ones ([`plan_cache_stats`]).
+//!
 //! [`save_with`] also writes a train state (`train_state.json`, any JSON value: step, epoch,
 //! data position) and keeps only the last `k` checkpoints beside the new one; [`latest`]
 //! finds the last complete one to resume from, [`latest_valid`] the last one that verifies
@@ -68,7 +77,9 @@
 //!
 //! | file | what it does | PyTorch's counterpart (`torch/distributed/checkpoint/`) |
 //! | --- | --- | --- |
-//! | `mod.rs` | the API: [`save`], [`save_with`], [`save_with_optimizer`], [`load`], [`load_with_stats`], [`load_with_optimizer`], [`load_train_state`], [`verify`] | `state_dict_saver.py` (`save`), `state_dict_loader.py` (`load`) |
+//! | `mod.rs` | the API: [`save`], [`save_with`], [`save_with_optimizer`], [`async_save`](async_save()), [`async_save_with`], [`async_save_with_optimizer`], [`load`], [`load_with_stats`], [`load_with_optimizer`], [`load_train_state`], [`verify`], [`plan_cache_stats`] | `state_dict_saver.py` (`save`, `async_save`), `state_dict_loader.py` (`load`) |
+//! | `async_save.rs` | [`AsyncSave`]: staging, the one save in flight per process, the background group and thread | `state_dict_saver.py` (`async_save`), `staging.py` (`DefaultStager`), `_async_thread_executor.py` |
+//! | `plan_cache.rs` | the save plan cached per model and layout ([`PlanCacheStats`]) | `default_planner.py` (`enable_plan_caching`, `_cached_save_plan`) |
 //! | `plan.rs` | what a checkpoint holds and who writes it: the model's tensors with this rank's place in each global one, the optimizer's state flattened to PyTorch's names and back | `planner.py`, `default_planner.py` (`create_local_plan`, `flatten_state_dict`) |
 //! | `index.rs` | a safetensors header parsed without the data; the pieces' block digests ([`DIGEST_BLOCK_BYTES`]) | `_hf_storage.py` (`_get_safetensors_file_metadata`) |
 //! | `read_plan.rs` | the read plan: the overlapping pieces of each target and the rows of each to read, as byte ranges (pure, unit-tested) | `default_planner.py` (`create_default_local_load_plan`), `reshard.py` |
@@ -95,9 +106,11 @@
 //! # Ok(()) }
 //! ```
 
+mod async_save;
 mod error;
 mod index;
 mod plan;
+mod plan_cache;
 mod protocol;
 mod read_plan;
 mod reader;
@@ -105,13 +118,17 @@ mod reshard;
 mod retention;
 mod storage;
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
+use tch::Tensor;
 use tch_dist_core::Shardable;
 use tch_dist_runtime::{DistError, ProcessGroup};
 
+pub use async_save::AsyncSave;
 pub use error::CheckpointError;
 pub use index::DIGEST_BLOCK_BYTES;
+pub use plan_cache::PlanCacheStats;
 pub use reader::LoadStats;
 pub use retention::{latest, latest_valid, LatestValid, Skipped};
 pub use storage::{file_name, MANIFEST};
@@ -207,6 +224,104 @@ pub fn save_with_optimizer<M: Shardable + ?Sized>(
     save_impl(dir.as_ref(), module, Some(optimizer), group, opts)
 }
 
+/// [`save`], asynchronously (PyTorch's `dcp.async_save`): returns once this rank's tensors
+/// are staged, a copy in host memory (the next optimizer step may change the parameters:
+/// the checkpoint holds the values at the call); a background thread then writes this
+/// rank's file into `DIR.partial`, agrees with the other ranks and commits, the same
+/// crash-safe steps as [`save`]. [`AsyncSave::wait`] returns the outcome. Every rank of
+/// `group` calls it.
+///
+/// - The background's collectives run over a Gloo group of `group`'s ranks of its own,
+///   created at the first `async_save` over `group` (a collective: every rank of `group`
+///   makes that call) and reused: c10d wants one order of collectives per group on every
+///   rank, and training's collectives on `group` go on meanwhile.
+/// - One async save at a time per process: a second `async_save` (or a [`save`]) while one
+///   is in flight waits for it first (its outcome stays with its handle), so at most one
+///   staged copy (this rank's shard) is held; it is freed once the file is written.
+/// - Dropping the [`AsyncSave`] without `wait` waits too, printing an error it ended in.
+/// - A crash before the commit leaves `DIR.partial`, which [`latest`] never returns:
+///   `latest` stays on the previous checkpoint.
+///
+/// ```no_run
+/// # use tch::nn;
+/// # use tch_dist::Shardable;
+/// # #[derive(Debug, Shardable)]
+/// # struct Net { fc: nn::Linear }
+/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net) -> Result<(), tch_dist::checkpoint::CheckpointError> {
+/// use tch_dist::checkpoint;
+/// let pending = checkpoint::async_save("ckpt/step-00000100", model, pg)?;
+/// // ... training goes on; the parameters may change, the checkpoint does not ...
+/// pending.wait()?;
+/// # Ok(()) }
+/// ```
+pub fn async_save<M: Shardable + ?Sized>(
+    dir: impl AsRef<Path>,
+    module: &M,
+    group: &ProcessGroup,
+) -> Result<AsyncSave, CheckpointError> {
+    async_save::start(dir.as_ref(), module, None, group, &SaveOptions::default())
+}
+
+/// [`async_save`](async_save()) with [`save_with`]'s options: a train state, pruning to `keep_last`
+/// (after the commit, in the background).
+///
+/// ```no_run
+/// # use tch::nn;
+/// # use tch_dist::Shardable;
+/// # #[derive(Debug, Shardable)]
+/// # struct Net { fc: nn::Linear }
+/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net, step: u64) -> Result<(), tch_dist::checkpoint::CheckpointError> {
+/// use tch_dist::checkpoint::{self, SaveOptions};
+/// let opts = SaveOptions { train_state: Some(serde_json::json!({ "step": step })), keep_last: Some(3) };
+/// let pending = checkpoint::async_save_with(format!("ckpt/step-{step:08}"), model, pg, &opts)?;
+/// pending.wait()?;
+/// # Ok(()) }
+/// ```
+pub fn async_save_with<M: Shardable + ?Sized>(
+    dir: impl AsRef<Path>,
+    module: &M,
+    group: &ProcessGroup,
+    opts: &SaveOptions,
+) -> Result<AsyncSave, CheckpointError> {
+    async_save::start(dir.as_ref(), module, None, group, opts)
+}
+
+/// [`async_save_with`] and the optimizer's state, as [`save_with_optimizer`] writes it: the
+/// state tensors are staged with the parameters, the settings (`optimizer.json`) taken at
+/// the call; [`load_with_optimizer`] restores both.
+///
+/// ```no_run
+/// # use tch::nn;
+/// # use tch_dist::Shardable;
+/// # #[derive(Debug, Shardable)]
+/// # struct Net { fc: nn::Linear }
+/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net, opt: &tch_dist::optim::Optimizer) -> Result<(), tch_dist::checkpoint::CheckpointError> {
+/// use tch_dist::checkpoint::{self, SaveOptions};
+/// let pending = checkpoint::async_save_with_optimizer("ckpt/step-00000100", model, opt, pg, &SaveOptions::default())?;
+/// pending.wait()?;
+/// # Ok(()) }
+/// ```
+pub fn async_save_with_optimizer<M: Shardable + ?Sized>(
+    dir: impl AsRef<Path>,
+    module: &M,
+    optimizer: &Optimizer,
+    group: &ProcessGroup,
+    opts: &SaveOptions,
+) -> Result<AsyncSave, CheckpointError> {
+    async_save::start(dir.as_ref(), module, Some(optimizer), group, opts)
+}
+
+/// How many save plans this process computed and how many saves reused one (the plan of a
+/// model and layout is computed at its first save and cached; see `plan_cache.rs`).
+///
+/// ```
+/// let before = tch_dist::checkpoint::plan_cache_stats();
+/// # let _ = before;
+/// ```
+pub fn plan_cache_stats() -> PlanCacheStats {
+    plan_cache::stats()
+}
+
 /// The save's steps (`protocol.rs`; docs/ARCHITECTURE.md, "Checkpoint commit protocol").
 fn save_impl<M: Shardable + ?Sized>(
     dir: &Path,
@@ -215,32 +330,47 @@ fn save_impl<M: Shardable + ?Sized>(
     group: &ProcessGroup,
     opts: &SaveOptions,
 ) -> Result<(), CheckpointError> {
+    // An async save in flight first (it may write the same folder).
+    async_save::wait_in_flight();
+    let (pieces, tensors) = stage(dir, module, optimizer, group, false);
+    let sidecars = protocol::Sidecars {
+        train_state: opts.train_state.as_ref(),
+        optimizer: optimizer.map(crate::optim::sidecar::of),
+    };
+    protocol::Save::new(dir, group).run(pieces, tensors, sidecars, opts.keep_last)
+}
+
+/// What this rank writes (its pieces: FQN, values on the CPU, offsets; or this rank's
+/// error, which the save's first agreement makes every rank's) and the manifest's
+/// `tensors`, from the cached save plan (`plan_cache.rs`). With `copy`, every piece is a
+/// copy in host memory that nothing else holds (an async save's staging); else a piece
+/// may share the parameter's memory (a CPU tensor is not copied).
+fn stage<M: Shardable + ?Sized>(
+    dir: &Path,
+    module: &M,
+    optimizer: Option<&Optimizer>,
+    group: &ProcessGroup,
+    copy: bool,
+) -> (
+    Result<Vec<(String, Tensor, Vec<i64>)>, CheckpointError>,
+    BTreeMap<String, storage::TensorEntry>,
+) {
     let rank = group.rank();
-    let save = protocol::Save::new(dir, group);
-    save.make_temporary_folder()?;
     // fully_shard parameters held gathered go back to their shards first.
-    crate::fully_shard::reshard_all(module)
-        .map_err(|e| save.failed("writing the files")(e.into()))?;
-    let mut targets = plan::targets(module);
+    if let Err(e) = crate::fully_shard::reshard_all(module) {
+        let failed = protocol::Save::new(dir, group).failed("writing the files");
+        return (Err(failed(e.into())), BTreeMap::new());
+    }
+    let (mut targets, mut tensors) = plan_cache::cached_targets(module, rank, group.world_size());
     let pieces = match optimizer {
         Some(opt) => plan::optimizer_targets(rank, &targets, opt).map(|state| {
+            tensors.extend(plan::tensor_entries(&state));
             targets.extend(state);
         }),
         None => Ok(()),
     }
-    .map(|()| plan::to_write(rank, &targets));
-    let entry = save.write_file(pieces)?;
-    let entries = save.gather_checksums(&entry)?;
-    let sidecars = protocol::Sidecars {
-        train_state: opts.train_state.as_ref(),
-        optimizer,
-    };
-    save.commit(
-        &entries,
-        plan::tensor_entries(&targets),
-        sidecars,
-        opts.keep_last,
-    )
+    .map(|()| plan::to_write(rank, &targets, copy));
+    (pieces, tensors)
 }
 
 /// A collective's failure during the load of `path` (a dead peer), naming the checkpoint;

@@ -292,8 +292,14 @@ pub(super) fn state_targets(
 
 /// What this rank writes of `targets`: its shards (an empty one has nothing to write), and
 /// on rank 0 the whole tensors, as (FQN, values on the CPU, contiguous, offsets in the
-/// global tensor).
-pub(super) fn to_write(rank: usize, targets: &[Target]) -> Vec<(String, Tensor, Vec<i64>)> {
+/// global tensor). With `copy`, each is a copy of its own (an async save's staging: the
+/// next step may change the parameter); else a contiguous CPU tensor is the parameter's
+/// memory itself.
+pub(super) fn to_write(
+    rank: usize,
+    targets: &[Target],
+    copy: bool,
+) -> Vec<(String, Tensor, Vec<i64>)> {
     targets
         .iter()
         // An empty shard (more ranks than rows) has nothing to write.
@@ -301,7 +307,14 @@ pub(super) fn to_write(rank: usize, targets: &[Target]) -> Vec<(String, Tensor, 
             (t.sharded && !t.replica_copy && t.tensor.numel() > 0) || (!t.sharded && rank == 0)
         })
         .map(|t| {
-            let values = t.tensor.detach().to_device(tch::Device::Cpu).contiguous();
+            let values = if copy {
+                // One copy, straight into new host memory (from any device).
+                let host = Tensor::empty(t.tensor.size(), (t.tensor.kind(), tch::Device::Cpu));
+                tch::no_grad(|| host.shallow_clone().copy_(&t.tensor.detach()));
+                host
+            } else {
+                t.tensor.detach().to_device(tch::Device::Cpu).contiguous()
+            };
             (t.fqn.clone(), values, t.offsets.clone())
         })
         .collect()

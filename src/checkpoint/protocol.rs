@@ -20,7 +20,7 @@ use tch_dist_runtime::ProcessGroup;
 
 use super::storage::{self, file_name, FileEntry, Manifest, TensorEntry, MANIFEST};
 use super::{retention, CheckpointError, OPTIMIZER_SIDECAR, TRAIN_STATE};
-use crate::optim::{self, Optimizer};
+use crate::optim;
 
 /// The collectives' name in errors.
 const OP: &str = "checkpoint.save";
@@ -41,8 +41,9 @@ pub(super) struct Save<'a> {
 pub(super) struct Sidecars<'a> {
     /// `train_state.json`.
     pub train_state: Option<&'a serde_json::Value>,
-    /// `optimizer.json`.
-    pub optimizer: Option<&'a Optimizer>,
+    /// `optimizer.json`'s content (taken at the call: an async save's background must not
+    /// read the optimizer, which the next step changes).
+    pub optimizer: Option<optim::sidecar::OptimizerSidecar>,
 }
 
 impl<'a> Save<'a> {
@@ -107,6 +108,23 @@ impl<'a> Save<'a> {
             .map_err(self.failed("writing the files"))
     }
 
+    /// Every step after the plan, in order: the temporary folder, this rank's file
+    /// (`pieces`), the checksums, the commit with the manifest's `tensors`, the sidecars and
+    /// the pruning to `keep_last`. What [`save`](super::save) runs on the caller's thread
+    /// and [`async_save`](super::async_save()) in its background thread.
+    pub(super) fn run(
+        &self,
+        pieces: Result<Vec<(String, Tensor, Vec<i64>)>, CheckpointError>,
+        tensors: BTreeMap<String, TensorEntry>,
+        sidecars: Sidecars<'_>,
+        keep_last: Option<usize>,
+    ) -> Result<(), CheckpointError> {
+        self.make_temporary_folder()?;
+        let entry = self.write_file(pieces)?;
+        let entries = self.gather_checksums(&entry)?;
+        self.commit(&entries, tensors, sidecars, keep_last)
+    }
+
     /// 2 (end). Every rank's file entry, gathered (rank 0 lists them in the manifest).
     pub(super) fn gather_checksums(&self, entry: &[u8]) -> Result<Vec<Vec<u8>>, CheckpointError> {
         self.group
@@ -143,6 +161,7 @@ impl<'a> Save<'a> {
     ) -> Result<(), CheckpointError> {
         let (rank, tmp) = (self.rank, &self.tmp);
         crash_point("files-written");
+        hold_point();
         let mut files = BTreeMap::new();
         for (r, e) in entries.iter().enumerate().filter(|(_, e)| !e.is_empty()) {
             let name = file_name(r);
@@ -154,9 +173,8 @@ impl<'a> Save<'a> {
             let entry = storage::write_json(rank, &tmp.join(TRAIN_STATE), state)?;
             written.insert(TRAIN_STATE.to_string(), entry);
         }
-        if let Some(opt) = sidecars.optimizer {
-            let sidecar = optim::sidecar::of(opt);
-            let entry = storage::write_json(rank, &tmp.join(OPTIMIZER_SIDECAR), &sidecar)?;
+        if let Some(sidecar) = &sidecars.optimizer {
+            let entry = storage::write_json(rank, &tmp.join(OPTIMIZER_SIDECAR), sidecar)?;
             written.insert(OPTIMIZER_SIDECAR.to_string(), entry);
         }
         let manifest = Manifest {
@@ -203,6 +221,22 @@ pub(super) fn crash_point(point: &str) {
     if std::env::var(CRASH_SWITCH).as_deref() == Ok(point) {
         // abort: no destructor, no unwinding, no flush; what is on disk stays as it is.
         std::process::abort();
+    }
+}
+
+/// The test-only hold switch: a rank 0 whose environment has
+/// `TCH_DIST_TEST_CHECKPOINT_HOLD=<file>` waits, once every rank's file is written and
+/// before the manifest, until `<file>` exists (at most the group's timeout), so that a
+/// test can see what runs while a save is unfinished (tests/checkpoint/async_save.rs).
+pub(super) const HOLD_SWITCH: &str = "TCH_DIST_TEST_CHECKPOINT_HOLD";
+
+/// Waits while the hold switch's file is missing (see [`HOLD_SWITCH`]).
+fn hold_point() {
+    if let Some(file) = std::env::var_os(HOLD_SWITCH) {
+        let start = std::time::Instant::now();
+        while !Path::new(&file).exists() && start.elapsed() < std::time::Duration::from_secs(300) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
     }
 }
 
