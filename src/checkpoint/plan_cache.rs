@@ -64,7 +64,8 @@ struct Key {
 /// A computed plan: each target's place (in the key's order, which is the targets' order)
 /// and the manifest's entries.
 struct Plan {
-    places: Vec<(Vec<i64>, Vec<i64>, bool)>,
+    /// Per target: offsets, global shape, sharded, a replica's copy.
+    places: Vec<(Vec<i64>, Vec<i64>, bool, bool)>,
     entries: BTreeMap<String, TensorEntry>,
 }
 
@@ -118,13 +119,16 @@ pub(super) fn cached_targets<M: Shardable + ?Sized>(
         let targets = tensors
             .into_iter()
             .zip(&found.places)
-            .map(|((fqn, tensor), (offsets, global, sharded))| Target {
-                fqn,
-                tensor,
-                offsets: offsets.clone(),
-                global: global.clone(),
-                sharded: *sharded,
-            })
+            .map(
+                |((fqn, tensor), (offsets, global, sharded, replica_copy))| Target {
+                    fqn,
+                    tensor,
+                    offsets: offsets.clone(),
+                    global: global.clone(),
+                    sharded: *sharded,
+                    replica_copy: *replica_copy,
+                },
+            )
             .collect();
         return (targets, found.entries.clone());
     }
@@ -133,7 +137,14 @@ pub(super) fn cached_targets<M: Shardable + ?Sized>(
     let computed = Plan {
         places: targets
             .iter()
-            .map(|t| (t.offsets.clone(), t.global.clone(), t.sharded))
+            .map(|t| {
+                (
+                    t.offsets.clone(),
+                    t.global.clone(),
+                    t.sharded,
+                    t.replica_copy,
+                )
+            })
             .collect(),
         entries: entries.clone(),
     };

@@ -446,3 +446,53 @@ fn hsdp_on_a_2x2_mesh_equals_one_process() {
         },
     );
 }
+
+/// Two forwards before their backwards, each backward its own pass (a pipeline schedule's
+/// microbatches; gradient accumulation that keeps its losses): both microbatches' gradients
+/// are reduced and installed, equal to one process on the whole batch. Before the fix the
+/// second backward's gradients were left behind (its pass never finished the groups).
+#[test]
+fn forwards_ahead_of_their_backwards_at_2_ranks() {
+    run_ranks(
+        "composition::forwards_ahead_of_their_backwards_at_2_ranks",
+        2,
+        |pg| {
+            tch::manual_seed(3);
+            let ref_vs = nn::VarStore::new(Device::Cpu);
+            let reference = model(&ref_vs);
+            tch::manual_seed(3 + pg.rank() as i64 * 1000);
+            let vs = nn::VarStore::new(Device::Cpu);
+            let m = model(&vs);
+            for b in &m.blocks {
+                fully_shard(b, FsdpOptions::default()).unwrap();
+            }
+            fully_shard(&m, FsdpOptions::default()).unwrap();
+            let sgd = nn::Sgd {
+                momentum: 0.9,
+                ..Default::default()
+            };
+            let mut opt = sgd.build(&vs, 0.05).unwrap();
+            let mut ref_opt = sgd.build(&ref_vs, 0.05).unwrap();
+            for step in 0..3 {
+                let (x, y) = batch(step);
+                ref_opt.backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean));
+                let (x, y) = (slice(&x, &pg), slice(&y, &pg));
+                let half = x.size()[0] / 2;
+                opt.zero_grad();
+                let losses: Vec<Tensor> = (0..2)
+                    .map(|i| {
+                        let (xs, ys) = (x.narrow(0, i * half, half), y.narrow(0, i * half, half));
+                        m.call(&xs).mse_loss(&ys, tch::Reduction::Mean) / 2.0
+                    })
+                    .collect();
+                for l in losses.iter().rev() {
+                    l.backward();
+                }
+                opt.step();
+            }
+            assert_sharded(&m, &vs, &pg);
+            let diff = max_diff_full(&m, &ref_vs);
+            assert!(diff < 1e-5, "two forwards, then two backwards: {diff}");
+        },
+    );
+}

@@ -163,14 +163,11 @@ fn pp_dp_equals_one_process(gpipe: bool) {
     }
 }
 
-/// Ignored: `fully_shard` gives wrong gradients when a module runs several forwards before
-/// their backwards (GPipe's F F F F B B B B, 1F1B's warmup on every stage but the last),
-/// with or without gradient sync; a stage whose order alternates (the last stage under 1F1B)
-/// is exact. The pipeline side is not the cause (the same orders without `fully_shard`
-/// equal one process in `main.rs`). Un-ignore once fully_shard keeps one unsharded
-/// parameter set for all forwards in flight, as FSDP2 does.
+/// pp 2 x dp 2 with `fully_shard` on each stage's part: several forwards run before their
+/// backwards (GPipe's F F F F B B B B, 1F1B's warm-up), each backward its own pass; every
+/// pass that reaches a group enters it again, so every microbatch's gradients are reduced
+/// (before the fix, the passes after the first left theirs behind: off by about 1e-2).
 #[test]
-#[ignore = "fully_shard does not support several forwards in flight before their backwards"]
 fn pp_2_x_dp_2_with_fully_shard_equals_one_process() {
     run_ranks(
         "composition::pp_2_x_dp_2_with_fully_shard_equals_one_process",

@@ -79,6 +79,9 @@ pub(crate) struct State {
 
 /// The shared part of a group, which libtorch's hooks call into.
 pub(crate) struct GroupInner {
+    /// This group itself (`Arc::new_cyclic`): hooks get `&GroupInner`, and a backward pass
+    /// that reaches the group enters it in its root's pass by a strong reference.
+    pub me: Weak<GroupInner>,
     /// The managed module's type, for errors.
     pub module: String,
     /// The managed module's FQN as the outermost enclosing call sees it (set when that call
@@ -271,10 +274,27 @@ impl GroupInner {
         Ok(())
     }
 
+    /// A backward pass reached the group (its pre-backward hook, or a gradient): the group
+    /// takes part in this pass, even when the forward that recorded the graph joined an
+    /// earlier one. Several forwards may run before their backwards (a pipeline schedule's
+    /// microbatches, each `backward` its own pass): the first pass finishes the group, and
+    /// each later one that reaches it enters it again, so that every forward's gradients are
+    /// reduced (or stashed) and installed, none left behind.
+    fn enter_backward(&self, st: &mut State) -> Arc<PassContext> {
+        let context = self.context();
+        if let Some(me) = self.me.upgrade() {
+            context.join(&me);
+        }
+        if matches!(st.backward, BackwardState::Idle) {
+            st.backward = BackwardState::Expected;
+        }
+        context
+    }
+
     /// The pre-backward hook: gathers the parameters for the module's backward, then starts
     /// gathering the group whose backward comes next.
     pub(crate) fn pre_backward(&self) -> Result<()> {
-        let context = self.context();
+        let context = self.enter_backward(&mut self.lock());
         context.queue_finish(self.group.rank())?;
         let explicit = {
             let mut st = self.lock();
@@ -298,7 +318,8 @@ impl GroupInner {
 
     /// The interceptor: parameter `index`'s full gradient of this pass.
     pub(crate) fn on_grad(&self, index: usize, grad: Tensor) -> Result<()> {
-        self.context().queue_finish(self.group.rank())?;
+        let context = self.enter_backward(&mut self.lock());
+        context.queue_finish(self.group.rank())?;
         let mut st = self.lock();
         st.grads[index] = Some(match st.grads[index].take() {
             Some(g) => g + grad,

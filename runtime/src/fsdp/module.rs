@@ -72,7 +72,8 @@ impl FsdpGroup {
         let expected = meta.iter().filter(|m| m.requires_grad).count();
         let (flats, tensors) = param::shard_in(&meta, &buckets, &params);
         let n = params.len();
-        let inner = Arc::new(GroupInner {
+        let inner = Arc::new_cyclic(|me| GroupInner {
+            me: me.clone(),
             module: module.to_string(),
             module_fqn: Mutex::new(String::new()),
             group: group.clone(),
