@@ -254,7 +254,7 @@ fn run() -> Result<(), Box<dyn Error>> {
             seen += len;
             if let (Some(dir), true) = (
                 &args.checkpoint_dir,
-                args.checkpoint_every > 0 && global % args.checkpoint_every == 0,
+                args.checkpoint_every > 0 && global.is_multiple_of(args.checkpoint_every),
             ) {
                 // Each rank's shards, staged to host memory now and written while the next
                 // step trains.

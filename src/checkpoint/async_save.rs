@@ -74,7 +74,10 @@ pub(super) fn wait_in_flight() {
 
 /// The background groups, one per group that async saves ran over, by the group's name and
 /// global ranks: created at the first [`async_save`](super::async_save()) over it, reused afterwards.
-static BACKGROUND_GROUPS: Mutex<Vec<((String, Vec<usize>), ProcessGroup)>> = Mutex::new(Vec::new());
+static BACKGROUND_GROUPS: Mutex<Vec<(GroupKey, ProcessGroup)>> = Mutex::new(Vec::new());
+
+/// A group by its name and global ranks.
+type GroupKey = (String, Vec<usize>);
 
 /// `group`'s background group: a Gloo group of the same ranks, created collectively (every
 /// rank of `group` is in its first `async_save`) with local synchronization, so that other

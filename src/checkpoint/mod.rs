@@ -345,6 +345,9 @@ fn save_impl<M: Shardable + ?Sized>(
 /// `tensors`, from the cached save plan (`plan_cache.rs`). With `copy`, every piece is a
 /// copy in host memory that nothing else holds (an async save's staging); else a piece
 /// may share the parameter's memory (a CPU tensor is not copied).
+/// One piece a rank writes: the key, its values, its offsets in the global tensor.
+type Written = (String, Tensor, Vec<i64>);
+
 fn stage<M: Shardable + ?Sized>(
     dir: &Path,
     module: &M,
@@ -352,7 +355,7 @@ fn stage<M: Shardable + ?Sized>(
     group: &ProcessGroup,
     copy: bool,
 ) -> (
-    Result<Vec<(String, Tensor, Vec<i64>)>, CheckpointError>,
+    Result<Vec<Written>, CheckpointError>,
     BTreeMap<String, storage::TensorEntry>,
 ) {
     let rank = group.rank();
