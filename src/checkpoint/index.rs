@@ -127,6 +127,24 @@ pub(super) struct ShardingInfo {
     pub saved_offsets: Vec<i64>,
 }
 
+/// Where a saved piece `fqn` of `shape` starts in its global tensor: its
+/// `DCP_SHARDING_INFO` entry's `saved_offsets`, or the origin for a piece without one (a
+/// whole tensor); offsets of another rank than the shape are the error's text.
+pub(super) fn saved_offsets(
+    info: Option<&ShardingInfo>,
+    fqn: &str,
+    shape: &[i64],
+) -> Result<Vec<i64>, String> {
+    match info {
+        Some(i) if i.saved_offsets.len() == shape.len() => Ok(i.saved_offsets.clone()),
+        Some(i) => Err(format!(
+            "`{fqn}`: saved_offsets {:?} do not fit its shape {shape:?}",
+            i.saved_offsets
+        )),
+        None => Ok(vec![0; shape.len()]),
+    }
+}
+
 /// Parses `bytes`, a file's first [`Header::len`] bytes, of a file of `file_len` bytes:
 /// every tensor's dtype (one tch holds), shape, offsets in the global tensor and bytes,
 /// which must lie in the file and fit the shape.
@@ -195,16 +213,7 @@ pub(super) fn parse(
             )));
         }
         let shape: Vec<i64> = e.shape.iter().map(|&d| d as i64).collect();
-        let offsets = match info.get(&fqn) {
-            Some(i) if i.saved_offsets.len() == shape.len() => i.saved_offsets.clone(),
-            Some(i) => {
-                return Err(format(format!(
-                    "`{fqn}`: saved_offsets {:?} do not fit its shape {shape:?}",
-                    i.saved_offsets
-                )))
-            }
-            None => vec![0; shape.len()],
-        };
+        let offsets = saved_offsets(info.get(&fqn), &fqn, &shape).map_err(format)?;
         pieces.push(PieceHeader {
             fqn,
             dtype: e.dtype,

@@ -430,16 +430,7 @@ pub(super) fn decode(
         let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
         let values = Tensor::f_from_data_size(view.data(), &shape, kind)
             .map_err(|e| format(format!("`{fqn}`: {e}")))?;
-        let offsets = match info.get(&fqn) {
-            Some(i) if i.saved_offsets.len() == shape.len() => i.saved_offsets.clone(),
-            Some(i) => {
-                return Err(format(format!(
-                    "`{fqn}`: saved_offsets {:?} do not fit its shape {shape:?}",
-                    i.saved_offsets
-                )))
-            }
-            None => vec![0; shape.len()],
-        };
+        let offsets = super::index::saved_offsets(info.get(&fqn), &fqn, &shape).map_err(format)?;
         out.insert(fqn, Piece { offsets, values });
     }
     Ok(out)

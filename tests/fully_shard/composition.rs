@@ -7,12 +7,7 @@ use super::*;
 /// fully_shard on the blocks and `replicate` on the root (which then manages only the
 /// head): equal to one process.
 fn with_replicate(pg: &ProcessGroup) -> f64 {
-    tch::manual_seed(3);
-    let ref_vs = nn::VarStore::new(Device::Cpu);
-    let reference = model(&ref_vs);
-    tch::manual_seed(3 + pg.rank() as i64 * 1000);
-    let vs = nn::VarStore::new(Device::Cpu);
-    let m = model(&vs);
+    let (ref_vs, reference, vs, m) = twin(pg);
     for b in &m.blocks {
         fully_shard(b, FsdpOptions::default()).unwrap();
     }
@@ -30,12 +25,7 @@ fn with_replicate(pg: &ProcessGroup) -> f64 {
 /// of its own (its own backward pass and end-of-backward callback, as in PyTorch), and
 /// training still equals one process.
 fn roots_without_a_common_root(pg: &ProcessGroup) -> f64 {
-    tch::manual_seed(3);
-    let ref_vs = nn::VarStore::new(Device::Cpu);
-    let reference = model(&ref_vs);
-    tch::manual_seed(3 + pg.rank() as i64 * 1000);
-    let vs = nn::VarStore::new(Device::Cpu);
-    let m = model(&vs);
+    let (ref_vs, reference, vs, m) = twin(pg);
     for b in &m.blocks {
         fully_shard(b, FsdpOptions::default()).unwrap();
     }
@@ -374,12 +364,7 @@ fn hsdp_on_a_2x2_mesh_equals_one_process() {
             use tch_dist::checkpoint;
             use tch_dist::device_mesh::init_device_mesh;
             let mesh = init_device_mesh("cpu", &[2, 2], &["dp_replicate", "dp_shard"]).unwrap();
-            tch::manual_seed(3);
-            let ref_vs = nn::VarStore::new(Device::Cpu);
-            let reference = model(&ref_vs);
-            tch::manual_seed(3 + pg.rank() as i64 * 1000);
-            let vs = nn::VarStore::new(Device::Cpu);
-            let m = model(&vs);
+            let (ref_vs, reference, vs, m) = twin(&pg);
             let opts = || FsdpOptions {
                 mesh: Some(mesh.clone()),
                 ..Default::default()
@@ -457,12 +442,7 @@ fn forwards_ahead_of_their_backwards_at_2_ranks() {
         "composition::forwards_ahead_of_their_backwards_at_2_ranks",
         2,
         |pg| {
-            tch::manual_seed(3);
-            let ref_vs = nn::VarStore::new(Device::Cpu);
-            let reference = model(&ref_vs);
-            tch::manual_seed(3 + pg.rank() as i64 * 1000);
-            let vs = nn::VarStore::new(Device::Cpu);
-            let m = model(&vs);
+            let (ref_vs, reference, vs, m) = twin(&pg);
             for b in &m.blocks {
                 fully_shard(b, FsdpOptions::default()).unwrap();
             }

@@ -139,6 +139,18 @@ fn max_diff_full(m: &Model, reference: &nn::VarStore) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// The reference model (seed 3, the same on every rank) and the model to shard (seeded per
+/// rank: its values must come from rank 0's broadcast), each with its `VarStore`.
+fn twin(pg: &ProcessGroup) -> (nn::VarStore, Model, nn::VarStore, Model) {
+    tch::manual_seed(3);
+    let ref_vs = nn::VarStore::new(Device::Cpu);
+    let reference = model(&ref_vs);
+    tch::manual_seed(3 + pg.rank() as i64 * 1000);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = model(&vs);
+    (ref_vs, reference, vs, m)
+}
+
 /// One optimizer step of `reference` on the whole batch of `step` and of `m` on this rank's
 /// rows of it.
 fn step_both(
