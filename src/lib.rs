@@ -163,6 +163,7 @@ pub mod optim;
 pub mod pipelining;
 pub mod replicate;
 pub mod sharding;
+pub mod state_dict;
 pub mod utils;
 
 pub use device_mesh::{init_device_mesh, DeviceMesh};

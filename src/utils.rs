@@ -7,8 +7,6 @@ use tch::{Kind, Tensor};
 use tch_dist_core::Shardable;
 use tch_dist_runtime::{DistError, ProcessGroup, ReduceOp};
 
-use crate::sharding::sharded_params_in;
-
 /// Why [`clip_grad_norm`] refused or failed. Nothing was scaled.
 ///
 /// ```
@@ -84,16 +82,14 @@ pub fn clip_grad_norm<M: Shardable + ?Sized>(
     if norm_type.is_nan() || norm_type <= 0.0 {
         return Err(ClipGradError::InvalidNormType { norm_type });
     }
-    // Which parameters are shards, and over which group.
-    let mut sharded: HashMap<String, ProcessGroup> = sharded_params_in(module)
+    // Which parameters are shards, and over which group (the placement record's shard
+    // group: replicas of HSDP hold the same shards, so each replica's sum is the whole).
+    let placements = crate::state_dict::placements(module);
+    let sharded: HashMap<String, ProcessGroup> = module
+        .named_parameters()
         .into_iter()
-        .map(|(fqn, p)| (fqn, p.state.group().clone()))
+        .filter_map(|(fqn, t)| placements.get(t).map(|p| (fqn, p.shard_group.clone())))
         .collect();
-    sharded.extend(
-        crate::fully_shard::fsdp_params_in(module)
-            .into_iter()
-            .map(|(fqn, p)| (fqn, p.state.process_group().clone())),
-    );
     let inf = norm_type.is_infinite();
     // Each gradient's contribution: |g|^p summed (p finite) or max |g|, in f64 and kept on
     // the gradient's device (one host read at the end).

@@ -33,57 +33,11 @@ pub(super) struct Target {
     pub replica_copy: bool,
 }
 
-/// Where this rank's part of each sharded parameter sits: FQN -> (offsets of this rank's
-/// shard, the global shape). The one place that says how a parameter is sharded
-/// (`shard_module`'s and `fully_shard`'s); parameters it does not list are
-/// whole on every rank. Optimizer state of a parameter's shape is sharded the same way.
-fn shard_layouts<M: Shardable + ?Sized>(module: &M) -> HashMap<String, (Vec<i64>, Vec<i64>)> {
-    let mut shards = HashMap::new();
-    for (fqn, p) in crate::sharding::sharded_params_in(module) {
-        let Some(meta) = p.state.metadata(&p.local_fqn) else {
-            continue;
-        };
-        let rank = p.state.group().rank();
-        if let Some(mine) = meta
-            .shards_metadata
-            .iter()
-            .find(|s| s.placement.rank() == rank)
-        {
-            shards.insert(fqn, (mine.shard_offsets.clone(), meta.size.clone()));
-        }
-    }
-    // fully_shard's shards, found by tensor identity so that a tied parameter's second
-    // name is saved as the shard it is too.
-    let fsdp = crate::fully_shard::fsdp_params_in(module);
-    let mut fsdp_by_identity: HashMap<u64, (Vec<i64>, Vec<i64>)> = HashMap::new();
-    for (fqn, t) in module.named_parameters() {
-        if let Some(p) = fsdp.get(&fqn) {
-            fsdp_by_identity.insert(
-                tch_dist_runtime::fsdp::tensor_identity(t),
-                (p.info.offsets.clone(), p.info.shape.clone()),
-            );
-        }
-    }
-    for (fqn, t) in module.named_parameters() {
-        if let Some(layout) = fsdp_by_identity.get(&tch_dist_runtime::fsdp::tensor_identity(t)) {
-            shards.entry(fqn).or_insert_with(|| layout.clone());
-        }
-    }
-    shards
-}
-
 /// The model's parameters and buffers, with this rank's place in each global tensor.
 pub(super) fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
-    let shards = shard_layouts(module);
-    let replica_copies: HashSet<String> = crate::fully_shard::fsdp_params_in(module)
-        .into_iter()
-        .filter(|(_, p)| {
-            p.state
-                .replicate_group()
-                .is_some_and(|replicas| replicas.rank() != 0)
-        })
-        .map(|(fqn, _)| fqn)
-        .collect();
+    // Where each sharded parameter's pieces are: the one placement record (a tied
+    // parameter's second name is the same tensor, so saved as the shard it is too).
+    let placements = crate::state_dict::placements(module);
     let mut seen = HashSet::new();
     let mut out = Vec::new();
     for (fqn, t) in module
@@ -94,12 +48,17 @@ pub(super) fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
         if !seen.insert(fqn.clone()) {
             continue;
         }
-        let (offsets, global, sharded) = match shards.get(&fqn) {
-            Some((o, g)) => (o.clone(), g.clone(), true),
-            None => (vec![0; t.dim()], t.size(), false),
+        let (offsets, global, sharded, replica_copy) = match placements.get(t) {
+            Some(p) => (
+                p.offsets.clone(),
+                p.global_shape.clone(),
+                true,
+                p.is_replica_copy(),
+            ),
+            None => (vec![0; t.dim()], t.size(), false, false),
         };
         out.push(Target {
-            replica_copy: sharded && replica_copies.contains(&fqn),
+            replica_copy,
             fqn,
             tensor: t.shallow_clone(),
             offsets,

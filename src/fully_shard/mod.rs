@@ -240,36 +240,34 @@ pub(crate) fn reshard_all<M: Shardable + ?Sized>(module: &M) -> Result<(), DistE
 pub fn full_state_dict<M: Shardable + ?Sized>(
     module: &M,
 ) -> Result<Vec<(String, Tensor)>, FsdpError> {
-    let managed = fsdp_params_in(module);
-    // Tied names reach the managed parameter through its identity.
-    let by_identity: HashMap<u64, &FsdpParam> = module
-        .named_parameters()
-        .into_iter()
-        .filter_map(|(fqn, t)| managed.get(&fqn).map(|p| (tensor_identity(t), p)))
-        .collect();
-    let tensor_parallel = crate::sharding::sharded_params_in(module);
+    use crate::state_dict::Owner;
+    let placements = crate::state_dict::placements(module);
     let modules = module.named_modules();
+    // A tied parameter is gathered once, under its first name.
     let mut gathered: HashMap<u64, Tensor> = HashMap::new();
     let mut out = Vec::new();
     for (fqn, t) in module.named_parameters() {
         let id = tensor_identity(t);
         let full = if let Some(full) = gathered.get(&id) {
             full.shallow_clone()
-        } else if let Some(p) = by_identity.get(&id) {
-            let full = p.state.group.full_param(p.index)?;
+        } else if let Some(p) = placements.get(t) {
+            let full = match &p.owner {
+                Owner::FullyShard { state, index } => state.group.full_param(*index)?,
+                Owner::ShardModule {
+                    state,
+                    module: owner,
+                    local_fqn,
+                } => {
+                    let owner = modules
+                        .iter()
+                        .find(|(prefix, _)| prefix == owner)
+                        .map(|(_, m)| *m)
+                        .ok_or(FsdpError::NotFullyShard)?;
+                    state.sharded_tensor(owner, local_fqn)?.all_gather()?
+                }
+            };
             gathered.insert(id, full.shallow_clone());
             full
-        } else if let Some(tp) = tensor_parallel.get(&fqn) {
-            let owner = modules
-                .iter()
-                .find(|(_, m)| {
-                    crate::sharding::shard_module_state(*m)
-                        .is_some_and(|s| Arc::ptr_eq(&s, &tp.state))
-                })
-                .map(|(_, m)| *m)
-                .ok_or(FsdpError::NotFullyShard)?;
-            let st = tp.state.sharded_tensor(owner, &tp.local_fqn)?;
-            st.all_gather()?
         } else {
             tch::no_grad(|| t.detach().copy())
         };

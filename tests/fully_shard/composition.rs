@@ -375,6 +375,18 @@ fn hsdp_on_a_2x2_mesh_equals_one_process() {
             fully_shard(&m, opts()).unwrap();
             let shard_group = mesh.get_group("dp_shard").unwrap();
             assert_sharded(&m, &vs, shard_group);
+            // The placement record: replicated over dim 0, rows sharded over dim 1.
+            use tch_dist::state_dict::{placements, Placement};
+            let record = placements(&m);
+            let w = record
+                .get(&m.blocks[0].ws)
+                .expect("blocks.0.weight is sharded");
+            assert_eq!(w.placements, [Placement::Replicate, Placement::Shard(0)]);
+            assert_eq!(w.fqn, "blocks.0.weight");
+            assert_eq!(w.global_shape, reference.blocks[0].ws.size());
+            assert_eq!(w.local_shape, m.blocks[0].ws.size());
+            assert_eq!(w.is_replica_copy(), pg.rank() >= 2);
+            assert_eq!(record.len(), vs.trainable_variables().len());
             let sgd = nn::Sgd {
                 momentum: 0.9,
                 ..Default::default()

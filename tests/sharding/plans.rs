@@ -305,6 +305,24 @@ fn parallelize_module_styles_on_a_mesh() {
                 .style(Mlp::path().fc2(), rowwise);
             parallelize_module(&mut model, &mesh, &plan).unwrap();
             assert_eq!(model.fc1.ws.size(), [4, 6]);
+            // The placement record: fc1's rows, fc2's columns; fc2's bias whole.
+            use tch_dist::state_dict::{placements, Placement};
+            let record = placements(&model);
+            let place = |t: &Tensor| {
+                record
+                    .get(t)
+                    .map(|p| (p.placements.clone(), p.offsets.clone()))
+            };
+            let r = pg.rank() as i64;
+            assert_eq!(
+                place(&model.fc1.ws),
+                Some((vec![Placement::Shard(0)], vec![4 * r, 0]))
+            );
+            assert_eq!(
+                place(&model.fc2.ws),
+                Some((vec![Placement::Shard(1)], vec![0, 4 * r]))
+            );
+            assert_eq!(place(model.fc2.bs.as_ref().unwrap()), None);
             assert_eq!(model.fc2.ws.size(), [5, 4]);
             let mut opt = sgd.build(&vs, 0.02).unwrap();
             let mut ref_opt = sgd.build(&ref_vs, 0.02).unwrap();
