@@ -184,9 +184,12 @@ impl PendingSend {
 ///
 /// The part is any `impl Module` / `ModuleT` (`nn::seq()`, a `#[derive(Shardable)]` block
 /// with a forward), built under the same `VarStore` paths as in the whole model, so that its
-/// FQNs are the whole model's (`layers.2.weight` on the stage that holds layer 2) and its
-/// checkpoint loads into the unsplit model. Its parameters stay in the `VarStore` the user
-/// built it in, which the optimizer goes by.
+/// variables are named as in the whole model (`layers.2.weight` on the stage that holds
+/// layer 2). Its parameters stay in the `VarStore` the user built it in, which the optimizer
+/// goes by. Not yet: `tch_dist::checkpoint` of a pipelined model. A `Shardable` part's own
+/// walk restarts a `Vec` field at 0 (`layers.0` for the stage's first layer), and over the
+/// pipeline group `checkpoint::save` writes whole tensors from rank 0 only, so do not save a
+/// stage's part with it; each rank's `VarStore::save` keeps the whole model's names.
 ///
 /// Activation shapes are found at run time, as PyTorch does without example inputs: the
 /// first microbatch's (shape, dtype) goes ahead to the next stage once; every later
