@@ -109,6 +109,25 @@ pub enum FsdpError {
         /// What is wrong with it.
         problem: MeshUse,
     },
+    /// A parameter `shard_module` sharded over other ranks than the ones fully_shard
+    /// averages over: left out of fully_shard's reduce-scatter (tensor-parallel parameters
+    /// are), its gradient would not be averaged over them.
+    #[error(
+        "rank {rank}: fully_shard: parameter `{fqn}` is tensor-parallel over ranks \
+         {tp_ranks:?} and fully_shard averages over ranks {ranks:?}: left out of its \
+         reduction, its gradient would not be averaged; FSDP x TP over two groups (a 2-D \
+         mesh) is not built yet: use the same ranks for both"
+    )]
+    TensorParallelRanks {
+        /// This rank.
+        rank: usize,
+        /// The parameter.
+        fqn: String,
+        /// The tensor-parallel group's global ranks.
+        tp_ranks: Vec<usize>,
+        /// fully_shard's.
+        ranks: Vec<usize>,
+    },
     /// A submodule is managed by `replicate`, which cannot run inside `fully_shard`.
     #[error(
         "rank {rank}: fully_shard: submodule `{module}` is managed by replicate; apply \

@@ -341,3 +341,26 @@ pub(super) fn call_names(found: &Collected, rank: usize) -> Arc<hooks::CallNames
         params: found.params.iter().map(|(n, _)| n.clone()).collect(),
     })
 }
+
+/// The first parameter `shard_module` sharded over other ranks than `groups.all` (what
+/// fully_shard averages over): fully_shard leaves tensor-parallel parameters out, which is
+/// right only when their group is the same ranks.
+pub(super) fn tensor_parallel_elsewhere<M: Shardable + ?Sized>(
+    module: &M,
+    groups: &Groups,
+) -> Option<FsdpError> {
+    let ranks = groups.all.global_ranks();
+    let mut sharded: Vec<_> = crate::sharding::sharded_params_in(module)
+        .into_iter()
+        .collect();
+    sharded.sort_by(|a, b| a.0.cmp(&b.0));
+    sharded
+        .into_iter()
+        .find(|(_, p)| p.state.group().global_ranks() != ranks)
+        .map(|(fqn, p)| FsdpError::TensorParallelRanks {
+            rank: groups.shard.rank(),
+            fqn,
+            tp_ranks: p.state.group().global_ranks().to_vec(),
+            ranks: ranks.to_vec(),
+        })
+}

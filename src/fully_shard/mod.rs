@@ -112,6 +112,9 @@ pub fn fully_shard<M: Shardable + ?Sized>(
     let groups = init::process_groups(&opts)?;
     let rank = groups.shard.rank();
     let mut found = collect(module.as_dyn_shardable(), &opts.ignored_params, rank);
+    if found.problem.is_none() {
+        found.problem = init::tensor_parallel_elsewhere(module, &groups);
+    }
     let dims = init::check(&mut found, &opts, &groups)?;
     init::broadcast_from_rank0(&found, &groups.all)?;
     let names = init::call_names(&found, rank);

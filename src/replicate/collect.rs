@@ -160,3 +160,29 @@ pub(super) fn in_module<M: Shardable + ?Sized>(module: &M, opts: &Options, rank:
         problem,
     }
 }
+
+/// Refuses a parameter `shard_module` sharded over other ranks than `group`: replicate
+/// leaves tensor-parallel parameters out of its buckets, which is right only when their
+/// group is the same ranks (every rank then holds its own shard's whole gradient).
+pub(super) fn tensor_parallel_elsewhere<M: Shardable + ?Sized>(
+    module: &M,
+    group: &ProcessGroup,
+) -> Result<(), ReplicateError> {
+    let ranks = group.global_ranks();
+    let mut sharded: Vec<_> = crate::sharding::sharded_params_in(module)
+        .into_iter()
+        .collect();
+    sharded.sort_by(|a, b| a.0.cmp(&b.0));
+    match sharded
+        .into_iter()
+        .find(|(_, p)| p.state.group().global_ranks() != ranks)
+    {
+        Some((fqn, p)) => Err(ReplicateError::TensorParallelRanks {
+            rank: group.rank(),
+            fqn,
+            tp_ranks: p.state.group().global_ranks().to_vec(),
+            ranks: ranks.to_vec(),
+        }),
+        None => Ok(()),
+    }
+}

@@ -33,6 +33,24 @@ pub enum ReplicateError {
     /// replicate's forward hook could not be registered.
     #[error(transparent)]
     Hook(#[from] HookError),
+    /// A parameter `shard_module` sharded over other ranks than replicate's group: left
+    /// out of replicate's buckets (tensor-parallel parameters are), its gradient would not
+    /// be averaged over them.
+    #[error(
+        "rank {rank}: replicate: parameter `{fqn}` is tensor-parallel over ranks \
+         {tp_ranks:?} and replicate averages over ranks {ranks:?}: left out of its buckets, \
+         its gradient would not be averaged; use the same ranks for both"
+    )]
+    TensorParallelRanks {
+        /// This rank.
+        rank: usize,
+        /// The parameter.
+        fqn: String,
+        /// The tensor-parallel group's global ranks.
+        tp_ranks: Vec<usize>,
+        /// replicate's.
+        ranks: Vec<usize>,
+    },
     /// `device_mesh` is not 1-D, or was given with `process_group`.
     #[error(
         "rank {rank}: replicate: {}",

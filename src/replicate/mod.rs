@@ -77,6 +77,7 @@ pub fn apply<M: Shardable + ?Sized>(
     opts: Options,
 ) -> Result<ReplicateState, ReplicateError> {
     let group = group_of(&opts)?;
+    collect::tensor_parallel_elsewhere(module, &group)?;
     let found = collect::in_module(module, &opts, group.rank());
     let mut replicated = set_up(group, found, &opts)?;
     // fully_shard blocks under this root run one backward pass, as under a fully_shard root.

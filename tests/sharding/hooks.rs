@@ -437,3 +437,56 @@ fn bypassed_layers_fail_under_no_grad_on_every_rank() {
         },
     );
 }
+
+/// Tensor parallelism over one mesh dim and fully_shard or replicate over all ranks: both
+/// leave tensor-parallel parameters out of their reductions, so over other ranks their
+/// gradients would not be averaged; each refuses on every rank, naming the parameter and
+/// both sets of ranks, and nothing changes.
+#[test]
+fn data_parallel_over_other_ranks_than_tensor_parallel_is_refused_at_4_ranks() {
+    run_ranks(
+        "hooks::data_parallel_over_other_ranks_than_tensor_parallel_is_refused_at_4_ranks",
+        4,
+        |pg| {
+            use tch_dist::device_mesh::init_device_mesh;
+            use tch_dist::{fully_shard, FsdpOptions};
+            let rank = pg.rank();
+            let mesh = init_device_mesh("cpu", &[2, 2], &["dp", "tp"]).unwrap();
+            let tp = mesh.get_group("tp").unwrap();
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mut model = mlp(&vs, 6, 8, 5);
+            let plan = ShardingPlan::builder()
+                .shard_module(Mlp::path().fc1(), ColwiseLinear::default())
+                .build();
+            shard_module(&mut model, &plan, 0, tp).unwrap();
+            let pair = [rank / 2 * 2, rank / 2 * 2 + 1];
+            let before = model.fc2.ws.copy();
+            let e = fully_shard(&model, FsdpOptions::default()).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "rank {rank}: fully_shard: parameter `fc1.bias` is tensor-parallel over \
+                     ranks {pair:?} and fully_shard averages over ranks [0, 1, 2, 3]: left \
+                     out of its reduction, its gradient would not be averaged; FSDP x TP over \
+                     two groups (a 2-D mesh) is not built yet: use the same ranks for both"
+                )
+            );
+            let e = replicate::apply(&model, Default::default()).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "rank {rank}: replicate: parameter `fc1.bias` is tensor-parallel over \
+                     ranks {pair:?} and replicate averages over ranks [0, 1, 2, 3]: left out \
+                     of its buckets, its gradient would not be averaged; use the same ranks \
+                     for both"
+                )
+            );
+            assert!(
+                model.fc2.ws.equal(&before),
+                "nothing changed on rank {rank}"
+            );
+            assert!(tch_dist::fully_shard::state(&model).is_none());
+            assert!(replicate::state(&model).is_none());
+        },
+    );
+}
