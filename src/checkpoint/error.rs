@@ -52,6 +52,23 @@ pub enum CheckpointError {
         /// The folder.
         dir: PathBuf,
     },
+    /// A parameter that no API shards (saved whole, from rank 0) differs across the ranks
+    /// of the save: the other ranks' values would be lost.
+    #[error(
+        "rank {rank}: checkpoint: parameter `{fqn}` is whole on every rank but holds other \
+         values on ranks {ranks:?} than on rank 0: a checkpoint keeps rank 0's copy of such a \
+         tensor, so theirs would be lost (pipeline stages, independent models, parameters \
+         left out of data parallelism); save each rank's model over a group of its own, or \
+         make the ranks agree first"
+    )]
+    ReplicasDiffer {
+        /// This rank.
+        rank: usize,
+        /// The first such parameter, in walk order (or the first name one rank lacks).
+        fqn: String,
+        /// The ranks whose value (or shape, or presence) differs from rank 0's.
+        ranks: Vec<usize>,
+    },
     /// A file listed in the manifest is missing, truncated or changed.
     #[error("rank {rank}: checkpoint: {file} is corrupted: {cause}")]
     Corrupted {

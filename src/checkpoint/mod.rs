@@ -340,13 +340,16 @@ fn save_impl<M: Shardable + ?Sized>(
     protocol::Save::new(dir, group).run(pieces, tensors, sidecars, opts.keep_last)
 }
 
+/// One piece a rank writes: the key, its values, its offsets in the global tensor.
+type Written = (String, Tensor, Vec<i64>);
+
 /// What this rank writes (its pieces: FQN, values on the CPU, offsets; or this rank's
 /// error, which the save's first agreement makes every rank's) and the manifest's
 /// `tensors`, from the cached save plan (`plan_cache.rs`). With `copy`, every piece is a
 /// copy in host memory that nothing else holds (an async save's staging); else a piece
-/// may share the parameter's memory (a CPU tensor is not copied).
-/// One piece a rank writes: the key, its values, its offsets in the global tensor.
-type Written = (String, Tensor, Vec<i64>);
+/// may share the parameter's memory (a CPU tensor is not copied). First, on every rank
+/// (a collective), the check that the parameters saved whole from rank 0 are the same on
+/// every rank ([`plan::replicas_agree`]).
 
 fn stage<M: Shardable + ?Sized>(
     dir: &Path,
@@ -359,6 +362,9 @@ fn stage<M: Shardable + ?Sized>(
     BTreeMap<String, storage::TensorEntry>,
 ) {
     let rank = group.rank();
+    if let Err(e) = plan::replicas_agree(module, group) {
+        return (Err(e), BTreeMap::new());
+    }
     // fully_shard parameters held gathered go back to their shards first.
     if let Err(e) = crate::fully_shard::reshard_all(module) {
         let failed = protocol::Save::new(dir, group).failed("writing the files");

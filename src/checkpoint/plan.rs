@@ -316,3 +316,74 @@ pub(super) fn unflatten_state(
         .map(|(fqn, entries)| (fqn, ParamState::from_map(entries)))
         .collect()
 }
+
+/// Fails on every rank unless every parameter that no API shards (saved whole, from rank 0)
+/// has the same shape and values on every rank of `group`: otherwise the other ranks'
+/// values would be lost without a word (pipeline stages whose parts share names,
+/// independent models, parameters left out of data parallelism). One all-gather of a
+/// line per parameter (FQN, shape, the sum and the sum of squares in f64: replicas that data
+/// parallelism keeps equal are equal bit for bit).
+pub(super) fn replicas_agree<M: Shardable + ?Sized>(
+    module: &M,
+    group: &tch_dist_runtime::ProcessGroup,
+) -> Result<(), CheckpointError> {
+    const OP: &str = "checkpoint.save";
+    let placements = crate::state_dict::placements(module);
+    let mut seen = HashSet::new();
+    let lines: String = tch::no_grad(|| {
+        module
+            .named_parameters()
+            .into_iter()
+            .filter(|(fqn, t)| seen.insert(fqn.clone()) && placements.get(t).is_none())
+            .map(|(fqn, t)| {
+                let d = t.detach().to_kind(tch::Kind::Double);
+                let (sum, squares) = if d.numel() == 0 {
+                    (0.0, 0.0)
+                } else {
+                    (
+                        d.sum(tch::Kind::Double).double_value(&[]),
+                        (&d * &d).sum(tch::Kind::Double).double_value(&[]),
+                    )
+                };
+                format!("{fqn}\t{:?} {sum:e} {squares:e}\n", t.size())
+            })
+            .collect()
+    });
+    let all = group.all_gather_bytes(OP, lines.as_bytes())?;
+    let parse = |b: &[u8]| -> BTreeMap<String, String> {
+        String::from_utf8_lossy(b)
+            .lines()
+            .filter_map(|l| l.split_once('\t'))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    let per_rank: Vec<BTreeMap<String, String>> = all.iter().map(|b| parse(b)).collect();
+    let Some(first) = per_rank.first() else {
+        return Ok(());
+    };
+    // Rank 0's walk order, then the names only other ranks have, by rank: the same order,
+    // so the same first difference, on every rank.
+    let mut names: Vec<String> = Vec::new();
+    for bytes in &all {
+        for l in String::from_utf8_lossy(bytes).lines() {
+            if let Some((k, _)) = l.split_once('\t') {
+                if !names.iter().any(|n| n == k) {
+                    names.push(k.to_string());
+                }
+            }
+        }
+    }
+    for fqn in names {
+        let ranks: Vec<usize> = (1..per_rank.len())
+            .filter(|&r| per_rank[r].get(&fqn) != first.get(&fqn))
+            .collect();
+        if !ranks.is_empty() {
+            return Err(CheckpointError::ReplicasDiffer {
+                rank: group.rank(),
+                fqn,
+                ranks,
+            });
+        }
+    }
+    Ok(())
+}

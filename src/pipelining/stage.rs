@@ -187,9 +187,10 @@ impl PendingSend {
 /// variables are named as in the whole model (`layers.2.weight` on the stage that holds
 /// layer 2). Its parameters stay in the `VarStore` the user built it in, which the optimizer
 /// goes by. Not yet: `tch_dist::checkpoint` of a pipelined model. A `Shardable` part's own
-/// walk restarts a `Vec` field at 0 (`layers.0` for the stage's first layer), and over the
-/// pipeline group `checkpoint::save` writes whole tensors from rank 0 only, so do not save a
-/// stage's part with it; each rank's `VarStore::save` keeps the whole model's names.
+/// walk restarts a `Vec` field at 0 (`layers.0` for the stage's first layer), and
+/// `checkpoint::save` writes a tensor no API shards from rank 0 only, so over the pipeline
+/// group it refuses the stages' parts (`CheckpointError::ReplicasDiffer`: their parameters
+/// differ across ranks); each rank's `VarStore::save` keeps the whole model's names.
 ///
 /// Activation shapes are found at run time, as PyTorch does without example inputs: the
 /// first microbatch's (shape, dtype) goes ahead to the next stage once; every later

@@ -308,3 +308,40 @@ fn latest_valid_skips_damaged_checkpoints() {
         },
     );
 }
+
+/// A parameter no API shards is saved whole, from rank 0: when ranks hold other values for
+/// it (pipeline stages whose parts share names, independent models), the save is refused on
+/// every rank, naming the first such parameter and the ranks, and nothing is written.
+#[test]
+fn replicas_that_differ_are_refused_on_every_rank() {
+    run_ranks(
+        "refusals::replicas_that_differ_are_refused_on_every_rank",
+        3,
+        |pg| {
+            let r = pg.rank();
+            let dir = scratch("replicas_differ", &pg);
+            let ckpt = dir.join("step-00000001");
+            let vs = nn::VarStore::new(Device::Cpu);
+            // Ranks 0 and 1 the same model, rank 2 another.
+            let model = mlp(&vs, 8, if r == 2 { 9 } else { 1 });
+            let e = checkpoint::save(&ckpt, &model, &pg).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "rank {r}: checkpoint: parameter `fc1.weight` is whole on every rank but \
+                     holds other values on ranks [2] than on rank 0: a checkpoint keeps rank \
+                     0's copy of such a tensor, so theirs would be lost (pipeline stages, \
+                     independent models, parameters left out of data parallelism); save each \
+                     rank's model over a group of its own, or make the ranks agree first"
+                )
+            );
+            pg.barrier().unwrap();
+            assert!(!ckpt.exists(), "nothing written");
+            assert!(checkpoint::latest(&dir).is_none());
+            // The same values everywhere save as before.
+            let same_vs = nn::VarStore::new(Device::Cpu);
+            let same = mlp(&same_vs, 8, 1);
+            checkpoint::save(&ckpt, &same, &pg).unwrap();
+        },
+    );
+}
