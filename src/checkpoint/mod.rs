@@ -349,8 +349,7 @@ type Written = (String, Tensor, Vec<i64>);
 /// copy in host memory that nothing else holds (an async save's staging); else a piece
 /// may share the parameter's memory (a CPU tensor is not copied). First, on every rank
 /// (a collective), the check that the parameters saved whole from rank 0 are the same on
-/// every rank ([`plan::replicas_agree`]).
-
+/// every rank (`plan::replicas_agree`).
 fn stage<M: Shardable + ?Sized>(
     dir: &Path,
     module: &M,
