@@ -349,38 +349,41 @@ pub(super) fn replicas_agree<M: Shardable + ?Sized>(
             })
             .collect()
     });
-    let all = group.all_gather_bytes(OP, lines.as_bytes())?;
-    let parse = |b: &[u8]| -> BTreeMap<String, String> {
-        String::from_utf8_lossy(b)
-            .lines()
-            .filter_map(|l| l.split_once('\t'))
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    };
-    let per_rank: Vec<BTreeMap<String, String>> = all.iter().map(|b| parse(b)).collect();
+    // Each rank's lines, in its walk order.
+    let lists: Vec<Vec<(String, String)>> = group
+        .all_gather_bytes(OP, lines.as_bytes())?
+        .iter()
+        .map(|b| {
+            String::from_utf8_lossy(b)
+                .lines()
+                .filter_map(|l| l.split_once('\t'))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        })
+        .collect();
+    let per_rank: Vec<BTreeMap<&str, &str>> = lists
+        .iter()
+        .map(|l| l.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect())
+        .collect();
     let Some(first) = per_rank.first() else {
         return Ok(());
     };
     // Rank 0's walk order, then the names only other ranks have, by rank: the same order,
     // so the same first difference, on every rank.
-    let mut names: Vec<String> = Vec::new();
-    for bytes in &all {
-        for l in String::from_utf8_lossy(bytes).lines() {
-            if let Some((k, _)) = l.split_once('\t') {
-                if !names.iter().any(|n| n == k) {
-                    names.push(k.to_string());
-                }
-            }
+    let mut names: Vec<&str> = Vec::new();
+    for (k, _) in lists.iter().flatten() {
+        if !names.contains(&k.as_str()) {
+            names.push(k);
         }
     }
     for fqn in names {
         let ranks: Vec<usize> = (1..per_rank.len())
-            .filter(|&r| per_rank[r].get(&fqn) != first.get(&fqn))
+            .filter(|&r| per_rank[r].get(fqn) != first.get(fqn))
             .collect();
         if !ranks.is_empty() {
             return Err(CheckpointError::ReplicasDiffer {
                 rank: group.rank(),
-                fqn,
+                fqn: fqn.to_string(),
                 ranks,
             });
         }

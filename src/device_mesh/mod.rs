@@ -391,6 +391,21 @@ impl DeviceMesh {
         Ok(&self.find("DeviceMesh::get_group", name)?.group)
     }
 
+    /// The process groups of every dim that hold this rank, in the mesh's order (PyTorch's
+    /// `get_all_groups`).
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
+    /// let mesh = tch_dist::device_mesh::init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+    /// let [dp, tp] = mesh.get_all_groups()[..] else { unreachable!() };
+    /// assert_eq!((dp.world_size(), tp.world_size()), (2, 2));
+    /// # Ok(()) }
+    /// ```
+    pub fn get_all_groups(&self) -> Vec<&ProcessGroup> {
+        self.dims.iter().map(|d| &d.group).collect()
+    }
+
     /// This rank's rank along dim `name` (PyTorch's `get_local_rank`).
     pub fn get_local_rank(&self, name: &str) -> Result<usize, MeshError> {
         Ok(self.find("DeviceMesh::get_local_rank", name)?.group.rank())

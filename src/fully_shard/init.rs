@@ -50,22 +50,12 @@ pub(super) fn process_groups(opts: &FsdpOptions) -> Result<Groups, FsdpError> {
     if opts.process_group.is_some() {
         return Err(refuse(MeshUse::AndGroup));
     }
-    let names = mesh.dim_names();
-    // The names are the mesh's own: each has its group.
-    let group = |name: &str| {
-        mesh.get_group(name)
-            .cloned()
-            .map_err(|_| refuse(MeshUse::Dims { ndim: mesh.ndim() }))
-    };
-    match names.as_slice() {
-        [shard] => {
-            let g = group(shard)?;
-            Ok(Groups {
-                shard: g.clone(),
-                replicate: None,
-                all: g,
-            })
-        }
+    match mesh.get_all_groups()[..] {
+        [shard] => Ok(Groups {
+            shard: shard.clone(),
+            replicate: None,
+            all: shard.clone(),
+        }),
         [replicate, shard] => {
             if mesh.numel() != world.world_size() {
                 return Err(refuse(MeshUse::NotWorld {
@@ -74,8 +64,8 @@ pub(super) fn process_groups(opts: &FsdpOptions) -> Result<Groups, FsdpError> {
                 }));
             }
             Ok(Groups {
-                shard: group(shard)?,
-                replicate: Some(group(replicate)?),
+                shard: shard.clone(),
+                replicate: Some(replicate.clone()),
                 all: world,
             })
         }
@@ -343,24 +333,18 @@ pub(super) fn call_names(found: &Collected, rank: usize) -> Arc<hooks::CallNames
 }
 
 /// The first parameter `shard_module` sharded over other ranks than `groups.all` (what
-/// fully_shard averages over): fully_shard leaves tensor-parallel parameters out, which is
-/// right only when their group is the same ranks.
+/// fully_shard averages over), as the refusal.
 pub(super) fn tensor_parallel_elsewhere<M: Shardable + ?Sized>(
     module: &M,
     groups: &Groups,
 ) -> Option<FsdpError> {
     let ranks = groups.all.global_ranks();
-    let mut sharded: Vec<_> = crate::sharding::sharded_params_in(module)
-        .into_iter()
-        .collect();
-    sharded.sort_by(|a, b| a.0.cmp(&b.0));
-    sharded
-        .into_iter()
-        .find(|(_, p)| p.state.group().global_ranks() != ranks)
-        .map(|(fqn, p)| FsdpError::TensorParallelRanks {
+    crate::sharding::sharded_outside(module, ranks).map(|(fqn, tp_ranks)| {
+        FsdpError::TensorParallelRanks {
             rank: groups.shard.rank(),
             fqn,
-            tp_ranks: p.state.group().global_ranks().to_vec(),
+            tp_ranks,
             ranks: ranks.to_vec(),
-        })
+        }
+    })
 }

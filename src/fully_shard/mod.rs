@@ -159,18 +159,25 @@ pub(crate) struct FsdpParam {
     pub info: ShardInfo,
 }
 
+/// The outermost fully_shard calls in `module` (none encloses another), with their FQNs,
+/// in walk order.
+fn outermost_states<M: Shardable + ?Sized>(module: &M) -> Vec<(String, Arc<FsdpState>)> {
+    let mut roots: Vec<(String, Arc<FsdpState>)> = Vec::new();
+    for (prefix, m) in module.named_modules() {
+        if roots.iter().any(|(o, _)| is_within(&prefix, o)) {
+            continue;
+        }
+        if let Some(s) = fully_shard_state(m) {
+            roots.push((prefix, s));
+        }
+    }
+    roots
+}
+
 /// Every parameter a fully_shard call in `module` manages, by its FQN in `module`.
 pub(crate) fn fsdp_params_in<M: Shardable + ?Sized>(module: &M) -> HashMap<String, FsdpParam> {
     let mut out = HashMap::new();
-    let mut outermost: Vec<String> = Vec::new();
-    for (prefix, m) in module.named_modules() {
-        if outermost.iter().any(|o| is_within(&prefix, o)) {
-            continue;
-        }
-        let Some(s) = fully_shard_state(m) else {
-            continue;
-        };
-        outermost.push(prefix.clone());
+    for (prefix, s) in outermost_states(module) {
         let base = s.prefix();
         for inner in s.all() {
             // Prefixes are relative to the outermost call; `s` may be a nested one.
@@ -200,15 +207,7 @@ pub(crate) fn fsdp_params_in<M: Shardable + ?Sized>(module: &M) -> HashMap<Strin
 /// backward finishes them all, in forward order, so that a block autograd did not reach on
 /// some rank still issues its (zero) reduce-scatter there, alike on every rank.
 pub(crate) fn share_backward_pass<M: Shardable + ?Sized>(module: &M) {
-    let mut roots: Vec<(String, Arc<FsdpState>)> = Vec::new();
-    for (prefix, m) in module.named_modules() {
-        if roots.iter().any(|(o, _)| is_within(&prefix, o)) {
-            continue;
-        }
-        if let Some(s) = fully_shard_state(m) {
-            roots.push((prefix, s));
-        }
-    }
+    let roots = outermost_states(module);
     if let Some((_, first)) = roots.first() {
         for (_, root) in &roots[1..] {
             for s in root.all() {

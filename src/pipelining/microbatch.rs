@@ -14,6 +14,30 @@ use tch_dist_runtime::{ProcessGroup, ReduceOp};
 
 use super::error::{PipelineError, PipelineProblem};
 
+/// `values` summed over every rank of `group` (each rank fills its own slots, so the sum is
+/// every rank's values): the pipeline's checks before any work, one small all-reduce.
+pub(super) fn sum_over(
+    group: &ProcessGroup,
+    op: &'static str,
+    values: &[i64],
+) -> Result<Vec<i64>, PipelineError> {
+    let rank = group.rank();
+    let failed = |e| PipelineError::Check {
+        rank,
+        op,
+        source: Box::new(e),
+    };
+    let t = Tensor::from_slice(values).to_device(Device::Cpu);
+    group.all_reduce(&t, ReduceOp::Sum).map_err(failed)?;
+    Vec::<i64>::try_from(&t.to_kind(Kind::Int64)).map_err(|_| {
+        failed(tch_dist_runtime::DistError::Internal {
+            rank,
+            op,
+            what: "the check's sums could not be read back",
+        })
+    })
+}
+
 /// What one rank found wrong with its own part of a step's inputs (a code per problem, so
 /// that it travels in an integer tensor).
 fn code(problem: &PipelineProblem) -> i64 {
@@ -60,15 +84,7 @@ pub(crate) fn check_step(
     values[rank] = own.as_ref().map_or(0, code);
     values[world] = input_rows;
     values[world + 1] = target_rows;
-    let t = Tensor::from_slice(&values).to_device(Device::Cpu);
-    group
-        .all_reduce(&t, ReduceOp::Sum)
-        .map_err(|e| PipelineError::Check {
-            rank,
-            op,
-            source: Box::new(e),
-        })?;
-    let all: Vec<i64> = Vec::<i64>::try_from(&t.to_kind(Kind::Int64)).unwrap_or(values);
+    let all = sum_over(group, op, &values)?;
     let refuse = |problem| PipelineError::Invalid { rank, op, problem };
     if let Some(problem) = own {
         return Err(refuse(problem));

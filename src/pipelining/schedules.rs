@@ -19,7 +19,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tch::Tensor;
 use tch_dist_core::hooks::ForwardError;
-use tch_dist_runtime::{ProcessGroup, ReduceOp};
+use tch_dist_runtime::ProcessGroup;
 
 use super::error::{PipelineError, PipelineProblem};
 use super::microbatch::{check_step, split};
@@ -330,15 +330,7 @@ fn agree(
         values[rank * W + i] = *v;
     }
     values[rank * W + 4] = i64::from(own.is_some());
-    let t = Tensor::from_slice(&values);
-    group
-        .all_reduce(&t, ReduceOp::Sum)
-        .map_err(|e| PipelineError::Check {
-            rank,
-            op,
-            source: Box::new(e),
-        })?;
-    let all: Vec<i64> = Vec::<i64>::try_from(&t).unwrap_or(values);
+    let all = super::microbatch::sum_over(group, op, &values)?;
     let refuse = |problem| PipelineError::Invalid { rank, op, problem };
     if let Some(problem) = own {
         return Err(refuse(problem));

@@ -34,17 +34,8 @@ pub(super) fn group_of(opts: &Options) -> Result<ProcessGroup, ReplicateError> {
             None => default_group()?,
         });
     };
-    let names = mesh.dim_names();
-    match (names.as_slice(), &opts.process_group) {
-        // A mesh's own dim always has its group.
-        ([name], None) => Ok(mesh
-            .get_group(name)
-            .map_err(|_| tch_dist_runtime::DistError::Internal {
-                rank: mesh.get_coordinate().first().copied().unwrap_or(0),
-                op: "replicate",
-                what: "a mesh's dim without its group",
-            })?
-            .clone()),
+    match (mesh.get_all_groups().as_slice(), &opts.process_group) {
+        ([group], None) => Ok((*group).clone()),
         (_, group) => Err(ReplicateError::Mesh {
             rank: default_group()?.rank(),
             ndim: mesh.ndim(),
@@ -162,25 +153,17 @@ pub(super) fn in_module<M: Shardable + ?Sized>(module: &M, opts: &Options, rank:
 }
 
 /// Refuses a parameter `shard_module` sharded over other ranks than `group`: replicate
-/// leaves tensor-parallel parameters out of its buckets, which is right only when their
-/// group is the same ranks (every rank then holds its own shard's whole gradient).
+/// leaves tensor-parallel parameters out of its buckets.
 pub(super) fn tensor_parallel_elsewhere<M: Shardable + ?Sized>(
     module: &M,
     group: &ProcessGroup,
 ) -> Result<(), ReplicateError> {
     let ranks = group.global_ranks();
-    let mut sharded: Vec<_> = crate::sharding::sharded_params_in(module)
-        .into_iter()
-        .collect();
-    sharded.sort_by(|a, b| a.0.cmp(&b.0));
-    match sharded
-        .into_iter()
-        .find(|(_, p)| p.state.group().global_ranks() != ranks)
-    {
-        Some((fqn, p)) => Err(ReplicateError::TensorParallelRanks {
+    match crate::sharding::sharded_outside(module, ranks) {
+        Some((fqn, tp_ranks)) => Err(ReplicateError::TensorParallelRanks {
             rank: group.rank(),
             fqn,
-            tp_ranks: p.state.group().global_ranks().to_vec(),
+            tp_ranks,
             ranks: ranks.to_vec(),
         }),
         None => Ok(()),

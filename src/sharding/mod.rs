@@ -97,8 +97,8 @@ pub use parallel::{
 pub use plan::{PlanEntry, ShardingPlan, ShardingPlanBuilder};
 pub use planner::{MegatronPlanner, ShardingPlanner};
 pub use sharder::{ColwiseLinear, RowwiseLinear, ShardedModule, Sharder};
-pub(crate) use state::sharded_params_in;
 pub use state::ShardState;
+pub(crate) use state::{sharded_outside, sharded_params_in};
 pub use tch_dist_core::sharding::*;
 pub use tch_dist_runtime::sharding::{functional, Shard, ShardedTensor};
 

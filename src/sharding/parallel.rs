@@ -186,19 +186,15 @@ pub fn parallelize_module<M: Shardable + ?Sized>(
     mesh: &DeviceMesh,
     plan: &ParallelizePlan,
 ) -> Result<Arc<ShardState>, ShardError> {
-    let names = mesh.dim_names();
     let rank = tch_dist_runtime::default_group().map_or(0, |g| g.rank());
     let refuse = |fqn: &str, problem| ShardError::Parallelize {
         rank,
         fqn: fqn.to_string(),
         problem,
     };
-    let [dim] = names.as_slice() else {
+    let [group] = mesh.get_all_groups()[..] else {
         return Err(refuse("", StyleProblem::MeshDims { ndim: mesh.ndim() }));
     };
-    let group = mesh
-        .get_group(dim)
-        .map_err(|_| refuse("", StyleProblem::MeshDims { ndim: mesh.ndim() }))?;
     let mut builder = ShardingPlan::builder();
     for (fqn, style) in &plan.entries {
         let unsupported = |style, which, layout| {

@@ -154,14 +154,28 @@ impl GroupInner {
         };
         let gathered = gather.wait()?;
         let world = self.group.world_size() as i64;
+        self.install_gathered(st, &gathered, world, |m| {
+            Some((&m.layout, m.offset, self.buckets[m.bucket].numel))
+        })
+    }
+
+    /// Restores each placed parameter's full tensor from `gathered` (`ranks` rows of padded
+    /// shards; `place` as [`collectives::copy_out`] takes it): the group is unsharded.
+    fn install_gathered<'m>(
+        &'m self,
+        st: &mut State,
+        gathered: &[Tensor],
+        ranks: i64,
+        place: impl Fn(&'m ParamMeta) -> Option<collectives::Place<'m>>,
+    ) -> Result<()> {
         collectives::copy_out(
             &self.group,
             &self.meta,
             &st.tensors,
             st.fence.as_ref(),
-            &gathered,
-            world,
-            |m| Some((&m.layout, m.offset, self.buckets[m.bucket].numel)),
+            gathered,
+            ranks,
+            place,
         )?;
         st.sharded = ShardedState::Unsharded;
         Ok(())
@@ -179,20 +193,10 @@ impl GroupInner {
         let gathered =
             collectives::all_gather_post_forward(&self.group, &sub, &self.buckets, flats)?;
         let n = sub.world_size() as i64;
-        collectives::copy_out(
-            &self.group,
-            &self.meta,
-            &st.tensors,
-            st.fence.as_ref(),
-            &gathered,
-            n,
-            |m| {
-                let (l, off) = m.post_forward.as_ref()?;
-                Some((l, *off, self.buckets[m.bucket].post_forward_numel))
-            },
-        )?;
-        st.sharded = ShardedState::Unsharded;
-        Ok(())
+        self.install_gathered(st, &gathered, n, |m| {
+            let (l, off) = m.post_forward.as_ref()?;
+            Some((l, *off, self.buckets[m.bucket].post_forward_numel))
+        })
     }
 
     /// Starts gathering the group's parameters ahead of their use (nothing to do when they

@@ -10,7 +10,7 @@ use tch::{Kind, Tensor};
 use super::context::PassContext;
 use super::group::{BackwardState, GroupInner, ShardedState, State};
 use super::hooks;
-use super::param::{self, engine, ManagedParam, ShardInfo};
+use super::param::{self, engine, ManagedParam, ParamMeta, ShardInfo};
 use super::{collectives, steps};
 use crate::autograd::{self, Interceptor};
 use crate::error::{DistError, Result};
@@ -253,11 +253,7 @@ impl FsdpGroup {
 
     /// The managed parameters: FQN, full shape, and where this rank's shard sits.
     pub fn params(&self) -> Vec<ShardInfo> {
-        self.inner
-            .meta
-            .iter()
-            .map(|m| m.info(m.fqn.clone()))
-            .collect()
+        self.inner.meta.iter().map(ParamMeta::info).collect()
     }
 
     /// The full value of managed parameter `index` (a new tensor; collective: every rank

@@ -55,11 +55,11 @@ pub(crate) struct ParamMeta {
 }
 
 impl ParamMeta {
-    /// Where this rank's rows sit, under `fqn` (the parameter's FQN as the caller names it).
-    pub(crate) fn info(&self, fqn: String) -> ShardInfo {
+    /// Where this rank's rows sit.
+    pub(crate) fn info(&self) -> ShardInfo {
         let l = &self.layout;
         ShardInfo {
-            fqn,
+            fqn: self.fqn.clone(),
             shape: l.shape().to_vec(),
             dim: l.dim(),
             offsets: l.offsets(),
