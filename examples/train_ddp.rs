@@ -22,6 +22,7 @@
 //! ```text
 //! target/release/tch-dist-run --nproc-per-node 2 --max-restarts 1 -- target/release/examples/train_ddp \
 //!     [--epochs N] [--checkpoint-dir DIR --checkpoint-every N] [--resume]
+//! target/release/examples/train_ddp --verify DIR/step-00000100   # checks every byte, one process
 //! ```
 //!
 //! Every failure ends the program with one line, `error: ...`, and exit status 1: a peer
@@ -78,6 +79,7 @@ struct Args {
     checkpoint: PathBuf,
     data: PathBuf,
     checkpoint_dir: Option<PathBuf>,
+    verify: Option<PathBuf>,
     checkpoint_every: u64,
     keep_last: usize,
     max_steps: Option<u64>,
@@ -93,6 +95,7 @@ fn parse_args() -> Result<Args, String> {
         checkpoint: PathBuf::from("data/digits_ddp.safetensors"),
         data: digits::default_path(),
         checkpoint_dir: None,
+        verify: None,
         checkpoint_every: 0,
         keep_last: 3,
         max_steps: None,
@@ -107,6 +110,7 @@ fn parse_args() -> Result<Args, String> {
             "--checkpoint" => a.checkpoint = flags.value(&flag)?.into(),
             "--data" => a.data = flags.value(&flag)?.into(),
             "--checkpoint-dir" => a.checkpoint_dir = Some(flags.value(&flag)?.into()),
+            "--verify" => a.verify = Some(flags.value(&flag)?.into()),
             "--checkpoint-every" => a.checkpoint_every = flags.parsed(&flag)?,
             "--keep-last" => a.keep_last = flags.parsed(&flag)?,
             "--max-steps" => a.max_steps = Some(flags.parsed(&flag)?),
@@ -180,6 +184,10 @@ impl Position {
 
 fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
     let args = parse_args()?;
+    // `--verify DIR` checks a checkpoint and ends: one process, no group.
+    if let Some(dir) = &args.verify {
+        return Ok(cli::verify_checkpoint(dir)?);
+    }
     // One intra-op thread per rank: the benchmarks and CI run both ranks on one 2-core
     // machine. A benchmark setting, not advice: on your machine give each rank its share of
     // the cores (or leave libtorch's default).

@@ -20,6 +20,7 @@
 //! ```text
 //! target/release/tch-dist-run --nproc-per-node 2 -- target/release/examples/train_fsdp [--epochs N] [--batch-size N] [--lr LR] \
 //!     [--checkpoint-dir DIR --checkpoint-every N]
+//! target/release/examples/train_fsdp --verify DIR/step-00000010   # checks every byte, one process
 //! ```
 //!
 //! Every failure ends the program with one line, `error: ...`, and exit status 1 (tch's
@@ -109,6 +110,7 @@ struct Args {
     lr: f64,
     data: PathBuf,
     checkpoint_dir: Option<PathBuf>,
+    verify: Option<PathBuf>,
     checkpoint_every: u64,
 }
 
@@ -119,6 +121,7 @@ fn parse_args() -> Result<Args, String> {
         lr: 3e-3,
         data: digits::default_path(),
         checkpoint_dir: None,
+        verify: None,
         checkpoint_every: 0,
     };
     let mut flags = cli::Flags::from_env();
@@ -129,6 +132,7 @@ fn parse_args() -> Result<Args, String> {
             "--lr" => a.lr = flags.parsed(&flag)?,
             "--data" => a.data = flags.value(&flag)?.into(),
             "--checkpoint-dir" => a.checkpoint_dir = Some(flags.value(&flag)?.into()),
+            "--verify" => a.verify = Some(flags.value(&flag)?.into()),
             "--checkpoint-every" => a.checkpoint_every = flags.parsed(&flag)?,
             other => return Err(cli::unknown(other)),
         }
@@ -167,6 +171,10 @@ fn backward_step<M: tch_dist::Shardable>(
 
 fn run() -> Result<(), Box<dyn Error>> {
     let args = parse_args()?;
+    // `--verify DIR` checks a checkpoint and ends: one process, no group.
+    if let Some(dir) = &args.verify {
+        return Ok(cli::verify_checkpoint(dir)?);
+    }
     // One intra-op thread per rank: the benchmarks and CI run both ranks on one 2-core
     // machine. A benchmark setting, not advice: on your machine give each rank its share of
     // the cores (or leave libtorch's default).

@@ -336,6 +336,50 @@ fn resume_checks_dtype_shape_and_keys_first() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// `--verify DIR` checks every byte of a checkpoint the example wrote, in one process: a
+/// complete one is `verified`, one with a changed byte in a tensor no load at this world
+/// size would read is still found, naming the file.
+#[test]
+fn verify_flag_checks_every_byte_of_a_checkpoint() {
+    let dir = temp_dir("verify");
+    let ckpt = dir.join("ckpt");
+    let (status, stdout, stderr) = train_ddp_alone(&[
+        "--max-steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+        "--checkpoint",
+        dir.join("final.safetensors").to_str().unwrap(),
+    ]);
+    assert!(status.success(), "{stdout}\n{stderr}");
+    let step = ckpt.join("step-00000002");
+    let verify = || train_ddp_alone(&["--verify", step.to_str().unwrap()]);
+    let (status, stdout, stderr) = verify();
+    assert!(status.success(), "{stdout}\n{stderr}");
+    assert_eq!(
+        stdout,
+        format!(
+            "verified {}: every file matches its manifest\n",
+            step.display()
+        )
+    );
+
+    // The last byte of the rank's tensor file: the end of its last tensor's data.
+    let file = step.join(tch_dist::checkpoint::file_name(0));
+    let mut bytes = std::fs::read(&file).expect("the rank's file");
+    *bytes.last_mut().unwrap() ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+    let (status, stdout, stderr) = verify();
+    assert_eq!(status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.starts_with("error: ") && stderr.contains(&file.display().to_string()),
+        "names the damaged file: {stderr}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// examples/weight_sync end to end: the PyTorch trainer (rank 0, the `.venv`'s torch) and two
 /// tch-dist workers; the trainer checks every step's actions against its own.
 #[test]

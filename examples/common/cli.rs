@@ -64,3 +64,17 @@ impl Flags {
 pub fn unknown(flag: &str) -> String {
     format!("unknown argument {flag}")
 }
+
+/// `--verify DIR`: checks every byte of the checkpoint folder `DIR` against its manifest
+/// ([`tch_dist::checkpoint::verify`], one process, no process group) and says so; a damaged
+/// or incomplete checkpoint is the error (and exit status 1 through [`main_with`]).
+pub fn verify_checkpoint(
+    dir: &std::path::Path,
+) -> Result<(), tch_dist::checkpoint::CheckpointError> {
+    tch_dist::checkpoint::verify(dir)?;
+    println!(
+        "verified {}: every file matches its manifest",
+        dir.display()
+    );
+    Ok(())
+}
