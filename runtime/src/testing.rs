@@ -69,12 +69,57 @@ pub fn describe(outputs: &[RankOutput]) -> String {
     s
 }
 
-/// A TCP port that was free a moment ago on 127.0.0.1.
+/// A TCP port that was free a moment ago, for a test job's MASTER_PORT.
+///
+/// Taken from just below the kernel's ephemeral range (`ip_local_port_range`), never from
+/// it: between this call and rank 0's store binding the port, an ephemeral port can be
+/// handed to anything that binds port 0 or connects — another test's Gloo pairs open
+/// dozens — and then the job fails with "address in use" or, worse, its ranks meet
+/// another job's store. Ports below the range are only ever taken by name. A process-wide
+/// record keeps concurrent tests of one binary from drawing the same port; a start that
+/// depends on the process id and the clock keeps separate binaries apart. Falls back to a
+/// kernel-chosen port when every candidate is taken.
 pub fn free_port() -> u16 {
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+    static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+
+    let (low, high) = ports_below_ephemeral();
+    let span = u32::from(high - low);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    // A multiplicative hash spreads neighbouring process ids and instants over the span.
+    let seed = (std::process::id() ^ nanos).wrapping_mul(2_654_435_761);
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    let handed_out = handed_out.get_or_insert_with(HashSet::new);
+    for step in 0..span {
+        let port = low + ((seed.wrapping_add(step)) % span) as u16;
+        if handed_out.contains(&port) {
+            continue;
+        }
+        // The store binds every interface; a port free there is free on 127.0.0.1 too.
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            handed_out.insert(port);
+            return port;
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("binding 127.0.0.1:0 to find a free port")
+}
+
+/// The ports `free_port` draws from: up to 8192 just below the ephemeral range, never
+/// under 10000 (well-known and registered services live there).
+fn ports_below_ephemeral() -> (u16, u16) {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let high = ephemeral_low.max(10_001);
+    let low = high.saturating_sub(8192).max(10_000);
+    (low, high)
 }
 
 /// The test this process is a rank of, if it is a child.
@@ -318,5 +363,20 @@ pub fn run_ranks_with(launch: &Launch, backend: Backend, body: impl FnOnce(Proce
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ports come from below the ephemeral range and are never handed out twice.
+    #[test]
+    fn free_ports_are_distinct_and_below_the_ephemeral_range() {
+        let (low, high) = ports_below_ephemeral();
+        let ports: Vec<u16> = (0..200).map(|_| free_port()).collect();
+        assert!(ports.iter().all(|p| (low..high).contains(p)), "{ports:?}");
+        let distinct: std::collections::HashSet<_> = ports.iter().collect();
+        assert_eq!(distinct.len(), ports.len());
     }
 }
