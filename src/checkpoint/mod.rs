@@ -77,12 +77,13 @@
 //!
 //! | file | what it does | PyTorch's counterpart (`torch/distributed/checkpoint/`) |
 //! | --- | --- | --- |
-//! | `mod.rs` | the API: [`save`], [`save_with`], [`save_with_optimizer`], [`async_save`](async_save()), [`async_save_with`], [`async_save_with_optimizer`], [`load`], [`load_with_stats`], [`load_with_optimizer`], [`load_train_state`], [`verify`], [`plan_cache_stats`] | `state_dict_saver.py` (`save`, `async_save`), `state_dict_loader.py` (`load`) |
+//! | `mod.rs` | the API: [`save`], [`save_with`], [`save_with_optimizer`], [`async_save`](async_save()), [`async_save_with`], [`async_save_with_optimizer`], [`load`], [`load_with_stats`], [`load_with`], [`load_with_optimizer`], [`load_train_state`], [`verify`], [`plan_cache_stats`] | `state_dict_saver.py` (`save`, `async_save`), `state_dict_loader.py` (`load`) |
 //! | `async_save.rs` | [`AsyncSave`]: staging, the one save in flight per process, the background group and thread | `state_dict_saver.py` (`async_save`), `staging.py` (`DefaultStager`), `_async_thread_executor.py` |
 //! | `plan_cache.rs` | the save plan cached per model and layout ([`PlanCacheStats`]) | `default_planner.py` (`enable_plan_caching`, `_cached_save_plan`) |
 //! | `plan.rs` | what a checkpoint holds and who writes it: the model's tensors with this rank's place in each global one, the optimizer's state flattened to PyTorch's names and back | `planner.py`, `default_planner.py` (`create_local_plan`, `flatten_state_dict`) |
 //! | `index.rs` | a safetensors header parsed without the data; the pieces' block digests ([`DIGEST_BLOCK_BYTES`]) | `_hf_storage.py` (`_get_safetensors_file_metadata`) |
 //! | `read_plan.rs` | the read plan: the overlapping pieces of each target and the rows of each to read, as byte ranges (pure, unit-tested) | `default_planner.py` (`create_default_local_load_plan`), `reshard.py` |
+//! | `striped.rs` | [`Reads::Striped`]: who reads each whole tensor, the check that every rank holds the same ones, the broadcast | (none: torchtitan's RFC #4035, striped I/O + collective broadcast) |
 //! | `reader.rs` | a load's I/O: manifest, headers, positioned reads of the planned ranges, each checked and decoded alone, counted in [`LoadStats`]; format 2 read whole | `_hf_storage.py` (`HuggingFaceStorageReader.read_data`) |
 //! | `reshard.rs` | a rank's part assembled from the saved pieces that overlap it (pure offset arithmetic, unit-tested) and the checks of the model against the checkpoint | `default_planner.py`, `_reshard`, `resharding.py` (`_check_shard_metadata_pair_overlap`) |
 //! | `protocol.rs` | the ranks' save, as named steps, and the file-system moves that make it crash-safe (fsyncs, the rename or swap into place) | `state_dict_saver.py` (`_save_state_dict`'s steps), `filesystem.py` |
@@ -117,6 +118,7 @@ mod reader;
 mod reshard;
 mod retention;
 mod storage;
+mod striped;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -429,18 +431,109 @@ pub fn load_with_stats<M: Shardable + ?Sized>(
     module: &M,
     group: &ProcessGroup,
 ) -> Result<LoadStats, CheckpointError> {
+    load_with(path, module, group, &LoadOptions::default())
+}
+
+/// How the ranks of a load share the reads of the tensors every rank needs whole (a
+/// replicated model's, the unsharded parts of a sharded one); shards are always read by
+/// their holder alone. See [`load_with`].
+///
+/// ```
+/// assert_eq!(tch_dist::checkpoint::Reads::default(), tch_dist::checkpoint::Reads::EachRank);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Reads {
+    /// Every rank reads what it needs itself: the default, and the faster where the files
+    /// are on a local disk or in the page cache (docs/PERFORMANCE.md, "Checkpoints").
+    #[default]
+    EachRank,
+    /// torchtitan's striped I/O + collective broadcast: each whole tensor is read by one
+    /// rank (assigned by bytes) and broadcast to the others, so the ranks together read it
+    /// once; for a shared file system, where N ranks reading the same bytes costs N times.
+    /// Where the ranks do not hold the same whole tensors (pipeline stages), each reads
+    /// its own, as with [`Reads::EachRank`].
+    Striped,
+}
+
+/// The options of [`load_with`].
+///
+/// ```
+/// let opts = tch_dist::checkpoint::LoadOptions { reads: tch_dist::checkpoint::Reads::Striped };
+/// # let _ = opts;
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Who reads the tensors every rank needs whole.
+    pub reads: Reads,
+}
+
+/// [`load_with_stats`] with `opts`: with [`Reads::Striped`], each tensor every rank needs
+/// whole is read by one rank and broadcast, after every rank's reads were checked (a
+/// damaged byte in a tensor another rank reads is still an error on every rank, nothing
+/// changed). The bytes in the returned [`LoadStats`] are this rank's reads alone.
+///
+/// ```no_run
+/// # use tch::nn;
+/// # use tch_dist::Shardable;
+/// # #[derive(Debug, Shardable)]
+/// # struct Net { fc: nn::Linear }
+/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net) -> Result<(), tch_dist::checkpoint::CheckpointError> {
+/// use tch_dist::checkpoint::{load_with, LoadOptions, Reads};
+/// let opts = LoadOptions { reads: Reads::Striped };
+/// let stats = load_with("/shared/ckpt/step-00000100", model, pg, &opts)?;
+/// # let _ = stats;
+/// # Ok(()) }
+/// ```
+pub fn load_with<M: Shardable + ?Sized>(
+    path: impl AsRef<Path>,
+    module: &M,
+    group: &ProcessGroup,
+    opts: &LoadOptions,
+) -> Result<LoadStats, CheckpointError> {
     const OP: &str = "checkpoint.load";
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
+    let targets = plan::targets(module);
+    let readers = match opts.reads {
+        Reads::Striped
+            if striped::same_on_every_rank(group, &targets).map_err(loading(rank, path))? =>
+        {
+            striped::readers(&targets, group.world_size())
+        }
+        _ => vec![None; targets.len()],
+    };
     let mut reader = reader::Reader::new(rank);
     let local = (|| {
         let opened = reader.open(path)?;
         let mut tensors = opened.tensors.clone();
         // A model-only load leaves the optimizer's state aside.
         tensors.retain(|k, _| !k.starts_with(OPTIM_STATE_PREFIX));
-        reader.fetch(&opened, &plan::targets(module), &tensors)
+        reshard::check(rank, &targets, &tensors)?;
+        let mine: Vec<bool> = readers
+            .iter()
+            .map(|r| r.is_none_or(|r| r == rank))
+            .collect();
+        let own: Vec<plan::Target> = targets
+            .iter()
+            .zip(&mine)
+            .filter(|(_, m)| **m)
+            .map(|(t, _)| t.clone())
+            .collect();
+        let mut read = reader.read(&opened, &own, &tensors)?.into_iter();
+        // The values others read: placeholders the broadcast fills.
+        Ok::<_, CheckpointError>(
+            targets
+                .iter()
+                .zip(&mine)
+                .map(|(t, m)| match m {
+                    true => read.next().expect("one value per own target"),
+                    false => (t.tensor.shallow_clone(), t.tensor.detach().empty_like()),
+                })
+                .collect::<Vec<_>>(),
+        )
     })();
     let staged = group.agree(OP, local).map_err(loading(rank, path))?;
+    striped::broadcast(group, &readers, &staged).map_err(loading(rank, path))?;
     tch::no_grad(|| {
         for (target, values) in &staged {
             target.shallow_clone().copy_(values);

@@ -33,6 +33,20 @@ pub(super) struct Target {
     pub replica_copy: bool,
 }
 
+impl Clone for Target {
+    /// The same entry, its tensor the same storage.
+    fn clone(&self) -> Self {
+        Target {
+            fqn: self.fqn.clone(),
+            tensor: self.tensor.shallow_clone(),
+            offsets: self.offsets.clone(),
+            global: self.global.clone(),
+            sharded: self.sharded,
+            replica_copy: self.replica_copy,
+        }
+    }
+}
+
 /// The model's parameters and buffers, with this rank's place in each global tensor.
 pub(super) fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
     // Where each sharded parameter's pieces are: the one placement record (a tied

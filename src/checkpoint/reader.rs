@@ -320,8 +320,19 @@ impl Reader {
         tensors: &BTreeMap<String, TensorEntry>,
     ) -> Result<Vec<(Tensor, Tensor)>, CheckpointError> {
         reshard::check(self.rank, targets, tensors)?;
+        self.read(opened, targets, tensors)
+    }
+
+    /// [`Reader::fetch`] of `targets` once they were checked against the whole checkpoint
+    /// (a striped load reads only some of the model's targets).
+    pub(super) fn read(
+        &mut self,
+        opened: &Opened,
+        targets: &[Target],
+        tensors: &BTreeMap<String, TensorEntry>,
+    ) -> Result<Vec<(Tensor, Tensor)>, CheckpointError> {
         let files = match &opened.source {
-            Source::Whole(pieces) => return reshard::assemble(self.rank, targets, pieces, tensors),
+            Source::Whole(pieces) => return reshard::assemble(self.rank, targets, pieces),
             Source::Indexed(files) => files,
         };
         let sizes: Vec<Vec<i64>> = targets.iter().map(|t| t.tensor.size()).collect();
@@ -350,7 +361,7 @@ impl Reader {
                 .or_default()
                 .push(self.decode(f, piece, tensors, read.rows, &bytes)?);
         }
-        reshard::assemble(self.rank, targets, &pieces, tensors)
+        reshard::assemble(self.rank, targets, &pieces)
     }
 
     /// Checks `bytes`, rows `rows` of `piece` (whole blocks of `block` rows), against the

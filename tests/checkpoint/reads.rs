@@ -450,3 +450,61 @@ fn a_manifest_whose_digests_do_not_fit_is_refused() {
         },
     );
 }
+
+/// A replicated model's checkpoint (rank 0's file of whole tensors) loaded at 3 ranks with
+/// `Reads::Striped`: each whole tensor is read by one rank, largest first to the rank with
+/// the fewest bytes (fc1.weight to 0, fc2.weight to 1, fc1.bias and fc2.bias to 2), and
+/// broadcast, so the ranks together read the checkpoint's data once, not three times; the
+/// values equal the saved ones on every rank. A flipped byte in fc2.weight, which only
+/// rank 1 reads, fails the load on every rank with nothing changed.
+#[test]
+fn striped_reads_share_a_replicated_models_tensors_out() {
+    use tch_dist::checkpoint::{LoadOptions, Reads};
+    run_ranks(
+        "reads::striped_reads_share_a_replicated_models_tensors_out",
+        3,
+        |pg| {
+            let ckpt = scratch("reads_striped", &pg).join("whole");
+            let reference = nn::VarStore::new(Device::Cpu);
+            let saved = wide(&reference, 1);
+            checkpoint::save(&ckpt, &saved, &pg).unwrap();
+            let file = ckpt.join(checkpoint::file_name(0));
+            let overhead = len(&ckpt.join(checkpoint::MANIFEST)) + header(&file).0;
+            let striped = LoadOptions {
+                reads: Reads::Striped,
+            };
+
+            let model = wide(&nn::VarStore::new(Device::Cpu), 2);
+            let stats = checkpoint::load_with(&ckpt, &model, &pg, &striped).unwrap();
+            let share = [65536 * 4 * 4, 4 * 65536 * 4, 65536 * 4 + 4 * 4][pg.rank()];
+            let expected = LoadStats {
+                bytes_read: overhead + share,
+                files_opened: 1,
+            };
+            assert_eq!(stats, expected, "rank {}'s striped reads", pg.rank());
+            equals_reference(&model, &reference, "striped");
+            // Each rank on its own reads all of it.
+            let model = wide(&nn::VarStore::new(Device::Cpu), 2);
+            let stats = checkpoint::load_with_stats(&ckpt, &model, &pg).unwrap();
+            assert_eq!(
+                stats.bytes_read,
+                overhead + 2 * 65536 * 4 * 4 + 65536 * 4 + 16
+            );
+            equals_reference(&model, &reference, "each rank");
+
+            flip(&pg, &file, data_start(&file, "fc2.weight") + 100);
+            let model = wide(&nn::VarStore::new(Device::Cpu), 2);
+            let err = checkpoint::load_with(&ckpt, &model, &pg, &striped).unwrap_err();
+            match (pg.rank(), &err) {
+                (1, CheckpointError::Corrupted { file: f, .. }) => assert_eq!(f, &file),
+                (0 | 2, CheckpointError::Dist(DistError::PeersFailed { ranks, .. })) => {
+                    assert_eq!(ranks, &[1])
+                }
+                _ => panic!("rank {}: {err:?}", pg.rank()),
+            }
+            let untouched = wide(&nn::VarStore::new(Device::Cpu), 2);
+            assert!(model.fc2.ws.equal(&untouched.fc2.ws), "nothing changed");
+            assert!(model.fc1.ws.equal(&untouched.fc1.ws), "nothing changed");
+        },
+    );
+}
