@@ -71,8 +71,13 @@ doc: setup
 # per-block groups; about 1.5 minutes more); a model=NAME line of ratios per model, an
 # `fsdp fsdp_vs_pytorch=R fsdp_rss_vs_pytorch=R fsdp_bytes_vs_replicate=R` line, and last
 # the MLP's tch_dist_vs_pytorch_ddp=<ratio>. BENCH_ARGS="--models fsdp" runs FSDP alone.
+# First the checkpoint part (bench/checkpoint.py, about 3 minutes: save, async_save and
+# loads at 2 and 4 ranks of a 403 MB fully_shard model against PyTorch's DCP; its goal lines
+# start with ckpt_); BENCH_CHECKPOINT=0 leaves it out.
+BENCH_CHECKPOINT ?= 1
 bench: setup
-	$(CARGO) build --release --bin tch-dist-run --example bench_ddp
+	$(CARGO) build --release --bin tch-dist-run --example bench_ddp --example bench_checkpoint
+	if [ "$(BENCH_CHECKPOINT)" != 0 ]; then $(PY) bench/checkpoint.py; fi
 	$(PY) bench/driver.py $(BENCH_ARGS)
 
 # GPU: builds here and stages into target/gpu-check/ what the GPU machine (torch, no cargo)
