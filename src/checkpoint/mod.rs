@@ -494,6 +494,12 @@ pub fn load_with<M: Shardable + ?Sized>(
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
     let targets = plan::targets(module);
+    // Every rank must share the reads the same way: a striped rank's all-gather of its
+    // whole tensors' digest would otherwise meet another rank's reads.
+    let reads = [("reads".to_string(), format!("{:?}", opts.reads))];
+    group
+        .verify_same_options(OP, &reads)
+        .map_err(|e| loading(rank, path)(e.into()))?;
     let readers = match opts.reads {
         Reads::Striped
             if striped::same_on_every_rank(group, &targets).map_err(loading(rank, path))? =>

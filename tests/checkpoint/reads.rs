@@ -505,6 +505,23 @@ fn striped_reads_share_a_replicated_models_tensors_out() {
             let untouched = wide(&nn::VarStore::new(Device::Cpu), 2);
             assert!(model.fc2.ws.equal(&untouched.fc2.ws), "nothing changed");
             assert!(model.fc1.ws.equal(&untouched.fc1.ws), "nothing changed");
+
+            // Ranks that share the reads differently: an error on every rank naming the
+            // option, nothing changed (rank 0 striped, the others each their own).
+            let opts = LoadOptions {
+                reads: [Reads::Striped, Reads::EachRank, Reads::EachRank][pg.rank()],
+            };
+            let err = checkpoint::load_with(&ckpt, &model, &pg, &opts).unwrap_err();
+            let CheckpointError::Load { source, .. } = &err else {
+                panic!("rank {}: {err:?}", pg.rank());
+            };
+            assert!(
+                matches!(**source, DistError::Mismatch { .. })
+                    && source.to_string().contains("reads"),
+                "rank {}: {source}",
+                pg.rank()
+            );
+            assert!(model.fc1.ws.equal(&untouched.fc1.ws), "nothing changed");
         },
     );
 }
