@@ -225,6 +225,13 @@ char* tdr_group_set_foreign_peers(TdrGroup* g, bool foreign) {
   TDR_CATCH
 }
 
+// c10d's getDefaultGlooLazyInit, the setting every group's devices are created with.
+char* tdr_gloo_lazy_init(bool* out) {
+  TDR_TRY
+  *out = c10d::getDefaultGlooLazyInit();
+  TDR_CATCH
+}
+
 // Shuts the backends down now, whoever else holds the group (see shutdown_backends).
 char* tdr_group_shutdown(TdrGroup* g) {
   TDR_TRY

@@ -124,6 +124,9 @@ char* tdr_group_connect(TdrGroup* g);
 // DETAIL in a job with ranks that are not tch-dist's (PyTorch's): c10d's checks only, which
 // PyTorch's ranks make too; no broadcast root check, and a mismatch reports this rank's call.
 char* tdr_group_set_foreign_peers(TdrGroup* g, bool foreign);
+// Whether Gloo's pairs connect at their first use (c10d's TORCH_GLOO_LAZY_INIT), not when
+// a group is created.
+char* tdr_gloo_lazy_init(bool* out);
 char* tdr_group_shutdown(TdrGroup* g);
 void tdr_group_free(TdrGroup* g);
 

@@ -169,6 +169,7 @@ extern "C" {
     ) -> ShimStatus;
     pub fn tdr_group_connect(g: *mut TdrGroup) -> ShimStatus;
     pub fn tdr_group_set_foreign_peers(g: *mut TdrGroup, foreign: bool) -> ShimStatus;
+    pub fn tdr_gloo_lazy_init(out: *mut bool) -> ShimStatus;
     pub fn tdr_group_shutdown(g: *mut TdrGroup) -> ShimStatus;
     pub fn tdr_group_free(g: *mut TdrGroup);
 

@@ -189,15 +189,74 @@ pub(crate) fn store_barrier(
     world_size: usize,
     deadline: Deadline,
 ) -> Result<(), RendezvousError> {
+    let key = format!("{BARRIER_KEY_PREFIX}:{name}");
+    barrier_on(
+        store,
+        &key,
+        world_size,
+        deadline,
+        "the store-based barrier (TORCH_DIST_INIT_BARRIER=1)",
+    )
+}
+
+/// Waits, once this rank's backends of the group named `name` are connected, until every
+/// member's are, when every member is a tch-dist rank (a PyTorch rank takes no part; with
+/// one, the group goes without, as PyTorch's own groups do) and Gloo connects its pairs at
+/// creation (with `TORCH_GLOO_LAZY_INIT` they connect at first use, so there is no race;
+/// nor could the join keys be read then, as a creation then waits for no peer). Once a
+/// non-lazy creation returns, every tch-dist member has joined (it writes its join key
+/// before its Gloo address, which the creation waited for), so every member decides alike. Gloo's `connectFullMesh`
+/// returns on a rank whose pairs are done while a peer is still connecting its other
+/// pairs; were that rank to drop the group (or exit) at once, the peer would read
+/// end-of-file on their pair and fail with "Connection closed by peer". One counter in
+/// the group's own store (`group`), by the deadline.
+pub(crate) fn all_connected(
+    root: &Store,
+    group: &Store,
+    name: &str,
+    world_size: usize,
+    deadline: Deadline,
+) -> Result<(), RendezvousError> {
+    if world_size < 2 || gloo_lazy_init() || has_foreign_ranks(root, name, world_size) {
+        return Ok(());
+    }
+    barrier_on(
+        group,
+        CONNECTED_KEY,
+        world_size,
+        deadline,
+        "the check that every rank connected the group's backends",
+    )
+}
+
+/// c10d's `TORCH_GLOO_LAZY_INIT` as its groups read it (false if the shim cannot say).
+fn gloo_lazy_init() -> bool {
+    let mut lazy = false;
+    // SAFETY: a valid out-pointer; the shim catches every exception.
+    crate::ffi::check(unsafe { crate::ffi::tdr_gloo_lazy_init(&mut lazy) }).is_ok() && lazy
+}
+
+/// The key of [`all_connected`]'s count, in a group's own store.
+const CONNECTED_KEY: &str = "tch_dist_connected";
+
+/// Each of `world_size` ranks adds 1 to `key`, the one that makes it `world_size` sets
+/// `{key}:last_worker`, and every rank waits for that key (by the deadline; then
+/// `NotAllCheckedIn` with the count, naming `what`).
+fn barrier_on(
+    store: &Store,
+    key: &str,
+    world_size: usize,
+    deadline: Deadline,
+    what: &'static str,
+) -> Result<(), RendezvousError> {
     let engine = |e: crate::DistError| RendezvousError::Engine {
         cause: e.to_string(),
     };
-    let key = format!("{BARRIER_KEY_PREFIX}:{name}");
     let last = format!("{key}:last_worker");
-    store.add(&key, 1).map_err(engine)?;
-    if store.add(&key, 0).map_err(engine)? == world_size as i64 {
+    if store.add(key, 1).map_err(engine)? == world_size as i64 {
         store.set(&last, b"1").map_err(engine)?;
     }
+    let mut pause = Duration::from_millis(1);
     loop {
         if store.check(&last).map_err(engine)? {
             return Ok(());
@@ -205,13 +264,14 @@ pub(crate) fn store_barrier(
         let left = deadline.left();
         if left.is_zero() {
             return Err(RendezvousError::NotAllCheckedIn {
-                what: "the store-based barrier (TORCH_DIST_INIT_BARRIER=1)",
-                joined: store.add(&key, 0).unwrap_or(-1),
+                what,
+                joined: store.add(key, 0).unwrap_or(-1),
                 world_size,
                 timeout: deadline.timeout(),
             });
         }
-        std::thread::sleep(left.min(Duration::from_millis(10)));
+        std::thread::sleep(left.min(pause));
+        pause = (pause * 2).min(Duration::from_millis(10));
     }
 }
 

@@ -82,6 +82,14 @@ impl ProcessGroup {
         .map_err(missing)?;
         detail_with_foreign_ranks(&handle, &store, DEFAULT_NAME, opts.world_size, opts.debug)
             .map_err(|cause| at.engine(cause))?;
+        rendezvous::all_connected(
+            &store,
+            &default_store,
+            DEFAULT_NAME,
+            opts.world_size,
+            deadline,
+        )
+        .map_err(|p| at.failed(p))?;
         if opts.init_barrier {
             // PyTorch's barrier of init_process_group: on PrefixStore("default_pg").
             let barrier_store = at.prefixed(&store, "default_pg")?;
@@ -204,6 +212,8 @@ impl ProcessGroup {
         })?;
         detail_with_foreign_ranks(&handle, &world.root, &name, ranks.len(), self.inner.debug)
             .map_err(|cause| at.engine(cause))?;
+        rendezvous::all_connected(&world.root, &store, &name, ranks.len(), deadline)
+            .map_err(|p| at.failed(p))?;
         world.live_groups.fetch_add(1, Ordering::SeqCst);
         let inner = Arc::new(GroupInner::new(
             handle,
