@@ -22,8 +22,10 @@
 //! safetensors header (8 bytes, then the JSON with `DCP_SHARDING_INFO`), makes a *read
 //! plan* from them and this rank's targets (`read_plan.rs`: for each of its tensors, the
 //! saved pieces that overlap it and, of each, the dim-0 rows that overlap, one contiguous
-//! byte range), reads those ranges with positioned reads, decodes each alone and copies it
-//! into place; nothing is decoded whole to be narrowed. A tensor sharded on dim 0
+//! byte range), reads those ranges with positioned reads straight into this rank's staged
+//! values where they are whole rows of them, else into one buffer whose overlap is copied
+//! into place; nothing is decoded whole to be narrowed, and a load holds its staged values
+//! and one read. A tensor sharded on dim 0
 //! (fully_shard, colwise) costs a rank its share; one sharded on another dim (rowwise) the
 //! overlapping rows whole. [`load_with_stats`] says how many bytes and files a rank read.
 //!
@@ -84,8 +86,8 @@
 //! | `index.rs` | a safetensors header parsed without the data; the pieces' block digests ([`DIGEST_BLOCK_BYTES`]) | `_hf_storage.py` (`_get_safetensors_file_metadata`) |
 //! | `read_plan.rs` | the read plan: the overlapping pieces of each target and the rows of each to read, as byte ranges (pure, unit-tested) | `default_planner.py` (`create_default_local_load_plan`), `reshard.py` |
 //! | `striped.rs` | [`Reads::Striped`]: who reads each whole tensor, the check that every rank holds the same ones, the broadcast | (none: torchtitan's RFC #4035, striped I/O + collective broadcast) |
-//! | `reader.rs` | a load's I/O: manifest, headers, positioned reads of the planned ranges, each checked and decoded alone, counted in [`LoadStats`]; format 2 read whole | `_hf_storage.py` (`HuggingFaceStorageReader.read_data`) |
-//! | `reshard.rs` | a rank's part assembled from the saved pieces that overlap it (pure offset arithmetic, unit-tested) and the checks of the model against the checkpoint | `default_planner.py`, `_reshard`, `resharding.py` (`_check_shard_metadata_pair_overlap`) |
+//! | `reader.rs` | a load's I/O: manifest, headers, positioned reads of the planned ranges into the staged values (or one buffer of the rows read), each checked, counted in [`LoadStats`]; format 2 read whole | `_hf_storage.py` (`HuggingFaceStorageReader.read_data`) |
+//! | `reshard.rs` | a rank's part assembled from the saved pieces that overlap it (pure offset arithmetic, unit-tested), filled as the reads arrive (`Staged`'s coverage from the regions filled), and the checks of the model against the checkpoint | `default_planner.py`, `_reshard`, `resharding.py` (`_check_shard_metadata_pair_overlap`) |
 //! | `protocol.rs` | the ranks' save, as named steps, and the file-system moves that make it crash-safe (fsyncs, the rename or swap into place) | `state_dict_saver.py` (`_save_state_dict`'s steps), `filesystem.py` |
 //! | `storage.rs` | the files: the safetensors layout, `DCP_SHARDING_INFO`, the manifest and sidecars through their serde structs, whole files against their checksums ([`verify`], format 2) | `_hf_storage.py` / `hf_storage.py` (`HuggingFaceStorageReader`/`Writer`), `storage.py`, `metadata.py` |
 //! | `retention.rs` | [`latest`], [`latest_valid`], pruning to `keep_last` | (none: torchtitan's checkpoint manager keeps the last k) |

@@ -1,7 +1,8 @@
 //! A load's reads: the manifest and each file's header first ([`Reader::open`]), then only
 //! the byte ranges the read plan (`read_plan.rs`) names for this rank's targets, each read
-//! with a positioned read, checked against the manifest's block digests and decoded alone
-//! ([`Reader::fetch`]); counted in [`LoadStats`]. `_hf_storage.py`'s
+//! with a positioned read straight into the target's staged values (whole rows of them) or
+//! into one buffer of the rows read, whose overlap is copied into place, and checked
+//! against the manifest's block digests ([`Reader::fetch`]); counted in [`LoadStats`]. `_hf_storage.py`'s
 //! `HuggingFaceStorageReader.read_data` is the counterpart (it reads every tensor whole).
 //!
 //! A format-2 checkpoint (no piece digests) is read as before: every file whole, checked
@@ -14,13 +15,14 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use super::index::{self, Header, PieceDigests, PieceHeader};
 use super::plan::Target;
 use super::read_plan::{self, Want};
-use super::storage::{self, Manifest, Piece, Pieces, TensorEntry, MANIFEST};
-use super::{reshard, CheckpointError};
+use super::reshard::{self, Span, Staged};
+use super::storage::{self, Manifest, Pieces, TensorEntry, MANIFEST};
+use super::CheckpointError;
 
 /// What one rank's load read: every byte it read from the checkpoint (the manifest, each
 /// file's header, the slices of its tensors, and for a checkpoint of format 2 every file
@@ -99,10 +101,22 @@ impl Reader {
         len: u64,
     ) -> Result<Vec<u8>, CheckpointError> {
         let mut buf = vec![0u8; len as usize];
-        file.read_exact_at(&mut buf, start)
-            .map_err(super::protocol::io(self.rank, "reading", path))?;
-        self.stats.bytes_read += len;
+        self.read_into(file, path, start, &mut buf)?;
         Ok(buf)
+    }
+
+    /// Fills `buf` with the bytes of `file` (at `path`) from `start`, counted.
+    fn read_into(
+        &mut self,
+        file: &File,
+        path: &Path,
+        start: u64,
+        buf: &mut [u8],
+    ) -> Result<(), CheckpointError> {
+        file.read_exact_at(buf, start)
+            .map_err(super::protocol::io(self.rank, "reading", path))?;
+        self.stats.bytes_read += buf.len() as u64;
+        Ok(())
     }
 
     /// Opens the file `path` and reads its header; `entry` (the manifest's) when the file
@@ -347,21 +361,84 @@ impl Reader {
             .collect();
         let headers: Vec<Vec<(PieceHeader, Option<u64>)>> =
             files.iter().map(|f| f.pieces.clone()).collect();
-        let mut pieces: Pieces = HashMap::new();
+        let by_fqn: HashMap<&str, usize> = targets
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.fqn.as_str(), i))
+            .collect();
+        // Every target's values are allocated once and filled as the reads arrive, each read
+        // dropped once copied in (or read straight into them): a load holds this rank's
+        // staged values and one read, not every read beside the values.
+        let mut staged: Vec<Staged> = targets.iter().map(Staged::new).collect();
         for read in read_plan::plan(&wants, &headers) {
             let f = &files[read.file];
             let (piece, block) = &f.pieces[read.piece];
-            let (start, end) = read.bytes;
-            let bytes = self.read_at(&f.file, &f.path, start, end - start)?;
-            if let (Some(b), Some(digests)) = (block, &f.digests) {
-                self.check_blocks(f, piece, *b, &digests[&piece.fqn], read.rows, &bytes)?;
+            let Some(&i) = by_fqn.get(piece.fqn.as_str()) else {
+                continue;
+            };
+            let kind = self.kind_of(f, piece, tensors)?;
+            // The rows read, as a piece at its place in the global tensor.
+            let (mut offsets, mut shape) = (piece.offsets.clone(), piece.shape.clone());
+            if let (Some(o), Some(n)) = (offsets.first_mut(), shape.first_mut()) {
+                *o += read.rows.0;
+                *n = read.rows.1 - read.rows.0;
             }
-            pieces
-                .entry(piece.fqn.clone())
-                .or_default()
-                .push(self.decode(f, piece, tensors, read.rows, &bytes)?);
+            let (start, end) = read.bytes;
+            let numel: i64 = shape.iter().product();
+            if end - start != numel as u64 * kind.elt_size_in_bytes() as u64 {
+                return Err(self.format(f)(format!(
+                    "`{}`: rows {}..{} are {} bytes, not {numel} values of {}",
+                    piece.fqn,
+                    read.rows.0,
+                    read.rows.1,
+                    end - start,
+                    piece.dtype
+                )));
+            }
+            let (t, s) = (&targets[i], &mut staged[i]);
+            let size = t.tensor.size();
+            let Some(spans) = reshard::overlap(&t.offsets, &size, &offsets, &shape) else {
+                continue;
+            };
+            let check = |reader: &Self, bytes: &[u8]| match (block, &f.digests) {
+                (Some(b), Some(digests)) => {
+                    reader.check_blocks(f, piece, *b, &digests[&piece.fqn], read.rows, bytes)
+                }
+                _ => Ok(()),
+            };
+            if let Some(at) = contiguous_rows(&s.values, &spans, &shape) {
+                // The rows read are exactly whole rows of the staged values: read them into
+                // place, no copy.
+                let len = (end - start) as usize;
+                // SAFETY: `s.values` is a contiguous CPU tensor this load allocated and
+                // alone holds; `at + len` is within it (`contiguous_rows`: whole rows of
+                // it, `len` their bytes, checked above), and nothing else reads or writes
+                // it while the slice lives.
+                let into = unsafe {
+                    std::slice::from_raw_parts_mut((s.values.data_ptr() as *mut u8).add(at), len)
+                };
+                self.read_into(&f.file, &f.path, start, into)?;
+                check(self, into)?;
+                s.record(spans);
+            } else {
+                // Fresh aligned memory of the piece's dtype, read, checked, its overlap
+                // copied into place and dropped.
+                let rows = Tensor::empty(shape.as_slice(), (kind, tch::Device::Cpu));
+                let len = (end - start) as usize;
+                // SAFETY: `rows` is a contiguous CPU tensor of exactly `len` bytes (checked
+                // above), just allocated and held only here.
+                let into =
+                    unsafe { std::slice::from_raw_parts_mut(rows.data_ptr() as *mut u8, len) };
+                self.read_into(&f.file, &f.path, start, into)?;
+                check(self, into)?;
+                s.place(t, &offsets, &rows);
+            }
         }
-        reshard::assemble(self.rank, targets, &pieces)
+        staged
+            .into_iter()
+            .zip(targets)
+            .map(|(s, t)| s.finish(self.rank, t))
+            .collect()
     }
 
     /// Checks `bytes`, rows `rows` of `piece` (whole blocks of `block` rows), against the
@@ -392,21 +469,14 @@ impl Reader {
         Ok(())
     }
 
-    /// The rows `rows` of `piece` (their `bytes`) as a piece at its place in the global
-    /// tensor, of the dtype the checkpoint lists for it.
-    fn decode(
+    /// The dtype of `piece`, which must be the one the checkpoint lists for its tensor.
+    fn kind_of(
         &self,
         f: &IndexedFile,
         piece: &PieceHeader,
         tensors: &BTreeMap<String, TensorEntry>,
-        rows: (i64, i64),
-        bytes: &[u8],
-    ) -> Result<Piece, CheckpointError> {
-        let format = |cause: String| CheckpointError::Format {
-            rank: self.rank,
-            path: f.path.clone(),
-            cause,
-        };
+    ) -> Result<Kind, CheckpointError> {
+        let format = self.format(f);
         let listed = tensors.get(&piece.fqn).map(|t| t.dtype.as_str());
         if listed.is_some_and(|d| d != piece.dtype) {
             return Err(format(format!(
@@ -416,16 +486,41 @@ impl Reader {
                 listed.unwrap_or_default()
             )));
         }
-        let kind = storage::kind_of(&piece.dtype)
-            .ok_or_else(|| format(format!("`{}`: dtype {}", piece.fqn, piece.dtype)))?;
-        let mut shape = piece.shape.clone();
-        let mut offsets = piece.offsets.clone();
-        if let (Some(n), Some(o)) = (shape.first_mut(), offsets.first_mut()) {
-            *n = rows.1 - rows.0;
-            *o += rows.0;
-        }
-        let values = Tensor::f_from_data_size(bytes, &shape, kind)
-            .map_err(|e| format(format!("`{}`: {e}", piece.fqn)))?;
-        Ok(Piece { offsets, values })
+        storage::kind_of(&piece.dtype)
+            .ok_or_else(|| format(format!("`{}`: dtype {}", piece.fqn, piece.dtype)))
     }
+
+    fn format(&self, f: &IndexedFile) -> impl Fn(String) -> CheckpointError {
+        let (rank, path) = (self.rank, f.path.clone());
+        move |cause| CheckpointError::Format {
+            rank,
+            path: path.clone(),
+            cause,
+        }
+    }
+}
+
+/// Where in `values` (a contiguous tensor) the region `spans` starts, in bytes, when it is
+/// whole rows of it that are all of the rows read (a piece of shape `read`): then the bytes
+/// read are exactly those of the region and can be read into place. `None` on another
+/// device, or when the read holds more (rows widened to digest blocks, other ranks'
+/// columns) or the region is not whole rows.
+fn contiguous_rows(values: &Tensor, spans: &[Span], read: &[i64]) -> Option<usize> {
+    if values.device() != tch::Device::Cpu || !values.is_contiguous() {
+        return None;
+    }
+    let size = values.size();
+    let Some((first, rest)) = spans.split_first() else {
+        // A scalar: the one value.
+        return Some(0);
+    };
+    let whole_rows = rest
+        .iter()
+        .zip(&size[1..])
+        .zip(&read[1..])
+        .all(|((s, &n), &r)| s.dst == 0 && s.src == 0 && s.len == n && n == r);
+    (whole_rows && first.src == 0 && first.len == read[0]).then(|| {
+        let row: i64 = size[1..].iter().product();
+        (first.dst * row) as usize * values.kind().elt_size_in_bytes()
+    })
 }

@@ -4,14 +4,15 @@
 //! shards into M ranks' shards, or whole tensors).
 //!
 //! [`overlap`] is the arithmetic, pure over offsets and lengths (unit-tested below);
-//! [`assemble`] checks the model against the checkpoint and copies the overlaps.
+//! [`check`] checks the model against the checkpoint before anything is read; [`Staged`]
+//! builds a target's values from the overlaps as the reads arrive and counts its coverage.
 
 use std::collections::{BTreeMap, HashSet};
 
 use tch::{Kind, Tensor};
 
 use super::plan::Target;
-use super::storage::{self, Piece, Pieces, TensorEntry};
+use super::storage::{self, Pieces, TensorEntry};
 use super::CheckpointError;
 
 /// Where a saved piece and a rank's part overlap in one dimension: `len` values starting
@@ -96,61 +97,118 @@ pub(super) fn check(
     Ok(())
 }
 
-/// Builds each of this rank's tensors from the pieces that overlap it (whole saved pieces,
-/// or the rows of them a load read): (the target's tensor, its values); the targets were
-/// [`check`]ed against the checkpoint first. Nothing in the model changes here.
+/// Builds each of this rank's tensors from whole decoded pieces (a checkpoint of format 2,
+/// read whole): (the target's tensor, its values); the targets were [`check`]ed against
+/// the checkpoint first. Nothing in the model changes here.
 pub(super) fn assemble(
     rank: usize,
     targets: &[Target],
     pieces: &Pieces,
 ) -> Result<Vec<(Tensor, Tensor)>, CheckpointError> {
-    let mut out = Vec::new();
-    for t in targets {
-        let values = t.tensor.detach().zeros_like();
-        let covered = fill(t, &values, pieces.get(&t.fqn).map_or(&[], Vec::as_slice));
-        let needed = t.tensor.numel() as i64;
+    targets
+        .iter()
+        .map(|t| {
+            let mut staged = Staged::new(t);
+            for p in pieces.get(&t.fqn).map_or(&[][..], Vec::as_slice) {
+                staged.place(t, &p.offsets, &p.values);
+            }
+            staged.finish(rank, t)
+        })
+        .collect()
+}
+
+/// One target's values as a load builds them: a fresh contiguous tensor of the target's
+/// shape, dtype and device, filled piece by piece as the reads arrive (each read is copied
+/// in and dropped, so a load holds one read beside its staged values), and the regions
+/// filled so far, from which [`Staged::finish`] counts the coverage.
+pub(super) struct Staged {
+    /// The values, contiguous (a read may write its bytes straight into them).
+    pub values: Tensor,
+    /// Each region filled, one [`Span`] per dimension, counted from the target's start.
+    filled: Vec<Vec<Span>>,
+}
+
+impl Staged {
+    /// Zeros of `target`'s shape, dtype and device, nothing filled yet.
+    pub fn new(target: &Target) -> Self {
+        let t = &target.tensor;
+        Staged {
+            values: Tensor::zeros(t.size(), (t.kind(), t.device())),
+            filled: Vec::new(),
+        }
+    }
+
+    /// Records that the region `spans` (from [`overlap`] with the target's part) was
+    /// written into [`Staged::values`] by the caller.
+    pub fn record(&mut self, spans: Vec<Span>) {
+        self.filled.push(spans);
+    }
+
+    /// Copies the overlap of a piece (`values` at `offsets` in the global tensor) with the
+    /// target's part into place; a piece of another number of dimensions is left to the
+    /// coverage check.
+    pub fn place(&mut self, target: &Target, offsets: &[i64], values: &Tensor) {
+        let size = target.tensor.size();
+        let Some(spans) = overlap(&target.offsets, &size, offsets, &values.size()) else {
+            return;
+        };
+        let (mut dst, mut src) = (self.values.shallow_clone(), values.shallow_clone());
+        for (d, s) in spans.iter().enumerate() {
+            dst = dst.narrow(d as i64, s.dst, s.len);
+            src = src.narrow(d as i64, s.src, s.len);
+        }
+        dst.copy_(&src);
+        self.record(spans);
+    }
+
+    /// The target's tensor and its values, when the regions filled cover every value of the
+    /// target's part; else [`CheckpointError::Incomplete`].
+    pub fn finish(self, rank: usize, target: &Target) -> Result<(Tensor, Tensor), CheckpointError> {
+        let covered = covered(&target.tensor.size(), &self.filled);
+        let needed = target.tensor.numel() as i64;
         if covered != needed {
             return Err(CheckpointError::Incomplete {
                 rank,
-                fqn: t.fqn.clone(),
+                fqn: target.fqn.clone(),
                 covered,
                 needed,
             });
         }
-        out.push((t.tensor.shallow_clone(), values));
+        Ok((target.tensor.shallow_clone(), self.values))
     }
-    Ok(out)
 }
 
-/// Copies into `values` (of `target`'s local shape) every overlap of `pieces` with the
-/// target's part; returns how many of its values some piece covered (each counted once).
-fn fill(target: &Target, values: &Tensor, pieces: &[Piece]) -> i64 {
-    let size = target.tensor.size();
-    let covered = Tensor::zeros(size.as_slice(), (Kind::Bool, tch::Device::Cpu));
-    for p in pieces {
-        // Not a piece of this tensor's shape: left to the coverage check.
-        let Some(spans) = overlap(&target.offsets, &size, &p.offsets, &p.values.size()) else {
-            continue;
-        };
-        let (mut dst, mut src, mut mask) = (
-            values.shallow_clone(),
-            p.values.shallow_clone(),
-            covered.shallow_clone(),
-        );
-        for (d, s) in spans.iter().enumerate() {
-            dst = dst.narrow(d as i64, s.dst, s.len);
-            mask = mask.narrow(d as i64, s.dst, s.len);
-            src = src.narrow(d as i64, s.src, s.len);
-        }
-        dst.copy_(&src);
-        let _ = mask.fill_(1);
+/// How many values of a part of shape `size` the regions `filled` cover, each counted once:
+/// the sum of their volumes when no two of them meet (a checkpoint's pieces never do),
+/// else counted on a mask of the part (a checkpoint that holds some values twice).
+fn covered(size: &[i64], filled: &[Vec<Span>]) -> i64 {
+    let volume = |r: &[Span]| r.iter().map(|s| s.len).product::<i64>();
+    let meet = |a: &[Span], b: &[Span]| {
+        a.iter()
+            .zip(b)
+            .all(|(x, y)| x.dst < y.dst + y.len && y.dst < x.dst + x.len)
+    };
+    let disjoint = filled
+        .iter()
+        .enumerate()
+        .all(|(i, a)| filled[i + 1..].iter().all(|b| !meet(a, b)));
+    if disjoint {
+        return filled.iter().map(|r| volume(r)).sum();
     }
-    covered.sum(Kind::Int64).int64_value(&[])
+    let mask = Tensor::zeros(size, (Kind::Bool, tch::Device::Cpu));
+    for r in filled {
+        let mut m = mask.shallow_clone();
+        for (d, s) in r.iter().enumerate() {
+            m = m.narrow(d as i64, s.dst, s.len);
+        }
+        let _ = m.fill_(1);
+    }
+    mask.sum(Kind::Int64).int64_value(&[])
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{overlap, Span};
+    use super::{covered, overlap, Span};
 
     /// A region of the global tensor: its offsets and its size.
     type Region = (Vec<i64>, Vec<i64>);
@@ -293,6 +351,33 @@ mod tests {
             .map(|k| assemble_from(&(vec![0, 2 * k], vec![4, 2]), &saved))
             .collect();
         assert_eq!(used, [2, 4, 2]);
+    }
+
+    /// A region of a part from `(dst, len)` per dimension.
+    fn region(dims: &[(i64, i64)]) -> Vec<Span> {
+        dims.iter()
+            .map(|&(dst, len)| Span { dst, src: 0, len })
+            .collect()
+    }
+
+    #[test]
+    fn coverage_counts_each_value_once() {
+        // A [4, 6] part: two disjoint halves cover it; a half twice and a gap do not.
+        let top = region(&[(0, 2), (0, 6)]);
+        let bottom = region(&[(2, 2), (0, 6)]);
+        assert_eq!(covered(&[4, 6], &[top.clone(), bottom.clone()]), 24);
+        assert_eq!(covered(&[4, 6], &[top.clone(), top.clone()]), 12);
+        assert_eq!(covered(&[4, 6], &[top.clone()]), 12);
+        // Overlapping regions that together cover the part: the mask counts 24, not 30.
+        let middle = region(&[(1, 2), (1, 3)]);
+        assert_eq!(covered(&[4, 6], &[top, bottom, middle]), 24);
+        // Side by side in one dimension but apart in another: disjoint.
+        let left = region(&[(0, 4), (0, 3)]);
+        let right = region(&[(0, 4), (3, 3)]);
+        assert_eq!(covered(&[4, 6], &[left, right]), 24);
+        // A scalar is covered by its one region; nothing covers nothing.
+        assert_eq!(covered(&[], &[vec![]]), 1);
+        assert_eq!(covered(&[4, 6], &[]), 0);
     }
 
     #[test]
