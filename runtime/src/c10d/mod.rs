@@ -6,7 +6,7 @@
 //! | file | what it does | PyTorch's counterpart |
 //! |---|---|---|
 //! | `env.rs` | the launch environment: torchrun's variables, then Slurm's; debug level, switches, default timeouts | `torch/distributed/rendezvous.py` (`_env_rendezvous_handler`), `distributed_c10d.py`'s `_get_default_timeout` |
-//! | `rendezvous.rs` | the rendezvous steps, each by one deadline: resolving MASTER_ADDR, waiting for a listener, the run id, join keys, who never came, the store-based barrier | `rendezvous.py`, `distributed_c10d.py`'s `_store_based_barrier` |
+//! | `rendezvous.rs` | the rendezvous steps, each by one deadline: resolving MASTER_ADDR, waiting for a listener, the run id, join keys, who never came, the store-based barrier, every member connected (`all_connected`) | `rendezvous.py`, `distributed_c10d.py`'s `_store_based_barrier` |
 //! | `store.rs` | `Store`: the TCPStore and prefix stores | `torch/csrc/distributed/c10d/TCPStore.hpp`, `PrefixStore.hpp` |
 //! | `group/` | `ProcessGroup`, `Backend`, `InitOptions`/`GroupOptions`, creating groups, the default group (its own table) | `ProcessGroup.hpp`, `distributed_c10d.py` (`init_process_group`, `new_group`, `_world`) |
 //! | `collectives.rs` | collectives on `tch::Tensor`, blocking and async (`Work`) | `distributed_c10d.py`'s collectives, `Work.hpp` |

@@ -202,7 +202,7 @@ pub(crate) fn store_barrier(
 /// Waits, once this rank's backends of the group named `name` are connected, until every
 /// member's are, when every member is a tch-dist rank (a PyTorch rank takes no part; with
 /// one, the group goes without, as PyTorch's own groups do) and Gloo connects its pairs at
-/// creation (with `TORCH_GLOO_LAZY_INIT` they connect at first use, so there is no race;
+/// creation (with `lazy_gloo`, c10d's `TORCH_GLOO_LAZY_INIT`, they connect at first use, so there is no race;
 /// nor could the join keys be read then, as a creation then waits for no peer). Once a
 /// non-lazy creation returns, every tch-dist member has joined (it writes its join key
 /// before its Gloo address, which the creation waited for), so every member decides alike. Gloo's `connectFullMesh`
@@ -215,9 +215,10 @@ pub(crate) fn all_connected(
     group: &Store,
     name: &str,
     world_size: usize,
+    lazy_gloo: bool,
     deadline: Deadline,
 ) -> Result<(), RendezvousError> {
-    if world_size < 2 || gloo_lazy_init() || has_foreign_ranks(root, name, world_size) {
+    if world_size < 2 || lazy_gloo || has_foreign_ranks(root, name, world_size) {
         return Ok(());
     }
     barrier_on(
@@ -227,13 +228,6 @@ pub(crate) fn all_connected(
         deadline,
         "the check that every rank connected the group's backends",
     )
-}
-
-/// c10d's `TORCH_GLOO_LAZY_INIT` as its groups read it (false if the shim cannot say).
-fn gloo_lazy_init() -> bool {
-    let mut lazy = false;
-    // SAFETY: a valid out-pointer; the shim catches every exception.
-    crate::ffi::check(unsafe { crate::ffi::tdr_gloo_lazy_init(&mut lazy) }).is_ok() && lazy
 }
 
 /// The key of [`all_connected`]'s count, in a group's own store.

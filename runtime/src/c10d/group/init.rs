@@ -87,6 +87,7 @@ impl ProcessGroup {
             &default_store,
             DEFAULT_NAME,
             opts.world_size,
+            gloo_lazy_init(),
             deadline,
         )
         .map_err(|p| at.failed(p))?;
@@ -212,8 +213,15 @@ impl ProcessGroup {
         })?;
         detail_with_foreign_ranks(&handle, &world.root, &name, ranks.len(), self.inner.debug)
             .map_err(|cause| at.engine(cause))?;
-        rendezvous::all_connected(&world.root, &store, &name, ranks.len(), deadline)
-            .map_err(|p| at.failed(p))?;
+        rendezvous::all_connected(
+            &world.root,
+            &store,
+            &name,
+            ranks.len(),
+            gloo_lazy_init(),
+            deadline,
+        )
+        .map_err(|p| at.failed(p))?;
         world.live_groups.fetch_add(1, Ordering::SeqCst);
         let inner = Arc::new(GroupInner::new(
             handle,
@@ -459,6 +467,14 @@ fn detail_with_foreign_ranks(
     // SAFETY: live group handle; the shim catches every exception.
     ffi::check(unsafe { ffi::tdr_group_set_foreign_peers(handle.0.as_ptr(), true) })
         .map_err(|e| e.message)
+}
+
+/// c10d's `TORCH_GLOO_LAZY_INIT` as its groups' devices read it (false if the shim cannot
+/// say).
+fn gloo_lazy_init() -> bool {
+    let mut lazy = false;
+    // SAFETY: a valid out-pointer; the shim catches every exception.
+    ffi::check(unsafe { ffi::tdr_gloo_lazy_init(&mut lazy) }).is_ok() && lazy
 }
 
 /// What the shim needs to create a group's backends (`tdr_group_new`).
