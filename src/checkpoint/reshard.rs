@@ -367,7 +367,7 @@ mod tests {
         let bottom = region(&[(2, 2), (0, 6)]);
         assert_eq!(covered(&[4, 6], &[top.clone(), bottom.clone()]), 24);
         assert_eq!(covered(&[4, 6], &[top.clone(), top.clone()]), 12);
-        assert_eq!(covered(&[4, 6], &[top.clone()]), 12);
+        assert_eq!(covered(&[4, 6], std::slice::from_ref(&top)), 12);
         // Overlapping regions that together cover the part: the mask counts 24, not 30.
         let middle = region(&[(1, 2), (1, 3)]);
         assert_eq!(covered(&[4, 6], &[top, bottom, middle]), 24);
