@@ -154,6 +154,7 @@ pub use tch_dist_runtime::{
     RUN_ID_ENV, TORCH_DEBUG_ENV, USE_AGENT_STORE_ENV,
 };
 
+pub mod activation_checkpoint;
 pub mod checkpoint;
 pub mod data;
 pub mod device_mesh;
@@ -166,6 +167,7 @@ pub mod sharding;
 pub mod state_dict;
 pub mod utils;
 
+pub use activation_checkpoint::{checkpoint_activations, CheckpointOptions};
 pub use device_mesh::{init_device_mesh, DeviceMesh};
 /// [`nn::sync_batch_norm`] at its path before `tch_dist::nn` held it.
 pub use nn::sync_batch_norm;
@@ -187,8 +189,8 @@ pub use tch_dist_core::path;
 pub use tch_dist_core::trace;
 pub use tch_dist_core::{
     check_against_var_store, contract, hooks, registry, AsDynShardable, ContractApi, ContractError,
-    FqnPath, ModuleKey, ModuleVisitor, ModuleVisitorMut, Shardable, TensorField, TensorKind,
-    VarStoreMismatch,
+    FqnPath, ModuleKey, ModuleVisitor, ModuleVisitorMut, ShallowClone, Shardable, TensorField,
+    TensorKind, VarStoreMismatch,
 };
 
 /// The Rust blocks of README.md, compiled as doctests.

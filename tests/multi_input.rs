@@ -261,12 +261,17 @@ fn one_tensor_hooks_refuse_calls_they_cannot_see() {
         )
     );
     // A call of one input and one output is still theirs.
-    let y = b.call_with([&x], |b, [x]| b.forward(x, &mask));
+    // The forward owns what it captures (it may run again during backward).
+    let held = mask.shallow_clone();
+    let y = b.call_with([&x], move |b, [x]| b.forward(x, &held));
     assert!(max_diff(&y, &b.forward(&(&x * 0.0), &mask)) < 1e-6);
     pre.remove();
     let post = register_forward_hook(&b, |_, _, out| Some(out * 0.0)).unwrap();
     let err = b
-        .f_call_with([&x], |b, [x]| b.forward_pair(x, &mask))
+        .f_call_with([&x], {
+            let held = mask.shallow_clone();
+            move |b, [x]| b.forward_pair(x, &held)
+        })
         .unwrap_err();
     assert_eq!(
         err.downcast_ref::<CallError>(),
@@ -450,15 +455,19 @@ fn mixed_precision_casts(pg: &ProcessGroup) {
     let (x, _) = batch(0);
     let x = slice(&x, pg);
     let positions = Tensor::arange(T, (Kind::Int64, Device::Cpu));
-    let mut kinds = Vec::new();
+    let kinds = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&kinds);
     // No graph: no backward pass is left waiting for this call.
     let (y, z) = tch::no_grad(|| {
-        m.blocks[0].call_with([&x, &m.mask, &positions], |b, [x, mask, pos]| {
-            kinds = vec![x.kind(), mask.kind(), pos.kind()];
+        m.blocks[0].call_with([&x, &m.mask, &positions], move |b, [x, mask, pos]| {
+            *seen.lock().unwrap() = vec![x.kind(), mask.kind(), pos.kind()];
             b.forward_pair(x, mask)
         })
     });
-    assert_eq!(kinds, [Kind::Double, Kind::Double, Kind::Int64]);
+    assert_eq!(
+        *kinds.lock().unwrap(),
+        [Kind::Double, Kind::Double, Kind::Int64]
+    );
     assert_eq!((y.kind(), z.kind()), (Kind::Half, Kind::Half));
     // The f32 reference computes the same within f16's precision.
     let full = full_state_dict(&m).unwrap();

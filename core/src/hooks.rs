@@ -52,10 +52,12 @@ use tch::Tensor;
 mod call_with;
 mod guard;
 mod scope;
+pub(crate) mod wrap;
 
 pub use call_with::{CallError, CallOutput, CallWith};
 pub use guard::{register_call_guard, CallGuard};
 pub use scope::{register_call_scope, CallScope};
+pub use wrap::{register_forward_wrapper, Forward, ForwardWrapper, Recompute};
 
 use crate::instances::{any_hooks, InstanceTable, PostHook, PreHook};
 use crate::key::{identify, ModuleKey};
@@ -71,6 +73,13 @@ pub enum HookError {
          module instance cannot be identified"
     )]
     NoIdentity {
+        /// The module's type name.
+        module: &'static str,
+    },
+    /// The module has a forward wrapper already ([`register_forward_wrapper`]): two APIs
+    /// cannot both run its forward.
+    #[error("cannot wrap the forward of a `{module}`: another API wraps it already")]
+    WrapperTaken {
         /// The module's type name.
         module: &'static str,
     },
@@ -420,13 +429,25 @@ fn hooks_of(key: &ModuleKey, first: &Tensor) -> (Vec<PreHook>, Vec<PostHook>) {
     }
 }
 
+/// The forward wrapper of the instance `(key, first)`, if any.
+fn wrapper_of(key: &ModuleKey, first: &Tensor) -> Option<wrap::StoredWrapper> {
+    let mut store = InstanceTable::lock();
+    let e = store.get(key, first)?;
+    e.wrapper.as_ref().map(|(_, w)| Arc::clone(w))
+}
+
 /// A hooked call of `module` with `inputs`: the pre-hooks (each may replace the inputs),
 /// `forward`, then the forward hooks (each may replace the outputs). One implementation for
 /// every arity, so that [`Call::call`] and [`CallWith::call_with`] run hooks alike.
+///
+/// `this` is the module as `Any` and `again` makes the forward's [`Recompute`], for a
+/// [`ForwardWrapper`] (only called when the instance has one).
 fn run_hooked<const N: usize, O: CallOutput>(
     module: &dyn Shardable,
+    this: &dyn std::any::Any,
     inputs: [&Tensor; N],
     forward: impl FnOnce([&Tensor; N]) -> O,
+    again: impl FnOnce() -> Recompute,
 ) -> Result<O, ForwardError> {
     if !any_hooks() {
         return Ok(forward(inputs));
@@ -460,7 +481,26 @@ fn run_hooked<const N: usize, O: CallOutput>(
     } else {
         None
     };
-    let mut outs = forward_or_refusal(|| forward(input))?.into_tensors();
+    let mut outs = match wrapper_of(&key, first) {
+        None => forward_or_refusal(|| forward(input))?.into_tensors(),
+        Some(w) => {
+            let mut once = Some(forward);
+            let mut first_pass = |xs: &[Tensor]| -> Vec<Tensor> {
+                let forward = once
+                    .take()
+                    .expect("a forward wrapper ran the call's forward twice");
+                let xs: [&Tensor; N] = std::array::from_fn(|i| &xs[i]);
+                forward(xs).into_tensors()
+            };
+            let forward = wrap::Forward {
+                inputs: &args,
+                this,
+                first: &mut first_pass,
+                again: again(),
+            };
+            forward_or_refusal(|| w.run(module, forward))??
+        }
+    };
     drop(span);
     let expected = outs.len();
     // Looked up again, as PyTorch does: hooks registered by the pre-hooks or by `forward`
@@ -647,13 +687,30 @@ pub trait Call {
     fn f_call(&self, xs: &Tensor) -> Result<Tensor, ForwardError>;
 }
 
-impl<M: Module + Shardable> Call for M {
+/// The [`Recompute`] of `forward` on an `M`, for the calls of one input.
+fn recompute_one<M: 'static>(
+    forward: impl Fn(&M, &Tensor) -> Tensor + Send + 'static,
+) -> impl FnOnce() -> Recompute {
+    move || {
+        Box::new(move |m: &dyn std::any::Any, xs: &[Tensor]| {
+            let m = m.downcast_ref::<M>()?;
+            match xs {
+                [x] => Some(vec![forward(m, x)]),
+                _ => None,
+            }
+        })
+    }
+}
+
+impl<M: Module + Shardable + 'static> Call for M {
     fn call(&self, xs: &Tensor) -> Tensor {
-        run_hooked(self, [xs], |[x]| self.forward(x)).unwrap_or_else(|e| fail(e))
+        let again = recompute_one(|m: &M, x| m.forward(x));
+        run_hooked(self, self, [xs], |[x]| self.forward(x), again).unwrap_or_else(|e| fail(e))
     }
 
     fn f_call(&self, xs: &Tensor) -> Result<Tensor, ForwardError> {
-        catching_hook_errors(|| run_hooked(self, [xs], |[x]| self.forward(x)))
+        let again = recompute_one(|m: &M, x| m.forward(x));
+        catching_hook_errors(|| run_hooked(self, self, [xs], |[x]| self.forward(x), again))
     }
 }
 
@@ -672,12 +729,15 @@ pub trait CallT {
     fn f_call_t(&self, xs: &Tensor, train: bool) -> Result<Tensor, ForwardError>;
 }
 
-impl<M: ModuleT + Shardable> CallT for M {
+impl<M: ModuleT + Shardable + 'static> CallT for M {
     fn call_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        run_hooked(self, [xs], |[x]| self.forward_t(x, train)).unwrap_or_else(|e| fail(e))
+        let again = recompute_one(move |m: &M, x| m.forward_t(x, train));
+        run_hooked(self, self, [xs], |[x]| self.forward_t(x, train), again)
+            .unwrap_or_else(|e| fail(e))
     }
 
     fn f_call_t(&self, xs: &Tensor, train: bool) -> Result<Tensor, ForwardError> {
-        catching_hook_errors(|| run_hooked(self, [xs], |[x]| self.forward_t(x, train)))
+        let again = recompute_one(move |m: &M, x| m.forward_t(x, train));
+        catching_hook_errors(|| run_hooked(self, self, [xs], |[x]| self.forward_t(x, train), again))
     }
 }

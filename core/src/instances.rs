@@ -14,6 +14,7 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 
 use tch::Tensor;
 
+use crate::hooks::wrap::StoredWrapper;
 use crate::hooks::ForwardError;
 use crate::key::ModuleKey;
 use crate::walk::Shardable;
@@ -40,6 +41,8 @@ pub(crate) struct Entry {
     pub states: Vec<(&'static str, Arc<dyn Any + Send + Sync>)>,
     pub pre_hooks: Vec<(u64, PreHook)>,
     pub post_hooks: Vec<(u64, PostHook)>,
+    /// The forward wrapper, with its hook id (at most one).
+    pub wrapper: Option<(u64, StoredWrapper)>,
 }
 
 impl Entry {
@@ -50,11 +53,12 @@ impl Entry {
             states: Vec::new(),
             pre_hooks: Vec::new(),
             post_hooks: Vec::new(),
+            wrapper: None,
         }
     }
 
     fn num_hooks(&self) -> usize {
-        self.pre_hooks.len() + self.post_hooks.len()
+        self.pre_hooks.len() + self.post_hooks.len() + usize::from(self.wrapper.is_some())
     }
 
     fn is_empty(&self) -> bool {
@@ -154,6 +158,23 @@ impl InstanceTable {
         NUM_HOOKS.fetch_add(1, Ordering::AcqRel);
     }
 
+    /// Makes `w` the wrapper of the instance; `false` if it has one already.
+    pub(crate) fn set_wrapper(
+        &mut self,
+        key: &ModuleKey,
+        first: &Tensor,
+        id: u64,
+        w: StoredWrapper,
+    ) -> bool {
+        let entry = self.get_or_insert(key, first);
+        if entry.wrapper.is_some() {
+            return false;
+        }
+        entry.wrapper = Some((id, w));
+        NUM_HOOKS.fetch_add(1, Ordering::AcqRel);
+        true
+    }
+
     /// Removes hook `id`, looking first under `hint` (where it was registered), then
     /// everywhere (its module may have been re-keyed since).
     pub(crate) fn remove_hook(&mut self, hint: &ModuleKey, id: u64) -> bool {
@@ -161,6 +182,9 @@ impl InstanceTable {
             let before = e.num_hooks();
             e.pre_hooks.retain(|(i, _)| *i != id);
             e.post_hooks.retain(|(i, _)| *i != id);
+            if e.wrapper.as_ref().is_some_and(|(i, _)| *i == id) {
+                e.wrapper = None;
+            }
             e.num_hooks() != before
         }
         let mut found_at = None;

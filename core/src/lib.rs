@@ -23,6 +23,7 @@ mod instances;
 mod key;
 pub mod nn;
 pub mod path;
+mod shallow_clone;
 pub mod sharding;
 pub mod trace;
 mod var_store;
@@ -35,8 +36,9 @@ pub mod __private;
 pub mod testing;
 
 pub use contract::{registry, ContractApi, ContractError};
-pub use key::ModuleKey;
+pub use key::{InstanceAlias, InstanceHandles, ModuleKey};
 pub use path::{BufferPath, HasPath, ModulePath, ParamPath};
+pub use shallow_clone::ShallowClone;
 pub use var_store::{check_against_var_store, VarStoreMismatch};
 pub use walk::{
     AsDynShardable, FqnPath, ModuleVisitor, ModuleVisitorMut, Shardable, TensorField, TensorKind,
@@ -44,6 +46,9 @@ pub use walk::{
 
 /// `#[derive(Shardable)]`; see the macro's documentation in the `tch_dist` facade.
 pub use tch_dist_macros::Shardable;
+
+/// `#[derive(ShallowClone)]`; see the macro's documentation in the `tch_dist` facade.
+pub use tch_dist_macros::ShallowClone;
 
 /// `#[contract]`; see the macro's documentation in the `tch_dist` facade.
 pub use tch_dist_macros::contract;

@@ -179,7 +179,7 @@ impl ModuleT for Convnet {
 
 /// A benchmark model: built into a `VarStore` path, with one fixed batch of inputs and
 /// targets per rank and its loss.
-pub(crate) trait BenchModel: ModuleT + Shardable + Sized {
+pub(crate) trait BenchModel: ModuleT + Shardable + Sized + 'static {
     fn build(vs: &nn::Path, name: &str) -> Result<Self, String>;
     /// The model's default batch size (per rank).
     fn default_batch() -> i64;

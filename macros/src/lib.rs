@@ -1,4 +1,4 @@
-//! Proc-macros of tch-dist: `#[derive(Shardable)]` and `#[contract]`.
+//! Proc-macros of tch-dist: `#[derive(Shardable)]`, `#[derive(ShallowClone)]` and `#[contract]`.
 //!
 //! Use them through the `tch_dist` facade (`tch_dist::Shardable`, `tch_dist::contract`).
 //! Each macro is layered like serde_derive: **parse** the input and its attributes into an
@@ -13,6 +13,7 @@
 mod contract;
 mod ctxt;
 mod meta;
+mod shallow_clone;
 mod shardable;
 
 use proc_macro::TokenStream;
@@ -22,6 +23,29 @@ use proc_macro::TokenStream;
 pub fn derive_shardable(input: TokenStream) -> TokenStream {
     let input = syn::parse_macro_input!(input as syn::DeriveInput);
     shardable::derive(&input)
+        .unwrap_or_else(syn::Error::into_compile_error)
+        .into()
+}
+
+/// `#[derive(ShallowClone)]`: a second handle on a module sharing every tensor with it
+/// (`tch_dist::ShallowClone`), which activation checkpointing needs to run the module's
+/// forward again during backward. Every field must implement `ShallowClone` (tensors, tch's
+/// layers, `Vec`/`Option`/`Box`/arrays of them, plain data); type parameters get the bound.
+/// `#[shallow_clone(crate = "path")]` names the crate that exports the trait
+/// (`::tch_dist` by default).
+///
+/// ```ignore
+/// #[derive(Debug, tch_dist::Shardable, tch_dist::ShallowClone)]
+/// struct Block {
+///     fc1: tch::nn::Linear,
+///     fc2: tch::nn::Linear,
+///     scale: f64,
+/// }
+/// ```
+#[proc_macro_derive(ShallowClone, attributes(shallow_clone))]
+pub fn derive_shallow_clone(input: TokenStream) -> TokenStream {
+    let input = syn::parse_macro_input!(input as syn::DeriveInput);
+    shallow_clone::derive(&input)
         .unwrap_or_else(syn::Error::into_compile_error)
         .into()
 }

@@ -27,6 +27,8 @@
 //   fallback on the DeferredInit key (torch::Library).
 // - parallel.cpp: differentiable collectives for tensor parallelism; a custom
 //   torch::autograd::Node (Megatron's conjugate pairs).
+// - checkpoint.cpp: activation checkpointing (a forward run again in backward); a custom
+//   torch::autograd::Function, torch::autograd::grad, the default generators' states.
 // - kernels.cpp: a seeded randperm (DistributedSampler's shuffle), fused AdamW and SGD;
 //   at::randperm, at::_fused_adamw_, at::_fused_sgd_.
 

@@ -204,6 +204,27 @@ char* tdr_guard_first_unclaimed(TdrGuard** guards, size_t n, TdrTensor* output,
                                 uint64_t mark, size_t* guard, size_t* index);
 void tdr_guard_free(TdrGuard* g);
 
+// Activation checkpointing (src/autograd/checkpoint.rs). A forward callback gets `n` input
+// tensors (borrowed for the call) and pushes its outputs onto `out` with
+// tdr_tensor_list_push; it returns null or a malloc'ed message.
+typedef struct TdrTensorList TdrTensorList;  // tensors handed from one side to the other
+typedef char* (*TdrForwardCallback)(void* ctx, TdrTensor** inputs, size_t n, TdrTensorList* out);
+char* tdr_tensor_list_push(TdrTensorList* list, TdrTensor* t);
+size_t tdr_tensor_list_len(TdrTensorList* list);
+// A new handle on the list's tensor `index` (null when out of range), owned by the caller.
+TdrTensor* tdr_tensor_list_take(TdrTensorList* list, size_t index);
+void tdr_tensor_list_free(TdrTensorList* list);
+// Runs first(first_ctx, inputs) with grad disabled inside a custom autograd function over
+// the inputs and `params` (leaves that require grad), keeping only the inputs (and, with
+// `preserve_rng`, the CPU's and the inputs' CUDA devices' RNG states); its backward runs
+// again(again_ctx, detached inputs) with grad enabled and those RNG states, and returns the
+// gradients of the inputs and of the parameters. `again_ctx` is released (release) when the
+// function's graph is gone, or at once on failure. *out: the outputs.
+char* tdr_checkpoint_apply(TdrTensor** inputs, size_t num_inputs, TdrTensor** params,
+                           size_t num_params, bool preserve_rng, TdrForwardCallback first,
+                           void* first_ctx, TdrForwardCallback again, void* again_ctx,
+                           TdrRelease release, TdrTensorList** out);
+
 // Shard fences (src/shard_fence.rs): while this thread is inside a checked call (check_enter
 // .. check_exit, nested), an op using an armed parameter of a fence not opened on this thread
 // fails (a c10::Error inside the op) with the message cb(ctx, index), index being the

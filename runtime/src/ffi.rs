@@ -50,6 +50,12 @@ pub struct TdrFence {
     _private: [u8; 0],
 }
 
+/// Opaque list of tensors handed between the shim and Rust (activation checkpointing).
+#[repr(C)]
+pub struct TdrTensorList {
+    _private: [u8; 0],
+}
+
 /// Opaque registration of a gradient interceptor (fully_shard).
 #[repr(C)]
 pub struct TdrInterceptor {
@@ -96,6 +102,16 @@ pub type TdrGradCallback = unsafe extern "C" fn(
 
 /// Releases a context the shim shared among hooks, once the last of them is gone.
 pub type TdrRelease = unsafe extern "C" fn(ctx: *mut std::ffi::c_void);
+
+/// A module's forward the shim runs (activation checkpointing): `n` input tensors lent for
+/// the call; the outputs pushed onto `out` with [`tdr_tensor_list_push`]; null or a
+/// malloc'ed message.
+pub type TdrForwardCallback = unsafe extern "C" fn(
+    ctx: *mut std::ffi::c_void,
+    inputs: *mut *mut C_tensor,
+    n: usize,
+    out: *mut TdrTensorList,
+) -> *mut c_char;
 
 extern "C" {
     pub fn tdr_string_free(s: *mut c_char);
@@ -282,6 +298,24 @@ extern "C" {
     pub fn tdr_set_data_keep_accumulator(param: *mut C_tensor, data: *mut C_tensor) -> ShimStatus;
     pub fn tdr_tensor_identity(t: *mut C_tensor) -> u64;
     pub fn tdr_tensor_version(t: *mut C_tensor) -> u64;
+
+    pub fn tdr_tensor_list_push(list: *mut TdrTensorList, t: *mut C_tensor) -> ShimStatus;
+    pub fn tdr_tensor_list_len(list: *mut TdrTensorList) -> usize;
+    pub fn tdr_tensor_list_take(list: *mut TdrTensorList, index: usize) -> *mut C_tensor;
+    pub fn tdr_tensor_list_free(list: *mut TdrTensorList);
+    pub fn tdr_checkpoint_apply(
+        inputs: *mut *mut C_tensor,
+        num_inputs: usize,
+        params: *mut *mut C_tensor,
+        num_params: usize,
+        preserve_rng: bool,
+        first: TdrForwardCallback,
+        first_ctx: *mut std::ffi::c_void,
+        again: TdrForwardCallback,
+        again_ctx: *mut std::ffi::c_void,
+        release: TdrRelease,
+        out: *mut *mut TdrTensorList,
+    ) -> ShimStatus;
 
     pub fn tdr_autograd_mark() -> u64;
     pub fn tdr_guard_new(

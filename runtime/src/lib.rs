@@ -33,7 +33,7 @@ use c10d::{
     store,
 };
 
-pub use autograd::{autograd_mark, UseGuard};
+pub use autograd::{autograd_mark, checkpointed, Recomputation, UseGuard};
 pub use coalesced::BROADCAST_BUCKET_BYTES;
 pub use collectives::{ReduceOp, Work};
 pub use devices::{first_shared_gpu, DeviceClaim};
@@ -57,5 +57,5 @@ pub use reducer::{
     DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
 };
 pub use shard_fence::{check_enter, check_exit, take_fence_hit, unfenced, FenceOwner, ShardFence};
-pub use step_check::{set_step, step_check_time, NO_STEP_CHECK_ENV};
+pub use step_check::{grad_enabled, set_step, step_check_time, NO_STEP_CHECK_ENV};
 pub use store::Store;

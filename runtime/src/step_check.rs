@@ -182,7 +182,7 @@ impl StepPosition {
 
 /// Whether autograd records graphs on this thread now (a forward under `no_grad` is no
 /// training step).
-pub(crate) fn grad_enabled() -> bool {
+pub fn grad_enabled() -> bool {
     // SAFETY: reads and restores this thread's grad mode (libtorch has no getter in tch).
     unsafe {
         let was = torch_sys::at_grad_set_enabled(1);

@@ -11,9 +11,11 @@
 //! [`register_forward_hook_n`](super::register_forward_hook_n),
 //! [`CallScope`](super::CallScope)).
 
+use std::sync::{Arc, Mutex, PoisonError};
+
 use tch::Tensor;
 
-use super::{catching_hook_errors, fail, run_hooked, ForwardError};
+use super::{any_hooks, catching_hook_errors, fail, run_hooked, ForwardError, Recompute};
 use crate::walk::Shardable;
 
 /// Why a hooked call of several inputs or outputs failed in the call machinery itself.
@@ -156,6 +158,10 @@ impl CallOutput for Vec<Tensor> {
 /// mixed precision's cast, may have replaced). Running the block's forward without
 /// `call_with` bypasses its hooks, as `forward` does for [`Call`](super::Call).
 ///
+/// `forward` owns what it captures (`'static`): activation checkpointing runs it again
+/// during backward, after the call returned. Pass tensors it needs as inputs (or move
+/// handles of them into it).
+///
 /// ```
 /// use tch::{nn, Device, Tensor};
 /// use tch_dist_core::hooks::{register_forward_pre_hook_n, CallWith};
@@ -199,10 +205,12 @@ pub trait CallWith: Shardable {
     fn call_with<const N: usize, O: CallOutput>(
         &self,
         inputs: [&Tensor; N],
-        forward: impl FnOnce(&Self, [&Tensor; N]) -> O,
-    ) -> O {
-        run_hooked(self.as_dyn_shardable(), inputs, |xs| forward(self, xs))
-            .unwrap_or_else(|e| fail(e))
+        forward: impl Fn(&Self, [&Tensor; N]) -> O + Send + 'static,
+    ) -> O
+    where
+        Self: Sized + 'static,
+    {
+        hooked_with(self, inputs, forward).unwrap_or_else(|e| fail(e))
     }
 
     /// [`call_with`](CallWith::call_with), with a failing hook's error as a value, including
@@ -225,10 +233,46 @@ pub trait CallWith: Shardable {
     fn f_call_with<const N: usize, O: CallOutput>(
         &self,
         inputs: [&Tensor; N],
-        forward: impl FnOnce(&Self, [&Tensor; N]) -> O,
-    ) -> Result<O, ForwardError> {
-        catching_hook_errors(|| run_hooked(self.as_dyn_shardable(), inputs, |xs| forward(self, xs)))
+        forward: impl Fn(&Self, [&Tensor; N]) -> O + Send + 'static,
+    ) -> Result<O, ForwardError>
+    where
+        Self: Sized + 'static,
+    {
+        catching_hook_errors(|| hooked_with(self, inputs, forward))
     }
+}
+
+/// A hooked call of `module` whose forward is `forward`, kept (behind a lock: it need not be
+/// `Sync`) for the [`Recompute`] of a forward wrapper.
+fn hooked_with<M, const N: usize, O>(
+    module: &M,
+    inputs: [&Tensor; N],
+    forward: impl Fn(&M, [&Tensor; N]) -> O + Send + 'static,
+) -> Result<O, ForwardError>
+where
+    M: Shardable + 'static,
+    O: CallOutput,
+{
+    if !any_hooks() {
+        return Ok(forward(module, inputs));
+    }
+    let forward = Arc::new(Mutex::new(forward));
+    let kept = Arc::clone(&forward);
+    let again = move || -> Recompute {
+        Box::new(move |m: &dyn std::any::Any, xs: &[Tensor]| {
+            let m = m.downcast_ref::<M>()?;
+            let xs: [&Tensor; N] = xs.iter().collect::<Vec<_>>().try_into().ok()?;
+            let f = kept.lock().unwrap_or_else(PoisonError::into_inner);
+            Some(f(m, xs).into_tensors())
+        })
+    };
+    run_hooked(
+        module.as_dyn_shardable(),
+        module,
+        inputs,
+        |xs| (forward.lock().unwrap_or_else(PoisonError::into_inner))(module, xs),
+        again,
+    )
 }
 
 impl<M: Shardable + ?Sized> CallWith for M {}

@@ -7,14 +7,17 @@
 //! | `callback.rs` | the one trampoline: context back to its Rust value, `catch_unwind`, the reply (null or a message) to the shim | pybind11's exception translation around Python hooks |
 //! | `hooks.rs` | grad-ready hook, gradient interceptor, output-grad hook, end-of-backward callback, assigning `.grad` | `AccumulateGrad` post hooks, `register_post_accumulate_grad_hook`, `Tensor.register_hook`, `Variable._execution_engine.queue_callback` |
 //! | `tensor.rs` | storage release/restore, `set_data` keeping the accumulator, identity, version, `is_float` | `_free_storage` / `_alloc_storage`, `Tensor.data =`, `_version`, `torch.is_floating_point` |
+//! | `checkpoint.rs` | activation checkpointing: a forward run without keeping activations, run again and differentiated in backward | `torch.utils.checkpoint` (`use_reentrant=True`'s `CheckpointFunction`) |
 //! | `use_guard.rs` | a module's parameters used in the graph only through its hooked calls | (none: PyTorch's FSDP2 does not check) |
 
 mod callback;
+mod checkpoint;
 mod hooks;
 mod tensor;
 mod use_guard;
 
 pub(crate) use callback::{Callback, Reply};
+pub use checkpoint::{checkpointed, Recomputation};
 pub(crate) use hooks::{
     add_output_grad_hook, queue_end_of_backward, set_grad_for, GradReadyHook, Interceptor,
 };

@@ -1,0 +1,259 @@
+// Activation checkpointing, the reentrant style: a custom autograd function whose forward
+// runs a module's forward (a Rust callback) with grad disabled, keeping only its inputs, and
+// whose backward runs that forward again (another Rust callback) with grad enabled and the
+// RNG state of the first run, then differentiates it with torch::autograd::grad.
+//
+// The module's parameters are inputs of the function too, so the outer graph has an edge
+// into each parameter's gradient accumulator: their gradients are returned by this backward
+// and accumulated by the outer pass, where the hooks of replicate and fully_shard (the
+// reducer's grad-ready hooks, fully_shard's interceptors) and the use guards see them once.
+// The inner grad() captures them at the accumulators' edges without running the
+// accumulators.
+
+#include "internal.h"
+
+#include <ATen/Context.h>
+#include <ATen/core/Generator.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cstdlib>
+#include <set>
+#include <utility>
+
+struct TdrTensorList {
+  std::vector<at::Tensor> tensors;
+};
+
+namespace tdr_checkpoint {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The default generators' states: the CPU's and each CUDA device's among `tensors`.
+struct RngStates {
+  std::vector<std::pair<c10::Device, at::Tensor>> states;
+};
+
+RngStates capture(const std::vector<at::Tensor>& tensors) {
+  std::set<c10::DeviceIndex> cuda;
+  for (const auto& t : tensors) {
+    if (t.defined() && t.is_cuda()) {
+      cuda.insert(t.device().index());
+    }
+  }
+  RngStates out;
+  std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
+  for (auto index : cuda) {
+    devices.emplace_back(c10::kCUDA, index);
+  }
+  for (const auto& device : devices) {
+    at::Generator gen = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    out.states.emplace_back(device, gen.get_state());
+  }
+  return out;
+}
+
+void restore(const RngStates& rng) {
+  for (const auto& [device, state] : rng.states) {
+    at::Generator gen = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
+}
+
+// What the backward needs: the recompute callback and its Rust context (released with
+// this), which inputs require grad, the parameters, the first run's RNG states.
+struct Shared : torch::CustomClassHolder {
+  TdrForwardCallback again = nullptr;
+  void* again_ctx = nullptr;
+  TdrRelease release = nullptr;
+  size_t num_inputs = 0;
+  std::vector<bool> input_requires_grad;
+  std::vector<at::Tensor> params;
+  bool preserve_rng = false;
+  RngStates rng;
+  ~Shared() override {
+    if (release != nullptr) {
+      release(again_ctx);
+    }
+  }
+};
+
+std::vector<at::Tensor> call(TdrForwardCallback cb, void* ctx, std::vector<at::Tensor> inputs) {
+  std::vector<at::Tensor*> ptrs;
+  ptrs.reserve(inputs.size());
+  for (auto& t : inputs) {
+    ptrs.push_back(&t);
+  }
+  TdrTensorList out;
+  char* err = cb(ctx, ptrs.data(), ptrs.size(), &out);
+  if (err != nullptr) {
+    std::string msg(err);
+    std::free(err);
+    throw std::runtime_error(msg);
+  }
+  return std::move(out.tensors);
+}
+
+// Puts the RNG states back however the recomputation ends.
+struct RestoreOnExit {
+  const RngStates* states;
+  ~RestoreOnExit() {
+    if (states != nullptr) {
+      try {
+        restore(*states);
+      } catch (...) {
+      }
+    }
+  }
+};
+
+struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
+  // `args`: the inputs, then the parameters.
+  static variable_list forward(AutogradContext* ctx, at::TensorList args,
+                               c10::intrusive_ptr<Shared> shared, TdrForwardCallback first,
+                               void* first_ctx) {
+    std::vector<at::Tensor> inputs(args.begin(), args.begin() + shared->num_inputs);
+    if (shared->preserve_rng) {
+      shared->rng = capture(inputs);
+    }
+    auto outputs = call(first, first_ctx, inputs);
+    std::vector<at::Tensor> integral;
+    for (const auto& out : outputs) {
+      if (!out.defined()) {
+        throw std::runtime_error("the forward returned an undefined tensor");
+      }
+      if (!at::isFloatingType(out.scalar_type()) && !at::isComplexType(out.scalar_type())) {
+        integral.push_back(out);
+      }
+    }
+    if (!integral.empty()) {
+      ctx->mark_non_differentiable(integral);
+    }
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward(inputs);
+    ctx->saved_data["shared"] = c10::IValue::make_capsule(shared);
+    return outputs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto shared =
+        c10::static_intrusive_pointer_cast<Shared>(ctx->saved_data["shared"].toCapsule());
+    const auto saved = ctx->get_saved_variables();
+    std::vector<at::Tensor> inputs;
+    inputs.reserve(saved.size());
+    for (size_t i = 0; i < saved.size(); ++i) {
+      at::Tensor d = saved[i].detach();
+      if (shared->input_requires_grad[i]) {
+        d.requires_grad_(true);
+      }
+      inputs.push_back(std::move(d));
+    }
+    std::vector<at::Tensor> outputs;
+    {
+      RngStates now;
+      RestoreOnExit back{nullptr};
+      if (shared->preserve_rng) {
+        now = capture(inputs);
+        back.states = &now;
+        restore(shared->rng);
+      }
+      at::AutoGradMode grad(true);
+      outputs = call(shared->again, shared->again_ctx, inputs);
+    }
+    if (outputs.size() != grad_outputs.size()) {
+      throw std::runtime_error("the recomputation returned " + std::to_string(outputs.size()) +
+                               " outputs, the first run " +
+                               std::to_string(grad_outputs.size()));
+    }
+    variable_list roots;
+    variable_list root_grads;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i].requires_grad() && grad_outputs[i].defined()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grad_outputs[i]);
+      }
+    }
+    // One slot per argument of `forward`: the inputs, the parameters, then the three
+    // arguments that are not tensors (left undefined).
+    variable_list result(shared->num_inputs + shared->params.size() + 3);
+    variable_list targets;
+    std::vector<size_t> slots;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (shared->input_requires_grad[i]) {
+        targets.push_back(inputs[i]);
+        slots.push_back(i);
+      }
+    }
+    for (size_t j = 0; j < shared->params.size(); ++j) {
+      targets.push_back(shared->params[j]);
+      slots.push_back(shared->num_inputs + j);
+    }
+    if (roots.empty() || targets.empty()) {
+      return result;
+    }
+    auto grads = torch::autograd::grad(roots, targets, root_grads, /*retain_graph=*/false,
+                                       /*create_graph=*/false, /*allow_unused=*/true);
+    for (size_t k = 0; k < grads.size(); ++k) {
+      result[slots[k]] = grads[k];
+    }
+    return result;
+  }
+};
+
+}  // namespace tdr_checkpoint
+
+extern "C" {
+
+char* tdr_tensor_list_push(TdrTensorList* list, TdrTensor* t) {
+  TDR_TRY
+  list->tensors.push_back(*t);
+  TDR_CATCH
+}
+
+char* tdr_checkpoint_apply(TdrTensor** inputs, size_t num_inputs, TdrTensor** params,
+                           size_t num_params, bool preserve_rng, TdrForwardCallback first,
+                           void* first_ctx, TdrForwardCallback again, void* again_ctx,
+                           TdrRelease release, TdrTensorList** out) {
+  TDR_TRY
+  // Owns the context from here, so that it is released however this ends.
+  auto shared = c10::make_intrusive<tdr_checkpoint::Shared>();
+  shared->again = again;
+  shared->again_ctx = again_ctx;
+  shared->release = release;
+  shared->num_inputs = num_inputs;
+  shared->preserve_rng = preserve_rng;
+  torch::autograd::variable_list args;
+  for (size_t i = 0; i < num_inputs; ++i) {
+    args.push_back(*inputs[i]);
+    shared->input_requires_grad.push_back(inputs[i]->requires_grad());
+  }
+  for (size_t j = 0; j < num_params; ++j) {
+    if (!params[j]->requires_grad() || !params[j]->is_leaf()) {
+      throw std::runtime_error("only leaf parameters that require grad can be checkpointed");
+    }
+    args.push_back(*params[j]);
+    shared->params.push_back(*params[j]);
+  }
+  auto result = std::make_unique<TdrTensorList>();
+  result->tensors =
+      tdr_checkpoint::CheckpointFunction::apply(at::TensorList(args), shared, first, first_ctx);
+  *out = result.release();
+  TDR_CATCH
+}
+
+size_t tdr_tensor_list_len(TdrTensorList* list) { return list == nullptr ? 0 : list->tensors.size(); }
+
+TdrTensor* tdr_tensor_list_take(TdrTensorList* list, size_t index) {
+  try {
+    return new at::Tensor(std::move(list->tensors.at(index)));
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+void tdr_tensor_list_free(TdrTensorList* list) { delete list; }
+
+}  // extern "C"

@@ -1,0 +1,242 @@
+//! The checkpoint's forward wrapper: each hooked call of a checkpointed module with grad
+//! enabled runs its forward through the engine's [`checkpointed`] (without keeping its
+//! activations), on the caller's module; the recomputation during backward runs on a
+//! [`ShallowClone`] of it taken at the call, and is checked against the first run.
+
+use std::any::Any;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tch::{Device, Kind, Tensor};
+use tch_dist_core::hooks::{Forward, ForwardError, ForwardWrapper};
+use tch_dist_core::{registry, InstanceAlias, InstanceHandles, ShallowClone, Shardable};
+use tch_dist_runtime::{autograd_mark, checkpointed, grad_enabled, Recomputation, UseGuard};
+
+use super::{ActivationCheckpointError, CheckpointOptions, DeterminismCheck};
+
+/// A module's twin (its shallow clone), seen both ways the recomputation needs it.
+pub(super) trait Twin: Send {
+    /// As `Any`, for the call's [`Recompute`](tch_dist_core::hooks::Recompute).
+    fn any(&self) -> &dyn Any;
+    /// As a module, for the [`InstanceAlias`].
+    fn module(&self) -> &dyn Shardable;
+}
+
+impl<M: Shardable + Send + 'static> Twin for M {
+    fn any(&self) -> &dyn Any {
+        self
+    }
+    fn module(&self) -> &dyn Shardable {
+        self
+    }
+}
+
+/// A twin of the module given as `Any`, if it is of the checkpointed type.
+pub(super) type Snapshot = Box<dyn Fn(&dyn Any) -> Option<Box<dyn Twin>> + Send + Sync>;
+
+/// The [`Snapshot`] of modules of type `M`.
+pub(super) fn snapshot_of<M: Shardable + ShallowClone + Send + 'static>() -> Snapshot {
+    Box::new(|m: &dyn Any| {
+        let m = m.downcast_ref::<M>()?;
+        Some(Box::new(m.shallow_clone()) as Box<dyn Twin>)
+    })
+}
+
+/// One output's shape, dtype and device, as the determinism check compares them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Meta {
+    size: Vec<i64>,
+    kind: Kind,
+    device: Device,
+}
+
+impl Meta {
+    fn of(t: &Tensor) -> Meta {
+        Meta {
+            size: t.size(),
+            kind: t.kind(),
+            device: t.device(),
+        }
+    }
+}
+
+impl std::fmt::Display for Meta {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let device = match self.device {
+            Device::Cpu => "cpu".to_string(),
+            Device::Cuda(i) => format!("cuda:{i}"),
+            other => format!("{other:?}"),
+        };
+        write!(f, "{:?} {:?} {device}", self.size, self.kind)
+    }
+}
+
+pub(super) struct Wrapper {
+    pub rank: usize,
+    /// The module's name in errors.
+    pub module: String,
+    /// `std::any::type_name` of the checkpointed type.
+    pub type_name: &'static str,
+    pub options: CheckpointOptions,
+    pub snapshot: Snapshot,
+}
+
+impl Wrapper {
+    fn failed(&self, e: ActivationCheckpointError) -> ForwardError {
+        ForwardError::from_error(e)
+    }
+
+    /// The trainable parameters of `module` (each once), or the refusal of a submodule that
+    /// fully_shard manages on its own.
+    fn trainable(&self, module: &dyn Shardable) -> Result<Vec<Tensor>, ActivationCheckpointError> {
+        for (fqn, child) in module.named_modules() {
+            if !fqn.is_empty() && registry(child).contains(&"fully_shard") {
+                return Err(ActivationCheckpointError::NestedFullyShard {
+                    rank: self.rank,
+                    module: self.module.clone(),
+                    child: fqn,
+                });
+            }
+        }
+        let mut seen = std::collections::HashSet::new();
+        Ok(module
+            .parameters()
+            .into_iter()
+            .filter(|p| {
+                p.requires_grad() && seen.insert(tch_dist_runtime::fsdp::tensor_identity(p))
+            })
+            .map(Tensor::shallow_clone)
+            .collect())
+    }
+
+    /// The recomputation's check against the first run's outputs.
+    fn check(&self, first: &[Meta], again: &[Tensor]) -> Result<(), ActivationCheckpointError> {
+        if first.len() != again.len() {
+            return Err(ActivationCheckpointError::OutputCount {
+                rank: self.rank,
+                module: self.module.clone(),
+                first: first.len(),
+                again: again.len(),
+            });
+        }
+        if self.options.determinism_check == DeterminismCheck::None {
+            return Ok(());
+        }
+        for (i, (a, t)) in first.iter().zip(again).enumerate() {
+            let b = Meta::of(t);
+            if *a != b {
+                return Err(ActivationCheckpointError::Nondeterministic {
+                    rank: self.rank,
+                    module: self.module.clone(),
+                    output: i,
+                    first: a.to_string(),
+                    again: b.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ForwardWrapper for Wrapper {
+    fn run(
+        &self,
+        module: &dyn Shardable,
+        forward: Forward<'_>,
+    ) -> Result<Vec<Tensor>, ForwardError> {
+        let inputs = forward.inputs();
+        let this = forward.this();
+        let (first, again) = forward.split();
+        if !grad_enabled() {
+            // Nothing is kept without grad: the forward runs as it is (as PyTorch's).
+            return Ok(first(inputs));
+        }
+        let params = self.trainable(module).map_err(|e| self.failed(e))?;
+        if params.is_empty() && !inputs.iter().any(Tensor::requires_grad) {
+            return Ok(first(inputs));
+        }
+        let snapshot = (self.snapshot)(this).ok_or_else(|| {
+            self.failed(ActivationCheckpointError::CalledAs {
+                rank: self.rank,
+                module: self.module.clone(),
+                expected: self.type_name,
+                got: module.type_name(),
+            })
+        })?;
+        let first_meta: Arc<Mutex<Vec<Meta>>> = Arc::default();
+        let kept = Arc::clone(&first_meta);
+        let mut run_first = |xs: &[Tensor]| {
+            let outs = first(xs);
+            *kept.lock().unwrap_or_else(PoisonError::into_inner) =
+                outs.iter().map(Meta::of).collect();
+            outs
+        };
+        let recompute =
+            self.recomputation(snapshot, InstanceHandles::of(module), again, first_meta);
+        let mark = autograd_mark();
+        let outs = checkpointed(
+            inputs,
+            &params,
+            self.options.preserve_rng_state,
+            &mut run_first,
+            recompute,
+        )
+        .map_err(|message| {
+            self.failed(ActivationCheckpointError::Forward {
+                rank: self.rank,
+                module: self.module.clone(),
+                message,
+            })
+        })?;
+        // The function's node uses the module's parameters inside this hooked call: claimed
+        // for every use guard (the module's own, and those of the APIs around it).
+        for out in &outs {
+            UseGuard::claim_any(self.rank, "checkpoint", out, mark)
+                .map_err(|e| self.failed(e.into()))?;
+        }
+        Ok(outs)
+    }
+}
+
+impl Wrapper {
+    /// The recomputation of one call: `again` on the call's snapshot, checked.
+    fn recomputation(
+        &self,
+        snapshot: Box<dyn Twin>,
+        original: InstanceHandles,
+        again: tch_dist_core::hooks::Recompute,
+        first: Arc<Mutex<Vec<Meta>>>,
+    ) -> Recomputation {
+        let checker = Wrapper {
+            rank: self.rank,
+            module: self.module.clone(),
+            type_name: self.type_name,
+            options: self.options,
+            snapshot: Box::new(|_| None),
+        };
+        Box::new(move |xs: &[Tensor]| {
+            if checker.options.debug {
+                let shapes: Vec<Vec<i64>> = xs.iter().map(Tensor::size).collect();
+                eprintln!(
+                    "rank {}: checkpoint: recomputing `{}` from inputs {shapes:?}",
+                    checker.rank, checker.module
+                );
+            }
+            // The twin's submodules are the block's own: their hooks run again.
+            let alias = InstanceAlias::new(snapshot.module(), &original);
+            let outs = again(snapshot.any(), xs);
+            drop(alias);
+            let outs = outs.ok_or_else(|| {
+                ActivationCheckpointError::CalledAs {
+                    rank: checker.rank,
+                    module: checker.module.clone(),
+                    expected: checker.type_name,
+                    got: "another type",
+                }
+                .to_string()
+            })?;
+            let first = first.lock().unwrap_or_else(PoisonError::into_inner);
+            checker.check(&first, &outs).map_err(|e| e.to_string())?;
+            Ok(outs)
+        })
+    }
+}
