@@ -30,6 +30,17 @@ and
     fsdp_bytes_vs_replicate=R  (bytes of parameters + gradients + AdamW state a rank holds
                                 between steps, fully_shard / replicate; goal <= 0.55)
 
+Activation checkpointing (`ac` in --models, last, with its own budget, --ac-budget): the same
+transformer, batch 8 x 64 tokens per rank, AdamW, per-block fully_shard, with and without
+checkpointing every block, tch-dist `checkpoint_activations` (`bench_ddp
+--activation-checkpointing`) against PyTorch's composable `checkpoint`. Prints a table and
+
+    ac_kept_vs_no_ac=R    (bytes the forward leaves allocated for backward, mallinfo2,
+                           with / without checkpointing; goal <= 0.15)
+    ac_step_vs_no_ac=R    (median step, with / without; goal <= 1.4)
+    ac_step_vs_pytorch=R  (median step, tch-dist / PyTorch, both checkpointed; goal <= 0.9)
+    ac_rss_vs_pytorch=R   (peak RSS, tch-dist / PyTorch, both checkpointed; goal <= 1.0)
+
 GPU (`--gpu`, run by target/gpu-check/run.sh on the GPU machine): world size 1, NCCL, the
 403M-parameter MLP (12 blocks 2048-8192-2048), batch 64, SGD; plain tch, tch-dist and PyTorch
 DDP. tch-dist runs with the test switch TCH_DIST_NO_SHORTCUTS=1, so that at world size 1 it
@@ -341,6 +352,89 @@ def fsdp_part(a, r):
     return out
 
 
+# The activation-checkpointing part: the suite's transformer under per-block fully_shard (2
+# ranks, AdamW) with and without checkpointing every block, tch-dist and PyTorch's composable
+# `checkpoint`; a larger batch than the FSDP part's, so that activations weigh.
+AC = dict(model="transformer", batch=8, rounds=2, steps=8, warmup=2)
+
+
+def ac_part(a, r):
+    """Activation checkpointing, tch-dist against PyTorch's composable checkpoint; returns the
+    summary ratios."""
+    rounds = AC["rounds"] if a.ac_rounds is None else a.ac_rounds
+    r.model, r.steps, r.warmup = AC["model"], AC["steps"], AC["warmup"]
+    r.results = {}
+    common = ["--optim", "adamw", "--batch", str(AC["batch"])]
+    ac = ["--activation-checkpointing"]
+    print(
+        f"bench ac: {FSDP['desc'].replace('batch 2', 'batch ' + str(AC['batch']))}, AdamW, "
+        f"fully_shard on each block then the root, checkpoint on each block (or not), "
+        f"{a.nproc} ranks, Gloo; {rounds} rounds x {r.steps} timed steps (+{r.warmup} warm-up)",
+        flush=True,
+    )
+    for i in range(rounds):
+        if i >= 1 and r.slack() < 0:
+            r.planned -= 4 * (rounds - i)
+            print(f"  ac: stopped after {i} of {rounds} rounds for lack of time", flush=True)
+            r.cut_rounds += rounds - i
+            break
+        runs = [
+            lambda: r.tch("tch_dist_ac", "fully_shard", *common, *ac),
+            lambda: r.torch("pytorch_ac", "fsdp", *common, *ac),
+            lambda: r.tch("tch_dist_no_ac", "fully_shard", *common),
+            lambda: r.torch("pytorch_no_ac", "fsdp", *common),
+        ]
+        if i % 2:
+            runs.reverse()
+        for f in runs:
+            f()
+    res = r.results
+    med = {k: pooled_median(v) for k, v in res.items()}
+    peak = {k: max(x["peak_rss_mib_max"] for x in v) for k, v in res.items()}
+    kept = {k: statistics.median(x["forward_kept_bytes"] for x in v) for k, v in res.items()}
+    print(f"\n== ac: batch {AC['batch']} x 64 tokens per rank, 6 blocks\n")
+    print(
+        f"{'configuration':<16} {'step ms':>8} {'fwd':>6} {'bwd':>6} {'peak RSS MiB':>12} "
+        f"{'kept by forward MB':>18} {'foreign':>7}  runs"
+    )
+    for k in ("tch_dist_ac", "pytorch_ac", "tch_dist_no_ac", "pytorch_no_ac"):
+        v = res[k]
+        ph = {p: statistics.median(x.get(p, 0) for x in v) for p in ("fwd_ms", "bwd_ms")}
+        print(
+            f"{k:<16} {med[k]:8.2f} {ph['fwd_ms']:6.1f} {ph['bwd_ms']:6.1f} {peak[k]:12.1f} "
+            f"{kept[k] / 1e6:18.2f} {max(x['foreign'] for x in v):7.0%}  {len(v)}"
+        )
+    out = {
+        "ac_kept_vs_no_ac": kept["tch_dist_ac"] / kept["tch_dist_no_ac"],
+        "ac_step_vs_no_ac": med["tch_dist_ac"] / med["tch_dist_no_ac"],
+        "ac_step_vs_pytorch": med["tch_dist_ac"] / med["pytorch_ac"],
+        "ac_rss_vs_pytorch": peak["tch_dist_ac"] / peak["pytorch_ac"],
+        "ac_kept_vs_pytorch": kept["tch_dist_ac"] / kept["pytorch_ac"],
+    }
+    print()
+    print(
+        f"ac_kept_vs_no_ac={out['ac_kept_vs_no_ac']:.3f}  (bytes the forward leaves for backward, "
+        f"the whole model: an upper bound of the blocks' own ratio; goal <= 0.15; PyTorch: "
+        f"{kept['pytorch_ac'] / kept['pytorch_no_ac']:.3f})"
+    )
+    print(
+        f"ac_step_vs_no_ac={out['ac_step_vs_no_ac']:.3f}  (median step, {med['tch_dist_ac']:.1f} / "
+        f"{med['tch_dist_no_ac']:.1f} ms; goal <= 1.4; PyTorch: "
+        f"{med['pytorch_ac'] / med['pytorch_no_ac']:.3f})"
+    )
+    print(
+        f"ac_step_vs_pytorch={out['ac_step_vs_pytorch']:.3f}  (tch-dist / PyTorch, both "
+        "checkpointed; goal <= 0.9)"
+    )
+    print(
+        f"ac_rss_vs_pytorch={out['ac_rss_vs_pytorch']:.3f}  (peak RSS of the larger rank, "
+        f"{peak['tch_dist_ac']:.1f} / {peak['pytorch_ac']:.1f} MiB; goal <= 1.0)"
+    )
+    print(f"ac_kept_vs_pytorch={out['ac_kept_vs_pytorch']:.3f}  (goal <= 1.0)")
+    print(flush=True)
+    return out
+
+
 def planned_runs(a, m):
     """How many runs cpu_model makes for model settings `m`."""
     rounds = m["rounds"] if a.rounds is None else a.rounds
@@ -351,10 +445,11 @@ def planned_runs(a, m):
 def cpu_bench(a, r):
     models = [m for m in a.models.split(",") if m]
     for m in models:
-        if m not in MODELS and m != "fsdp":
-            raise SystemExit(f"bench: unknown model {m} ({', '.join(MODELS)} or fsdp)")
+        if m not in MODELS and m not in ("fsdp", "ac"):
+            raise SystemExit(f"bench: unknown model {m} ({', '.join(MODELS)}, fsdp or ac)")
     fsdp = "fsdp" in models
-    models = [m for m in models if m != "fsdp"]
+    ac = "ac" in models
+    models = [m for m in models if m not in ("fsdp", "ac")]
     # Each model gets the share of what is left of the budget that its runs are of the runs
     # still to come.
     end = time.time() + a.budget if a.budget else float("inf")
@@ -374,10 +469,20 @@ def cpu_bench(a, r):
         r.deadline = start + a.fsdp_budget if a.fsdp_budget else float("inf")
         fsdp_summary = fsdp_part(a, r)
         print(f"bench fsdp took {time.time() - start:.0f} s", flush=True)
+    ac_summary = None
+    if ac:
+        start = time.time()
+        rounds = AC["rounds"] if a.ac_rounds is None else a.ac_rounds
+        r.planned, r.done = 4 * rounds, 0
+        r.deadline = start + a.ac_budget if a.ac_budget else float("inf")
+        ac_summary = ac_part(a, r)
+        print(f"bench ac took {time.time() - start:.0f} s", flush=True)
     for m, s in summary.items():
         print(f"model={m} " + " ".join(f"{k}={v:.3f}" for k, v in s.items()))
     if fsdp_summary:
         print("fsdp " + " ".join(f"{k}={v:.3f}" for k, v in fsdp_summary.items()))
+    if ac_summary:
+        print("ac " + " ".join(f"{k}={v:.3f}" for k, v in ac_summary.items()))
     # The same figures as pictures (docs/PERFORMANCE.md shows a run's charts).
     per_model = {m: s["tch_dist_vs_pytorch_ddp"] for m, s in summary.items()}
     for path in charts.write_charts(
@@ -438,10 +543,17 @@ def main():
     )
     p.add_argument(
         "--models",
-        default=",".join(list(MODELS) + ["fsdp"]),
-        help="the CPU suite's models, in order, and `fsdp` for the FSDP part, which runs after "
-        "them (default: %(default)s); the last line is the first model's "
-        "tch_dist_vs_pytorch_ddp",
+        default=",".join(list(MODELS) + ["fsdp", "ac"]),
+        help="the CPU suite's models, in order, `fsdp` for the FSDP part and `ac` for the "
+        "activation-checkpointing part, which run after them (default: %(default)s); the last "
+        "line is the first model's tch_dist_vs_pytorch_ddp",
+    )
+    p.add_argument("--ac-rounds", type=int, default=None, help=f"default {AC['rounds']}")
+    p.add_argument(
+        "--ac-budget",
+        type=float,
+        default=150.0,
+        help="seconds for the activation-checkpointing part (0: none; default %(default)s)",
     )
     p.add_argument("--fsdp-rounds", type=int, default=None, help=f"default {FSDP['rounds']}")
     p.add_argument(

@@ -4,12 +4,17 @@ examples/bench_ddp/ (`--model mlp|transformer|convnet|gpu`; see there for what e
     tch-dist-run --nproc-per-node 2 -- python3 bench/pytorch_ddp.py --mode ddp [--model NAME] [--bucket-cap-mb 25]
         [--grad-as-bucket-view] [--no-broadcast-buffers]
     tch-dist-run --nproc-per-node 2 -- python3 bench/pytorch_ddp.py --mode fsdp [--model NAME] [--optim adamw]
+        [--activation-checkpointing]
     python3 bench/pytorch_ddp.py --mode plain
 
 `--mode fsdp`: torch.distributed.fsdp.fully_shard (FSDP2) with its defaults on each block (the
 MLP's layers, the transformer's and the convnet's blocks), then on the root, over the default
 CPU mesh (Gloo), as bench_ddp's `--mode fully_shard`. `--optim sgd` (default) or `adamw`
 (torch.optim.AdamW's defaults; `--lr`, default 0.01 for SGD, 1e-3 for AdamW).
+`--activation-checkpointing` (the transformer): the composable
+`torch.distributed._composable.checkpoint` on each block before any other API (torchtitan's
+order), as bench_ddp's; `forward_kept_bytes` is the median over timed steps of what malloc
+holds after the forward beyond what it held before it (`mallinfo2`, as bench_ddp reads it).
 
 Reads torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; tch-dist-run sets
 them) and prints one `BENCH {json}` line per rank with per-step times (ms), phase medians, the
@@ -19,6 +24,7 @@ per-parameter tensors but its scalar `step`).
 """
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -176,6 +182,24 @@ def rss_mib():
     return peak, cur
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                  "uordblks", "fordblks", "keepcost")
+    ]
+
+
+_LIBC = ctypes.CDLL("libc.so.6")
+_LIBC.mallinfo2.restype = _Mallinfo2
+
+
+def malloc_in_use():
+    """Bytes malloc has handed out and not had back (small blocks in use + mmapped ones)."""
+    m = _LIBC.mallinfo2()
+    return float(m.uordblks + m.hblkhd)
+
+
 def machine_busy_ms():
     """Busy CPU time of the whole machine so far (/proc/stat, USER_HZ 100), in ms."""
     with open("/proc/stat") as f:
@@ -206,6 +230,7 @@ def main():
     p.add_argument("--no-broadcast-buffers", action="store_true")
     p.add_argument("--tag", default="")
     p.add_argument("--optim", default="sgd", choices=["sgd", "adamw"])
+    p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--lr", type=float, default=0.0, help="default: 0.01 (SGD), 1e-3 (AdamW)")
     a = p.parse_args()
     model_name = a.model or ("gpu" if a.device == "cuda" else "mlp")
@@ -227,6 +252,15 @@ def main():
     model.train()
     n_params = sum(t.numel() for t in model.parameters())
     fsdp_groups = 0
+    checkpointed = 0
+    if a.activation_checkpointing:
+        if model_name != "transformer":
+            raise SystemExit("--activation-checkpointing: the transformer's blocks only")
+        from torch.distributed._composable import checkpoint
+
+        for b in model.blocks:
+            checkpoint(b)
+        checkpointed = len(model.blocks)
     if a.mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -256,7 +290,7 @@ def main():
     def loss_of(out):
         return loss_fn(out, target)
 
-    steps, fwd, bwd, upd = [], [], [], []
+    steps, fwd, bwd, upd, kept = [], [], [], [], []
     if a.mode != "plain":
         dist.barrier()
     sync(device)
@@ -267,9 +301,11 @@ def main():
             faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         opt.zero_grad()
+        before = malloc_in_use()
         loss = loss_of(model(x))
         sync(device)
         t1 = time.perf_counter()
+        kept_bytes = malloc_in_use() - before
         loss.backward()
         sync(device)
         t2 = time.perf_counter()
@@ -281,6 +317,7 @@ def main():
             fwd.append((t1 - t0) * 1e3)
             bwd.append((t2 - t1) * 1e3)
             upd.append((t3 - t2) * 1e3)
+            kept.append(kept_bytes)
     window = {
         "wall_ms": (time.perf_counter() - wall0) * 1e3,
         "cpu_ms": cpu_ms() - cpu0,
@@ -321,6 +358,8 @@ def main():
         "opt_ms": statistics.median(upd),
         "peak_rss_mib": peak,
         "rss_mib": cur,
+        "forward_kept_bytes": statistics.median(kept),
+        "checkpointed_blocks": checkpointed,
         "steps_ms": steps,
         "torch": torch.__version__,
         "optim": a.optim,

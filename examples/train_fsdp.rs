@@ -17,9 +17,14 @@
 //! host memory, written while the next step trains, waited for once that step is done and
 //! at the end.
 //!
+//! With `--activation-checkpointing` each block is checkpointed before it is sharded
+//! (`checkpoint_activations`): its forward keeps only its input, and backward runs it again.
+//! Rank 0 prints the memory either way: the most a forward left allocated for its backward,
+//! and the peak RSS.
+//!
 //! ```text
 //! target/release/tch-dist-run --nproc-per-node 2 -- target/release/examples/train_fsdp [--epochs N] [--batch-size N] [--lr LR] \
-//!     [--checkpoint-dir DIR --checkpoint-every N]
+//!     [--checkpoint-dir DIR --checkpoint-every N] [--activation-checkpointing]
 //! target/release/examples/train_fsdp --verify DIR/step-00000010   # checks every byte, one process
 //! ```
 //!
@@ -112,6 +117,8 @@ struct Args {
     checkpoint_dir: Option<PathBuf>,
     verify: Option<PathBuf>,
     checkpoint_every: u64,
+    /// `checkpoint_activations` on each block before fully_shard (torchtitan's order).
+    activation_checkpointing: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -123,6 +130,7 @@ fn parse_args() -> Result<Args, String> {
         checkpoint_dir: None,
         verify: None,
         checkpoint_every: 0,
+        activation_checkpointing: false,
     };
     let mut flags = cli::Flags::from_env();
     while let Some(flag) = flags.next_flag() {
@@ -134,6 +142,7 @@ fn parse_args() -> Result<Args, String> {
             "--checkpoint-dir" => a.checkpoint_dir = Some(flags.value(&flag)?.into()),
             "--verify" => a.verify = Some(flags.value(&flag)?.into()),
             "--checkpoint-every" => a.checkpoint_every = flags.parsed(&flag)?,
+            "--activation-checkpointing" => a.activation_checkpointing = true,
             other => return Err(cli::unknown(other)),
         }
     }
@@ -148,6 +157,30 @@ fn parse_args() -> Result<Args, String> {
 
 fn main() {
     cli::main_with(run);
+}
+
+/// Bytes malloc has handed out and not had back (`mallinfo2`): on CPU, tensors' memory.
+fn malloc_in_use() -> f64 {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2(3) only reads the allocator's counters.
+        let m = unsafe { libc::mallinfo2() };
+        (m.uordblks + m.hblkhd) as f64
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        0.0
+    }
+}
+
+/// The process's peak resident set size (VmHWM), in MiB.
+fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 /// `opt.backward_step(&loss)` with failures as values: a collective that failed during
@@ -195,8 +228,13 @@ fn run() -> Result<(), Box<dyn Error>> {
         .iter()
         .map(|t| t.numel() as i64)
         .sum();
-    // Bottom-up: each block its own group, then the root (patch, pos, ln_f, head).
+    // Bottom-up: each block its own group, then the root (patch, pos, ln_f, head); each
+    // block checkpointed first with --activation-checkpointing (its activations recomputed
+    // in backward instead of kept).
     for b in &model.blocks {
+        if args.activation_checkpointing {
+            tch_dist::checkpoint_activations(b, tch_dist::CheckpointOptions::default())?;
+        }
         fully_shard(b, FsdpOptions::default())?;
     }
     fully_shard(&model, FsdpOptions::default())?;
@@ -239,6 +277,8 @@ fn run() -> Result<(), Box<dyn Error>> {
         );
     }
     let start = Instant::now();
+    // The most any forward left allocated for its backward (the activations kept).
+    let mut kept_max = 0f64;
     let mut seen = 0i64;
     let mut global = 0u64;
     // The checkpoint being written in the background, if any.
@@ -250,9 +290,13 @@ fn run() -> Result<(), Box<dyn Error>> {
             let lo = step * per;
             let mine = order.narrow(0, lo, per.min(sampler.len() as i64 - lo));
             let len = mine.size()[0] * world;
-            let loss = model
-                .f_call(&x_train.index_select(0, &mine))?
-                .cross_entropy_for_logits(&y_train.index_select(0, &mine));
+            let (inputs, targets) = (
+                x_train.index_select(0, &mine),
+                y_train.index_select(0, &mine),
+            );
+            let before = malloc_in_use();
+            let loss = model.f_call(&inputs)?.cross_entropy_for_logits(&targets);
+            kept_max = kept_max.max(malloc_in_use() - before);
             backward_step(&model, &mut opt, &loss)?;
             // The checkpoint of the step before was written while this step trained.
             if let Some(p) = pending.take() {
@@ -303,6 +347,17 @@ fn run() -> Result<(), Box<dyn Error>> {
             start.elapsed().as_secs_f64()
         );
         println!("test_accuracy={acc:.2}");
+        println!(
+            "memory: activation checkpointing {}, forward kept at most {:.2} MB for backward, \
+             peak RSS {:.0} MiB",
+            if args.activation_checkpointing {
+                "on"
+            } else {
+                "off"
+            },
+            kept_max / 1e6,
+            peak_rss_mib()
+        );
     }
     pg.barrier()?;
     Ok(())

@@ -354,7 +354,50 @@ fn misuse_is_an_error_and_changes_nothing() {
         "{e}"
     );
     assert!(!d.fc.ws.grad().defined());
-    let _ = DeterminismCheck::None;
+
+    // Inside a model, the errors name the block by its FQN.
+    let vs = nn::VarStore::new(Device::Cpu);
+    let holder = Holder {
+        inner: Drifting {
+            fc: nn::linear(vs.root() / "inner" / "fc", D, D, Default::default()),
+        },
+    };
+    checkpoint_activations(&holder.inner, CheckpointOptions::default()).unwrap();
+    DRIFT.store(0, Ordering::SeqCst);
+    let e = holder
+        .call(&x)
+        .sum(Kind::Float)
+        .f_backward()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rank 0: checkpoint: the recomputation of `inner` differs"),
+        "{e}"
+    );
+    // Without the check, the engine's own shape check fails the backward instead.
+    let vs = nn::VarStore::new(Device::Cpu);
+    let unchecked = Drifting {
+        fc: nn::linear(vs.root() / "fc", D, D, Default::default()),
+    };
+    let opts = CheckpointOptions {
+        determinism_check: DeterminismCheck::None,
+        ..Default::default()
+    };
+    checkpoint_activations(&unchecked, opts).unwrap();
+    DRIFT.store(0, Ordering::SeqCst);
+    assert!(unchecked.call(&x).sum(Kind::Float).f_backward().is_err());
+    assert!(!unchecked.fc.ws.grad().defined());
+}
+
+#[derive(Debug, Shardable)]
+struct Holder {
+    inner: Drifting,
+}
+
+impl Module for Holder {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.inner.call(x)
+    }
 }
 
 // --- with the family, at 2 ranks ---
@@ -413,7 +456,8 @@ fn fully_shard_and_replicate_compose_at_2_ranks() {
         );
 
         // replicate around the model (each rank its own half of the batch), blocks
-        // checkpointed, against replicate alone.
+        // checkpointed, against replicate alone: with find_unused_parameters, and a
+        // micro-step accumulated under no_sync before each synchronised one.
         let mut runs = Vec::new();
         for checkpointed in [false, true] {
             tch::manual_seed(31);
@@ -422,21 +466,29 @@ fn fully_shard_and_replicate_compose_at_2_ranks() {
             if checkpointed {
                 checkpoint_every_block(&n);
             }
-            replicate::apply(&n, replicate::Options::default()).unwrap();
+            let opts = replicate::Options {
+                find_unused_parameters: true,
+                ..Default::default()
+            };
+            replicate::apply(&n, opts).unwrap();
             let mut opt = nn::Sgd {
                 momentum: 0.9,
                 ..Default::default()
             }
             .build(&vs, 0.05)
             .unwrap();
-            for step in 0..3 {
+            let half = BATCH / 2;
+            let r = pg.rank() as i64;
+            let local_loss = |step: i64| {
                 let (x, y) = data(step);
-                let half = BATCH / 2;
-                let r = pg.rank() as i64;
-                let loss = n
-                    .call_t(&x.narrow(0, r * half, half), true)
-                    .mse_loss(&y.narrow(0, r * half, half), tch::Reduction::Mean);
-                opt.backward_step(&loss);
+                n.call_t(&x.narrow(0, r * half, half), true)
+                    .mse_loss(&y.narrow(0, r * half, half), tch::Reduction::Mean)
+            };
+            for step in 0..3 {
+                opt.zero_grad();
+                replicate::no_sync(&n, || local_loss(10 + step).backward()).unwrap();
+                local_loss(step).backward();
+                opt.step();
             }
             runs.push(values(&vs));
         }

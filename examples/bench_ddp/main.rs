@@ -4,7 +4,7 @@
 //! bench_ddp --mode plain      [--device cpu|cuda] [--model NAME] [options]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode replicate [--bucket-cap-mb 25] [--grad-as-bucket-view] [--no-broadcast-buffers] [--in-place-min-bytes N]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode allreduce [--sizes BYTES,BYTES,...]
-//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode fully_shard [--model NAME] [--optim adamw]
+//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode fully_shard [--model NAME] [--optim adamw] [--activation-checkpointing]
 //! ```
 //!
 //! - `plain`: one process trains the model (no process group);
@@ -16,7 +16,8 @@
 //!   defaults.
 //!
 //! `--optim sgd` (the default: SGD, no momentum) or `adamw` (tch's `nn::AdamW` defaults);
-//! `--lr` (default 0.01 for SGD, 1e-3 for AdamW).
+//! `--lr` (default 0.01 for SGD, 1e-3 for AdamW). `--activation-checkpointing` (the
+//! transformer): `checkpoint_activations` on each block before any other API.
 //!
 //! Models (`--model`), each defined exactly as in bench/pytorch_ddp.py (same shapes, the
 //! same parameter registration order, batch, loss and SGD with lr 0.01):
@@ -40,6 +41,8 @@
 //! parameters, gradients and optimizer state it holds, counted from the tensors: the
 //! `VarStore`'s trainable variables (under fully_shard: this rank's shards), their `.grad`,
 //! and AdamW's two moments per parameter (`exp_avg`, `exp_avg_sq`: twice the parameters).
+//! `forward_kept_bytes`: the median over timed steps of what malloc holds after the forward
+//! beyond what it held before it (`mallinfo2`): the activations kept for backward.
 
 use std::time::Instant;
 
@@ -78,6 +81,8 @@ struct Args {
     optim: String,
     /// The learning rate; 0: the optimizer's default here (0.01 for SGD, 1e-3 for AdamW).
     lr: f64,
+    /// `checkpoint_activations` on each block (the transformer).
+    activation_checkpointing: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -97,6 +102,7 @@ fn parse_args() -> Result<Args, String> {
         tag: String::new(),
         optim: "sgd".into(),
         lr: 0.0,
+        activation_checkpointing: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -141,6 +147,7 @@ fn parse_args() -> Result<Args, String> {
             "--tag" => a.tag = value()?,
             "--optim" => a.optim = value()?,
             "--lr" => a.lr = num(value()?, "--lr")?,
+            "--activation-checkpointing" => a.activation_checkpointing = true,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -228,6 +235,11 @@ fn train<M: BenchModel>(
     let params = vs.trainable_variables();
     let n_params: i64 = params.iter().map(|t| t.numel() as i64).sum();
     let mut fsdp_groups = 0;
+    let checkpointed = if args.activation_checkpointing {
+        model.checkpoint_blocks()?
+    } else {
+        0
+    };
     if args.mode == "fully_shard" {
         fsdp_groups = model.shard_blocks()? + 1;
         fully_shard(&model, FsdpOptions::default())?;
@@ -258,6 +270,8 @@ fn train<M: BenchModel>(
 
     let (mut steps, mut fwd, mut bwd, mut upd) = (vec![], vec![], vec![], vec![]);
     let (mut comm, mut overlap) = (vec![], vec![]);
+    // What the forward leaves allocated for backward (activations, outputs), per step.
+    let mut kept = vec![];
     if let Some(g) = &pg {
         g.barrier()?;
     }
@@ -272,10 +286,12 @@ fn train<M: BenchModel>(
         }
         let t0 = Instant::now();
         opt.zero_grad();
+        let before = malloc_in_use();
         // `call_t` runs replicate's forward hook (buffer broadcast); train mode for BatchNorm.
         let loss = loss_of(&model.f_call_t(&x, true)?);
         sync(args.device);
         let f = ms(t0);
+        let kept_bytes = malloc_in_use() - before;
         let t1 = Instant::now();
         if let Err(e) = loss.f_backward() {
             // A collective that failed during backward: the reducer's typed error.
@@ -296,6 +312,7 @@ fn train<M: BenchModel>(
             fwd.push(f);
             bwd.push(b);
             upd.push(u);
+            kept.push(kept_bytes);
             if let Some(s) = replicate::state(&model) {
                 let st = s.stats();
                 comm.push(st.comm_time.as_secs_f64() * 1e3);
@@ -359,6 +376,8 @@ fn train<M: BenchModel>(
         "opt_ms": median(&upd),
         "peak_rss_mib": peak,
         "rss_mib": current,
+        "forward_kept_bytes": median(&kept),
+        "checkpointed_blocks": checkpointed,
         "steps_ms": steps,
         "optim": args.optim,
         "param_bytes": param_bytes,

@@ -17,6 +17,21 @@ pub(crate) fn rss_mib() -> (f64, f64) {
     (field("VmHWM:"), field("VmRSS:"))
 }
 
+/// Bytes malloc has handed out and not had back (`mallinfo2`: small blocks in use plus
+/// mmapped ones): tensors' memory on CPU, counted exactly; bench/pytorch_ddp.py reads the same.
+pub(crate) fn malloc_in_use() -> f64 {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2(3) only reads the allocator's counters.
+        let m = unsafe { libc::mallinfo2() };
+        (m.uordblks + m.hblkhd) as f64
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        0.0
+    }
+}
+
 pub(crate) fn rusage() -> libc::rusage {
     // SAFETY: getrusage fills the struct we pass; RUSAGE_SELF covers every thread.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };

@@ -189,6 +189,11 @@ pub(crate) trait BenchModel: ModuleT + Shardable + Sized + 'static {
     /// `fully_shard` on each block (bottom-up; the `--mode fully_shard` groups); the root's
     /// call follows. Returns how many blocks.
     fn shard_blocks(&self) -> Result<usize, tch_dist::fully_shard::FsdpError>;
+    /// `checkpoint_activations` on each block (`--activation-checkpointing`, before
+    /// `shard_blocks`, as torchtitan applies them); the transformer's only.
+    fn checkpoint_blocks(&self) -> Result<usize, String> {
+        Err("--activation-checkpointing: the transformer's blocks only".into())
+    }
 }
 
 /// `fully_shard` with the defaults on each of `blocks`.
@@ -248,6 +253,13 @@ impl BenchModel for Transformer {
     fn shard_blocks(&self) -> Result<usize, tch_dist::fully_shard::FsdpError> {
         // The root manages the embeddings, the final LayerNorm and the head.
         shard_each(&self.blocks)
+    }
+    fn checkpoint_blocks(&self) -> Result<usize, String> {
+        for b in &self.blocks {
+            tch_dist::checkpoint_activations(b, tch_dist::CheckpointOptions::default())
+                .map_err(|e| tch_dist::report(&e))?;
+        }
+        Ok(self.blocks.len())
     }
 }
 

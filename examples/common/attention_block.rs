@@ -4,10 +4,11 @@
 
 use tch::nn;
 use tch::{Kind, Tensor};
-use tch_dist::{Call, Shardable};
+use tch_dist::{Call, ShallowClone, Shardable};
 
 /// `x + proj(attn(ln1(x)))`, then `x + fc2(gelu(fc1(ln2(x))))`, with fused q/k/v.
-#[derive(Debug, Shardable)]
+/// `ShallowClone`: activation checkpointing runs it again during backward.
+#[derive(Debug, Shardable, ShallowClone)]
 pub struct Block {
     pub ln1: nn::LayerNorm,
     pub qkv: nn::Linear,

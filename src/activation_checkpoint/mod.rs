@@ -36,7 +36,9 @@
 //!     let y = nn::Module::forward(&block, &x).sum(Kind::Float);
 //!     y.backward();
 //!     let g = block.fc1.ws.grad().copy();
-//!     vs.zero_grad();
+//!     for mut t in vs.trainable_variables() {
+//!         t.zero_grad();
+//!     }
 //!     g
 //! };
 //! checkpoint_activations(&block, CheckpointOptions::default())?;
@@ -110,11 +112,11 @@ where
     M: Shardable + ShallowClone + Send + 'static,
 {
     let rank = tch_dist_runtime::default_group().map_or(0, |g| g.rank());
-    let label = short_type(module.type_name());
-    let guard = bypass_guard(module, rank, &label)?;
+    let name = Arc::new(wrapper::ModuleName::new(short_type(module.type_name())));
+    let guard = bypass_guard(module, rank, &name)?;
     let wrapper = wrapper::Wrapper {
         rank,
-        module: label,
+        name,
         type_name: std::any::type_name::<M>(),
         options,
         snapshot: wrapper::snapshot_of::<M>(),
@@ -132,7 +134,7 @@ where
 fn bypass_guard<M: Shardable + ?Sized>(
     module: &M,
     rank: usize,
-    label: &str,
+    name: &Arc<wrapper::ModuleName>,
 ) -> Result<Option<UseGuard>, ActivationCheckpointError> {
     let named: Vec<(String, &tch::Tensor)> = module
         .named_parameters()
@@ -144,12 +146,13 @@ fn bypass_guard<M: Shardable + ?Sized>(
     }
     let params: Vec<&tch::Tensor> = named.iter().map(|(_, p)| *p).collect();
     let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
-    let module = label.to_string();
+    let name = Arc::clone(name);
     let guard = UseGuard::new(rank, "checkpoint", &params, move |i| {
+        let prefix = name.fqn().unwrap_or_default();
         ActivationCheckpointError::HooksBypassed {
             rank,
-            module: module.clone(),
-            param: join_fqn("", names.get(i).map_or("", String::as_str)),
+            param: join_fqn(&prefix, names.get(i).map_or("", String::as_str)),
+            module: name.get(),
         }
         .to_string()
     })?;

@@ -70,10 +70,49 @@ impl std::fmt::Display for Meta {
     }
 }
 
+/// How errors name the checkpointed module: its FQN from the outermost call it was seen
+/// in, or its type (`Block`) until then, and when it is called at the top.
+#[derive(Debug)]
+pub(super) struct ModuleName {
+    type_label: String,
+    fqn: Mutex<Option<String>>,
+}
+
+impl ModuleName {
+    pub fn new(type_label: String) -> Self {
+        ModuleName {
+            type_label,
+            fqn: Mutex::new(None),
+        }
+    }
+
+    /// The FQN when known.
+    pub fn fqn(&self) -> Option<String> {
+        self.fqn
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The FQN when known, else the type.
+    pub fn get(&self) -> String {
+        self.fqn().unwrap_or_else(|| self.type_label.clone())
+    }
+
+    /// Learns the FQN of `module` from the call running now, if it is inside another.
+    fn learn(&self, module: &dyn Shardable) {
+        if let Some(fqn) = tch_dist_core::hooks::fqn_in_outermost_call(module) {
+            if !fqn.is_empty() {
+                *self.fqn.lock().unwrap_or_else(PoisonError::into_inner) = Some(fqn);
+            }
+        }
+    }
+}
+
 pub(super) struct Wrapper {
     pub rank: usize,
-    /// The module's name in errors.
-    pub module: String,
+    /// The module's name in errors (shared with the use guard's message).
+    pub name: Arc<ModuleName>,
     /// `std::any::type_name` of the checkpointed type.
     pub type_name: &'static str,
     pub options: CheckpointOptions,
@@ -92,7 +131,7 @@ impl Wrapper {
             if !fqn.is_empty() && registry(child).contains(&"fully_shard") {
                 return Err(ActivationCheckpointError::NestedFullyShard {
                     rank: self.rank,
-                    module: self.module.clone(),
+                    module: self.name.get(),
                     child: fqn,
                 });
             }
@@ -113,7 +152,7 @@ impl Wrapper {
         if first.len() != again.len() {
             return Err(ActivationCheckpointError::OutputCount {
                 rank: self.rank,
-                module: self.module.clone(),
+                module: self.name.get(),
                 first: first.len(),
                 again: again.len(),
             });
@@ -126,7 +165,7 @@ impl Wrapper {
             if *a != b {
                 return Err(ActivationCheckpointError::Nondeterministic {
                     rank: self.rank,
-                    module: self.module.clone(),
+                    module: self.name.get(),
                     output: i,
                     first: a.to_string(),
                     again: b.to_string(),
@@ -146,6 +185,8 @@ impl ForwardWrapper for Wrapper {
         let inputs = forward.inputs();
         let this = forward.this();
         let (first, again) = forward.split();
+        self.name.learn(module);
+        let this_name = self.name.get();
         if !grad_enabled() {
             // Nothing is kept without grad: the forward runs as it is (as PyTorch's).
             return Ok(first(inputs));
@@ -157,7 +198,7 @@ impl ForwardWrapper for Wrapper {
         let snapshot = (self.snapshot)(this).ok_or_else(|| {
             self.failed(ActivationCheckpointError::CalledAs {
                 rank: self.rank,
-                module: self.module.clone(),
+                module: this_name.clone(),
                 expected: self.type_name,
                 got: module.type_name(),
             })
@@ -170,8 +211,13 @@ impl ForwardWrapper for Wrapper {
                 outs.iter().map(Meta::of).collect();
             outs
         };
-        let recompute =
-            self.recomputation(snapshot, InstanceHandles::of(module), again, first_meta);
+        let recompute = self.recomputation(
+            snapshot,
+            InstanceHandles::of(module),
+            again,
+            first_meta,
+            this_name.clone(),
+        );
         let mark = autograd_mark();
         let outs = checkpointed(
             inputs,
@@ -183,7 +229,7 @@ impl ForwardWrapper for Wrapper {
         .map_err(|message| {
             self.failed(ActivationCheckpointError::Forward {
                 rank: self.rank,
-                module: self.module.clone(),
+                module: this_name.clone(),
                 message,
             })
         })?;
@@ -205,10 +251,11 @@ impl Wrapper {
         original: InstanceHandles,
         again: tch_dist_core::hooks::Recompute,
         first: Arc<Mutex<Vec<Meta>>>,
+        name: String,
     ) -> Recomputation {
         let checker = Wrapper {
             rank: self.rank,
-            module: self.module.clone(),
+            name: Arc::new(ModuleName::new(name)),
             type_name: self.type_name,
             options: self.options,
             snapshot: Box::new(|_| None),
@@ -218,7 +265,8 @@ impl Wrapper {
                 let shapes: Vec<Vec<i64>> = xs.iter().map(Tensor::size).collect();
                 eprintln!(
                     "rank {}: checkpoint: recomputing `{}` from inputs {shapes:?}",
-                    checker.rank, checker.module
+                    checker.rank,
+                    checker.name.get()
                 );
             }
             // The twin's submodules are the block's own: their hooks run again.
@@ -228,7 +276,7 @@ impl Wrapper {
             let outs = outs.ok_or_else(|| {
                 ActivationCheckpointError::CalledAs {
                     rank: checker.rank,
-                    module: checker.module.clone(),
+                    module: checker.name.get(),
                     expected: checker.type_name,
                     got: "another type",
                 }

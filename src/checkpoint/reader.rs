@@ -2,8 +2,9 @@
 //! the byte ranges the read plan (`read_plan.rs`) names for this rank's targets, each read
 //! with a positioned read straight into the target's staged values (whole rows of them) or
 //! into one buffer of the rows read, whose overlap is copied into place, and checked
-//! against the manifest's block digests ([`Reader::fetch`]); counted in [`LoadStats`]. `_hf_storage.py`'s
-//! `HuggingFaceStorageReader.read_data` is the counterpart (it reads every tensor whole).
+//! against the manifest's block digests ([`Reader::fetch`]); counted in [`LoadStats`].
+//! `_hf_storage.py`'s `HuggingFaceStorageReader.read_data` is the counterpart (it reads
+//! every tensor whole).
 //!
 //! A format-2 checkpoint (no piece digests) is read as before: every file whole, checked
 //! against its SHA-256. A one-file `VarStore::save`, and a folder PyTorch's
@@ -406,7 +407,7 @@ impl Reader {
                 }
                 _ => Ok(()),
             };
-            if let Some(at) = contiguous_rows(&s.values, &spans, &shape) {
+            if let Some(at) = contiguous_rows(&s.values, kind, &spans, &shape) {
                 // The rows read are exactly whole rows of the staged values: read them into
                 // place, no copy.
                 let len = (end - start) as usize;
@@ -503,10 +504,12 @@ impl Reader {
 /// Where in `values` (a contiguous tensor) the region `spans` starts, in bytes, when it is
 /// whole rows of it that are all of the rows read (a piece of shape `read`): then the bytes
 /// read are exactly those of the region and can be read into place. `None` on another
-/// device, or when the read holds more (rows widened to digest blocks, other ranks'
-/// columns) or the region is not whole rows.
-fn contiguous_rows(values: &Tensor, spans: &[Span], read: &[i64]) -> Option<usize> {
-    if values.device() != tch::Device::Cpu || !values.is_contiguous() {
+/// device or of another dtype than the piece's (`kind`), or when the read holds more (rows
+/// widened to digest blocks, other ranks' columns) or the region is not whole rows.
+fn contiguous_rows(values: &Tensor, kind: Kind, spans: &[Span], read: &[i64]) -> Option<usize> {
+    // The caller writes the read's bytes at the offset returned: only sound in memory of
+    // the piece's own dtype, whatever the checks before this one established.
+    if values.device() != tch::Device::Cpu || !values.is_contiguous() || values.kind() != kind {
         return None;
     }
     let size = values.size();
