@@ -16,9 +16,10 @@ use tch_dist::activation_checkpoint::{
     checkpoint_activations, state, ActivationCheckpointError, CheckpointOptions, DeterminismCheck,
 };
 use tch_dist::sharding::{shard_module, ColwiseLinear, RowwiseLinear, ShardingPlan};
-use tch_dist::testing::run_ranks;
+use tch_dist::testing::{run_ranks, run_ranks_with, Launch};
 use tch_dist::{
-    fully_shard, registry, replicate, Call, CallT, CallWith, FsdpOptions, ShallowClone, Shardable,
+    fully_shard, registry, replicate, Backend, Call, CallT, CallWith, FsdpOptions, ShallowClone,
+    Shardable,
 };
 
 const D: i64 = 6;
@@ -417,16 +418,23 @@ fn fully_shard_parity() -> (f64, f64) {
             fully_shard(b, FsdpOptions::default()).unwrap();
         }
         fully_shard(&n, FsdpOptions::default()).unwrap();
-        train(
-            &vs,
-            &n,
-            nn::Sgd {
-                momentum: 0.9,
-                ..Default::default()
-            },
-            3,
-            true,
-        );
+        let mut opt = nn::Sgd {
+            momentum: 0.9,
+            ..Default::default()
+        }
+        .build(&vs, 0.05)
+        .unwrap();
+        for step in 0..3 {
+            let (x, y) = data(step);
+            let loss = n.call_t(&x, true).mse_loss(&y, tch::Reduction::Mean);
+            opt.backward_step(&loss);
+            // The recomputation gathered nothing that outlives backward.
+            for b in &n.blocks {
+                let st = tch_dist::fully_shard::state(b).unwrap();
+                assert!(st.is_sharded());
+                assert_eq!(st.gathered_bytes(), 0);
+            }
+        }
         let full = tch_dist::fully_shard::full_state_dict(&n).unwrap();
         runs.push(full);
     }
@@ -493,6 +501,26 @@ fn fully_shard_and_replicate_compose_at_2_ranks() {
             runs.push(values(&vs));
         }
         let (diff, _) = compare(&runs[0], &runs[1]);
+
+        // A checkpointed model whose blocks fully_shard manages on their own: refused at the
+        // call on every rank, naming the block; nothing ran.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let n = net(&vs, 2, 0.0);
+        for b in &n.blocks {
+            fully_shard(b, FsdpOptions::default()).unwrap();
+        }
+        checkpoint_activations(&n, CheckpointOptions::default()).unwrap();
+        let (x, _) = data(0);
+        let e = n.f_call_t(&x, true).unwrap_err();
+        assert!(
+            e.message()
+                .contains("checkpoint: `Net` holds `blocks.0`, which fully_shard manages"),
+            "{e}"
+        );
+        assert!(n
+            .blocks
+            .iter()
+            .all(|b| tch_dist::fully_shard::state(b).unwrap().is_sharded()));
         assert!(
             diff < 1e-6,
             "replicate with and without checkpointing: {diff}"

@@ -241,6 +241,39 @@ fn train_fsdp_reaches_090_test_accuracy_at_2_ranks() {
     );
 }
 
+/// `--activation-checkpointing`: each block's forward keeps only its input, so what a forward
+/// leaves for backward drops (the model trains either way).
+#[test]
+fn train_fsdp_with_activation_checkpointing_keeps_less_for_backward() {
+    let exe = example("train_fsdp");
+    let kept = |extra: &[&str]| -> f64 {
+        let port = free_port();
+        let mut args = vec!["--epochs", "1", "--batch-size", "256"];
+        args.extend_from_slice(extra);
+        let ranks: Vec<Child> = (0..2)
+            .map(|r| start_rank(&exe, r, 2, port, &args))
+            .collect();
+        let ends: Vec<_> = ranks
+            .into_iter()
+            .map(|c| finish(c, Duration::from_secs(180)))
+            .collect();
+        for (r, (status, out, err)) in ends.iter().enumerate() {
+            assert!(status.success(), "rank {r}:\n{out}\n{err}");
+        }
+        let out = &ends[0].1;
+        assert!(out.contains("test_accuracy="), "{out}");
+        out.lines()
+            .find_map(|l| l.split("forward kept at most ").nth(1))
+            .and_then(|rest| rest.split(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no memory line:\n{out}"))
+    };
+    let (without, with) = (kept(&[]), kept(&["--activation-checkpointing"]));
+    assert!(
+        with < 0.6 * without,
+        "kept {with} MB with checkpointing, {without} MB without"
+    );
+}
+
 /// The model's variables: fc1 64->128, fc2 128->10.
 fn net_tensors(kind: Kind) -> Vec<(String, Tensor)> {
     [

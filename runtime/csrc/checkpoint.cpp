@@ -1,7 +1,8 @@
 // Activation checkpointing, the reentrant style: a custom autograd function whose forward
 // runs a module's forward (a Rust callback) with grad disabled, keeping only its inputs, and
 // whose backward runs that forward again (another Rust callback) with grad enabled and the
-// RNG state of the first run, then differentiates it with torch::autograd::grad.
+// RNG and autocast states of the first run, then differentiates it with
+// torch::autograd::grad.
 //
 // The module's parameters are inputs of the function too, so the outer graph has an edge
 // into each parameter's gradient accumulator: their gradients are returned by this backward
@@ -13,6 +14,7 @@
 #include "internal.h"
 
 #include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -63,6 +65,39 @@ void restore(const RngStates& rng) {
   }
 }
 
+// The autocast state of the CPU and CUDA (enabled, dtype), as torch.utils.checkpoint keeps it
+// for the recomputation.
+struct AutocastState {
+  std::vector<std::tuple<c10::DeviceType, bool, at::ScalarType>> devices;
+};
+
+AutocastState autocast_now() {
+  AutocastState out;
+  for (auto d : {c10::DeviceType::CPU, c10::DeviceType::CUDA}) {
+    out.devices.emplace_back(d, at::autocast::is_autocast_enabled(d),
+                             at::autocast::get_autocast_dtype(d));
+  }
+  return out;
+}
+
+void set_autocast(const AutocastState& s) {
+  for (const auto& [d, enabled, dtype] : s.devices) {
+    at::autocast::set_autocast_enabled(d, enabled);
+    at::autocast::set_autocast_dtype(d, dtype);
+  }
+}
+
+// Puts an autocast state back however the recomputation ends.
+struct AutocastOnExit {
+  AutocastState state;
+  ~AutocastOnExit() {
+    try {
+      set_autocast(state);
+    } catch (...) {
+    }
+  }
+};
+
 // What the backward needs: the recompute callback and its Rust context (released with
 // this), which inputs require grad, the parameters, the first run's RNG states.
 struct Shared : torch::CustomClassHolder {
@@ -74,6 +109,7 @@ struct Shared : torch::CustomClassHolder {
   std::vector<at::Tensor> params;
   bool preserve_rng = false;
   RngStates rng;
+  AutocastState autocast;
   ~Shared() override {
     if (release != nullptr) {
       release(again_ctx);
@@ -119,6 +155,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     if (shared->preserve_rng) {
       shared->rng = capture(inputs);
     }
+    shared->autocast = autocast_now();
     auto outputs = call(first, first_ctx, inputs);
     std::vector<at::Tensor> integral;
     for (const auto& out : outputs) {
@@ -160,6 +197,8 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
         back.states = &now;
         restore(shared->rng);
       }
+      AutocastOnExit autocast_back{autocast_now()};
+      set_autocast(shared->autocast);
       at::AutoGradMode grad(true);
       outputs = call(shared->again, shared->again_ctx, inputs);
     }
