@@ -530,42 +530,41 @@ fn fully_shard_and_replicate_compose_at_2_ranks() {
 
 #[test]
 fn a_tensor_parallel_mlp_inside_a_checkpointed_block_at_2_ranks() {
-    run_ranks(
-        "a_tensor_parallel_mlp_inside_a_checkpointed_block_at_2_ranks",
-        2,
-        |pg| {
-            tch::set_num_threads(1);
-            let mut runs = Vec::new();
-            for checkpointed in [false, true] {
-                tch::manual_seed(41);
-                let vs = nn::VarStore::new(Device::Cpu);
-                let mut n = net(&vs, 1, 0.0);
-                let plan = ShardingPlan::builder()
-                    .shard_module("blocks.0.up", ColwiseLinear::default())
-                    .shard_module("blocks.0.down", RowwiseLinear)
-                    .build();
-                shard_module(&mut n, &plan, 0, &pg).unwrap();
-                if checkpointed {
-                    checkpoint_every_block(&n);
-                }
-                train(
-                    &vs,
-                    &n,
-                    nn::Sgd {
-                        momentum: 0.9,
-                        ..Default::default()
-                    },
-                    3,
-                    true,
-                );
-                runs.push(values(&vs));
+    // Under DETAIL, so that the recomputation's collectives are checked across ranks too.
+    let test = "a_tensor_parallel_mlp_inside_a_checkpointed_block_at_2_ranks";
+    let launch = Launch::new(test, 2).env(tch_dist::DEBUG_ENV, "DETAIL");
+    run_ranks_with(&launch, Backend::Gloo, |pg| {
+        tch::set_num_threads(1);
+        let mut runs = Vec::new();
+        for checkpointed in [false, true] {
+            tch::manual_seed(41);
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mut n = net(&vs, 1, 0.0);
+            let plan = ShardingPlan::builder()
+                .shard_module("blocks.0.up", ColwiseLinear::default())
+                .shard_module("blocks.0.down", RowwiseLinear)
+                .build();
+            shard_module(&mut n, &plan, 0, &pg).unwrap();
+            if checkpointed {
+                checkpoint_every_block(&n);
             }
-            let (diff, norm) = compare(&runs[0], &runs[1]);
-            assert!(norm > 0.1);
-            assert!(
-                diff < 1e-6,
-                "tensor parallel with and without checkpointing: {diff}"
+            train(
+                &vs,
+                &n,
+                nn::Sgd {
+                    momentum: 0.9,
+                    ..Default::default()
+                },
+                3,
+                true,
             );
-        },
-    );
+            runs.push(values(&vs));
+        }
+        let (diff, norm) = compare(&runs[0], &runs[1]);
+        assert!(norm > 0.1);
+        assert!(
+            diff < 1e-6,
+            "tensor parallel with and without checkpointing: {diff}"
+        );
+    });
 }

@@ -57,7 +57,7 @@ pub(crate) mod wrap;
 pub use call_with::{CallError, CallOutput, CallWith};
 pub use guard::{register_call_guard, CallGuard};
 pub use scope::{register_call_scope, CallScope};
-pub use wrap::{register_forward_wrapper, Forward, ForwardWrapper, Recompute};
+pub use wrap::{register_forward_wrapper, FirstRun, Forward, ForwardWrapper, Recompute};
 
 use crate::instances::{any_hooks, InstanceTable, PostHook, PreHook};
 use crate::key::{identify, ModuleKey};

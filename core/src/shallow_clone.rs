@@ -1,36 +1,36 @@
-//! [`ShallowClone`]: a second handle on a module, sharing every tensor with the first
-//! (`Tensor::shallow_clone`: same storage, same autograd identity), owning everything else.
-//!
-//! Activation checkpointing runs a block's forward again during backward, after the call
-//! that borrowed the block has returned: it needs a module of its own to run, with the very
-//! tensors the block holds at that call (fully_shard's gathered parameters, a sharded
-//! layer's shards). A shallow clone taken at the call is that module, without borrowing
-//! the caller's.
-//!
-//! Derive it with `#[derive(ShallowClone)]` (every field must implement it); it is
-//! implemented here for `Tensor`, tch's layers, `Vec`, `Option`, `Box`, arrays and plain
-//! data (numbers, `bool`, `String`, tch's `Init`/`Kind`/`Device`).
-//!
-//! ```
-//! use tch::{nn, Device, Tensor};
-//! use tch_dist_core::ShallowClone;
-//!
-//! let vs = nn::VarStore::new(Device::Cpu);
-//! let fc = nn::linear(vs.root() / "fc", 3, 2, Default::default());
-//! let twin = fc.shallow_clone();
-//! // The same tensor, not a copy: a change through one handle shows in the other.
-//! tch::no_grad(|| fc.ws.get(0).fill_(1.0));
-//! assert!(twin.ws.equal(&fc.ws));
-//! ```
-//!
-//! tch's `Conv1D/2D/3D` hold a private `Vec` that cannot be copied from outside tch, so they
-//! have no impl: a block that holds one cannot be checkpointed yet.
+//! [`ShallowClone`] and its impls for tch's layers.
 
 use std::mem::{needs_drop, size_of, ManuallyDrop};
 
 use tch::{nn, Tensor};
 
-/// A second handle on `self` sharing every tensor (see the [module docs](self)).
+/// A second handle on a module, sharing every tensor with the first
+/// (`Tensor::shallow_clone`: same storage, same autograd identity), owning everything else.
+///
+/// Activation checkpointing runs a block's forward again during backward, after the call
+/// that borrowed the block has returned: it needs a module of its own to run, with the very
+/// tensors the block holds at that call (fully_shard's gathered parameters, a sharded
+/// layer's shards). A shallow clone taken at the call is that module, without borrowing
+/// the caller's.
+///
+/// Derive it with `#[derive(ShallowClone)]` (every field must implement it); it is
+/// implemented here for `Tensor`, tch's layers, `Vec`, `Option`, `Box`, arrays and plain
+/// data (numbers, `bool`, `String`, tch's `Init`/`Kind`/`Device`).
+///
+/// ```
+/// use tch::{nn, Device, Tensor};
+/// use tch_dist_core::ShallowClone;
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let fc = nn::linear(vs.root() / "fc", 3, 2, Default::default());
+/// let twin = fc.shallow_clone();
+/// // The same tensor, not a copy: a change through one handle shows in the other.
+/// tch::no_grad(|| fc.ws.get(0).fill_(1.0));
+/// assert!(twin.ws.equal(&fc.ws));
+/// ```
+///
+/// tch's `Conv1D/2D/3D` hold a private `Vec` that cannot be copied from outside tch, so they
+/// have no impl: a block that holds one cannot be checkpointed yet.
 pub trait ShallowClone {
     /// A value equal to `self` whose tensors are `self`'s (shallow clones of them).
     fn shallow_clone(&self) -> Self;

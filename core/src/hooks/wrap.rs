@@ -1,42 +1,4 @@
-//! Forward wrappers: an API that must run a module's forward itself (activation
-//! checkpointing runs it without keeping its activations, then again during backward)
-//! registers a [`ForwardWrapper`] on the instance. A hooked call then hands the wrapper the
-//! forward instead of running it: after the pre-hooks, inside the forward hooks, so that the
-//! wrapper sees the inputs the pre-hooks made (fully_shard's gathered parameters are in
-//! place) and the forward hooks see what it returns.
-//!
-//! The wrapper gets the forward twice over: once to run now ([`Forward::run`], borrowing the
-//! caller's module), and once as a [`Recompute`], which owns what it needs and so can run
-//! after the call has returned, on a module of the wrapper's own (a
-//! [`ShallowClone`](crate::ShallowClone) of the caller's, taken at the call).
-//!
-//! ```
-//! use std::sync::Arc;
-//! use tch::{nn, Device, Tensor};
-//! use tch_dist_core::hooks::{register_forward_wrapper, Call, Forward, ForwardError, ForwardWrapper};
-//! use tch_dist_core::Shardable;
-//!
-//! /// Runs the forward, then runs it again on the same module and checks both agree.
-//! struct Twice;
-//! impl ForwardWrapper for Twice {
-//!     fn run(&self, _m: &dyn Shardable, forward: Forward<'_>) -> Result<Vec<Tensor>, ForwardError> {
-//!         let inputs = forward.inputs().to_vec();
-//!         let this = forward.this();
-//!         let (first, again) = forward.split();
-//!         let out = first(&inputs);
-//!         let twice = again(this, &inputs).expect("same module type");
-//!         assert!(out[0].equal(&twice[0]));
-//!         Ok(out)
-//!     }
-//! }
-//!
-//! let vs = nn::VarStore::new(Device::Cpu);
-//! let fc = nn::linear(vs.root() / "fc", 3, 2, Default::default());
-//! let handle = register_forward_wrapper(&fc, Arc::new(Twice)).unwrap();
-//! let x = Tensor::ones([1, 3], tch::kind::FLOAT_CPU);
-//! assert!(fc.call(&x).equal(&x.apply(&fc)));
-//! handle.remove();
-//! ```
+//! Forward wrappers ([`ForwardWrapper`]): an API that runs a module's forward itself.
 
 use std::any::Any;
 use std::sync::atomic::Ordering;
@@ -54,13 +16,16 @@ use crate::walk::Shardable;
 /// thread.
 pub type Recompute = Box<dyn Fn(&dyn Any, &[Tensor]) -> Option<Vec<Tensor>> + Send>;
 
+/// The call's forward to run now, over the inputs (borrowing the caller's module).
+pub type FirstRun<'a> = &'a mut dyn FnMut(&[Tensor]) -> Vec<Tensor>;
+
 /// What a [`ForwardWrapper`] gets for one call: the inputs after the pre-hooks, the calling
 /// module as [`Any`] (for a wrapper that knows its type), the forward to run now and the
 /// forward to run again.
 pub struct Forward<'a> {
     pub(super) inputs: &'a [Tensor],
     pub(super) this: &'a dyn Any,
-    pub(super) first: &'a mut dyn FnMut(&[Tensor]) -> Vec<Tensor>,
+    pub(super) first: FirstRun<'a>,
     pub(super) again: Recompute,
 }
 
@@ -77,13 +42,52 @@ impl<'a> Forward<'a> {
 
     /// The forward to run now (at most once: it is the caller's, which may be `FnOnce`), and
     /// the [`Recompute`].
-    pub fn split(self) -> (&'a mut dyn FnMut(&[Tensor]) -> Vec<Tensor>, Recompute) {
+    pub fn split(self) -> (FirstRun<'a>, Recompute) {
         (self.first, self.again)
     }
 }
 
-/// An API that runs a module's forward itself (see the [module docs](self)). At most one
-/// per module instance.
+/// A forward wrapper: an API that must run a module's forward itself (activation
+/// checkpointing runs it without keeping its activations, then again during backward)
+/// registers a [`ForwardWrapper`] on the instance. A hooked call then hands the wrapper the
+/// forward instead of running it: after the pre-hooks, inside the forward hooks, so that the
+/// wrapper sees the inputs the pre-hooks made (fully_shard's gathered parameters are in
+/// place) and the forward hooks see what it returns.
+///
+/// The wrapper gets the forward twice over: once to run now ([`Forward::split`]'s first half, borrowing the
+/// caller's module), and once as a [`Recompute`], which owns what it needs and so can run
+/// after the call has returned, on a module of the wrapper's own (a
+/// [`ShallowClone`](crate::ShallowClone) of the caller's, taken at the call).
+///
+/// ```
+/// use std::sync::Arc;
+/// use tch::{nn, Device, Tensor};
+/// use tch_dist_core::hooks::{register_forward_wrapper, Call, Forward, ForwardError, ForwardWrapper};
+/// use tch_dist_core::Shardable;
+///
+/// /// Runs the forward, then runs it again on the same module and checks both agree.
+/// struct Twice;
+/// impl ForwardWrapper for Twice {
+///     fn run(&self, _m: &dyn Shardable, forward: Forward<'_>) -> Result<Vec<Tensor>, ForwardError> {
+///         let inputs = forward.inputs().to_vec();
+///         let this = forward.this();
+///         let (first, again) = forward.split();
+///         let out = first(&inputs);
+///         let twice = again(this, &inputs).expect("same module type");
+///         assert!(out[0].equal(&twice[0]));
+///         Ok(out)
+///     }
+/// }
+///
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let fc = nn::linear(vs.root() / "fc", 3, 2, Default::default());
+/// let handle = register_forward_wrapper(&fc, Arc::new(Twice)).unwrap();
+/// let x = Tensor::ones([1, 3], tch::kind::FLOAT_CPU);
+/// assert!(fc.call(&x).equal(&x.apply(&fc)));
+/// handle.remove();
+/// ```
+///
+/// At most one per module instance.
 pub trait ForwardWrapper: Send + Sync {
     /// Runs the call's forward (through [`Forward::split`]'s first half, at most once) and
     /// returns its outputs, as many as it gave; `module` is the instance called.
