@@ -31,7 +31,10 @@
 //! 7. (before 6.) `fully_shard` at world size 1 in the group without shortcuts (NCCL's
 //!    all-gathers and reduce-scatters, storage released and restored on the device): per
 //!    layer and root groups against plain training (AdamW), and with bf16 parameters and
-//!    f32 reduction within bf16's precision.
+//!    f32 reduction within bf16's precision;
+//! 8. (before 6.) activation checkpointing: a block with dropout under a one-rank
+//!    `fully_shard`, checkpointed, trains as without (the device's RNG state restored for
+//!    the recomputation).
 //!
 //! It ends with `gpu_check: N passed, M failed, K skipped (T s)`, exits 1 on any failure (or
 //! after 300 s) and 2 when CUDA is not available. The ranks of 4. and 5. are this binary
@@ -45,6 +48,7 @@
 //! | `wait_probe.rs` | 3. `Work::wait` is stream-ordered, `wait_timeout` waits | `Work.wait` / `Work.synchronize` |
 //! | `child_ranks.rs` | 4. two ranks on one GPU through Gloo, 5. the duplicate-GPU error | `test_c10d_nccl.py`'s duplicate-GPU test |
 //! | `shutdown.rs` | 6. the NCCL-only backend, shutdown with clones alive | `destroy_process_group` |
+//! | `activation_checkpoint.rs` | 8. activation checkpointing with dropout on the device | `test_checkpoint.py` (composable) |
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
@@ -66,11 +70,13 @@ use replicate_net::{
     PARAM_FQNS,
 };
 
+mod activation_checkpoint;
 mod child_ranks;
 mod default_group;
 mod shutdown;
 mod wait_probe;
 mod without_shortcuts;
+use activation_checkpoint::*;
 use child_ranks::*;
 use default_group::*;
 use shutdown::*;
@@ -292,6 +298,11 @@ fn main() {
     tally.run(
         "without shortcuts: fully_shard equals plain training; bf16 within its precision",
         || check_fully_shard(&alone),
+    );
+    // 8.
+    tally.run(
+        "activation checkpointing with dropout under fully_shard equals no checkpointing",
+        || check_activation_checkpointing(&alone),
     );
     // 6.
     tally.run("shutdown with clones alive; destroy_process_group", || {

@@ -283,7 +283,9 @@ char* tdr_checkpoint_apply(TdrTensor** inputs, size_t num_inputs, TdrTensor** pa
   TDR_CATCH
 }
 
-size_t tdr_tensor_list_len(TdrTensorList* list) { return list == nullptr ? 0 : list->tensors.size(); }
+size_t tdr_tensor_list_len(TdrTensorList* list) {
+  return list == nullptr ? 0 : list->tensors.size();
+}
 
 TdrTensor* tdr_tensor_list_take(TdrTensorList* list, size_t index) {
   try {

@@ -54,24 +54,25 @@ impl<'a> Forward<'a> {
 /// wrapper sees the inputs the pre-hooks made (fully_shard's gathered parameters are in
 /// place) and the forward hooks see what it returns.
 ///
-/// The wrapper gets the forward twice over: once to run now ([`Forward::split`]'s first half, borrowing the
-/// caller's module), and once as a [`Recompute`], which owns what it needs and so can run
-/// after the call has returned, on a module of the wrapper's own (a
+/// The wrapper gets the forward twice over: once to run now ([`Forward::split`]'s first
+/// half, borrowing the caller's module), and once as a [`Recompute`], which owns what it
+/// needs and so can run after the call has returned, on a module of the wrapper's own (a
 /// [`ShallowClone`](crate::ShallowClone) of the caller's, taken at the call).
 ///
 /// ```
 /// use std::sync::Arc;
 /// use tch::{nn, Device, Tensor};
-/// use tch_dist_core::hooks::{register_forward_wrapper, Call, Forward, ForwardError, ForwardWrapper};
+/// use tch_dist_core::hooks::{register_forward_wrapper, Call, Forward, ForwardError};
+/// use tch_dist_core::hooks::ForwardWrapper;
 /// use tch_dist_core::Shardable;
 ///
 /// /// Runs the forward, then runs it again on the same module and checks both agree.
 /// struct Twice;
 /// impl ForwardWrapper for Twice {
-///     fn run(&self, _m: &dyn Shardable, forward: Forward<'_>) -> Result<Vec<Tensor>, ForwardError> {
-///         let inputs = forward.inputs().to_vec();
-///         let this = forward.this();
-///         let (first, again) = forward.split();
+///     fn run(&self, _: &dyn Shardable, f: Forward<'_>) -> Result<Vec<Tensor>, ForwardError> {
+///         let inputs: Vec<Tensor> = f.inputs().iter().map(Tensor::shallow_clone).collect();
+///         let this = f.this();
+///         let (first, again) = f.split();
 ///         let out = first(&inputs);
 ///         let twice = again(this, &inputs).expect("same module type");
 ///         assert!(out[0].equal(&twice[0]));
