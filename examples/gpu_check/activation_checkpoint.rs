@@ -1,5 +1,5 @@
-//! 8. Activation checkpointing on the device: a block with dropout, checkpointed, trains as
-//! the same block without checkpointing (the device's RNG state restored for the
+//! Check 8, activation checkpointing on the device: a block with dropout, checkpointed,
+//! trains as the same block without checkpointing (the device's RNG state restored for the
 //! recomputation, so the dropout masks agree), in a one-rank `fully_shard` group (its
 //! parameters gathered on the device for the recomputation).
 
