@@ -79,7 +79,17 @@ fn training_continues_while_the_background_writes() {
             // Rank 0's background waits for the release; rank 1's for rank 0's commit.
             assert!(!pending.is_finished(), "rank {}", pg.rank());
             assert!(!ckpt.join(checkpoint::MANIFEST).exists());
-            if pg.rank() == 0 {
+            // Rank 0 releases its background once rank 1 has looked too (a file, not a
+            // collective: the backgrounds' collectives use the group meanwhile).
+            let looked = dir.join("looked.1");
+            if pg.rank() == 1 {
+                std::fs::write(&looked, b"").unwrap();
+            } else {
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+                while !looked.exists() {
+                    assert!(std::time::Instant::now() < deadline, "rank 1 never looked");
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
                 std::fs::write(&release, b"go").unwrap();
             }
             assert_eq!(pending.dir(), ckpt.as_path());
