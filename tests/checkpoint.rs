@@ -12,9 +12,7 @@
 //! | `checkpoint/from_pytorch.rs` | folders PyTorch's `HuggingFaceStorageWriter` wrote |
 //! | `checkpoint/async_save.rs` | `async_save`, the plan cache |
 
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -37,6 +35,10 @@ mod reads;
 
 #[path = "checkpoint/refusals.rs"]
 mod refusals;
+
+#[path = "common/python.rs"]
+mod python;
+use python::{bounded, clean, python};
 
 #[derive(Debug, Shardable)]
 struct Mlp {
@@ -98,50 +100,6 @@ fn equals_reference(model: &Mlp, reference: &nn::VarStore, what: &str) {
             "{what}: {fqn} differs from the reference"
         );
     }
-}
-
-fn python() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin")
-}
-
-/// A command without this rank's launch variables (PyTorch's processes get their own).
-fn clean(program: PathBuf) -> Command {
-    let mut cmd = Command::new(program);
-    for v in [
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RUN_ID",
-    ] {
-        cmd.env_remove(v);
-    }
-    cmd
-}
-
-/// Runs `cmd` to its end, killing it after 180 s.
-fn bounded(mut cmd: Command) -> std::process::Output {
-    use std::process::Stdio;
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    let start = std::time::Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > std::time::Duration::from_secs(180) {
-            // The whole group: torchrun and its ranks.
-            // SAFETY: kill(2) on the child's own process group.
-            unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    child.wait_with_output().unwrap()
 }
 
 /// PyTorch loads `ckpt` in one process and into a 3-rank fully_shard model.

@@ -52,22 +52,46 @@ pub enum CheckpointError {
         /// The folder.
         dir: PathBuf,
     },
-    /// A parameter that no API shards (saved whole, from rank 0) differs across the ranks
-    /// of the save: the other ranks' values would be lost.
+    /// A parameter that no API shards (saved whole, by the lowest rank that holds it)
+    /// differs across the ranks that hold it: the other ranks' values would be lost.
     #[error(
-        "rank {rank}: checkpoint: parameter `{fqn}` is whole on every rank but holds other \
-         values on ranks {ranks:?} than on rank 0: a checkpoint keeps rank 0's copy of such a \
-         tensor, so theirs would be lost (pipeline stages, independent models, parameters \
-         left out of data parallelism); save each rank's model over a group of its own, or \
-         make the ranks agree first"
+        "rank {rank}: checkpoint: parameter `{fqn}` is whole on the ranks that hold it but \
+         holds other values on ranks {ranks:?} than on rank {first}: a checkpoint keeps one \
+         copy of such a tensor (the lowest rank's), so theirs would be lost (independent \
+         models, parameters left out of data parallelism); save each rank's model over a \
+         group of its own, or make the ranks agree first"
     )]
     ReplicasDiffer {
         /// This rank.
         rank: usize,
-        /// The first such parameter, in walk order (or the first name one rank lacks).
+        /// The first such parameter, in walk order.
         fqn: String,
-        /// The ranks whose value (or shape, or presence) differs from rank 0's.
+        /// The lowest rank that holds it: the copy a checkpoint keeps.
+        first: usize,
+        /// The ranks whose value (or shape) differs from rank `first`'s.
         ranks: Vec<usize>,
+    },
+    /// Two ranks of a save hold parts of tensors of one name with different global shapes
+    /// or dtypes: two tensors under one name (pipeline stages whose parts were built under
+    /// the same paths), which one checkpoint cannot hold.
+    #[error(
+        "rank {rank}: checkpoint: `{fqn}` is {first} on rank {first_rank} but {other} on rank \
+         {other_rank}: the ranks of a save must name each global tensor once (build each \
+         pipeline stage's part under the whole model's paths)"
+    )]
+    TensorsDiffer {
+        /// This rank.
+        rank: usize,
+        /// The tensor's name.
+        fqn: String,
+        /// The lowest rank that holds it.
+        first_rank: usize,
+        /// Its global shape and dtype there (`[8, 4] F32`).
+        first: String,
+        /// The first rank that holds another.
+        other_rank: usize,
+        /// Its global shape and dtype there.
+        other: String,
     },
     /// A file listed in the manifest is missing, truncated or changed.
     #[error("rank {rank}: checkpoint: {file} is corrupted: {cause}")]

@@ -5,8 +5,9 @@
 //! [`save`] writes one file per rank into a folder (none for a rank with nothing of its
 //! own): each rank its shards of the parameters
 //! [`shard_module`](crate::sharding::shard_module) or [`fully_shard`](crate::fully_shard())
-//! sharded (anywhere in the model), rank 0
-//! the replicated tensors, each file's `DCP_SHARDING_INFO` saying where its pieces sit in
+//! sharded (anywhere in the model), the lowest rank that holds each unsharded tensor its
+//! values (rank 0 for a replicated model; ranks may hold different tensors, as pipeline
+//! stages do, and the manifest lists every rank's), each file's `DCP_SHARDING_INFO` saying where its pieces sit in
 //! the global tensors (the layout in [`file_name`] and `storage.rs`). So
 //!
 //! ```python
@@ -352,8 +353,9 @@ type Written = (String, Tensor, Vec<i64>);
 /// `tensors`, from the cached save plan (`plan_cache.rs`). With `copy`, every piece is a
 /// copy in host memory that nothing else holds (an async save's staging); else a piece
 /// may share the parameter's memory (a CPU tensor is not copied). First, on every rank
-/// (a collective), the check that the parameters saved whole from rank 0 are the same on
-/// every rank (`plan::replicas_agree`).
+/// (a collective), the check that each parameter saved whole is the same on every rank
+/// that holds it, and who writes it (`plan::replicas_agree`: the lowest of them). The
+/// manifest's `tensors` are this rank's; the protocol merges every rank's.
 fn stage<M: Shardable + ?Sized>(
     dir: &Path,
     module: &M,
@@ -365,9 +367,10 @@ fn stage<M: Shardable + ?Sized>(
     BTreeMap<String, storage::TensorEntry>,
 ) {
     let rank = group.rank();
-    if let Err(e) = plan::replicas_agree(module, group) {
-        return (Err(e), BTreeMap::new());
-    }
+    let writers = match plan::replicas_agree(module, group) {
+        Ok(w) => w,
+        Err(e) => return (Err(e), BTreeMap::new()),
+    };
     // fully_shard parameters held gathered go back to their shards first.
     if let Err(e) = crate::fully_shard::reshard_all(module) {
         let failed = protocol::Save::new(dir, group).failed("writing the files");
@@ -381,7 +384,7 @@ fn stage<M: Shardable + ?Sized>(
         }),
         None => Ok(()),
     }
-    .map(|()| plan::to_write(rank, &targets, copy));
+    .map(|()| plan::to_write(rank, &targets, &writers, copy));
     (pieces, tensors)
 }
 
@@ -496,6 +499,7 @@ pub fn load_with<M: Shardable + ?Sized>(
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
     let targets = plan::targets(module);
+    let held = plan::held_anywhere(&targets, group).map_err(|e| loading(rank, path)(e.into()))?;
     // Every rank must share the reads the same way: a striped rank's all-gather of its
     // whole tensors' digest would otherwise meet another rank's reads.
     let reads = [("reads".to_string(), format!("{:?}", opts.reads))];
@@ -516,7 +520,7 @@ pub fn load_with<M: Shardable + ?Sized>(
         let mut tensors = opened.tensors.clone();
         // A model-only load leaves the optimizer's state aside.
         tensors.retain(|k, _| !k.starts_with(OPTIM_STATE_PREFIX));
-        reshard::check(rank, &targets, &tensors)?;
+        reshard::check(rank, &targets, &held, &tensors)?;
         let mine: Vec<bool> = readers
             .iter()
             .map(|r| r.is_none_or(|r| r == rank))
@@ -594,17 +598,28 @@ pub fn load_with_optimizer<M: Shardable + ?Sized>(
     const OP: &str = "checkpoint.load";
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
+    let mut targets = plan::targets(module);
+    let mut held =
+        plan::held_anywhere(&targets, group).map_err(|e| loading(rank, path)(e.into()))?;
     let mut reader = reader::Reader::new(rank);
     let local = (|| {
         let opened = reader.open(path)?;
         let tensors = &opened.tensors;
         let (algorithm, lr) =
             plan::saved_settings(rank, path, opened.manifest.as_ref(), optimizer)?;
-        let mut targets = plan::targets(module);
         let model_count = targets.len();
-        let state = plan::state_targets(rank, path, &targets, tensors, &algorithm, optimizer)?;
+        let state =
+            plan::state_targets(rank, path, &targets, tensors, &held, &algorithm, optimizer)?;
+        // Other ranks' optimizer state is theirs to load, as their parameters are.
+        held.extend(
+            tensors
+                .keys()
+                .filter(|k| held.contains(plan::owner_fqn(k)))
+                .cloned()
+                .collect::<Vec<_>>(),
+        );
         targets.extend(state);
-        let staged = reader.fetch(&opened, &targets, tensors)?;
+        let staged = reader.fetch(&opened, &targets, &held, tensors)?;
         Ok::<_, CheckpointError>((staged, targets.split_off(model_count), algorithm, lr))
     })();
     let (staged, state_targets, algorithm, lr) =

@@ -83,6 +83,26 @@ pub(super) fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
     out
 }
 
+/// The FQNs of the model tensors any rank of a load over `group` holds (one all-gather of
+/// every rank's `targets`' names): a saved tensor that no rank holds is refused, one that
+/// only other ranks hold (a pipeline's other stages) is theirs to load.
+pub(super) fn held_anywhere(
+    targets: &[Target],
+    group: &tch_dist_runtime::ProcessGroup,
+) -> Result<HashSet<String>, tch_dist_runtime::DistError> {
+    let names: String = targets.iter().map(|t| format!("{}\n", t.fqn)).collect();
+    Ok(group
+        .all_gather_bytes("checkpoint.load", names.as_bytes())?
+        .iter()
+        .flat_map(|b| {
+            String::from_utf8_lossy(b)
+                .lines()
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect())
+}
+
 /// `optim.state.<fqn>.<name>`.
 fn state_key(fqn: &str, name: &str) -> String {
     format!("{OPTIM_STATE_PREFIX}{fqn}.{name}")
@@ -184,12 +204,14 @@ pub(super) fn saved_settings(
 
 /// Targets for the saved optimizer state (zeros laid out as their parameters), after
 /// checking that every state key names a parameter of the model and of the optimizer, with
-/// the algorithm's state names, all of them.
+/// the algorithm's state names, all of them; the state of a parameter only other ranks of
+/// the load hold (`held`, [`held_anywhere`]: a pipeline's other stages) is theirs to load.
 pub(super) fn state_targets(
     rank: usize,
     dir: &Path,
     model: &[Target],
     tensors: &BTreeMap<String, TensorEntry>,
+    held: &HashSet<String>,
     algorithm: &Algorithm,
     optimizer: &Optimizer,
 ) -> Result<Vec<Target>, CheckpointError> {
@@ -202,6 +224,10 @@ pub(super) fn state_targets(
             continue;
         };
         let (fqn, name) = rest.rsplit_once('.').unwrap_or((rest, ""));
+        // Another rank's parameter (a pipeline's other stages): that rank loads it.
+        if !by_fqn.contains_key(fqn) && held.contains(fqn) {
+            continue;
+        }
         if !by_fqn.contains_key(fqn) || !params.contains(fqn) {
             return Err(CheckpointError::UnexpectedKey {
                 rank,
@@ -271,13 +297,15 @@ pub(super) fn state_targets(
 pub(super) fn to_write(
     rank: usize,
     targets: &[Target],
+    writers: &Writers,
     copy: bool,
 ) -> Vec<(String, Tensor, Vec<i64>)> {
     targets
         .iter()
         // An empty shard (more ranks than rows) has nothing to write.
         .filter(|t| {
-            (t.sharded && !t.replica_copy && t.tensor.numel() > 0) || (!t.sharded && rank == 0)
+            (t.sharded && !t.replica_copy && t.tensor.numel() > 0)
+                || (!t.sharded && whole_writer(writers, t) == Some(rank))
         })
         .map(|t| {
             let values = if copy {
@@ -331,35 +359,69 @@ pub(super) fn unflatten_state(
         .collect()
 }
 
-/// Fails on every rank unless every parameter that no API shards (saved whole, from rank 0)
-/// has the same shape and values on every rank of `group`: otherwise the other ranks'
-/// values would be lost without a word (pipeline stages whose parts share names,
-/// independent models, parameters left out of data parallelism). One all-gather of a
-/// line per parameter (FQN, shape, the sum and the sum of squares in f64: replicas that data
-/// parallelism keeps equal are equal bit for bit).
+/// Which rank writes each tensor saved whole: the lowest rank of `group` that holds it
+/// (rank 0 for a replicated model; a pipeline stage's first rank for its tensors, which
+/// rank 0 does not hold), by FQN, for every parameter and buffer of any rank. A tensor's
+/// optimizer state saved whole (a scalar `step`, the state of an unsharded parameter) is
+/// written by its parameter's writer ([`whole_writer`]).
+pub(super) type Writers = HashMap<String, usize>;
+
+/// The rank that writes the whole tensor `t` (model or optimizer state) by `writers`.
+pub(super) fn whole_writer(writers: &Writers, t: &Target) -> Option<usize> {
+    writers.get(owner_fqn(&t.fqn)).copied()
+}
+
+/// The parameter an optimizer state key belongs to (`optim.state.<fqn>.<name>` -> `fqn`),
+/// else the key itself.
+pub(super) fn owner_fqn(key: &str) -> &str {
+    match key.strip_prefix(OPTIM_STATE_PREFIX) {
+        Some(rest) => rest.rsplit_once('.').map_or(rest, |(fqn, _)| fqn),
+        None => key,
+    }
+}
+
+/// The [`Writers`] of `module`'s tensors over `group`, after checking that every parameter
+/// that no API shards (saved whole, by one rank) has the same shape and values on every
+/// rank that holds it: otherwise the other ranks' values would be lost without a word
+/// (independent models, parameters left out of data parallelism). Ranks may hold different
+/// tensors (pipeline stages: each saves its own part under the whole model's names). One
+/// all-gather of a line per tensor (FQN, and for a whole parameter its shape, the sum and
+/// the sum of squares in f64: replicas that data parallelism keeps equal are equal bit for
+/// bit); every rank finds the same first difference, so fails alike.
 pub(super) fn replicas_agree<M: Shardable + ?Sized>(
     module: &M,
     group: &tch_dist_runtime::ProcessGroup,
-) -> Result<(), CheckpointError> {
+) -> Result<Writers, CheckpointError> {
     const OP: &str = "checkpoint.save";
     let placements = crate::state_dict::placements(module);
     let mut seen = HashSet::new();
+    let buffers = module
+        .named_buffers()
+        .into_iter()
+        .map(|(fqn, _)| (fqn, None));
+    let params = module
+        .named_parameters()
+        .into_iter()
+        .map(|(fqn, t)| (fqn, Some(t)));
     let lines: String = tch::no_grad(|| {
-        module
-            .named_parameters()
-            .into_iter()
-            .filter(|(fqn, t)| seen.insert(fqn.clone()) && placements.get(t).is_none())
-            .map(|(fqn, t)| {
-                let d = t.detach().to_kind(tch::Kind::Double);
-                let (sum, squares) = if d.numel() == 0 {
-                    (0.0, 0.0)
-                } else {
-                    (
-                        d.sum(tch::Kind::Double).double_value(&[]),
-                        (&d * &d).sum(tch::Kind::Double).double_value(&[]),
-                    )
-                };
-                format!("{fqn}\t{:?} {sum:e} {squares:e}\n", t.size())
+        params
+            .chain(buffers)
+            .filter(|(fqn, _)| seen.insert(fqn.clone()))
+            .map(|(fqn, t)| match t.filter(|t| placements.get(t).is_none()) {
+                Some(t) => {
+                    let d = t.detach().to_kind(tch::Kind::Double);
+                    let (sum, squares) = if d.numel() == 0 {
+                        (0.0, 0.0)
+                    } else {
+                        (
+                            d.sum(tch::Kind::Double).double_value(&[]),
+                            (&d * &d).sum(tch::Kind::Double).double_value(&[]),
+                        )
+                    };
+                    format!("{fqn}\t{:?} {sum:e} {squares:e}\n", t.size())
+                }
+                // A shard or a buffer: only who holds it.
+                None => format!("{fqn}\t\n"),
             })
             .collect()
     });
@@ -379,28 +441,34 @@ pub(super) fn replicas_agree<M: Shardable + ?Sized>(
         .iter()
         .map(|l| l.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect())
         .collect();
-    let Some(first) = per_rank.first() else {
-        return Ok(());
-    };
     // Rank 0's walk order, then the names only other ranks have, by rank: the same order,
     // so the same first difference, on every rank.
     let mut names: Vec<&str> = Vec::new();
-    for (k, _) in lists.iter().flatten() {
-        if !names.contains(&k.as_str()) {
+    let mut writers = Writers::new();
+    for (r, (k, _)) in lists
+        .iter()
+        .enumerate()
+        .flat_map(|(r, l)| l.iter().map(move |kv| (r, kv)))
+    {
+        if !writers.contains_key(k.as_str()) {
+            writers.insert(k.clone(), r);
             names.push(k);
         }
     }
     for fqn in names {
-        let ranks: Vec<usize> = (1..per_rank.len())
-            .filter(|&r| per_rank[r].get(fqn) != first.get(fqn))
+        let first = writers[fqn];
+        let value = per_rank[first][fqn];
+        let ranks: Vec<usize> = (first + 1..per_rank.len())
+            .filter(|&r| per_rank[r].get(fqn).is_some_and(|v| *v != value))
             .collect();
         if !ranks.is_empty() {
             return Err(CheckpointError::ReplicasDiffer {
                 rank: group.rank(),
                 fqn: fqn.to_string(),
+                first,
                 ranks,
             });
         }
     }
-    Ok(())
+    Ok(writers)
 }

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use tch::Tensor;
 use tch_dist_runtime::ProcessGroup;
 
-use super::storage::{self, file_name, FileEntry, Manifest, TensorEntry, MANIFEST};
+use super::storage::{self, file_name, FileEntry, Manifest, RankReport, TensorEntry, MANIFEST};
 use super::{retention, CheckpointError, OPTIMIZER_SIDECAR, TRAIN_STATE};
 use crate::optim;
 
@@ -86,22 +86,21 @@ impl<'a> Save<'a> {
 
     /// Step 2: Every rank with something of its own (`pieces`: FQN, values, offsets) writes and
     /// fsyncs its safetensors file; the ranks agree, and get the file's entry (its length
-    /// and SHA-256, its header's and its pieces' block digests, as JSON; empty for a rank
-    /// without a file).
+    /// and SHA-256, its header's and its pieces' block digests; none for a rank without a
+    /// file).
     pub(super) fn write_file(
         &self,
         pieces: Result<Vec<(String, Tensor, Vec<i64>)>, CheckpointError>,
-    ) -> Result<Vec<u8>, CheckpointError> {
+    ) -> Result<Option<FileEntry>, CheckpointError> {
         let (rank, path) = (self.rank, self.tmp.join(file_name(self.rank)));
         let local = pieces.and_then(|mine| {
             if mine.is_empty() {
-                // Nothing of its own to write (every tensor replicated, written by rank 0).
-                return Ok(Vec::new());
+                // Nothing of its own to write (every tensor it holds written by another).
+                return Ok(None);
             }
             let bytes = storage::encode(rank, &path, &mine)?;
             write_durable(rank, &path, &bytes)?;
-            let entry = FileEntry::of_safetensors(rank, &path, &bytes)?;
-            Ok(storage::to_json(rank, &path, &entry)?.into_bytes())
+            Ok(Some(FileEntry::of_safetensors(rank, &path, &bytes)?))
         });
         self.group
             .agree(OP, local)
@@ -109,9 +108,10 @@ impl<'a> Save<'a> {
     }
 
     /// Every step after the plan, in order: the temporary folder, this rank's file
-    /// (`pieces`), the checksums, the commit with the manifest's `tensors`, the sidecars and
-    /// the pruning to `keep_last`. What [`save`](super::save) runs on the caller's thread
-    /// and [`async_save`](super::async_save()) in its background thread.
+    /// (`pieces`), the checksums and every rank's `tensors` (merged into the manifest's),
+    /// the commit, the sidecars and the pruning to `keep_last`. What
+    /// [`save`](super::save) runs on the caller's thread and
+    /// [`async_save`](super::async_save()) in its background thread.
     pub(super) fn run(
         &self,
         pieces: Result<Vec<(String, Tensor, Vec<i64>)>, CheckpointError>,
@@ -120,16 +120,26 @@ impl<'a> Save<'a> {
         keep_last: Option<usize>,
     ) -> Result<(), CheckpointError> {
         self.make_temporary_folder()?;
-        let entry = self.write_file(pieces)?;
-        let entries = self.gather_checksums(&entry)?;
-        self.commit(&entries, tensors, sidecars, keep_last)
+        let file = self.write_file(pieces)?;
+        let reports = self.gather_reports(&RankReport { file, tensors })?;
+        let tensors = merge_tensors(self.rank, &reports)?;
+        self.commit(&reports, tensors, sidecars, keep_last)
     }
 
-    /// 2 (end). Every rank's file entry, gathered (rank 0 lists them in the manifest).
-    pub(super) fn gather_checksums(&self, entry: &[u8]) -> Result<Vec<Vec<u8>>, CheckpointError> {
+    /// 2 (end). Every rank's report, gathered: its file's entry (rank 0 lists them in the
+    /// manifest) and the tensors it holds (each rank merges them, [`merge_tensors`]).
+    pub(super) fn gather_reports(
+        &self,
+        report: &RankReport,
+    ) -> Result<Vec<RankReport>, CheckpointError> {
+        let path = self.tmp.join(MANIFEST);
+        let mine = storage::to_json(self.rank, &path, report)?;
         self.group
-            .all_gather_bytes(OP, entry)
-            .map_err(|e| self.failed("gathering the files' checksums")(e.into()))
+            .all_gather_bytes(OP, mine.as_bytes())
+            .map_err(|e| self.failed("gathering the files' checksums")(e.into()))?
+            .iter()
+            .map(|b| storage::from_json(self.rank, &path, b))
+            .collect()
     }
 
     /// 3 to 5. Rank 0 writes and fsyncs the sidecars, then the manifest (every file with
@@ -137,7 +147,7 @@ impl<'a> Save<'a> {
     /// removes what it replaced and prunes to `keep_last`; the ranks agree.
     pub(super) fn commit(
         &self,
-        entries: &[Vec<u8>],
+        entries: &[RankReport],
         tensors: BTreeMap<String, TensorEntry>,
         sidecars: Sidecars<'_>,
         keep_last: Option<usize>,
@@ -154,7 +164,7 @@ impl<'a> Save<'a> {
 
     fn commit_on_rank_0(
         &self,
-        entries: &[Vec<u8>],
+        entries: &[RankReport],
         tensors: BTreeMap<String, TensorEntry>,
         sidecars: Sidecars<'_>,
         keep_last: Option<usize>,
@@ -163,10 +173,10 @@ impl<'a> Save<'a> {
         crash_point("files-written");
         hold_point();
         let mut files = BTreeMap::new();
-        for (r, e) in entries.iter().enumerate().filter(|(_, e)| !e.is_empty()) {
-            let name = file_name(r);
-            let entry = storage::from_json(rank, &tmp.join(&name), e)?;
-            files.insert(name, entry);
+        for (r, e) in entries.iter().enumerate() {
+            if let Some(entry) = &e.file {
+                files.insert(file_name(r), entry.clone());
+            }
         }
         let mut written = BTreeMap::new();
         if let Some(state) = sidecars.train_state {
@@ -195,6 +205,37 @@ impl<'a> Save<'a> {
         }
         Ok(())
     }
+}
+
+/// The manifest's `tensors`: every rank's, merged; a name two ranks save with different
+/// global shapes or dtypes (two tensors under one name) fails on every rank alike (each
+/// merges the same reports).
+pub(super) fn merge_tensors(
+    rank: usize,
+    reports: &[RankReport],
+) -> Result<BTreeMap<String, TensorEntry>, CheckpointError> {
+    let mut merged: BTreeMap<String, (usize, TensorEntry)> = BTreeMap::new();
+    for (r, report) in reports.iter().enumerate() {
+        for (fqn, entry) in &report.tensors {
+            match merged.get(fqn) {
+                None => {
+                    merged.insert(fqn.clone(), (r, entry.clone()));
+                }
+                Some((first, seen)) if seen != entry => {
+                    return Err(CheckpointError::TensorsDiffer {
+                        rank,
+                        fqn: fqn.clone(),
+                        first_rank: *first,
+                        first: seen.to_string(),
+                        other_rank: r,
+                        other: entry.to_string(),
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    Ok(merged.into_iter().map(|(k, (_, e))| (k, e)).collect())
 }
 
 /// The suffix of the folder a save writes into (`DIR.partial`) before it is renamed into
@@ -364,4 +405,65 @@ pub(super) fn remove_checkpoint(rank: usize, dir: &Path) -> Result<(), Checkpoin
         std::fs::remove_file(&manifest).map_err(io(rank, "removing", &manifest))?;
     }
     std::fs::remove_dir_all(dir).map_err(io(rank, "removing", dir))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(tensors: &[(&str, &[i64], &str)]) -> RankReport {
+        RankReport {
+            file: None,
+            tensors: tensors
+                .iter()
+                .map(|(k, shape, dtype)| {
+                    let entry = TensorEntry {
+                        shape: shape.to_vec(),
+                        dtype: dtype.to_string(),
+                    };
+                    (k.to_string(), entry)
+                })
+                .collect(),
+        }
+    }
+
+    /// Pipeline stages hold different tensors: the manifest lists the union.
+    #[test]
+    fn every_ranks_tensors_are_merged() {
+        let reports = [
+            report(&[("layers.0.weight", &[8, 5], "F32")]),
+            report(&[("layers.0.weight", &[8, 5], "F32")]),
+            report(&[
+                ("layers.1.weight", &[6, 8], "F32"),
+                ("optim.state.layers.1.weight.step", &[], "F32"),
+            ]),
+        ];
+        let merged = merge_tensors(1, &reports).unwrap();
+        let names: Vec<&str> = merged.keys().map(String::as_str).collect();
+        assert_eq!(
+            names,
+            [
+                "layers.0.weight",
+                "layers.1.weight",
+                "optim.state.layers.1.weight.step"
+            ]
+        );
+        assert_eq!(merged["layers.1.weight"].shape, [6, 8]);
+    }
+
+    /// Two tensors under one name: refused, naming both ranks and both layouts.
+    #[test]
+    fn one_name_with_two_layouts_is_refused() {
+        let reports = [
+            report(&[("layers.0.weight", &[8, 5], "F32")]),
+            report(&[("layers.0.weight", &[6, 8], "F32")]),
+        ];
+        let e = merge_tensors(0, &reports).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "rank 0: checkpoint: `layers.0.weight` is [8, 5] F32 on rank 0 but [6, 8] F32 on \
+             rank 1: the ranks of a save must name each global tensor once (build each \
+             pipeline stage's part under the whole model's paths)"
+        );
+    }
 }

@@ -11,7 +11,7 @@
 //! `HuggingFaceStorageWriter` wrote (no manifest, no tch-dist mark in its files), are read
 //! by the plan and checked against nothing (they carry no checksum).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -327,14 +327,16 @@ impl Reader {
     /// data is read), reads the slices the read plan names, checks each against its
     /// digests, and builds each target's values: (the target's tensor, its values).
     /// `tensors` is the checkpoint's tensors to check against (a model-only load leaves
-    /// the optimizer's state out). Nothing in the model changes here.
+    /// the optimizer's state out), `held` what the load's other ranks hold
+    /// ([`reshard::check`]). Nothing in the model changes here.
     pub(super) fn fetch(
         &mut self,
         opened: &Opened,
         targets: &[Target],
+        held: &HashSet<String>,
         tensors: &BTreeMap<String, TensorEntry>,
     ) -> Result<Vec<(Tensor, Tensor)>, CheckpointError> {
-        reshard::check(self.rank, targets, tensors)?;
+        reshard::check(self.rank, targets, held, tensors)?;
         self.read(opened, targets, tensors)
     }
 

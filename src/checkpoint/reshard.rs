@@ -54,16 +54,21 @@ pub(super) fn overlap(
         .collect()
 }
 
-/// Checks the model against the checkpoint: every saved tensor is a target, every target
-/// is saved with its global shape and dtype (from the manifest alone: before any data is
-/// read).
+/// Checks the model against the checkpoint: every saved tensor is a target of some rank of
+/// the load (`held`: this rank's targets' FQNs and the other ranks', which differ only
+/// between pipeline stages), every target is saved with its global shape and dtype (from
+/// the manifest alone: before any data is read).
 pub(super) fn check(
     rank: usize,
     targets: &[Target],
+    held: &HashSet<String>,
     tensors: &BTreeMap<String, TensorEntry>,
 ) -> Result<(), CheckpointError> {
     let names: HashSet<&str> = targets.iter().map(|t| t.fqn.as_str()).collect();
-    if let Some(fqn) = tensors.keys().find(|k| !names.contains(k.as_str())) {
+    if let Some(fqn) = tensors
+        .keys()
+        .find(|k| !names.contains(k.as_str()) && !held.contains(k.as_str()))
+    {
         return Err(CheckpointError::UnexpectedKey {
             rank,
             fqn: fqn.clone(),

@@ -270,6 +270,22 @@ pub(super) struct TensorEntry {
     pub dtype: String,
 }
 
+impl std::fmt::Display for TensorEntry {
+    /// `[8, 4] F32`, as errors name it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?} {}", self.shape, self.dtype)
+    }
+}
+
+/// What each rank of a save reports once its file is written: the file's entry (none for
+/// a rank without a file) and the global shape and dtype of every tensor it holds, which
+/// the manifest's `tensors` merge (ranks hold different tensors in a pipeline).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(super) struct RankReport {
+    pub file: Option<FileEntry>,
+    pub tensors: BTreeMap<String, TensorEntry>,
+}
+
 /// Every saved piece, by FQN.
 pub(super) type Pieces = HashMap<String, Vec<Piece>>;
 

@@ -186,11 +186,13 @@ impl PendingSend {
 /// with a forward), built under the same `VarStore` paths as in the whole model, so that its
 /// variables are named as in the whole model (`layers.2.weight` on the stage that holds
 /// layer 2). Its parameters stay in the `VarStore` the user built it in, which the optimizer
-/// goes by. Not yet: `tch_dist::checkpoint` of a pipelined model. A `Shardable` part's own
-/// walk restarts a `Vec` field at 0 (`layers.0` for the stage's first layer), and
-/// `checkpoint::save` writes a tensor no API shards from rank 0 only, so over the pipeline
-/// group it refuses the stages' parts (`CheckpointError::ReplicasDiffer`: their parameters
-/// differ across ranks); each rank's `VarStore::save` keeps the whole model's names.
+/// goes by. For [`tch_dist::checkpoint`](crate::checkpoint) a `Shardable` part keeps the
+/// whole model's FQNs too when it holds the whole model's slots, `None` for the layers of
+/// other stages (torchtitan's deleted layers: `layers: Vec<Option<Block>>`, or a field per
+/// layer of type `Option<_>`), since a `Vec` counts its elements from 0. Then
+/// `checkpoint::save` over all the stages' ranks writes each tensor once (by the lowest
+/// rank that holds it), and the checkpoint loads into the unsplit model, into PyTorch's by
+/// `dcp.load`, and back into the stages.
 ///
 /// Activation shapes are found at run time, as PyTorch does without example inputs: the
 /// first microbatch's (shape, dtype) goes ahead to the next stage once; every later

@@ -309,8 +309,8 @@ fn latest_valid_skips_damaged_checkpoints() {
     );
 }
 
-/// A parameter no API shards is saved whole, from rank 0: when ranks hold other values for
-/// it (pipeline stages whose parts share names, independent models), the save is refused on
+/// A parameter no API shards is saved whole, by the lowest rank that holds it: when ranks
+/// hold other values for it (independent models), the save is refused on
 /// every rank, naming the first such parameter and the ranks, and nothing is written.
 #[test]
 fn replicas_that_differ_are_refused_on_every_rank() {
@@ -328,11 +328,11 @@ fn replicas_that_differ_are_refused_on_every_rank() {
             assert_eq!(
                 e.to_string(),
                 format!(
-                    "rank {r}: checkpoint: parameter `fc1.weight` is whole on every rank but \
-                     holds other values on ranks [2] than on rank 0: a checkpoint keeps rank \
-                     0's copy of such a tensor, so theirs would be lost (pipeline stages, \
-                     independent models, parameters left out of data parallelism); save each \
-                     rank's model over a group of its own, or make the ranks agree first"
+                    "rank {r}: checkpoint: parameter `fc1.weight` is whole on the ranks that \
+                     hold it but holds other values on ranks [2] than on rank 0: a checkpoint \
+                     keeps one copy of such a tensor (the lowest rank's), so theirs would be \
+                     lost (independent models, parameters left out of data parallelism); save \
+                     each rank's model over a group of its own, or make the ranks agree first"
                 )
             );
             pg.barrier().unwrap();

@@ -2,9 +2,11 @@
 //! stage's module under `fully_shard` over its `dp` group, gradients reduced once per step
 //! (`set_requires_gradient_sync(false)` for all but the last microbatch's backward, through
 //! `PipelineStage::on_backward`), equal to one process training the whole model on both
-//! replicas' rows.
+//! replicas' rows; its checkpoint (each stage's part under the whole model's FQNs) loads
+//! into the unsplit model and back into the stages.
 
 use std::ops::Range;
+use std::path::{Path, PathBuf};
 
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -12,28 +14,29 @@ use tch_dist::device_mesh::init_device_mesh;
 use tch_dist::fully_shard::full_state_dict;
 use tch_dist::pipelining::{PipelineStage, Schedule1F1B, ScheduleGPipe};
 use tch_dist::testing::run_ranks;
-use tch_dist::{fully_shard, Call, FsdpOptions, Shardable};
+use tch_dist::{checkpoint, fully_shard, Call, FsdpOptions, ProcessGroup, Shardable};
 
+use super::python::{bounded, clean, python};
 use super::{mse, sgd};
 
-/// Linear layers `layers.<i>`, tanh after each but the whole model's last.
+/// The whole model's linear layers `layers.<i>`, tanh after each but the last; a stage's
+/// part holds its own and `None` for the others' (torchtitan's deleted layers), so that its
+/// FQNs are the whole model's (`layers.2.weight` on the stage that holds layer 2).
 #[derive(Debug, Shardable)]
 struct Chain {
-    layers: Vec<nn::Linear>,
-    /// Whether the chain holds the whole model's last layer (no tanh after it).
-    #[shardable(skip)]
-    ends: bool,
+    layers: Vec<Option<nn::Linear>>,
 }
 
 impl Module for Chain {
     fn forward(&self, xs: &Tensor) -> Tensor {
-        let n = self.layers.len();
+        let last = self.layers.len() - 1;
         self.layers
             .iter()
             .enumerate()
+            .filter_map(|(i, l)| l.as_ref().map(|l| (i, l)))
             .fold(xs.shallow_clone(), |h, (i, l)| {
                 let y = l.call(&h);
-                if self.ends && i + 1 == n {
+                if i == last {
                     y
                 } else {
                     y.tanh()
@@ -48,13 +51,39 @@ const ROWS: i64 = 8;
 
 fn chain(vs: &nn::VarStore, range: Range<usize>) -> Chain {
     let root = vs.root() / "layers";
-    let ends = range.end == DIMS.len() - 1;
     Chain {
-        layers: range
-            .map(|i| nn::linear(&root / i, DIMS[i], DIMS[i + 1], Default::default()))
+        layers: (0..DIMS.len() - 1)
+            .map(|i| {
+                range
+                    .contains(&i)
+                    .then(|| nn::linear(&root / i, DIMS[i], DIMS[i + 1], Default::default()))
+            })
             .collect(),
-        ends,
     }
+}
+
+/// A folder for this test's files, the same for every rank (emptied by rank 0).
+fn scratch(name: &str, pg: &ProcessGroup) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    if pg.rank() == 0 {
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+    }
+    pg.barrier().unwrap();
+    dir
+}
+
+/// The largest difference between `model`'s tensors (gathered) and the reference's, by the
+/// whole model's FQNs; and how many tensors were compared.
+fn diff_to(model: &Chain, reference: &nn::VarStore) -> (f64, usize) {
+    let ref_vars = reference.variables();
+    let full = full_state_dict(model).unwrap();
+    let n = full.len();
+    let d = full
+        .into_iter()
+        .map(|(fqn, t)| (&t - &ref_vars[&fqn]).abs().max().double_value(&[]))
+        .fold(0.0, f64::max);
+    (d, n)
 }
 
 fn whole(seed: i64) -> (nn::VarStore, Chain) {
@@ -71,7 +100,7 @@ fn global_batch(step: usize) -> (Tensor, Tensor) {
     (x, y)
 }
 
-fn pp_dp_equals_one_process(gpipe: bool) {
+fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
     let mesh = init_device_mesh("cpu", &[2, 2], &["pp", "dp"]).unwrap();
     let (pp, dp) = (
         mesh.get_group("pp").unwrap().clone(),
@@ -88,18 +117,14 @@ fn pp_dp_equals_one_process(gpipe: bool) {
 
     // Stage 0: layer 0; stage 1: layers 1 and 2.
     let range = if stage_index == 0 { 0..1 } else { 1..3 };
-    let offset = range.start;
     let mut vs = nn::VarStore::new(Device::Cpu);
-    let part = chain(&vs, range);
+    let part = chain(&vs, range.clone());
     vs.copy(&init).unwrap();
-    let state = fully_shard(
-        &part,
-        FsdpOptions {
-            process_group: Some(dp.clone()),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let dp_options = || FsdpOptions {
+        process_group: Some(dp.clone()),
+        ..Default::default()
+    };
+    let state = fully_shard(&part, dp_options()).unwrap();
     let mut opt = sgd(&vs);
     let stage = PipelineStage::with_forward(
         part,
@@ -146,35 +171,75 @@ fn pp_dp_equals_one_process(gpipe: bool) {
             (_, Some(s)) => s.stage().module(),
             _ => unreachable!(),
         };
-        let ref_vars = ref_vs.variables();
-        let full = full_state_dict(module).unwrap();
-        assert_eq!(full.len(), 2 * module.layers.len());
-        for (fqn, t) in full {
-            // The part's own FQNs count its layers from 0; the VarStore's are the model's.
-            let mut parts = fqn.splitn(3, '.');
-            let (_, i, leaf) = (parts.next(), parts.next().unwrap(), parts.next().unwrap());
-            let global = format!("layers.{}.{leaf}", offset + i.parse::<usize>().unwrap());
-            let d = (&t - &ref_vars[&global]).abs().max().double_value(&[]);
-            assert!(
-                d < 1e-5,
-                "gpipe {gpipe} step {step}: {global} differs by {d}"
-            );
-        }
+        let (d, n) = diff_to(module, &ref_vs);
+        assert_eq!(n, 2 * range.len());
+        assert!(d < 1e-5, "gpipe {gpipe} step {step}: differs by {d}");
     }
+
+    // The pipelined checkpoint: each stage's ranks save their shards under the whole
+    // model's names, each tensor once.
+    let module = match (&gpipe_schedule, &one_f_one_b) {
+        (Some(s), _) => s.stage().module(),
+        (_, Some(s)) => s.stage().module(),
+        _ => unreachable!(),
+    };
+    let dir = scratch(&format!("pp_dp_checkpoint_{gpipe}"), world);
+    let ckpt = dir.join("step-00000003");
+    checkpoint::save_with_optimizer(&ckpt, module, &opt, world, &Default::default()).unwrap();
+    // Into the unsplit model (every rank the whole model, replicated).
+    let (whole_vs, unsplit) = whole(7);
+    checkpoint::load(&ckpt, &unsplit, world).unwrap();
+    for (fqn, t) in whole_vs.variables() {
+        let d = (&t - &ref_vs.variables()[&fqn])
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(d < 1e-5, "gpipe {gpipe}: unsplit {fqn} differs by {d}");
+    }
+    // Into PyTorch's unsplit model (DCP, one process).
+    if world.rank() == 0 {
+        let full = dir.join("full.safetensors");
+        ref_vs.save(&full).unwrap();
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/pipelining/pytorch_load.py");
+        let mut cmd = clean(python().join("python"));
+        cmd.arg(&script).arg(&ckpt).arg(&full);
+        let out = bounded(cmd);
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("ok"),
+            "PyTorch's load: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // Back into the stages (a resume): the parts, fully sharded again, and the optimizer.
+    let resumed_vs = nn::VarStore::new(Device::Cpu);
+    let resumed = chain(&resumed_vs, range.clone());
+    fully_shard(&resumed, dp_options()).unwrap();
+    let mut resumed_opt = sgd(&resumed_vs);
+    checkpoint::load_with_optimizer(&ckpt, &resumed, &mut resumed_opt, world).unwrap();
+    let (d, n) = diff_to(&resumed, &ref_vs);
+    assert_eq!(n, 2 * range.len());
+    assert!(d < 1e-5, "gpipe {gpipe}: resumed stage differs by {d}");
+    assert_eq!(
+        resumed_opt.states().count(),
+        opt.states().count(),
+        "the stage's optimizer state is back"
+    );
 }
 
 /// pp 2 x dp 2 with `fully_shard` on each stage's part: several forwards run before their
 /// backwards (GPipe's F F F F B B B B, 1F1B's warm-up), each backward its own pass; every
 /// pass that reaches a group enters it again, so every microbatch's gradients are reduced
 /// (before the fix, the passes after the first left theirs behind: off by about 1e-2).
+/// Then its checkpoint loads into the unsplit model and back into the stages.
 #[test]
 fn pp_2_x_dp_2_with_fully_shard_equals_one_process() {
     run_ranks(
         "composition::pp_2_x_dp_2_with_fully_shard_equals_one_process",
         4,
-        |_pg| {
-            pp_dp_equals_one_process(false);
-            pp_dp_equals_one_process(true);
+        |pg| {
+            pp_dp_equals_one_process(&pg, false);
+            pp_dp_equals_one_process(&pg, true);
         },
     );
 }
