@@ -46,6 +46,7 @@ demo: setup
 	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/allreduce
 	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/train_ddp
 	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/train_fsdp
+	target/release/tch-dist-run --nproc-per-node 2 -- target/release/examples/train_fsdp --pp 2
 	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/tensor_parallel
 
 test: setup

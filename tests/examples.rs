@@ -214,11 +214,11 @@ fn a_dead_peer_ends_train_fsdp_with_one_line() {
     );
 }
 
-#[test]
-fn train_fsdp_reaches_090_test_accuracy_at_2_ranks() {
+/// `train_fsdp` at 2 ranks with `args`, to its end: rank 0's output (every rank must succeed).
+fn train_fsdp_at_2(args: &[&str]) -> String {
     let exe = example("train_fsdp");
     let port = free_port();
-    let ranks: Vec<Child> = (0..2).map(|r| start_rank(&exe, r, 2, port, &[])).collect();
+    let ranks: Vec<Child> = (0..2).map(|r| start_rank(&exe, r, 2, port, args)).collect();
     let ends: Vec<_> = ranks
         .into_iter()
         .map(|c| finish(c, Duration::from_secs(180)))
@@ -226,14 +226,23 @@ fn train_fsdp_reaches_090_test_accuracy_at_2_ranks() {
     for (r, (status, out, err)) in ends.iter().enumerate() {
         assert!(status.success(), "rank {r}:\n{out}\n{err}");
     }
-    let out = &ends[0].1;
-    let acc: f64 = out
-        .lines()
+    ends[0].1.clone()
+}
+
+/// The `test_accuracy=` figure of a run's output.
+fn test_accuracy(out: &str) -> f64 {
+    out.lines()
         .find_map(|l| l.strip_prefix("test_accuracy="))
         .unwrap_or_else(|| panic!("no test_accuracy= line:\n{out}"))
         .trim()
         .parse()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn train_fsdp_reaches_090_test_accuracy_at_2_ranks() {
+    let out = train_fsdp_at_2(&[]);
+    let acc = test_accuracy(&out);
     assert!(acc > 0.9, "test_accuracy={acc}:\n{out}");
     assert!(
         out.contains("3 fully_shard groups"),
@@ -241,26 +250,49 @@ fn train_fsdp_reaches_090_test_accuracy_at_2_ranks() {
     );
 }
 
+/// `--pp 2`: the model as two pipeline stages (Schedule1F1B), one rank each, trains as well;
+/// its checkpoint (each stage its part, under the whole model's names) verifies.
+#[test]
+fn train_fsdp_as_a_2_stage_pipeline_reaches_090_test_accuracy() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("train_fsdp_pp");
+    let _ = std::fs::remove_dir_all(&dir);
+    let ckpt = dir.to_str().unwrap();
+    let out = train_fsdp_at_2(&[
+        "--pp",
+        "2",
+        "--checkpoint-dir",
+        ckpt,
+        "--checkpoint-every",
+        "330",
+    ]);
+    let acc = test_accuracy(&out);
+    assert!(acc > 0.9, "test_accuracy={acc}:\n{out}");
+    assert!(
+        out.contains("pipeline: 2 stages x 1 data-parallel ranks, Schedule1F1B"),
+        "{out}"
+    );
+    let manifest = std::fs::read_to_string(dir.join("step-00000330/manifest.json")).unwrap();
+    for fqn in [
+        "\"patch.weight\"",
+        "\"blocks.0.",
+        "\"blocks.1.",
+        "\"head.weight\"",
+    ] {
+        assert!(
+            manifest.contains(fqn),
+            "{fqn} in the pipeline's checkpoint:\n{manifest}"
+        );
+    }
+}
+
 /// `--activation-checkpointing`: each block's forward keeps only its input, so what a forward
 /// leaves for backward drops (the model trains either way).
 #[test]
 fn train_fsdp_with_activation_checkpointing_keeps_less_for_backward() {
-    let exe = example("train_fsdp");
     let kept = |extra: &[&str]| -> f64 {
-        let port = free_port();
         let mut args = vec!["--epochs", "1", "--batch-size", "256"];
         args.extend_from_slice(extra);
-        let ranks: Vec<Child> = (0..2)
-            .map(|r| start_rank(&exe, r, 2, port, &args))
-            .collect();
-        let ends: Vec<_> = ranks
-            .into_iter()
-            .map(|c| finish(c, Duration::from_secs(180)))
-            .collect();
-        for (r, (status, out, err)) in ends.iter().enumerate() {
-            assert!(status.success(), "rank {r}:\n{out}\n{err}");
-        }
-        let out = &ends[0].1;
+        let out = &train_fsdp_at_2(&args);
         assert!(out.contains("test_accuracy="), "{out}");
         out.lines()
             .find_map(|l| l.split("forward kept at most ").nth(1))
