@@ -41,6 +41,16 @@ checkpointing every block, tch-dist `checkpoint_activations` (`bench_ddp
     ac_step_vs_pytorch=R  (median step, tch-dist / PyTorch, both checkpointed; goal <= 0.9)
     ac_rss_vs_pytorch=R   (peak RSS, tch-dist / PyTorch, both checkpointed; goal <= 1.0)
 
+Pipeline (`pp` in --models, last, with its own budget, --pp-budget): the same transformer as
+2 stages, one per rank (the embeddings and blocks 0-2, then blocks 3-5, the final norm and
+the head), batch 8 x 64 tokens, SGD, `Schedule1F1B` on 4 and on 8 microbatches: tch-dist's
+`pipelining` (`bench_ddp --mode pipeline`) against PyTorch's `torch.distributed.pipelining`
+(bench/pytorch_pipeline.py), alternating. Prints a table and, per microbatch count M,
+
+    pp_m{M}_vs_pytorch=R     (median step, tch-dist / PyTorch; goal <= 0.9)
+    pp_m{M}_bubble=B         (measured bubble, (wall - CPU) / CPU per rank, both ranks'
+                              mean; beside it PyTorch's and the schedule's (p - 1) / m)
+
 GPU (`--gpu`, run by target/gpu-check/run.sh on the GPU machine): world size 1, NCCL, the
 403M-parameter MLP (12 blocks 2048-8192-2048), batch 64, SGD; plain tch, tch-dist and PyTorch
 DDP. tch-dist runs with the test switch TCH_DIST_NO_SHORTCUTS=1, so that at world size 1 it
@@ -435,6 +445,75 @@ def ac_part(a, r):
     return out
 
 
+# The pipeline part: the suite's transformer as 2 stages on 2 ranks, Schedule1F1B with each of
+# MICROBATCHES; rounds (each a tch-dist and a PyTorch run per count) and timed / warm-up steps.
+PP = dict(model="transformer", batch=8, microbatches=(4, 8), rounds=2, steps=10, warmup=2)
+
+
+def pp_part(a, r):
+    """tch-dist's Schedule1F1B against PyTorch's on the same 2-stage split; returns the
+    summary ratios."""
+    rounds = PP["rounds"] if a.pp_rounds is None else a.pp_rounds
+    r.model, r.steps, r.warmup = PP["model"], PP["steps"], PP["warmup"]
+    r.results = {}
+    script = os.path.join(ROOT, "bench", "pytorch_pipeline.py")
+    print(
+        f"bench pp: {FSDP['desc'].replace('batch 2', 'batch ' + str(PP['batch']))}, as 2 "
+        f"pipeline stages (one per rank), SGD, Schedule1F1B on "
+        f"{' and '.join(map(str, PP['microbatches']))} microbatches, Gloo; {rounds} rounds x "
+        f"{r.steps} timed steps (+{r.warmup} warm-up)",
+        flush=True,
+    )
+    for i in range(rounds):
+        if i >= 1 and r.slack() < 0:
+            r.planned -= 2 * len(PP["microbatches"]) * (rounds - i)
+            print(f"  pp: stopped after {i} of {rounds} rounds for lack of time", flush=True)
+            r.cut_rounds += rounds - i
+            break
+        for m in PP["microbatches"]:
+            mb = ["--batch", str(PP["batch"]), "--microbatches", str(m)]
+            pair = [
+                lambda: r.tch(f"tch_dist_m{m}", "pipeline", *mb),
+                lambda: r.torch(f"pytorch_m{m}", "pipeline", *mb, script=script),
+            ]
+            if i % 2:
+                pair.reverse()
+            for f in pair:
+                f()
+    res = r.results
+    med = {k: pooled_median(v) for k, v in res.items()}
+    peak = {k: max(x["peak_rss_mib_max"] for x in v) for k, v in res.items()}
+    bubble = {k: statistics.median(x["bubble_mean"] for x in v) for k, v in res.items()}
+    print(f"\n== pp: 2 stages x 1 rank, batch {PP['batch']} x 64 tokens, 1F1B\n")
+    print(
+        f"{'configuration':<16} {'step ms':>8} {'bubble':>7} {'(p-1)/m':>7} "
+        f"{'peak RSS MiB':>12} {'foreign':>7}  runs"
+    )
+    for m in PP["microbatches"]:
+        for k in (f"tch_dist_m{m}", f"pytorch_m{m}"):
+            v = res[k]
+            print(
+                f"{k:<16} {med[k]:8.2f} {bubble[k]:7.3f} {1 / m:7.3f} {peak[k]:12.1f} "
+                f"{max(x['foreign'] for x in v):7.0%}  {len(v)}"
+            )
+    out = {}
+    print()
+    for m in PP["microbatches"]:
+        t, p = f"tch_dist_m{m}", f"pytorch_m{m}"
+        out[f"pp_m{m}_vs_pytorch"] = med[t] / med[p]
+        out[f"pp_m{m}_bubble"] = bubble[t]
+        print(
+            f"pp_m{m}_vs_pytorch={out[f'pp_m{m}_vs_pytorch']:.3f}  (median step, "
+            f"{med[t]:.1f} / {med[p]:.1f} ms; goal <= 0.9)"
+        )
+        print(
+            f"pp_m{m}_bubble={bubble[t]:.3f}  (measured, (wall - CPU) / CPU per rank; PyTorch "
+            f"{bubble[p]:.3f}; the schedule's (p - 1) / m = {1 / m:.3f})"
+        )
+    print(flush=True)
+    return out
+
+
 def planned_runs(a, m):
     """How many runs cpu_model makes for model settings `m`."""
     rounds = m["rounds"] if a.rounds is None else a.rounds
@@ -445,11 +524,12 @@ def planned_runs(a, m):
 def cpu_bench(a, r):
     models = [m for m in a.models.split(",") if m]
     for m in models:
-        if m not in MODELS and m not in ("fsdp", "ac"):
-            raise SystemExit(f"bench: unknown model {m} ({', '.join(MODELS)}, fsdp or ac)")
+        if m not in MODELS and m not in ("fsdp", "ac", "pp"):
+            raise SystemExit(f"bench: unknown model {m} ({', '.join(MODELS)}, fsdp, ac or pp)")
     fsdp = "fsdp" in models
     ac = "ac" in models
-    models = [m for m in models if m not in ("fsdp", "ac")]
+    pp = "pp" in models
+    models = [m for m in models if m not in ("fsdp", "ac", "pp")]
     # Each model gets the share of what is left of the budget that its runs are of the runs
     # still to come.
     end = time.time() + a.budget if a.budget else float("inf")
@@ -477,12 +557,22 @@ def cpu_bench(a, r):
         r.deadline = start + a.ac_budget if a.ac_budget else float("inf")
         ac_summary = ac_part(a, r)
         print(f"bench ac took {time.time() - start:.0f} s", flush=True)
+    pp_summary = None
+    if pp:
+        start = time.time()
+        rounds = PP["rounds"] if a.pp_rounds is None else a.pp_rounds
+        r.planned, r.done = 2 * len(PP["microbatches"]) * rounds, 0
+        r.deadline = start + a.pp_budget if a.pp_budget else float("inf")
+        pp_summary = pp_part(a, r)
+        print(f"bench pp took {time.time() - start:.0f} s", flush=True)
     for m, s in summary.items():
         print(f"model={m} " + " ".join(f"{k}={v:.3f}" for k, v in s.items()))
     if fsdp_summary:
         print("fsdp " + " ".join(f"{k}={v:.3f}" for k, v in fsdp_summary.items()))
     if ac_summary:
         print("ac " + " ".join(f"{k}={v:.3f}" for k, v in ac_summary.items()))
+    if pp_summary:
+        print("pp " + " ".join(f"{k}={v:.3f}" for k, v in pp_summary.items()))
     # The same figures as pictures (docs/PERFORMANCE.md shows a run's charts).
     per_model = {m: s["tch_dist_vs_pytorch_ddp"] for m, s in summary.items()}
     for path in charts.write_charts(
@@ -543,10 +633,17 @@ def main():
     )
     p.add_argument(
         "--models",
-        default=",".join(list(MODELS) + ["fsdp", "ac"]),
-        help="the CPU suite's models, in order, `fsdp` for the FSDP part and `ac` for the "
-        "activation-checkpointing part, which run after them (default: %(default)s); the last "
-        "line is the first model's tch_dist_vs_pytorch_ddp",
+        default=",".join(list(MODELS) + ["fsdp", "ac", "pp"]),
+        help="the CPU suite's models, in order, `fsdp` for the FSDP part, `ac` for the "
+        "activation-checkpointing part and `pp` for the pipeline part, which run after them "
+        "(default: %(default)s); the last line is the first model's tch_dist_vs_pytorch_ddp",
+    )
+    p.add_argument("--pp-rounds", type=int, default=None, help=f"default {PP['rounds']}")
+    p.add_argument(
+        "--pp-budget",
+        type=float,
+        default=120.0,
+        help="seconds for the pipeline part (0: none; default %(default)s)",
     )
     p.add_argument("--ac-rounds", type=int, default=None, help=f"default {AC['rounds']}")
     p.add_argument(

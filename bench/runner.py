@@ -113,6 +113,9 @@ class Runner:
             rank0["foreign"] = foreign
             rank0["peak_rss_mib_max"] = max(r["peak_rss_mib"] for r in recs)
             rank0["state_bytes_max"] = max(r.get("state_bytes", 0) for r in recs)
+            if all("bubble" in r for r in recs):
+                # A pipeline's measured bubble, over its stages' ranks.
+                rank0["bubble_mean"] = statistics.mean(r["bubble"] for r in recs)
             self.run_seconds += time.time() - t
             self.total_runs += 1
             if foreign <= self.a.max_foreign or attempt == self.a.retries:
@@ -150,6 +153,7 @@ class Runner:
         cmd = [self.bench, "--mode", mode] + self.common() + list(extra)
         return self.run(name, cmd, mode != "plain" if launch is None else launch, env)
 
-    def torch(self, name, mode, *extra):
-        cmd = [self.a.python, self.a.script, "--mode", mode] + self.common() + list(extra)
+    def torch(self, name, mode, *extra, script=None):
+        """PyTorch's side: bench/pytorch_ddp.py (--script), or `script`."""
+        cmd = [self.a.python, script or self.a.script, "--mode", mode] + self.common() + list(extra)
         return self.run(name, cmd, mode != "plain")

@@ -348,7 +348,7 @@ fn run() -> Result<(), Box<dyn Error>> {
     // With --pp: a pp x dp mesh (PyTorch's order of the dims, as torchtitan's); this rank
     // holds stage `stage` of the model, sharded over its dp group.
     let pp = args.pp;
-    if world as usize % pp != 0 {
+    if !(world as usize).is_multiple_of(pp) {
         return Err(format!("--pp {pp} does not divide the {world} ranks").into());
     }
     let (stage, pp_group, dp, dp_rank) = if pp > 1 {

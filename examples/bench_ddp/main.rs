@@ -5,6 +5,7 @@
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode replicate [--bucket-cap-mb 25] [--grad-as-bucket-view] [--no-broadcast-buffers] [--in-place-min-bytes N]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode allreduce [--sizes BYTES,BYTES,...]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode fully_shard [--model NAME] [--optim adamw] [--activation-checkpointing]
+//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode pipeline --model transformer [--microbatches 4]
 //! ```
 //!
 //! - `plain`: one process trains the model (no process group);
@@ -13,7 +14,9 @@
 //!   per bucket size, in the same kind of process group;
 //! - `fully_shard`: every rank trains it under `fully_shard` (FSDP2), one group per block
 //!   (the MLP's layers, the transformer's and the convnet's blocks), then the root, with the
-//!   defaults.
+//!   defaults;
+//! - `pipeline`: the transformer as 2 pipeline stages, one per rank, `Schedule1F1B` on
+//!   `--microbatches` (default 4) microbatches of a batch of 8 sequences (pipeline.rs).
 //!
 //! `--optim sgd` (the default: SGD, no momentum) or `adamw` (tch's `nn::AdamW` defaults);
 //! `--lr` (default 0.01 for SGD, 1e-3 for AdamW). `--activation-checkpointing` (the
@@ -61,6 +64,7 @@ use attention_block::Block;
 
 mod measure;
 mod models;
+mod pipeline;
 use measure::*;
 use models::*;
 
@@ -83,6 +87,8 @@ struct Args {
     lr: f64,
     /// `checkpoint_activations` on each block (the transformer).
     activation_checkpointing: bool,
+    /// `--mode pipeline`: microbatches per step.
+    microbatches: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -102,6 +108,7 @@ fn parse_args() -> Result<Args, String> {
         tag: String::new(),
         optim: "sgd".into(),
         lr: 0.0,
+        microbatches: 4,
         activation_checkpointing: false,
     };
     let mut it = std::env::args().skip(1);
@@ -148,6 +155,7 @@ fn parse_args() -> Result<Args, String> {
             "--optim" => a.optim = value()?,
             "--lr" => a.lr = num(value()?, "--lr")?,
             "--activation-checkpointing" => a.activation_checkpointing = true,
+            "--microbatches" => a.microbatches = num(value()?, "--microbatches")? as usize,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -186,7 +194,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             }
             None
         }
-        "replicate" | "allreduce" | "fully_shard" => {
+        "replicate" | "allreduce" | "fully_shard" | "pipeline" => {
             let backend = if args.device.is_cuda() {
                 Backend::Nccl
             } else {
@@ -201,7 +209,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         other => {
             return Err(format!(
-                "unknown --mode {other} (plain, replicate, fully_shard or allreduce)"
+                "unknown --mode {other} (plain, replicate, fully_shard, pipeline or allreduce)"
             )
             .into())
         }
@@ -220,6 +228,7 @@ fn dispatch<M: BenchModel>(
 ) -> Result<(), Box<dyn std::error::Error>> {
     match (args.mode.as_str(), pg) {
         ("allreduce", Some(pg)) => allreduce::<M>(args, pg),
+        ("pipeline", Some(pg)) => pipeline::pipeline(args, pg),
         (_, pg) => train::<M>(args, pg),
     }
 }

@@ -1,0 +1,144 @@
+//! `--mode pipeline`: the transformer as 2 pipeline stages, one per rank (`Schedule1F1B`,
+//! `--microbatches N`), as bench/pytorch_pipeline.py splits PyTorch's: stage 0 the token and
+//! position embeddings and blocks 0-2, stage 1 blocks 3-5, the final LayerNorm and the head.
+//!
+//! The measured bubble is each rank's idle share of its step against its busy share:
+//! (wall - CPU time) / CPU time over the timed steps (one torch thread per rank, so a rank's
+//! CPU time is its compute and its communication's own work), next to the schedule's
+//! theoretical (p - 1) / m.
+
+use super::*;
+use tch_dist::pipelining::{PipelineStage, Schedule1F1B};
+
+/// One stage's part of the transformer: the other stage's layers `None` (the whole
+/// model's FQNs).
+#[derive(Debug, Shardable)]
+struct TransformerStage {
+    tok: Option<nn::Embedding>,
+    pos: Option<nn::Embedding>,
+    blocks: Vec<Option<Block>>,
+    ln_f: Option<nn::LayerNorm>,
+    head: Option<nn::Linear>,
+    #[shardable(skip)]
+    positions: Tensor,
+    #[shardable(skip)]
+    mask: Tensor,
+}
+
+impl TransformerStage {
+    /// Stage `stage` of 2, built as `Transformer::new` builds the whole (the same paths and
+    /// shapes).
+    fn new(p: &nn::Path, stage: usize) -> TransformerStage {
+        let (first, last) = (stage == 0, stage == 1);
+        let half = T_BLOCKS / 2;
+        let mine = if first { 0..half } else { half..T_BLOCKS };
+        let dev = p.device();
+        TransformerStage {
+            tok: first.then(|| nn::embedding(p / "tok", T_VOCAB, T_DIM, Default::default())),
+            pos: first.then(|| nn::embedding(p / "pos", T_SEQ, T_DIM, Default::default())),
+            blocks: (0..T_BLOCKS)
+                .map(|i| {
+                    mine.contains(&i)
+                        .then(|| Block::new(p / "blocks" / i, T_DIM, T_HEADS))
+                })
+                .collect(),
+            ln_f: last.then(|| nn::layer_norm(p / "ln_f", vec![T_DIM], Default::default())),
+            head: last.then(|| nn::linear(p / "head", T_DIM, T_VOCAB, Default::default())),
+            positions: Tensor::arange(T_SEQ, (Kind::Int64, dev)),
+            mask: Tensor::ones([T_SEQ, T_SEQ], (Kind::Bool, dev)).triu(1),
+        }
+    }
+}
+
+impl Module for TransformerStage {
+    /// Token ids `[batch, seq]` (stage 0) or activations `[batch, seq, dim]` to activations
+    /// or logits `[batch, seq, vocab]` (stage 1).
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        let mut x = match (&self.tok, &self.pos) {
+            (Some(tok), Some(pos)) => tok.call(xs) + pos.call(&self.positions),
+            _ => xs.shallow_clone(),
+        };
+        for b in self.blocks.iter().flatten() {
+            x = b.forward(&x, Some(&self.mask));
+        }
+        match (&self.ln_f, &self.head) {
+            (Some(ln_f), Some(head)) => head.call(&ln_f.call(&x)),
+            _ => x,
+        }
+    }
+}
+
+pub(crate) fn pipeline(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error>> {
+    let (rank, world) = (pg.rank(), pg.world_size());
+    if world != 2 || args.model != "transformer" {
+        return Err("--mode pipeline: the transformer on 2 ranks (one stage each)".into());
+    }
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(args.device);
+    let part = TransformerStage::new(&vs.root(), rank);
+    let n_params: i64 = vs
+        .trainable_variables()
+        .iter()
+        .map(|t| t.numel() as i64)
+        .sum();
+    let mut opt = nn::Sgd::default().build(&vs, if args.lr > 0.0 { args.lr } else { 0.01 })?;
+    let stage = PipelineStage::new(part, rank, 2, args.device, &pg);
+    let m = args.microbatches;
+    let mut schedule = Schedule1F1B::new(stage, m, |out, y| {
+        out.view([-1, T_VOCAB])
+            .cross_entropy_for_logits(&y.view([-1]))
+    })?;
+    let batch = if args.batch > 0 { args.batch } else { 8 };
+    tch::manual_seed(1);
+    let (x, target) = Transformer::batch(&args.model, batch, args.device)?;
+    let (first, last) = (rank == 0, rank == 1);
+    let mut steps = vec![];
+    let mut busy = vec![];
+    pg.barrier()?;
+    let (mut cpu0, mut machine0, mut wall0) = (0.0, 0.0, Instant::now());
+    for i in 0..args.warmup + args.steps {
+        if i == args.warmup {
+            (cpu0, machine0, wall0) = (cpu_ms(), machine_busy_ms(), Instant::now());
+        }
+        let (t0, c0) = (Instant::now(), cpu_ms());
+        opt.zero_grad();
+        let mut losses = Vec::new();
+        schedule.step(first.then_some(&x), last.then_some(&target), &mut losses)?;
+        opt.step();
+        if i >= args.warmup {
+            steps.push(ms(t0));
+            busy.push(cpu_ms() - c0);
+        }
+    }
+    let window = Window {
+        wall_ms: ms(wall0),
+        cpu_ms: cpu_ms() - cpu0,
+        machine_busy_ms: machine_busy_ms() - machine0,
+    };
+    let (peak, current) = rss_mib();
+    let (step, cpu) = (median(&steps), median(&busy));
+    let out = serde_json::json!({
+        "cpu_ms": window.cpu_ms / args.steps as f64,
+        "window": window.json(),
+        "impl": "tch-dist",
+        "mode": "pipeline",
+        "tag": args.tag,
+        "model": args.model,
+        "params": n_params,
+        "batch": batch,
+        "microbatches": m,
+        "stages": 2,
+        "rank": rank,
+        "world": world,
+        "threads": tch::get_num_threads(),
+        "median_ms": step,
+        "busy_ms": cpu,
+        "bubble": (step - cpu).max(0.0) / cpu,
+        "peak_rss_mib": peak,
+        "rss_mib": current,
+        "steps_ms": steps,
+    });
+    println!("BENCH {out}");
+    pg.barrier()?;
+    Ok(())
+}
