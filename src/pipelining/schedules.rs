@@ -263,7 +263,7 @@ impl<M: 'static> Runner<M> {
                             None => continue,
                         }
                     } else {
-                        stage.recv_activation(mb)?
+                        stage.recv_activation(mb, n)?
                     };
                     let output = forward_catching(stage, mb, input)?;
                     if stage.is_last() {

@@ -106,7 +106,7 @@ impl fmt::Display for TensorMeta {
 }
 
 /// The direction of a transfer, for its tag.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Direction {
     Forward = 0,
     Backward = 1,
@@ -225,6 +225,11 @@ pub struct PipelineStage<M> {
     /// What this stage told the next one.
     output_meta: Option<TensorMeta>,
     chunks: BTreeMap<usize, Chunk>,
+    /// Receives posted ahead of the compute that needs them, by direction and microbatch:
+    /// a transfer starts once both ends have posted (Gloo's receiver says it is ready), so
+    /// a receive posted early lets the data move while this stage computes (PyTorch's 1F1B
+    /// posts the gradient's receive with the activation's send, in one batch).
+    posted: BTreeMap<(Direction, usize), (Tensor, Work)>,
 }
 
 impl<M> fmt::Debug for PipelineStage<M> {
@@ -307,6 +312,7 @@ impl<M: 'static> PipelineStage<M> {
             input_meta: None,
             output_meta: None,
             chunks: BTreeMap::new(),
+            posted: BTreeMap::new(),
         }
     }
 }
@@ -405,9 +411,57 @@ impl<M> PipelineStage<M> {
         }
     }
 
+    /// Posts the receive of microbatch `mb`'s transfer in `direction` into a new buffer of
+    /// `meta`'s shape, unless it is posted already.
+    fn post_recv(
+        &mut self,
+        direction: Direction,
+        mb: usize,
+        meta: &TensorMeta,
+    ) -> Result<(), PipelineError> {
+        if self.posted.contains_key(&(direction, mb)) {
+            return Ok(());
+        }
+        let (from, transfer) = match direction {
+            Direction::Forward => (self.stage_index - 1, Transfer::RecvActivation),
+            Direction::Backward => (self.stage_index + 1, Transfer::RecvGradient),
+        };
+        let buffer = Tensor::empty(meta.shape.as_slice(), (meta.kind, self.device));
+        let t = tag(self.num_stages, from, mb, direction);
+        let work = self
+            .group
+            .recv_async(&buffer, self.rank_of(from), t)
+            .map_err(|e| self.transfer_error(transfer, mb, from, e))?;
+        self.posted.insert((direction, mb), (buffer, work));
+        Ok(())
+    }
+
+    /// Waits for microbatch `mb`'s receive in `direction` (posted now if it was not) and
+    /// returns its buffer.
+    fn wait_recv(
+        &mut self,
+        direction: Direction,
+        mb: usize,
+        meta: &TensorMeta,
+    ) -> Result<Tensor, PipelineError> {
+        self.post_recv(direction, mb, meta)?;
+        let (buffer, work) = self
+            .posted
+            .remove(&(direction, mb))
+            .expect("posted just above");
+        let (from, transfer) = match direction {
+            Direction::Forward => (self.stage_index - 1, Transfer::RecvActivation),
+            Direction::Backward => (self.stage_index + 1, Transfer::RecvGradient),
+        };
+        work.wait()
+            .map_err(|e| self.transfer_error(transfer, mb, from, e))?;
+        Ok(buffer)
+    }
+
     /// Receives microbatch `mb`'s activation from the previous stage (its metadata first, on
-    /// the first step): a leaf that requires grad where it is floating point.
-    pub(crate) fn recv_activation(&mut self, mb: usize) -> Result<Tensor, PipelineError> {
+    /// the first step): a leaf that requires grad where it is floating point. The receive
+    /// of the next microbatch's (of `n` this step) is posted before this one is waited for.
+    pub(crate) fn recv_activation(&mut self, mb: usize, n: usize) -> Result<Tensor, PipelineError> {
         let prev = self.stage_index - 1;
         let peer = self.rank_of(prev);
         let meta = match &self.input_meta {
@@ -428,12 +482,11 @@ impl<M> PipelineStage<M> {
                 meta
             }
         };
-        let buffer = Tensor::empty(meta.shape.as_slice(), (meta.kind, self.device));
-        let t = tag(self.num_stages, prev, mb, Direction::Forward);
-        self.group
-            .recv_async(&buffer, peer, t)
-            .and_then(Work::wait)
-            .map_err(|e| self.transfer_error(Transfer::RecvActivation, mb, prev, e))?;
+        self.post_recv(Direction::Forward, mb, &meta)?;
+        if mb + 1 < n {
+            self.post_recv(Direction::Forward, mb + 1, &meta)?;
+        }
+        let buffer = self.wait_recv(Direction::Forward, mb, &meta)?;
         Ok(
             if matches!(
                 meta.kind,
@@ -506,7 +559,7 @@ impl<M> PipelineStage<M> {
                 self.group
                     .send_object_list(&[Object::from(meta.encode())], peer)
                     .map_err(|e| self.transfer_error(Transfer::SendMetadata, mb, next, e))?;
-                self.output_meta = Some(meta);
+                self.output_meta = Some(meta.clone());
             }
         }
         let data = output.detach();
@@ -524,7 +577,8 @@ impl<M> PipelineStage<M> {
             peer_stage: next,
             peer_rank: peer,
         });
-        Ok(())
+        // Its gradient comes back in the output's shape: its receive posted now.
+        self.post_recv(Direction::Backward, mb, &meta)
     }
 
     /// Microbatch `mb`'s backward: from its loss on the last stage, else from the gradient
@@ -559,13 +613,7 @@ impl<M> PipelineStage<M> {
         let root = if self.is_last() {
             chunk.output
         } else {
-            let next = stage + 1;
-            let grad = chunk.output.zeros_like();
-            let t = tag(self.num_stages, next, mb, Direction::Backward);
-            self.group
-                .recv_async(&grad, self.rank_of(next), t)
-                .and_then(Work::wait)
-                .map_err(|e| self.transfer_error(Transfer::RecvGradient, mb, next, e))?;
+            let grad = self.wait_recv(Direction::Backward, mb, &TensorMeta::of(&chunk.output))?;
             // d(sum(out * g))/d(out) is g exactly: backward from the output with the received
             // gradient, through Tensor::backward.
             (&chunk.output * &grad).sum(chunk.output.kind())
@@ -613,9 +661,13 @@ impl<M> PipelineStage<M> {
         self.output_meta = None;
     }
 
-    /// Forgets every microbatch kept (after a failed step).
+    /// Forgets every microbatch kept and every receive posted ahead (after a failed step,
+    /// whose peers fail too: a receive posted ahead that a peer's send never matched stays
+    /// with the engine, so a later step on the same group would wait for its data in vain
+    /// and fail at the timeout, never read it).
     pub(crate) fn clear(&mut self) {
         self.chunks.clear();
+        self.posted.clear();
     }
 
     /// Moves the first stage's microbatch input to the stage's device.
