@@ -63,7 +63,10 @@ use digits::load_digits;
 mod attention_block;
 #[path = "common/cli.rs"]
 mod cli;
+#[path = "common/memory.rs"]
+mod memory;
 use attention_block::Block;
+use memory::{malloc_in_use, rss_mib};
 
 /// Tokens per image (its rows), pixels per token, model width, heads, blocks.
 const SEQ: i64 = 8;
@@ -283,30 +286,6 @@ fn parse_args() -> Result<Args, String> {
 
 fn main() {
     cli::main_with(run);
-}
-
-/// Bytes malloc has handed out and not had back (`mallinfo2`): on CPU, tensors' memory.
-fn malloc_in_use() -> f64 {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        // SAFETY: mallinfo2(3) only reads the allocator's counters.
-        let m = unsafe { libc::mallinfo2() };
-        (m.uordblks + m.hblkhd) as f64
-    }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    {
-        0.0
-    }
-}
-
-/// The process's peak resident set size (VmHWM), in MiB.
-fn peak_rss_mib() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 /// `opt.backward_step(&loss)` with failures as values: a collective that failed during
@@ -572,14 +551,14 @@ fn run() -> Result<(), Box<dyn Error>> {
             // The schedule runs forwards and backwards in turn: no one forward's figure.
             println!(
                 "memory: activation checkpointing {ac}, peak RSS {:.0} MiB",
-                peak_rss_mib()
+                rss_mib().0
             );
         } else {
             println!(
                 "memory: activation checkpointing {ac}, forward kept at most {:.2} MB for \
                  backward, peak RSS {:.0} MiB",
                 kept_max / 1e6,
-                peak_rss_mib()
+                rss_mib().0
             );
         }
     }

@@ -22,6 +22,10 @@ use tch_dist::{
     Shardable,
 };
 
+#[path = "common/unchanged.rs"]
+mod unchanged;
+use unchanged::named_values;
+
 const D: i64 = 6;
 const HIDDEN: i64 = 12;
 const BATCH: i64 = 8;
@@ -120,21 +124,10 @@ fn data(step: i64) -> (Tensor, Tensor) {
     (x, y)
 }
 
-/// Every variable of `vs`, by name.
-fn values(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
-    let mut v: Vec<(String, Tensor)> = vs
-        .variables()
-        .into_iter()
-        .map(|(k, t)| (k, t.detach().copy()))
-        .collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
-}
-
 fn bitwise_equal(a: &nn::VarStore, b: &nn::VarStore) -> bool {
-    values(a)
+    named_values(a)
         .iter()
-        .zip(values(b))
+        .zip(named_values(b))
         .all(|((na, ta), (nb, tb))| *na == nb && ta.equal(&tb))
 }
 
@@ -161,7 +154,7 @@ fn training_equals_no_checkpointing_bit_for_bit_with_sgd_and_adamw() {
     for adamw in [false, true] {
         let ((vs_a, a), (vs_b, b)) = twins(3, 0.0);
         checkpoint_every_block(&b);
-        let before = values(&vs_b);
+        let before = named_values(&vs_b);
         if adamw {
             train(&vs_a, &a, nn::AdamW::default(), 4, true);
             train(&vs_b, &b, nn::AdamW::default(), 4, true);
@@ -174,7 +167,7 @@ fn training_equals_no_checkpointing_bit_for_bit_with_sgd_and_adamw() {
             train(&vs_b, &b, sgd, 4, true);
         }
         assert!(
-            !values(&vs_b)[0].1.equal(&before[0].1),
+            !named_values(&vs_b)[0].1.equal(&before[0].1),
             "training moved the weights"
         );
         assert!(
@@ -498,7 +491,7 @@ fn fully_shard_and_replicate_compose_at_2_ranks() {
                 local_loss(step).backward();
                 opt.step();
             }
-            runs.push(values(&vs));
+            runs.push(named_values(&vs));
         }
         let (diff, _) = compare(&runs[0], &runs[1]);
 
@@ -558,7 +551,7 @@ fn a_tensor_parallel_mlp_inside_a_checkpointed_block_at_2_ranks() {
                 3,
                 true,
             );
-            runs.push(values(&vs));
+            runs.push(named_values(&vs));
         }
         let (diff, norm) = compare(&runs[0], &runs[1]);
         assert!(norm > 0.1);

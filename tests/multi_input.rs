@@ -20,6 +20,10 @@ use tch_dist::{
     fully_shard, replicate, Call, CallWith, ForwardError, FsdpOptions, ProcessGroup, Shardable,
 };
 
+#[path = "common/unchanged.rs"]
+mod unchanged;
+use unchanged::named_values;
+
 /// Model width, hidden width and sequence length.
 const D: i64 = 6;
 const HIDDEN: i64 = 8;
@@ -152,16 +156,6 @@ fn sgd(vs: &nn::VarStore) -> nn::Optimizer {
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.size(), b.size());
     (a - b).abs().max().double_value(&[])
-}
-
-fn copies(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
-    let mut v: Vec<(String, Tensor)> = vs
-        .variables()
-        .into_iter()
-        .map(|(k, t)| (k, t.detach().copy()))
-        .collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
 }
 
 /// How far training moved the parameters of `vs` from `initial`.
@@ -372,7 +366,7 @@ fn fully_shard_parity(pg: &ProcessGroup) -> (f64, f64) {
     tch::manual_seed(5);
     let ref_vs = nn::VarStore::new(Device::Cpu);
     let reference = model(&ref_vs);
-    let initial = copies(&ref_vs);
+    let initial = named_values(&ref_vs);
     tch::manual_seed(5 + pg.rank() as i64 * 1000);
     let vs = nn::VarStore::new(Device::Cpu);
     let m = model(&vs);
@@ -416,7 +410,7 @@ fn tuple_output_parity(pg: &ProcessGroup) -> (f64, f64) {
     tch::manual_seed(6);
     let ref_vs = nn::VarStore::new(Device::Cpu);
     let reference = pair(&ref_vs);
-    let initial = copies(&ref_vs);
+    let initial = named_values(&ref_vs);
     tch::manual_seed(6 + pg.rank() as i64 * 1000);
     let vs = nn::VarStore::new(Device::Cpu);
     let m = pair(&vs);
@@ -512,7 +506,7 @@ fn fully_shard_manages_multi_input_blocks_at_2_ranks() {
             };
             fully_shard(&m.gate, FsdpOptions::default()).unwrap();
             fully_shard(&m, FsdpOptions::default()).unwrap();
-            let before = copies(&vs);
+            let before = named_values(&vs);
             let (x, _) = batch(0);
             let err = m.f_call(&slice(&x, &pg)).unwrap_err();
             let e = err.downcast_ref::<FsdpError>().expect("a typed error");
@@ -552,7 +546,7 @@ fn replicate_manages_a_multi_input_block_at_2_ranks() {
             tch::manual_seed(7);
             let ref_vs = nn::VarStore::new(Device::Cpu);
             let reference = block(ref_vs.root());
-            let initial = copies(&ref_vs);
+            let initial = named_values(&ref_vs);
             tch::manual_seed(7 + pg.rank() as i64 * 1000);
             let vs = nn::VarStore::new(Device::Cpu);
             let b = block(vs.root());
@@ -570,7 +564,7 @@ fn replicate_manages_a_multi_input_block_at_2_ranks() {
                 let out = b.call_with([&x, &mask], |b, [x, mask]| b.forward(x, mask));
                 opt.backward_step(&out.mse_loss(&slice(&target, &pg), tch::Reduction::Mean));
             }
-            let diff = copies(&vs)
+            let diff = named_values(&vs)
                 .iter()
                 .map(|(k, t)| max_diff(t, &ref_vs.variables()[k]))
                 .fold(0.0, f64::max);
