@@ -146,13 +146,26 @@ impl Wrapper {
             .map(Tensor::shallow_clone)
             .collect())
     }
+}
 
+/// What a recomputation needs to name its block and check itself, owned (it runs in
+/// backward, after the call that made it has ended).
+struct Recheck {
+    rank: usize,
+    /// The block's name in errors.
+    module: String,
+    /// `std::any::type_name` of the checkpointed type.
+    type_name: &'static str,
+    options: CheckpointOptions,
+}
+
+impl Recheck {
     /// The recomputation's check against the first run's outputs.
     fn check(&self, first: &[Meta], again: &[Tensor]) -> Result<(), ActivationCheckpointError> {
         if first.len() != again.len() {
             return Err(ActivationCheckpointError::OutputCount {
                 rank: self.rank,
-                module: self.name.get(),
+                module: self.module.clone(),
                 first: first.len(),
                 again: again.len(),
             });
@@ -165,7 +178,7 @@ impl Wrapper {
             if *a != b {
                 return Err(ActivationCheckpointError::Nondeterministic {
                     rank: self.rank,
-                    module: self.name.get(),
+                    module: self.module.clone(),
                     output: i,
                     first: a.to_string(),
                     again: b.to_string(),
@@ -253,20 +266,18 @@ impl Wrapper {
         first: Arc<Mutex<Vec<Meta>>>,
         name: String,
     ) -> Recomputation {
-        let checker = Wrapper {
+        let checker = Recheck {
             rank: self.rank,
-            name: Arc::new(ModuleName::new(name)),
+            module: name,
             type_name: self.type_name,
             options: self.options,
-            snapshot: Box::new(|_| None),
         };
         Box::new(move |xs: &[Tensor]| {
             if checker.options.debug {
                 let shapes: Vec<Vec<i64>> = xs.iter().map(Tensor::size).collect();
                 eprintln!(
                     "rank {}: checkpoint: recomputing `{}` from inputs {shapes:?}",
-                    checker.rank,
-                    checker.name.get()
+                    checker.rank, checker.module
                 );
             }
             // The twin's submodules are the block's own: their hooks run again.
@@ -276,7 +287,7 @@ impl Wrapper {
             let outs = outs.ok_or_else(|| {
                 ActivationCheckpointError::CalledAs {
                     rank: checker.rank,
-                    module: checker.name.get(),
+                    module: checker.module.clone(),
                     expected: checker.type_name,
                     got: "another type",
                 }
