@@ -3,7 +3,8 @@
 //! (`set_requires_gradient_sync(false)` for all but the last microbatch's backward, through
 //! `PipelineStage::on_backward`), equal to one process training the whole model on both
 //! replicas' rows; its checkpoint (each stage's part under the whole model's FQNs) loads
-//! into the unsplit model and back into the stages.
+//! into the unsplit model and back into the stages. And pp × tp: each stage's block
+//! tensor-parallel over its `tp` dim.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -240,6 +241,130 @@ fn pp_2_x_dp_2_with_fully_shard_equals_one_process() {
         |pg| {
             pp_dp_equals_one_process(&pg, false);
             pp_dp_equals_one_process(&pg, true);
+        },
+    );
+}
+
+/// A Megatron MLP block: `fc2(gelu(fc1(x)))`, `fc1` colwise and `fc2` rowwise under tp.
+#[derive(Debug, Shardable)]
+struct MlpBlock {
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+/// The whole model's MLP blocks `blocks.<i>`, tanh between them; a stage's part holds its own
+/// (`None` for the others').
+#[derive(Debug, Shardable)]
+struct MlpChain {
+    blocks: Vec<Option<MlpBlock>>,
+}
+
+impl Module for MlpChain {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.blocks
+            .iter()
+            .flatten()
+            .fold(xs.shallow_clone(), |h, b| {
+                b.fc2.call(&b.fc1.call(&h).gelu("none")).tanh()
+            })
+    }
+}
+
+/// Width of the blocks' input and output, and of their hidden layer (4 columns per tp rank).
+const WIDTH: i64 = 6;
+const HIDDEN: i64 = 8;
+
+fn mlp_chain(vs: &nn::VarStore, stages: Range<usize>) -> MlpChain {
+    let root = vs.root() / "blocks";
+    MlpChain {
+        blocks: (0..2)
+            .map(|i| {
+                stages.contains(&i).then(|| MlpBlock {
+                    fc1: nn::linear(&root / i / "fc1", WIDTH, HIDDEN, Default::default()),
+                    fc2: nn::linear(&root / i / "fc2", HIDDEN, WIDTH, Default::default()),
+                })
+            })
+            .collect(),
+    }
+}
+
+/// pp 2 x tp 2 on a mesh: each stage's block tensor-parallel over its `tp` dim
+/// (`parallelize_module`, Megatron's colwise-then-rowwise), 1F1B across the stages. Stage 1's
+/// input gradient, sent back to stage 0, is the sum over the tp ranks' column shards (the
+/// colwise layer's replicated input): training equals one process.
+#[test]
+fn pp_2_x_tp_2_with_parallelize_module_equals_one_process() {
+    run_ranks(
+        "composition::pp_2_x_tp_2_with_parallelize_module_equals_one_process",
+        4,
+        |_pg| {
+            use tch_dist::sharding::{
+                parallelize_module, ColwiseParallel, ParallelizePlan, RowwiseParallel,
+            };
+            let mesh = init_device_mesh("cpu", &[2, 2], &["pp", "tp"]).unwrap();
+            let pp = mesh.get_group("pp").unwrap().clone();
+            let stage_index = mesh.get_local_rank("pp").unwrap();
+            tch::manual_seed(0);
+            let init_vs = nn::VarStore::new(Device::Cpu);
+            let _ = mlp_chain(&init_vs, 0..2);
+            let mut ref_vs = nn::VarStore::new(Device::Cpu);
+            let reference = mlp_chain(&ref_vs, 0..2);
+            ref_vs.copy(&init_vs).unwrap();
+            let mut ref_opt = sgd(&ref_vs);
+
+            let mut vs = nn::VarStore::new(Device::Cpu);
+            let mut part = mlp_chain(&vs, stage_index..stage_index + 1);
+            vs.copy(&init_vs).unwrap();
+            let plan = ParallelizePlan::new()
+                .style(
+                    format!("blocks.{stage_index}.fc1"),
+                    ColwiseParallel::default(),
+                )
+                .style(
+                    format!("blocks.{stage_index}.fc2"),
+                    RowwiseParallel::default(),
+                );
+            parallelize_module(&mut part, &mesh.dim("tp").unwrap(), &plan).unwrap();
+            let block = part.blocks[stage_index].as_ref().unwrap();
+            assert_eq!(
+                block.fc1.ws.size(),
+                [HIDDEN / 2, WIDTH],
+                "fc1's column shard"
+            );
+            assert_eq!(block.fc2.ws.size(), [WIDTH, HIDDEN / 2], "fc2's row shard");
+            let mut opt = sgd(&vs);
+            let stage = PipelineStage::with_forward(
+                part,
+                |m: &MlpChain, x: &Tensor, _train| m.f_call(x),
+                stage_index,
+                2,
+                Device::Cpu,
+                &pp,
+            );
+            let mut schedule = Schedule1F1B::new(stage, 4, mse).unwrap();
+            let (first, last) = (stage_index == 0, stage_index == 1);
+            for step in 0..3 {
+                tch::manual_seed(300 + step);
+                let x = Tensor::randn([8, WIDTH], (Kind::Float, Device::Cpu));
+                let y = Tensor::randn([8, WIDTH], (Kind::Float, Device::Cpu));
+                ref_opt
+                    .backward_step(&mse(&reference.forward(&x), &y))
+                    .unwrap();
+                let mut losses = Vec::new();
+                schedule
+                    .step(first.then_some(&x), last.then_some(&y), &mut losses)
+                    .unwrap();
+                opt.step().unwrap();
+                opt.zero_grad();
+                let module = schedule.stage().module();
+                let ref_vars = ref_vs.variables();
+                let full = full_state_dict(module).unwrap();
+                assert_eq!(full.len(), 4);
+                for (fqn, t) in full {
+                    let d = (&t - &ref_vars[&fqn]).abs().max().double_value(&[]);
+                    assert!(d < 1e-5, "step {step}: {fqn} differs by {d}");
+                }
+            }
         },
     );
 }

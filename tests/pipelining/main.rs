@@ -7,7 +7,7 @@
 //! | file | what it tests | PyTorch's counterpart |
 //! | --- | --- | --- |
 //! | `main.rs` | the model and the one-process reference; parity of every schedule | `test/distributed/pipelining/test_schedule_multiproc.py` (`test_forward_only`, `test_grad_with_manual`) |
-//! | `composition.rs` | pp 2 × dp 2 on a mesh with `fully_shard` per stage, gradients reduced once per step; its checkpoint loaded into the unsplit model (tch-dist's and PyTorch's, by DCP) and back into the stages | torchtitan's pp × FSDP, `test_composability/test_pp_composability.py` |
+//! | `composition.rs` | pp 2 × dp 2 on a mesh with `fully_shard` per stage, gradients reduced once per step; its checkpoint loaded into the unsplit model (tch-dist's and PyTorch's, by DCP) and back into the stages; pp 2 × tp 2 with `parallelize_module` per stage | torchtitan's pp × FSDP, `test_composability/test_pp_composability.py` |
 //! | `errors.rs` | refusals on every rank, a shape that changes, a stage killed mid-step | the `ValueError`s of `schedules.py`, `test_schedule.py` |
 
 use std::ops::Range;
