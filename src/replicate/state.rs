@@ -124,6 +124,27 @@ impl ReplicateState {
         self.reducer.stats()
     }
 
+    /// Whether the backward passes from now on average the gradients (the default) or
+    /// accumulate them locally in `.grad` until a synchronised one (PyTorch 2.11's
+    /// composable `replicate`'s `set_requires_gradient_sync`; [`no_sync`](crate::replicate::no_sync)
+    /// as a setting). Read when each backward begins, so a pipeline stage sets it before
+    /// each microbatch's backward: off for all but the last
+    /// ([`PipelineStage::on_backward`](crate::pipelining::PipelineStage::on_backward)), so
+    /// that the gradients are averaged once per step.
+    ///
+    /// ```no_run
+    /// # use tch_dist::{replicate, Shardable};
+    /// # fn demo<M: Shardable>(model: &M) {
+    /// let state = replicate::state(model).unwrap();
+    /// state.set_requires_gradient_sync(false); // accumulate locally
+    /// // ... backward passes ...
+    /// state.set_requires_gradient_sync(true); // the next backward averages the sum
+    /// # }
+    /// ```
+    pub fn set_requires_gradient_sync(&self, requires_gradient_sync: bool) {
+        self.reducer.set_require_sync(requires_gradient_sync);
+    }
+
     /// The group gradients are averaged over.
     ///
     /// ```no_run

@@ -368,3 +368,92 @@ fn pp_2_x_tp_2_with_parallelize_module_equals_one_process() {
         },
     );
 }
+
+/// pp 2 x dp 2 with `replicate` on each stage's part: the gradients accumulate locally for
+/// all but the last microbatch's backward (`set_requires_gradient_sync` in `on_backward`)
+/// and are averaged once per step; GPipe and 1F1B equal one process.
+#[test]
+fn pp_2_x_dp_2_with_replicate_equals_one_process() {
+    run_ranks(
+        "composition::pp_2_x_dp_2_with_replicate_equals_one_process",
+        4,
+        |_pg| {
+            for gpipe in [false, true] {
+                let mesh = init_device_mesh("cpu", &[2, 2], &["pp", "dp"]).unwrap();
+                let (pp, dp) = (
+                    mesh.get_group("pp").unwrap().clone(),
+                    mesh.get_group("dp").unwrap().clone(),
+                );
+                let (stage_index, replica) = (
+                    mesh.get_local_rank("pp").unwrap(),
+                    mesh.get_local_rank("dp").unwrap() as i64,
+                );
+                let (init, _) = whole(0);
+                let (mut ref_vs, reference) = whole(0);
+                ref_vs.copy(&init).unwrap();
+                let mut ref_opt = sgd(&ref_vs);
+                let range = if stage_index == 0 { 0..1 } else { 1..3 };
+                let mut vs = nn::VarStore::new(Device::Cpu);
+                let part = chain(&vs, range);
+                vs.copy(&init).unwrap();
+                let options = tch_dist::replicate::Options {
+                    process_group: Some(dp.clone()),
+                    ..Default::default()
+                };
+                let state = tch_dist::replicate::apply(&part, options).unwrap();
+                let mut opt = sgd(&vs);
+                let stage = PipelineStage::with_forward(
+                    part,
+                    |m: &Chain, x: &Tensor, _train| m.f_call(x),
+                    stage_index,
+                    2,
+                    Device::Cpu,
+                    &pp,
+                )
+                .on_backward(move |last| {
+                    state.set_requires_gradient_sync(last);
+                    Ok(())
+                });
+                let (mut gpipe_schedule, mut one_f_one_b) = (None, None);
+                if gpipe {
+                    gpipe_schedule = Some(ScheduleGPipe::new(stage, 4, mse).unwrap());
+                } else {
+                    one_f_one_b = Some(Schedule1F1B::new(stage, 4, mse).unwrap());
+                }
+                let (first, last) = (stage_index == 0, stage_index == 1);
+                for step in 0..3 {
+                    let (x, y) = global_batch(step);
+                    ref_opt
+                        .backward_step(&mse(&reference.forward(&x), &y))
+                        .unwrap();
+                    let mine = |t: &Tensor| t.narrow(0, replica * ROWS, ROWS);
+                    let (x, y) = (mine(&x), mine(&y));
+                    let mut losses = Vec::new();
+                    let (x, y) = (first.then_some(&x), last.then_some(&y));
+                    match (&mut gpipe_schedule, &mut one_f_one_b) {
+                        (Some(s), _) => s.step(x, y, &mut losses).unwrap(),
+                        (_, Some(s)) => s.step(x, y, &mut losses).unwrap(),
+                        _ => unreachable!(),
+                    }
+                    opt.step().unwrap();
+                    opt.zero_grad();
+                    let ref_vars = ref_vs.variables();
+                    for (fqn, t) in vs.variables() {
+                        let d = (&t - &ref_vars[&fqn]).abs().max().double_value(&[]);
+                        assert!(d < 1e-5, "gpipe {gpipe} step {step}: {fqn} differs by {d}");
+                    }
+                }
+                let module = match (&gpipe_schedule, &one_f_one_b) {
+                    (Some(s), _) => s.stage().module(),
+                    (_, Some(s)) => s.stage().module(),
+                    _ => unreachable!(),
+                };
+                let synced = tch_dist::replicate::state(module).unwrap().stats().steps;
+                assert_eq!(
+                    synced, 3,
+                    "one synchronised backward per step, not per microbatch"
+                );
+            }
+        },
+    );
+}
