@@ -428,6 +428,18 @@ pub enum SharderError {
         /// The group's size.
         world_size: usize,
     },
+    /// An embedding sharder got a module that is not an embedding table (one `weight`
+    /// `[num_embeddings, embedding_dim]`, no submodule).
+    #[error(
+        "an embedding sharder needs an embedding table (one `weight` [num_embeddings, \
+         embedding_dim]), but this `{kind}` has {found}"
+    )]
+    NotAnEmbedding {
+        /// The module's type name.
+        kind: &'static str,
+        /// What it has instead (`a parameter `bias``).
+        found: String,
+    },
     /// `ColwiseLinear { fused: 0 }`.
     #[error("fused must be at least 1")]
     ZeroFused,
@@ -461,6 +473,8 @@ pub enum HookSite {
     RowParallel,
     /// The output hook that restores or reshards a module's output.
     Output,
+    /// A vocab-parallel embedding's hooks (the ids' mapping to this rank's rows, the mask).
+    VocabParallel,
 }
 
 impl fmt::Display for HookSite {
@@ -469,6 +483,7 @@ impl fmt::Display for HookSite {
             HookSite::ColumnParallel => "column-parallel",
             HookSite::RowParallel => "row-parallel",
             HookSite::Output => "output of",
+            HookSite::VocabParallel => "vocab-parallel",
         })
     }
 }
@@ -502,6 +517,25 @@ pub enum ForwardProblem {
         /// How many outputs the call returned.
         got: usize,
     },
+    /// A vocab-parallel embedding was called with something other than integer ids.
+    #[error("expects integer ids (Int64 or Int), got {dtype}")]
+    NotIds {
+        /// The input's dtype.
+        dtype: String,
+    },
+    /// An id outside the whole table: no rank holds its row, so its embedding would be
+    /// zero without a word (one table raises on it too).
+    #[error("id {id} is outside the table of {vocab} embeddings")]
+    IdOutOfRange {
+        /// The first such id.
+        id: i64,
+        /// The table's rows.
+        vocab: i64,
+    },
+    /// A vocab-parallel embedding's output hook ran without its input hook (the call's mask
+    /// is missing).
+    #[error("the lookup ran without its input hook, so its tokens of other ranks are not masked")]
+    LookupWithoutInputHook,
     /// A collective failed.
     #[error(transparent)]
     Collective(DistError),

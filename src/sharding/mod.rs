@@ -73,6 +73,7 @@
 //! # Ok(()) }
 //! ```
 
+mod embedding;
 mod error;
 mod guard;
 mod output;
@@ -88,6 +89,7 @@ use std::collections::BTreeMap;
 use tch_dist_core::{contract, Shardable};
 use tch_dist_runtime::ProcessGroup;
 
+pub use embedding::{ColwiseEmbedding, RowwiseEmbedding};
 pub(crate) use error::{Fix, Key};
 pub use error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError, StyleProblem};
 pub use output::OutputLayout;

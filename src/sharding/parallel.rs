@@ -9,12 +9,15 @@
 //! | `ColwiseParallel(output_layouts=Replicate())` | [`ColwiseLinear`], its output all-gathered |
 //! | `RowwiseParallel()` (input `Shard(-1)`, output replicated) | [`RowwiseLinear`] (a whole input is sliced, a local one taken as is) |
 //! | `RowwiseParallel(input_layouts=Replicate())` | the same sharder: it tells the two inputs apart by their width |
+//! | `ColwiseParallel()` on an `nn.Embedding` | [`ColwiseEmbedding`]: the table split along the embedding dim, the output this rank's columns (or gathered, with `output_layouts=Replicate()`) |
+//! | `RowwiseParallel()` on an `nn.Embedding` (vocab-parallel) | [`RowwiseEmbedding`]: the table split along the vocabulary, other ranks' tokens zeroed, the outputs summed |
 
 use std::sync::Arc;
 
 use tch_dist_core::path::ModulePath;
 use tch_dist_core::Shardable;
 
+use super::embedding::{ColwiseEmbedding, RowwiseEmbedding};
 use super::error::{ShardError, StyleProblem};
 use super::plan::ShardingPlan;
 use super::sharder::{ColwiseLinear, RowwiseLinear};
@@ -31,7 +34,8 @@ pub enum Layout {
     Shard(i64),
 }
 
-/// PyTorch's `ColwiseParallel`: a linear layer's weight split along its output features.
+/// PyTorch's `ColwiseParallel`: a linear layer's weight split along its output features
+/// (an embedding table's along its embedding dim).
 ///
 /// ```
 /// use tch_dist::sharding::{ColwiseParallel, Layout};
@@ -147,7 +151,7 @@ impl ParallelizePlan {
     }
 }
 
-/// Parallelizes `module`'s linear layers over a 1-D `mesh` (one dim of a larger one:
+/// Parallelizes `module`'s linear layers and embedding tables over a 1-D `mesh` (one dim of a larger one:
 /// `mesh.dim("tp")?`) as `plan` says (PyTorch's `parallelize_module(module, mesh, plan)`),
 /// with rank 0's values. Through [`shard_module`]: every plan check of it applies (a module
 /// the model does not have, a style on a layer that is not linear), on every rank, before
@@ -195,8 +199,17 @@ pub fn parallelize_module<M: Shardable + ?Sized>(
     let [group] = mesh.get_all_groups()[..] else {
         return Err(refuse("", StyleProblem::MeshDims { ndim: mesh.ndim() }));
     };
+    // Which planned modules are embedding tables (sharded as PyTorch shards an
+    // `nn.Embedding`: colwise on the embedding dim, rowwise on the vocabulary).
+    let embeddings: std::collections::HashSet<String> = module
+        .named_modules()
+        .into_iter()
+        .filter(|(_, m)| m.type_name().ends_with("::Embedding"))
+        .map(|(fqn, _)| fqn)
+        .collect();
     let mut builder = ShardingPlan::builder();
     for (fqn, style) in &plan.entries {
+        let embedding = embeddings.contains(fqn);
         let unsupported = |style, which, layout| {
             refuse(
                 fqn,
@@ -215,7 +228,11 @@ pub fn parallelize_module<M: Shardable + ?Sized>(
                 if !c.use_local_output {
                     return Err(refuse(fqn, StyleProblem::DTensorOutput));
                 }
-                builder = builder.shard_module(fqn.as_str(), ColwiseLinear::default());
+                builder = if embedding {
+                    builder.shard_module(fqn.as_str(), ColwiseEmbedding)
+                } else {
+                    builder.shard_module(fqn.as_str(), ColwiseLinear::default())
+                };
                 match c.output_layouts {
                     Layout::Replicate => {}
                     Layout::Shard(-1) => builder = builder.return_local_tensor(fqn.as_str()),
@@ -223,7 +240,13 @@ pub fn parallelize_module<M: Shardable + ?Sized>(
                 }
             }
             ParallelStyle::Rowwise(r) => {
-                if !matches!(r.input_layouts, Layout::Replicate | Layout::Shard(-1)) {
+                // An embedding's input is ids, never a slice of features.
+                let inputs_allowed = if embedding {
+                    r.input_layouts == Layout::Replicate
+                } else {
+                    matches!(r.input_layouts, Layout::Replicate | Layout::Shard(-1))
+                };
+                if !inputs_allowed {
                     return Err(unsupported("RowwiseParallel", "input", r.input_layouts));
                 }
                 if r.output_layouts != Layout::Replicate {
@@ -232,7 +255,11 @@ pub fn parallelize_module<M: Shardable + ?Sized>(
                 if !r.use_local_output {
                     return Err(refuse(fqn, StyleProblem::DTensorOutput));
                 }
-                builder = builder.shard_module(fqn.as_str(), RowwiseLinear);
+                builder = if embedding {
+                    builder.shard_module(fqn.as_str(), RowwiseEmbedding)
+                } else {
+                    builder.shard_module(fqn.as_str(), RowwiseLinear)
+                };
             }
         }
     }

@@ -191,7 +191,8 @@ impl<'de> Deserialize<'de> for ShardingPlan {
                     PlanEntry::Sharder(sharder_by_name(&name).ok_or_else(|| {
                         serde::de::Error::custom(format!(
                             "plan entry `{k}`: unknown sharder `{name}` (known: colwise_linear, \
-                             colwise_linear(fused=N), rowwise_linear)"
+                             colwise_linear(fused=N), rowwise_linear, colwise_embedding, \
+                             rowwise_embedding)"
                         ))
                     })?)
                 }

@@ -38,6 +38,13 @@ pub trait Sharder: Send + Sync {
         group: &ProcessGroup,
     ) -> Result<(), SharderError>;
 
+    /// Whether the sharded module's output is split across the ranks (its last dim: a
+    /// column-parallel layer's), so that `return_local_tensor` may hand on this rank's
+    /// piece. False unless a sharder says so.
+    fn splits_output(&self) -> bool {
+        false
+    }
+
     /// Shards `module` with the values of rank `src_rank` and installs its hooks.
     fn shard(
         &self,
@@ -102,6 +109,12 @@ pub(crate) fn sharder_by_name(name: &str) -> Option<Arc<dyn Sharder>> {
     }
     if name == "colwise_linear" {
         return Some(Arc::new(ColwiseLinear::default()));
+    }
+    if name == "colwise_embedding" {
+        return Some(Arc::new(super::ColwiseEmbedding));
+    }
+    if name == "rowwise_embedding" {
+        return Some(Arc::new(super::RowwiseEmbedding));
     }
     let fused = name
         .strip_prefix("colwise_linear(fused=")?
@@ -367,7 +380,7 @@ impl ChunkedLinear {
 
 /// A failed hook's error: a typed [`ShardError::Forward`] that `f_call` callers can
 /// downcast.
-fn hook_error(
+pub(super) fn hook_error(
     g: &ProcessGroup,
     fqn: &str,
     site: HookSite,
@@ -378,7 +391,7 @@ fn hook_error(
 
 /// Scatters parameter `fqn` (`t`) by `spec` from `src_rank`; this rank's shards
 /// concatenated along dim 0 (in metadata order), and the global metadata.
-fn scatter_local(
+pub(super) fn scatter_local(
     t: &Tensor,
     spec: &ShardingSpec,
     src_rank: usize,
@@ -396,7 +409,7 @@ fn scatter_local(
 }
 
 /// Makes `param` hold `local` (same tensor object, so every handle on it sees the shard).
-fn set_local(param: &Tensor, local: &Tensor) {
+pub(super) fn set_local(param: &Tensor, local: &Tensor) {
     tch::no_grad(|| {
         let mut handle = param.shallow_clone();
         handle.set_data(local);
@@ -419,6 +432,9 @@ macro_rules! delegate_to_chunked_linear {
                 group: &ProcessGroup,
             ) -> Result<(), SharderError> {
                 self.as_chunked().check(module, group)
+            }
+            fn splits_output(&self) -> bool {
+                self.as_chunked().colwise
             }
             fn shard(
                 &self,

@@ -27,7 +27,7 @@ impl Target {
     fn splits_output(&self) -> bool {
         match self {
             Target::Linear(c) => c.colwise,
-            Target::Sharder(s) => s.name().starts_with("colwise_linear"),
+            Target::Sharder(s) => s.splits_output(),
         }
     }
 }

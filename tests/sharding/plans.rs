@@ -385,3 +385,153 @@ fn parallelize_module_styles_on_a_mesh() {
         assert!(shard_module_state(&model).is_none());
     });
 }
+
+/// A token embedding and a head: `head(emb(ids))`.
+#[derive(Debug, Shardable)]
+struct TinyLm {
+    emb: nn::Embedding,
+    head: nn::Linear,
+}
+
+impl Module for TinyLm {
+    fn forward(&self, ids: &Tensor) -> Tensor {
+        self.head.call(&self.emb.call(ids).tanh())
+    }
+}
+
+/// `parallelize_module` on `nn::Embedding` as PyTorch shards an `nn.Embedding`: rowwise
+/// (vocab-parallel, 11 rows over 2 ranks: 6 and 5) and colwise (embedding dim), the colwise
+/// output gathered or handed on local to a rowwise head; each trains like the unsharded
+/// model (SGD with momentum, 3 steps, 1e-5), with the placement record of its table. Ids
+/// outside the table, float input and a linear style's layout on an embedding are refused.
+#[test]
+fn parallelize_module_shards_embeddings() {
+    run_ranks("plans::parallelize_module_shards_embeddings", 2, |pg| {
+        use tch_dist::device_mesh::init_device_mesh;
+        use tch_dist::sharding::{
+            parallelize_module, ColwiseParallel, Layout, ParallelizePlan, RowwiseParallel,
+        };
+        use tch_dist::state_dict::{placements, Placement};
+        let (rank, r) = (pg.rank(), pg.rank() as i64);
+        let mesh = init_device_mesh("cpu", &[2], &["tp"]).unwrap();
+        let build = |vs: &nn::VarStore| TinyLm {
+            emb: nn::embedding(vs.root() / "emb", 11, 8, Default::default()),
+            head: nn::linear(vs.root() / "head", 8, 5, Default::default()),
+        };
+        let sgd = nn::Sgd {
+            momentum: 0.9,
+            ..Default::default()
+        };
+        let rowwise_emb = RowwiseParallel {
+            input_layouts: Layout::Replicate,
+            ..Default::default()
+        };
+        let gathered = ColwiseParallel {
+            output_layouts: Layout::Replicate,
+            ..Default::default()
+        };
+        // (plan, the table's placement and offsets, the head's weight chunk dim)
+        let cases = [
+            (
+                ParallelizePlan::new().style("emb", rowwise_emb),
+                (Placement::Shard(0), vec![6 * r, 0]),
+                None,
+            ),
+            (
+                ParallelizePlan::new().style("emb", gathered),
+                (Placement::Shard(1), vec![0, 4 * r]),
+                None,
+            ),
+            (
+                ParallelizePlan::new()
+                    .style("emb", ColwiseParallel::default())
+                    .style("head", RowwiseParallel::default()),
+                (Placement::Shard(1), vec![0, 4 * r]),
+                Some(1),
+            ),
+        ];
+        for (i, (plan, (placement, offsets), head_dim)) in cases.into_iter().enumerate() {
+            let (ref_vs, reference, mut vs, mut model) = twin_models(&pg, build);
+            // Every rank starts from the reference's values (a layer left whole is not
+            // broadcast: the ranks must agree on it, as replicas do).
+            vs.copy(&ref_vs).unwrap();
+            parallelize_module(&mut model, &mesh, &plan).unwrap();
+            let record = placements(&model);
+            let p = record.get(&model.emb.ws).expect("the table is sharded");
+            assert_eq!(
+                (p.placements.clone(), p.offsets.clone()),
+                (vec![placement], offsets)
+            );
+            assert_eq!(p.global_shape, [11, 8]);
+            let mut opt = sgd.build(&vs, 0.05).unwrap();
+            let mut ref_opt = sgd.build(&ref_vs, 0.05).unwrap();
+            for step in 0..3 {
+                tch::manual_seed(40 + step);
+                let ids = Tensor::randint(11, [4, 3], (Kind::Int64, Device::Cpu));
+                let loss = |out: Tensor| out.sin().sum(Kind::Float);
+                opt.backward_step(&loss(model.f_call(&ids).unwrap()));
+                ref_opt.backward_step(&loss(reference.forward(&ids)));
+            }
+            let values = shard_check(&pg, 1e-5, false);
+            let table_dim = match placement {
+                Placement::Shard(d) => d as i64,
+                Placement::Replicate => unreachable!(),
+            };
+            let case = format!("case {i}: emb.weight");
+            if table_dim == 0 {
+                // 11 rows: 6 on rank 0, 5 on rank 1 (chunk's sizes).
+                let mine = reference
+                    .emb
+                    .ws
+                    .narrow(0, 6 * r, if rank == 0 { 6 } else { 5 });
+                let d = (&model.emb.ws - &mine).abs().max().double_value(&[]);
+                assert!(d < 1e-5, "rank {rank}: {case}: max diff {d}");
+            } else {
+                values(&case, &model.emb.ws, &reference.emb.ws, Some(table_dim));
+            }
+            values(
+                &format!("case {i}: head.weight"),
+                &model.head.ws,
+                &reference.head.ws,
+                head_dim,
+            );
+        }
+        // Refusals: ids outside the table, float input, a feature slice into a table.
+        let (_rvs, _reference, _vs, mut model) = twin_models(&pg, build);
+        parallelize_module(
+            &mut model,
+            &mesh,
+            &ParallelizePlan::new().style("emb", rowwise_emb),
+        )
+        .unwrap();
+        let bad = Tensor::from_slice(&[1i64, 11]);
+        assert_eq!(
+            tch_dist::report(&model.f_call(&bad).unwrap_err()),
+            format!(
+                "shard_module: vocab-parallel `emb` on rank {rank}: id 11 is outside the table \
+                 of 11 embeddings"
+            )
+        );
+        let floats = Tensor::from_slice(&[1f32, 2.0]);
+        let e = tch_dist::report(&model.f_call(&floats).unwrap_err());
+        assert!(
+            e.contains("expects integer ids (Int64 or Int), got Float"),
+            "{e}"
+        );
+        let (_rvs, _reference, _vs, mut model) = twin_models(&pg, build);
+        let before = model.emb.ws.copy();
+        let e = tch_dist::report(
+            &parallelize_module(
+                &mut model,
+                &mesh,
+                &ParallelizePlan::new().style("emb", RowwiseParallel::default()),
+            )
+            .unwrap_err(),
+        );
+        assert!(
+            e.contains("input_layouts = Shard(-1) is not supported"),
+            "{e}"
+        );
+        assert!(model.emb.ws.equal(&before), "nothing changed");
+    });
+}

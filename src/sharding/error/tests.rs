@@ -62,6 +62,7 @@ fn sharder_name(e: &SharderError) -> &'static str {
         SharderError::Placements { .. } => "Placements",
         SharderError::ZeroFused => "ZeroFused",
         SharderError::NotDivisible { .. } => "NotDivisible",
+        SharderError::NotAnEmbedding { .. } => "NotAnEmbedding",
         SharderError::Custom(_) => "Custom",
     }
 }
@@ -71,6 +72,9 @@ fn forward_name(p: &ForwardProblem) -> &'static str {
         ForwardProblem::InputWidth { .. } => "InputWidth",
         ForwardProblem::OutputDim { .. } => "OutputDim",
         ForwardProblem::Outputs { .. } => "Outputs",
+        ForwardProblem::NotIds { .. } => "NotIds",
+        ForwardProblem::IdOutOfRange { .. } => "IdOutOfRange",
+        ForwardProblem::LookupWithoutInputHook => "LookupWithoutInputHook",
         ForwardProblem::Collective(_) => "Collective",
     }
 }
@@ -342,6 +346,14 @@ fn every_sharder_error_has_its_text() {
                 "`weight` has 8 output features, not divisible into fused=3 parts",
             ),
             (
+                SharderError::NotAnEmbedding {
+                    kind: "Linear",
+                    found: "a parameter `bias`".into(),
+                },
+                "an embedding sharder needs an embedding table (one `weight` [num_embeddings, \
+                 embedding_dim]), but this `Linear` has a parameter `bias`",
+            ),
+            (
                 SharderError::custom(TooFewRows),
                 "an embedding needs at least 2 rows per rank",
             ),
@@ -356,6 +368,7 @@ fn every_sharder_error_has_its_text() {
             "Placements",
             "ZeroFused",
             "NotDivisible",
+            "NotAnEmbedding",
             "Custom",
         ],
     );
@@ -388,22 +401,49 @@ fn every_forward_problem_has_its_text() {
                 "the plan describes one output, the call returned 2",
             ),
             (
+                ForwardProblem::NotIds {
+                    dtype: "Float".into(),
+                },
+                "expects integer ids (Int64 or Int), got Float",
+            ),
+            (
+                ForwardProblem::IdOutOfRange { id: 11, vocab: 11 },
+                "id 11 is outside the table of 11 embeddings",
+            ),
+            (
+                ForwardProblem::LookupWithoutInputHook,
+                "the lookup ran without its input hook, so its tokens of other ranks are not \
+                 masked",
+            ),
+            (
                 ForwardProblem::Collective(dist()),
                 "rank 1: all_gather (differentiable) failed: rank 0 closed the connection",
             ),
         ],
         forward_name,
-        &["InputWidth", "OutputDim", "Outputs", "Collective"],
+        &[
+            "InputWidth",
+            "OutputDim",
+            "Outputs",
+            "NotIds",
+            "IdOutOfRange",
+            "LookupWithoutInputHook",
+            "Collective",
+        ],
     );
     let sites = [
         (HookSite::ColumnParallel, "column-parallel"),
         (HookSite::RowParallel, "row-parallel"),
         (HookSite::Output, "output of"),
+        (HookSite::VocabParallel, "vocab-parallel"),
     ];
     for (site, text) in sites {
         // Exhaustive: a new site fails to compile until it is pinned here.
         match site {
-            HookSite::ColumnParallel | HookSite::RowParallel | HookSite::Output => {}
+            HookSite::ColumnParallel
+            | HookSite::RowParallel
+            | HookSite::Output
+            | HookSite::VocabParallel => {}
         }
         assert_eq!(site.to_string(), text);
     }

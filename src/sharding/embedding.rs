@@ -1,0 +1,264 @@
+//! Sharders for embedding tables (`nn::Embedding`'s `weight` `[num_embeddings,
+//! embedding_dim]`), as PyTorch's `ColwiseParallel` / `RowwiseParallel` shard an
+//! `nn.Embedding`: [`ColwiseEmbedding`] splits the embedding dim, every rank looks up its
+//! columns of every token; [`RowwiseEmbedding`] splits the vocabulary (Megatron's
+//! `VocabParallelEmbedding`), every rank looks up the tokens in its rows, zeros the others,
+//! and the partial results are summed over the ranks.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::ThreadId;
+
+use tch::{Kind, Tensor};
+use tch_dist_core::hooks::{register_fallible_forward_hook, register_fallible_forward_pre_hook};
+use tch_dist_core::path::join_fqn;
+use tch_dist_core::sharding::chunk::{chunk_offsets, chunk_sizes};
+use tch_dist_core::sharding::{
+    EnumerableShardingSpec, Placement, ShardMetadata, ShardingError, ShardingSpec,
+};
+use tch_dist_core::Shardable;
+use tch_dist_runtime::ProcessGroup;
+
+use super::error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError};
+use super::output::OutputLayout;
+use super::sharder::{hook_error, scatter_local, set_local, ShardedModule, Sharder};
+
+/// Column-parallel embedding (PyTorch's `ColwiseParallel` on an `nn.Embedding`): `weight`
+/// `[num_embeddings, embedding_dim]` split along `embedding_dim`; each rank's output is its
+/// columns of every token's embedding (gathered, or handed on as they are with
+/// `return_local_tensor`, as a column-parallel linear layer's).
+///
+/// ```
+/// use tch_dist::sharding::{ColwiseEmbedding, Sharder};
+/// assert_eq!(ColwiseEmbedding.name(), "colwise_embedding");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ColwiseEmbedding;
+
+/// Row-parallel (vocab-parallel) embedding (PyTorch's `RowwiseParallel` on an
+/// `nn.Embedding`, Megatron's `VocabParallelEmbedding`): `weight` split along
+/// `num_embeddings`; each rank looks up the ids in its rows, zeros the others' tokens, and
+/// the output is the sum over the ranks (an all-reduce, whose backward hands every rank the
+/// whole gradient, so each row's gradient comes from its own tokens only).
+///
+/// ```
+/// use tch_dist::sharding::{RowwiseEmbedding, Sharder};
+/// assert_eq!(RowwiseEmbedding.name(), "rowwise_embedding");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RowwiseEmbedding;
+
+/// An embedding table's one parameter, or why the module is not one.
+fn embedding_weight(module: &dyn Shardable) -> Result<Tensor, SharderError> {
+    let kind = module.type_name();
+    let not = |found: String| SharderError::NotAnEmbedding { kind, found };
+    if let Some((child, _)) = module
+        .named_modules()
+        .into_iter()
+        .find(|(n, _)| !n.is_empty())
+    {
+        return Err(not(format!("a submodule `{child}`")));
+    }
+    let mut weight = None;
+    for (name, t) in module.named_parameters() {
+        match name.as_str() {
+            "weight" => weight = Some(t.shallow_clone()),
+            _ => return Err(not(format!("a parameter `{name}`"))),
+        }
+    }
+    let weight = weight.ok_or_else(|| not("no `weight`".into()))?;
+    if weight.dim() != 2 {
+        return Err(not(format!("a `weight` of shape {:?}", weight.size())));
+    }
+    Ok(weight)
+}
+
+/// Splits `weight` along `dim` (0: rows, 1: columns) over `group`, from `src_rank`: this
+/// rank's piece in place, and the global layout.
+fn shard_weight(
+    fqn: &str,
+    weight: &Tensor,
+    dim: usize,
+    src_rank: usize,
+    group: &ProcessGroup,
+) -> Result<Vec<(String, tch_dist_core::sharding::ShardedTensorMetadata)>, ShardError> {
+    let shape = weight.size();
+    let world = group.world_size();
+    let (sizes, offsets) = (
+        chunk_sizes(shape[dim], world),
+        chunk_offsets(shape[dim], world),
+    );
+    let shards = (0..world)
+        .map(|r| {
+            let mut shard_offsets = vec![0, 0];
+            let mut shard_sizes = shape.clone();
+            shard_offsets[dim] = offsets[r];
+            shard_sizes[dim] = sizes[r];
+            ShardMetadata {
+                shard_offsets,
+                shard_sizes,
+                placement: Placement::new(r, weight.device()),
+            }
+        })
+        .collect();
+    let layout =
+        |e: ShardingError| ShardError::plan(group, fqn, PlanProblem::Layout { source: e.into() });
+    let spec = ShardingSpec::Enumerable(EnumerableShardingSpec::new(shards).map_err(layout)?);
+    let (local, meta) = scatter_local(weight, &spec, src_rank, group, &join_fqn(fqn, "weight"))?;
+    set_local(weight, &local);
+    Ok(vec![("weight".to_string(), meta)])
+}
+
+fn checked_weight(
+    sharder: &dyn Sharder,
+    fqn: &str,
+    module: &dyn Shardable,
+    group: &ProcessGroup,
+) -> Result<Tensor, ShardError> {
+    embedding_weight(module).map_err(|source| {
+        let sharder = sharder.name();
+        ShardError::plan(group, fqn, PlanProblem::Sharder { sharder, source })
+    })
+}
+
+impl Sharder for ColwiseEmbedding {
+    fn name(&self) -> String {
+        "colwise_embedding".into()
+    }
+
+    fn check(
+        &self,
+        _fqn: &str,
+        module: &dyn Shardable,
+        _group: &ProcessGroup,
+    ) -> Result<(), SharderError> {
+        embedding_weight(module).map(|_| ())
+    }
+
+    fn splits_output(&self) -> bool {
+        true
+    }
+
+    fn shard(
+        &self,
+        fqn: &str,
+        module: &dyn Shardable,
+        src_rank: usize,
+        group: &ProcessGroup,
+    ) -> Result<ShardedModule, ShardError> {
+        let weight = checked_weight(self, fqn, module, group)?;
+        let dim = weight.size()[1];
+        let params = shard_weight(fqn, &weight, 1, src_rank, group)?;
+        Ok(ShardedModule {
+            params,
+            output: OutputLayout::Sharded {
+                dim: -1,
+                sizes: chunk_sizes(dim, group.world_size()),
+                order: None,
+            },
+            hooks: Vec::new(),
+        })
+    }
+}
+
+/// The vocab-parallel lookup's masks between its input hook and its output hook, per thread
+/// (a recomputation in backward runs on the engine's thread), innermost call last.
+#[derive(Default)]
+struct Masks(Mutex<HashMap<ThreadId, Vec<Tensor>>>);
+
+impl Masks {
+    fn push(&self, mask: Tensor) {
+        let mut m = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        m.entry(std::thread::current().id()).or_default().push(mask);
+    }
+
+    fn pop(&self) -> Option<Tensor> {
+        let mut m = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let id = std::thread::current().id();
+        let mask = m.get_mut(&id).and_then(Vec::pop);
+        if m.get(&id).is_some_and(Vec::is_empty) {
+            m.remove(&id);
+        }
+        mask
+    }
+}
+
+impl Sharder for RowwiseEmbedding {
+    fn name(&self) -> String {
+        "rowwise_embedding".into()
+    }
+
+    fn check(
+        &self,
+        _fqn: &str,
+        module: &dyn Shardable,
+        _group: &ProcessGroup,
+    ) -> Result<(), SharderError> {
+        embedding_weight(module).map(|_| ())
+    }
+
+    fn shard(
+        &self,
+        fqn: &str,
+        module: &dyn Shardable,
+        src_rank: usize,
+        group: &ProcessGroup,
+    ) -> Result<ShardedModule, ShardError> {
+        let weight = checked_weight(self, fqn, module, group)?;
+        let vocab = weight.size()[0];
+        let (rank, world) = (group.rank(), group.world_size());
+        let (lo, rows) = (
+            chunk_offsets(vocab, world)[rank],
+            chunk_sizes(vocab, world)[rank],
+        );
+        let params = shard_weight(fqn, &weight, 0, src_rank, group)?;
+        let unhookable = |source| ShardError::plan(group, fqn, PlanProblem::Unhookable { source });
+        let masks = Arc::new(Masks::default());
+        let (g, name, inside) = (group.clone(), fqn.to_string(), masks.clone());
+        let pre = register_fallible_forward_pre_hook(module, move |_m, ids| {
+            if !matches!(ids.kind(), Kind::Int64 | Kind::Int) {
+                let problem = ForwardProblem::NotIds {
+                    dtype: format!("{:?}", ids.kind()),
+                };
+                return Err(hook_error(&g, &name, HookSite::VocabParallel, problem));
+            }
+            if let Some(bad) = out_of_range(ids, vocab) {
+                let problem = ForwardProblem::IdOutOfRange { id: bad, vocab };
+                return Err(hook_error(&g, &name, HookSite::VocabParallel, problem));
+            }
+            // This rank's rows: ids lo..lo+rows; the others looked up as row 0, zeroed after.
+            let mine = ids.ge(lo).logical_and(&ids.lt(lo + rows));
+            let local = (ids - lo).where_self(&mine, &ids.zeros_like());
+            inside.push(mine);
+            Ok(Some(local))
+        })
+        .map_err(unhookable)?;
+        let (g, name) = (group.clone(), fqn.to_string());
+        let post = register_fallible_forward_hook(module, move |_m, _ids, out| {
+            let Some(mine) = masks.pop() else {
+                let problem = ForwardProblem::LookupWithoutInputHook;
+                return Err(hook_error(&g, &name, HookSite::VocabParallel, problem));
+            };
+            Ok(Some(out * mine.unsqueeze(-1).to_kind(out.kind())))
+        })
+        .map_err(unhookable)?;
+        Ok(ShardedModule {
+            params,
+            output: OutputLayout::Partial { replicated: None },
+            hooks: vec![pre, post],
+        })
+    }
+}
+
+/// The first id outside `0..vocab`, if any (an id another rank's table does not hold either
+/// would be silently zero).
+fn out_of_range(ids: &Tensor, vocab: i64) -> Option<i64> {
+    if ids.numel() == 0 {
+        return None;
+    }
+    let bad = ids.lt(0).logical_or(&ids.ge(vocab));
+    if bad.any().int64_value(&[]) == 0 {
+        return None;
+    }
+    Some(ids.masked_select(&bad).int64_value(&[0]))
+}
