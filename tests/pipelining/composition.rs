@@ -101,6 +101,37 @@ fn global_batch(step: usize) -> (Tensor, Tensor) {
     (x, y)
 }
 
+/// GPipe or 1F1B over one stage of [`Chain`]: the two schedules the compositions run.
+enum ChainSchedule {
+    GPipe(ScheduleGPipe<Chain>),
+    OneFOneB(Schedule1F1B<Chain>),
+}
+
+impl ChainSchedule {
+    /// GPipe (`gpipe`) or 1F1B of `stage` on 4 microbatches, MSE.
+    fn new(stage: PipelineStage<Chain>, gpipe: bool) -> ChainSchedule {
+        if gpipe {
+            ChainSchedule::GPipe(ScheduleGPipe::new(stage, 4, mse).unwrap())
+        } else {
+            ChainSchedule::OneFOneB(Schedule1F1B::new(stage, 4, mse).unwrap())
+        }
+    }
+
+    fn step(&mut self, x: Option<&Tensor>, y: Option<&Tensor>, losses: &mut Vec<Tensor>) {
+        match self {
+            ChainSchedule::GPipe(s) => s.step(x, y, losses).unwrap(),
+            ChainSchedule::OneFOneB(s) => s.step(x, y, losses).unwrap(),
+        }
+    }
+
+    fn module(&self) -> &Chain {
+        match self {
+            ChainSchedule::GPipe(s) => s.stage().module(),
+            ChainSchedule::OneFOneB(s) => s.stage().module(),
+        }
+    }
+}
+
 fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
     let mesh = init_device_mesh("cpu", &[2, 2], &["pp", "dp"]).unwrap();
     let (pp, dp) = (
@@ -142,14 +173,7 @@ fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
         state.set_reshard_after_backward(last);
         Ok(())
     });
-    let n = 4;
-    let mut gpipe_schedule = None;
-    let mut one_f_one_b = None;
-    if gpipe {
-        gpipe_schedule = Some(ScheduleGPipe::new(stage, n, mse).unwrap());
-    } else {
-        one_f_one_b = Some(Schedule1F1B::new(stage, n, mse).unwrap());
-    }
+    let mut schedule = ChainSchedule::new(stage, gpipe);
     let (first, last) = (stage_index == 0, stage_index == 1);
     for step in 0..3 {
         let (x, y) = global_batch(step);
@@ -160,18 +184,10 @@ fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
         let (x, y) = (mine(&x), mine(&y));
         let mut losses = Vec::new();
         let (x, y) = (first.then_some(&x), last.then_some(&y));
-        match (&mut gpipe_schedule, &mut one_f_one_b) {
-            (Some(s), _) => s.step(x, y, &mut losses).unwrap(),
-            (_, Some(s)) => s.step(x, y, &mut losses).unwrap(),
-            _ => unreachable!(),
-        }
+        schedule.step(x, y, &mut losses);
         opt.step().unwrap();
         opt.zero_grad();
-        let module = match (&gpipe_schedule, &one_f_one_b) {
-            (Some(s), _) => s.stage().module(),
-            (_, Some(s)) => s.stage().module(),
-            _ => unreachable!(),
-        };
+        let module = schedule.module();
         let (d, n) = diff_to(module, &ref_vs);
         assert_eq!(n, 2 * range.len());
         assert!(d < 1e-5, "gpipe {gpipe} step {step}: differs by {d}");
@@ -179,11 +195,7 @@ fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
 
     // The pipelined checkpoint: each stage's ranks save their shards under the whole
     // model's names, each tensor once.
-    let module = match (&gpipe_schedule, &one_f_one_b) {
-        (Some(s), _) => s.stage().module(),
-        (_, Some(s)) => s.stage().module(),
-        _ => unreachable!(),
-    };
+    let module = schedule.module();
     let dir = scratch(&format!("pp_dp_checkpoint_{gpipe}"), world);
     let ckpt = dir.join("step-00000003");
     checkpoint::save_with_optimizer(&ckpt, module, &opt, world, &Default::default()).unwrap();
@@ -414,12 +426,7 @@ fn pp_2_x_dp_2_with_replicate_equals_one_process() {
                     state.set_requires_gradient_sync(last);
                     Ok(())
                 });
-                let (mut gpipe_schedule, mut one_f_one_b) = (None, None);
-                if gpipe {
-                    gpipe_schedule = Some(ScheduleGPipe::new(stage, 4, mse).unwrap());
-                } else {
-                    one_f_one_b = Some(Schedule1F1B::new(stage, 4, mse).unwrap());
-                }
+                let mut schedule = ChainSchedule::new(stage, gpipe);
                 let (first, last) = (stage_index == 0, stage_index == 1);
                 for step in 0..3 {
                     let (x, y) = global_batch(step);
@@ -430,11 +437,7 @@ fn pp_2_x_dp_2_with_replicate_equals_one_process() {
                     let (x, y) = (mine(&x), mine(&y));
                     let mut losses = Vec::new();
                     let (x, y) = (first.then_some(&x), last.then_some(&y));
-                    match (&mut gpipe_schedule, &mut one_f_one_b) {
-                        (Some(s), _) => s.step(x, y, &mut losses).unwrap(),
-                        (_, Some(s)) => s.step(x, y, &mut losses).unwrap(),
-                        _ => unreachable!(),
-                    }
+                    schedule.step(x, y, &mut losses);
                     opt.step().unwrap();
                     opt.zero_grad();
                     let ref_vars = ref_vs.variables();
@@ -443,12 +446,10 @@ fn pp_2_x_dp_2_with_replicate_equals_one_process() {
                         assert!(d < 1e-5, "gpipe {gpipe} step {step}: {fqn} differs by {d}");
                     }
                 }
-                let module = match (&gpipe_schedule, &one_f_one_b) {
-                    (Some(s), _) => s.stage().module(),
-                    (_, Some(s)) => s.stage().module(),
-                    _ => unreachable!(),
-                };
-                let synced = tch_dist::replicate::state(module).unwrap().stats().steps;
+                let synced = tch_dist::replicate::state(schedule.module())
+                    .unwrap()
+                    .stats()
+                    .steps;
                 assert_eq!(
                     synced, 3,
                     "one synchronised backward per step, not per microbatch"
