@@ -34,11 +34,15 @@
 //!    f32 reduction within bf16's precision;
 //! 8. (before 6.) activation checkpointing: a block with dropout under a one-rank
 //!    `fully_shard`, checkpointed, trains as without (the device's RNG state restored for
-//!    the recomputation).
+//!    the recomputation);
+//! 9. (before 6.) pipeline parallelism: two ranks on `cuda:0` through Gloo, each one stage
+//!    of a chain (`Schedule1F1B`, 4 microbatches), against one process training the whole
+//!    chain.
 //!
 //! It ends with `gpu_check: N passed, M failed, K skipped (T s)`, exits 1 on any failure (or
-//! after 300 s) and 2 when CUDA is not available. The ranks of 4. and 5. are this binary
-//! again (`--pair-rank`, `--duplicate-rank`), started with torchrun's variables.
+//! after 300 s) and 2 when CUDA is not available. The ranks of 4., 5. and 9. are this binary
+//! again (`--pair-rank`, `--duplicate-rank`, `--pipeline-rank`), started with torchrun's
+//! variables.
 //!
 //! | file | what it checks | PyTorch's counterpart |
 //! | --- | --- | --- |
@@ -49,6 +53,7 @@
 //! | `child_ranks.rs` | 4. two ranks on one GPU through Gloo, 5. the duplicate-GPU error | `test_c10d_nccl.py`'s duplicate-GPU test |
 //! | `shutdown.rs` | 6. the NCCL-only backend, shutdown with clones alive | `destroy_process_group` |
 //! | `activation_checkpoint.rs` | 8. activation checkpointing with dropout on the device | `test_checkpoint.py` (composable) |
+//! | `pipeline.rs` | 9. a 2-stage pipeline of two ranks on one GPU through Gloo | `test_schedule_multiproc.py` |
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
@@ -73,12 +78,14 @@ use replicate_net::{
 mod activation_checkpoint;
 mod child_ranks;
 mod default_group;
+mod pipeline;
 mod shutdown;
 mod wait_probe;
 mod without_shortcuts;
 use activation_checkpoint::*;
 use child_ranks::*;
 use default_group::*;
+use pipeline::*;
 use shutdown::*;
 use wait_probe::*;
 use without_shortcuts::*;
@@ -175,6 +182,9 @@ fn main() {
     }
     if has("--duplicate-rank") {
         child(duplicate_rank);
+    }
+    if has("--pipeline-rank") {
+        child(pipeline_rank);
     }
     let start = Instant::now();
     std::thread::spawn(move || {
@@ -303,6 +313,11 @@ fn main() {
     tally.run(
         "activation checkpointing with dropout under fully_shard equals no checkpointing",
         || check_activation_checkpointing(&alone),
+    );
+    // 9.
+    tally.run(
+        "a 2-stage pipeline of 2 ranks on one device through Gloo equals one process",
+        check_pipeline_pair,
     );
     // 6.
     tally.run("shutdown with clones alive; destroy_process_group", || {
