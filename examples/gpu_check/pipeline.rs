@@ -74,7 +74,7 @@ pub(crate) fn pipeline_rank() -> Result<(), String> {
         ..Default::default()
     };
     tch::manual_seed(3);
-    let mut ref_vs = nn::VarStore::new(dev());
+    let ref_vs = nn::VarStore::new(dev());
     let reference = chain(&ref_vs, |_| true);
     let mut vs = nn::VarStore::new(dev());
     let part = chain(&vs, |i| (i == 0) == (stage == 0));
