@@ -132,39 +132,86 @@ impl ChainSchedule {
     }
 }
 
-fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
-    let mesh = init_device_mesh("cpu", &[2, 2], &["pp", "dp"]).unwrap();
-    let (pp, dp) = (
-        mesh.get_group("pp").unwrap().clone(),
-        mesh.get_group("dp").unwrap().clone(),
-    );
-    let (stage_index, replica) = (
-        mesh.get_local_rank("pp").unwrap(),
-        mesh.get_local_rank("dp").unwrap() as i64,
-    );
-    let (init, _) = whole(0);
-    let (mut ref_vs, reference) = whole(0);
-    ref_vs.copy(&init).unwrap();
-    let mut ref_opt = sgd(&ref_vs);
+/// This rank's place on the 2 x 2 `pp` x `dp` mesh, the one-process reference, and this
+/// stage's part built from the reference's start (stage 0: layer 0; stage 1: layers 1, 2).
+struct PpDp {
+    pp: tch_dist::ProcessGroup,
+    dp: tch_dist::ProcessGroup,
+    stage_index: usize,
+    replica: i64,
+    range: Range<usize>,
+    ref_vs: nn::VarStore,
+    reference: Chain,
+    ref_opt: tch_dist::optim::Optimizer,
+    vs: nn::VarStore,
+}
 
-    // Stage 0: layer 0; stage 1: layers 1 and 2.
-    let range = if stage_index == 0 { 0..1 } else { 1..3 };
-    let mut vs = nn::VarStore::new(Device::Cpu);
-    let part = chain(&vs, range.clone());
-    vs.copy(&init).unwrap();
+impl PpDp {
+    /// The mesh, the reference and this stage's part (returned beside).
+    fn new() -> (PpDp, Chain) {
+        let mesh = init_device_mesh("cpu", &[2, 2], &["pp", "dp"]).unwrap();
+        let stage_index = mesh.get_local_rank("pp").unwrap();
+        let (init, _) = whole(0);
+        let (mut ref_vs, reference) = whole(0);
+        ref_vs.copy(&init).unwrap();
+        let ref_opt = sgd(&ref_vs);
+        let range = if stage_index == 0 { 0..1 } else { 1..3 };
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let part = chain(&vs, range.clone());
+        vs.copy(&init).unwrap();
+        let setup = PpDp {
+            pp: mesh.get_group("pp").unwrap().clone(),
+            dp: mesh.get_group("dp").unwrap().clone(),
+            stage_index,
+            replica: mesh.get_local_rank("dp").unwrap() as i64,
+            range,
+            ref_vs,
+            reference,
+            ref_opt,
+            vs,
+        };
+        (setup, part)
+    }
+
+    /// The reference's step on the global batch of `step`, and the pipeline's on this
+    /// replica's rows of it.
+    fn step_both(
+        &mut self,
+        step: usize,
+        schedule: &mut ChainSchedule,
+        opt: &mut tch_dist::optim::Optimizer,
+    ) {
+        let (x, y) = global_batch(step);
+        self.ref_opt
+            .backward_step(&mse(&self.reference.forward(&x), &y))
+            .unwrap();
+        let mine = |t: &Tensor| t.narrow(0, self.replica * ROWS, ROWS);
+        let (x, y) = (mine(&x), mine(&y));
+        let (first, last) = (self.stage_index == 0, self.stage_index == 1);
+        let mut losses = Vec::new();
+        schedule.step(first.then_some(&x), last.then_some(&y), &mut losses);
+        opt.step().unwrap();
+        opt.zero_grad();
+    }
+}
+
+fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
+    let (mut setup, part) = PpDp::new();
+    let (stage_index, range) = (setup.stage_index, setup.range.clone());
+    let dp = setup.dp.clone();
     let dp_options = || FsdpOptions {
         process_group: Some(dp.clone()),
         ..Default::default()
     };
     let state = fully_shard(&part, dp_options()).unwrap();
-    let mut opt = sgd(&vs);
+    let mut opt = sgd(&setup.vs);
     let stage = PipelineStage::with_forward(
         part,
         |m: &Chain, x: &Tensor, _train| m.f_call(x),
         stage_index,
         2,
         Device::Cpu,
-        &pp,
+        &setup.pp,
     )
     .on_backward(move |last| {
         // PyTorch's `backward_maybe_with_nosync` for FSDP: accumulate unsharded, reduce in
@@ -174,21 +221,9 @@ fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
         Ok(())
     });
     let mut schedule = ChainSchedule::new(stage, gpipe);
-    let (first, last) = (stage_index == 0, stage_index == 1);
     for step in 0..3 {
-        let (x, y) = global_batch(step);
-        ref_opt
-            .backward_step(&mse(&reference.forward(&x), &y))
-            .unwrap();
-        let mine = |t: &Tensor| t.narrow(0, replica * ROWS, ROWS);
-        let (x, y) = (mine(&x), mine(&y));
-        let mut losses = Vec::new();
-        let (x, y) = (first.then_some(&x), last.then_some(&y));
-        schedule.step(x, y, &mut losses);
-        opt.step().unwrap();
-        opt.zero_grad();
-        let module = schedule.module();
-        let (d, n) = diff_to(module, &ref_vs);
+        setup.step_both(step, &mut schedule, &mut opt);
+        let (d, n) = diff_to(schedule.module(), &setup.ref_vs);
         assert_eq!(n, 2 * range.len());
         assert!(d < 1e-5, "gpipe {gpipe} step {step}: differs by {d}");
     }
@@ -203,7 +238,7 @@ fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
     let (whole_vs, unsplit) = whole(7);
     checkpoint::load(&ckpt, &unsplit, world).unwrap();
     for (fqn, t) in whole_vs.variables() {
-        let d = (&t - &ref_vs.variables()[&fqn])
+        let d = (&t - &setup.ref_vs.variables()[&fqn])
             .abs()
             .max()
             .double_value(&[]);
@@ -212,7 +247,7 @@ fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
     // Into PyTorch's unsplit model (DCP, one process).
     if world.rank() == 0 {
         let full = dir.join("full.safetensors");
-        ref_vs.save(&full).unwrap();
+        setup.ref_vs.save(&full).unwrap();
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/pipelining/pytorch_load.py");
         let mut cmd = clean(python().join("python"));
         cmd.arg(&script).arg(&ckpt).arg(&full);
@@ -230,7 +265,7 @@ fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
     fully_shard(&resumed, dp_options()).unwrap();
     let mut resumed_opt = sgd(&resumed_vs);
     checkpoint::load_with_optimizer(&ckpt, &resumed, &mut resumed_opt, world).unwrap();
-    let (d, n) = diff_to(&resumed, &ref_vs);
+    let (d, n) = diff_to(&resumed, &setup.ref_vs);
     assert_eq!(n, 2 * range.len());
     assert!(d < 1e-5, "gpipe {gpipe}: resumed stage differs by {d}");
     assert_eq!(
@@ -391,57 +426,30 @@ fn pp_2_x_dp_2_with_replicate_equals_one_process() {
         4,
         |_pg| {
             for gpipe in [false, true] {
-                let mesh = init_device_mesh("cpu", &[2, 2], &["pp", "dp"]).unwrap();
-                let (pp, dp) = (
-                    mesh.get_group("pp").unwrap().clone(),
-                    mesh.get_group("dp").unwrap().clone(),
-                );
-                let (stage_index, replica) = (
-                    mesh.get_local_rank("pp").unwrap(),
-                    mesh.get_local_rank("dp").unwrap() as i64,
-                );
-                let (init, _) = whole(0);
-                let (mut ref_vs, reference) = whole(0);
-                ref_vs.copy(&init).unwrap();
-                let mut ref_opt = sgd(&ref_vs);
-                let range = if stage_index == 0 { 0..1 } else { 1..3 };
-                let mut vs = nn::VarStore::new(Device::Cpu);
-                let part = chain(&vs, range);
-                vs.copy(&init).unwrap();
+                let (mut setup, part) = PpDp::new();
                 let options = tch_dist::replicate::Options {
-                    process_group: Some(dp.clone()),
+                    process_group: Some(setup.dp.clone()),
                     ..Default::default()
                 };
                 let state = tch_dist::replicate::apply(&part, options).unwrap();
-                let mut opt = sgd(&vs);
+                let mut opt = sgd(&setup.vs);
                 let stage = PipelineStage::with_forward(
                     part,
                     |m: &Chain, x: &Tensor, _train| m.f_call(x),
-                    stage_index,
+                    setup.stage_index,
                     2,
                     Device::Cpu,
-                    &pp,
+                    &setup.pp,
                 )
                 .on_backward(move |last| {
                     state.set_requires_gradient_sync(last);
                     Ok(())
                 });
                 let mut schedule = ChainSchedule::new(stage, gpipe);
-                let (first, last) = (stage_index == 0, stage_index == 1);
                 for step in 0..3 {
-                    let (x, y) = global_batch(step);
-                    ref_opt
-                        .backward_step(&mse(&reference.forward(&x), &y))
-                        .unwrap();
-                    let mine = |t: &Tensor| t.narrow(0, replica * ROWS, ROWS);
-                    let (x, y) = (mine(&x), mine(&y));
-                    let mut losses = Vec::new();
-                    let (x, y) = (first.then_some(&x), last.then_some(&y));
-                    schedule.step(x, y, &mut losses);
-                    opt.step().unwrap();
-                    opt.zero_grad();
-                    let ref_vars = ref_vs.variables();
-                    for (fqn, t) in vs.variables() {
+                    setup.step_both(step, &mut schedule, &mut opt);
+                    let ref_vars = setup.ref_vs.variables();
+                    for (fqn, t) in setup.vs.variables() {
                         let d = (&t - &ref_vars[&fqn]).abs().max().double_value(&[]);
                         assert!(d < 1e-5, "gpipe {gpipe} step {step}: {fqn} differs by {d}");
                     }
