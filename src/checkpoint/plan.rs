@@ -220,10 +220,9 @@ pub(super) fn state_targets(
     let names = algorithm.state_names();
     let mut saved: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     for key in tensors.keys() {
-        let Some(rest) = key.strip_prefix(OPTIM_STATE_PREFIX) else {
+        let Some((fqn, name)) = state_key_parts(key) else {
             continue;
         };
-        let (fqn, name) = rest.rsplit_once('.').unwrap_or((rest, ""));
         // Another rank's parameter (a pipeline's other stages): that rank loads it.
         if !by_fqn.contains_key(fqn) && held.contains(fqn) {
             continue;
@@ -374,10 +373,15 @@ pub(super) fn whole_writer(writers: &Writers, t: &Target) -> Option<usize> {
 /// The parameter an optimizer state key belongs to (`optim.state.<fqn>.<name>` -> `fqn`),
 /// else the key itself.
 pub(super) fn owner_fqn(key: &str) -> &str {
-    match key.strip_prefix(OPTIM_STATE_PREFIX) {
-        Some(rest) => rest.rsplit_once('.').map_or(rest, |(fqn, _)| fqn),
-        None => key,
-    }
+    state_key_parts(key).map_or(key, |(fqn, _)| fqn)
+}
+
+/// An optimizer state key's parameter and state name (`optim.state.<fqn>.<name>`; a key
+/// without a name is its parameter's with an empty name), `None` for a model key: the
+/// inverse of [`state_key`].
+fn state_key_parts(key: &str) -> Option<(&str, &str)> {
+    let rest = key.strip_prefix(OPTIM_STATE_PREFIX)?;
+    Some(rest.rsplit_once('.').unwrap_or((rest, "")))
 }
 
 /// The [`Writers`] of `module`'s tensors over `group`, after checking that every parameter

@@ -411,6 +411,14 @@ impl<M> PipelineStage<M> {
         }
     }
 
+    /// The stage a receive in `direction` comes from, and the transfer it is in errors.
+    fn recv_from(&self, direction: Direction) -> (usize, Transfer) {
+        match direction {
+            Direction::Forward => (self.stage_index - 1, Transfer::RecvActivation),
+            Direction::Backward => (self.stage_index + 1, Transfer::RecvGradient),
+        }
+    }
+
     /// Posts the receive of microbatch `mb`'s transfer in `direction` into a new buffer of
     /// `meta`'s shape, unless it is posted already.
     fn post_recv(
@@ -422,10 +430,7 @@ impl<M> PipelineStage<M> {
         if self.posted.contains_key(&(direction, mb)) {
             return Ok(());
         }
-        let (from, transfer) = match direction {
-            Direction::Forward => (self.stage_index - 1, Transfer::RecvActivation),
-            Direction::Backward => (self.stage_index + 1, Transfer::RecvGradient),
-        };
+        let (from, transfer) = self.recv_from(direction);
         let buffer = Tensor::empty(meta.shape.as_slice(), (meta.kind, self.device));
         let t = tag(self.num_stages, from, mb, direction);
         let work = self
@@ -449,10 +454,7 @@ impl<M> PipelineStage<M> {
             .posted
             .remove(&(direction, mb))
             .expect("posted just above");
-        let (from, transfer) = match direction {
-            Direction::Forward => (self.stage_index - 1, Transfer::RecvActivation),
-            Direction::Backward => (self.stage_index + 1, Transfer::RecvGradient),
-        };
+        let (from, transfer) = self.recv_from(direction);
         work.wait()
             .map_err(|e| self.transfer_error(transfer, mb, from, e))?;
         Ok(buffer)

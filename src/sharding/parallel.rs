@@ -10,7 +10,7 @@
 //! | `RowwiseParallel()` (input `Shard(-1)`, output replicated) | [`RowwiseLinear`] (a whole input is sliced, a local one taken as is) |
 //! | `RowwiseParallel(input_layouts=Replicate())` | the same sharder: it tells the two inputs apart by their width |
 //! | `ColwiseParallel()` on an `nn.Embedding` | [`ColwiseEmbedding`]: the table split along the embedding dim, the output this rank's columns (or gathered, with `output_layouts=Replicate()`) |
-//! | `RowwiseParallel()` on an `nn.Embedding` (vocab-parallel) | [`RowwiseEmbedding`]: the table split along the vocabulary, other ranks' tokens zeroed, the outputs summed |
+//! | `RowwiseParallel(input_layouts=Replicate())` on an `nn.Embedding` (vocab-parallel; its default `Shard(-1)` input is refused: ids are not features) | [`RowwiseEmbedding`]: the table split along the vocabulary, other ranks' tokens zeroed, the outputs summed |
 
 use std::sync::Arc;
 
