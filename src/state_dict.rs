@@ -36,24 +36,45 @@ pub enum Placement {
     Shard(usize),
 }
 
+/// One mesh dim of a sharded parameter: how the parameter lies over it, and this rank's
+/// group along it (PyTorch's `placements[i]` and `mesh.get_group(i)`).
+#[derive(Clone)]
+pub struct MeshDimPlacement {
+    /// [`Placement::Replicate`] or [`Placement::Shard`].
+    pub placement: Placement,
+    /// The ranks along this dim that hold the other pieces (`Shard`) or the same piece
+    /// (`Replicate`), this rank among them.
+    pub group: ProcessGroup,
+}
+
+impl std::fmt::Debug for MeshDimPlacement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} over {:?}",
+            self.placement,
+            self.group.global_ranks()
+        )
+    }
+}
+
 /// One sharded parameter: its mesh dims' placements, its global shape and this rank's piece.
 #[derive(Clone)]
 pub struct ParamPlacement {
     /// Its first FQN in the model's walk order.
     pub fqn: String,
-    /// Per mesh dim, outermost first: `[Replicate, Shard(0)]` for HSDP, `[Shard(d)]`
-    /// otherwise.
+    /// Per mesh dim, outermost first (PyTorch's DTensor placements): `[Shard(d)]` for one
+    /// API on one group, `[Replicate, Shard(0)]` for HSDP, `[Shard(0), Shard(d)]` for
+    /// `fully_shard` over a `dp` dim of a parameter tensor-parallel over a `tp` dim.
     pub placements: Vec<Placement>,
+    /// Per mesh dim, the same order: the placement with this rank's group along the dim.
+    pub dims: Vec<MeshDimPlacement>,
     /// The whole tensor's shape.
     pub global_shape: Vec<i64>,
     /// Where this rank's piece starts in it.
     pub offsets: Vec<i64>,
     /// The shape of this rank's piece.
     pub local_shape: Vec<i64>,
-    /// The group the pieces are spread over (the `Shard` dim's).
-    pub shard_group: ProcessGroup,
-    /// The group holding the same pieces (the `Replicate` dim's), if any.
-    pub replicate_group: Option<ProcessGroup>,
     pub(crate) owner: Owner,
 }
 
@@ -61,7 +82,7 @@ impl std::fmt::Debug for ParamPlacement {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ParamPlacement")
             .field("fqn", &self.fqn)
-            .field("placements", &self.placements)
+            .field("dims", &self.dims)
             .field("global_shape", &self.global_shape)
             .field("offsets", &self.offsets)
             .field("local_shape", &self.local_shape)
@@ -69,25 +90,47 @@ impl std::fmt::Debug for ParamPlacement {
     }
 }
 
-/// The API that sharded a parameter, and how to reach its state.
+/// A `fully_shard` call's hold on a parameter: the call's state and the parameter's
+/// position in its group.
 #[derive(Clone)]
-pub(crate) enum Owner {
-    /// `fully_shard`: the call's state and the parameter's position in its group.
-    FullyShard { state: Arc<FsdpState>, index: usize },
-    /// `shard_module`: the call's state, the FQN of the module it sharded (within the walked
-    /// model) and the parameter's FQN within that module.
-    ShardModule {
-        state: Arc<ShardState>,
-        module: String,
-        local_fqn: String,
-    },
+pub(crate) struct FsdpOwner {
+    pub state: Arc<FsdpState>,
+    pub index: usize,
+}
+
+/// A `shard_module` call's hold on a parameter: the call's state and the parameter's FQN
+/// within the module it sharded.
+#[derive(Clone)]
+pub(crate) struct TpOwner {
+    pub state: Arc<ShardState>,
+    pub local_fqn: String,
+}
+
+/// The APIs that sharded a parameter, innermost last: `shard_module` splits the whole
+/// tensor over its group, `fully_shard` then splits that piece (or the whole tensor) over
+/// its own.
+#[derive(Clone)]
+pub(crate) struct Owner {
+    pub tp: Option<TpOwner>,
+    pub fsdp: Option<FsdpOwner>,
 }
 
 impl ParamPlacement {
     /// Whether another rank (an earlier replica) holds this rank's piece too: a checkpoint
     /// writes it once, from the first replica.
     pub fn is_replica_copy(&self) -> bool {
-        self.replicate_group.as_ref().is_some_and(|g| g.rank() != 0)
+        self.dims
+            .iter()
+            .any(|d| d.placement == Placement::Replicate && d.group.rank() != 0)
+    }
+
+    /// The groups of the `Shard` dims, outermost first: a sum over every piece is a sum
+    /// over each of them in turn.
+    pub fn shard_groups(&self) -> impl Iterator<Item = &ProcessGroup> {
+        self.dims
+            .iter()
+            .filter(|d| matches!(d.placement, Placement::Shard(_)))
+            .map(|d| &d.group)
     }
 }
 
@@ -123,7 +166,7 @@ impl Placements {
 /// docs](self)).
 pub fn placements<M: Shardable + ?Sized>(module: &M) -> Placements {
     // Each API's own view, by the FQN it gives; identities join the names of tied
-    // parameters.
+    // parameters. `shard_module`'s piece of the whole tensor first.
     let mut by_fqn: HashMap<String, ParamPlacement> = HashMap::new();
     for (fqn, p) in crate::sharding::sharded_params_in(module) {
         let Some(meta) = p.state.metadata(&p.local_fqn) else {
@@ -141,54 +184,84 @@ pub fn placements<M: Shardable + ?Sized>(module: &M) -> Placements {
         let dim = (0..meta.size.len())
             .find(|&d| mine.shard_sizes[d] != meta.size[d])
             .unwrap_or(0);
-        let module_fqn = fqn
-            .strip_suffix(&p.local_fqn)
-            .map(|m| m.trim_end_matches('.').to_string())
-            .unwrap_or_default();
         by_fqn.insert(
             fqn.clone(),
             ParamPlacement {
                 fqn,
                 placements: vec![Placement::Shard(dim)],
+                dims: vec![MeshDimPlacement {
+                    placement: Placement::Shard(dim),
+                    group: group.clone(),
+                }],
                 global_shape: meta.size.clone(),
                 offsets: mine.shard_offsets.clone(),
                 local_shape: mine.shard_sizes.clone(),
-                shard_group: group.clone(),
-                replicate_group: None,
-                owner: Owner::ShardModule {
-                    state: p.state.clone(),
-                    module: module_fqn,
-                    local_fqn: p.local_fqn,
+                owner: Owner {
+                    tp: Some(TpOwner {
+                        state: p.state.clone(),
+                        local_fqn: p.local_fqn,
+                    }),
+                    fsdp: None,
                 },
             },
         );
     }
+    // Then `fully_shard`'s piece of that (FSDP x TP: the outer dims are fully_shard's, as
+    // a `[dp, tp]` mesh orders them) or of the whole tensor.
     for (fqn, p) in crate::fully_shard::fsdp_params_in(module) {
-        let replicate_group = p.state.replicate_group().cloned();
-        let mut placements = vec![Placement::Shard(p.info.dim)];
-        if replicate_group.is_some() {
-            placements.insert(0, Placement::Replicate);
+        let mut dims = Vec::with_capacity(3);
+        if let Some(g) = p.state.replicate_group() {
+            dims.push(MeshDimPlacement {
+                placement: Placement::Replicate,
+                group: g.clone(),
+            });
         }
-        by_fqn.insert(
-            fqn.clone(),
-            ParamPlacement {
-                fqn,
-                placements,
+        dims.push(MeshDimPlacement {
+            placement: Placement::Shard(p.info.dim),
+            group: p.state.process_group().clone(),
+        });
+        let fsdp = Some(FsdpOwner {
+            state: p.state,
+            index: p.index,
+        });
+        let record = match by_fqn.remove(&fqn) {
+            // fully_shard's shape is the tensor-parallel piece; its offsets are within it.
+            Some(tp) => {
+                dims.extend(tp.dims);
+                ParamPlacement {
+                    fqn: fqn.clone(),
+                    global_shape: tp.global_shape,
+                    offsets: tp
+                        .offsets
+                        .iter()
+                        .zip(&p.info.offsets)
+                        .map(|(a, b)| a + b)
+                        .collect(),
+                    local_shape: p.info.local_shape.clone(),
+                    placements: Vec::new(),
+                    dims,
+                    owner: Owner {
+                        tp: tp.owner.tp,
+                        fsdp,
+                    },
+                }
+            }
+            None => ParamPlacement {
+                fqn: fqn.clone(),
                 global_shape: p.info.shape.clone(),
                 offsets: p.info.offsets.clone(),
                 local_shape: p.info.local_shape.clone(),
-                shard_group: p.state.process_group().clone(),
-                replicate_group,
-                owner: Owner::FullyShard {
-                    state: p.state,
-                    index: p.index,
-                },
+                placements: Vec::new(),
+                dims,
+                owner: Owner { tp: None, fsdp },
             },
-        );
+        };
+        by_fqn.insert(fqn, record);
     }
     let mut by_identity = HashMap::new();
     for (fqn, t) in module.named_parameters() {
-        if let Some(record) = by_fqn.remove(&fqn) {
+        if let Some(mut record) = by_fqn.remove(&fqn) {
+            record.placements = record.dims.iter().map(|d| d.placement).collect();
             by_identity.entry(tensor_identity(t)).or_insert(record);
         }
     }

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use tch::{Kind, Tensor};
 use tch_dist_core::Shardable;
+use tch_dist_runtime::fsdp::tensor_identity;
 use tch_dist_runtime::{DistError, ProcessGroup, ReduceOp};
 
 /// Why [`clip_grad_norm`] refused or failed. Nothing was scaled.
@@ -82,13 +83,18 @@ pub fn clip_grad_norm<M: Shardable + ?Sized>(
     if norm_type.is_nan() || norm_type <= 0.0 {
         return Err(ClipGradError::InvalidNormType { norm_type });
     }
-    // Which parameters are shards, and over which group (the placement record's shard
-    // group: replicas of HSDP hold the same shards, so each replica's sum is the whole).
+    // Which parameters are shards, and over which groups (the placement record's `Shard`
+    // dims: replicas of HSDP hold the same shards, so each replica's sum is the whole; a
+    // piece of a 2-D layout is summed over both of its dims).
     let placements = crate::state_dict::placements(module);
-    let sharded: HashMap<String, ProcessGroup> = module
+    let sharded: HashMap<String, Vec<ProcessGroup>> = module
         .named_parameters()
         .into_iter()
-        .filter_map(|(fqn, t)| placements.get(t).map(|p| (fqn, p.shard_group.clone())))
+        .filter_map(|(fqn, t)| {
+            placements
+                .get(t)
+                .map(|p| (fqn, p.shard_groups().cloned().collect()))
+        })
         .collect();
     let inf = norm_type.is_infinite();
     // Each gradient's contribution: |g|^p summed (p finite) or max |g|, in f64 and kept on
@@ -111,15 +117,19 @@ pub fn clip_grad_norm<M: Shardable + ?Sized>(
             }
         })
     };
-    // One partial per group of shards, by its members (the same on every rank: the plan
-    // is, so every rank runs the same all-reduces whatever its gradients hold).
-    let mut groups: Vec<(Vec<usize>, ProcessGroup)> = Vec::new();
+    // One partial per list of shard groups, by their members (the same on every rank: the
+    // plan is, so every rank runs the same all-reduces whatever its gradients hold).
+    let members = |gs: &[ProcessGroup]| -> Vec<Vec<usize>> {
+        gs.iter().map(|g| g.global_ranks().to_vec()).collect()
+    };
+    let mut groups: Vec<(Vec<Vec<usize>>, Vec<ProcessGroup>)> = Vec::new();
     let mut fqns: Vec<&String> = sharded.keys().collect();
     fqns.sort();
     for fqn in fqns {
-        let g = &sharded[fqn];
-        if !groups.iter().any(|(ranks, _)| ranks == g.global_ranks()) {
-            groups.push((g.global_ranks().to_vec(), g.clone()));
+        let gs = &sharded[fqn];
+        let ranks = members(gs);
+        if !groups.iter().any(|(r, _)| *r == ranks) {
+            groups.push((ranks, gs.clone()));
         }
     }
     let mut partials: Vec<Option<Tensor>> = groups.iter().map(|_| None).collect();
@@ -130,7 +140,7 @@ pub fn clip_grad_norm<M: Shardable + ?Sized>(
         let g = p.grad();
         // Parameters without a gradient are left out; tensors shared between two fields
         // count once (PyTorch's `parameters()`); an empty shard adds nothing.
-        if !g.defined() || !seen.insert(p.data_ptr() as usize) {
+        if !g.defined() || !seen.insert(tensor_identity(p)) {
             continue;
         }
         grads.push(g.shallow_clone());
@@ -139,26 +149,32 @@ pub fn clip_grad_norm<M: Shardable + ?Sized>(
         }
         let t = tch::no_grad(|| part(&g));
         match sharded.get(&fqn) {
-            Some(group) => {
+            Some(gs) => {
+                let ranks = members(gs);
                 let i = groups
                     .iter()
-                    .position(|(ranks, _)| ranks == group.global_ranks())
+                    .position(|(r, _)| *r == ranks)
                     .unwrap_or_default();
                 partials[i] = combine(partials[i].take(), t);
             }
             None => local = combine(local.take(), t),
         }
     }
-    for ((_, group), partial) in groups.iter().zip(partials) {
-        // On the group's device (NCCL's for a CUDA group), zero where this rank has no
-        // gradient among the shards.
-        let device = group.bound_device().unwrap_or(tch::Device::Cpu);
+    for ((_, gs), partial) in groups.iter().zip(partials) {
+        // On the groups' device (NCCL's for a CUDA group), zero where this rank has no
+        // gradient among the shards; summed over each shard dim's group in turn.
+        let device = gs
+            .first()
+            .and_then(ProcessGroup::bound_device)
+            .unwrap_or(tch::Device::Cpu);
         let t = match partial {
             Some(t) => t.to_device(device),
             None => Tensor::zeros([], (Kind::Double, device)),
         };
         let op = if inf { ReduceOp::Max } else { ReduceOp::Sum };
-        group.all_reduce(&t, op)?;
+        for group in gs {
+            group.all_reduce(&t, op)?;
+        }
         local = combine(local.take(), t);
     }
     let Some(total) = local else {

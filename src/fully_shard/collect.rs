@@ -1,6 +1,9 @@
 //! What one `fully_shard` call manages: the parameters of its module that no nested
-//! `fully_shard` call took, that `shard_module` did not shard and that `ignored_params` does
-//! not name; and what makes the call refuse (found here, reported on every rank together).
+//! `fully_shard` call took and that `ignored_params` does not name, less those `shard_module`
+//! sharded over the same ranks (tensor parallelism beside data parallelism on one group);
+//! one it sharded over an orthogonal group (a mesh's `tp` dim beside fully_shard's `dp`) is
+//! managed as the piece it is (FSDP x TP); and what makes the call refuse (found here,
+//! reported on every rank together).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -30,8 +33,38 @@ pub(super) fn is_within(fqn: &str, prefix: &str) -> bool {
             .is_some_and(|rest| rest.starts_with('.'))
 }
 
-/// The parameters `module` would manage with `ignored_params`, on `rank`.
-pub(super) fn collect(module: &dyn Shardable, ignored_params: &[String], rank: usize) -> Collected {
+/// How a parameter `shard_module` sharded over `tp_ranks` stands to a fully_shard call over
+/// `ranks` (global ranks, this rank `me` in both).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum TensorParallel {
+    /// The same ranks: each holds its piece's whole gradient; left to shard_module.
+    SameRanks,
+    /// Only this rank in common (a mesh's `tp` dim beside fully_shard's `dp`): the piece is
+    /// sharded further (FSDP x TP).
+    Orthogonal,
+    /// Anything else: no layout both APIs can keep.
+    Overlapping,
+}
+
+pub(super) fn tensor_parallel(tp_ranks: &[usize], ranks: &[usize], me: usize) -> TensorParallel {
+    if tp_ranks == ranks {
+        TensorParallel::SameRanks
+    } else if tp_ranks.iter().all(|r| *r == me || !ranks.contains(r)) {
+        TensorParallel::Orthogonal
+    } else {
+        TensorParallel::Overlapping
+    }
+}
+
+/// The parameters `module` would manage with `ignored_params` over the global ranks `ranks`
+/// (where rank 0's values come from and what the gradients are averaged over), on `rank`
+/// (within those ranks; `global` in the world).
+pub(super) fn collect(
+    module: &dyn Shardable,
+    ignored_params: &[String],
+    ranks: &[usize],
+    (rank, global): (usize, usize),
+) -> Collected {
     let mut nested: Vec<(String, Arc<FsdpState>)> = Vec::new();
     let mut problem: Option<FsdpError> = None;
     for (prefix, m) in module.named_modules().into_iter().skip(1) {
@@ -67,10 +100,25 @@ pub(super) fn collect(module: &dyn Shardable, ignored_params: &[String], rank: u
     let mut params = Vec::new();
     for (fqn, t) in all {
         if nested.iter().any(|(p, _)| is_within(&fqn, p))
-            || sharded.contains_key(&fqn)
             || ignored_params.iter().any(|i| is_within(&fqn, i))
         {
             continue;
+        }
+        if let Some(tp) = sharded.get(&fqn) {
+            let tp_ranks = tp.state.group().global_ranks();
+            match tensor_parallel(tp_ranks, ranks, global) {
+                TensorParallel::SameRanks => continue,
+                TensorParallel::Orthogonal => {}
+                TensorParallel::Overlapping => {
+                    problem.get_or_insert(FsdpError::TensorParallelRanks {
+                        rank,
+                        fqn: fqn.clone(),
+                        tp_ranks: tp_ranks.to_vec(),
+                        ranks: ranks.to_vec(),
+                    });
+                    continue;
+                }
+            }
         }
         let id = tensor_identity(t);
         if let Some(other) = managed.get(&id) {

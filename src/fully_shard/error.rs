@@ -109,14 +109,15 @@ pub enum FsdpError {
         /// What is wrong with it.
         problem: MeshUse,
     },
-    /// A parameter `shard_module` sharded over other ranks than the ones fully_shard
-    /// averages over: left out of fully_shard's reduce-scatter (tensor-parallel parameters
-    /// are), its gradient would not be averaged over them.
+    /// A parameter `shard_module` sharded over ranks that overlap the ones fully_shard
+    /// averages over in more than this rank, without being the same ranks: neither layout
+    /// (tensor parallelism beside fully_shard on one group, or FSDP x TP on the two dims of
+    /// a mesh) holds.
     #[error(
         "rank {rank}: fully_shard: parameter `{fqn}` is tensor-parallel over ranks \
-         {tp_ranks:?} and fully_shard averages over ranks {ranks:?}: left out of its \
-         reduction, its gradient would not be averaged; FSDP x TP over two groups (a 2-D \
-         mesh) is not built yet: use the same ranks for both"
+         {tp_ranks:?} and fully_shard averages over ranks {ranks:?}: give fully_shard the \
+         same ranks, or the other dim of the mesh (FSDP x TP: `mesh.dim(\"dp\")` beside \
+         `mesh.dim(\"tp\")`)"
     )]
     TensorParallelRanks {
         /// This rank.

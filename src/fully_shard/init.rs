@@ -331,20 +331,3 @@ pub(super) fn call_names(found: &Collected, rank: usize) -> Arc<hooks::CallNames
         params: found.params.iter().map(|(n, _)| n.clone()).collect(),
     })
 }
-
-/// The first parameter `shard_module` sharded over other ranks than `groups.all` (what
-/// fully_shard averages over), as the refusal.
-pub(super) fn tensor_parallel_elsewhere<M: Shardable + ?Sized>(
-    module: &M,
-    groups: &Groups,
-) -> Option<FsdpError> {
-    let ranks = groups.all.global_ranks();
-    crate::sharding::sharded_outside(module, ranks).map(|(fqn, tp_ranks)| {
-        FsdpError::TensorParallelRanks {
-            rank: groups.shard.rank(),
-            fqn,
-            tp_ranks,
-            ranks: ranks.to_vec(),
-        }
-    })
-}

@@ -62,7 +62,7 @@ use tch::Tensor;
 use tch_dist_core::path::join_fqn;
 use tch_dist_core::{contract, Shardable};
 use tch_dist_runtime::fsdp::{tensor_identity, ManagedParam, ShardInfo};
-use tch_dist_runtime::DistError;
+use tch_dist_runtime::{default_group, DistError};
 
 mod collect;
 mod error;
@@ -111,10 +111,13 @@ pub fn fully_shard<M: Shardable + ?Sized>(
 ) -> Result<FsdpState, FsdpError> {
     let groups = init::process_groups(&opts)?;
     let rank = groups.shard.rank();
-    let mut found = collect(module.as_dyn_shardable(), &opts.ignored_params, rank);
-    if found.problem.is_none() {
-        found.problem = init::tensor_parallel_elsewhere(module, &groups);
-    }
+    let global = default_group()?.rank();
+    let mut found = collect(
+        module.as_dyn_shardable(),
+        &opts.ignored_params,
+        groups.all.global_ranks(),
+        (rank, global),
+    );
     let dims = init::check(&mut found, &opts, &groups)?;
     init::broadcast_from_rank0(&found, &groups.all)?;
     let names = init::call_names(&found, rank);
@@ -242,9 +245,7 @@ pub(crate) fn reshard_all<M: Shardable + ?Sized>(module: &M) -> Result<(), DistE
 pub fn full_state_dict<M: Shardable + ?Sized>(
     module: &M,
 ) -> Result<Vec<(String, Tensor)>, FsdpError> {
-    use crate::state_dict::Owner;
     let placements = crate::state_dict::placements(module);
-    let modules = module.named_modules();
     // A tied parameter is gathered once, under its first name.
     let mut gathered: HashMap<u64, Tensor> = HashMap::new();
     let mut out = Vec::new();
@@ -253,21 +254,18 @@ pub fn full_state_dict<M: Shardable + ?Sized>(
         let full = if let Some(full) = gathered.get(&id) {
             full.shallow_clone()
         } else if let Some(p) = placements.get(t) {
-            let full = match &p.owner {
-                Owner::FullyShard { state, index } => state.group.full_param(*index)?,
-                Owner::ShardModule {
-                    state,
-                    module: owner,
-                    local_fqn,
-                } => {
-                    let owner = modules
-                        .iter()
-                        .find(|(prefix, _)| prefix == owner)
-                        .map(|(_, m)| *m)
-                        .ok_or(FsdpError::NotFullyShard)?;
-                    state.sharded_tensor(owner, local_fqn)?.all_gather()?
-                }
+            // Innermost first: fully_shard's gather gives the piece shard_module split off
+            // (FSDP x TP) or the whole tensor; shard_module's gathers that.
+            let mut full = match &p.owner.fsdp {
+                Some(f) => f.state.group.full_param(f.index)?,
+                None => tch::no_grad(|| t.detach()),
             };
+            if let Some(tp) = &p.owner.tp {
+                full = tp
+                    .state
+                    .sharded_tensor_of(&tp.local_fqn, full)?
+                    .all_gather()?;
+            }
             gathered.insert(id, full.shallow_clone());
             full
         } else {

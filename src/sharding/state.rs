@@ -57,22 +57,32 @@ impl ShardState {
         module: &M,
         fqn: &str,
     ) -> Result<ShardedTensor, ShardError> {
-        let meta = self
-            .sharded
-            .get(fqn)
-            .ok_or_else(|| ShardError::plan(&self.group, fqn, PlanProblem::NotSharded))?;
         let param = module
             .named_parameters()
             .into_iter()
             .find(|(n, _)| n == fqn)
             .map(|(_, t)| t.detach())
             .ok_or_else(|| ShardError::plan(&self.group, fqn, PlanProblem::NotAParameter))?;
-        // A single shard is the whole local parameter; several (a fused layer's parts) are
+        self.sharded_tensor_of(fqn, param)
+    }
+
+    /// Sharded parameter `fqn` as a [`ShardedTensor`] over `local`, this rank's piece of it
+    /// (the parameter itself, or what `fully_shard` gathers of it under FSDP x TP).
+    pub(crate) fn sharded_tensor_of(
+        &self,
+        fqn: &str,
+        local: Tensor,
+    ) -> Result<ShardedTensor, ShardError> {
+        let meta = self
+            .sharded
+            .get(fqn)
+            .ok_or_else(|| ShardError::plan(&self.group, fqn, PlanProblem::NotSharded))?;
+        // A single shard is the whole local piece; several (a fused layer's parts) are
         // concatenated along dim 0 in metadata order.
         let mine = meta.shards_for_rank(self.group.rank());
         let shards = match mine.as_slice() {
             [one] => vec![Shard {
-                tensor: param,
+                tensor: local,
                 metadata: (*one).clone(),
             }],
             several => {
@@ -81,7 +91,7 @@ impl ShardState {
                     .iter()
                     .map(|m| {
                         let rows = m.shard_sizes[0];
-                        let tensor = param.narrow(0, off, rows);
+                        let tensor = local.narrow(0, off, rows);
                         off += rows;
                         Shard {
                             tensor,

@@ -9,6 +9,7 @@
 //! | `main.rs` | the model and fixtures; training parity, accumulation, frozen and ignored parameters | `test_fully_shard_training.py` |
 //! | `errors.rs` | bypasses (memory, `unshard`, every grad mode), refusals, errors naming the FQN | `test_fully_shard_init.py`'s refusals |
 //! | `composition.rs` | with `replicate` and `shard_module`, mixed precision, resharding to fewer ranks, the optimizer checkpoint, a frozen weight | `test_fully_shard_mixed_precision.py`, `test_fully_shard_state_dict.py` |
+//! | `two_d.rs` | FSDP x TP on a `dp` x `tp` mesh: training, the placement record, `clip_grad_norm` | `test_fully_shard_training.py`'s `TestFullyShard2DTraining` |
 
 #[path = "../common/panic_text.rs"]
 mod panic_text;
@@ -26,6 +27,7 @@ use tch_dist::{fully_shard, Call, FsdpOptions, ProcessGroup, Shardable};
 
 mod composition;
 mod errors;
+mod two_d;
 
 /// The whole batch; each rank trains on its `BATCH / world_size` rows.
 const BATCH: i64 = 12;

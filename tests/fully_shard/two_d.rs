@@ -1,0 +1,242 @@
+//! FSDP x TP on a 2x2 mesh (`dp` x `tp`), PyTorch's order: `parallelize_module` over the
+//! mesh's `tp` dim, then `fully_shard` over its `dp` dim, on one model: a vocab-parallel
+//! embedding, Megatron MLP blocks (column- then row-parallel) with residuals, a norm that
+//! only fully_shard shards, and a column-parallel head gathered.
+
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+use tch_dist::device_mesh::{init_device_mesh, DeviceMesh};
+use tch_dist::fully_shard::full_state_dict;
+use tch_dist::sharding::{
+    parallelize_module, ColwiseParallel, Layout, ParallelizePlan, RowwiseParallel,
+};
+use tch_dist::state_dict::{placements, Placement};
+use tch_dist::testing::run_ranks;
+use tch_dist::{fully_shard, Call, FsdpOptions, ProcessGroup, Shardable};
+
+/// Vocabulary (11 rows: 6 and 5 over tp 2), model width, MLP width, tokens per sequence.
+const VOCAB: i64 = 11;
+const WIDTH: i64 = 8;
+const HIDDEN: i64 = 14;
+const TOKENS: i64 = 5;
+/// The whole batch; each dp rank trains on its half.
+const BATCH: i64 = 4;
+
+#[derive(Debug, Shardable)]
+pub struct Mlp {
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+impl Module for Mlp {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        xs + self.fc2.call(&self.fc1.call(xs).gelu("none"))
+    }
+}
+
+#[derive(Debug, Shardable)]
+pub struct Lm {
+    tok: nn::Embedding,
+    blocks: Vec<Mlp>,
+    norm: nn::LayerNorm,
+    head: nn::Linear,
+}
+
+impl Module for Lm {
+    fn forward(&self, ids: &Tensor) -> Tensor {
+        let h = self
+            .blocks
+            .iter()
+            .fold(self.tok.call(ids), |h, b| b.call(&h));
+        self.head.call(&self.norm.call(&h))
+    }
+}
+
+fn lm(vs: &nn::VarStore) -> Lm {
+    let p = vs.root();
+    let linear = |p: nn::Path, i, o| nn::linear(p, i, o, Default::default());
+    Lm {
+        tok: nn::embedding(&p / "tok", VOCAB, WIDTH, Default::default()),
+        blocks: (0..2)
+            .map(|i| Mlp {
+                fc1: linear(&p / "blocks" / i / "fc1", WIDTH, HIDDEN),
+                fc2: linear(&p / "blocks" / i / "fc2", HIDDEN, WIDTH),
+            })
+            .collect(),
+        norm: nn::layer_norm(&p / "norm", vec![WIDTH], Default::default()),
+        head: linear(&p / "head", WIDTH, VOCAB),
+    }
+}
+
+/// The whole batch of `step` (ids and next-token targets), the same on every rank.
+fn batch(step: usize) -> (Tensor, Tensor) {
+    tch::manual_seed(900 + step as i64);
+    let ids = Tensor::randint(VOCAB, [BATCH, TOKENS + 1], (Kind::Int64, Device::Cpu));
+    (ids.narrow(1, 0, TOKENS), ids.narrow(1, 1, TOKENS))
+}
+
+fn loss(logits: &Tensor, targets: &Tensor) -> Tensor {
+    logits
+        .view([-1, VOCAB])
+        .cross_entropy_for_logits(&targets.reshape([-1]))
+}
+
+/// The tensor-parallel plan of torchtitan's Llama, on this model.
+fn tp_plan() -> ParallelizePlan {
+    let mut plan = ParallelizePlan::new().style(
+        "tok",
+        RowwiseParallel {
+            input_layouts: Layout::Replicate,
+            ..Default::default()
+        },
+    );
+    for i in 0..2 {
+        plan = plan
+            .style(
+                format!("blocks.{i}.fc1").as_str(),
+                ColwiseParallel::default(),
+            )
+            .style(
+                format!("blocks.{i}.fc2").as_str(),
+                RowwiseParallel::default(),
+            );
+    }
+    plan.style(
+        "head",
+        ColwiseParallel {
+            output_layouts: Layout::Replicate,
+            ..Default::default()
+        },
+    )
+}
+
+/// TP over the mesh's `tp` dim, then fully_shard per block and on the root over `dp`.
+fn fsdp_x_tp(m: &mut Lm, mesh: &DeviceMesh) {
+    parallelize_module(m, &mesh.dim("tp").unwrap(), &tp_plan()).unwrap();
+    let dp = || FsdpOptions {
+        mesh: Some(mesh.dim("dp").unwrap()),
+        ..Default::default()
+    };
+    for b in &m.blocks {
+        fully_shard(b, dp()).unwrap();
+    }
+    fully_shard(&*m, dp()).unwrap();
+}
+
+/// `t`'s rows of this dp rank.
+fn dp_rows(t: &Tensor, mesh: &DeviceMesh) -> Tensor {
+    let n = BATCH / mesh.size("dp").unwrap() as i64;
+    t.narrow(0, mesh.get_local_rank("dp").unwrap() as i64 * n, n)
+}
+
+/// The largest difference between the full parameters of `m` and the reference's.
+fn max_diff_full(m: &Lm, reference: &nn::VarStore) -> f64 {
+    let full = full_state_dict(m).unwrap();
+    let vars = reference.variables();
+    assert_eq!(full.len(), vars.len());
+    full.iter()
+        .map(|(fqn, t)| {
+            let r = &vars[fqn];
+            assert_eq!(t.size(), r.size(), "{fqn}");
+            (t - r).abs().max().double_value(&[])
+        })
+        .fold(0.0, f64::max)
+}
+
+/// FSDP x TP 2x2: 3 SGD-with-momentum steps on each dp rank's half of the batch equal one
+/// process on the whole batch (1e-5), `clip_grad_norm` is the unsharded model's at every
+/// step, and the placement record says where each piece is: `[Shard(0), Shard(d)]` over
+/// `dp` then `tp`, the offsets adding up.
+#[test]
+fn fsdp_x_tp_on_a_2x2_mesh_equals_one_process() {
+    run_ranks(
+        "two_d::fsdp_x_tp_on_a_2x2_mesh_equals_one_process",
+        4,
+        |pg: ProcessGroup| {
+            let mesh = init_device_mesh("cpu", &[2, 2], &["dp", "tp"]).unwrap();
+            tch::manual_seed(3);
+            let ref_vs = nn::VarStore::new(Device::Cpu);
+            let reference = lm(&ref_vs);
+            // Per-rank values: every rank must start from the one process's.
+            tch::manual_seed(3 + pg.rank() as i64 * 1000);
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mut m = lm(&vs);
+            // The values TP scatters come from tp rank 0, fully_shard's from dp rank 0:
+            // global rank 0's in every piece, as the reference's.
+            tch::no_grad(|| {
+                for (fqn, t) in vs.variables() {
+                    t.shallow_clone().copy_(&ref_vs.variables()[&fqn]);
+                }
+            });
+            fsdp_x_tp(&mut m, &mesh);
+
+            let (dp, tp) = (
+                mesh.get_local_rank("dp").unwrap() as i64,
+                mesh.get_local_rank("tp").unwrap() as i64,
+            );
+            let record = placements(&m);
+            assert_eq!(record.len(), vs.trainable_variables().len());
+            // blocks.0.fc1.weight [14, 8]: tp rows 7 each, then dp rows 4 and 3.
+            let w = record
+                .get(&m.blocks[0].fc1.ws)
+                .expect("fc1.weight is sharded");
+            assert_eq!(w.placements, [Placement::Shard(0), Placement::Shard(0)]);
+            assert_eq!(w.global_shape, [HIDDEN, WIDTH]);
+            assert_eq!(w.offsets, [tp * 7 + dp * 4, 0]);
+            assert_eq!(w.local_shape, [4 - dp, WIDTH]);
+            assert_eq!(m.blocks[0].fc1.ws.size(), w.local_shape);
+            // blocks.0.fc2.weight [8, 14]: tp columns 7 each, dp rows 4 each.
+            let w = record
+                .get(&m.blocks[0].fc2.ws)
+                .expect("fc2.weight is sharded");
+            assert_eq!(w.placements, [Placement::Shard(0), Placement::Shard(1)]);
+            assert_eq!(w.offsets, [dp * 4, tp * 7]);
+            assert_eq!(w.local_shape, [4, 7]);
+            // tok.weight [11, 8], vocab-parallel: tp rows 6 and 5, then dp rows.
+            let w = record.get(&m.tok.ws).expect("tok.weight is sharded");
+            let tp_rows = 6 - tp;
+            let dp_chunk = (tp_rows + 1) / 2;
+            assert_eq!(w.offsets, [tp * 6 + dp * dp_chunk, 0]);
+            assert_eq!(
+                w.local_shape,
+                [(tp_rows - dp * dp_chunk).min(dp_chunk), WIDTH]
+            );
+            // The norm is whole over tp: fully_shard's rows only.
+            let w = record
+                .get(m.norm.ws.as_ref().unwrap())
+                .expect("norm.weight");
+            assert_eq!(w.placements, [Placement::Shard(0)]);
+            assert_eq!(w.offsets, [dp * 4]);
+
+            let sgd = nn::Sgd {
+                momentum: 0.9,
+                ..Default::default()
+            };
+            let mut opt = sgd.build(&vs, 0.1).unwrap();
+            let mut ref_opt = sgd.build(&ref_vs, 0.1).unwrap();
+            for step in 0..3 {
+                let (ids, targets) = batch(step);
+                ref_opt.zero_grad();
+                loss(&reference.forward(&ids), &targets).backward();
+                let ref_norm = tch_dist::utils::clip_grad_norm(&reference, 1e9, 2.0).unwrap();
+                ref_opt.step();
+                opt.zero_grad();
+                loss(&m.call(&dp_rows(&ids, &mesh)), &dp_rows(&targets, &mesh)).backward();
+                let norm = tch_dist::utils::clip_grad_norm(&m, 1e9, 2.0).unwrap();
+                assert!(
+                    (norm - ref_norm).abs() < 1e-5 * ref_norm.max(1.0),
+                    "step {step}: clip_grad_norm {norm} vs one process {ref_norm}"
+                );
+                opt.step();
+            }
+            let diff = max_diff_full(&m, &ref_vs);
+            assert!(diff < 1e-5, "FSDP x TP 2x2 vs one process: {diff}");
+            // Evaluation under no_grad computes the one process's logits.
+            let (ids, _) = batch(7);
+            let ours = tch::no_grad(|| m.call(&ids));
+            let theirs = tch::no_grad(|| reference.forward(&ids));
+            let d = (ours - theirs).abs().max().double_value(&[]);
+            assert!(d < 1e-5, "no_grad logits: {d}");
+        },
+    );
+}
