@@ -16,6 +16,8 @@ mod panic_text;
 use panic_text::panic_text;
 #[path = "../common/blocks.rs"]
 mod blocks;
+#[path = "../common/python.rs"]
+mod python;
 #[path = "../common/unchanged.rs"]
 mod unchanged;
 use blocks::{blocks, Blocks as Model};

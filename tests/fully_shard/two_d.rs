@@ -143,6 +143,80 @@ fn max_diff_full(m: &Lm, reference: &nn::VarStore) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// The one-process reference and the FSDP x TP model on a 2x2 mesh, both from the
+/// reference's values.
+struct TwoD {
+    mesh: DeviceMesh,
+    ref_vs: nn::VarStore,
+    reference: Lm,
+    vs: nn::VarStore,
+    m: Lm,
+}
+
+fn two_d(pg: &ProcessGroup) -> TwoD {
+    let mesh = init_device_mesh("cpu", &[2, 2], &["dp", "tp"]).unwrap();
+    tch::manual_seed(3);
+    let ref_vs = nn::VarStore::new(Device::Cpu);
+    let reference = lm(&ref_vs);
+    // Per-rank values: every rank must start from the one process's.
+    tch::manual_seed(3 + pg.rank() as i64 * 1000);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let mut m = lm(&vs);
+    // The values TP scatters come from tp rank 0, fully_shard's from dp rank 0: global
+    // rank 0's in every piece, as the reference's.
+    copy_values(&vs, &ref_vs);
+    fsdp_x_tp(&mut m, &mesh);
+    TwoD {
+        mesh,
+        ref_vs,
+        reference,
+        vs,
+        m,
+    }
+}
+
+/// `from`'s values into `to`'s variables of the same names.
+fn copy_values(to: &nn::VarStore, from: &nn::VarStore) {
+    let from = from.variables();
+    tch::no_grad(|| {
+        for (fqn, t) in to.variables() {
+            t.shallow_clone().copy_(&from[&fqn]);
+        }
+    });
+}
+
+/// 3 SGD-with-momentum steps of the reference on the whole batch and of the 2-D model on
+/// its dp rank's half, `clip_grad_norm` compared at every step.
+fn train(s: &TwoD) {
+    let sgd = nn::Sgd {
+        momentum: 0.9,
+        ..Default::default()
+    };
+    let mut opt = sgd.build(&s.vs, 0.1).unwrap();
+    let mut ref_opt = sgd.build(&s.ref_vs, 0.1).unwrap();
+    for step in 0..3 {
+        let (ids, targets) = batch(step);
+        ref_opt.zero_grad();
+        loss(&s.reference.forward(&ids), &targets).backward();
+        let ref_norm = tch_dist::utils::clip_grad_norm(&s.reference, 1e9, 2.0).unwrap();
+        ref_opt.step();
+        opt.zero_grad();
+        loss(
+            &s.m.call(&dp_rows(&ids, &s.mesh)),
+            &dp_rows(&targets, &s.mesh),
+        )
+        .backward();
+        let norm = tch_dist::utils::clip_grad_norm(&s.m, 1e9, 2.0).unwrap();
+        assert!(
+            (norm - ref_norm).abs() < 1e-5 * ref_norm.max(1.0),
+            "step {step}: clip_grad_norm {norm} vs one process {ref_norm}"
+        );
+        opt.step();
+    }
+    let diff = max_diff_full(&s.m, &s.ref_vs);
+    assert!(diff < 1e-5, "FSDP x TP 2x2 vs one process: {diff}");
+}
+
 /// FSDP x TP 2x2: 3 SGD-with-momentum steps on each dp rank's half of the batch equal one
 /// process on the whole batch (1e-5), `clip_grad_norm` is the unsharded model's at every
 /// step, and the placement record says where each piece is: `[Shard(0), Shard(d)]` over
@@ -153,29 +227,12 @@ fn fsdp_x_tp_on_a_2x2_mesh_equals_one_process() {
         "two_d::fsdp_x_tp_on_a_2x2_mesh_equals_one_process",
         4,
         |pg: ProcessGroup| {
-            let mesh = init_device_mesh("cpu", &[2, 2], &["dp", "tp"]).unwrap();
-            tch::manual_seed(3);
-            let ref_vs = nn::VarStore::new(Device::Cpu);
-            let reference = lm(&ref_vs);
-            // Per-rank values: every rank must start from the one process's.
-            tch::manual_seed(3 + pg.rank() as i64 * 1000);
-            let vs = nn::VarStore::new(Device::Cpu);
-            let mut m = lm(&vs);
-            // The values TP scatters come from tp rank 0, fully_shard's from dp rank 0:
-            // global rank 0's in every piece, as the reference's.
-            tch::no_grad(|| {
-                for (fqn, t) in vs.variables() {
-                    t.shallow_clone().copy_(&ref_vs.variables()[&fqn]);
-                }
-            });
-            fsdp_x_tp(&mut m, &mesh);
-
-            let (dp, tp) = (
-                mesh.get_local_rank("dp").unwrap() as i64,
-                mesh.get_local_rank("tp").unwrap() as i64,
-            );
-            let record = placements(&m);
-            assert_eq!(record.len(), vs.trainable_variables().len());
+            let s = two_d(&pg);
+            let (m, mesh) = (&s.m, &s.mesh);
+            let dp = mesh.get_local_rank("dp").unwrap() as i64;
+            let tp = mesh.get_local_rank("tp").unwrap() as i64;
+            let record = placements(m);
+            assert_eq!(record.len(), s.vs.trainable_variables().len());
             // blocks.0.fc1.weight [14, 8]: tp rows 7 each, then dp rows 4 and 3.
             let w = record
                 .get(&m.blocks[0].fc1.ws)
@@ -207,36 +264,105 @@ fn fsdp_x_tp_on_a_2x2_mesh_equals_one_process() {
                 .expect("norm.weight");
             assert_eq!(w.placements, [Placement::Shard(0)]);
             assert_eq!(w.offsets, [dp * 4]);
-
-            let sgd = nn::Sgd {
-                momentum: 0.9,
-                ..Default::default()
-            };
-            let mut opt = sgd.build(&vs, 0.1).unwrap();
-            let mut ref_opt = sgd.build(&ref_vs, 0.1).unwrap();
-            for step in 0..3 {
-                let (ids, targets) = batch(step);
-                ref_opt.zero_grad();
-                loss(&reference.forward(&ids), &targets).backward();
-                let ref_norm = tch_dist::utils::clip_grad_norm(&reference, 1e9, 2.0).unwrap();
-                ref_opt.step();
-                opt.zero_grad();
-                loss(&m.call(&dp_rows(&ids, &mesh)), &dp_rows(&targets, &mesh)).backward();
-                let norm = tch_dist::utils::clip_grad_norm(&m, 1e9, 2.0).unwrap();
-                assert!(
-                    (norm - ref_norm).abs() < 1e-5 * ref_norm.max(1.0),
-                    "step {step}: clip_grad_norm {norm} vs one process {ref_norm}"
-                );
-                opt.step();
-            }
-            let diff = max_diff_full(&m, &ref_vs);
-            assert!(diff < 1e-5, "FSDP x TP 2x2 vs one process: {diff}");
+            train(&s);
             // Evaluation under no_grad computes the one process's logits.
             let (ids, _) = batch(7);
             let ours = tch::no_grad(|| m.call(&ids));
-            let theirs = tch::no_grad(|| reference.forward(&ids));
+            let theirs = tch::no_grad(|| s.reference.forward(&ids));
             let d = (ours - theirs).abs().max().double_value(&[]);
             assert!(d < 1e-5, "no_grad logits: {d}");
         },
     );
+}
+
+/// The trained 2x2 model's checkpoint: every rank writes its own 2-D pieces; tch-dist
+/// reloads it at 4 x 1 (fully_shard over 4 ranks of a 1-rank tp dim) and into a plain
+/// model on every rank; PyTorch's `dcp.load` reads it into a plain model in one process and
+/// into its own 2x2 FSDP x TP model (torchrun, 4 ranks); all equal the one process.
+#[test]
+fn fsdp_x_tp_checkpoint_loads_at_other_layouts_and_into_pytorch() {
+    run_ranks(
+        "two_d::fsdp_x_tp_checkpoint_loads_at_other_layouts_and_into_pytorch",
+        4,
+        |pg: ProcessGroup| {
+            use tch_dist::checkpoint;
+            let s = two_d(&pg);
+            train(&s);
+            let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("fsdp_x_tp_2x2");
+            if pg.rank() == 0 {
+                let _ = std::fs::remove_dir_all(&dir);
+                std::fs::create_dir_all(&dir).unwrap();
+            }
+            pg.barrier().unwrap();
+            let ckpt = dir.join("step-00000003");
+            checkpoint::save(&ckpt, &s.m, &pg).unwrap();
+            // Each rank holds pieces no other rank holds: all four write.
+            for r in 0..4 {
+                assert!(
+                    ckpt.join(checkpoint::file_name(r)).exists(),
+                    "rank {r}'s file"
+                );
+            }
+            // 4 x 1: fully_shard over all four ranks, tensor parallelism over one.
+            let mesh41 = init_device_mesh("cpu", &[4, 1], &["dp", "tp"]).unwrap();
+            let vs41 = nn::VarStore::new(Device::Cpu);
+            let mut m41 = lm(&vs41);
+            fsdp_x_tp(&mut m41, &mesh41);
+            checkpoint::load(&ckpt, &m41, &pg).unwrap();
+            let diff = max_diff_full(&m41, &s.ref_vs);
+            assert!(diff < 1e-5, "loaded at 4 x 1: {diff}");
+            // A plain model on every rank (what one process loads).
+            let plain_vs = nn::VarStore::new(Device::Cpu);
+            let plain = lm(&plain_vs);
+            checkpoint::load(&ckpt, &plain, &pg).unwrap();
+            let vars = s.ref_vs.variables();
+            for (fqn, t) in plain_vs.variables() {
+                let d = (&t - &vars[&fqn]).abs().max().double_value(&[]);
+                assert!(d < 1e-5, "{fqn} loaded into a plain model: {d}");
+            }
+            if pg.rank() == 0 {
+                let full = dir.join("full.safetensors");
+                s.ref_vs.save(&full).unwrap();
+                pytorch_loads(&ckpt, &full);
+            }
+        },
+    );
+}
+
+/// PyTorch's `dcp.load` of `ckpt` (tests/fully_shard/pytorch_load_2d.py) in one process and
+/// at 2x2 under torchrun, each compared with `full`.
+fn pytorch_loads(ckpt: &std::path::Path, full: &std::path::Path) {
+    use crate::python::{bounded, clean, python};
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fully_shard/pytorch_load_2d.py");
+    for ranks in [1, 4] {
+        let mut cmd = if ranks == 1 {
+            clean(python().join("python"))
+        } else {
+            let mut cmd = clean(python().join("torchrun"));
+            cmd.args(["--standalone", "--nproc-per-node", "4"]);
+            cmd
+        };
+        cmd.arg(&script)
+            .arg(ckpt)
+            .arg(full)
+            .env("OMP_NUM_THREADS", "1");
+        let out = bounded(cmd);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let verdicts: Vec<String> = if ranks == 1 {
+            vec!["ok 1".into()]
+        } else {
+            (0..ranks)
+                .map(|r| format!("ok rank {r} of {ranks}"))
+                .collect()
+        };
+        for v in verdicts {
+            assert!(
+                stdout.contains(&v),
+                "PyTorch's load at {ranks} gave no `{v}` ({}):\n{stdout}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
 }
