@@ -51,6 +51,17 @@ the head), batch 8 x 64 tokens, SGD, `Schedule1F1B` on 4 and on 8 microbatches: 
     pp_m{M}_bubble=B         (measured bubble, (wall - CPU) / CPU per rank, both ranks'
                               mean; beside it PyTorch's and the schedule's (p - 1) / m)
 
+2-D parallelism (`two_d` in --models, last, with its own budget, --two-d-budget): the same
+transformer with separate q, k and v projections (so that a tensor-parallel rank holds whole
+heads) on 4 ranks as a 2x2 mesh, AdamW (fused on both sides), in two layouts, each tch-dist
+(`bench_ddp --mode hsdp|fsdp_tp`, examples/bench_ddp/two_d.rs) against PyTorch's same layout
+(bench/pytorch_two_d.py), alternating: HSDP (`fully_shard` on a `dp_replicate` x `dp_shard`
+mesh) and FSDP x TP (`parallelize_module` over `tp`, then `fully_shard` over `dp`). Prints a
+table and, per layout L (`hsdp`, `fsdp_tp`),
+
+    L_vs_pytorch=R       (median step, tch-dist / PyTorch; goal <= 0.9)
+    L_rss_vs_pytorch=R   (peak RSS of the largest rank, tch-dist / PyTorch; goal <= 1.0)
+
 GPU (`--gpu`, run by target/gpu-check/run.sh on the GPU machine): world size 1, NCCL, the
 403M-parameter MLP (12 blocks 2048-8192-2048), batch 64, SGD; plain tch, tch-dist and PyTorch
 DDP. tch-dist runs with the test switch TCH_DIST_NO_SHORTCUTS=1, so that at world size 1 it
@@ -61,7 +72,7 @@ Every run reports its own CPU time and the machine's busy time over its timed wi
 during which other programs used more than --max-foreign of the CPUs is repeated (this machine
 is shared), up to --retries times, and the table shows what remained.
 
-    python3 bench/driver.py [--models mlp,transformer,convnet,fsdp] [--rounds N] [--steps N]
+    python3 bench/driver.py [--models mlp,transformer,convnet,fsdp,ac,pp,two_d] [--rounds N] [--steps N]
                             [--warmup N] [--budget SECONDS] [--fsdp-budget SECONDS] [-v]
     python3 bench/driver.py --gpu --bin-dir DIR --script DIR/pytorch_ddp.py --python python3
 
@@ -514,6 +525,97 @@ def pp_part(a, r):
     return out
 
 
+# The 2-D part: the suite's transformer (with separate q, k, v) on 4 ranks as a 2x2 mesh, in
+# two layouts (HSDP; FSDP x TP), each against PyTorch's same layout; rounds (each a tch-dist
+# and a PyTorch run per layout, order flipping) and timed / warm-up steps. Four ranks share
+# this machine's cores, so a run takes 10-30 s (a PyTorch one 20 s of it starting); about 2.5
+# minutes on a quiet machine.
+TWO_D = dict(layouts=("hsdp", "fsdp_tp"), ranks=4, rounds=2, steps=15, warmup=3)
+TWO_D_DESC = {
+    "hsdp": "HSDP, mesh 2x2 (dp_replicate x dp_shard), fully_shard on each block then the root",
+    "fsdp_tp": "FSDP x TP, mesh 2x2 (dp x tp): q/k/v/fc1 column-, proj/fc2 row-parallel over "
+    "tp, then fully_shard on each block and the root over dp",
+}
+
+
+# The parts that follow the model suite, in the order they run.
+PARTS = ("fsdp", "ac", "pp", "two_d")
+
+
+def two_d_part(a, r):
+    """tch-dist HSDP and FSDP x TP against PyTorch's, 4 ranks; returns the summary ratios."""
+    rounds = TWO_D["rounds"] if a.two_d_rounds is None else a.two_d_rounds
+    pick = lambda k: TWO_D[k] if getattr(a, k) is None else getattr(a, k)
+    # No --model: the part has its own (both programs build it).
+    r.model, r.steps, r.warmup = None, pick("steps"), pick("warmup")
+    r.results = {}
+    nproc, r.nproc = r.nproc, TWO_D["ranks"]
+    script = os.path.join(ROOT, "bench", "pytorch_two_d.py")
+    print(
+        f"bench two_d: GPT-2-style transformer, 6 blocks d=256, 4 heads (separate q, k, v), "
+        f"vocabulary 128 (4.8M parameters in 102 tensors), batch 2 x 64 tokens per data-parallel "
+        f"replica, AdamW (fused on both sides), {TWO_D['ranks']} ranks, Gloo, 1 torch "
+        f"thread/rank; {rounds} rounds x {r.steps} timed steps (+{r.warmup} warm-up)",
+        flush=True,
+    )
+    for layout in TWO_D["layouts"]:
+        print(f"  {layout}: {TWO_D_DESC[layout]}", flush=True)
+    for i in range(rounds):
+        if i >= 1 and r.slack() < 0:
+            r.planned -= 2 * len(TWO_D["layouts"]) * (rounds - i)
+            print(f"  two_d: stopped after {i} of {rounds} rounds for lack of time", flush=True)
+            r.cut_rounds += rounds - i
+            break
+        for layout in TWO_D["layouts"]:
+            pair = [
+                lambda: r.tch(f"tch_dist_{layout}", layout),
+                lambda: r.torch(f"pytorch_{layout}", layout, script=script),
+            ]
+            if i % 2:
+                pair.reverse()
+            for f in pair:
+                f()
+    r.nproc = nproc
+    res = r.results
+    med = {k: pooled_median(v) for k, v in res.items()}
+    peak = {k: max(x["peak_rss_mib_max"] for x in v) for k, v in res.items()}
+    state = {k: max(x["state_bytes_max"] for x in v) for k, v in res.items()}
+    print("\n== two_d: 4 ranks, 2x2 mesh, AdamW\n")
+    print(
+        f"{'configuration':<18} {'step ms':>8} {'fwd':>6} {'bwd':>6} {'opt':>6} {'cpu/rank':>8} "
+        f"{'peak RSS MiB':>12} {'state MB/rank':>13} {'foreign':>7}  runs"
+    )
+    for layout in TWO_D["layouts"]:
+        for k in (f"tch_dist_{layout}", f"pytorch_{layout}"):
+            v = res[k]
+            ph = {
+                p: statistics.median(x.get(p, 0) for x in v)
+                for p in ("fwd_ms", "bwd_ms", "opt_ms", "cpu_ms")
+            }
+            print(
+                f"{k:<18} {med[k]:8.2f} {ph['fwd_ms']:6.1f} {ph['bwd_ms']:6.1f} "
+                f"{ph['opt_ms']:6.1f} {ph['cpu_ms']:8.1f} {peak[k]:12.1f} "
+                f"{state[k] / 1e6:13.2f} {max(x['foreign'] for x in v):7.0%}  {len(v)}"
+            )
+    out = {}
+    print()
+    for layout in TWO_D["layouts"]:
+        t, p = f"tch_dist_{layout}", f"pytorch_{layout}"
+        out[f"{layout}_vs_pytorch"] = med[t] / med[p]
+        out[f"{layout}_rss_vs_pytorch"] = peak[t] / peak[p]
+        print(
+            f"{layout}_vs_pytorch={out[f'{layout}_vs_pytorch']:.3f}  (median step, "
+            f"{med[t]:.1f} / {med[p]:.1f} ms; paired over rounds "
+            f"{paired_ratio(res[t], res[p]):.3f}; goal <= 0.9)"
+        )
+        print(
+            f"{layout}_rss_vs_pytorch={out[f'{layout}_rss_vs_pytorch']:.3f}  (peak RSS of the "
+            f"largest rank, {peak[t]:.1f} / {peak[p]:.1f} MiB; goal <= 1.0)"
+        )
+    print(flush=True)
+    return out
+
+
 def planned_runs(a, m):
     """How many runs cpu_model makes for model settings `m`."""
     rounds = m["rounds"] if a.rounds is None else a.rounds
@@ -524,12 +626,16 @@ def planned_runs(a, m):
 def cpu_bench(a, r):
     models = [m for m in a.models.split(",") if m]
     for m in models:
-        if m not in MODELS and m not in ("fsdp", "ac", "pp"):
-            raise SystemExit(f"bench: unknown model {m} ({', '.join(MODELS)}, fsdp, ac or pp)")
+        if m not in MODELS and m not in PARTS:
+            raise SystemExit(
+                f"bench: unknown model {m} ({', '.join(MODELS)}, {', '.join(PARTS[:-1])} or "
+                f"{PARTS[-1]})"
+            )
     fsdp = "fsdp" in models
     ac = "ac" in models
     pp = "pp" in models
-    models = [m for m in models if m not in ("fsdp", "ac", "pp")]
+    two_d = "two_d" in models
+    models = [m for m in models if m not in PARTS]
     # Each model gets the share of what is left of the budget that its runs are of the runs
     # still to come.
     end = time.time() + a.budget if a.budget else float("inf")
@@ -565,6 +671,14 @@ def cpu_bench(a, r):
         r.deadline = start + a.pp_budget if a.pp_budget else float("inf")
         pp_summary = pp_part(a, r)
         print(f"bench pp took {time.time() - start:.0f} s", flush=True)
+    two_d_summary = None
+    if two_d:
+        start = time.time()
+        rounds = TWO_D["rounds"] if a.two_d_rounds is None else a.two_d_rounds
+        r.planned, r.done = 2 * len(TWO_D["layouts"]) * rounds, 0
+        r.deadline = start + a.two_d_budget if a.two_d_budget else float("inf")
+        two_d_summary = two_d_part(a, r)
+        print(f"bench two_d took {time.time() - start:.0f} s", flush=True)
     for m, s in summary.items():
         print(f"model={m} " + " ".join(f"{k}={v:.3f}" for k, v in s.items()))
     if fsdp_summary:
@@ -573,6 +687,8 @@ def cpu_bench(a, r):
         print("ac " + " ".join(f"{k}={v:.3f}" for k, v in ac_summary.items()))
     if pp_summary:
         print("pp " + " ".join(f"{k}={v:.3f}" for k, v in pp_summary.items()))
+    if two_d_summary:
+        print("two_d " + " ".join(f"{k}={v:.3f}" for k, v in two_d_summary.items()))
     # The same figures as pictures (docs/PERFORMANCE.md shows a run's charts).
     per_model = {m: s["tch_dist_vs_pytorch_ddp"] for m, s in summary.items()}
     for path in charts.write_charts(
@@ -633,10 +749,18 @@ def main():
     )
     p.add_argument(
         "--models",
-        default=",".join(list(MODELS) + ["fsdp", "ac", "pp"]),
+        default=",".join(list(MODELS) + list(PARTS)),
         help="the CPU suite's models, in order, `fsdp` for the FSDP part, `ac` for the "
-        "activation-checkpointing part and `pp` for the pipeline part, which run after them "
-        "(default: %(default)s); the last line is the first model's tch_dist_vs_pytorch_ddp",
+        "activation-checkpointing part, `pp` for the pipeline part and `two_d` for the 2-D "
+        "part (HSDP, FSDP x TP; 4 ranks), which run after them (default: %(default)s); the "
+        "last line is the first model's tch_dist_vs_pytorch_ddp",
+    )
+    p.add_argument("--two-d-rounds", type=int, default=None, help=f"default {TWO_D['rounds']}")
+    p.add_argument(
+        "--two-d-budget",
+        type=float,
+        default=170.0,
+        help="seconds for the 2-D part (0: none; default %(default)s)",
     )
     p.add_argument("--pp-rounds", type=int, default=None, help=f"default {PP['rounds']}")
     p.add_argument(

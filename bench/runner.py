@@ -70,6 +70,9 @@ class Runner:
         if not os.path.exists(self.bench):
             self.bench = os.path.join(a.bin_dir, "examples", "bench_ddp")
         self.ncpu = os.cpu_count() or 1
+        # Ranks per distributed run: --nproc, or what a part of the suite sets (the 2-D part
+        # needs a 2x2 mesh).
+        self.nproc = a.nproc
         self.results = {}  # configuration -> rank-0 records, one per run
         self.retried = 0
         self.model = a.model  # what --model the runs get (None: the programs' default)
@@ -94,7 +97,7 @@ class Runner:
 
     def run(self, name, cmd, distributed, env=None):
         if distributed:
-            cmd = [self.launcher, "--nproc-per-node", str(self.a.nproc), "--"] + cmd
+            cmd = [self.launcher, "--nproc-per-node", str(self.nproc), "--"] + cmd
         for attempt in range(self.a.retries + 1):
             wait_until_quiet(min(self.a.quiet_wait, max(0.0, self.slack())))
             t = time.time()

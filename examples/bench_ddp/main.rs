@@ -6,6 +6,7 @@
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode allreduce [--sizes BYTES,BYTES,...]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode fully_shard [--model NAME] [--optim adamw] [--activation-checkpointing]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode pipeline --model transformer [--microbatches 4]
+//! tch-dist-run --nproc-per-node 4 -- bench_ddp --mode hsdp|fsdp_tp
 //! ```
 //!
 //! - `plain`: one process trains the model (no process group);
@@ -16,7 +17,9 @@
 //!   (the MLP's layers, the transformer's and the convnet's blocks), then the root, with the
 //!   defaults;
 //! - `pipeline`: the transformer as 2 pipeline stages, one per rank, `Schedule1F1B` on
-//!   `--microbatches` (default 4) microbatches of a batch of 8 sequences (pipeline.rs).
+//!   `--microbatches` (default 4) microbatches of a batch of 8 sequences (pipeline.rs);
+//! - `hsdp`, `fsdp_tp`: the transformer (with separate q, k, v) on a 2x2 mesh of 4 ranks,
+//!   HSDP or FSDP x tensor parallelism, AdamW (two_d.rs).
 //!
 //! `--optim sgd` (the default: SGD, no momentum) or `adamw` (tch's `nn::AdamW` defaults);
 //! `--lr` (default 0.01 for SGD, 1e-3 for AdamW). `--activation-checkpointing` (the
@@ -65,6 +68,7 @@ use attention_block::Block;
 mod measure;
 mod models;
 mod pipeline;
+mod two_d;
 use measure::*;
 use models::*;
 
@@ -194,7 +198,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             }
             None
         }
-        "replicate" | "allreduce" | "fully_shard" | "pipeline" => {
+        "replicate" | "allreduce" | "fully_shard" | "pipeline" | "hsdp" | "fsdp_tp" => {
             let backend = if args.device.is_cuda() {
                 Backend::Nccl
             } else {
@@ -209,11 +213,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         other => {
             return Err(format!(
-                "unknown --mode {other} (plain, replicate, fully_shard, pipeline or allreduce)"
+                "unknown --mode {other} (plain, replicate, fully_shard, pipeline, hsdp, fsdp_tp or allreduce)"
             )
             .into())
         }
     };
+    if let ("hsdp" | "fsdp_tp", Some(pg)) = (args.mode.as_str(), &pg) {
+        // Its own model and mesh: --model does not apply.
+        return two_d::two_d(&args, pg);
+    }
     match args.model.as_str() {
         "mlp" | "gpu" => dispatch::<Mlp>(&args, pg),
         "transformer" => dispatch::<Transformer>(&args, pg),
