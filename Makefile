@@ -15,11 +15,12 @@ NPROC ?= 2
 .PHONY: setup demo test lint doc bench gpu-check
 
 # Paths that do not name the venv's Python version (whatever python3 is): the venv's torch
-# (.cargo/config.toml's LIBTORCH) and the examples' dataset.
+# (.cargo/config.toml's LIBTORCH) and the examples' datasets.
 TORCH_LINK := $(VENV)/torch
 DIGITS := data/digits.csv.gz
+LM_TEXT := data/lm_text.txt
 
-setup: $(SETUP_STAMP) $(GLOO_HEADER) $(TORCH_LINK) $(DIGITS)
+setup: $(SETUP_STAMP) $(GLOO_HEADER) $(TORCH_LINK) $(DIGITS) $(LM_TEXT)
 
 $(SETUP_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +33,13 @@ $(TORCH_LINK): $(SETUP_STAMP)
 $(DIGITS): $(SETUP_STAMP)
 	mkdir -p $(dir $@)
 	cp "$$($(PY) -c 'import os, sklearn.datasets as d; print(os.path.join(os.path.dirname(d.__file__), "data", "digits.csv.gz"))')" $@
+
+# train_lm's text: scikit-learn's dataset descriptions (English, about 43 KB), concatenated
+# in sorted file order (Python's sort, whatever the locale), written whole then renamed.
+$(LM_TEXT): $(SETUP_STAMP)
+	mkdir -p $(dir $@)
+	$(PY) -c 'import glob, os, sys, sklearn.datasets as d; files = sorted(glob.glob(os.path.join(os.path.dirname(d.__file__), "descr", "*.rst"))); assert files, "no sklearn/datasets/descr/*.rst"; sys.stdout.buffer.write(b"".join(open(f, "rb").read() for f in files))' > $@.tmp
+	mv $@.tmp $@
 
 # gloo's headers (Debian's libgloo-dev) let the shim compile ProcessGroupGloo.hpp; gloo
 # itself lives inside libtorch_cpu.so.
@@ -48,6 +56,7 @@ demo: setup
 	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/train_fsdp
 	target/release/tch-dist-run --nproc-per-node 2 -- target/release/examples/train_fsdp --pp 2
 	target/release/tch-dist-run --nproc-per-node $(NPROC) -- target/release/examples/tensor_parallel
+	target/release/tch-dist-run --nproc-per-node 4 -- target/release/examples/train_lm
 
 test: setup
 	$(CARGO) test --workspace --all-targets

@@ -1,0 +1,496 @@
+//! A small Llama-style language model (torchtitan's Llama at toy size: model.rs) trained on
+//! real English text (scikit-learn's dataset descriptions, byte tokens: data.rs) with
+//! FSDP x TP on a 2-D mesh, in PyTorch's (torchtitan's) order:
+//!
+//! 1. `init_device_mesh("cpu", &[dp, tp], &["dp", "tp"])`;
+//! 2. `parallelize_module` over the mesh's `tp` dim with torchtitan's plan (a vocab-parallel
+//!    embedding, column-parallel q/k/v and w1/w3, row-parallel wo and w2, a column-parallel
+//!    output gathered);
+//! 3. `fully_shard` over its `dp` dim on each layer, then on the root.
+//!
+//! Each dp rank trains on its `DistributedSampler` share of the sequences (the tp ranks of
+//! one dp group see the same batch), with `tch_dist::optim::AdamW` and gradients clipped to
+//! norm 1 (`utils::clip_grad_norm`: the norm of the whole model, summed over both mesh
+//! dims). Rank 0 shows a progress bar per epoch, then one line per epoch,
+//! `epoch E loss=L tokens/s=T peak_mem_mib=M` (the loss averaged over the dp groups, the
+//! whole job's tokens per second, the largest peak resident set of any rank), and one line
+//! per rank with its own figures. At the end every rank evaluates the test split through
+//! the sharded model under `no_grad` and rank 0 prints `test_loss=X.XXXX` (the mean
+//! next-token cross-entropy over the test split; the uniform guess scores ln(vocab)).
+//!
+//! `--metrics PATH` (default `target/train_lm/metrics.jsonl`): rank 0 writes one JSON object
+//! per step, `{"step", "epoch", "loss", "tokens_per_s", "peak_mem_mib"}` (JSON lines: no
+//! TensorBoard writer in the dependencies; `pandas.read_json(PATH, lines=True)` plots it).
+//! `--checkpoint-dir DIR`: at the end the model is saved by `checkpoint::save_with` into
+//! `DIR/step-NNNNNNNN`, every rank its own 2-D pieces, with the model's config and vocabulary
+//! in `train_state.json`; PyTorch's `dcp.load(sd, storage_reader=HuggingFaceStorageReader(..))`
+//! reads it into a plain PyTorch model (tests/examples/pytorch_load_lm.py).
+//!
+//! ```text
+//! target/release/tch-dist-run --nproc-per-node 4 -- target/release/examples/train_lm \
+//!     [--dp 2 --tp 2] [--epochs N] [--max-steps N] [--local-batch-size N] [--seq-len N] [--lr LR] \
+//!     [--data PATH] [--metrics PATH] [--checkpoint-dir DIR]
+//! ```
+//!
+//! `--dp` x `--tp` must be the number of ranks. A bad argument ends every rank with one
+//! line, `error: ...`, and exit status 2 (no rank waits for another); any other failure with
+//! one line and exit status 1.
+
+use std::error::Error;
+use std::fmt;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use tch::{nn, Device, Kind, Reduction, Tensor};
+use tch_dist::checkpoint;
+use tch_dist::data::{DistributedSampler, SamplerOptions};
+use tch_dist::device_mesh::init_device_mesh;
+use tch_dist::optim::AdamW;
+use tch_dist::sharding::parallelize_module;
+use tch_dist::{fully_shard, init_process_group, Backend, Call, FsdpOptions, ReduceOp};
+
+#[path = "../common/cli.rs"]
+mod cli;
+mod data;
+#[path = "../common/memory.rs"]
+#[allow(dead_code)] // malloc_in_use: the peak resident set is the reading here
+mod memory;
+mod model;
+
+use model::{Config, Transformer};
+
+/// Test sequences per forward.
+const EVAL_BATCH: i64 = 32;
+
+struct Args {
+    dp: usize,
+    tp: usize,
+    epochs: usize,
+    /// Stop after this many steps in all (0: no limit).
+    max_steps: u64,
+    /// Sequences per step on each dp rank (torchtitan's `local_batch_size`); a step trains
+    /// on dp times as many.
+    local_batch: i64,
+    seq_len: i64,
+    lr: f64,
+    data: PathBuf,
+    metrics: PathBuf,
+    checkpoint_dir: Option<PathBuf>,
+}
+
+/// A command line that cannot run: exit status 2, as for a flag that does not parse.
+#[derive(Debug)]
+struct Usage(String);
+
+impl fmt::Display for Usage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Error for Usage {}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        dp: 2,
+        tp: 2,
+        epochs: 16,
+        max_steps: 0,
+        local_batch: 16,
+        seq_len: 64,
+        lr: 1e-2,
+        data: data::default_path(),
+        metrics: PathBuf::from("target/train_lm/metrics.jsonl"),
+        checkpoint_dir: None,
+    };
+    let mut flags = cli::Flags::from_env();
+    while let Some(flag) = flags.next_flag() {
+        match flag.as_str() {
+            "--dp" => a.dp = flags.parsed(&flag)?,
+            "--tp" => a.tp = flags.parsed(&flag)?,
+            "--epochs" => a.epochs = flags.parsed(&flag)?,
+            "--max-steps" => a.max_steps = flags.parsed(&flag)?,
+            "--local-batch-size" => a.local_batch = flags.parsed(&flag)?,
+            "--seq-len" => a.seq_len = flags.parsed(&flag)?,
+            "--lr" => a.lr = flags.parsed(&flag)?,
+            "--data" => a.data = flags.value(&flag)?.into(),
+            "--metrics" => a.metrics = flags.value(&flag)?.into(),
+            "--checkpoint-dir" => a.checkpoint_dir = Some(flags.value(&flag)?.into()),
+            other => return Err(cli::unknown(other)),
+        }
+    }
+    if a.dp == 0 || a.tp == 0 {
+        return Err("--dp and --tp must be at least 1".into());
+    }
+    if a.epochs == 0 {
+        return Err("--epochs must be at least 1".into());
+    }
+    if a.local_batch <= 0 {
+        return Err("--local-batch-size must be at least 1".into());
+    }
+    if a.seq_len < 1 {
+        return Err("--seq-len must be at least 1".into());
+    }
+    if !(a.lr.is_finite() && a.lr > 0.0) {
+        return Err(format!("--lr {} must be a positive number", a.lr));
+    }
+    Ok(a)
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
+    let result = run(&args);
+    tch_dist::destroy_process_group();
+    if let Err(e) = result {
+        eprintln!("error: {}", tch_dist::report(&*e));
+        std::process::exit(if e.is::<Usage>() { 2 } else { 1 });
+    }
+}
+
+/// `loss.backward()` with failures as values: a collective that failed during backward (a
+/// dead peer) is fully_shard's typed error, naming the module.
+fn backward(model: &Transformer, loss: &Tensor) -> Result<(), Box<dyn Error>> {
+    if let Err(text) = loss.f_backward() {
+        let state = tch_dist::fully_shard::state(model);
+        return Err(match state.and_then(|s| s.take_backward_error()) {
+            Some(typed) => typed.into(),
+            None => text.into(),
+        });
+    }
+    Ok(())
+}
+
+/// The mean next-token cross-entropy of `logits` `[batch, seq, vocab]` against `targets`
+/// `[batch, seq]` (`reduction`: mean, or the sum for the test loss's running total).
+fn cross_entropy(logits: &Tensor, targets: &Tensor, reduction: Reduction) -> Tensor {
+    let vocab = logits.size()[2];
+    logits.view([-1, vocab]).cross_entropy_loss::<Tensor>(
+        &targets.reshape([-1]),
+        None,
+        reduction,
+        -100,
+        0.0,
+    )
+}
+
+/// A rank's figures for one epoch.
+#[derive(Clone, Copy)]
+struct EpochFigures {
+    /// Its dp group's mean training loss.
+    loss: f64,
+    /// Tokens its model replica trained on per second.
+    tokens_per_s: f64,
+    /// Its peak resident set so far (VmHWM).
+    peak_mem_mib: f64,
+}
+
+fn run(args: &Args) -> Result<(), Box<dyn Error>> {
+    // One intra-op thread per rank: the demo and the tests run 4 ranks on a 2-core machine.
+    // A setting for that machine, not advice: elsewhere give each rank its share of the
+    // cores (or leave libtorch's default).
+    tch::set_num_threads(1);
+    let pg = init_process_group(Backend::Gloo)?;
+    let (rank, world) = (pg.rank(), pg.world_size());
+    // Every rank sees the same sizes and refuses alike, before any collective that a
+    // mismatched mesh would leave waiting.
+    if args.dp * args.tp != world {
+        return Err(Usage(format!(
+            "--dp {} x --tp {} is {} ranks, but this job has {world} (WORLD_SIZE); pick \
+             --dp and --tp whose product is {world}",
+            args.dp,
+            args.tp,
+            args.dp * args.tp
+        ))
+        .into());
+    }
+
+    let corpus = data::load(&args.data)?;
+    let config = Config::tiny(corpus.vocab.len() as i64, args.seq_len);
+    if config.n_heads % args.tp as i64 != 0 {
+        return Err(Usage(format!(
+            "--tp {} does not divide the model's {} attention heads",
+            args.tp, config.n_heads
+        ))
+        .into());
+    }
+    let (x_train, y_train) = data::sequences(&corpus.train, args.seq_len);
+    let (x_test, y_test) = data::sequences(&corpus.test, args.seq_len);
+    let n_train = x_train.size()[0];
+    if n_train == 0 || x_test.size()[0] == 0 {
+        return Err(Usage(format!(
+            "--seq-len {} leaves no whole sequence in the training or the test split",
+            args.seq_len
+        ))
+        .into());
+    }
+
+    let mesh = init_device_mesh("cpu", &[args.dp, args.tp], &["dp", "tp"])?;
+    let (dp_mesh, tp_mesh) = (mesh.dim("dp")?, mesh.dim("tp")?);
+    let dp_group = mesh.get_group("dp")?.clone();
+    let dp_rank = mesh.get_local_rank("dp")?;
+
+    // The same seed on every rank: parallelize_module scatters each tp group's rank 0's
+    // values and fully_shard keeps each rank's own piece of its values, so every rank must
+    // start from the same model.
+    tch::manual_seed(42);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let mut model = Transformer::new(&vs.root(), &config);
+    tch_dist::check_against_var_store(&model, &vs)?;
+    let numel = |vs: &nn::VarStore| -> i64 {
+        vs.trainable_variables()
+            .iter()
+            .map(|t| t.numel() as i64)
+            .sum()
+    };
+    let full_params = numel(&vs);
+    parallelize_module(&mut model, &tp_mesh, &model::tp_plan(config.n_layers))?;
+    let over_dp = || FsdpOptions {
+        mesh: Some(dp_mesh.clone()),
+        ..Default::default()
+    };
+    for layer in &model.layers {
+        fully_shard(layer, over_dp())?;
+    }
+    fully_shard(&model, over_dp())?;
+    let local_params = numel(&vs);
+    // Built after both: the optimizer sees (and keeps its state for) this rank's pieces.
+    let adamw = AdamW {
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let mut opt = adamw.build(&vs, args.lr)?;
+
+    let mut sampler = DistributedSampler::new(
+        n_train as usize,
+        SamplerOptions {
+            num_replicas: Some(args.dp),
+            rank: Some(dp_rank),
+            seed: 1000,
+            ..Default::default()
+        },
+    )?;
+    let per = args.local_batch;
+    let steps_per_epoch = (sampler.len() as i64 + per - 1) / per;
+    let total_steps = match args.max_steps {
+        0 => steps_per_epoch as u64 * args.epochs as u64,
+        n => n.min(steps_per_epoch as u64 * args.epochs as u64),
+    };
+    let mut metrics = if rank == 0 {
+        Some(metrics_file(&args.metrics)?)
+    } else {
+        None
+    };
+    if rank == 0 {
+        println!(
+            "training a Llama-style decoder ({full_params} parameters: dim {}, {} layers, {} \
+             heads, ffn {}, vocab {} bytes) on {} byte tokens of scikit-learn's dataset \
+             descriptions",
+            config.dim,
+            config.n_layers,
+            config.n_heads,
+            config.hidden_dim,
+            config.vocab_size,
+            corpus.train.size()[0],
+        );
+        println!(
+            "dp {} x tp {} ({world} ranks), {local_params} parameters on this rank; {n_train} \
+             sequences of {} tokens, {per} per dp rank and step ({} per step), \
+             {steps_per_epoch} steps per epoch, {total_steps} in all",
+            args.dp,
+            args.tp,
+            args.seq_len,
+            per * args.dp as i64,
+        );
+    }
+
+    let start = Instant::now();
+    let mut global = 0u64;
+    let mut epochs_run = 0;
+    for epoch in 0..args.epochs {
+        if global >= total_steps {
+            break;
+        }
+        epochs_run = epoch + 1;
+        sampler.set_epoch(epoch as u64);
+        let order = Tensor::from_slice(&sampler.indices()?);
+        let steps = (steps_per_epoch as u64).min(total_steps - global);
+        let bar = (rank == 0).then(|| progress_bar(steps, epoch + 1, args.epochs));
+        let epoch_start = Instant::now();
+        let (mut own_loss_sum, mut own_tokens) = (0f64, 0i64);
+        for step in 0..steps as i64 {
+            let step_start = Instant::now();
+            let lo = step * per;
+            let mine = order.narrow(0, lo, per.min(sampler.len() as i64 - lo));
+            let (inputs, targets) = (
+                x_train.index_select(0, &mine),
+                y_train.index_select(0, &mine),
+            );
+            opt.set_lr(args.lr * lr_factor(global, total_steps))?;
+            opt.zero_grad();
+            let loss = cross_entropy(&model.f_call(&inputs)?, &targets, Reduction::Mean);
+            backward(&model, &loss)?;
+            tch_dist::utils::clip_grad_norm(&model, 1.0, 2.0)?;
+            opt.step()?;
+            // The step's loss over the whole batch: the mean of the dp groups' (Gloo has no
+            // average: a sum, divided).
+            let own = loss.double_value(&[]);
+            let mean = loss.detach().reshape([1]);
+            dp_group.all_reduce(&mean, ReduceOp::Sum)?;
+            let loss = mean.double_value(&[0]) / args.dp as f64;
+            global += 1;
+            own_loss_sum += own;
+            own_tokens += inputs.numel() as i64;
+            let step_tokens = (inputs.numel() * args.dp) as f64;
+            let tokens_per_s = step_tokens / step_start.elapsed().as_secs_f64();
+            if let Some(file) = &mut metrics {
+                let line = serde_json::json!({
+                    "step": global,
+                    "epoch": epoch + 1,
+                    "loss": loss,
+                    "tokens_per_s": tokens_per_s,
+                    "peak_mem_mib": memory::rss_mib().0,
+                });
+                // One line per step, flushed: a plot of the file may follow the run.
+                writeln!(file, "{line}").and_then(|()| file.flush())?;
+            }
+            if let Some(b) = &bar {
+                b.set_message(format!("loss {loss:.4} {tokens_per_s:.0} tokens/s"));
+                b.inc(1);
+            }
+        }
+        if let Some(b) = &bar {
+            b.finish();
+        }
+        let mine = EpochFigures {
+            loss: own_loss_sum / steps as f64,
+            tokens_per_s: own_tokens as f64 / epoch_start.elapsed().as_secs_f64(),
+            peak_mem_mib: memory::rss_mib().0,
+        };
+        let all = gather_figures(&pg, mine)?;
+        if rank == 0 {
+            // The job's figures: every dp group's tokens (the tp ranks of a group share
+            // theirs), the mean of the groups' losses, the largest peak.
+            let job_tokens: f64 = (0..args.dp).map(|d| all[d * args.tp].tokens_per_s).sum();
+            let loss = (0..args.dp).map(|d| all[d * args.tp].loss).sum::<f64>() / args.dp as f64;
+            let peak = all.iter().map(|f| f.peak_mem_mib).fold(0.0, f64::max);
+            println!(
+                "epoch {} loss={loss:.4} tokens/s={job_tokens:.0} peak_mem_mib={peak:.1}",
+                epoch + 1
+            );
+            for (r, f) in all.iter().enumerate() {
+                println!(
+                    "  rank {r} (dp {}, tp {}): loss={:.4} tokens/s={:.0} peak_mem_mib={:.1}",
+                    r / args.tp,
+                    r % args.tp,
+                    f.loss,
+                    f.tokens_per_s,
+                    f.peak_mem_mib
+                );
+            }
+        }
+    }
+
+    // Every rank runs the sharded model over the whole test split (each forward is a
+    // collective: layers gathered over dp, partial sums reduced over tp); no_grad: no
+    // backward follows.
+    let test_loss = {
+        let _guard = tch::no_grad_guard();
+        let (mut sum, mut count) = (0f64, 0i64);
+        let (xs, ys) = (x_test.split(EVAL_BATCH, 0), y_test.split(EVAL_BATCH, 0));
+        for (x, y) in xs.iter().zip(&ys) {
+            let logits = model.f_call(x)?;
+            sum += cross_entropy(&logits, y, Reduction::Sum).double_value(&[]);
+            count += y.numel() as i64;
+        }
+        sum / count as f64
+    };
+    if rank == 0 {
+        println!(
+            "trained {global} steps in {:.1} s; test tokens {}, uniform guess ln({}) = {:.4}",
+            start.elapsed().as_secs_f64(),
+            x_test.numel(),
+            config.vocab_size,
+            (config.vocab_size as f64).ln()
+        );
+        println!("test_loss={test_loss:.4}");
+    }
+
+    if let Some(parent) = &args.checkpoint_dir {
+        let dir = parent.join(format!("step-{global:08}"));
+        let vocab: Vec<u32> = corpus.vocab.iter().map(|&b| b as u32).collect();
+        let opts = checkpoint::SaveOptions {
+            train_state: Some(serde_json::json!({
+                "step": global,
+                "epoch": epochs_run,
+                "config": config,
+                "vocab": vocab,
+                "test_loss": test_loss,
+            })),
+            keep_last: None,
+        };
+        checkpoint::save_with(&dir, &model, &pg, &opts)?;
+        if rank == 0 {
+            println!("saved checkpoint {}", dir.display());
+        }
+    }
+    Ok(())
+}
+
+/// torchtitan's schedule (`lr_scheduler.py`: linear warmup, then decay): the learning
+/// rate's factor at step `step` (0-based) of `total`: a linear warmup over the first 5% of
+/// the steps (at least one), then a cosine decay to a tenth.
+fn lr_factor(step: u64, total: u64) -> f64 {
+    let warmup = (total / 20).max(1);
+    if step < warmup {
+        return (step + 1) as f64 / warmup as f64;
+    }
+    let progress = (step - warmup) as f64 / (total - warmup).max(1) as f64;
+    0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+}
+
+/// The metrics file, created (with its folder) or emptied.
+fn metrics_file(path: &Path) -> Result<std::io::BufWriter<std::fs::File>, Box<dyn Error>> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| format!("--metrics: cannot create {}: {e}", parent.display()))?;
+    }
+    let file = std::fs::File::create(path)
+        .map_err(|e| format!("--metrics: cannot create {}: {e}", path.display()))?;
+    Ok(std::io::BufWriter::new(file))
+}
+
+fn progress_bar(steps: u64, epoch: usize, epochs: usize) -> indicatif::ProgressBar {
+    let b = indicatif::ProgressBar::new(steps);
+    b.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} epoch {prefix} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    b.set_prefix(format!("{epoch}/{epochs}"));
+    b
+}
+
+/// Every rank's figures, in rank order (one all-gather over the world).
+fn gather_figures(
+    pg: &tch_dist::ProcessGroup,
+    mine: EpochFigures,
+) -> Result<Vec<EpochFigures>, Box<dyn Error>> {
+    let world = pg.world_size() as i64;
+    let local = Tensor::from_slice(&[mine.loss, mine.tokens_per_s, mine.peak_mem_mib]);
+    let all = Tensor::zeros([world * 3], (Kind::Double, Device::Cpu));
+    pg.all_gather_into_tensor(&all, &local)?;
+    let v: Vec<f64> = Vec::try_from(&all)?;
+    Ok(v.chunks(3)
+        .map(|c| EpochFigures {
+            loss: c[0],
+            tokens_per_s: c[1],
+            peak_mem_mib: c[2],
+        })
+        .collect())
+}

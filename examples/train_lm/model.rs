@@ -1,0 +1,307 @@
+//! torchtitan's Llama (`torchtitan/models/llama3/model/model.py`) at toy size, under its
+//! names: `tok_embeddings`, `layers.N.{attention_norm, attention.{wq,wk,wv,wo}, ffn_norm,
+//! feed_forward.{w1,w2,w3}}`, `norm`, `output`; RMSNorm, rotary position embeddings,
+//! causal attention without biases, a SwiGLU feed-forward. tests/examples/pytorch_load_lm.py
+//! is the same model in PyTorch.
+//!
+//! Every child runs through `.call`: parallelize_module's hooks (the vocab-parallel lookup,
+//! the row-parallel all-reduces, the gathered output) and fully_shard's (each layer's
+//! parameters gathered around its forward and backward) are on the children, and calling
+//! `forward` directly would compute with this rank's shard alone (the library refuses it).
+
+use serde::Serialize;
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+use tch_dist::sharding::{ColwiseParallel, Layout, ParallelizePlan, RowwiseParallel};
+use tch_dist::{Call, Shardable};
+
+/// The model's sizes (saved with the checkpoint, so that PyTorch can build the same model).
+#[derive(Debug, Clone, Serialize)]
+pub struct Config {
+    pub vocab_size: i64,
+    pub dim: i64,
+    pub n_layers: usize,
+    pub n_heads: i64,
+    /// The feed-forward's hidden width.
+    pub hidden_dim: i64,
+    /// The longest sequence the rotary tables cover.
+    pub max_seq_len: i64,
+    pub norm_eps: f64,
+    pub rope_theta: f64,
+}
+
+impl Config {
+    /// Tiny, for 4 ranks on 2 CPU cores: width 64, 2 layers of 4 heads (2 per tp rank at
+    /// tp 2). The hidden width is torchtitan's rule, `4 * dim * 2 / 3` rounded up to a
+    /// multiple of 64: 192.
+    pub fn tiny(vocab_size: i64, max_seq_len: i64) -> Config {
+        let dim = 64;
+        let multiple_of = 64;
+        let hidden = 4 * dim * 2 / 3;
+        Config {
+            vocab_size,
+            dim,
+            n_layers: 2,
+            n_heads: 4,
+            hidden_dim: (hidden + multiple_of - 1) / multiple_of * multiple_of,
+            max_seq_len,
+            norm_eps: 1e-5,
+            rope_theta: 10000.0,
+        }
+    }
+
+    fn head_dim(&self) -> i64 {
+        self.dim / self.n_heads
+    }
+}
+
+/// PyTorch's `nn.RMSNorm(dim, eps)`: `x / sqrt(mean(x^2) + eps) * weight` (tch has the op,
+/// `Tensor::rms_norm`, but no layer). Its own module, so that the weight gets its FQN
+/// (`norm.weight`) and fully_shard shards it with the block that holds it.
+#[derive(Debug, Shardable)]
+pub struct RmsNorm {
+    #[shardable(param)]
+    pub weight: Tensor,
+    #[shardable(skip)]
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn new(p: nn::Path, dim: i64, eps: f64) -> RmsNorm {
+        RmsNorm {
+            weight: p.var("weight", &[dim], nn::Init::Const(1.0)),
+            eps,
+        }
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let last = x.size()[x.dim() - 1];
+        x.rms_norm([last], Some(&self.weight), self.eps)
+    }
+}
+
+/// Rotary position embeddings: torchtitan's `precompute_freqs_cis` and
+/// `apply_rotary_emb`, in real arithmetic (each pair `(x[2i], x[2i+1])` of a head is the
+/// complex number that PyTorch's `view_as_complex` makes, rotated by position * freq_i).
+/// Not a parameter or buffer: recomputed from the config, as torchtitan's non-persistent
+/// `freqs_cis`.
+#[derive(Debug)]
+struct Rope {
+    /// `[max_seq_len, head_dim / 2]`.
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    fn new(head_dim: i64, max_seq_len: i64, theta: f64) -> Rope {
+        let float = (Kind::Float, tch::Device::Cpu);
+        // 1 / theta^(2i / head_dim), as torchtitan computes it (float32).
+        let exponents = Tensor::arange_start_step(0, head_dim, 2, float) / head_dim as f64;
+        let freqs = Tensor::from(theta as f32).pow(&exponents).reciprocal();
+        let angles = Tensor::arange(max_seq_len, float).outer(&freqs);
+        Rope {
+            cos: angles.cos(),
+            sin: angles.sin(),
+        }
+    }
+
+    /// `x` `[batch, seq, heads, head_dim]`, each position's heads rotated.
+    fn apply(&self, x: &Tensor) -> Tensor {
+        let size = x.size();
+        let (t, half) = (size[1], size[3] / 2);
+        // [seq, 1, head_dim / 2]: broadcast over the batch and the heads.
+        let cos = self.cos.narrow(0, 0, t).unsqueeze(1);
+        let sin = self.sin.narrow(0, 0, t).unsqueeze(1);
+        let pairs = x.view([size[0], t, size[2], half, 2]);
+        let (re, im) = (pairs.select(-1, 0), pairs.select(-1, 1));
+        Tensor::stack(&[&re * &cos - &im * &sin, &re * &sin + &im * &cos], -1).view(size.as_slice())
+    }
+}
+
+/// Causal self-attention, no biases. Column-parallel `wq`/`wk`/`wv` leave each tp rank its
+/// `n_heads / tp` heads (their rows), so the local head count is read off the projections'
+/// width; the row-parallel `wo` sums the ranks' parts.
+#[derive(Debug, Shardable)]
+pub struct Attention {
+    pub wq: nn::Linear,
+    pub wk: nn::Linear,
+    pub wv: nn::Linear,
+    pub wo: nn::Linear,
+    #[shardable(skip)]
+    head_dim: i64,
+    #[shardable(skip)]
+    rope: Rope,
+}
+
+impl Module for Attention {
+    /// `[batch, seq, dim]` to `[batch, seq, dim]`.
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let size = x.size();
+        let (b, t) = (size[0], size[1]);
+        // [batch, seq, local heads, head_dim]: this rank's heads (all of them at tp 1).
+        let heads = |z: Tensor| z.view([b, t, -1, self.head_dim]);
+        let q = self.rope.apply(&heads(self.wq.call(x)));
+        let k = self.rope.apply(&heads(self.wk.call(x)));
+        let v = heads(self.wv.call(x));
+        // PyTorch's F.scaled_dot_product_attention(q, k, v, is_causal=True) over
+        // [batch, heads, seq, head_dim].
+        let y = Tensor::scaled_dot_product_attention(
+            &q.transpose(1, 2),
+            &k.transpose(1, 2),
+            &v.transpose(1, 2),
+            None::<Tensor>,
+            0.0,
+            true,
+            None,
+            false,
+        );
+        self.wo
+            .call(&y.transpose(1, 2).contiguous().view([b, t, -1]))
+    }
+}
+
+/// SwiGLU: `w2(silu(w1(x)) * w3(x))`; w1 and w3 column-parallel, w2 row-parallel.
+#[derive(Debug, Shardable)]
+pub struct FeedForward {
+    pub w1: nn::Linear,
+    pub w2: nn::Linear,
+    pub w3: nn::Linear,
+}
+
+impl Module for FeedForward {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.w2.call(&(self.w1.call(x).silu() * self.w3.call(x)))
+    }
+}
+
+/// A pre-norm block: `h = x + attention(attention_norm(x))`, `h + feed_forward(ffn_norm(h))`.
+#[derive(Debug, Shardable)]
+pub struct TransformerBlock {
+    pub attention_norm: RmsNorm,
+    pub attention: Attention,
+    pub ffn_norm: RmsNorm,
+    pub feed_forward: FeedForward,
+}
+
+impl Module for TransformerBlock {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let h = x + self.attention.call(&self.attention_norm.call(x));
+        &h + self.feed_forward.call(&self.ffn_norm.call(&h))
+    }
+}
+
+/// The decoder: token ids `[batch, seq]` to next-token logits `[batch, seq, vocab]`.
+#[derive(Debug, Shardable)]
+pub struct Transformer {
+    pub tok_embeddings: nn::Embedding,
+    pub layers: Vec<TransformerBlock>,
+    pub norm: RmsNorm,
+    pub output: nn::Linear,
+}
+
+impl Transformer {
+    /// torchtitan's initialization (`init_weights`, depth-scaled): the embedding N(0, 1),
+    /// wq/wk/wv/w1 N(0, 0.02), wo/w2/w3 N(0, 0.02 / sqrt(2 * (layer + 1))), the output
+    /// N(0, dim^-0.5), norms 1 (normal rather than torchtitan's truncated normal: tch has
+    /// no truncated initializer, and at 3 sigma the two barely differ).
+    pub fn new(p: &nn::Path, c: &Config) -> Transformer {
+        let linear = |p: nn::Path, i: i64, o: i64, std: f64| {
+            let config = nn::LinearConfig {
+                ws_init: nn::Init::Randn {
+                    mean: 0.0,
+                    stdev: std,
+                },
+                bs_init: None,
+                bias: false,
+            };
+            nn::linear(p, i, o, config)
+        };
+        let layers = (0..c.n_layers)
+            .map(|i| {
+                let l = p / "layers" / i;
+                let deep = 0.02 / (2.0 * (i as f64 + 1.0)).sqrt();
+                let (a, f) = (&l / "attention", &l / "feed_forward");
+                TransformerBlock {
+                    attention_norm: RmsNorm::new(&l / "attention_norm", c.dim, c.norm_eps),
+                    attention: Attention {
+                        wq: linear(&a / "wq", c.dim, c.dim, 0.02),
+                        wk: linear(&a / "wk", c.dim, c.dim, 0.02),
+                        wv: linear(&a / "wv", c.dim, c.dim, 0.02),
+                        wo: linear(&a / "wo", c.dim, c.dim, deep),
+                        head_dim: c.head_dim(),
+                        rope: Rope::new(c.head_dim(), c.max_seq_len, c.rope_theta),
+                    },
+                    ffn_norm: RmsNorm::new(&l / "ffn_norm", c.dim, c.norm_eps),
+                    feed_forward: FeedForward {
+                        w1: linear(&f / "w1", c.dim, c.hidden_dim, 0.02),
+                        w2: linear(&f / "w2", c.hidden_dim, c.dim, deep),
+                        w3: linear(&f / "w3", c.dim, c.hidden_dim, deep),
+                    },
+                }
+            })
+            .collect();
+        let embedding = nn::EmbeddingConfig {
+            ws_init: nn::Init::Randn {
+                mean: 0.0,
+                stdev: 1.0,
+            },
+            ..Default::default()
+        };
+        Transformer {
+            tok_embeddings: nn::embedding(p / "tok_embeddings", c.vocab_size, c.dim, embedding),
+            layers,
+            norm: RmsNorm::new(p / "norm", c.dim, c.norm_eps),
+            output: linear(p / "output", c.dim, c.vocab_size, (c.dim as f64).powf(-0.5)),
+        }
+    }
+}
+
+impl Module for Transformer {
+    fn forward(&self, ids: &Tensor) -> Tensor {
+        let h = self
+            .layers
+            .iter()
+            .fold(self.tok_embeddings.call(ids), |h, layer| layer.call(&h));
+        self.output.call(&self.norm.call(&h))
+    }
+}
+
+/// torchtitan's tensor-parallel plan for Llama (`parallelize_llama`'s `apply_tp`, without
+/// sequence parallelism or loss parallelism), keyed by typed paths: the embedding
+/// vocab-parallel, q/k/v and w1/w3 column-parallel (each rank its heads and its hidden
+/// features, the outputs left local), wo and w2 row-parallel (the partial sums all-reduced:
+/// two all-reduces per layer in forward), the output column-parallel and gathered, so that
+/// every tp rank holds the whole logits.
+pub fn tp_plan(n_layers: usize) -> ParallelizePlan {
+    let p = Transformer::path();
+    let mut plan = ParallelizePlan::new().style(
+        p.tok_embeddings(),
+        RowwiseParallel {
+            input_layouts: Layout::Replicate,
+            ..Default::default()
+        },
+    );
+    for i in 0..n_layers {
+        let (a, f) = (
+            p.layers().at(i).attention(),
+            p.layers().at(i).feed_forward(),
+        );
+        plan = plan
+            .style(a.wq(), ColwiseParallel::default())
+            .style(a.wk(), ColwiseParallel::default())
+            .style(a.wv(), ColwiseParallel::default())
+            .style(a.wo(), RowwiseParallel::default())
+            .style(f.w1(), ColwiseParallel::default())
+            .style(f.w2(), RowwiseParallel::default())
+            .style(f.w3(), ColwiseParallel::default());
+    }
+    plan.style(
+        p.output(),
+        ColwiseParallel {
+            output_layouts: Layout::Replicate,
+            ..Default::default()
+        },
+    )
+}

@@ -1,0 +1,168 @@
+"""Loads train_lm's checkpoint with PyTorch's own reader into a plain PyTorch model and
+evaluates it on the test split.
+
+    python pytorch_load_lm.py CKPT TEXT [EXPECTED_TEST_LOSS]
+
+CKPT: a folder that examples/train_lm saved (`--checkpoint-dir`) from its FSDP x TP model:
+each rank's 2-D pieces, and `train_state.json` with the model's config and vocabulary.
+TEXT: the text it trained on (data/lm_text.txt). The model is torchtitan's Llama
+(torchtitan/models/llama3/model/model.py) cut down to what train_lm uses, written out here
+so that nothing but torch is needed: the same FQNs and shapes, RMSNorm, rotary embeddings
+in torchtitan's complex form (train_lm computes them in real arithmetic), causal
+`scaled_dot_product_attention`, a SwiGLU feed-forward, no biases.
+
+`dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(CKPT), no_dist=True)`
+in this one process fills every tensor; the checkpoint must hold exactly the model's keys.
+Then the test loss, computed as train_lm computes it (the last 10% of the text's byte
+tokens, consecutive sequences of the training length, the mean next-token cross-entropy),
+is printed as `pytorch_test_loss=X.XXXXXX`; with EXPECTED_TEST_LOSS (train_lm's
+`test_loss=`), the two must agree within 1e-3, and the last line is `ok`.
+"""
+
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+
+def precompute_freqs_cis(dim, end, theta):
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    t = torch.arange(end, device=freqs.device)
+    freqs = torch.outer(t, freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    # [seq, head_dim / 2] -> [1, seq, 1, head_dim / 2]
+    freqs_cis = freqs_cis[: xq.shape[1]].view(1, xq.shape[1], 1, -1)
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.n_heads = c["n_heads"]
+        self.head_dim = c["dim"] // c["n_heads"]
+        self.wq = nn.Linear(c["dim"], c["dim"], bias=False)
+        self.wk = nn.Linear(c["dim"], c["dim"], bias=False)
+        self.wv = nn.Linear(c["dim"], c["dim"], bias=False)
+        self.wo = nn.Linear(c["dim"], c["dim"], bias=False)
+
+    def forward(self, x, freqs_cis):
+        bs, seqlen, _ = x.shape
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))
+        out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim, hidden_dim):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.attention = Attention(c)
+        self.feed_forward = FeedForward(c["dim"], c["hidden_dim"])
+        self.attention_norm = nn.RMSNorm(c["dim"], eps=c["norm_eps"])
+        self.ffn_norm = nn.RMSNorm(c["dim"], eps=c["norm_eps"])
+
+    def forward(self, x, freqs_cis):
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(c["vocab_size"], c["dim"])
+        self.register_buffer(
+            "freqs_cis",
+            precompute_freqs_cis(c["dim"] // c["n_heads"], c["max_seq_len"], c["rope_theta"]),
+            persistent=False,
+        )
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(c) for i in range(c["n_layers"])})
+        self.norm = nn.RMSNorm(c["dim"], eps=c["norm_eps"])
+        self.output = nn.Linear(c["dim"], c["vocab_size"], bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+
+def main():
+    ckpt, text_path = sys.argv[1], sys.argv[2]
+    expected = float(sys.argv[3]) if len(sys.argv) > 3 else None
+    torch.set_num_threads(1)
+    with open(os.path.join(ckpt, "train_state.json")) as f:
+        state = json.load(f)
+    c = state["config"]
+
+    # The tokens as data.rs makes them: the text's distinct bytes, ascending.
+    with open(text_path, "rb") as f:
+        text = f.read()
+    vocab = sorted(set(text))
+    assert vocab == state["vocab"], "the text's vocabulary is not the checkpoint's"
+    assert len(vocab) == c["vocab_size"], (len(vocab), c["vocab_size"])
+    index = {b: i for i, b in enumerate(vocab)}
+    ids = torch.tensor([index[b] for b in text], dtype=torch.int64)
+    test = ids[len(ids) * 9 // 10 :]
+    seq = c["max_seq_len"]
+    n = (len(test) - 1) // seq
+    inputs = test[: n * seq].view(n, seq)
+    targets = test[1 : n * seq + 1].view(n, seq)
+
+    model = Transformer(c)
+    sd = model.state_dict()
+    saved = set(HuggingFaceStorageReader(ckpt).read_metadata().state_dict_metadata)
+    assert saved == set(sd), (sorted(saved ^ set(sd)))
+    # Poisoned first: every value must come from the checkpoint.
+    with torch.no_grad():
+        for t in sd.values():
+            t.fill_(float("nan"))
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(ckpt), no_dist=True)
+    for k, t in sd.items():
+        assert torch.isfinite(t).all(), f"{k} was not loaded"
+
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in zip(inputs.split(32), targets.split(32)):
+            logits = model(x)
+            total += F.cross_entropy(
+                logits.view(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
+            ).item()
+            count += y.numel()
+    loss = total / count
+    print(f"loaded {len(sd)} tensors; uniform guess ln({len(vocab)}) = {math.log(len(vocab)):.4f}")
+    print(f"pytorch_test_loss={loss:.6f}", flush=True)
+    if expected is not None:
+        assert abs(loss - expected) < 1e-3, f"PyTorch's test loss {loss} vs train_lm's {expected}"
+        print("ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
