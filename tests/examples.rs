@@ -733,7 +733,7 @@ fn train_lm_at_dp2_tp2_learns_and_pytorch_loads_its_checkpoint() {
     // The first step starts near the uniform guess (a freshly initialized model).
     let first = lines[0]["loss"].as_f64().unwrap();
     assert!(
-        (first - uniform).abs() < 0.5,
+        (first - uniform).abs() < 1.0,
         "the first step's loss {first}"
     );
 
