@@ -63,6 +63,23 @@ pub fn join_fqn(prefix: &str, name: &str) -> String {
     }
 }
 
+/// Whether `fqn` is the module `prefix` or inside it (`""`, the root, holds everything):
+/// `is_within("blocks.0.fc1.weight", "blocks.0")`, not `is_within("blocks.10", "blocks.1")`.
+///
+/// ```
+/// use tch_dist_core::path::is_within;
+/// assert!(is_within("blocks.0.fc1.weight", "blocks.0"));
+/// assert!(is_within("head", ""));
+/// assert!(!is_within("blocks.10", "blocks.1"));
+/// ```
+pub fn is_within(fqn: &str, prefix: &str) -> bool {
+    prefix.is_empty()
+        || fqn == prefix
+        || fqn
+            .strip_prefix(prefix)
+            .is_some_and(|rest| rest.starts_with('.'))
+}
+
 macro_rules! tensor_path {
     ($(#[$doc:meta])* $name:ident, $what:literal) => {
         $(#[$doc])*

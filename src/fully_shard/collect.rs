@@ -9,10 +9,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use tch::Tensor;
+use tch_dist_core::path::is_within;
 use tch_dist_core::{registry, Shardable};
 use tch_dist_runtime::fsdp::tensor_identity;
 
-use super::{fully_shard_state as state, managed_identities, FsdpError, FsdpState};
+use super::{fully_shard_state as state, FsdpError, FsdpState};
+use crate::state_dict::managed::{managed_by, ManagingApi};
 
 /// What [`collect`] found.
 pub(super) struct Collected {
@@ -22,15 +24,6 @@ pub(super) struct Collected {
     pub nested: Vec<(String, Arc<FsdpState>)>,
     /// The first problem, if any.
     pub problem: Option<FsdpError>,
-}
-
-/// Whether `fqn` is `prefix` or inside the module at `prefix`.
-pub(super) fn is_within(fqn: &str, prefix: &str) -> bool {
-    prefix.is_empty()
-        || fqn == prefix
-        || fqn
-            .strip_prefix(prefix)
-            .is_some_and(|rest| rest.starts_with('.'))
 }
 
 /// How a parameter `shard_module` sharded over `tp_ranks` stands to a fully_shard call over
@@ -56,15 +49,23 @@ pub(super) fn tensor_parallel(tp_ranks: &[usize], ranks: &[usize], me: usize) ->
     }
 }
 
-/// The parameters `module` would manage with `ignored_params` over the global ranks `ranks`
-/// (where rank 0's values come from and what the gradients are averaged over), on `rank`
-/// (within those ranks; `global` in the world).
-pub(super) fn collect(
-    module: &dyn Shardable,
-    ignored_params: &[String],
-    ranks: &[usize],
-    (rank, global): (usize, usize),
-) -> Collected {
+/// Where one fully_shard call runs: the global ranks it averages over (where rank 0's
+/// values come from), this rank within them and in the world, and the world's size.
+pub(super) struct Ranks<'a> {
+    pub ranks: &'a [usize],
+    pub rank: usize,
+    pub global: usize,
+    pub world: usize,
+}
+
+/// The parameters `module` would manage with `ignored_params` over `at`'s ranks.
+pub(super) fn collect(module: &dyn Shardable, ignored_params: &[String], at: Ranks) -> Collected {
+    let Ranks {
+        ranks,
+        rank,
+        global,
+        world,
+    } = at;
     let mut nested: Vec<(String, Arc<FsdpState>)> = Vec::new();
     let mut problem: Option<FsdpError> = None;
     for (prefix, m) in module.named_modules().into_iter().skip(1) {
@@ -82,7 +83,6 @@ pub(super) fn collect(
             });
         }
     }
-    let sharded = crate::sharding::sharded_params_in(module);
     let all = module.named_parameters();
     if problem.is_none() {
         if let Some(name) = ignored_params
@@ -95,7 +95,6 @@ pub(super) fn collect(
             });
         }
     }
-    let managed = managed_identities();
     let mut seen: HashMap<u64, String> = HashMap::new();
     let mut params = Vec::new();
     for (fqn, t) in all {
@@ -104,10 +103,21 @@ pub(super) fn collect(
         {
             continue;
         }
-        if let Some(tp) = sharded.get(&fqn) {
-            let tp_ranks = tp.state.group().global_ranks();
+        let id = tensor_identity(t);
+        // Split by a shard_module call on this module or one enclosing it.
+        if let Some(tp) = managed_by(id, ManagingApi::ShardModule) {
+            let tp_ranks = &*tp.ranks;
             match tensor_parallel(tp_ranks, ranks, global) {
-                TensorParallel::SameRanks => continue,
+                // Beside tensor parallelism on one group of every rank: left to it.
+                TensorParallel::SameRanks if ranks.len() == world => continue,
+                TensorParallel::SameRanks => {
+                    problem.get_or_insert(FsdpError::TensorParallelDim {
+                        rank,
+                        fqn: fqn.clone(),
+                        ranks: ranks.to_vec(),
+                    });
+                    continue;
+                }
                 TensorParallel::Orthogonal => {}
                 TensorParallel::Overlapping => {
                     problem.get_or_insert(FsdpError::TensorParallelRanks {
@@ -120,12 +130,11 @@ pub(super) fn collect(
                 }
             }
         }
-        let id = tensor_identity(t);
-        if let Some(other) = managed.get(&id) {
+        if let Some(other) = managed_by(id, ManagingApi::FullyShard) {
             problem.get_or_insert(FsdpError::TiedParameter {
                 rank,
                 fqn: fqn.clone(),
-                other: other.clone(),
+                other: other.fqn,
             });
             continue;
         }

@@ -129,6 +129,22 @@ pub enum FsdpError {
         /// fully_shard's.
         ranks: Vec<usize>,
     },
+    /// fully_shard was given the ranks a parameter is tensor-parallel over, and they are not
+    /// the whole world: the ranks outside (the mesh's other dim, which sees other data)
+    /// would never average with these.
+    #[error(
+        "rank {rank}: fully_shard: parameter `{fqn}` is tensor-parallel over ranks {ranks:?}, \
+         the ranks fully_shard was given: give fully_shard the data-parallel dim of the mesh \
+         (`mesh.dim(\"dp\")`), not the tensor-parallel one"
+    )]
+    TensorParallelDim {
+        /// This rank.
+        rank: usize,
+        /// The parameter.
+        fqn: String,
+        /// The global ranks of both groups.
+        ranks: Vec<usize>,
+    },
     /// A submodule is managed by `replicate`, which cannot run inside `fully_shard`.
     #[error(
         "rank {rank}: fully_shard: submodule `{module}` is managed by replicate; apply \

@@ -18,7 +18,8 @@ use tch_dist_runtime::{
 };
 
 use super::collect::Collected;
-use super::{hooks, FsdpError, FsdpOptions, FsdpState, MeshUse, ReshardAfterForward, MANAGED};
+use super::{hooks, FsdpError, FsdpOptions, FsdpState, MeshUse, ReshardAfterForward};
+use crate::state_dict::managed::{register, ManagingApi, Registration};
 
 /// The groups of one call: the shard group (the options' `process_group`, a 1-D mesh's
 /// group, a 2-D mesh's dim 1, else the default group), the replicate group (HSDP: a 2-D
@@ -311,15 +312,14 @@ pub(super) fn identities(params: &[(String, Tensor)]) -> Vec<(u64, String)> {
         .collect()
 }
 
-/// Enters the call's parameters in the registry of managed identities (a later call tying
-/// one of them names it); returns the identities entered, which the state removes on drop.
-pub(super) fn enter_managed(identities: Vec<(u64, String)>) -> Vec<u64> {
-    let own: Vec<u64> = identities.iter().map(|(id, _)| *id).collect();
-    MANAGED
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .extend(identities);
-    own
+/// Enters the call's parameters in the registry of managed parameters (a later call tying
+/// one of them names it); the state removes them on drop.
+pub(super) fn enter_managed(identities: Vec<(u64, String)>, groups: &Groups) -> Registration {
+    register(
+        ManagingApi::FullyShard,
+        groups.all.global_ranks(),
+        identities,
+    )
 }
 
 /// The names a call's errors give: the module's FQN (set by the enclosing call) and its

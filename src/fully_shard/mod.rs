@@ -55,8 +55,8 @@
 //! | `hooks.rs` | the call scope per managed module, the call guard | `FSDPState._pre_forward` / `_post_forward` |
 //! | `error.rs` | [`FsdpError`] | (the errors of `_fsdp_init.py`) |
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::Arc;
 
 use tch::Tensor;
 use tch_dist_core::path::join_fqn;
@@ -75,19 +75,12 @@ pub use error::{FsdpError, MeshUse};
 pub use options::{FsdpOptions, MixedPrecisionPolicy, ReshardAfterForward, ShardPlacementFn};
 pub use state::FsdpState;
 
-use collect::{collect, is_within};
+use collect::collect;
+use tch_dist_core::path::is_within;
 
 /// The state [`fully_shard`] stored for `module` (PyTorch's `FSDPModule` methods), if it was
 /// applied to it.
 pub use fully_shard_state as state;
-
-/// Identities of every parameter any fully_shard call manages, with its FQN there.
-static MANAGED: Mutex<BTreeMap<u64, String>> = Mutex::new(BTreeMap::new());
-
-/// A copy of [`MANAGED`].
-fn managed_identities() -> BTreeMap<u64, String> {
-    MANAGED.lock().unwrap_or_else(|e| e.into_inner()).clone()
-}
 
 /// The short name of a module's type, for errors (`Block` for `my_crate::model::Block`).
 fn short_type(module: &dyn Shardable) -> String {
@@ -111,12 +104,16 @@ pub fn fully_shard<M: Shardable + ?Sized>(
 ) -> Result<FsdpState, FsdpError> {
     let groups = init::process_groups(&opts)?;
     let rank = groups.shard.rank();
-    let global = default_group()?.rank();
+    let world = default_group()?;
     let mut found = collect(
         module.as_dyn_shardable(),
         &opts.ignored_params,
-        groups.all.global_ranks(),
-        (rank, global),
+        collect::Ranks {
+            ranks: groups.all.global_ranks(),
+            rank,
+            global: world.rank(),
+            world: world.world_size(),
+        },
     );
     let dims = init::check(&mut found, &opts, &groups)?;
     init::broadcast_from_rank0(&found, &groups.all)?;
@@ -139,6 +136,7 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         &found.nested,
         &opts,
     )?;
+    let registration = init::enter_managed(identities, &groups);
     Ok(FsdpState {
         group: fsdp_group,
         process_group: groups.shard,
@@ -148,7 +146,7 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         nested: found.nested.into_iter().map(|(_, s)| s).collect(),
         _hooks: hooks,
         guard,
-        identities: init::enter_managed(identities),
+        _registration: registration,
     })
 }
 

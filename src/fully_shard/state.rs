@@ -9,7 +9,8 @@ use tch_dist_core::path::join_fqn;
 use tch_dist_runtime::fsdp::{FsdpGroup, ShardInfo};
 use tch_dist_runtime::ProcessGroup;
 
-use super::{hooks, FsdpError, ReshardAfterForward, MANAGED};
+use super::{hooks, FsdpError, ReshardAfterForward};
+use crate::state_dict::managed::Registration;
 
 /// What `fully_shard` keeps per managed module (PyTorch's `FSDPModule` methods), returned
 /// by [`fully_shard`](super::fully_shard) and by [`state`](super::state).
@@ -29,18 +30,9 @@ pub struct FsdpState {
     pub(super) _hooks: Vec<RemovableHandle>,
     /// The bypass guard over this call's trainable parameters.
     pub(super) guard: Option<hooks::NestedGuard>,
-    /// The identities this call entered in [`MANAGED`] (its group holds the tensors, so
-    /// no other tensor can take one of them while they are there).
-    pub(super) identities: Vec<u64>,
-}
-
-impl Drop for FsdpState {
-    fn drop(&mut self) {
-        let mut m = MANAGED.lock().unwrap_or_else(|e| e.into_inner());
-        for id in &self.identities {
-            m.remove(id);
-        }
-    }
+    /// This call's parameters in the registry of managed parameters (its group holds the
+    /// tensors, so no other tensor can take one of their identities while they are there).
+    pub(super) _registration: Registration,
 }
 
 impl std::fmt::Debug for FsdpState {

@@ -5,9 +5,11 @@
 
 use tch::Tensor;
 use tch_dist_core::{registry, ModuleKey, ModuleVisitor, Shardable};
+use tch_dist_runtime::fsdp::tensor_identity;
 use tch_dist_runtime::{default_group, ProcessGroup};
 
 use super::{Options, ReplicateError};
+use crate::state_dict::managed::{managed_by, ManagingApi};
 
 /// Whether `ignored` names `fqn`: the FQN itself, or a module prefix of it.
 pub(super) fn is_ignored(fqn: &str, ignored: &[String]) -> bool {
@@ -52,8 +54,6 @@ struct ParamCollector<'a> {
     ignored_params: &'a [String],
     /// Every parameter and buffer FQN walked (what `ignored_params` may name).
     seen: Vec<String>,
-    /// FQNs of parameters held as shards by `shard_module` (they are not replicated).
-    sharded: std::collections::HashSet<String>,
     path: Vec<String>,
     /// Depth at which a skipped subtree started.
     skip_from: Option<usize>,
@@ -93,7 +93,7 @@ impl<'m> ModuleVisitor<'m> for ParamCollector<'_> {
         self.seen.push(fqn.clone());
         if self.skip_from.is_none()
             && tensor.requires_grad()
-            && !self.sharded.contains(&fqn)
+            && !tensor_parallel(tensor)
             && !is_ignored(&fqn, self.ignored_params)
         {
             self.params.push((fqn, tensor.shallow_clone()));
@@ -129,9 +129,6 @@ pub(super) fn in_module<M: Shardable + ?Sized>(module: &M, opts: &Options, rank:
     let mut c = ParamCollector {
         ignored: &opts.ignored_modules,
         ignored_params: &opts.ignored_params,
-        sharded: crate::sharding::sharded_params_in(module)
-            .into_keys()
-            .collect(),
         path: Vec::new(),
         skip_from: root_ignored.then_some(0),
         seen: Vec::new(),
@@ -152,20 +149,31 @@ pub(super) fn in_module<M: Shardable + ?Sized>(module: &M, opts: &Options, rank:
     }
 }
 
-/// Refuses a parameter `shard_module` sharded over other ranks than `group`: replicate
+/// Whether a `shard_module` call (on this module or one enclosing it) split `t`: replicate
 /// leaves tensor-parallel parameters out of its buckets.
+fn tensor_parallel(t: &Tensor) -> bool {
+    managed_by(tensor_identity(t), ManagingApi::ShardModule).is_some()
+}
+
+/// Refuses a parameter `shard_module` sharded over other ranks than `group`, by its FQN
+/// (the first in walk order): left out of replicate's buckets, its gradient would not be
+/// averaged over them.
 pub(super) fn tensor_parallel_elsewhere<M: Shardable + ?Sized>(
     module: &M,
     group: &ProcessGroup,
 ) -> Result<(), ReplicateError> {
     let ranks = group.global_ranks();
-    match crate::sharding::sharded_outside(module, ranks) {
-        Some((fqn, tp_ranks)) => Err(ReplicateError::TensorParallelRanks {
-            rank: group.rank(),
-            fqn,
-            tp_ranks,
-            ranks: ranks.to_vec(),
-        }),
-        None => Ok(()),
+    for (fqn, t) in module.named_parameters() {
+        if let Some(tp) = managed_by(tensor_identity(t), ManagingApi::ShardModule) {
+            if &*tp.ranks != ranks {
+                return Err(ReplicateError::TensorParallelRanks {
+                    rank: group.rank(),
+                    fqn,
+                    tp_ranks: tp.ranks.to_vec(),
+                    ranks: ranks.to_vec(),
+                });
+            }
+        }
     }
+    Ok(())
 }

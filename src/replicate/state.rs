@@ -10,18 +10,8 @@ use tch_dist_runtime::{
 
 use super::collect::Found;
 use super::{DeviceId, Options, ReplicateError};
-
-/// The data pointers of the parameters every live [`ReplicateState`] manages, across both
-/// forms: a parameter can be managed once. A state's reducer holds its parameters, so their
-/// memory (and pointer) cannot be reused while the entry exists; `Drop` removes it.
-static MANAGED: std::sync::LazyLock<std::sync::Mutex<std::collections::HashSet<usize>>> =
-    std::sync::LazyLock::new(Default::default);
-
-fn managed() -> std::sync::MutexGuard<'static, std::collections::HashSet<usize>> {
-    MANAGED
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+use crate::state_dict::managed::{managed_by, register, ManagingApi, Registration};
+use tch_dist_runtime::fsdp::tensor_identity;
 
 /// What replicate keeps per model: see [`state`](crate::replicate::state) (the derive form) and
 /// [`Replicated::state`](crate::replicate::Replicated::state) (the wrapper form).
@@ -38,17 +28,10 @@ pub struct ReplicateState {
     /// The derive form's forward pre-hook; `None` for a wrapper, whose `forward` does its
     /// work.
     pub(super) pre_hook: Option<RemovableHandle>,
-    /// This state's entries in [`MANAGED`].
-    pub(super) managed: Vec<usize>,
-}
-
-impl Drop for ReplicateState {
-    fn drop(&mut self) {
-        let mut m = managed();
-        for p in &self.managed {
-            m.remove(p);
-        }
-    }
+    /// This state's parameters in the registry of managed parameters, across both forms:
+    /// a parameter is replicated once (the reducer holds the tensors, so no other tensor
+    /// can take one of their identities while they are there).
+    pub(super) _registration: Registration,
 }
 
 impl std::fmt::Debug for ReplicateState {
@@ -250,20 +233,14 @@ pub(super) fn set_up(
     // Checks each rank makes on its own, shared so that every rank fails together before
     // anything is sent or changed.
     let rank = group.rank();
-    // Empty tensors have no memory of their own to tell them apart (pointer 0).
-    let pointers: Vec<(usize, &String)> = params
+    let identities: Vec<(u64, String)> = params
         .iter()
-        .map(|(fqn, t)| (t.data_ptr() as usize, fqn))
-        .filter(|(p, _)| *p != 0)
+        .map(|(fqn, t)| (tensor_identity(t), fqn.clone()))
         .collect();
-    let taken = {
-        let m = managed();
-        pointers
-            .iter()
-            .find(|(p, _)| m.contains(p))
-            .map(|(_, fqn)| (*fqn).clone())
-    };
-    let pointers: Vec<usize> = pointers.into_iter().map(|(p, _)| p).collect();
+    let taken = identities
+        .iter()
+        .find(|(id, _)| managed_by(*id, ManagingApi::Replicate).is_some())
+        .map(|(_, fqn)| fqn.clone());
     let misplaced = device
         .filter(|d| d.is_cuda())
         .and_then(|d| params.iter().find(|(_, t)| t.device() != d).map(|p| (d, p)));
@@ -327,10 +304,7 @@ pub(super) fn set_up(
     let buffer_fqns: Vec<String> = buffers.iter().map(|(n, _)| n.clone()).collect();
     let reducer = Reducer::new(params, group.clone(), reducer_opts)?;
     // Registered only once nothing can fail any more; the check above ran on every rank.
-    {
-        let mut m = managed();
-        m.extend(pointers.iter().copied());
-    }
+    let registration = register(ManagingApi::Replicate, group.global_ranks(), identities);
     let broadcast_buffers =
         opts.broadcast_buffers && !group.skips_communication() && !buffers.is_empty();
     Ok(ReplicateState {
@@ -341,6 +315,6 @@ pub(super) fn set_up(
         broadcast_buffers,
         input_device: device.filter(|d| d.is_cuda()),
         pre_hook: None,
-        managed: pointers,
+        _registration: registration,
     })
 }

@@ -18,6 +18,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+pub(crate) mod managed;
+pub use managed::ManagingApi;
+
 use tch::Tensor;
 use tch_dist_core::Shardable;
 use tch_dist_runtime::fsdp::tensor_identity;
