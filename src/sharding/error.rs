@@ -115,6 +115,21 @@ pub enum ShardError {
         /// The parameter used outside its calls (its FQN).
         param: String,
     },
+    /// Summing a sequence-parallel parameter's gradient over the tensor-parallel group
+    /// failed: the backward pass fails with this message.
+    #[error(
+        "{}shard_module: sequence-parallel parameter `{param}`: summing its gradient over the \
+         tensor-parallel group failed",
+        RankUnlessNamed(source, *rank)
+    )]
+    GradientSum {
+        /// This rank (named here unless the source names it).
+        rank: usize,
+        /// The parameter (its FQN).
+        param: String,
+        /// What the engine said.
+        source: DistError,
+    },
     /// Applied twice, or the module's names changed (the message names `shard_module`).
     #[error(transparent)]
     Contract(#[from] ContractError),
@@ -179,9 +194,8 @@ pub enum StyleProblem {
     },
     /// A layout the style does not support here.
     #[error(
-        "{style} with {which}_layouts = {layout:?} is not supported (ColwiseParallel: input \
-         Replicate, output Shard(-1) or Replicate; RowwiseParallel: input Shard(-1) or \
-         Replicate, output Replicate)"
+        "{style} with {which}_layouts = {layout:?} is not supported ({})",
+        Supported(style)
     )]
     Layout {
         /// The style's name.
@@ -197,6 +211,80 @@ pub enum StyleProblem {
          outputs are local tensors"
     )]
     DTensorOutput,
+    /// A `PrepareModuleInput` / `PrepareModuleOutput` change of layout that tch-dist does
+    /// not build (`Shard(0)` to `Shard(1)`: an all-to-all).
+    #[error(
+        "{style}: {which} {index}: {} to {} is not supported (a layout to itself, Shard(d) to \
+         Replicate, Replicate to Shard(d), or None to leave the tensor alone)",
+        LayoutName(from),
+        LayoutName(to)
+    )]
+    Redistribute {
+        /// The style's name.
+        style: &'static str,
+        /// `"input"` or `"output"`.
+        which: &'static str,
+        /// The tensor's position among the module's inputs or outputs.
+        index: usize,
+        /// Its layout (`input_layouts[index]`).
+        from: Option<super::parallel::Layout>,
+        /// The layout asked for (`desired_input_layouts[index]`).
+        to: Option<super::parallel::Layout>,
+    },
+    /// `input_layouts` and `desired_input_layouts` (or the outputs') differ in length.
+    #[error(
+        "{style}: {layouts} {which}_layouts but {desired} desired_{which}_layouts; give one \
+         of each per {which} (None for one to leave alone)"
+    )]
+    LayoutCount {
+        /// The style's name.
+        style: &'static str,
+        /// `"input"` or `"output"`.
+        which: &'static str,
+        /// `input_layouts.len()`.
+        layouts: usize,
+        /// `desired_input_layouts.len()`.
+        desired: usize,
+    },
+    /// Two plan entries for one module (PyTorch's plan is a dict: one style per module).
+    #[error("is given two styles ({first} and {second}); a module takes one")]
+    TwoStyles {
+        /// The first entry's style.
+        first: &'static str,
+        /// The second's.
+        second: &'static str,
+    },
+}
+
+/// What each style supports, for [`StyleProblem::Layout`].
+struct Supported<'a>(&'a str);
+
+impl fmt::Display for Supported<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self.0 {
+            "ColwiseParallel" => {
+                "ColwiseParallel: input Replicate or, on a linear layer, Shard(d); output \
+                 Shard(-1) or Replicate"
+            }
+            "RowwiseParallel" => {
+                "RowwiseParallel: input Shard(-1) or Replicate (an embedding: Replicate); output \
+                 Replicate or Shard(d)"
+            }
+            _ => "see parallelize_module's table",
+        })
+    }
+}
+
+/// A layout of `PrepareModuleInput` / `PrepareModuleOutput`, `None` by name.
+struct LayoutName<'a>(&'a Option<super::parallel::Layout>);
+
+impl fmt::Display for LayoutName<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(l) => write!(f, "{l:?}"),
+            None => f.write_str("None"),
+        }
+    }
 }
 
 /// What is wrong with one entry of a [`ShardingPlan`](super::ShardingPlan) (or with the key
@@ -440,6 +528,17 @@ pub enum SharderError {
         /// What it has instead (`a parameter `bias``).
         found: String,
     },
+    /// SequenceParallel got a module that is not a norm over each token's features.
+    #[error(
+        "SequenceParallel needs a norm over each token's features (no submodules or buffers, \
+         one-dimensional parameters: LayerNorm, an RMSNorm), but this `{kind}` {found}"
+    )]
+    NotANorm {
+        /// The module's type name.
+        kind: &'static str,
+        /// What it is or has instead (`has a parameter `weight` of shape [4, 8]`).
+        found: String,
+    },
     /// `ColwiseLinear { fused: 0 }`.
     #[error("fused must be at least 1")]
     ZeroFused,
@@ -475,6 +574,10 @@ pub enum HookSite {
     Output,
     /// A vocab-parallel embedding's hooks (the ids' mapping to this rank's rows, the mask).
     VocabParallel,
+    /// A sequence-parallel norm's input hook.
+    SequenceParallel,
+    /// `PrepareModuleInput`'s hook.
+    Input,
 }
 
 impl fmt::Display for HookSite {
@@ -484,6 +587,8 @@ impl fmt::Display for HookSite {
             HookSite::RowParallel => "row-parallel",
             HookSite::Output => "output of",
             HookSite::VocabParallel => "vocab-parallel",
+            HookSite::SequenceParallel => "sequence-parallel",
+            HookSite::Input => "input of",
         })
     }
 }
@@ -536,6 +641,45 @@ pub enum ForwardProblem {
     /// is missing).
     #[error("the lookup ran without its input hook, so its tokens of other ranks are not masked")]
     LookupWithoutInputHook,
+    /// A whole tensor to be split evenly along `dim` over the tensor-parallel group (a
+    /// `Shard(dim)` layout: the sequence, under sequence parallelism) has a length the group's
+    /// size does not divide. Every rank has the same shapes, so every rank refuses it.
+    #[error(
+        "cannot shard dim {dim} of length {len} over {world} ranks: sequence parallelism \
+         splits it evenly, so the length must be divisible by the tensor-parallel size {world}"
+    )]
+    NotDivisible {
+        /// The length along `dim`.
+        len: i64,
+        /// The dim (as the plan gives it).
+        dim: i64,
+        /// The tensor-parallel group's size.
+        world: usize,
+    },
+    /// A `Shard(dim)` layout's dim is not a dim of the tensor.
+    #[error("Shard({dim}) is out of range for a tensor of {ndim} dims")]
+    LayoutDim {
+        /// The layout's dim.
+        dim: i64,
+        /// The tensor's number of dims.
+        ndim: usize,
+    },
+    /// `PrepareModuleInput` lays out another number of inputs than the call passed.
+    #[error("the plan lays out {expected} inputs, the call passed {got}")]
+    InputCount {
+        /// `input_layouts.len()`.
+        expected: usize,
+        /// The call's inputs.
+        got: usize,
+    },
+    /// `PrepareModuleOutput` lays out another number of outputs than the call returned.
+    #[error("the plan lays out {expected} outputs, the call returned {got}")]
+    OutputCount {
+        /// `output_layouts.len()`.
+        expected: usize,
+        /// The call's outputs.
+        got: usize,
+    },
     /// A collective failed.
     #[error(transparent)]
     Collective(DistError),

@@ -16,8 +16,18 @@
 //! their shards) and open on a thread only inside a hooked call of their module: while the
 //! sharded root's call runs, an op that uses one elsewhere is refused inside the op, in
 //! every grad mode, and [`Guard`] makes that the root's `f_call` error.
+//!
+//! A module that only lays out its inputs or outputs for its submodules
+//! (`PrepareModuleInput`) may own no parameter at all: run without its hooks, its hooked
+//! submodules would get the wrong layout. So while the sharded root's call runs, a hooked
+//! call of a module inside such a *prepared* module is refused unless a hooked call of the
+//! prepared module runs on the thread, in every grad mode. (Outside the root's call, as in
+//! a recomputation during backward, it is not checked: only the prepared module's own
+//! parameters, if any, are guarded there.)
 
-use std::collections::BTreeMap;
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tch::Tensor;
@@ -41,12 +51,24 @@ struct Guarded {
     guard: Arc<UseGuard>,
 }
 
-/// Guards the parameters of every module in `hooked` (FQNs of `modules`), and checks calls of
+thread_local! {
+    /// The sharded roots' checked calls running on this thread.
+    static CHECKING: Cell<usize> = const { Cell::new(0) };
+    /// The prepared modules (by id) whose hooked calls run on this thread, and how many.
+    static OPEN: RefCell<HashMap<u64, usize>> = RefCell::new(HashMap::new());
+}
+
+/// Ids of prepared modules, process-wide.
+static NEXT_PREPARED: AtomicU64 = AtomicU64::new(1);
+
+/// Guards the parameters of every module in `hooked` (FQNs of `modules`), checks that the
+/// hooked modules inside a `prepared` one are called inside its calls, and checks calls of
 /// `root`. Returns the hooks (the scopes) and the guards.
 pub(super) fn install(
     root: &dyn Shardable,
     modules: &BTreeMap<String, &dyn Shardable>,
     hooked: &[String],
+    prepared: &[String],
     group: &ProcessGroup,
 ) -> Result<(Vec<RemovableHandle>, Vec<Arc<UseGuard>>), ShardError> {
     let rank = group.rank();
@@ -54,7 +76,17 @@ pub(super) fn install(
     let mut hooks = Vec::new();
     let mut fenced = false;
     register_call_guard(&GUARD);
+    let prepared: Vec<(String, u64)> = prepared
+        .iter()
+        .map(|fqn| (fqn.clone(), NEXT_PREPARED.fetch_add(1, Ordering::Relaxed)))
+        .collect();
     for fqn in hooked {
+        let opens = prepared.iter().find(|(p, _)| p == fqn).map(|(_, id)| *id);
+        let requires: Vec<(String, u64)> = prepared
+            .iter()
+            .filter(|(p, _)| p != fqn && is_within(fqn, p))
+            .cloned()
+            .collect();
         let module = modules[fqn.as_str()];
         let inside_other = |name: &str| {
             let full = join_fqn(fqn, name);
@@ -68,22 +100,34 @@ pub(super) fn install(
             .filter(|(name, _)| !inside_other(name))
             .map(|(name, t)| (join_fqn(fqn, &name), t.shallow_clone()))
             .unzip();
-        if all_params.is_empty() {
+        if all_params.is_empty() && opens.is_none() && requires.is_empty() {
             continue;
         }
-        let owner = Arc::new(FenceNames {
-            rank,
-            module: fqn.clone(),
-            params: all_params.clone(),
-        });
-        let refs: Vec<&Tensor> = all_tensors.iter().collect();
-        let fence = ShardFence::new(rank, "shard_module", &refs, owner)
-            .map_err(|e| ShardError::dist(group, fqn, e))?;
-        for i in 0..refs.len() {
-            fence
-                .set_armed(i, true)
+        // The parameter a refused call names: the module's first (a descendant's, for a
+        // prepared module without parameters of its own).
+        let named_param = module
+            .named_parameters()
+            .first()
+            .map_or_else(|| fqn.clone(), |(name, _)| join_fqn(fqn, name));
+        let fence = if all_params.is_empty() {
+            None
+        } else {
+            let owner = Arc::new(FenceNames {
+                rank,
+                module: fqn.clone(),
+                params: all_params.clone(),
+            });
+            let refs: Vec<&Tensor> = all_tensors.iter().collect();
+            let fence = ShardFence::new(rank, "shard_module", &refs, owner)
                 .map_err(|e| ShardError::dist(group, fqn, e))?;
-        }
+            for i in 0..refs.len() {
+                fence
+                    .set_armed(i, true)
+                    .map_err(|e| ShardError::dist(group, fqn, e))?;
+            }
+            fenced = true;
+            Some(fence)
+        };
         let (params, tensors): (Vec<String>, Vec<Tensor>) = all_params
             .into_iter()
             .zip(all_tensors)
@@ -114,13 +158,15 @@ pub(super) fn install(
             fence,
             group: group.clone(),
             fqn: fqn.clone(),
+            opens,
+            requires,
+            named_param,
         });
         hooks.extend(
             register_call_scope(module, scope).map_err(|source| {
                 ShardError::plan(group, fqn, PlanProblem::Unhookable { source })
             })?,
         );
-        fenced = true;
         if let Some(guard) = guard {
             guards.push(Guarded {
                 module: fqn.clone(),
@@ -129,7 +175,7 @@ pub(super) fn install(
             });
         }
     }
-    if !guards.is_empty() || fenced {
+    if !guards.is_empty() || fenced || !prepared.is_empty() {
         let check = Arc::new(Check {
             guards: guards.clone(),
             group: group.clone(),
@@ -159,23 +205,62 @@ fn engine_error(group: &ProcessGroup, fqn: &str, e: DistError) -> ForwardError {
 }
 
 /// Opens the module's fence on this thread for each of its hooked calls, and claims the
-/// uses the call made (for the guard, when some parameters require grad).
+/// uses the call made (for the guard, when some parameters require grad); for a prepared
+/// module, counts its calls on the thread; inside prepared modules, checks that a call of
+/// each runs.
 struct Claim {
     guard: Option<Arc<UseGuard>>,
-    fence: ShardFence,
+    fence: Option<ShardFence>,
     group: ProcessGroup,
     fqn: String,
+    /// This module's id, when it is a prepared module.
+    opens: Option<u64>,
+    /// The prepared modules around it (FQN, id).
+    requires: Vec<(String, u64)>,
+    /// The parameter a refusal names.
+    named_param: String,
 }
 
 impl CallScope for Claim {
     fn enter(&self, _module: &dyn Shardable, _inputs: &[Tensor]) -> Result<u64, ForwardError> {
-        self.fence.open();
+        if CHECKING.with(Cell::get) > 0 {
+            let closed = self
+                .requires
+                .iter()
+                .find(|(_, id)| OPEN.with(|o| o.borrow().get(id).copied().unwrap_or(0)) == 0);
+            if let Some((outer, _)) = closed {
+                return Err(ForwardError::from_error(ShardError::HooksBypassed {
+                    rank: self.group.rank(),
+                    module: outer.clone(),
+                    param: self.named_param.clone(),
+                }));
+            }
+        }
+        if let Some(id) = self.opens {
+            OPEN.with(|o| *o.borrow_mut().entry(id).or_insert(0) += 1);
+        }
+        if let Some(fence) = &self.fence {
+            fence.open();
+        }
         Ok(autograd_mark())
     }
 
     /// Claims the uses behind every output of the call.
     fn exit(&self, _m: &dyn Shardable, outputs: &[Tensor], mark: u64) -> Result<(), ForwardError> {
-        self.fence.close();
+        if let Some(id) = self.opens {
+            OPEN.with(|o| {
+                let mut open = o.borrow_mut();
+                if let Some(n) = open.get_mut(&id) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        open.remove(&id);
+                    }
+                }
+            });
+        }
+        if let Some(fence) = &self.fence {
+            fence.close();
+        }
         if let Some(guard) = &self.guard {
             for output in outputs {
                 guard
@@ -197,14 +282,17 @@ struct Check {
 impl CallScope for Check {
     fn enter(&self, _module: &dyn Shardable, _inputs: &[Tensor]) -> Result<u64, ForwardError> {
         // From here to `exit`, an op using a sharded parameter outside its module's hooked
-        // call is refused, in every grad mode.
+        // call is refused, in every grad mode, and so is a call inside a prepared module
+        // outside its calls.
         check_enter();
+        CHECKING.with(|c| c.set(c.get() + 1));
         Ok(autograd_mark())
     }
 
     /// Checks the graph of every output of the call.
     fn exit(&self, _m: &dyn Shardable, outputs: &[Tensor], mark: u64) -> Result<(), ForwardError> {
         check_exit();
+        CHECKING.with(|c| c.set(c.get().saturating_sub(1)));
         let guards: Vec<&UseGuard> = self.guards.iter().map(|g| &*g.guard).collect();
         for output in outputs {
             let found = UseGuard::first_unclaimed(&guards, output, mark)
@@ -257,5 +345,9 @@ impl CallGuard for Guard {
         Some(ForwardError::from_error(names.bypassed(index)))
     }
 
-    fn outermost_call_ended(&self) {}
+    /// A failed call may have left its counts behind (its `exit` did not run).
+    fn outermost_call_ended(&self) {
+        CHECKING.with(|c| c.set(0));
+        OPEN.with(|o| o.borrow_mut().clear());
+    }
 }

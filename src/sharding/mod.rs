@@ -80,6 +80,9 @@ mod output;
 mod parallel;
 mod plan;
 mod planner;
+mod prepare;
+mod redistribute;
+mod sequence;
 mod sharder;
 mod state;
 mod validate;
@@ -94,7 +97,8 @@ pub(crate) use error::{Fix, Key};
 pub use error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError, StyleProblem};
 pub use output::OutputLayout;
 pub use parallel::{
-    parallelize_module, ColwiseParallel, Layout, ParallelStyle, ParallelizePlan, RowwiseParallel,
+    parallelize_module, ColwiseParallel, Layout, ParallelStyle, ParallelizePlan,
+    PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
 };
 pub use plan::{PlanEntry, ShardingPlan, ShardingPlanBuilder};
 pub use planner::{MegatronPlanner, ShardingPlanner};
@@ -140,7 +144,17 @@ pub fn shard_module<M: Shardable + ?Sized>(
     let mut sharded = BTreeMap::new();
     let mut hooks = Vec::new();
     let mut layouts: BTreeMap<String, OutputLayout> = BTreeMap::new();
+    // Modules whose calls need no guard (a sequence-parallel norm), and those that lay out
+    // their inputs or outputs for their submodules.
+    let mut unguarded = Vec::new();
+    let mut prepared = Vec::new();
     for (fqn, target) in targets {
+        if !target.needs_hooks() {
+            unguarded.push(fqn.clone());
+        }
+        if target.prepares() {
+            prepared.push(fqn.clone());
+        }
         let m = modules[&fqn];
         let done = match &target {
             Target::Linear(c) => c.shard(&fqn, m, src_rank, group)?,
@@ -152,7 +166,11 @@ pub fn shard_module<M: Shardable + ?Sized>(
         hooks.extend(done.hooks);
         layouts.insert(fqn, done.output);
     }
-    let mut hooked: Vec<String> = layouts.keys().cloned().collect();
+    let mut hooked: Vec<String> = layouts
+        .keys()
+        .filter(|f| !unguarded.contains(f))
+        .cloned()
+        .collect();
     let local_only = plan.return_local_tensor.iter();
     hooked.extend(local_only.filter(|f| !layouts.contains_key(*f)).cloned());
     hooks.extend(output::install_output_hooks(
@@ -161,7 +179,7 @@ pub fn shard_module<M: Shardable + ?Sized>(
     // Last, so that each scope sees a call's whole work, after the sharders' hooks and the
     // output hooks.
     let root = module.as_dyn_shardable();
-    let (scopes, guards) = guard::install(root, &modules, &hooked, group)?;
+    let (scopes, guards) = guard::install(root, &modules, &hooked, &prepared, group)?;
     hooks.extend(scopes);
     Ok(ShardState {
         sharded,

@@ -96,7 +96,7 @@ fn dim_of(t: &Tensor, dim: i64) -> Result<usize, ForwardProblem> {
 }
 
 /// The whole output from a sharded layout (`None`: it is whole already).
-fn materialize(
+pub(super) fn materialize(
     out: &Tensor,
     layout: &OutputLayout,
     g: &ProcessGroup,

@@ -1,16 +1,33 @@
 //! PyTorch's tensor-parallel API on a mesh dim (`torch.distributed.tensor.parallel`:
-//! `parallelize_module`, `ColwiseParallel`, `RowwiseParallel`), translated into a
-//! [`ShardingPlan`] of this module's linear sharders and applied by [`shard_module`]: the
-//! same shards, hooks, checks and errors, keyed by the same typed paths or strings.
+//! `parallelize_module` and its styles), translated into a [`ShardingPlan`] of this
+//! module's sharders and applied by [`shard_module`]: the same shards, hooks, checks and
+//! errors, keyed by the same typed paths or strings. tch-dist has no DTensor: every
+//! activation is a plain local tensor, laid out as the styles declare.
 //!
 //! | PyTorch | here |
 //! |---|---|
 //! | `ColwiseParallel()` (input replicated, output `Shard(-1)`, local) | [`ColwiseLinear`], its output this rank's columns (`return_local_tensor`) |
 //! | `ColwiseParallel(output_layouts=Replicate())` | [`ColwiseLinear`], its output all-gathered |
+//! | `ColwiseParallel(input_layouts=Shard(1))` (torchtitan's output head) | the input's pieces all-gathered along dim 1 first; backward: the input gradient summed over the ranks, this rank's piece kept (a reduce-scatter) |
 //! | `RowwiseParallel()` (input `Shard(-1)`, output replicated) | [`RowwiseLinear`] (a whole input is sliced, a local one taken as is) |
 //! | `RowwiseParallel(input_layouts=Replicate())` | the same sharder: it tells the two inputs apart by their width |
+//! | `RowwiseParallel(output_layouts=Shard(1))` (sequence parallelism's `wo`, `w2`) | the partial sums reduce-scattered along dim 1, the bias added once to this rank's piece (its gradient summed over the ranks); backward: the pieces' gradients all-gathered, undivided |
 //! | `ColwiseParallel()` on an `nn.Embedding` | [`ColwiseEmbedding`]: the table split along the embedding dim, the output this rank's columns (or gathered, with `output_layouts=Replicate()`) |
-//! | `RowwiseParallel(input_layouts=Replicate())` on an `nn.Embedding` (vocab-parallel; its default `Shard(-1)` input is refused: ids are not features) | [`RowwiseEmbedding`]: the table split along the vocabulary, other ranks' tokens zeroed, the outputs summed |
+//! | `RowwiseParallel(input_layouts=Replicate())` on an `nn.Embedding` (vocab-parallel; its default `Shard(-1)` input is refused: ids are not features) | [`RowwiseEmbedding`]: the table split along the vocabulary, other ranks' tokens zeroed, the outputs summed (reduce-scattered along dim 1 with `output_layouts=Shard(1)`: torchtitan's `tok_embeddings`) |
+//! | `SequenceParallel()` on a norm (`nn::LayerNorm`, an RMSNorm) | the input and output this rank's chunk of the sequence (`torch.chunk` along `sequence_dim`), the parameters whole, their gradients summed over the ranks before they are accumulated |
+//! | `PrepareModuleInput(input_layouts, desired_input_layouts)` on any module | each positional input changed by a forward pre-hook: `Shard(d)` to `Replicate` all-gathers along `d` (backward: this rank's piece of the gradient), `Replicate` to `Shard(d)` keeps this rank's chunk (backward: all-gather), `None` leaves the input alone |
+//! | `PrepareModuleOutput(output_layouts, desired_output_layouts)` | the same, on the outputs, by a forward hook |
+//!
+//! Under sequence parallelism the activations between the tensor-parallel regions are each
+//! rank's even chunk of the sequence: a whole tensor split into chunks (a row-parallel
+//! output, `Replicate` to `Shard(d)`) whose length the tensor-parallel size does not divide
+//! is refused in the hook, on every rank ([`ForwardProblem::NotDivisible`](super::ForwardProblem::NotDivisible)).
+//! The gradients follow Megatron's convention: the loss is computed alike on every rank
+//! (from a replicated output), so a replicated activation's gradient is whole on every rank
+//! and a chunk's is this rank's piece of it; the sharded parameters' gradients are the
+//! unsharded model's shards, and the replicated ones' (norms, row-parallel biases under
+//! `Shard` outputs) are the unsharded model's. A plain parameter of your own used on the
+//! sequence chunks outside these styles gets this rank's part of its gradient only.
 
 use std::sync::Arc;
 
@@ -19,8 +36,11 @@ use tch_dist_core::Shardable;
 
 use super::embedding::{ColwiseEmbedding, RowwiseEmbedding};
 use super::error::{ShardError, StyleProblem};
-use super::plan::ShardingPlan;
-use super::sharder::{ColwiseLinear, RowwiseLinear};
+use super::plan::{PlanEntry, ShardingPlan};
+use super::prepare::{layouts_label, GatherInput, PrepareInput, PrepareOutput, ReshardOutput};
+use super::redistribute::Redistribute;
+use super::sequence::{not_a_norm, SequenceParallelNorm};
+use super::sharder::{ColwiseLinear, RowwiseLinear, Sharder};
 use super::{shard_module, ShardState};
 use crate::device_mesh::DeviceMesh;
 
@@ -44,7 +64,9 @@ pub enum Layout {
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ColwiseParallel {
-    /// The input's layout: [`Layout::Replicate`] (the default; the only one supported).
+    /// The input's layout: [`Layout::Replicate`] (the default), or on a linear layer
+    /// `Shard(d)` (this rank's even piece along `d`, all-gathered before the layer: a
+    /// sequence-sharded input, `Shard(1)`).
     pub input_layouts: Layout,
     /// The output's: `Shard(-1)` (the default: this rank's columns) or `Replicate`
     /// (all-gathered).
@@ -77,7 +99,9 @@ pub struct RowwiseParallel {
     /// The input's layout: `Shard(-1)` (the default: a column-parallel layer's local
     /// output) or `Replicate` (sliced here).
     pub input_layouts: Layout,
-    /// The output's: [`Layout::Replicate`] (the default; the only one supported).
+    /// The output's: [`Layout::Replicate`] (the default: the partial sums all-reduced) or
+    /// `Shard(d)` (reduce-scattered: this rank's even piece along `d`, `Shard(1)` under
+    /// sequence parallelism).
     pub output_layouts: Layout,
     /// As [`ColwiseParallel::use_local_output`].
     pub use_local_output: bool,
@@ -93,13 +117,140 @@ impl Default for RowwiseParallel {
     }
 }
 
-/// One entry of a [`ParallelizePlan`] (PyTorch's `ParallelStyle`).
+/// PyTorch's `SequenceParallel` on a norm over each token's features (`nn::LayerNorm`, an
+/// RMSNorm of your own: no submodules or buffers, one-dimensional parameters): the input is
+/// this rank's chunk of the sequence (`torch.chunk` along `sequence_dim`), and so is the
+/// output; the parameters stay whole on every rank, and their gradients are summed over the
+/// tensor-parallel group before they are accumulated (PyTorch: the `Partial` gradient of a
+/// `Replicate` parameter). Like PyTorch, the parameters are not broadcast: every rank must
+/// start from the same values (a norm's ones and zeros).
+///
+/// ```
+/// use tch_dist::sharding::SequenceParallel;
+/// let s = SequenceParallel::default();
+/// assert_eq!((s.sequence_dim, s.use_local_output), (1, false));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SequenceParallel {
+    /// The sequence dim of the norm's input (default 1: `[batch, sequence, features]`).
+    pub sequence_dim: i64,
+    /// PyTorch's default, `false`, hands on a DTensor whose local tensor is this rank's
+    /// chunk; tch-dist has no DTensor, so either value hands on the local chunk, and the next
+    /// style declares it (`PrepareModuleInput(input_layouts=Shard(1))`).
+    pub use_local_output: bool,
+}
+
+impl Default for SequenceParallel {
+    fn default() -> Self {
+        SequenceParallel {
+            sequence_dim: 1,
+            use_local_output: false,
+        }
+    }
+}
+
+/// PyTorch's `PrepareModuleInput` on any module (an attention block called with several
+/// inputs through `call_with`): before each call, positional input `i` is changed from
+/// `input_layouts[i]` to `desired_input_layouts[i]` (`Shard(d)` to `Replicate`: all-gathered
+/// along `d`; `Replicate` to `Shard(d)`: this rank's even chunk; the same layout, or `None`
+/// on either side: left alone). A call with another number of inputs is an error. The
+/// module's submodules take their own styles.
+///
+/// ```
+/// use tch_dist::sharding::{Layout, PrepareModuleInput};
+/// // torchtitan's attention: the hidden states gathered, the rotary table left alone.
+/// let p = PrepareModuleInput::new(
+///     [Some(Layout::Shard(1)), None],
+///     [Some(Layout::Replicate), None],
+/// );
+/// assert!(!p.use_local_output);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrepareModuleInput {
+    /// Each positional input's layout (`None`: leave it alone).
+    pub input_layouts: Vec<Option<Layout>>,
+    /// The layout each is changed to, as many (`None`: leave it alone).
+    pub desired_input_layouts: Vec<Option<Layout>>,
+    /// As [`SequenceParallel::use_local_output`] (PyTorch's default `false`; either value
+    /// hands on local tensors).
+    pub use_local_output: bool,
+}
+
+impl PrepareModuleInput {
+    /// Changes the inputs from `input_layouts` to `desired_input_layouts`, PyTorch's default
+    /// `use_local_output = false`.
+    pub fn new(
+        input_layouts: impl IntoIterator<Item = Option<Layout>>,
+        desired_input_layouts: impl IntoIterator<Item = Option<Layout>>,
+    ) -> Self {
+        PrepareModuleInput {
+            input_layouts: input_layouts.into_iter().collect(),
+            desired_input_layouts: desired_input_layouts.into_iter().collect(),
+            use_local_output: false,
+        }
+    }
+}
+
+/// PyTorch's `PrepareModuleOutput` on any module: after each call, output `i` is changed
+/// from `output_layouts[i]` to `desired_output_layouts[i]`, as [`PrepareModuleInput`]
+/// changes inputs. A call with another number of outputs is an error.
+///
+/// ```
+/// use tch_dist::sharding::{Layout, PrepareModuleOutput};
+/// // A block whose replicated output goes on as this rank's chunk of the sequence.
+/// let p = PrepareModuleOutput::new([Some(Layout::Replicate)], [Some(Layout::Shard(1))]);
+/// assert!(p.use_local_output);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrepareModuleOutput {
+    /// Each output's layout (`None`: leave it alone).
+    pub output_layouts: Vec<Option<Layout>>,
+    /// The layout each is changed to, as many.
+    pub desired_output_layouts: Vec<Option<Layout>>,
+    /// PyTorch's default, `true`; either value hands on local tensors.
+    pub use_local_output: bool,
+}
+
+impl PrepareModuleOutput {
+    /// Changes the outputs from `output_layouts` to `desired_output_layouts`.
+    pub fn new(
+        output_layouts: impl IntoIterator<Item = Option<Layout>>,
+        desired_output_layouts: impl IntoIterator<Item = Option<Layout>>,
+    ) -> Self {
+        PrepareModuleOutput {
+            output_layouts: output_layouts.into_iter().collect(),
+            desired_output_layouts: desired_output_layouts.into_iter().collect(),
+            use_local_output: true,
+        }
+    }
+}
+
+/// One entry of a [`ParallelizePlan`] (PyTorch's `ParallelStyle`).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ParallelStyle {
     /// [`ColwiseParallel`].
     Colwise(ColwiseParallel),
     /// [`RowwiseParallel`].
     Rowwise(RowwiseParallel),
+    /// [`SequenceParallel`].
+    Sequence(SequenceParallel),
+    /// [`PrepareModuleInput`].
+    PrepareInput(PrepareModuleInput),
+    /// [`PrepareModuleOutput`].
+    PrepareOutput(PrepareModuleOutput),
+}
+
+impl ParallelStyle {
+    /// PyTorch's name of the style.
+    fn name(&self) -> &'static str {
+        match self {
+            ParallelStyle::Colwise(_) => "ColwiseParallel",
+            ParallelStyle::Rowwise(_) => "RowwiseParallel",
+            ParallelStyle::Sequence(_) => "SequenceParallel",
+            ParallelStyle::PrepareInput(_) => "PrepareModuleInput",
+            ParallelStyle::PrepareOutput(_) => "PrepareModuleOutput",
+        }
+    }
 }
 
 impl From<ColwiseParallel> for ParallelStyle {
@@ -111,6 +262,24 @@ impl From<ColwiseParallel> for ParallelStyle {
 impl From<RowwiseParallel> for ParallelStyle {
     fn from(r: RowwiseParallel) -> Self {
         ParallelStyle::Rowwise(r)
+    }
+}
+
+impl From<SequenceParallel> for ParallelStyle {
+    fn from(s: SequenceParallel) -> Self {
+        ParallelStyle::Sequence(s)
+    }
+}
+
+impl From<PrepareModuleInput> for ParallelStyle {
+    fn from(p: PrepareModuleInput) -> Self {
+        ParallelStyle::PrepareInput(p)
+    }
+}
+
+impl From<PrepareModuleOutput> for ParallelStyle {
+    fn from(p: PrepareModuleOutput) -> Self {
+        ParallelStyle::PrepareOutput(p)
     }
 }
 
@@ -151,11 +320,12 @@ impl ParallelizePlan {
     }
 }
 
-/// Parallelizes `module`'s linear layers and embedding tables over a 1-D `mesh` (one dim of a larger one:
+/// Parallelizes `module`'s layers over a 1-D `mesh` (one dim of a larger one:
 /// `mesh.dim("tp")?`) as `plan` says (PyTorch's `parallelize_module(module, mesh, plan)`),
 /// with rank 0's values. Through [`shard_module`]: every plan check of it applies (a module
-/// the model does not have, a style on a layer that is not linear), on every rank, before
-/// anything changes; layouts tch-dist does not build are refused the same way.
+/// the model does not have, a style on a layer it does not fit), on every rank, before
+/// anything changes; layouts tch-dist does not build, and two styles on one module, are
+/// refused the same way. See the [module docs](self) for what each style becomes.
 ///
 /// ```no_run
 /// use tch::nn;
@@ -185,6 +355,24 @@ impl ParallelizePlan {
 /// parallelize_module(&mut mlp, &mesh, &plan)?;
 /// # Ok(()) }
 /// ```
+///
+/// Sequence parallelism (torchtitan's plan for a Llama block; `norm` is an RMSNorm, `attn`
+/// is called as `self.attn.call_with([&h, &mask], ..)`):
+///
+/// ```no_run
+/// use tch_dist::sharding::{
+///     ColwiseParallel, Layout, ParallelizePlan, PrepareModuleInput, RowwiseParallel,
+///     SequenceParallel,
+/// };
+/// let seq = Layout::Shard(1);
+/// let plan = ParallelizePlan::new()
+///     .style("tok", RowwiseParallel { input_layouts: Layout::Replicate, output_layouts: seq, ..Default::default() })
+///     .style("attn_norm", SequenceParallel::default())
+///     .style("attn", PrepareModuleInput::new([Some(seq), None], [Some(Layout::Replicate), None]))
+///     .style("attn.wq", ColwiseParallel::default())
+///     .style("attn.wo", RowwiseParallel { output_layouts: seq, ..Default::default() })
+///     .style("head", ColwiseParallel { input_layouts: seq, output_layouts: Layout::Replicate, ..Default::default() });
+/// ```
 pub fn parallelize_module<M: Shardable + ?Sized>(
     module: &mut M,
     mesh: &DeviceMesh,
@@ -199,69 +387,160 @@ pub fn parallelize_module<M: Shardable + ?Sized>(
     let [group] = mesh.get_all_groups()[..] else {
         return Err(refuse("", StyleProblem::MeshDims { ndim: mesh.ndim() }));
     };
-    // Which planned modules are embedding tables (sharded as PyTorch shards an
-    // `nn.Embedding`: colwise on the embedding dim, rowwise on the vocabulary).
-    let embeddings: std::collections::HashSet<String> = module
-        .named_modules()
-        .into_iter()
-        .filter(|(_, m)| m.type_name().ends_with("::Embedding"))
-        .map(|(fqn, _)| fqn)
-        .collect();
-    let mut builder = ShardingPlan::builder();
+    let modules: std::collections::BTreeMap<String, &dyn Shardable> =
+        module.named_modules().into_iter().collect();
+    let mut sharded = ShardingPlan::default();
+    let mut styles: std::collections::BTreeMap<&str, &'static str> = Default::default();
     for (fqn, style) in &plan.entries {
-        let embedding = embeddings.contains(fqn);
-        let unsupported = |style, which, layout| {
-            refuse(
-                fqn,
-                StyleProblem::Layout {
-                    style,
-                    which,
-                    layout,
-                },
-            )
+        if let Some(first) = styles.insert(fqn, style.name()) {
+            let second = style.name();
+            return Err(refuse(fqn, StyleProblem::TwoStyles { first, second }));
+        }
+        let m = modules.get(fqn.as_str()).copied();
+        // Which planned modules are embedding tables (sharded as PyTorch shards an
+        // `nn.Embedding`: colwise on the embedding dim, rowwise on the vocabulary).
+        let embedding = m.is_some_and(|m| m.type_name().ends_with("::Embedding"));
+        let sharder = match style_sharder(style, embedding, m) {
+            Ok(Some(s)) => s,
+            Ok(None) => continue,
+            Err(problem) => return Err(refuse(fqn, problem)),
         };
-        match *style {
-            ParallelStyle::Colwise(c) => {
-                if c.input_layouts != Layout::Replicate {
-                    return Err(unsupported("ColwiseParallel", "input", c.input_layouts));
-                }
-                if !c.use_local_output {
-                    return Err(refuse(fqn, StyleProblem::DTensorOutput));
-                }
-                builder = if embedding {
-                    builder.shard_module(fqn.as_str(), ColwiseEmbedding)
-                } else {
-                    builder.shard_module(fqn.as_str(), ColwiseLinear::default())
-                };
-                match c.output_layouts {
-                    Layout::Replicate => {}
-                    Layout::Shard(-1) => builder = builder.return_local_tensor(fqn.as_str()),
-                    other => return Err(unsupported("ColwiseParallel", "output", other)),
-                }
-            }
-            ParallelStyle::Rowwise(r) => {
-                // An embedding's input is ids, never a slice of features.
-                let inputs_allowed = if embedding {
-                    r.input_layouts == Layout::Replicate
-                } else {
-                    matches!(r.input_layouts, Layout::Replicate | Layout::Shard(-1))
-                };
-                if !inputs_allowed {
-                    return Err(unsupported("RowwiseParallel", "input", r.input_layouts));
-                }
-                if r.output_layouts != Layout::Replicate {
-                    return Err(unsupported("RowwiseParallel", "output", r.output_layouts));
-                }
-                if !r.use_local_output {
-                    return Err(refuse(fqn, StyleProblem::DTensorOutput));
-                }
-                builder = if embedding {
-                    builder.shard_module(fqn.as_str(), RowwiseEmbedding)
-                } else {
-                    builder.shard_module(fqn.as_str(), RowwiseLinear)
-                };
-            }
+        sharded
+            .plan
+            .insert(fqn.clone(), PlanEntry::Sharder(sharder));
+        if let ParallelStyle::Colwise(ColwiseParallel {
+            output_layouts: Layout::Shard(-1),
+            ..
+        }) = style
+        {
+            sharded.return_local_tensor.push(fqn.clone());
         }
     }
-    shard_module(module, &builder.build(), 0, group)
+    shard_module(module, &sharded, 0, group)
+}
+
+/// The sharder of one style on module `m` (`None`: the module is not in the model, which
+/// `shard_module` reports), or `Ok(None)` when there is nothing to do (a sequence-parallel
+/// norm without parameters), or what tch-dist does not build.
+fn style_sharder(
+    style: &ParallelStyle,
+    embedding: bool,
+    m: Option<&dyn Shardable>,
+) -> Result<Option<Arc<dyn Sharder>>, StyleProblem> {
+    let unsupported = |style, which, layout| StyleProblem::Layout {
+        style,
+        which,
+        layout,
+    };
+    Ok(Some(match style {
+        ParallelStyle::Colwise(c) => {
+            if !c.use_local_output {
+                return Err(StyleProblem::DTensorOutput);
+            }
+            if !matches!(c.output_layouts, Layout::Replicate | Layout::Shard(-1)) {
+                return Err(unsupported("ColwiseParallel", "output", c.output_layouts));
+            }
+            match (c.input_layouts, embedding) {
+                (Layout::Replicate, true) => Arc::new(ColwiseEmbedding),
+                (Layout::Replicate, false) => Arc::new(ColwiseLinear::default()),
+                (Layout::Shard(dim), false) => Arc::new(GatherInput {
+                    inner: ColwiseLinear::default(),
+                    dim,
+                }),
+                (other, true) => return Err(unsupported("ColwiseParallel", "input", other)),
+            }
+        }
+        ParallelStyle::Rowwise(r) => {
+            // An embedding's input is ids, never a slice of features.
+            let inputs_allowed = if embedding {
+                r.input_layouts == Layout::Replicate
+            } else {
+                matches!(r.input_layouts, Layout::Replicate | Layout::Shard(-1))
+            };
+            if !inputs_allowed {
+                return Err(unsupported("RowwiseParallel", "input", r.input_layouts));
+            }
+            if !r.use_local_output {
+                return Err(StyleProblem::DTensorOutput);
+            }
+            match (r.output_layouts, embedding) {
+                (Layout::Replicate, true) => Arc::new(RowwiseEmbedding),
+                (Layout::Replicate, false) => Arc::new(RowwiseLinear),
+                (Layout::Shard(dim), true) => Arc::new(ReshardOutput {
+                    inner: RowwiseEmbedding,
+                    dim,
+                }),
+                (Layout::Shard(dim), false) => Arc::new(ReshardOutput {
+                    inner: RowwiseLinear,
+                    dim,
+                }),
+            }
+        }
+        ParallelStyle::Sequence(s) => {
+            // A norm without parameters (no affine) computes per token: nothing to do,
+            // once it is known to be a norm (the sharder's check says why not, otherwise).
+            if let Some(m) = m {
+                if m.named_parameters().is_empty() && not_a_norm(m).is_none() {
+                    return Ok(None);
+                }
+            }
+            Arc::new(SequenceParallelNorm {
+                sequence_dim: s.sequence_dim,
+            })
+        }
+        ParallelStyle::PrepareInput(p) => {
+            let changes = changes(
+                "PrepareModuleInput",
+                "input",
+                &p.input_layouts,
+                &p.desired_input_layouts,
+            )?;
+            Arc::new(PrepareInput {
+                changes,
+                label: layouts_label(&p.input_layouts, &p.desired_input_layouts),
+            })
+        }
+        ParallelStyle::PrepareOutput(p) => {
+            let changes = changes(
+                "PrepareModuleOutput",
+                "output",
+                &p.output_layouts,
+                &p.desired_output_layouts,
+            )?;
+            Arc::new(PrepareOutput {
+                changes,
+                label: layouts_label(&p.output_layouts, &p.desired_output_layouts),
+            })
+        }
+    }))
+}
+
+/// The change of layout of each input (or output) a `PrepareModule*` style asks for.
+fn changes(
+    style: &'static str,
+    which: &'static str,
+    from: &[Option<Layout>],
+    to: &[Option<Layout>],
+) -> Result<Vec<Redistribute>, StyleProblem> {
+    if from.len() != to.len() {
+        return Err(StyleProblem::LayoutCount {
+            style,
+            which,
+            layouts: from.len(),
+            desired: to.len(),
+        });
+    }
+    from.iter()
+        .zip(to)
+        .enumerate()
+        .map(|(index, (&from, &to))| {
+            Redistribute::new(from, to).ok_or(StyleProblem::Redistribute {
+                style,
+                which,
+                index,
+                from,
+                to,
+            })
+        })
+        .collect()
 }

@@ -45,6 +45,24 @@ pub trait Sharder: Send + Sync {
         false
     }
 
+    /// Whether the sharder shards the module's whole subtree, so that no other plan entry
+    /// may reach inside it (true unless a sharder says so). A sharder that only lays out the
+    /// module's inputs or outputs (`PrepareModuleInput`) leaves its submodules to other
+    /// entries; those are then refused outside calls of the module through its hooks (inside
+    /// the sharded root's call), since their inputs are laid out by it.
+    fn owns_subtree(&self) -> bool {
+        true
+    }
+
+    /// Whether the module computes the plan's result only through its hooks, so that a use
+    /// of its parameters outside its hooked calls (`x.apply(&m)`) is refused (true unless a
+    /// sharder says so). A sharder whose hooks change nothing the module computes says false
+    /// (sequence parallelism's norm: its forward is the same on this rank's chunk, and its
+    /// parameters' gradients are summed on the parameters themselves).
+    fn needs_hooks(&self) -> bool {
+        true
+    }
+
     /// Shards `module` with the values of rank `src_rank` and installs its hooks.
     fn shard(
         &self,

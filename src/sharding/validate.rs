@@ -30,6 +30,23 @@ impl Target {
             Target::Sharder(s) => s.splits_output(),
         }
     }
+
+    /// Whether the module must be called through its hooks ([`Sharder::needs_hooks`]).
+    pub fn needs_hooks(&self) -> bool {
+        match self {
+            Target::Linear(_) => true,
+            Target::Sharder(s) => s.needs_hooks(),
+        }
+    }
+
+    /// Whether the target lays out the module's inputs or outputs only, leaving its
+    /// submodules to other entries ([`Sharder::owns_subtree`] false).
+    pub fn prepares(&self) -> bool {
+        match self {
+            Target::Linear(_) => false,
+            Target::Sharder(s) => !s.owns_subtree(),
+        }
+    }
 }
 
 /// Checks the whole plan against `module` and `group`; returns the module FQN → target
@@ -122,6 +139,9 @@ pub(super) fn validate<M: Shardable + ?Sized>(
             let PlanEntry::Sharder(sharder) = owner_entry else {
                 continue;
             };
+            if !sharder.owns_subtree() {
+                continue; // it lays out the module's inputs or outputs only
+            }
             let inside =
                 key != owner && (owner.is_empty() || key.starts_with(&format!("{owner}.")));
             if inside {

@@ -7,6 +7,7 @@
 //! | `main.rs` | the fixtures; a column/row-sharded MLP and a Megatron-planned transformer block against the unsharded model | `test_tp_examples.py` |
 //! | `plans.rs` | plan errors, plans through JSON and TOML, `ShardedTensor` | `test_parallelize_api.py`, `test_sharded_tensor.py` |
 //! | `hooks.rs` | the sharders' hooks under `replicate`, removed, bypassed; `clip_grad_norm` over shards | `test_tp_style.py`, `test_2d_parallel.py` |
+//! | `sequence.rs` | sequence parallelism: a Llama block under torchtitan's plan against one process, bypasses, refusals | `test_tp_style.py` (`test_sequence_parallel_style`, `test_prepare_module_input`), `test_tp_examples.py` (`test_transformer_training`) |
 
 #[path = "../common/mlp.rs"]
 mod mlp;
@@ -27,6 +28,7 @@ use tch_dist::{registry, replicate, Call, ProcessGroup, Shardable};
 
 mod hooks;
 mod plans;
+mod sequence;
 
 /// `d` -> `hidden` -> `out` with the exact GELU.
 fn mlp(vs: &nn::VarStore, d: i64, hidden: i64, out: i64) -> Mlp {

@@ -348,8 +348,8 @@ fn parallelize_module_styles_on_a_mesh() {
                 .unwrap_err()
                 .to_string()
         };
-        let seq = ColwiseParallel {
-            input_layouts: Layout::Shard(0),
+        let rows = ColwiseParallel {
+            output_layouts: Layout::Shard(0),
             ..Default::default()
         };
         assert_eq!(
@@ -357,14 +357,14 @@ fn parallelize_module_styles_on_a_mesh() {
                 &parallelize_module(
                     &mut model,
                     &mesh,
-                    &ParallelizePlan::new().style(Mlp::path().fc1(), seq)
+                    &ParallelizePlan::new().style(Mlp::path().fc1(), rows)
                 )
                 .unwrap_err()
             ),
             format!(
-                "rank {rank}: parallelize_module: `fc1`: ColwiseParallel with input_layouts = \
-                 Shard(0) is not supported (ColwiseParallel: input Replicate, output Shard(-1) \
-                 or Replicate; RowwiseParallel: input Shard(-1) or Replicate, output Replicate)"
+                "rank {rank}: parallelize_module: `fc1`: ColwiseParallel with output_layouts = \
+                 Shard(0) is not supported (ColwiseParallel: input Replicate or, on a linear \
+                 layer, Shard(d); output Shard(-1) or Replicate)"
             )
         );
         let mesh_2d = init_device_mesh("cpu", &[2, 1], &["dp", "tp"]).unwrap();

@@ -63,6 +63,7 @@ fn sharder_name(e: &SharderError) -> &'static str {
         SharderError::ZeroFused => "ZeroFused",
         SharderError::NotDivisible { .. } => "NotDivisible",
         SharderError::NotAnEmbedding { .. } => "NotAnEmbedding",
+        SharderError::NotANorm { .. } => "NotANorm",
         SharderError::Custom(_) => "Custom",
     }
 }
@@ -75,6 +76,10 @@ fn forward_name(p: &ForwardProblem) -> &'static str {
         ForwardProblem::NotIds { .. } => "NotIds",
         ForwardProblem::IdOutOfRange { .. } => "IdOutOfRange",
         ForwardProblem::LookupWithoutInputHook => "LookupWithoutInputHook",
+        ForwardProblem::NotDivisible { .. } => "NotDivisible",
+        ForwardProblem::LayoutDim { .. } => "LayoutDim",
+        ForwardProblem::InputCount { .. } => "InputCount",
+        ForwardProblem::OutputCount { .. } => "OutputCount",
         ForwardProblem::Collective(_) => "Collective",
     }
 }
@@ -87,6 +92,7 @@ fn shard_name(e: &ShardError) -> &'static str {
         ShardError::Dist { .. } => "Dist",
         ShardError::Forward { .. } => "Forward",
         ShardError::HooksBypassed { .. } => "HooksBypassed",
+        ShardError::GradientSum { .. } => "GradientSum",
         ShardError::Contract(_) => "Contract",
         ShardError::Disagreement { .. } => "Disagreement",
     }
@@ -354,6 +360,15 @@ fn every_sharder_error_has_its_text() {
                  embedding_dim]), but this `Linear` has a parameter `bias`",
             ),
             (
+                SharderError::NotANorm {
+                    kind: "Linear",
+                    found: "has a parameter `weight` of shape [4, 8]".into(),
+                },
+                "SequenceParallel needs a norm over each token's features (no submodules or \
+                 buffers, one-dimensional parameters: LayerNorm, an RMSNorm), but this \
+                 `Linear` has a parameter `weight` of shape [4, 8]",
+            ),
+            (
                 SharderError::custom(TooFewRows),
                 "an embedding needs at least 2 rows per rank",
             ),
@@ -369,6 +384,7 @@ fn every_sharder_error_has_its_text() {
             "ZeroFused",
             "NotDivisible",
             "NotAnEmbedding",
+            "NotANorm",
             "Custom",
         ],
     );
@@ -416,6 +432,33 @@ fn every_forward_problem_has_its_text() {
                  masked",
             ),
             (
+                ForwardProblem::NotDivisible {
+                    len: 5,
+                    dim: 1,
+                    world: 2,
+                },
+                "cannot shard dim 1 of length 5 over 2 ranks: sequence parallelism splits it \
+                 evenly, so the length must be divisible by the tensor-parallel size 2",
+            ),
+            (
+                ForwardProblem::LayoutDim { dim: 3, ndim: 2 },
+                "Shard(3) is out of range for a tensor of 2 dims",
+            ),
+            (
+                ForwardProblem::InputCount {
+                    expected: 2,
+                    got: 1,
+                },
+                "the plan lays out 2 inputs, the call passed 1",
+            ),
+            (
+                ForwardProblem::OutputCount {
+                    expected: 1,
+                    got: 2,
+                },
+                "the plan lays out 1 outputs, the call returned 2",
+            ),
+            (
                 ForwardProblem::Collective(dist()),
                 "rank 1: all_gather (differentiable) failed: rank 0 closed the connection",
             ),
@@ -428,6 +471,10 @@ fn every_forward_problem_has_its_text() {
             "NotIds",
             "IdOutOfRange",
             "LookupWithoutInputHook",
+            "NotDivisible",
+            "LayoutDim",
+            "InputCount",
+            "OutputCount",
             "Collective",
         ],
     );
@@ -436,6 +483,8 @@ fn every_forward_problem_has_its_text() {
         (HookSite::RowParallel, "row-parallel"),
         (HookSite::Output, "output of"),
         (HookSite::VocabParallel, "vocab-parallel"),
+        (HookSite::SequenceParallel, "sequence-parallel"),
+        (HookSite::Input, "input of"),
     ];
     for (site, text) in sites {
         // Exhaustive: a new site fails to compile until it is pinned here.
@@ -443,7 +492,9 @@ fn every_forward_problem_has_its_text() {
             HookSite::ColumnParallel
             | HookSite::RowParallel
             | HookSite::Output
-            | HookSite::VocabParallel => {}
+            | HookSite::VocabParallel
+            | HookSite::SequenceParallel
+            | HookSite::Input => {}
         }
         assert_eq!(site.to_string(), text);
     }
@@ -479,8 +530,8 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
                     },
                 },
                 "rank 1: parallelize_module: `fc1`: ColwiseParallel with output_layouts = \
-                 Shard(0) is not supported (ColwiseParallel: input Replicate, output Shard(-1) \
-                 or Replicate; RowwiseParallel: input Shard(-1) or Replicate, output Replicate)",
+                 Shard(0) is not supported (ColwiseParallel: input Replicate or, on a linear \
+                 layer, Shard(d); output Shard(-1) or Replicate)",
             ),
             (
                 ShardError::InvalidArgument {
@@ -531,6 +582,17 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
                  deliberate direct use goes in ShardState::allow_direct_use)",
             ),
             (
+                ShardError::GradientSum {
+                    rank: 1,
+                    param: "norm.weight".into(),
+                    source: dist(),
+                },
+                // The DistError names the rank (once), after the context.
+                "shard_module: sequence-parallel parameter `norm.weight`: summing its gradient \
+                 over the tensor-parallel group failed: rank 1: all_gather (differentiable) \
+                 failed: rank 0 closed the connection",
+            ),
+            (
                 ShardError::Contract(ContractError::AlreadyApplied {
                     api: "shard_module",
                     module: "Mlp",
@@ -561,6 +623,7 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
             "Dist",
             "Forward",
             "HooksBypassed",
+            "GradientSum",
             "Contract",
             "Disagreement",
         ],
@@ -699,6 +762,9 @@ fn every_style_problem_has_its_text() {
         StyleProblem::MeshDims { .. } => "MeshDims",
         StyleProblem::Layout { .. } => "Layout",
         StyleProblem::DTensorOutput => "DTensorOutput",
+        StyleProblem::Redistribute { .. } => "Redistribute",
+        StyleProblem::LayoutCount { .. } => "LayoutCount",
+        StyleProblem::TwoStyles { .. } => "TwoStyles",
     };
     pin(
         vec![
@@ -710,12 +776,41 @@ fn every_style_problem_has_its_text() {
             (
                 StyleProblem::Layout {
                     style: "RowwiseParallel",
-                    which: "output",
+                    which: "input",
                     layout: crate::sharding::Layout::Shard(1),
                 },
-                "RowwiseParallel with output_layouts = Shard(1) is not supported \
-                 (ColwiseParallel: input Replicate, output Shard(-1) or Replicate; \
-                 RowwiseParallel: input Shard(-1) or Replicate, output Replicate)",
+                "RowwiseParallel with input_layouts = Shard(1) is not supported \
+                 (RowwiseParallel: input Shard(-1) or Replicate (an embedding: Replicate); \
+                 output Replicate or Shard(d))",
+            ),
+            (
+                StyleProblem::Redistribute {
+                    style: "PrepareModuleInput",
+                    which: "input",
+                    index: 1,
+                    from: Some(crate::sharding::Layout::Shard(0)),
+                    to: Some(crate::sharding::Layout::Shard(1)),
+                },
+                "PrepareModuleInput: input 1: Shard(0) to Shard(1) is not supported (a layout \
+                 to itself, Shard(d) to Replicate, Replicate to Shard(d), or None to leave the \
+                 tensor alone)",
+            ),
+            (
+                StyleProblem::LayoutCount {
+                    style: "PrepareModuleOutput",
+                    which: "output",
+                    layouts: 2,
+                    desired: 1,
+                },
+                "PrepareModuleOutput: 2 output_layouts but 1 desired_output_layouts; give one \
+                 of each per output (None for one to leave alone)",
+            ),
+            (
+                StyleProblem::TwoStyles {
+                    first: "ColwiseParallel",
+                    second: "SequenceParallel",
+                },
+                "is given two styles (ColwiseParallel and SequenceParallel); a module takes one",
             ),
             (
                 StyleProblem::DTensorOutput,
@@ -724,6 +819,13 @@ fn every_style_problem_has_its_text() {
             ),
         ],
         name,
-        &["MeshDims", "Layout", "DTensorOutput"],
+        &[
+            "MeshDims",
+            "Layout",
+            "DTensorOutput",
+            "Redistribute",
+            "LayoutCount",
+            "TwoStyles",
+        ],
     );
 }
