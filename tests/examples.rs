@@ -751,6 +751,14 @@ fn train_lm_at_dp2_tp2_learns_and_pytorch_loads_its_checkpoint() {
             "rank {r}'s file"
         );
     }
+    pytorch_agrees(Path::new(saved), test_loss);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// PyTorch's `dcp.load` of train_lm's checkpoint `saved` into a plain PyTorch Llama
+/// (tests/examples/pytorch_load_lm.py, one process), whose test loss must be `test_loss`
+/// (1e-3).
+fn pytorch_agrees(saved: &Path, test_loss: f64) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut cmd = python::clean(python::python().join("python"));
     cmd.arg(root.join("tests/examples/pytorch_load_lm.py"))
@@ -766,7 +774,6 @@ fn train_lm_at_dp2_tp2_learns_and_pytorch_loads_its_checkpoint() {
         py.status,
         String::from_utf8_lossy(&py.stderr)
     );
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// `--dp 3 --tp 2` at 4 ranks: every rank refuses with one line naming the mismatch and exit
@@ -791,4 +798,74 @@ fn train_lm_refuses_a_mesh_that_is_not_the_world() {
     let (status, _, err) = finish(alone, Duration::from_secs(60));
     assert_eq!(status.code(), Some(2), "{err}");
     assert_eq!(err, "error: --tp: invalid digit found in string\n");
+    let args = ["--sequence-parallel", "--seq-len", "63"];
+    let alone = start_rank(&example("train_lm"), 0, 1, free_port(), &args);
+    let (status, _, err) = finish(alone, Duration::from_secs(60));
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert_eq!(
+        err,
+        "error: --sequence-parallel splits each sequence over the 2 tp ranks: --seq-len 63 \
+         must be a multiple of --tp\n"
+    );
+}
+
+/// `train_lm` at 4 ranks for 10 steps with `extra` flags: rank 0's output and its metrics'
+/// per-step losses.
+fn train_lm_losses(name: &str, extra: &[&str]) -> (String, Vec<f64>) {
+    let dir = temp_dir(name);
+    let metrics = dir.join("metrics.jsonl");
+    let mut args = vec!["--max-steps", "10", "--metrics", metrics.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let ends = train_lm_at_4(&args);
+    for (r, (status, out, err)) in ends.iter().enumerate() {
+        assert!(status.success(), "rank {r}:\n{out}\n{err}");
+    }
+    let losses = std::fs::read_to_string(&metrics)
+        .expect("rank 0's metrics file")
+        .lines()
+        .map(|l| {
+            let m: serde_json::Value = serde_json::from_str(l).unwrap();
+            m["loss"].as_f64().unwrap()
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(dir);
+    (ends[0].1.clone(), losses)
+}
+
+/// `--sequence-parallel` (torchtitan's plan: SequenceParallel norms, PrepareModuleInput on
+/// attention and the feed-forward, reduce-scattered row-parallel outputs, the output layer
+/// gathering the sequence) only moves where the activations live: 10 steps give the plain
+/// tensor-parallel run's losses (1e-4; the sums run in another order) and its test loss;
+/// its checkpoint (the norms whole over tp, as without) loads into PyTorch's plain model.
+#[test]
+fn train_lm_with_sequence_parallel_trains_as_without() {
+    let ckpt = Path::new(env!("CARGO_TARGET_TMPDIR")).join("train_lm_sp");
+    let _ = std::fs::remove_dir_all(&ckpt);
+    let (plain_out, plain) = train_lm_losses("train-lm-tp", &[]);
+    let (sp_out, sp) = train_lm_losses(
+        "train-lm-sp",
+        &[
+            "--sequence-parallel",
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        sp_out.contains("dp 2 x tp 2 with sequence parallelism (4 ranks)"),
+        "{sp_out}"
+    );
+    assert_eq!((plain.len(), sp.len()), (10, 10));
+    for (step, (a, b)) in plain.iter().zip(&sp).enumerate() {
+        assert!(
+            (a - b).abs() < 1e-4,
+            "step {}: loss {a} vs {b} with SP",
+            step + 1
+        );
+    }
+    let (a, b) = (
+        figure(&plain_out, "test_loss"),
+        figure(&sp_out, "test_loss"),
+    );
+    assert!((a - b).abs() < 1e-3, "test_loss {a} vs {b} with SP");
+    pytorch_agrees(&ckpt.join("step-00000010"), b);
 }

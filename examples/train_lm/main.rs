@@ -8,6 +8,12 @@
 //!    output gathered);
 //! 3. `fully_shard` over its `dp` dim on each layer, then on the root.
 //!
+//! With `--sequence-parallel`, torchtitan's sequence parallelism too (`SequenceParallel` on
+//! the norms, `PrepareModuleInput` on attention and the feed-forward, the embedding and
+//! wo/w2 reduce-scattering along the sequence, the output gathering it: model.rs's
+//! `tp_plan`): the same values, each tp rank holding its chunk of every sequence between
+//! the tensor-parallel regions.
+//!
 //! Each dp rank trains on its `DistributedSampler` share of the sequences (the tp ranks of
 //! one dp group see the same batch), with `tch_dist::optim::AdamW` and gradients clipped to
 //! norm 1 (`utils::clip_grad_norm`: the norm of the whole model, summed over both mesh
@@ -29,7 +35,7 @@
 //! ```text
 //! target/release/tch-dist-run --nproc-per-node 4 -- target/release/examples/train_lm \
 //!     [--dp 2 --tp 2] [--epochs N] [--max-steps N] [--local-batch-size N] [--seq-len N] [--lr LR] \
-//!     [--data PATH] [--metrics PATH] [--checkpoint-dir DIR]
+//!     [--data PATH] [--metrics PATH] [--checkpoint-dir DIR] [--sequence-parallel]
 //! ```
 //!
 //! `--dp` x `--tp` must be the number of ranks. A bad argument ends every rank with one
@@ -77,6 +83,8 @@ struct Args {
     data: PathBuf,
     metrics: PathBuf,
     checkpoint_dir: Option<PathBuf>,
+    /// torchtitan's sequence parallelism on top of the tensor parallelism.
+    sequence_parallel: bool,
 }
 
 /// A command line that cannot run: exit status 2, as for a flag that does not parse.
@@ -103,6 +111,7 @@ fn parse_args() -> Result<Args, String> {
         data: data::default_path(),
         metrics: PathBuf::from("target/train_lm/metrics.jsonl"),
         checkpoint_dir: None,
+        sequence_parallel: false,
     };
     let mut flags = cli::Flags::from_env();
     while let Some(flag) = flags.next_flag() {
@@ -117,6 +126,7 @@ fn parse_args() -> Result<Args, String> {
             "--data" => a.data = flags.value(&flag)?.into(),
             "--metrics" => a.metrics = flags.value(&flag)?.into(),
             "--checkpoint-dir" => a.checkpoint_dir = Some(flags.value(&flag)?.into()),
+            "--sequence-parallel" => a.sequence_parallel = true,
             other => return Err(cli::unknown(other)),
         }
     }
@@ -131,6 +141,15 @@ fn parse_args() -> Result<Args, String> {
     }
     if a.seq_len < 1 {
         return Err("--seq-len must be at least 1".into());
+    }
+    // Each tp rank holds an even chunk of every sequence between the tensor-parallel
+    // regions (PyTorch refuses uneven ones too).
+    if a.sequence_parallel && a.seq_len % a.tp as i64 != 0 {
+        return Err(format!(
+            "--sequence-parallel splits each sequence over the {} tp ranks: --seq-len {} \
+             must be a multiple of --tp",
+            a.tp, a.seq_len
+        ));
     }
     if !(a.lr.is_finite() && a.lr > 0.0) {
         return Err(format!("--lr {} must be a positive number", a.lr));
@@ -250,7 +269,8 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             .sum()
     };
     let full_params = numel(&vs);
-    parallelize_module(&mut model, &tp_mesh, &model::tp_plan(config.n_layers))?;
+    let plan = model::tp_plan(config.n_layers, args.sequence_parallel);
+    parallelize_module(&mut model, &tp_mesh, &plan)?;
     let over_dp = || FsdpOptions {
         mesh: Some(dp_mesh.clone()),
         ..Default::default()
@@ -300,11 +320,16 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             corpus.train.size()[0],
         );
         println!(
-            "dp {} x tp {} ({world} ranks), {local_params} parameters on this rank; {n_train} \
+            "dp {} x tp {}{} ({world} ranks), {local_params} parameters on this rank; {n_train} \
              sequences of {} tokens, {per} per dp rank and step ({} per step), \
              {steps_per_epoch} steps per epoch, {total_steps} in all",
             args.dp,
             args.tp,
+            if args.sequence_parallel {
+                " with sequence parallelism"
+            } else {
+                ""
+            },
             args.seq_len,
             per * args.dp as i64,
         );

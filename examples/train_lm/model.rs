@@ -12,7 +12,9 @@
 use serde::Serialize;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
-use tch_dist::sharding::{ColwiseParallel, Layout, ParallelizePlan, RowwiseParallel};
+use tch_dist::sharding::{
+    ColwiseParallel, Layout, ParallelizePlan, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+};
 use tch_dist::{Call, Shardable};
 
 /// The model's sizes (saved with the checkpoint, so that PyTorch can build the same model).
@@ -269,38 +271,59 @@ impl Module for Transformer {
 }
 
 /// torchtitan's tensor-parallel plan for Llama (`parallelize_llama`'s `apply_tp`, without
-/// sequence parallelism or loss parallelism), keyed by typed paths: the embedding
-/// vocab-parallel, q/k/v and w1/w3 column-parallel (each rank its heads and its hidden
-/// features, the outputs left local), wo and w2 row-parallel (the partial sums all-reduced:
-/// two all-reduces per layer in forward), the output column-parallel and gathered, so that
-/// every tp rank holds the whole logits.
-pub fn tp_plan(n_layers: usize) -> ParallelizePlan {
+/// loss parallelism), keyed by typed paths: the embedding vocab-parallel, q/k/v and w1/w3
+/// column-parallel (each rank its heads and its hidden features, the outputs left local),
+/// wo and w2 row-parallel, the output column-parallel and gathered, so that every tp rank
+/// holds the whole logits.
+///
+/// Without sequence parallelism the activations between the tensor-parallel regions are
+/// whole on every tp rank (the row-parallel partial sums all-reduced: two all-reduces per
+/// layer in forward). With it (`sequence_parallel`, torchtitan's plan as it is) they are
+/// each rank's chunk of the sequence (dim 1): the embedding and wo/w2 reduce-scatter their
+/// partial sums along the sequence, the norms run on the chunk (`SequenceParallel`, their
+/// weights' gradients summed over tp), attention and the feed-forward all-gather their
+/// input first (`PrepareModuleInput`), and the output layer gathers its input: the same
+/// values, the activations between the regions and the norms' work divided by tp.
+pub fn tp_plan(n_layers: usize, sequence_parallel: bool) -> ParallelizePlan {
     let p = Transformer::path();
-    let mut plan = ParallelizePlan::new().style(
-        p.tok_embeddings(),
-        RowwiseParallel {
-            input_layouts: Layout::Replicate,
-            ..Default::default()
-        },
-    );
+    let (local, replicate, seq) = (Layout::Shard(-1), Layout::Replicate, Layout::Shard(1));
+    // Where a row-parallel layer's partial sums go: summed whole, or reduce-scattered
+    // along the sequence.
+    let between = if sequence_parallel { seq } else { replicate };
+    let rowwise = |input_layouts| RowwiseParallel {
+        input_layouts,
+        output_layouts: between,
+        ..Default::default()
+    };
+    let mut plan = ParallelizePlan::new().style(p.tok_embeddings(), rowwise(replicate));
     for i in 0..n_layers {
-        let (a, f) = (
-            p.layers().at(i).attention(),
-            p.layers().at(i).feed_forward(),
-        );
+        let layer = p.layers().at(i);
+        let (a, f) = (layer.attention(), layer.feed_forward());
+        if sequence_parallel {
+            let gather = || PrepareModuleInput::new([Some(seq)], [Some(replicate)]);
+            plan = plan
+                .style(layer.attention_norm(), SequenceParallel::default())
+                .style(a.clone(), gather())
+                .style(layer.ffn_norm(), SequenceParallel::default())
+                .style(f.clone(), gather());
+        }
         plan = plan
             .style(a.wq(), ColwiseParallel::default())
             .style(a.wk(), ColwiseParallel::default())
             .style(a.wv(), ColwiseParallel::default())
-            .style(a.wo(), RowwiseParallel::default())
+            .style(a.wo(), rowwise(local))
             .style(f.w1(), ColwiseParallel::default())
-            .style(f.w2(), RowwiseParallel::default())
+            .style(f.w2(), rowwise(local))
             .style(f.w3(), ColwiseParallel::default());
+    }
+    if sequence_parallel {
+        plan = plan.style(p.norm(), SequenceParallel::default());
     }
     plan.style(
         p.output(),
         ColwiseParallel {
-            output_layouts: Layout::Replicate,
+            input_layouts: between,
+            output_layouts: replicate,
             ..Default::default()
         },
     )
