@@ -441,6 +441,19 @@ pub enum PlanProblem {
     /// A [`ShardState`](super::ShardState) was asked for a parameter it did not shard.
     #[error("is not a sharded parameter")]
     NotSharded,
+    /// A parameter of a planned module is already managed by a data-parallel API, whose
+    /// shards or buckets splitting it would break: tensor parallelism comes first
+    /// (`parallelize_module`, then `fully_shard` or `replicate`), as in PyTorch.
+    #[error(
+        "parameter `{param}` is already managed by {api}; apply tensor parallelism first, \
+         then {api}"
+    )]
+    AlreadyManaged {
+        /// The parameter, by its FQN in the model.
+        param: String,
+        /// The API managing it (`fully_shard` or `replicate`).
+        api: &'static str,
+    },
 }
 
 /// Why a [`Sharder`](super::Sharder) refuses a module: the built-in linear sharders' reasons,

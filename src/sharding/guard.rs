@@ -34,7 +34,7 @@ use tch::Tensor;
 use tch_dist_core::hooks::{
     register_call_guard, register_call_scope, CallGuard, CallScope, ForwardError, RemovableHandle,
 };
-use tch_dist_core::path::join_fqn;
+use tch_dist_core::path::{is_within, join_fqn};
 use tch_dist_core::Shardable;
 use tch_dist_runtime::{
     autograd_mark, check_enter, check_exit, take_fence_hit, DistError, FenceOwner, ProcessGroup,
@@ -187,15 +187,6 @@ pub(super) fn install(
         );
     }
     Ok((hooks, guards.into_iter().map(|g| g.guard).collect()))
-}
-
-/// Whether `fqn` is `ancestor` or inside it.
-fn is_within(fqn: &str, ancestor: &str) -> bool {
-    ancestor.is_empty()
-        || fqn == ancestor
-        || fqn
-            .strip_prefix(ancestor)
-            .is_some_and(|rest| rest.starts_with('.'))
 }
 
 /// An engine failure of the check itself (not expected) as a hook error.

@@ -103,12 +103,16 @@ pub use parallel::{
 pub use plan::{PlanEntry, ShardingPlan, ShardingPlanBuilder};
 pub use planner::{MegatronPlanner, ShardingPlanner};
 pub use sharder::{ColwiseLinear, RowwiseLinear, ShardedModule, Sharder};
+pub(crate) use state::sharded_params_in;
 pub use state::ShardState;
-pub(crate) use state::{sharded_outside, sharded_params_in};
 pub use tch_dist_core::sharding::*;
 pub use tch_dist_runtime::sharding::{functional, Shard, ShardedTensor};
 
 use validate::{validate, Target};
+
+use crate::state_dict::managed::{first_manager, register, ManagingApi};
+use tch_dist_core::path::is_within;
+use tch_dist_runtime::fsdp::tensor_identity;
 
 /// Shards `module` as `plan` says, with the values of rank `src_rank`, over `group`
 /// (PyTorch's `shard_module`). The whole plan is checked first: an FQN not in the model, a
@@ -129,7 +133,8 @@ pub fn shard_module<M: Shardable + ?Sized>(
     group
         .verify_same_options("shard_module", &plan_entries(plan, src_rank))
         .map_err(disagreement)?;
-    let local = validate(&*module, plan, src_rank, group);
+    let local = validate(&*module, plan, src_rank, group)
+        .and_then(|targets| not_managed(&*module, &targets, group).map(|()| targets));
     let failed = group.failed_ranks(local.is_err()).map_err(disagreement)?;
     let targets = local?;
     if !failed.is_empty() {
@@ -181,12 +186,49 @@ pub fn shard_module<M: Shardable + ?Sized>(
     let root = module.as_dyn_shardable();
     let (scopes, guards) = guard::install(root, &modules, &hooked, &prepared, group)?;
     hooks.extend(scopes);
+    let params = module.named_parameters();
+    let registration = register(
+        ManagingApi::ShardModule,
+        group.global_ranks(),
+        params
+            .iter()
+            .filter(|(fqn, _)| sharded.contains_key(fqn))
+            .map(|(fqn, t)| (tensor_identity(t), fqn.clone()))
+            .collect(),
+    );
     Ok(ShardState {
+        _registration: registration,
         sharded,
         hooks,
         guards: std::sync::Mutex::new(guards),
         group: group.clone(),
     })
+}
+
+/// Refuses a planned module whose parameters `fully_shard` or `replicate` already manage
+/// (their shards or gradient buckets hold the tensors as they are now).
+fn not_managed<M: Shardable + ?Sized>(
+    module: &M,
+    targets: &[(String, Target)],
+    group: &ProcessGroup,
+) -> Result<(), ShardError> {
+    let data_parallel = [ManagingApi::FullyShard, ManagingApi::Replicate];
+    let params = module.named_parameters();
+    for (m, _) in targets {
+        for (fqn, t) in params.iter().filter(|(p, _)| is_within(p, m)) {
+            if let Some((api, _)) = first_manager(tensor_identity(t), &data_parallel) {
+                return Err(ShardError::plan(
+                    group,
+                    m,
+                    PlanProblem::AlreadyManaged {
+                        param: fqn.clone(),
+                        api: api.name(),
+                    },
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The plan as the ranks compare it: one entry per plan key, output-plan key and

@@ -21,6 +21,8 @@ pub struct ShardState {
     /// The bypass check's guards (dropped by `remove_hooks`).
     pub(super) guards: Mutex<Vec<Arc<UseGuard>>>,
     pub(super) group: ProcessGroup,
+    /// The sharded parameters in the registry of managed parameters.
+    pub(super) _registration: crate::state_dict::managed::Registration,
 }
 
 impl std::fmt::Debug for ShardState {
@@ -163,20 +165,4 @@ pub(crate) fn sharded_params_in<M: Shardable + ?Sized>(
         }
     }
     out
-}
-
-/// The first parameter, by FQN, that `shard_module` sharded in `module` over other ranks
-/// than `ranks`, with its group's global ranks. Data parallelism (`fully_shard`,
-/// `replicate`) leaves tensor-parallel parameters out of its reductions, which is right only
-/// when they are sharded over the ranks it averages over.
-pub(crate) fn sharded_outside<M: Shardable + ?Sized>(
-    module: &M,
-    ranks: &[usize],
-) -> Option<(String, Vec<usize>)> {
-    let mut sharded: Vec<(String, ShardedParam)> = sharded_params_in(module).into_iter().collect();
-    sharded.sort_by(|a, b| a.0.cmp(&b.0));
-    sharded
-        .into_iter()
-        .find(|(_, p)| p.state.group().global_ranks() != ranks)
-        .map(|(fqn, p)| (fqn, p.state.group().global_ranks().to_vec()))
 }

@@ -438,10 +438,10 @@ fn bypassed_layers_fail_under_no_grad_on_every_rank() {
     );
 }
 
-/// Tensor parallelism over one mesh dim and fully_shard or replicate over all ranks: both
-/// leave tensor-parallel parameters out of their reductions, so over other ranks their
-/// gradients would not be averaged; each refuses on every rank, naming the parameter and
-/// both sets of ranks, and nothing changes.
+/// Tensor parallelism over one mesh dim and fully_shard or replicate over all ranks (which
+/// overlap the tensor-parallel ranks without being them: neither FSDP x TP nor one group):
+/// each refuses on every rank, naming the first parameter in walk order and both sets of
+/// ranks, and nothing changes.
 #[test]
 fn data_parallel_over_other_ranks_than_tensor_parallel_is_refused_at_4_ranks() {
     run_ranks(
@@ -465,17 +465,17 @@ fn data_parallel_over_other_ranks_than_tensor_parallel_is_refused_at_4_ranks() {
             assert_eq!(
                 e.to_string(),
                 format!(
-                    "rank {rank}: fully_shard: parameter `fc1.bias` is tensor-parallel over \
-                     ranks {pair:?} and fully_shard averages over ranks [0, 1, 2, 3]: left \
-                     out of its reduction, its gradient would not be averaged; FSDP x TP over \
-                     two groups (a 2-D mesh) is not built yet: use the same ranks for both"
+                    "rank {rank}: fully_shard: parameter `fc1.weight` is tensor-parallel over \
+                     ranks {pair:?} and fully_shard averages over ranks [0, 1, 2, 3]: give \
+                     fully_shard the same ranks, or the other dim of the mesh (FSDP x TP: \
+                     `mesh.dim(\"dp\")` beside `mesh.dim(\"tp\")`)"
                 )
             );
             let e = replicate::apply(&model, Default::default()).unwrap_err();
             assert_eq!(
                 e.to_string(),
                 format!(
-                    "rank {rank}: replicate: parameter `fc1.bias` is tensor-parallel over \
+                    "rank {rank}: replicate: parameter `fc1.weight` is tensor-parallel over \
                      ranks {pair:?} and replicate averages over ranks [0, 1, 2, 3]: left out \
                      of its buckets, its gradient would not be averaged; use the same ranks \
                      for both"

@@ -49,6 +49,7 @@ fn plan_name(p: &PlanProblem) -> &'static str {
         PlanProblem::Unhookable { .. } => "Unhookable",
         PlanProblem::Layout { .. } => "Layout",
         PlanProblem::NotSharded => "NotSharded",
+        PlanProblem::AlreadyManaged { .. } => "AlreadyManaged",
     }
 }
 
@@ -265,6 +266,14 @@ fn every_plan_problem_has_its_text() {
                  rank:0/cpu and offsets [1], sizes [2] on rank:1/cpu",
             ),
             (PlanProblem::NotSharded, "is not a sharded parameter"),
+            (
+                PlanProblem::AlreadyManaged {
+                    param: "blocks.0.fc1.weight".into(),
+                    api: "fully_shard",
+                },
+                "parameter `blocks.0.fc1.weight` is already managed by fully_shard; apply \
+                 tensor parallelism first, then fully_shard",
+            ),
         ],
         plan_name,
         &[
@@ -292,6 +301,7 @@ fn every_plan_problem_has_its_text() {
             "Unhookable",
             "Layout",
             "NotSharded",
+            "AlreadyManaged",
         ],
     );
 }
