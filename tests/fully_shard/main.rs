@@ -18,6 +18,8 @@ use panic_text::panic_text;
 mod blocks;
 #[path = "../common/python.rs"]
 mod python;
+#[path = "../common/two_d_lm.rs"]
+mod two_d_lm;
 #[path = "../common/unchanged.rs"]
 mod unchanged;
 use blocks::{blocks, Blocks as Model};

@@ -1,133 +1,17 @@
 //! FSDP x TP on a 2x2 mesh (`dp` x `tp`), PyTorch's order: `parallelize_module` over the
-//! mesh's `tp` dim, then `fully_shard` over its `dp` dim, on one model: a vocab-parallel
-//! embedding, Megatron MLP blocks (column- then row-parallel) with residuals, a norm that
-//! only fully_shard shards, and a column-parallel head gathered.
+//! mesh's `tp` dim, then `fully_shard` over its `dp` dim, on tests/common/two_d_lm.rs's
+//! model.
 
 use tch::nn::{self, Module, OptimizerConfig};
-use tch::{Device, Kind, Tensor};
+use tch::Device;
 use tch_dist::device_mesh::{init_device_mesh, DeviceMesh};
 use tch_dist::fully_shard::full_state_dict;
-use tch_dist::sharding::{
-    parallelize_module, ColwiseParallel, Layout, ParallelizePlan, RowwiseParallel,
-};
+use tch_dist::sharding::parallelize_module;
 use tch_dist::state_dict::{placements, Placement};
 use tch_dist::testing::run_ranks;
-use tch_dist::{fully_shard, Call, FsdpOptions, ProcessGroup, Shardable};
+use tch_dist::{fully_shard, Call, FsdpOptions, ProcessGroup};
 
-/// Vocabulary (11 rows: 6 and 5 over tp 2), model width, MLP width, tokens per sequence.
-const VOCAB: i64 = 11;
-const WIDTH: i64 = 8;
-const HIDDEN: i64 = 14;
-const TOKENS: i64 = 5;
-/// The whole batch; each dp rank trains on its half.
-const BATCH: i64 = 4;
-
-#[derive(Debug, Shardable)]
-pub struct Mlp {
-    fc1: nn::Linear,
-    fc2: nn::Linear,
-}
-
-impl Module for Mlp {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        xs + self.fc2.call(&self.fc1.call(xs).gelu("none"))
-    }
-}
-
-#[derive(Debug, Shardable)]
-pub struct Lm {
-    tok: nn::Embedding,
-    blocks: Vec<Mlp>,
-    norm: nn::LayerNorm,
-    head: nn::Linear,
-}
-
-impl Module for Lm {
-    fn forward(&self, ids: &Tensor) -> Tensor {
-        let h = self
-            .blocks
-            .iter()
-            .fold(self.tok.call(ids), |h, b| b.call(&h));
-        self.head.call(&self.norm.call(&h))
-    }
-}
-
-fn lm(vs: &nn::VarStore) -> Lm {
-    let p = vs.root();
-    let linear = |p: nn::Path, i, o| nn::linear(p, i, o, Default::default());
-    Lm {
-        tok: nn::embedding(&p / "tok", VOCAB, WIDTH, Default::default()),
-        blocks: (0..2)
-            .map(|i| Mlp {
-                fc1: linear(&p / "blocks" / i / "fc1", WIDTH, HIDDEN),
-                fc2: linear(&p / "blocks" / i / "fc2", HIDDEN, WIDTH),
-            })
-            .collect(),
-        norm: nn::layer_norm(&p / "norm", vec![WIDTH], Default::default()),
-        head: linear(&p / "head", WIDTH, VOCAB),
-    }
-}
-
-/// The whole batch of `step` (ids and next-token targets), the same on every rank.
-fn batch(step: usize) -> (Tensor, Tensor) {
-    tch::manual_seed(900 + step as i64);
-    let ids = Tensor::randint(VOCAB, [BATCH, TOKENS + 1], (Kind::Int64, Device::Cpu));
-    (ids.narrow(1, 0, TOKENS), ids.narrow(1, 1, TOKENS))
-}
-
-fn loss(logits: &Tensor, targets: &Tensor) -> Tensor {
-    logits
-        .view([-1, VOCAB])
-        .cross_entropy_for_logits(&targets.reshape([-1]))
-}
-
-/// The tensor-parallel plan of torchtitan's Llama, on this model.
-fn tp_plan() -> ParallelizePlan {
-    let mut plan = ParallelizePlan::new().style(
-        "tok",
-        RowwiseParallel {
-            input_layouts: Layout::Replicate,
-            ..Default::default()
-        },
-    );
-    for i in 0..2 {
-        plan = plan
-            .style(
-                format!("blocks.{i}.fc1").as_str(),
-                ColwiseParallel::default(),
-            )
-            .style(
-                format!("blocks.{i}.fc2").as_str(),
-                RowwiseParallel::default(),
-            );
-    }
-    plan.style(
-        "head",
-        ColwiseParallel {
-            output_layouts: Layout::Replicate,
-            ..Default::default()
-        },
-    )
-}
-
-/// TP over the mesh's `tp` dim, then fully_shard per block and on the root over `dp`.
-fn fsdp_x_tp(m: &mut Lm, mesh: &DeviceMesh) {
-    parallelize_module(m, &mesh.dim("tp").unwrap(), &tp_plan()).unwrap();
-    let dp = || FsdpOptions {
-        mesh: Some(mesh.dim("dp").unwrap()),
-        ..Default::default()
-    };
-    for b in &m.blocks {
-        fully_shard(b, dp()).unwrap();
-    }
-    fully_shard(&*m, dp()).unwrap();
-}
-
-/// `t`'s rows of this dp rank.
-fn dp_rows(t: &Tensor, mesh: &DeviceMesh) -> Tensor {
-    let n = BATCH / mesh.size("dp").unwrap() as i64;
-    t.narrow(0, mesh.get_local_rank("dp").unwrap() as i64 * n, n)
-}
+use crate::two_d_lm::*;
 
 /// The largest difference between the full parameters of `m` and the reference's.
 fn max_diff_full(m: &Lm, reference: &nn::VarStore) -> f64 {
@@ -143,7 +27,7 @@ fn max_diff_full(m: &Lm, reference: &nn::VarStore) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// The one-process reference and the FSDP x TP model on a 2x2 mesh, both from the
+/// The one-process reference and the FSDP x TP model on a `dp` x `tp` mesh, both from the
 /// reference's values.
 struct TwoD {
     mesh: DeviceMesh,
@@ -153,8 +37,8 @@ struct TwoD {
     m: Lm,
 }
 
-fn two_d(pg: &ProcessGroup) -> TwoD {
-    let mesh = init_device_mesh("cpu", &[2, 2], &["dp", "tp"]).unwrap();
+fn two_d(pg: &ProcessGroup, shape: [usize; 2]) -> TwoD {
+    let mesh = init_device_mesh("cpu", &shape, &["dp", "tp"]).unwrap();
     tch::manual_seed(3);
     let ref_vs = nn::VarStore::new(Device::Cpu);
     let reference = lm(&ref_vs);
@@ -165,7 +49,7 @@ fn two_d(pg: &ProcessGroup) -> TwoD {
     // The values TP scatters come from tp rank 0, fully_shard's from dp rank 0: global
     // rank 0's in every piece, as the reference's.
     copy_values(&vs, &ref_vs);
-    fsdp_x_tp(&mut m, &mesh);
+    fsdp_x_tp(&mut m, &mesh).unwrap();
     TwoD {
         mesh,
         ref_vs,
@@ -195,7 +79,7 @@ fn train(s: &TwoD) {
     let mut opt = sgd.build(&s.vs, 0.1).unwrap();
     let mut ref_opt = sgd.build(&s.ref_vs, 0.1).unwrap();
     for step in 0..3 {
-        let (ids, targets) = batch(step);
+        let (ids, targets) = batch(step, Device::Cpu);
         ref_opt.zero_grad();
         loss(&s.reference.forward(&ids), &targets).backward();
         let ref_norm = tch_dist::utils::clip_grad_norm(&s.reference, 1e9, 2.0).unwrap();
@@ -214,7 +98,11 @@ fn train(s: &TwoD) {
         opt.step();
     }
     let diff = max_diff_full(&s.m, &s.ref_vs);
-    assert!(diff < 1e-5, "FSDP x TP 2x2 vs one process: {diff}");
+    assert!(
+        diff < 1e-5,
+        "FSDP x TP {:?} vs one process: {diff}",
+        s.mesh.shape()
+    );
 }
 
 /// FSDP x TP 2x2: 3 SGD-with-momentum steps on each dp rank's half of the batch equal one
@@ -227,7 +115,7 @@ fn fsdp_x_tp_on_a_2x2_mesh_equals_one_process() {
         "two_d::fsdp_x_tp_on_a_2x2_mesh_equals_one_process",
         4,
         |pg: ProcessGroup| {
-            let s = two_d(&pg);
+            let s = two_d(&pg, [2, 2]);
             let (m, mesh) = (&s.m, &s.mesh);
             let dp = mesh.get_local_rank("dp").unwrap() as i64;
             let tp = mesh.get_local_rank("tp").unwrap() as i64;
@@ -266,11 +154,62 @@ fn fsdp_x_tp_on_a_2x2_mesh_equals_one_process() {
             assert_eq!(w.offsets, [dp * 4]);
             train(&s);
             // Evaluation under no_grad computes the one process's logits.
-            let (ids, _) = batch(7);
+            let (ids, _) = batch(7, Device::Cpu);
             let ours = tch::no_grad(|| m.call(&ids));
             let theirs = tch::no_grad(|| s.reference.forward(&ids));
             let d = (ours - theirs).abs().max().double_value(&[]);
             assert!(d < 1e-5, "no_grad logits: {d}");
+        },
+    );
+}
+
+/// AdamW (tch-dist's, on libtorch's fused kernel) on both sides: every parameter's gradient
+/// is a real one here (no attention key bias), so the 2-D steps equal one process's too.
+#[test]
+fn fsdp_x_tp_with_adamw_equals_one_process() {
+    run_ranks(
+        "two_d::fsdp_x_tp_with_adamw_equals_one_process",
+        4,
+        |pg: ProcessGroup| {
+            let s = two_d(&pg, [2, 2]);
+            let adamw = || tch_dist::optim::AdamW::default();
+            let mut opt = adamw().build(&s.vs, 1e-2).unwrap();
+            let mut ref_opt = adamw().build(&s.ref_vs, 1e-2).unwrap();
+            for step in 0..3 {
+                let (ids, targets) = batch(step, Device::Cpu);
+                ref_opt
+                    .backward_step(&loss(&s.reference.forward(&ids), &targets))
+                    .unwrap();
+                let logits = s.m.call(&dp_rows(&ids, &s.mesh));
+                opt.backward_step(&loss(&logits, &dp_rows(&targets, &s.mesh)))
+                    .unwrap();
+            }
+            let diff = max_diff_full(&s.m, &s.ref_vs);
+            assert!(
+                diff < 1e-5,
+                "FSDP x TP 2x2 with AdamW vs one process: {diff}"
+            );
+        },
+    );
+}
+
+/// The degenerate meshes: 4 x 1 (fully_shard over all four ranks, tensor parallelism over
+/// one: plain FSDP) and 1 x 4 (tensor parallelism over four, fully_shard over one: plain
+/// TP, every table and layer split 4 ways unevenly) train like one process too.
+#[test]
+fn fsdp_x_tp_on_4x1_and_1x4_meshes_equals_one_process() {
+    run_ranks(
+        "two_d::fsdp_x_tp_on_4x1_and_1x4_meshes_equals_one_process",
+        4,
+        |pg: ProcessGroup| {
+            for shape in [[4, 1], [1, 4]] {
+                let s = two_d(&pg, shape);
+                train(&s);
+                let record = placements(&s.m);
+                let w = record.get(&s.m.blocks[0].fc1.ws).expect("fc1.weight");
+                assert_eq!(w.placements, [Placement::Shard(0), Placement::Shard(0)]);
+                assert_eq!(w.global_shape, [HIDDEN, WIDTH]);
+            }
         },
     );
 }
@@ -286,7 +225,7 @@ fn fsdp_x_tp_checkpoint_loads_at_other_layouts_and_into_pytorch() {
         4,
         |pg: ProcessGroup| {
             use tch_dist::checkpoint;
-            let s = two_d(&pg);
+            let s = two_d(&pg, [2, 2]);
             train(&s);
             let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("fsdp_x_tp_2x2");
             if pg.rank() == 0 {
@@ -307,7 +246,7 @@ fn fsdp_x_tp_checkpoint_loads_at_other_layouts_and_into_pytorch() {
             let mesh41 = init_device_mesh("cpu", &[4, 1], &["dp", "tp"]).unwrap();
             let vs41 = nn::VarStore::new(Device::Cpu);
             let mut m41 = lm(&vs41);
-            fsdp_x_tp(&mut m41, &mesh41);
+            fsdp_x_tp(&mut m41, &mesh41).unwrap();
             checkpoint::load(&ckpt, &m41, &pg).unwrap();
             let diff = max_diff_full(&m41, &s.ref_vs);
             assert!(diff < 1e-5, "loaded at 4 x 1: {diff}");
@@ -365,4 +304,96 @@ fn pytorch_loads(ckpt: &std::path::Path, full: &std::path::Path) {
             );
         }
     }
+}
+
+/// The 2-D refusals, on every rank, changing nothing: `fully_shard` given the mesh's `tp`
+/// dim (the ranks that see the same data; `dp`'s would never average), and
+/// `parallelize_module` after `fully_shard` on the same layers (their parameters are
+/// fully_shard's shards).
+#[test]
+fn fsdp_x_tp_refusals_on_every_rank_change_nothing() {
+    run_ranks(
+        "two_d::fsdp_x_tp_refusals_on_every_rank_change_nothing",
+        4,
+        |_pg: ProcessGroup| {
+            use crate::unchanged::{unchanged, values};
+            use tch_dist::fully_shard::FsdpError;
+            use tch_dist::sharding::{PlanProblem, ShardError};
+            let mesh = init_device_mesh("cpu", &[2, 2], &["dp", "tp"]).unwrap();
+            let tp = mesh.dim("tp").unwrap();
+            let on = |dim: &str| FsdpOptions {
+                mesh: Some(mesh.dim(dim).unwrap()),
+                ..Default::default()
+            };
+
+            // fully_shard over tp after parallelize_module over tp.
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mut m = lm(&vs);
+            parallelize_module(&mut m, &tp, &tp_plan()).unwrap();
+            let before = values(&vs);
+            let err = fully_shard(&m.blocks[0], on("tp")).unwrap_err();
+            let ranks = tp.get_group("tp").unwrap().global_ranks().to_vec();
+            assert!(
+                matches!(&err, FsdpError::TensorParallelDim { fqn, ranks: r, .. }
+                    if fqn == "fc1.weight" && *r == ranks),
+                "{err}"
+            );
+            assert!(
+                err.to_string()
+                    .contains("give fully_shard the data-parallel dim"),
+                "{err}"
+            );
+            assert!(unchanged(&vs, &before));
+            assert!(fully_shard::state(&m.blocks[0]).is_none());
+            // The same model then takes dp, as it should.
+            fully_shard(&m.blocks[0], on("dp")).unwrap();
+
+            // parallelize_module after fully_shard on the same layers.
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mut m = lm(&vs);
+            for b in &m.blocks {
+                fully_shard(b, on("dp")).unwrap();
+            }
+            let before = values(&vs);
+            let err = parallelize_module(&mut m, &tp, &tp_plan()).unwrap_err();
+            assert!(
+                matches!(&err, ShardError::Plan { fqn, problem: PlanProblem::AlreadyManaged { param, api }, .. }
+                    if fqn == "blocks.0.fc1" && param == "blocks.0.fc1.weight" && *api == "fully_shard"),
+                "{err}"
+            );
+            assert!(unchanged(&vs, &before));
+            assert!(tch_dist::sharding::shard_module_state(&m).is_none());
+        },
+    );
+}
+
+/// A row-parallel layer inside a fully-sharded block run with `forward` (its hooks
+/// bypassed: this rank's partial sum, never all-reduced) is an error on every rank, with
+/// grad and under `no_grad`, naming the layer; the parameters stay as they were.
+#[test]
+fn fsdp_x_tp_bypassed_tensor_parallel_layer_is_an_error() {
+    run_ranks(
+        "two_d::fsdp_x_tp_bypassed_tensor_parallel_layer_is_an_error",
+        4,
+        |pg: ProcessGroup| {
+            use crate::unchanged::{unchanged, values};
+            let mut s = two_d(&pg, [2, 2]);
+            s.m.blocks[1].bypass_fc2 = true;
+            let before = values(&s.vs);
+            let (ids, _) = batch(0, Device::Cpu);
+            for grad in [true, false] {
+                let out = if grad {
+                    s.m.f_call(&ids)
+                } else {
+                    tch::no_grad(|| s.m.f_call(&ids))
+                };
+                let err = out.expect_err("a bypassed row-parallel layer").to_string();
+                assert!(
+                    err.contains("blocks.1.fc2") && err.contains(".call"),
+                    "grad {grad}: {err}"
+                );
+            }
+            assert!(unchanged(&s.vs, &before));
+        },
+    );
 }
