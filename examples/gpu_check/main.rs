@@ -37,12 +37,15 @@
 //!    the recomputation);
 //! 9. (before 6.) pipeline parallelism: two ranks on `cuda:0` through Gloo, each one stage
 //!    of a chain (`Schedule1F1B`, 4 microbatches), against one process training the whole
-//!    chain.
+//!    chain;
+//! 10. (before 6.) device meshes: FSDP x TP (`parallelize_module` over `tp`, `fully_shard`
+//!    over `dp`) on a 1x1 mesh over NCCL, and on a 2x1 mesh of two ranks on `cuda:0`
+//!    through Gloo, each against one process.
 //!
 //! It ends with `gpu_check: N passed, M failed, K skipped (T s)`, exits 1 on any failure (or
-//! after 300 s) and 2 when CUDA is not available. The ranks of 4., 5. and 9. are this binary
-//! again (`--pair-rank`, `--duplicate-rank`, `--pipeline-rank`), started with torchrun's
-//! variables.
+//! after 300 s) and 2 when CUDA is not available. The ranks of 4., 5., 9. and 10. are this
+//! binary again (`--pair-rank`, `--duplicate-rank`, `--pipeline-rank`, `--mesh-rank`),
+//! started with torchrun's variables.
 //!
 //! | file | what it checks | PyTorch's counterpart |
 //! | --- | --- | --- |
@@ -54,6 +57,7 @@
 //! | `shutdown.rs` | 6. the NCCL-only backend, shutdown with clones alive | `destroy_process_group` |
 //! | `activation_checkpoint.rs` | 8. activation checkpointing with dropout on the device | `test_checkpoint.py` (composable) |
 //! | `pipeline.rs` | 9. a 2-stage pipeline of two ranks on one GPU through Gloo | `test_schedule_multiproc.py` |
+//! | `mesh.rs` | 10. FSDP x TP on a 1x1 mesh (NCCL) and a 2x1 mesh (two ranks through Gloo) | `test_fully_shard_training.py`'s `TestFullyShard2DTraining` |
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
@@ -78,6 +82,7 @@ use replicate_net::{
 mod activation_checkpoint;
 mod child_ranks;
 mod default_group;
+mod mesh;
 mod pipeline;
 mod shutdown;
 mod wait_probe;
@@ -85,6 +90,7 @@ mod without_shortcuts;
 use activation_checkpoint::*;
 use child_ranks::*;
 use default_group::*;
+use mesh::*;
 use pipeline::*;
 use shutdown::*;
 use wait_probe::*;
@@ -185,6 +191,9 @@ fn main() {
     }
     if has("--pipeline-rank") {
         child(pipeline_rank);
+    }
+    if has("--mesh-rank") {
+        child(mesh_rank);
     }
     let start = Instant::now();
     std::thread::spawn(move || {
@@ -318,6 +327,15 @@ fn main() {
     tally.run(
         "a 2-stage pipeline of 2 ranks on one device through Gloo equals one process",
         check_pipeline_pair,
+    );
+    // 10.
+    tally.run(
+        "FSDP x TP on a 1x1 mesh of the device equals one process",
+        || check_mesh_one_device(&pg),
+    );
+    tally.run(
+        "FSDP x TP on a 2x1 mesh of 2 ranks on one device through Gloo equals one process",
+        check_mesh_pair,
     );
     // 6.
     tally.run("shutdown with clones alive; destroy_process_group", || {
