@@ -39,8 +39,8 @@
 //!    of a chain (`Schedule1F1B`, 4 microbatches), against one process training the whole
 //!    chain;
 //! 10. (before 6.) device meshes: FSDP x TP (`parallelize_module` over `tp`, `fully_shard`
-//!    over `dp`) on a 1x1 mesh over NCCL, and on a 2x1 mesh of two ranks on `cuda:0`
-//!    through Gloo, each against one process.
+//!     over `dp`) on a 1x1 mesh over NCCL, and on a 2x1 mesh of two ranks on `cuda:0`
+//!     through Gloo, each against one process.
 //!
 //! It ends with `gpu_check: N passed, M failed, K skipped (T s)`, exits 1 on any failure (or
 //! after 300 s) and 2 when CUDA is not available. The ranks of 4., 5., 9. and 10. are this
