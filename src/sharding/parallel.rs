@@ -4,19 +4,7 @@
 //! errors, keyed by the same typed paths or strings. tch-dist has no DTensor: every
 //! activation is a plain local tensor, laid out as the styles declare.
 //!
-//! | PyTorch | here |
-//! |---|---|
-//! | `ColwiseParallel()` (input replicated, output `Shard(-1)`, local) | [`ColwiseLinear`], its output this rank's columns (`return_local_tensor`) |
-//! | `ColwiseParallel(output_layouts=Replicate())` | [`ColwiseLinear`], its output all-gathered |
-//! | `ColwiseParallel(input_layouts=Shard(1))` (torchtitan's output head) | the input's pieces all-gathered along dim 1 first; backward: the input gradient summed over the ranks, this rank's piece kept (a reduce-scatter) |
-//! | `RowwiseParallel()` (input `Shard(-1)`, output replicated) | [`RowwiseLinear`] (a whole input is sliced, a local one taken as is) |
-//! | `RowwiseParallel(input_layouts=Replicate())` | the same sharder: it tells the two inputs apart by their width |
-//! | `RowwiseParallel(output_layouts=Shard(1))` (sequence parallelism's `wo`, `w2`) | the partial sums reduce-scattered along dim 1, the bias added once to this rank's piece (its gradient summed over the ranks); backward: the pieces' gradients all-gathered, undivided |
-//! | `ColwiseParallel()` on an `nn.Embedding` | [`ColwiseEmbedding`]: the table split along the embedding dim, the output this rank's columns (or gathered, with `output_layouts=Replicate()`) |
-//! | `RowwiseParallel(input_layouts=Replicate())` on an `nn.Embedding` (vocab-parallel; its default `Shard(-1)` input is refused: ids are not features) | [`RowwiseEmbedding`]: the table split along the vocabulary, other ranks' tokens zeroed, the outputs summed (reduce-scattered along dim 1 with `output_layouts=Shard(1)`: torchtitan's `tok_embeddings`) |
-//! | `SequenceParallel()` on a norm (`nn::LayerNorm`, an RMSNorm) | the input and output this rank's chunk of the sequence (`torch.chunk` along `sequence_dim`), the parameters whole, their gradients summed over the ranks before they are accumulated |
-//! | `PrepareModuleInput(input_layouts, desired_input_layouts)` on any module | each positional input changed by a forward pre-hook: `Shard(d)` to `Replicate` all-gathers along `d` (backward: this rank's piece of the gradient), `Replicate` to `Shard(d)` keeps this rank's chunk (backward: all-gather), `None` leaves the input alone |
-//! | `PrepareModuleOutput(output_layouts, desired_output_layouts)` | the same, on the outputs, by a forward hook |
+//! What each style becomes: [`parallelize_module`]'s table.
 //!
 //! Under sequence parallelism the activations between the tensor-parallel regions are each
 //! rank's even chunk of the sequence: a whole tensor split into chunks (a row-parallel
@@ -325,7 +313,21 @@ impl ParallelizePlan {
 /// with rank 0's values. Through [`shard_module`]: every plan check of it applies (a module
 /// the model does not have, a style on a layer it does not fit), on every rank, before
 /// anything changes; layouts tch-dist does not build, and two styles on one module, are
-/// refused the same way. See the [module docs](self) for what each style becomes.
+/// refused the same way. What each style becomes:
+///
+/// | PyTorch | here |
+/// |---|---|
+/// | `ColwiseParallel()` (input replicated, output `Shard(-1)`, local) | [`ColwiseLinear`], its output this rank's columns (`return_local_tensor`) |
+/// | `ColwiseParallel(output_layouts=Replicate())` | [`ColwiseLinear`], its output all-gathered |
+/// | `ColwiseParallel(input_layouts=Shard(1))` (torchtitan's output head) | the input's pieces all-gathered along dim 1 first; backward: the input gradient summed over the ranks, this rank's piece kept (a reduce-scatter) |
+/// | `RowwiseParallel()` (input `Shard(-1)`, output replicated) | [`RowwiseLinear`] (a whole input is sliced, a local one taken as is) |
+/// | `RowwiseParallel(input_layouts=Replicate())` | the same sharder: it tells the two inputs apart by their width |
+/// | `RowwiseParallel(output_layouts=Shard(1))` (sequence parallelism's `wo`, `w2`) | the partial sums reduce-scattered along dim 1, the bias added once to this rank's piece (its gradient summed over the ranks); backward: the pieces' gradients all-gathered, undivided |
+/// | `ColwiseParallel()` on an `nn.Embedding` | [`ColwiseEmbedding`]: the table split along the embedding dim, the output this rank's columns (or gathered, with `output_layouts=Replicate()`) |
+/// | `RowwiseParallel(input_layouts=Replicate())` on an `nn.Embedding` (vocab-parallel; its default `Shard(-1)` input is refused: ids are not features) | [`RowwiseEmbedding`]: the table split along the vocabulary, other ranks' tokens zeroed, the outputs summed (reduce-scattered along dim 1 with `output_layouts=Shard(1)`: torchtitan's `tok_embeddings`) |
+/// | `SequenceParallel()` on a norm (`nn::LayerNorm`, an RMSNorm) | the input and output this rank's chunk of the sequence (`torch.chunk` along `sequence_dim`), the parameters whole, their gradients summed over the ranks before they are accumulated |
+/// | `PrepareModuleInput(input_layouts, desired_input_layouts)` on any module | each positional input changed by a forward pre-hook: `Shard(d)` to `Replicate` all-gathers along `d` (backward: this rank's piece of the gradient), `Replicate` to `Shard(d)` keeps this rank's chunk (backward: all-gather), `None` leaves the input alone |
+/// | `PrepareModuleOutput(output_layouts, desired_output_layouts)` | the same, on the outputs, by a forward hook |
 ///
 /// ```no_run
 /// use tch::nn;
