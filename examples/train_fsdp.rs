@@ -65,6 +65,8 @@ mod attention_block;
 mod cli;
 #[path = "common/memory.rs"]
 mod memory;
+#[path = "common/progress.rs"]
+mod progress;
 use attention_block::Block;
 use memory::{malloc_in_use, rss_mib};
 
@@ -434,14 +436,7 @@ fn run() -> Result<(), Box<dyn Error>> {
         .into());
     }
     let total = steps_per_epoch as u64 * args.epochs as u64;
-    let bar = (rank == 0).then(|| {
-        let b = indicatif::ProgressBar::new(total);
-        b.set_style(
-            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} epoch {prefix} {msg}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        b
-    });
+    let bar = (rank == 0).then(|| progress::progress_bar(total, String::new()));
     if rank == 0 {
         println!(
             "training on {world} ranks: {n_train} samples, {steps_per_epoch} steps per epoch, {} \
@@ -512,7 +507,8 @@ fn run() -> Result<(), Box<dyn Error>> {
     if let Some(p) = pending.take() {
         p.wait()?;
     }
-    if let Some(b) = &bar {
+    if let Some(b) = bar {
+        // Dropped here: drawn as lines, its last state is written now.
         b.finish();
     }
     // Every rank runs the sharded model's forward (each group is gathered, used and freed

@@ -58,6 +58,9 @@ use tch_dist::{fully_shard, init_process_group, Backend, Call, FsdpOptions, Redu
 
 #[path = "../common/cli.rs"]
 mod cli;
+#[path = "../common/progress.rs"]
+mod progress;
+use progress::progress_bar;
 mod data;
 #[path = "../common/memory.rs"]
 #[allow(dead_code)] // malloc_in_use: the peak resident set is the reading here
@@ -346,7 +349,8 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         sampler.set_epoch(epoch as u64);
         let order = Tensor::from_slice(&sampler.indices()?);
         let steps = (steps_per_epoch as u64).min(total_steps - global);
-        let bar = (rank == 0).then(|| progress_bar(steps, epoch + 1, args.epochs));
+        let bar =
+            (rank == 0).then(|| progress_bar(steps, format!("{}/{}", epoch + 1, args.epochs)));
         let epoch_start = Instant::now();
         let (mut own_loss_sum, mut own_tokens) = (0f64, 0i64);
         for step in 0..steps as i64 {
@@ -390,7 +394,9 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                 b.inc(1);
             }
         }
-        if let Some(b) = &bar {
+        if let Some(b) = bar {
+            // Dropped here: drawn as lines, its last state is written now, before the
+            // epoch's figures.
             b.finish();
         }
         let mine = EpochFigures {
@@ -489,16 +495,6 @@ fn metrics_file(path: &Path) -> Result<std::io::BufWriter<std::fs::File>, Box<dy
     let file = std::fs::File::create(path)
         .map_err(|e| format!("--metrics: cannot create {}: {e}", path.display()))?;
     Ok(std::io::BufWriter::new(file))
-}
-
-fn progress_bar(steps: u64, epoch: usize, epochs: usize) -> indicatif::ProgressBar {
-    let b = indicatif::ProgressBar::new(steps);
-    b.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} epoch {prefix} {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    b.set_prefix(format!("{epoch}/{epochs}"));
-    b
 }
 
 /// Every rank's figures, in rank order (one all-gather over the world).
