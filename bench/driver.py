@@ -528,9 +528,10 @@ def pp_part(a, r):
 # The 2-D part: the suite's transformer (with separate q, k, v) on 4 ranks as a 2x2 mesh, in
 # two layouts (HSDP; FSDP x TP), each against PyTorch's same layout; rounds (each a tch-dist
 # and a PyTorch run per layout, order flipping) and timed / warm-up steps. Four ranks share
-# this machine's cores, so a run takes 10-30 s (a PyTorch one 20 s of it starting); about 2.5
-# minutes on a quiet machine.
-TWO_D = dict(layouts=("hsdp", "fsdp_tp"), ranks=4, rounds=2, steps=15, warmup=3)
+# this machine's cores, so a run takes 6-8 s (tch-dist) or 17-18 s (PyTorch, most of it
+# starting 4 Pythons) on a quiet machine: about 2.5 minutes for 3 rounds; a busy machine gets
+# fewer rounds (--two-d-budget).
+TWO_D = dict(layouts=("hsdp", "fsdp_tp"), ranks=4, rounds=3, steps=15, warmup=3)
 TWO_D_DESC = {
     "hsdp": "HSDP, mesh 2x2 (dp_replicate x dp_shard), fully_shard on each block then the root",
     "fsdp_tp": "FSDP x TP, mesh 2x2 (dp x tp): q/k/v/fc1 column-, proj/fc2 row-parallel over "
@@ -583,18 +584,18 @@ def two_d_part(a, r):
     print("\n== two_d: 4 ranks, 2x2 mesh, AdamW\n")
     print(
         f"{'configuration':<18} {'step ms':>8} {'fwd':>6} {'bwd':>6} {'opt':>6} {'cpu/rank':>8} "
-        f"{'peak RSS MiB':>12} {'state MB/rank':>13} {'foreign':>7}  runs"
+        f"{'sys':>6} {'peak RSS MiB':>12} {'state MB/rank':>13} {'foreign':>7}  runs"
     )
     for layout in TWO_D["layouts"]:
         for k in (f"tch_dist_{layout}", f"pytorch_{layout}"):
             v = res[k]
             ph = {
                 p: statistics.median(x.get(p, 0) for x in v)
-                for p in ("fwd_ms", "bwd_ms", "opt_ms", "cpu_ms")
+                for p in ("fwd_ms", "bwd_ms", "opt_ms", "cpu_ms", "sys_ms")
             }
             print(
                 f"{k:<18} {med[k]:8.2f} {ph['fwd_ms']:6.1f} {ph['bwd_ms']:6.1f} "
-                f"{ph['opt_ms']:6.1f} {ph['cpu_ms']:8.1f} {peak[k]:12.1f} "
+                f"{ph['opt_ms']:6.1f} {ph['cpu_ms']:8.1f} {ph['sys_ms']:6.1f} {peak[k]:12.1f} "
                 f"{state[k] / 1e6:13.2f} {max(x['foreign'] for x in v):7.0%}  {len(v)}"
             )
     out = {}

@@ -23,6 +23,7 @@ count is the local one (q's local output width / the head width). AdamW (lr 1e-3
 import argparse
 import json
 import math
+import resource
 import statistics
 import time
 
@@ -32,6 +33,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pytorch_ddp import T_BLOCKS, T_DIM, T_HEADS, T_SEQ, T_VOCAB, cpu_ms, machine_busy_ms, rss_mib
+
+
+def sys_ms():
+    """System CPU time (all threads) so far, in ms (two_d.rs's sys_ms)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime * 1e3
 
 
 class TpBlock(nn.Module):
@@ -144,10 +150,11 @@ def main():
     steps, fwd, bwd, upd = [], [], [], []
     losses = []  # the first and last steps' (two_d.rs's `losses`)
     dist.barrier()
-    cpu0 = busy0 = wall0 = 0.0
+    cpu0 = busy0 = wall0 = sys0 = 0.0
     for i in range(a.warmup + a.steps):
         if i == a.warmup:
             cpu0, busy0, wall0 = cpu_ms(), machine_busy_ms(), time.perf_counter()
+            sys0 = sys_ms()
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = F.cross_entropy(model(idx).view(-1, T_VOCAB), nxt.view(-1))
@@ -168,6 +175,7 @@ def main():
         "cpu_ms": cpu_ms() - cpu0,
         "machine_busy_ms": machine_busy_ms() - busy0,
     }
+    sys_per_step = (sys_ms() - sys0) / a.steps
     peak, cur = rss_mib()
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t
     nbytes = lambda t: local(t).numel() * local(t).element_size()
@@ -182,6 +190,7 @@ def main():
     )
     out = {
         "cpu_ms": window["cpu_ms"] / a.steps,
+        "sys_ms": sys_per_step,
         "window": window,
         "impl": "pytorch",
         "mode": a.mode,

@@ -206,9 +206,11 @@ pub(crate) fn two_d(args: &Args, pg: &ProcessGroup) -> Result<(), Box<dyn std::e
     let mut losses = vec![];
     pg.barrier()?;
     let (mut cpu0, mut busy0, mut wall0) = (0.0, 0.0, Instant::now());
+    let mut sys0 = 0.0;
     for i in 0..args.warmup + args.steps {
         if i == args.warmup {
             (cpu0, busy0, wall0) = (cpu_ms(), machine_busy_ms(), Instant::now());
+            sys0 = sys_ms();
         }
         let t0 = Instant::now();
         opt.zero_grad();
@@ -235,6 +237,7 @@ pub(crate) fn two_d(args: &Args, pg: &ProcessGroup) -> Result<(), Box<dyn std::e
         cpu_ms: cpu_ms() - cpu0,
         machine_busy_ms: machine_busy_ms() - busy0,
     };
+    let sys_per_step = (sys_ms() - sys0) / args.steps as f64;
     let (peak, current) = rss_mib();
     let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
     let trainable = vs.trainable_variables();
@@ -256,6 +259,7 @@ pub(crate) fn two_d(args: &Args, pg: &ProcessGroup) -> Result<(), Box<dyn std::e
         .sum();
     let out = serde_json::json!({
         "cpu_ms": window.cpu_ms / args.steps as f64,
+        "sys_ms": sys_per_step,
         "window": window.json(),
         "impl": "tch-dist",
         "mode": args.mode,
@@ -284,4 +288,11 @@ pub(crate) fn two_d(args: &Args, pg: &ProcessGroup) -> Result<(), Box<dyn std::e
     println!("BENCH {out}");
     pg.barrier()?;
     Ok(())
+}
+
+/// System CPU time (all threads) so far, in ms: Gloo over loopback TCP spends its
+/// communication's CPU time in the kernel, so this is most of a rank's communication cost.
+fn sys_ms() -> f64 {
+    let t = rusage().ru_stime;
+    t.tv_sec as f64 * 1e3 + t.tv_usec as f64 / 1e3
 }
