@@ -79,8 +79,11 @@ doc: setup
 # CPU: the model suite (mlp, transformer, convnet), 2 ranks, Gloo, one torch thread per rank,
 # under 10 minutes, then FSDP (fully_shard against PyTorch's, the transformer with AdamW,
 # per-block groups; about 1.5 minutes more); a model=NAME line of ratios per model, an
-# `fsdp fsdp_vs_pytorch=R fsdp_rss_vs_pytorch=R fsdp_bytes_vs_replicate=R` line, and last
-# the MLP's tch_dist_vs_pytorch_ddp=<ratio>. BENCH_ARGS="--models fsdp" runs FSDP alone.
+# `fsdp fsdp_vs_pytorch=R fsdp_rss_vs_pytorch=R fsdp_bytes_vs_replicate=R` line, the
+# pipeline part (2 stages, Schedule1F1B, pp_ lines) and the 2-D part (4 ranks: HSDP 2x2 and
+# FSDP x TP 2x2 against PyTorch's same layouts with AdamW(fused=True), about 2.5 minutes, a
+# `two_d hsdp_vs_pytorch=R ...` line), and last the MLP's tch_dist_vs_pytorch_ddp=<ratio>.
+# BENCH_ARGS="--models fsdp" (or pp, two_d) runs one part alone.
 # First the checkpoint part (bench/checkpoint.py, about 3 minutes: save, async_save and
 # loads at 2 and 4 ranks of a 403 MB fully_shard model against PyTorch's DCP; its goal lines
 # start with ckpt_); BENCH_CHECKPOINT=0 leaves it out.
