@@ -348,15 +348,7 @@ fn train<M: BenchModel>(
     let (peak, current) = rss_mib();
     // What this rank holds between steps (after the last one, before the next zero_grad),
     // counted from the tensors.
-    let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
-    let trainable = vs.trainable_variables();
-    let param_bytes: usize = trainable.iter().map(bytes).sum();
-    let grad_bytes: usize = trainable
-        .iter()
-        .map(|t| t.grad())
-        .filter(|g| g.defined())
-        .map(|g| bytes(&g))
-        .sum();
+    let (param_bytes, grad_bytes) = held_bytes(&vs);
     // AdamW keeps exp_avg and exp_avg_sq, each the parameter's shape; SGD without momentum
     // nothing.
     let optim_bytes = if args.optim == "adamw" {

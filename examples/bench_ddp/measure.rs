@@ -90,3 +90,22 @@ pub(crate) fn sync(device: Device) {
 pub(crate) fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
+
+/// The bytes of one tensor's elements.
+pub(crate) fn tensor_bytes(t: &tch::Tensor) -> usize {
+    t.numel() * t.kind().elt_size_in_bytes()
+}
+
+/// What this rank holds between steps, counted from the tensors: its trainable parameters'
+/// bytes and their gradients'.
+pub(crate) fn held_bytes(vs: &tch::nn::VarStore) -> (usize, usize) {
+    let trainable = vs.trainable_variables();
+    let params = trainable.iter().map(tensor_bytes).sum();
+    let grads = trainable
+        .iter()
+        .map(|t| t.grad())
+        .filter(|g| g.defined())
+        .map(|g| tensor_bytes(&g))
+        .sum();
+    (params, grads)
+}

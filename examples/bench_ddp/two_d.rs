@@ -239,22 +239,14 @@ pub(crate) fn two_d(args: &Args, pg: &ProcessGroup) -> Result<(), Box<dyn std::e
     };
     let sys_per_step = (sys_ms() - sys0) / args.steps as f64;
     let (peak, current) = rss_mib();
-    let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
-    let trainable = vs.trainable_variables();
-    let param_bytes: usize = trainable.iter().map(bytes).sum();
-    let grad_bytes: usize = trainable
-        .iter()
-        .map(|t| t.grad())
-        .filter(|g| g.defined())
-        .map(|g| bytes(&g))
-        .sum();
+    let (param_bytes, grad_bytes) = held_bytes(&vs);
     // exp_avg and exp_avg_sq (the float32 `step` scalars left out, as PyTorch's side does).
     let optim_bytes: usize = opt
         .states()
         .flat_map(|(_, s)| {
             s.iter()
                 .filter(|(k, _)| *k != "step")
-                .map(|(_, t)| bytes(t))
+                .map(|(_, t)| tensor_bytes(t))
         })
         .sum();
     let out = serde_json::json!({

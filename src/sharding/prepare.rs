@@ -158,12 +158,17 @@ pub(super) fn layouts_label(
     format!("{} -> {}", list(from), list(to))
 }
 
-/// Runs each change on its tensor; `None` when nothing changed.
+/// Runs each change on its tensor; `None` when nothing changed. A call with another number
+/// of tensors than changes is `count` of the two (expected, got).
 fn convert(
     changes: &[Redistribute],
     tensors: &[Tensor],
     g: &ProcessGroup,
+    count: fn(usize, usize) -> ForwardProblem,
 ) -> Result<Option<Vec<Tensor>>, ForwardProblem> {
+    if tensors.len() != changes.len() {
+        return Err(count(changes.len(), tensors.len()));
+    }
     let mut out = Vec::with_capacity(tensors.len());
     let mut changed = false;
     for (change, t) in changes.iter().zip(tensors) {
@@ -219,15 +224,9 @@ impl Sharder for PrepareInput {
     ) -> Result<ShardedModule, ShardError> {
         let (g, name, changes) = (group.clone(), fqn.to_string(), self.changes.clone());
         let hook = register_fallible_forward_pre_hook_n(module, move |_m, inputs| {
-            let converted = if inputs.len() == changes.len() {
-                convert(&changes, inputs, &g)
-            } else {
-                Err(ForwardProblem::InputCount {
-                    expected: changes.len(),
-                    got: inputs.len(),
-                })
-            };
-            converted.map_err(|p| hook_error(&g, &name, HookSite::Input, p))
+            let count = |expected, got| ForwardProblem::InputCount { expected, got };
+            convert(&changes, inputs, &g, count)
+                .map_err(|p| hook_error(&g, &name, HookSite::Input, p))
         })
         .map_err(|source| ShardError::plan(group, fqn, PlanProblem::Unhookable { source }))?;
         Ok(ShardedModule {
@@ -260,15 +259,9 @@ impl Sharder for PrepareOutput {
     ) -> Result<ShardedModule, ShardError> {
         let (g, name, changes) = (group.clone(), fqn.to_string(), self.changes.clone());
         let hook = register_fallible_forward_hook_n(module, move |_m, _inputs, outputs| {
-            let converted = if outputs.len() == changes.len() {
-                convert(&changes, outputs, &g)
-            } else {
-                Err(ForwardProblem::OutputCount {
-                    expected: changes.len(),
-                    got: outputs.len(),
-                })
-            };
-            converted.map_err(|p| hook_error(&g, &name, HookSite::Output, p))
+            let count = |expected, got| ForwardProblem::OutputCount { expected, got };
+            convert(&changes, outputs, &g, count)
+                .map_err(|p| hook_error(&g, &name, HookSite::Output, p))
         })
         .map_err(|source| ShardError::plan(group, fqn, PlanProblem::Unhookable { source }))?;
         Ok(ShardedModule {

@@ -132,7 +132,7 @@ fn apply(m: &Model, groups: Groups, root: FsdpOptions) {
 }
 
 /// The largest difference between the full parameters of `m` and the reference's.
-fn max_diff_full(m: &Model, reference: &nn::VarStore) -> f64 {
+fn max_diff_full<M: Shardable>(m: &M, reference: &nn::VarStore) -> f64 {
     let full = full_state_dict(m).unwrap();
     let vars = reference.variables();
     assert_eq!(full.len(), vars.len());

@@ -5,27 +5,13 @@
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::Device;
 use tch_dist::device_mesh::{init_device_mesh, DeviceMesh};
-use tch_dist::fully_shard::full_state_dict;
 use tch_dist::sharding::parallelize_module;
 use tch_dist::state_dict::{placements, Placement};
 use tch_dist::testing::run_ranks;
 use tch_dist::{fully_shard, Call, FsdpOptions, ProcessGroup};
 
+use crate::max_diff_full;
 use crate::two_d_lm::*;
-
-/// The largest difference between the full parameters of `m` and the reference's.
-fn max_diff_full(m: &Lm, reference: &nn::VarStore) -> f64 {
-    let full = full_state_dict(m).unwrap();
-    let vars = reference.variables();
-    assert_eq!(full.len(), vars.len());
-    full.iter()
-        .map(|(fqn, t)| {
-            let r = &vars[fqn];
-            assert_eq!(t.size(), r.size(), "{fqn}");
-            (t - r).abs().max().double_value(&[])
-        })
-        .fold(0.0, f64::max)
-}
 
 /// The one-process reference and the FSDP x TP model on a `dp` x `tp` mesh, both from the
 /// reference's values.
