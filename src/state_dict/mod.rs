@@ -9,7 +9,7 @@
 //! # fn demo<M: tch_dist::Shardable>(model: &M) {
 //! for (fqn, t) in model.named_parameters() {
 //!     if let Some(p) = tch_dist::state_dict::placements(model).get(t) {
-//!         println!("{fqn}: {:?} of {:?} at {:?}", p.placements, p.global_shape, p.offsets);
+//!         println!("{fqn}: {:?} of {:?} at {:?}", p.placements(), p.global_shape, p.offsets);
 //!     }
 //! }
 //! # }
@@ -66,11 +66,10 @@ impl std::fmt::Debug for MeshDimPlacement {
 pub struct ParamPlacement {
     /// Its first FQN in the model's walk order.
     pub fqn: String,
-    /// Per mesh dim, outermost first (PyTorch's DTensor placements): `[Shard(d)]` for one
-    /// API on one group, `[Replicate, Shard(0)]` for HSDP, `[Shard(0), Shard(d)]` for
-    /// `fully_shard` over a `dp` dim of a parameter tensor-parallel over a `tp` dim.
-    pub placements: Vec<Placement>,
-    /// Per mesh dim, the same order: the placement with this rank's group along the dim.
+    /// Per mesh dim, outermost first: the placement (PyTorch's DTensor placements:
+    /// `[Shard(d)]` for one API on one group, `[Replicate, Shard(0)]` for HSDP, `[Shard(0),
+    /// Shard(d)]` for `fully_shard` over a `dp` dim of a parameter tensor-parallel over a
+    /// `tp` dim) with this rank's group along the dim.
     pub dims: Vec<MeshDimPlacement>,
     /// The whole tensor's shape.
     pub global_shape: Vec<i64>,
@@ -119,6 +118,11 @@ pub(crate) struct Owner {
 }
 
 impl ParamPlacement {
+    /// The placement per mesh dim, outermost first (a DTensor's `placements`).
+    pub fn placements(&self) -> Vec<Placement> {
+        self.dims.iter().map(|d| d.placement).collect()
+    }
+
     /// Whether another rank (an earlier replica) holds this rank's piece too: a checkpoint
     /// writes it once, from the first replica.
     pub fn is_replica_copy(&self) -> bool {
@@ -191,7 +195,6 @@ pub fn placements<M: Shardable + ?Sized>(module: &M) -> Placements {
             fqn.clone(),
             ParamPlacement {
                 fqn,
-                placements: vec![Placement::Shard(dim)],
                 dims: vec![MeshDimPlacement {
                     placement: Placement::Shard(dim),
                     group: group.clone(),
@@ -241,7 +244,6 @@ pub fn placements<M: Shardable + ?Sized>(module: &M) -> Placements {
                         .map(|(a, b)| a + b)
                         .collect(),
                     local_shape: p.info.local_shape.clone(),
-                    placements: Vec::new(),
                     dims,
                     owner: Owner {
                         tp: tp.owner.tp,
@@ -254,7 +256,6 @@ pub fn placements<M: Shardable + ?Sized>(module: &M) -> Placements {
                 global_shape: p.info.shape.clone(),
                 offsets: p.info.offsets.clone(),
                 local_shape: p.info.local_shape.clone(),
-                placements: Vec::new(),
                 dims,
                 owner: Owner { tp: None, fsdp },
             },
@@ -263,8 +264,7 @@ pub fn placements<M: Shardable + ?Sized>(module: &M) -> Placements {
     }
     let mut by_identity = HashMap::new();
     for (fqn, t) in module.named_parameters() {
-        if let Some(mut record) = by_fqn.remove(&fqn) {
-            record.placements = record.dims.iter().map(|d| d.placement).collect();
+        if let Some(record) = by_fqn.remove(&fqn) {
             by_identity.entry(tensor_identity(t)).or_insert(record);
         }
     }

@@ -381,7 +381,7 @@ fn hsdp_on_a_2x2_mesh_equals_one_process() {
             let w = record
                 .get(&m.blocks[0].ws)
                 .expect("blocks.0.weight is sharded");
-            assert_eq!(w.placements, [Placement::Replicate, Placement::Shard(0)]);
+            assert_eq!(w.placements(), [Placement::Replicate, Placement::Shard(0)]);
             assert_eq!(w.fqn, "blocks.0.weight");
             assert_eq!(w.global_shape, reference.blocks[0].ws.size());
             assert_eq!(w.local_shape, m.blocks[0].ws.size());

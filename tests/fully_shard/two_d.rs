@@ -111,7 +111,7 @@ fn fsdp_x_tp_on_a_2x2_mesh_equals_one_process() {
             let w = record
                 .get(&m.blocks[0].fc1.ws)
                 .expect("fc1.weight is sharded");
-            assert_eq!(w.placements, [Placement::Shard(0), Placement::Shard(0)]);
+            assert_eq!(w.placements(), [Placement::Shard(0), Placement::Shard(0)]);
             assert_eq!(w.global_shape, [HIDDEN, WIDTH]);
             assert_eq!(w.offsets, [tp * 7 + dp * 4, 0]);
             assert_eq!(w.local_shape, [4 - dp, WIDTH]);
@@ -120,7 +120,7 @@ fn fsdp_x_tp_on_a_2x2_mesh_equals_one_process() {
             let w = record
                 .get(&m.blocks[0].fc2.ws)
                 .expect("fc2.weight is sharded");
-            assert_eq!(w.placements, [Placement::Shard(0), Placement::Shard(1)]);
+            assert_eq!(w.placements(), [Placement::Shard(0), Placement::Shard(1)]);
             assert_eq!(w.offsets, [dp * 4, tp * 7]);
             assert_eq!(w.local_shape, [4, 7]);
             // tok.weight [11, 8], vocab-parallel: tp rows 6 and 5, then dp rows.
@@ -136,7 +136,7 @@ fn fsdp_x_tp_on_a_2x2_mesh_equals_one_process() {
             let w = record
                 .get(m.norm.ws.as_ref().unwrap())
                 .expect("norm.weight");
-            assert_eq!(w.placements, [Placement::Shard(0)]);
+            assert_eq!(w.placements(), [Placement::Shard(0)]);
             assert_eq!(w.offsets, [dp * 4]);
             train(&s);
             // Evaluation under no_grad computes the one process's logits.
@@ -193,7 +193,7 @@ fn fsdp_x_tp_on_4x1_and_1x4_meshes_equals_one_process() {
                 train(&s);
                 let record = placements(&s.m);
                 let w = record.get(&s.m.blocks[0].fc1.ws).expect("fc1.weight");
-                assert_eq!(w.placements, [Placement::Shard(0), Placement::Shard(0)]);
+                assert_eq!(w.placements(), [Placement::Shard(0), Placement::Shard(0)]);
                 assert_eq!(w.global_shape, [HIDDEN, WIDTH]);
             }
         },

@@ -308,11 +308,7 @@ fn parallelize_module_styles_on_a_mesh() {
             // The placement record: fc1's rows, fc2's columns; fc2's bias whole.
             use tch_dist::state_dict::{placements, Placement};
             let record = placements(&model);
-            let place = |t: &Tensor| {
-                record
-                    .get(t)
-                    .map(|p| (p.placements.clone(), p.offsets.clone()))
-            };
+            let place = |t: &Tensor| record.get(t).map(|p| (p.placements(), p.offsets.clone()));
             let r = pg.rank() as i64;
             assert_eq!(
                 place(&model.fc1.ws),
@@ -472,7 +468,7 @@ fn parallelize_module_shards_embeddings() {
             let record = placements(&model);
             let p = record.get(&model.emb.ws).expect("the table is sharded");
             assert_eq!(
-                (p.placements.clone(), p.offsets.clone()),
+                (p.placements(), p.offsets.clone()),
                 (vec![placement], offsets)
             );
             assert_eq!(p.global_shape, [11, 8]);
