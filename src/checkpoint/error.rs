@@ -93,6 +93,24 @@ pub enum CheckpointError {
         /// Its global shape and dtype there.
         other: String,
     },
+    /// A rank holds a tensor as several separate blocks of the whole (a fused
+    /// column-parallel layer sharded per part): a checkpoint holds one block per tensor and
+    /// rank, so its values would land in the wrong rows.
+    #[error(
+        "rank {rank}: checkpoint: rank {holder} holds `{fqn}` as {blocks} separate blocks of \
+         the whole tensor (a fused column-parallel layer sharded per part), and a checkpoint \
+         holds one block per tensor and rank; shard the parts as layers of their own"
+    )]
+    SplitTensor {
+        /// This rank.
+        rank: usize,
+        /// The tensor.
+        fqn: String,
+        /// The lowest rank holding it so.
+        holder: usize,
+        /// How many blocks it joins there.
+        blocks: usize,
+    },
     /// A file listed in the manifest is missing, truncated or changed.
     #[error("rank {rank}: checkpoint: {file} is corrupted: {cause}")]
     Corrupted {

@@ -499,7 +499,8 @@ pub fn load_with<M: Shardable + ?Sized>(
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
     let targets = plan::targets(module);
-    let held = plan::held_anywhere(&targets, group).map_err(|e| loading(rank, path)(e.into()))?;
+    let split = plan::split_tensors(module);
+    let held = plan::held_anywhere(&targets, &split, group).map_err(loading(rank, path))?;
     // Every rank must share the reads the same way: a striped rank's all-gather of its
     // whole tensors' digest would otherwise meet another rank's reads.
     let reads = [("reads".to_string(), format!("{:?}", opts.reads))];
@@ -599,8 +600,8 @@ pub fn load_with_optimizer<M: Shardable + ?Sized>(
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
     let mut targets = plan::targets(module);
-    let mut held =
-        plan::held_anywhere(&targets, group).map_err(|e| loading(rank, path)(e.into()))?;
+    let split = plan::split_tensors(module);
+    let mut held = plan::held_anywhere(&targets, &split, group).map_err(loading(rank, path))?;
     let mut reader = reader::Reader::new(rank);
     let local = (|| {
         let opened = reader.open(path)?;

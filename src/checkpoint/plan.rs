@@ -83,24 +83,73 @@ pub(super) fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
     out
 }
 
-/// The FQNs of the model tensors any rank of a load over `group` holds (one all-gather of
-/// every rank's `targets`' names): a saved tensor that no rank holds is refused, one that
-/// only other ranks hold (a pipeline's other stages) is theirs to load.
-pub(super) fn held_anywhere(
-    targets: &[Target],
-    group: &tch_dist_runtime::ProcessGroup,
-) -> Result<HashSet<String>, tch_dist_runtime::DistError> {
-    let names: String = targets.iter().map(|t| format!("{}\n", t.fqn)).collect();
-    Ok(group
-        .all_gather_bytes("checkpoint.load", names.as_bytes())?
+/// `module`'s tensors that this rank holds as several blocks of the whole, with how many
+/// (see [`ParamPlacement::blocks`](crate::state_dict::ParamPlacement::blocks)).
+pub(super) fn split_tensors<M: Shardable + ?Sized>(module: &M) -> HashMap<String, usize> {
+    let placements = crate::state_dict::placements(module);
+    module
+        .named_parameters()
+        .into_iter()
+        .filter_map(|(fqn, t)| {
+            placements
+                .get(t)
+                .filter(|p| p.blocks > 1)
+                .map(|p| (fqn, p.blocks))
+        })
+        .collect()
+}
+
+/// The first tensor some rank holds split (the lines each rank sent: `FQN\tsplit N`), as
+/// the refusal every rank returns alike.
+fn first_split(rank: usize, lines: &[Vec<(String, String)>]) -> Option<CheckpointError> {
+    lines.iter().enumerate().find_map(|(holder, l)| {
+        l.iter().find_map(|(fqn, v)| {
+            let blocks = v.strip_prefix("split ")?.parse().ok()?;
+            Some(CheckpointError::SplitTensor {
+                rank,
+                fqn: fqn.clone(),
+                holder,
+                blocks,
+            })
+        })
+    })
+}
+
+/// Each rank's lines of an all-gather of `FQN\tVALUE` lines, in its order.
+fn tab_lines(gathered: &[Vec<u8>]) -> Vec<Vec<(String, String)>> {
+    gathered
         .iter()
-        .flat_map(|b| {
+        .map(|b| {
             String::from_utf8_lossy(b)
                 .lines()
-                .map(str::to_string)
-                .collect::<Vec<_>>()
+                .filter_map(|l| l.split_once('\t'))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
         })
-        .collect())
+        .collect()
+}
+
+/// The FQNs of the model tensors any rank of a load over `group` holds (one all-gather of
+/// every rank's `targets`' names): a saved tensor that no rank holds is refused, one that
+/// only other ranks hold (a pipeline's other stages) is theirs to load. A tensor that some
+/// rank holds as several blocks (`split`, by FQN) is refused on every rank.
+pub(super) fn held_anywhere(
+    targets: &[Target],
+    split: &HashMap<String, usize>,
+    group: &tch_dist_runtime::ProcessGroup,
+) -> Result<HashSet<String>, CheckpointError> {
+    let names: String = targets
+        .iter()
+        .map(|t| match split.get(&t.fqn) {
+            Some(n) => format!("{}\tsplit {n}\n", t.fqn),
+            None => format!("{}\t\n", t.fqn),
+        })
+        .collect();
+    let lines = tab_lines(&group.all_gather_bytes("checkpoint.load", names.as_bytes())?);
+    if let Some(refusal) = first_split(group.rank(), &lines) {
+        return Err(refusal);
+    }
+    Ok(lines.into_iter().flatten().map(|(fqn, _)| fqn).collect())
 }
 
 /// `optim.state.<fqn>.<name>`.
@@ -398,6 +447,7 @@ pub(super) fn replicas_agree<M: Shardable + ?Sized>(
 ) -> Result<Writers, CheckpointError> {
     const OP: &str = "checkpoint.save";
     let placements = crate::state_dict::placements(module);
+    let split = split_tensors(module);
     let mut seen = HashSet::new();
     let buffers = module
         .named_buffers()
@@ -412,6 +462,7 @@ pub(super) fn replicas_agree<M: Shardable + ?Sized>(
             .chain(buffers)
             .filter(|(fqn, _)| seen.insert(fqn.clone()))
             .map(|(fqn, t)| match t.filter(|t| placements.get(t).is_none()) {
+                _ if split.contains_key(&fqn) => format!("{fqn}\tsplit {}\n", split[&fqn]),
                 Some(t) => {
                     let d = t.detach().to_kind(tch::Kind::Double);
                     let (sum, squares) = if d.numel() == 0 {
@@ -430,17 +481,10 @@ pub(super) fn replicas_agree<M: Shardable + ?Sized>(
             .collect()
     });
     // Each rank's lines, in its walk order.
-    let lists: Vec<Vec<(String, String)>> = group
-        .all_gather_bytes(OP, lines.as_bytes())?
-        .iter()
-        .map(|b| {
-            String::from_utf8_lossy(b)
-                .lines()
-                .filter_map(|l| l.split_once('\t'))
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect()
-        })
-        .collect();
+    let lists = tab_lines(&group.all_gather_bytes(OP, lines.as_bytes())?);
+    if let Some(refusal) = first_split(group.rank(), &lists) {
+        return Err(refusal);
+    }
     let per_rank: Vec<BTreeMap<&str, &str>> = lists
         .iter()
         .map(|l| l.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect())

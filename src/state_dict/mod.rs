@@ -77,6 +77,11 @@ pub struct ParamPlacement {
     pub offsets: Vec<i64>,
     /// The shape of this rank's piece.
     pub local_shape: Vec<i64>,
+    /// How many separate blocks of the whole tensor this rank's local tensor joins along
+    /// dim 0: 1, except for a fused column-parallel layer sharded per part (`q`, `k`, `v`
+    /// each split: this rank's rows of each, end to end), whose `offsets` and
+    /// `local_shape` are then its first block's; a checkpoint refuses such a tensor.
+    pub blocks: usize,
     pub(crate) owner: Owner,
 }
 
@@ -180,11 +185,8 @@ pub fn placements<M: Shardable + ?Sized>(module: &M) -> Placements {
             continue;
         };
         let group = p.state.group();
-        let Some(mine) = meta
-            .shards_metadata
-            .iter()
-            .find(|s| s.placement.rank() == group.rank())
-        else {
+        let held = meta.shards_for_rank(group.rank());
+        let Some(&mine) = held.first() else {
             continue;
         };
         // The one dim along which the pieces differ from the whole.
@@ -202,6 +204,7 @@ pub fn placements<M: Shardable + ?Sized>(module: &M) -> Placements {
                 global_shape: meta.size.clone(),
                 offsets: mine.shard_offsets.clone(),
                 local_shape: mine.shard_sizes.clone(),
+                blocks: held.len(),
                 owner: Owner {
                     tp: Some(TpOwner {
                         state: p.state.clone(),
@@ -244,6 +247,7 @@ pub fn placements<M: Shardable + ?Sized>(module: &M) -> Placements {
                         .map(|(a, b)| a + b)
                         .collect(),
                     local_shape: p.info.local_shape.clone(),
+                    blocks: tp.blocks,
                     dims,
                     owner: Owner {
                         tp: tp.owner.tp,
@@ -256,6 +260,7 @@ pub fn placements<M: Shardable + ?Sized>(module: &M) -> Placements {
                 global_shape: p.info.shape.clone(),
                 offsets: p.info.offsets.clone(),
                 local_shape: p.info.local_shape.clone(),
+                blocks: 1,
                 dims,
                 owner: Owner { tp: None, fsdp },
             },

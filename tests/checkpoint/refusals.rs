@@ -345,3 +345,40 @@ fn replicas_that_differ_are_refused_on_every_rank() {
         },
     );
 }
+
+/// A fused column-parallel layer sharded per part (`ColwiseLinear { fused: 3 }`: each rank
+/// holds its rows of each part, end to end) is several blocks of the whole weight on each
+/// rank, which a checkpoint's one block per tensor and rank cannot hold: the save and the
+/// load are refused on every rank, naming the weight, and nothing is written or changed.
+#[test]
+fn a_fused_column_parallel_layer_is_refused_on_every_rank() {
+    run_ranks(
+        "refusals::a_fused_column_parallel_layer_is_refused_on_every_rank",
+        2,
+        |pg| {
+            let r = pg.rank();
+            let dir = scratch("fused_refused", &pg);
+            let plain = dir.join("plain");
+            checkpoint::save(&plain, &mlp(&nn::VarStore::new(Device::Cpu), 9, 1), &pg).unwrap();
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mut model = mlp(&vs, 9, 2);
+            let fused = ShardingPlan::builder()
+                .shard_module(Mlp::path().fc1(), ColwiseLinear { fused: 3 })
+                .build();
+            shard_module(&mut model, &fused, 0, &pg).unwrap();
+            let before = model.fc1.ws.copy();
+            let expected = format!(
+                "rank {r}: checkpoint: rank 0 holds `fc1.weight` as 3 separate blocks of the \
+                 whole tensor (a fused column-parallel layer sharded per part), and a \
+                 checkpoint holds one block per tensor and rank; shard the parts as layers \
+                 of their own"
+            );
+            let err = checkpoint::save(dir.join("fused"), &model, &pg).unwrap_err();
+            assert_eq!(err.to_string(), expected);
+            assert!(!dir.join("fused").exists(), "nothing written");
+            let err = checkpoint::load(&plain, &model, &pg).unwrap_err();
+            assert_eq!(err.to_string(), expected);
+            assert!(model.fc1.ws.equal(&before), "the model changed");
+        },
+    );
+}
