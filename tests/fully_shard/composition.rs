@@ -444,6 +444,88 @@ fn hsdp_on_a_2x2_mesh_equals_one_process() {
     );
 }
 
+/// HSDP with fully_shard's other options: bf16 parameters with f32 reduction and output,
+/// `reshard_after_forward = false` on the blocks, the head's weight sharded along its
+/// columns (`shard_placement_fn`), and gradient accumulation over two halves of each rank's
+/// rows with the first backward unsynchronised: 3 SGD steps follow one f32 process within
+/// bf16's precision, and the head's weight is sharded by columns over the shard dim.
+#[test]
+fn hsdp_with_every_option_follows_one_process_at_4_ranks() {
+    run_ranks(
+        "composition::hsdp_with_every_option_follows_one_process_at_4_ranks",
+        4,
+        |pg| {
+            use tch_dist::device_mesh::init_device_mesh;
+            use tch_dist::fully_shard::{MixedPrecisionPolicy, ShardPlacementFn};
+            let mesh = init_device_mesh("cpu", &[2, 2], &["dp_replicate", "dp_shard"]).unwrap();
+            let (ref_vs, reference, vs, m) = twin(&pg);
+            let mp = MixedPrecisionPolicy {
+                param_dtype: Some(Kind::BFloat16),
+                reduce_dtype: Some(Kind::Float),
+                ..Default::default()
+            };
+            let columns = ShardPlacementFn::new(|fqn, t| {
+                (fqn == "head.weight" && t.size()[1] % 2 == 0).then_some(1)
+            });
+            for b in &m.blocks {
+                let opts = FsdpOptions {
+                    mesh: Some(mesh.clone()),
+                    mp_policy: mp,
+                    reshard_after_forward: Some(false.into()),
+                    ..Default::default()
+                };
+                fully_shard(b, opts).unwrap();
+            }
+            let root = FsdpOptions {
+                mesh: Some(mesh.clone()),
+                mp_policy: MixedPrecisionPolicy {
+                    output_dtype: Some(Kind::Float),
+                    ..mp
+                },
+                shard_placement_fn: Some(columns),
+                ..Default::default()
+            };
+            fully_shard(&m, root).unwrap();
+            let head = tch_dist::state_dict::placements(&m);
+            let head = head.get(&m.head.ws).expect("head.weight is sharded");
+            use tch_dist::state_dict::Placement;
+            assert_eq!(
+                head.placements(),
+                [Placement::Replicate, Placement::Shard(1)]
+            );
+            assert_eq!(m.head.ws.size(), [2, 8], "the head's columns, halved");
+            let state = fully_shard::state(&m).unwrap();
+            let mut opt = nn::Sgd::default().build(&vs, 0.2).unwrap();
+            let mut ref_opt = nn::Sgd::default().build(&ref_vs, 0.2).unwrap();
+            for step in 0..3 {
+                let (x, y) = batch(step);
+                ref_opt.backward_step(&reference.forward(&x).mse_loss(&y, tch::Reduction::Mean));
+                opt.zero_grad();
+                let (x, y) = (slice(&x, &pg), slice(&y, &pg));
+                let half = x.size()[0] / 2;
+                for (i, (start, len)) in [(0, half), (half, x.size()[0] - half)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    state.set_requires_gradient_sync(i == 1);
+                    let out = m.call(&x.narrow(0, start, len));
+                    assert_eq!(out.kind(), Kind::Float, "output_dtype");
+                    // Each half's mean, weighted by its rows: their sum is the rank's mean.
+                    let w = len as f64 / x.size()[0] as f64;
+                    (out.mse_loss(&y.narrow(0, start, len), tch::Reduction::Mean) * w).backward();
+                }
+                opt.step();
+            }
+            let diff = max_diff_full(&m, &ref_vs);
+            assert!(
+                diff < 5e-3,
+                "HSDP with every option vs one f32 process: {diff}"
+            );
+            assert!(diff > 0.0, "computed in bf16 indeed");
+        },
+    );
+}
+
 /// Two forwards before their backwards, each backward its own pass (a pipeline schedule's
 /// microbatches; gradient accumulation that keeps its losses): both microbatches' gradients
 /// are reduced and installed, equal to one process on the whole batch. Before the fix the
