@@ -25,7 +25,7 @@ use tch_dist_core::Shardable;
 use super::embedding::{ColwiseEmbedding, RowwiseEmbedding};
 use super::error::{ShardError, StyleProblem};
 use super::plan::{PlanEntry, ShardingPlan};
-use super::prepare::{layouts_label, GatherInput, PrepareInput, PrepareOutput, ReshardOutput};
+use super::prepare::{layouts_label, GatherInput, Prepare, ReshardOutput, Side};
 use super::redistribute::Redistribute;
 use super::sequence::{not_a_norm, SequenceParallelNorm};
 use super::sharder::{ColwiseLinear, RowwiseLinear, Sharder};
@@ -497,7 +497,8 @@ fn style_sharder(
                 &p.input_layouts,
                 &p.desired_input_layouts,
             )?;
-            Arc::new(PrepareInput {
+            Arc::new(Prepare {
+                side: Side::Input,
                 changes,
                 label: layouts_label(&p.input_layouts, &p.desired_input_layouts),
             })
@@ -509,7 +510,8 @@ fn style_sharder(
                 &p.output_layouts,
                 &p.desired_output_layouts,
             )?;
-            Arc::new(PrepareOutput {
+            Arc::new(Prepare {
+                side: Side::Output,
                 changes,
                 label: layouts_label(&p.output_layouts, &p.desired_output_layouts),
             })

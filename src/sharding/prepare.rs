@@ -1,6 +1,6 @@
 //! Sharders that lay out a module's inputs or outputs for `parallelize_module`'s styles:
-//! [`PrepareInput`] and [`PrepareOutput`] (PyTorch's `PrepareModuleInput` and
-//! `PrepareModuleOutput`, on any module, per positional input or output), and the wrappers
+//! [`Prepare`] (PyTorch's `PrepareModuleInput` and `PrepareModuleOutput`, on any module, per
+//! positional input or output, by its [`Side`]), and the wrappers
 //! that give the linear and embedding sharders sequence-sharded inputs and outputs:
 //! [`GatherInput`] (`ColwiseParallel(input_layouts=Shard(d))`: the pieces all-gathered before
 //! the column-parallel layer) and [`ReshardOutput`] (`RowwiseParallel(output_layouts=
@@ -183,28 +183,33 @@ fn convert(
     Ok(changed.then_some(out))
 }
 
-/// PyTorch's `PrepareModuleInput` on any module: each positional input of a call changed
-/// from its layout to the desired one by a forward pre-hook (a call of another arity is
+/// Which tensors of a call a [`Prepare`] lays out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Side {
+    /// Each positional input, by a forward pre-hook (PyTorch's `PrepareModuleInput`).
+    Input,
+    /// Each output, by a forward hook (PyTorch's `PrepareModuleOutput`).
+    Output,
+}
+
+/// PyTorch's `PrepareModuleInput` / `PrepareModuleOutput` on any module: each input (or
+/// output) of a call changed from its layout to the desired one (a call of another arity is
 /// refused). The module's parameters stay as they are; its submodules are other entries'.
 #[derive(Debug, Clone)]
-pub(super) struct PrepareInput {
+pub(super) struct Prepare {
+    pub side: Side,
     pub changes: Vec<Redistribute>,
     /// The layouts, for the name.
     pub label: String,
 }
 
-/// PyTorch's `PrepareModuleOutput` on any module: each output of a call changed from its
-/// layout to the desired one by a forward hook.
-#[derive(Debug, Clone)]
-pub(super) struct PrepareOutput {
-    pub changes: Vec<Redistribute>,
-    /// The layouts, for the name.
-    pub label: String,
-}
-
-impl Sharder for PrepareInput {
+impl Sharder for Prepare {
     fn name(&self) -> String {
-        format!("prepare_module_input({})", self.label)
+        let side = match self.side {
+            Side::Input => "input",
+            Side::Output => "output",
+        };
+        format!("prepare_module_{side}({})", self.label)
     }
 
     fn check(&self, _: &str, _: &dyn Shardable, _: &ProcessGroup) -> Result<(), SharderError> {
@@ -223,46 +228,20 @@ impl Sharder for PrepareInput {
         group: &ProcessGroup,
     ) -> Result<ShardedModule, ShardError> {
         let (g, name, changes) = (group.clone(), fqn.to_string(), self.changes.clone());
-        let hook = register_fallible_forward_pre_hook_n(module, move |_m, inputs| {
-            let count = |expected, got| ForwardProblem::InputCount { expected, got };
-            convert(&changes, inputs, &g, count)
-                .map_err(|p| hook_error(&g, &name, HookSite::Input, p))
-        })
-        .map_err(|source| ShardError::plan(group, fqn, PlanProblem::Unhookable { source }))?;
-        Ok(ShardedModule {
-            params: Vec::new(),
-            output: OutputLayout::Replicated,
-            hooks: vec![hook],
-        })
-    }
-}
-
-impl Sharder for PrepareOutput {
-    fn name(&self) -> String {
-        format!("prepare_module_output({})", self.label)
-    }
-
-    fn check(&self, _: &str, _: &dyn Shardable, _: &ProcessGroup) -> Result<(), SharderError> {
-        Ok(())
-    }
-
-    fn owns_subtree(&self) -> bool {
-        false
-    }
-
-    fn shard(
-        &self,
-        fqn: &str,
-        module: &dyn Shardable,
-        _src_rank: usize,
-        group: &ProcessGroup,
-    ) -> Result<ShardedModule, ShardError> {
-        let (g, name, changes) = (group.clone(), fqn.to_string(), self.changes.clone());
-        let hook = register_fallible_forward_hook_n(module, move |_m, _inputs, outputs| {
-            let count = |expected, got| ForwardProblem::OutputCount { expected, got };
-            convert(&changes, outputs, &g, count)
-                .map_err(|p| hook_error(&g, &name, HookSite::Output, p))
-        })
+        let hook = match self.side {
+            Side::Input => register_fallible_forward_pre_hook_n(module, move |_m, inputs| {
+                let count = |expected, got| ForwardProblem::InputCount { expected, got };
+                convert(&changes, inputs, &g, count)
+                    .map_err(|p| hook_error(&g, &name, HookSite::Input, p))
+            }),
+            Side::Output => {
+                register_fallible_forward_hook_n(module, move |_m, _inputs, outputs| {
+                    let count = |expected, got| ForwardProblem::OutputCount { expected, got };
+                    convert(&changes, outputs, &g, count)
+                        .map_err(|p| hook_error(&g, &name, HookSite::Output, p))
+                })
+            }
+        }
         .map_err(|source| ShardError::plan(group, fqn, PlanProblem::Unhookable { source }))?;
         Ok(ShardedModule {
             params: Vec::new(),
