@@ -68,6 +68,18 @@ class Mlp(nn.Module):
 T_DIM, T_BLOCKS, T_HEADS, T_VOCAB, T_SEQ = 256, 6, 4, 128, 64
 
 
+def attention(q, k, v, mask):
+    """Scaled dot-product attention of q, k, v ([batch, seq, width]) over heads of
+    T_DIM / T_HEADS features (width / head_dim of them: all of a layer's, or a
+    tensor-parallel rank's); examples/common/attention_block.rs's `attention`."""
+    b, t, width = q.shape
+    dh = T_DIM // T_HEADS
+    q, k, v = (z.view(b, t, width // dh, dh).transpose(1, 2) for z in (q, k, v))
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(dh))
+    att = F.softmax(att.masked_fill(mask, float("-inf")), dim=-1)
+    return (att @ v).transpose(1, 2).contiguous().view(b, t, width)
+
+
 class Block(nn.Module):
     """A GPT-2 block: x + proj(attn(ln1(x))), then x + fc2(gelu(fc1(ln2(x))))."""
 
@@ -82,14 +94,8 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * d, d)
 
     def forward(self, x, mask):
-        b, t, d = x.shape
-        dh = d // T_HEADS
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, T_HEADS, dh).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(dh))
-        att = F.softmax(att.masked_fill(mask, float("-inf")), dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, d)
-        x = x + self.proj(y)
+        q, k, v = self.qkv(self.ln1(x)).split(x.shape[2], dim=2)
+        x = x + self.proj(attention(q, k, v, mask))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 

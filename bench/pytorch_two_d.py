@@ -22,7 +22,6 @@ count is the local one (q's local output width / the head width). AdamW (lr 1e-3
 
 import argparse
 import json
-import math
 import resource
 import statistics
 import time
@@ -32,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pytorch_ddp import T_BLOCKS, T_DIM, T_HEADS, T_SEQ, T_VOCAB, cpu_ms, machine_busy_ms, rss_mib
+from pytorch_ddp import T_BLOCKS, T_DIM, T_SEQ, T_VOCAB, attention, cpu_ms, machine_busy_ms, rss_mib
 
 
 def sys_ms():
@@ -56,17 +55,9 @@ class TpBlock(nn.Module):
         self.fc2 = nn.Linear(4 * d, d)
 
     def forward(self, x, mask):
-        b, t, _ = x.shape
-        dh = T_DIM // T_HEADS
         h = self.ln1(x)
-        q, k, v = self.q(h), self.k(h), self.v(h)
-        # The local width: T_DIM whole, T_DIM / tp under ColwiseParallel (a local tensor).
-        local = q.shape[2]
-        q, k, v = (z.view(b, t, local // dh, dh).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(dh))
-        att = F.softmax(att.masked_fill(mask, float("-inf")), dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, local)
-        x = x + self.proj(y)
+        # Over q's width: T_DIM whole, T_DIM / tp under ColwiseParallel (a local tensor).
+        x = x + self.proj(attention(self.q(h), self.k(h), self.v(h), mask))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 

@@ -63,7 +63,7 @@ use tch_dist::{
 mod attention_block;
 #[path = "../common/cli.rs"]
 mod cli;
-use attention_block::Block;
+use attention_block::{attention, Block};
 
 mod measure;
 mod models;

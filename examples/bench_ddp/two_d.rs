@@ -54,22 +54,10 @@ impl TpBlock {
     /// it), attention runs on those heads only, and proj (row-parallel) sums the ranks'
     /// partial outputs.
     fn forward(&self, x: &Tensor, mask: &Tensor) -> Tensor {
-        let (b, t, _) = x.size3().expect("[batch, seq, dim]");
-        let dh = T_DIM / T_HEADS;
         let h = self.ln1.call(x);
         let (q, k, v) = (self.q.call(&h), self.k.call(&h), self.v.call(&h));
-        // The local width: T_DIM whole, T_DIM / tp under tensor parallelism.
-        let local = q.size()[2];
-        let heads = |z: &Tensor| z.view([b, t, local / dh, dh]).transpose(1, 2);
-        let (q, k, v) = (heads(&q), heads(&k), heads(&v));
-        let att = (q.matmul(&k.transpose(-2, -1)) * (1.0 / (dh as f64).sqrt()))
-            .masked_fill(mask, f64::NEG_INFINITY)
-            .softmax(-1, Kind::Float);
-        let y = att
-            .matmul(&v)
-            .transpose(1, 2)
-            .contiguous()
-            .view([b, t, local]);
+        // Over q's width: T_DIM whole, T_DIM / tp under tensor parallelism.
+        let y = attention(&q, &k, &v, T_DIM / T_HEADS, Some(mask));
         let x = x + self.proj.call(&y);
         let h = self.fc1.call(&self.ln2.call(&x)).gelu("none");
         &x + self.fc2.call(&h)

@@ -41,20 +41,37 @@ impl Block {
     /// position sees every other. Its children run through `.call`, so that fully_shard's
     /// and replicate's hooks see them.
     pub fn forward(&self, x: &Tensor, mask: Option<&Tensor>) -> Tensor {
-        let (b, t, d) = x.size3().expect("[batch, seq, dim]");
-        let dh = d / self.heads;
+        let d = x.size()[2];
         let qkv = self.qkv.call(&self.ln1.call(x)).split(d, 2);
-        let heads = |z: &Tensor| z.view([b, t, self.heads, dh]).transpose(1, 2);
-        let (q, k, v) = (heads(&qkv[0]), heads(&qkv[1]), heads(&qkv[2]));
-        let att = q.matmul(&k.transpose(-2, -1)) * (1.0 / (dh as f64).sqrt());
-        let att = match mask {
-            Some(mask) => att.masked_fill(mask, f64::NEG_INFINITY),
-            None => att,
-        }
-        .softmax(-1, Kind::Float);
-        let y = att.matmul(&v).transpose(1, 2).contiguous().view([b, t, d]);
+        let y = attention(&qkv[0], &qkv[1], &qkv[2], d / self.heads, mask);
         let x = x + self.proj.call(&y);
         let h = self.fc1.call(&self.ln2.call(&x)).gelu("none");
         &x + self.fc2.call(&h)
     }
+}
+
+/// Scaled dot-product attention of `q`, `k`, `v` (each `[batch, seq, width]`) over heads of
+/// `head_dim` features (`width / head_dim` of them: all of a layer's, or a tensor-parallel
+/// rank's), `mask` `[seq, seq]` true where a position must not attend; `[batch, seq,
+/// width]`.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    head_dim: i64,
+    mask: Option<&Tensor>,
+) -> Tensor {
+    let (b, t, width) = q.size3().expect("[batch, seq, width]");
+    let heads = |z: &Tensor| z.view([b, t, width / head_dim, head_dim]).transpose(1, 2);
+    let (q, k, v) = (heads(q), heads(k), heads(v));
+    let att = q.matmul(&k.transpose(-2, -1)) * (1.0 / (head_dim as f64).sqrt());
+    let att = match mask {
+        Some(mask) => att.masked_fill(mask, f64::NEG_INFINITY),
+        None => att,
+    }
+    .softmax(-1, Kind::Float);
+    att.matmul(&v)
+        .transpose(1, 2)
+        .contiguous()
+        .view([b, t, width])
 }
