@@ -244,6 +244,11 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 
 }  // namespace tdr_checkpoint
 
+bool tdr::is_checkpoint_node(const torch::autograd::Node* node) {
+  return dynamic_cast<const torch::autograd::CppNode<tdr_checkpoint::CheckpointFunction>*>(
+             node) != nullptr;
+}
+
 extern "C" {
 
 char* tdr_tensor_list_push(TdrTensorList* list, TdrTensor* t) {

@@ -29,6 +29,8 @@
 //   torch::autograd::Node (Megatron's conjugate pairs).
 // - checkpoint.cpp: activation checkpointing (a forward run again in backward); a custom
 //   torch::autograd::Function, torch::autograd::grad, the default generators' states.
+// - split_backward.cpp: pipelining's split backward (the input's gradient first, the
+//   parameters' later); torch::autograd::grad, Node pre hooks, Engine::execute from edges.
 // - kernels.cpp: a seeded randperm (DistributedSampler's shuffle), fused AdamW and SGD;
 //   at::randperm, at::_fused_adamw_, at::_fused_sgd_.
 
@@ -42,6 +44,7 @@
 #include <gloo/common/error.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
@@ -269,6 +272,10 @@ c10::intrusive_ptr<c10d::Work> checked(const TdrGroup& g, const Route& r, const 
     throw;
   }
 }
+
+// Whether `node` is activation checkpointing's function (checkpoint.cpp), whose backward
+// runs its forward again: a split backward (split_backward.cpp) would run it twice.
+bool is_checkpoint_node(const torch::autograd::Node* node);
 
 }  // namespace tdr
 

@@ -56,6 +56,12 @@ pub struct TdrTensorList {
     _private: [u8; 0],
 }
 
+/// Opaque state of a split backward between its input pass and its weight pass (pipelining).
+#[repr(C)]
+pub struct TdrSplitBackward {
+    _private: [u8; 0],
+}
+
 /// Opaque registration of a gradient interceptor (fully_shard).
 #[repr(C)]
 pub struct TdrInterceptor {
@@ -316,6 +322,17 @@ extern "C" {
         release: TdrRelease,
         out: *mut *mut TdrTensorList,
     ) -> ShimStatus;
+
+    pub fn tdr_backward_input(
+        roots: *mut *mut C_tensor,
+        grads: *mut *mut C_tensor,
+        n: usize,
+        input: *mut C_tensor,
+        input_grad: *mut *mut C_tensor,
+        out: *mut *mut TdrSplitBackward,
+    ) -> ShimStatus;
+    pub fn tdr_backward_weight(s: *mut TdrSplitBackward) -> ShimStatus;
+    pub fn tdr_split_backward_free(s: *mut TdrSplitBackward);
 
     pub fn tdr_autograd_mark() -> u64;
     pub fn tdr_guard_new(

@@ -33,7 +33,9 @@ use c10d::{
     store,
 };
 
-pub use autograd::{autograd_mark, checkpointed, Recomputation, UseGuard};
+pub use autograd::{
+    autograd_mark, backward_input, checkpointed, Recomputation, UseGuard, WeightBackward,
+};
 pub use coalesced::BROADCAST_BUCKET_BYTES;
 pub use collectives::{ReduceOp, Work};
 pub use devices::{first_shared_gpu, DeviceClaim};

@@ -234,7 +234,7 @@ pub enum PipelineProblem {
         /// The number of stages.
         num_stages: usize,
     },
-    /// Interleaved 1F1B needs the microbatches to be a multiple of its rounds.
+    /// The interleaved schedules need the microbatches to be a multiple of their rounds.
     Rounds {
         /// The microbatch count.
         n_microbatches: usize,

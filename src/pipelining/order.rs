@@ -2,18 +2,25 @@
 //! microbatch) actions it runs, as PyTorch's schedules order them
 //! (`torch/distributed/pipelining/schedules.py`: `ScheduleGPipe._step_microbatches`,
 //! `Schedule1F1B._step_microbatches`, `_get_1f1b_rank_ops` and
-//! `ScheduleInterleaved1F1B._calculate_single_rank_operations`).
+//! `ScheduleInterleaved1F1B._calculate_single_rank_operations`,
+//! `ScheduleInterleavedZeroBubble._calculate_single_rank_operations`).
 //!
 //! Communication is not in the lists: a forward receives its input just before it runs and
 //! sends its output right after, a backward likewise with gradients (see `stage.rs`).
 
 use std::collections::BTreeMap;
 
-/// Forward or backward.
+/// Forward or backward, or one of a split backward's two passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Work {
     Forward,
+    /// The whole backward: the input's and the parameters' gradients.
     Backward,
+    /// The input's gradient only (PyTorch's `BACKWARD_INPUT`, "I").
+    BackwardInput,
+    /// The parameters' gradients of an earlier [`Work::BackwardInput`] (`BACKWARD_WEIGHT`,
+    /// "W").
+    BackwardWeight,
 }
 
 /// One compute action of a rank's schedule.
@@ -36,6 +43,14 @@ fn b(stage: usize, microbatch: usize) -> Action {
     Action {
         stage,
         work: Work::Backward,
+        microbatch,
+    }
+}
+
+fn action(stage: usize, work: Work, microbatch: usize) -> Action {
+    Action {
+        stage,
+        work,
         microbatch,
     }
 }
@@ -112,6 +127,61 @@ pub(crate) fn interleaved_1f1b(
     order
 }
 
+/// Interleaved zero bubble (ZB1P) on `rank` of `group_size` holding `n_local` stages, as
+/// PyTorch's `_get_1f1b_rank_ops(..., enable_zero_bubble=True)`: warmup
+/// `(n_local - 1) * per_round + (group_size - 1 - rank)` forwards (at most all), then a
+/// forward and an input backward in turn, then the remaining input backwards; the weight
+/// backwards follow their input backwards in the same order, each `rank` actions late, so
+/// that they fill the time a later rank's gradient takes to arrive.
+pub(crate) fn interleaved_zero_bubble(
+    rank: usize,
+    group_size: usize,
+    n_local: usize,
+    n: usize,
+) -> Vec<Action> {
+    let (_, per_round) = rounds(group_size, n);
+    let total = n_local * n;
+    let warmup = ((n_local - 1) * per_round + (group_size - 1 - rank)).min(total);
+    let fwd_bwd = total - warmup;
+    let forward_stage = |op: usize| ((op / per_round) % n_local) * group_size + rank;
+    let backward_stage =
+        |op: usize| (n_local - 1 - ((op - warmup) / per_round) % n_local) * group_size + rank;
+    let mut counters: [BTreeMap<usize, usize>; 3] = Default::default();
+    let mut next = |work: Work, stage: usize| {
+        let i = match work {
+            Work::Forward => 0,
+            Work::BackwardInput => 1,
+            _ => 2,
+        };
+        let m = counters[i].entry(stage).or_insert(0);
+        *m += 1;
+        action(stage, work, *m - 1)
+    };
+    let mut order = Vec::with_capacity(3 * total);
+    let mut backward_ops = Vec::with_capacity(total);
+    let mut weights_done = 0;
+    for op in 0..warmup + fwd_bwd + warmup {
+        if op < warmup + fwd_bwd {
+            order.push(next(Work::Forward, forward_stage(op)));
+        }
+        if op >= warmup {
+            order.push(next(Work::BackwardInput, backward_stage(op)));
+            backward_ops.push(op);
+            if op - warmup >= rank {
+                order.push(next(
+                    Work::BackwardWeight,
+                    backward_stage(backward_ops[weights_done]),
+                ));
+                weights_done += 1;
+            }
+        }
+    }
+    for &op in &backward_ops[weights_done..] {
+        order.push(next(Work::BackwardWeight, backward_stage(op)));
+    }
+    order
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,7 +190,12 @@ mod tests {
         order
             .iter()
             .map(|a| {
-                let w = if a.work == Work::Forward { 'F' } else { 'B' };
+                let w = match a.work {
+                    Work::Forward => 'F',
+                    Work::Backward => 'B',
+                    Work::BackwardInput => 'I',
+                    Work::BackwardWeight => 'W',
+                };
                 format!("{w}{}.{}", a.stage, a.microbatch)
             })
             .collect::<Vec<_>>()
@@ -192,6 +267,67 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn zero_bubble_orders_are_pytorchs() {
+        // PyTorch 2.11's `_get_1f1b_rank_ops(enable_zero_bubble=True)` with
+        // ScheduleInterleavedZeroBubble's warmup (Nones dropped).
+        let cases = [
+            (
+                2,
+                1,
+                4,
+                0,
+                "F0.0 F0.1 I0.0 W0.0 F0.2 I0.1 W0.1 F0.3 I0.2 W0.2 I0.3 W0.3",
+            ),
+            (
+                2,
+                1,
+                4,
+                1,
+                "F1.0 I1.0 F1.1 I1.1 W1.0 F1.2 I1.2 W1.1 F1.3 I1.3 W1.2 W1.3",
+            ),
+            (
+                4,
+                1,
+                8,
+                2,
+                "F2.0 F2.1 I2.0 F2.2 I2.1 F2.3 I2.2 W2.0 F2.4 I2.3 W2.1 F2.5 I2.4 W2.2 F2.6 I2.5 \
+                 W2.3 F2.7 I2.6 W2.4 I2.7 W2.5 W2.6 W2.7",
+            ),
+            (
+                4,
+                1,
+                8,
+                3,
+                "F3.0 I3.0 F3.1 I3.1 F3.2 I3.2 F3.3 I3.3 W3.0 F3.4 I3.4 W3.1 F3.5 I3.5 W3.2 F3.6 \
+                 I3.6 W3.3 F3.7 I3.7 W3.4 W3.5 W3.6 W3.7",
+            ),
+            (
+                2,
+                2,
+                4,
+                0,
+                "F0.0 F0.1 F2.0 F2.1 I2.0 W2.0 F0.2 I2.1 W2.1 F0.3 I0.0 W0.0 F2.2 I0.1 W0.1 F2.3 \
+                 I2.2 W2.2 I2.3 W2.3 I0.2 W0.2 I0.3 W0.3",
+            ),
+            (
+                2,
+                2,
+                4,
+                1,
+                "F1.0 F1.1 F3.0 I3.0 F3.1 I3.1 W3.0 F1.2 I1.0 W3.1 F1.3 I1.1 W1.0 F3.2 I3.2 W1.1 \
+                 F3.3 I3.3 W3.2 I1.2 W3.3 I1.3 W1.2 W1.3",
+            ),
+        ];
+        for (group_size, n_local, n, rank, want) in cases {
+            assert_eq!(
+                text(&interleaved_zero_bubble(rank, group_size, n_local, n)),
+                want,
+                "{group_size} ranks x {n_local} stages, {n} microbatches, rank {rank}"
+            );
         }
     }
 }

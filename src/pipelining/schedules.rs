@@ -1,6 +1,7 @@
-//! The schedules: [`ScheduleGPipe`], [`Schedule1F1B`] (one stage per rank) and
-//! [`ScheduleInterleaved1F1B`] (several stages per rank, loop placement), as PyTorch's of the
-//! same names in `torch/distributed/pipelining/schedules.py`.
+//! The schedules: [`ScheduleGPipe`], [`Schedule1F1B`] (one stage per rank),
+//! [`ScheduleInterleaved1F1B`] and [`ScheduleInterleavedZeroBubble`] (several stages per rank,
+//! loop placement), as PyTorch's of the same names in
+//! `torch/distributed/pipelining/schedules.py`.
 //!
 //! A schedule owns its stages. Its constructor checks, on every rank of the pipeline's group
 //! together (one small all-reduce), that the stages and microbatch count fit and that every
@@ -50,6 +51,7 @@ enum Kind {
     GPipe = 1,
     OneFOneB = 2,
     Interleaved = 3,
+    ZeroBubble = 4,
 }
 
 fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
@@ -96,6 +98,9 @@ impl<M: 'static> Runner<M> {
             Kind::Interleaved => {
                 order::interleaved_1f1b(rank, group_size, stages.len(), n_microbatches)
             }
+            Kind::ZeroBubble => {
+                order::interleaved_zero_bubble(rank, group_size, stages.len(), n_microbatches)
+            }
         };
         Ok(Self {
             op: step_op,
@@ -127,7 +132,8 @@ impl<M: 'static> Runner<M> {
         {
             return Some(PipelineProblem::Groups);
         }
-        if kind != Kind::Interleaved && stages.len() != 1 {
+        let multi_stage = matches!(kind, Kind::Interleaved | Kind::ZeroBubble);
+        if !multi_stage && stages.len() != 1 {
             return Some(PipelineProblem::NumStages {
                 num_stages,
                 group_size,
@@ -167,7 +173,7 @@ impl<M: 'static> Runner<M> {
                 num_stages,
             });
         }
-        if kind == Kind::Interleaved {
+        if multi_stage {
             let (rounds, _) = order::rounds(group_size, n);
             if !n.is_multiple_of(rounds) {
                 return Some(PipelineProblem::Rounds {
@@ -290,7 +296,9 @@ impl<M: 'static> Runner<M> {
                         stage.send_activation(mb, &output, pending)?;
                     }
                 }
-                Work::Backward => stage.backward_one_chunk(mb, mb + 1 == n, pending)?,
+                Work::Backward => stage.backward_one_chunk(mb, mb + 1 == n, false, pending)?,
+                Work::BackwardInput => stage.backward_one_chunk(mb, mb + 1 == n, true, pending)?,
+                Work::BackwardWeight => stage.backward_weight_one_chunk(mb)?,
             }
         }
         Ok(())
@@ -483,94 +491,143 @@ single_stage_schedule!(
     "Schedule1F1B::step"
 );
 
-/// Interleaved 1F1B (PyTorch's `ScheduleInterleaved1F1B`, Megatron's interleaved schedule):
-/// each rank holds several stages in loop placement (rank `r` of `P`: stages `r`, `r + P`,
-/// ...), forwards go depth first in rounds of `n_microbatches / max(1, n_microbatches / P)`
-/// microbatches per local stage, then one forward and one backward in turn; the bubble
-/// shrinks by the number of stages per rank, for more messages.
-///
-/// ```no_run
-/// use tch::nn;
-/// use tch_dist::pipelining::{PipelineStage, ScheduleInterleaved1F1B};
-/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?; // 2 ranks, 4 stages
-/// let vs = nn::VarStore::new(tch::Device::Cpu);
-/// let (r, p) = (pg.rank(), pg.world_size());
-/// let stages: Vec<_> = [r, r + p]
-///     .into_iter()
-///     .map(|s| {
-///         let part = nn::linear(vs.root() / "layers" / s, 4, 4, Default::default());
-///         PipelineStage::new(part, s, 2 * p, tch::Device::Cpu, &pg)
-///     })
-///     .collect();
-/// let mut schedule =
-///     ScheduleInterleaved1F1B::new(stages, 4, |out, y| out.mse_loss(y, tch::Reduction::Mean))?;
-/// # Ok(()) }
-/// ```
-pub struct ScheduleInterleaved1F1B<M> {
-    runner: Runner<M>,
+macro_rules! multi_stage_schedule {
+    ($(#[$doc:meta])* $name:ident, $kind:expr, $op_new:literal, $op_step:literal) => {
+        $(#[$doc])*
+        pub struct $name<M> {
+            runner: Runner<M>,
+        }
+
+        impl<M> std::fmt::Debug for $name<M> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($name))
+                    .field("stages", &self.runner.stages)
+                    .field("n_microbatches", &self.runner.n_microbatches)
+                    .finish_non_exhaustive()
+            }
+        }
+
+        impl<M: 'static> $name<M> {
+            /// The schedule over this rank's `stages` (in any order), as
+            /// [`Schedule1F1B::new`]; the stage count must be the group's size times the
+            /// stages per rank, and the microbatches a multiple of
+            /// `max(1, n_microbatches / P)`.
+            pub fn new(
+                stages: Vec<PipelineStage<M>>,
+                n_microbatches: usize,
+                loss_fn: impl Fn(&Tensor, &Tensor) -> Tensor + 'static,
+            ) -> Result<Self, PipelineError> {
+                let runner = Runner::new(
+                    ($op_new, $op_step),
+                    $kind,
+                    stages,
+                    n_microbatches,
+                    Box::new(loss_fn),
+                )?;
+                Ok(Self { runner })
+            }
+
+            /// As [`Schedule1F1B::scale_grads`].
+            pub fn scale_grads(mut self, scale: bool) -> Self {
+                self.runner.scale_grads = scale;
+                self
+            }
+
+            /// One training step, as [`Schedule1F1B::step`] (the input on the rank holding
+            /// stage 0, the target on the one holding the last stage).
+            pub fn step(
+                &mut self,
+                input: Option<&Tensor>,
+                target: Option<&Tensor>,
+                losses: &mut Vec<Tensor>,
+            ) -> Result<(), PipelineError> {
+                self.runner.step(input, target, losses)
+            }
+
+            /// This rank's stages, by stage index.
+            pub fn stages(&self) -> &[PipelineStage<M>] {
+                &self.runner.stages
+            }
+
+            /// This rank's stages, mutably.
+            pub fn stages_mut(&mut self) -> &mut [PipelineStage<M>] {
+                &mut self.runner.stages
+            }
+
+            /// The stages, given back.
+            pub fn into_stages(self) -> Vec<PipelineStage<M>> {
+                self.runner.stages
+            }
+        }
+    };
 }
 
-impl<M> std::fmt::Debug for ScheduleInterleaved1F1B<M> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ScheduleInterleaved1F1B")
-            .field("stages", &self.runner.stages)
-            .field("n_microbatches", &self.runner.n_microbatches)
-            .finish_non_exhaustive()
-    }
-}
+multi_stage_schedule!(
+    /// Interleaved 1F1B (PyTorch's `ScheduleInterleaved1F1B`, Megatron's interleaved schedule):
+    /// each rank holds several stages in loop placement (rank `r` of `P`: stages `r`, `r + P`,
+    /// ...), forwards go depth first in rounds of `n_microbatches / max(1, n_microbatches / P)`
+    /// microbatches per local stage, then one forward and one backward in turn; the bubble
+    /// shrinks by the number of stages per rank, for more messages.
+    ///
+    /// ```no_run
+    /// use tch::nn;
+    /// use tch_dist::pipelining::{PipelineStage, ScheduleInterleaved1F1B};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?; // 2 ranks, 4 stages
+    /// let vs = nn::VarStore::new(tch::Device::Cpu);
+    /// let (r, p) = (pg.rank(), pg.world_size());
+    /// let stages: Vec<_> = [r, r + p]
+    ///     .into_iter()
+    ///     .map(|s| {
+    ///         let part = nn::linear(vs.root() / "layers" / s, 4, 4, Default::default());
+    ///         PipelineStage::new(part, s, 2 * p, tch::Device::Cpu, &pg)
+    ///     })
+    ///     .collect();
+    /// let mut schedule =
+    ///     ScheduleInterleaved1F1B::new(stages, 4, |out, y| out.mse_loss(y, tch::Reduction::Mean))?;
+    /// # Ok(()) }
+    /// ```
+    ScheduleInterleaved1F1B,
+    Kind::Interleaved,
+    "ScheduleInterleaved1F1B::new",
+    "ScheduleInterleaved1F1B::step"
+);
 
-impl<M: 'static> ScheduleInterleaved1F1B<M> {
-    /// The schedule over this rank's `stages` (in any order), as
-    /// [`Schedule1F1B::new`]; the stage count must be the group's size times the stages per
-    /// rank, and the microbatches a multiple of `max(1, n_microbatches / P)`.
-    pub fn new(
-        stages: Vec<PipelineStage<M>>,
-        n_microbatches: usize,
-        loss_fn: impl Fn(&Tensor, &Tensor) -> Tensor + 'static,
-    ) -> Result<Self, PipelineError> {
-        let runner = Runner::new(
-            (
-                "ScheduleInterleaved1F1B::new",
-                "ScheduleInterleaved1F1B::step",
-            ),
-            Kind::Interleaved,
-            stages,
-            n_microbatches,
-            Box::new(loss_fn),
-        )?;
-        Ok(Self { runner })
-    }
-
-    /// As [`Schedule1F1B::scale_grads`].
-    pub fn scale_grads(mut self, scale: bool) -> Self {
-        self.runner.scale_grads = scale;
-        self
-    }
-
-    /// One training step, as [`Schedule1F1B::step`] (the input on the rank holding stage 0,
-    /// the target on the one holding the last stage).
-    pub fn step(
-        &mut self,
-        input: Option<&Tensor>,
-        target: Option<&Tensor>,
-        losses: &mut Vec<Tensor>,
-    ) -> Result<(), PipelineError> {
-        self.runner.step(input, target, losses)
-    }
-
-    /// This rank's stages, by stage index.
-    pub fn stages(&self) -> &[PipelineStage<M>] {
-        &self.runner.stages
-    }
-
-    /// This rank's stages, mutably.
-    pub fn stages_mut(&mut self) -> &mut [PipelineStage<M>] {
-        &mut self.runner.stages
-    }
-
-    /// The stages, given back.
-    pub fn into_stages(self) -> Vec<PipelineStage<M>> {
-        self.runner.stages
-    }
-}
+multi_stage_schedule!(
+    /// Interleaved zero bubble (PyTorch's `ScheduleInterleavedZeroBubble`, the ZB1P schedule
+    /// of Qi et al., "Zero Bubble Pipeline Parallelism"): as [`ScheduleInterleaved1F1B`]
+    /// (loop placement, depth first in rounds; one stage per rank is allowed), but each
+    /// backward is split in two. The input backward sends the gradient to the previous stage
+    /// as soon as it is known; the weight backward (the parameters' gradients) follows later,
+    /// `rank` actions late, filling the time a gradient takes to come back. Gradients are the
+    /// same as 1F1B's; the bubble is about a third of it where the input and weight passes
+    /// cost about the same.
+    ///
+    /// The split needs the stage's autograd graph to be split safely (see
+    /// `tch_dist_runtime::backward_input`); a stage that synchronises gradients in its
+    /// backward ([`PipelineStage::on_backward`]), or a process where `replicate`,
+    /// `fully_shard` or `shard_module` manage parameters, runs each backward whole in its
+    /// input slot instead (the same gradients, 1F1B's bubble).
+    ///
+    /// ```no_run
+    /// use tch::nn;
+    /// use tch_dist::pipelining::{PipelineStage, ScheduleInterleavedZeroBubble};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?; // 2 ranks, 2 stages
+    /// let vs = nn::VarStore::new(tch::Device::Cpu);
+    /// let part = nn::linear(vs.root() / "layers" / pg.rank(), 4, 4, Default::default());
+    /// let stage = PipelineStage::new(part, pg.rank(), 2, tch::Device::Cpu, &pg);
+    /// let mut schedule = ScheduleInterleavedZeroBubble::new(vec![stage], 4, |out, y| {
+    ///     out.mse_loss(y, tch::Reduction::Mean)
+    /// })?;
+    /// let x = tch::Tensor::randn([8, 4], tch::kind::FLOAT_CPU);
+    /// let mut losses = Vec::new();
+    /// let first = pg.rank() == 0;
+    /// schedule.step(first.then_some(&x), (!first).then_some(&x), &mut losses)?;
+    /// # Ok(()) }
+    /// ```
+    ScheduleInterleavedZeroBubble,
+    Kind::ZeroBubble,
+    "ScheduleInterleavedZeroBubble::new",
+    "ScheduleInterleavedZeroBubble::step"
+);

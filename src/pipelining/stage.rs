@@ -25,7 +25,7 @@ use std::fmt;
 use tch::nn::ModuleT;
 use tch::{Device, Kind, Tensor};
 use tch_dist_core::hooks::{catch_forward_errors, ForwardError};
-use tch_dist_runtime::{DistError, Object, ProcessGroup, Work};
+use tch_dist_runtime::{backward_input, DistError, Object, ProcessGroup, WeightBackward, Work};
 
 use super::error::{PipelineError, Transfer};
 
@@ -230,6 +230,10 @@ pub struct PipelineStage<M> {
     /// a receive posted early lets the data move while this stage computes (PyTorch's 1F1B
     /// posts the gradient's receive with the activation's send, in one batch).
     posted: BTreeMap<(Direction, usize), (Tensor, Work)>,
+    /// The weight passes of split input backwards, by microbatch.
+    weight_passes: BTreeMap<usize, WeightBackward>,
+    /// How many backwards ran split.
+    split_backwards: u64,
 }
 
 impl<M> fmt::Debug for PipelineStage<M> {
@@ -313,6 +317,8 @@ impl<M: 'static> PipelineStage<M> {
             output_meta: None,
             chunks: BTreeMap::new(),
             posted: BTreeMap::new(),
+            weight_passes: BTreeMap::new(),
+            split_backwards: 0,
         }
     }
 }
@@ -382,6 +388,15 @@ impl<M> PipelineStage<M> {
     /// The pipeline's group.
     pub fn group(&self) -> &ProcessGroup {
         &self.group
+    }
+
+    /// How many microbatch backwards of this stage ran split, the input's gradient first and
+    /// the parameters' later (a zero-bubble schedule's; see
+    /// [`ScheduleInterleavedZeroBubble`](super::ScheduleInterleavedZeroBubble) for when a
+    /// backward runs whole instead). A first stage has no input gradient to send: its
+    /// backwards always run whole.
+    pub fn split_backwards(&self) -> u64 {
+        self.split_backwards
     }
 
     /// The metadata of this stage's input, once the first step received it.
@@ -585,24 +600,28 @@ impl<M> PipelineStage<M> {
 
     /// Microbatch `mb`'s backward: from its loss on the last stage, else from the gradient
     /// of its output received from the next stage; then the gradient of its input goes back
-    /// to the previous stage. Parameters' gradients accumulate in their `.grad`.
+    /// to the previous stage. Parameters' gradients accumulate in their `.grad`, now, or,
+    /// with `split`, in [`backward_weight_one_chunk`](Self::backward_weight_one_chunk) (a
+    /// zero-bubble schedule's input backward; see [`split_backward`](Self::split_backward)).
     pub(crate) fn backward_one_chunk(
         &mut self,
         mb: usize,
         last_backward: bool,
+        split: bool,
         pending: &mut Vec<PendingSend>,
     ) -> Result<(), PipelineError> {
         let rank = self.group.rank();
         let stage = self.stage_index;
+        let backward_error = |source| PipelineError::Backward {
+            rank,
+            stage,
+            microbatch: mb,
+            source,
+        };
         let Some(chunk) = self.chunks.remove(&mb) else {
-            return Err(PipelineError::Backward {
-                rank,
-                stage,
-                microbatch: mb,
-                source: tch::TchError::Kind(format!(
-                    "microbatch {mb} has no forward on stage {stage} (an internal schedule error)"
-                )),
-            });
+            return Err(backward_error(tch::TchError::Kind(format!(
+                "microbatch {mb} has no forward on stage {stage} (an internal schedule error)"
+            ))));
         };
         if let Some(f) = self.on_backward.as_mut() {
             f(last_backward).map_err(|source| PipelineError::GradientSync {
@@ -612,31 +631,38 @@ impl<M> PipelineStage<M> {
                 source,
             })?;
         }
-        let root = if self.is_last() {
-            chunk.output
+        let grad = if self.is_last() {
+            chunk.output.ones_like()
         } else {
-            let grad = self.wait_recv(Direction::Backward, mb, &TensorMeta::of(&chunk.output))?;
-            // d(sum(out * g))/d(out) is g exactly: backward from the output with the received
-            // gradient, through Tensor::backward.
-            (&chunk.output * &grad).sum(chunk.output.kind())
+            self.wait_recv(Direction::Backward, mb, &TensorMeta::of(&chunk.output))?
         };
-        root.f_backward()
-            .map_err(|source| PipelineError::Backward {
-                rank,
-                stage,
-                microbatch: mb,
-                source,
-            })?;
+        let input_grad = if split && self.split_backward() {
+            let (input_grad, weights) =
+                backward_input(&[chunk.output], &[grad], chunk.input.as_ref())
+                    .map_err(|m| backward_error(tch::TchError::Kind(m)))?;
+            if let Some(weights) = weights {
+                self.weight_passes.insert(mb, weights);
+                self.split_backwards += 1;
+            }
+            input_grad
+        } else {
+            // d(sum(out * g))/d(out) is g exactly: backward from the output with its
+            // gradient, through Tensor::backward.
+            (&chunk.output * &grad)
+                .sum(chunk.output.kind())
+                .f_backward()
+                .map_err(backward_error)?;
+            chunk
+                .input
+                .as_ref()
+                .map(Tensor::grad)
+                .filter(Tensor::defined)
+        };
         if let Some(input) = chunk.input {
             let prev = stage - 1;
-            let grad = input.grad();
-            let grad = if grad.defined() {
-                grad
-            } else {
-                // The part did not use its input (or it is not floating point): the previous
-                // stage's backward still waits for a gradient.
-                input.zeros_like()
-            };
+            // The part did not use its input (or it is not floating point): the previous
+            // stage's backward still waits for a gradient.
+            let grad = input_grad.unwrap_or_else(|| input.zeros_like());
             let t = tag(self.num_stages, stage, mb, Direction::Backward);
             let peer = self.rank_of(prev);
             let work = self
@@ -656,6 +682,31 @@ impl<M> PipelineStage<M> {
         Ok(())
     }
 
+    /// Microbatch `mb`'s weight backward: the parameters' gradients its split input backward
+    /// left (none where that backward was whole).
+    pub(crate) fn backward_weight_one_chunk(&mut self, mb: usize) -> Result<(), PipelineError> {
+        match self.weight_passes.remove(&mb) {
+            Some(weights) => weights.run().map_err(|m| PipelineError::Backward {
+                rank: self.group.rank(),
+                stage: self.stage_index,
+                microbatch: mb,
+                source: tch::TchError::Kind(m),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether this stage's backward splits into an input pass and a weight pass (a
+    /// zero-bubble schedule's): not on a stage that synchronises gradients in its backward
+    /// ([`on_backward`](Self::on_backward)), nor in a process where `replicate`,
+    /// `fully_shard` or `shard_module` manage parameters, whose hooks expect the whole
+    /// backward in one pass (fully_shard's end-of-backward callback would reduce gradients
+    /// the weight pass has not computed yet). There the input backward is the whole
+    /// backward, and the weight backward does nothing.
+    fn split_backward(&self) -> bool {
+        self.on_backward.is_none() && !crate::state_dict::managed::any()
+    }
+
     /// Forgets the activation metadata, so that the next step sends (or receives) it again:
     /// every rank does so together when the batch's size changes.
     pub(crate) fn reset_meta(&mut self) {
@@ -670,6 +721,7 @@ impl<M> PipelineStage<M> {
     pub(crate) fn clear(&mut self) {
         self.chunks.clear();
         self.posted.clear();
+        self.weight_passes.clear();
     }
 
     /// Moves the first stage's microbatch input to the stage's device.

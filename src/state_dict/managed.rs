@@ -71,6 +71,11 @@ pub(crate) fn first_manager(id: u64, apis: &[ManagingApi]) -> Option<(ManagingAp
         .find_map(|&api| managed_by(id, api).map(|m| (api, m)))
 }
 
+/// Whether any API manages any tensor in this process.
+pub(crate) fn any() -> bool {
+    table().as_ref().is_some_and(|t| !t.is_empty())
+}
+
 /// One call's entries; removed on drop.
 #[derive(Debug)]
 pub(crate) struct Registration {

@@ -1,5 +1,5 @@
-//! `tch_dist::pipelining` end to end, ranks as real processes over 127.0.0.1: GPipe, 1F1B
-//! and Interleaved1F1B training equal one process training the whole model (SGD with
+//! `tch_dist::pipelining` end to end, ranks as real processes over 127.0.0.1: GPipe, 1F1B,
+//! Interleaved1F1B and InterleavedZeroBubble training equal one process training the whole model (SGD with
 //! momentum, 1e-5 after 3 steps) for 2 and 4 stages with 4 and 8 microbatches, stages of
 //! uneven sizes, one with an embedding (integer input) and one with a LayerNorm; and the
 //! refusals and failures.
@@ -15,7 +15,10 @@ use std::ops::Range;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Reduction, Tensor};
 use tch_dist::optim;
-use tch_dist::pipelining::{PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B};
+use tch_dist::pipelining::{
+    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+};
 use tch_dist::testing::run_ranks;
 use tch_dist::ProcessGroup;
 
@@ -134,10 +137,11 @@ pub fn sgd(vs: &nn::VarStore) -> optim::Optimizer {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind3 {
+pub enum Which {
     GPipe,
     OneFOneB,
     Interleaved,
+    ZeroBubble,
 }
 
 /// A schedule of any kind over `Part` stages.
@@ -145,6 +149,7 @@ pub enum AnySchedule {
     GPipe(ScheduleGPipe<Part>),
     OneFOneB(Schedule1F1B<Part>),
     Interleaved(ScheduleInterleaved1F1B<Part>),
+    ZeroBubble(ScheduleInterleavedZeroBubble<Part>),
 }
 
 impl AnySchedule {
@@ -158,6 +163,17 @@ impl AnySchedule {
             AnySchedule::GPipe(s) => s.step(x, y, losses),
             AnySchedule::OneFOneB(s) => s.step(x, y, losses),
             AnySchedule::Interleaved(s) => s.step(x, y, losses),
+            AnySchedule::ZeroBubble(s) => s.step(x, y, losses),
+        }
+    }
+
+    /// How many backwards of this rank's stages ran split.
+    pub fn split_backwards(&self) -> u64 {
+        match self {
+            AnySchedule::GPipe(s) => s.stage().split_backwards(),
+            AnySchedule::OneFOneB(s) => s.stage().split_backwards(),
+            AnySchedule::Interleaved(s) => s.stages().iter().map(|s| s.split_backwards()).sum(),
+            AnySchedule::ZeroBubble(s) => s.stages().iter().map(|s| s.split_backwards()).sum(),
         }
     }
 }
@@ -186,15 +202,18 @@ pub fn stages(
 }
 
 pub fn schedule(
-    kind: Kind3,
+    kind: Which,
     mut stages: Vec<PipelineStage<Part>>,
     n: usize,
 ) -> Result<AnySchedule, tch_dist::pipelining::PipelineError> {
     Ok(match kind {
-        Kind3::GPipe => AnySchedule::GPipe(ScheduleGPipe::new(stages.remove(0), n, mse)?),
-        Kind3::OneFOneB => AnySchedule::OneFOneB(Schedule1F1B::new(stages.remove(0), n, mse)?),
-        Kind3::Interleaved => {
+        Which::GPipe => AnySchedule::GPipe(ScheduleGPipe::new(stages.remove(0), n, mse)?),
+        Which::OneFOneB => AnySchedule::OneFOneB(Schedule1F1B::new(stages.remove(0), n, mse)?),
+        Which::Interleaved => {
             AnySchedule::Interleaved(ScheduleInterleaved1F1B::new(stages, n, mse)?)
+        }
+        Which::ZeroBubble => {
+            AnySchedule::ZeroBubble(ScheduleInterleavedZeroBubble::new(stages, n, mse)?)
         }
     })
 }
@@ -206,7 +225,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 /// Trains the pipelined model and, in this process, the whole model on the same batches;
 /// every parameter of this rank's stages, and the last stage's mean loss, must equal the
 /// whole model's within 1e-5 after every step.
-fn check_parity(pg: &ProcessGroup, kind: Kind3, cuts: &[usize], n: usize) {
+fn check_parity(pg: &ProcessGroup, kind: Which, cuts: &[usize], n: usize) {
     let (init, _) = initial(&MODEL);
     let (mut whole_vs, whole) = initial(&MODEL);
     whole_vs.copy(&init).unwrap();
@@ -258,6 +277,22 @@ fn check_parity(pg: &ProcessGroup, kind: Kind3, cuts: &[usize], n: usize) {
         }
     }
     assert!(!vs.variables().is_empty());
+    // The zero-bubble schedule split every backward of every stage but the first (which has
+    // no input gradient to send); the others split none.
+    let split_stages = (pg.rank()..cuts.len() - 1)
+        .step_by(pg.world_size())
+        .filter(|&s| s != 0)
+        .count();
+    let expected = if kind == Which::ZeroBubble {
+        (STEPS * n * split_stages) as u64
+    } else {
+        0
+    };
+    assert_eq!(
+        schedule.split_backwards(),
+        expected,
+        "{kind:?} cuts {cuts:?} n {n}"
+    );
 }
 
 /// 2 stages of uneven size: the embedding and a linear; the LayerNorm and three linears.
@@ -269,7 +304,7 @@ const CUTS_4: [usize; 5] = [0, 1, 3, 4, 6];
 fn gpipe_equals_one_process_at_2_stages() {
     run_ranks("gpipe_equals_one_process_at_2_stages", 2, |pg| {
         for n in [4, 8] {
-            check_parity(&pg, Kind3::GPipe, &CUTS_2, n);
+            check_parity(&pg, Which::GPipe, &CUTS_2, n);
         }
     });
 }
@@ -278,7 +313,7 @@ fn gpipe_equals_one_process_at_2_stages() {
 fn gpipe_equals_one_process_at_4_stages() {
     run_ranks("gpipe_equals_one_process_at_4_stages", 4, |pg| {
         for n in [4, 8] {
-            check_parity(&pg, Kind3::GPipe, &CUTS_4, n);
+            check_parity(&pg, Which::GPipe, &CUTS_4, n);
         }
     });
 }
@@ -287,7 +322,7 @@ fn gpipe_equals_one_process_at_4_stages() {
 fn one_f_one_b_equals_one_process_at_2_stages() {
     run_ranks("one_f_one_b_equals_one_process_at_2_stages", 2, |pg| {
         for n in [4, 8] {
-            check_parity(&pg, Kind3::OneFOneB, &CUTS_2, n);
+            check_parity(&pg, Which::OneFOneB, &CUTS_2, n);
         }
     });
 }
@@ -296,7 +331,7 @@ fn one_f_one_b_equals_one_process_at_2_stages() {
 fn one_f_one_b_equals_one_process_at_4_stages() {
     run_ranks("one_f_one_b_equals_one_process_at_4_stages", 4, |pg| {
         for n in [4, 8] {
-            check_parity(&pg, Kind3::OneFOneB, &CUTS_4, n);
+            check_parity(&pg, Which::OneFOneB, &CUTS_4, n);
         }
     });
 }
@@ -309,7 +344,39 @@ fn interleaved_1f1b_equals_one_process_at_2_ranks_x_2_stages() {
         2,
         |pg| {
             for n in [4, 8] {
-                check_parity(&pg, Kind3::Interleaved, &CUTS_4, n);
+                check_parity(&pg, Which::Interleaved, &CUTS_4, n);
+            }
+        },
+    );
+}
+
+#[test]
+fn zero_bubble_equals_one_process_at_2_stages() {
+    run_ranks("zero_bubble_equals_one_process_at_2_stages", 2, |pg| {
+        for n in [4, 8] {
+            check_parity(&pg, Which::ZeroBubble, &CUTS_2, n);
+        }
+    });
+}
+
+#[test]
+fn zero_bubble_equals_one_process_at_4_stages() {
+    run_ranks("zero_bubble_equals_one_process_at_4_stages", 4, |pg| {
+        for n in [4, 8] {
+            check_parity(&pg, Which::ZeroBubble, &CUTS_4, n);
+        }
+    });
+}
+
+/// 2 ranks x 2 stages each, as the interleaved 1F1B test.
+#[test]
+fn zero_bubble_equals_one_process_at_2_ranks_x_2_stages() {
+    run_ranks(
+        "zero_bubble_equals_one_process_at_2_ranks_x_2_stages",
+        2,
+        |pg| {
+            for n in [4, 8] {
+                check_parity(&pg, Which::ZeroBubble, &CUTS_4, n);
             }
         },
     );
@@ -327,7 +394,7 @@ fn a_new_batch_size_sends_the_metadata_again() {
         let mine = stages(&pg, &vs, &MODEL, &CUTS_2);
         vs.copy(&init).unwrap();
         let (mut opt, mut whole_opt) = (sgd(&vs), sgd(&whole_vs));
-        let mut schedule = schedule(Kind3::OneFOneB, mine, 4).unwrap();
+        let mut schedule = schedule(Which::OneFOneB, mine, 4).unwrap();
         let first = pg.rank() == 0;
         for (step, rows) in [(0, 8), (1, 16), (2, 8)] {
             let (x, y) = batch(step, rows);

@@ -8,11 +8,13 @@
 //! | `hooks.rs` | grad-ready hook, gradient interceptor, output-grad hook, end-of-backward callback, assigning `.grad` | `AccumulateGrad` post hooks, `register_post_accumulate_grad_hook`, `Tensor.register_hook`, `Variable._execution_engine.queue_callback` |
 //! | `tensor.rs` | storage release/restore, `set_data` keeping the accumulator, identity, version, `is_float` | `_free_storage` / `_alloc_storage`, `Tensor.data =`, `_version`, `torch.is_floating_point` |
 //! | `checkpoint.rs` | activation checkpointing: a forward run without keeping activations, run again and differentiated in backward | `torch.utils.checkpoint` (`use_reentrant=True`'s `CheckpointFunction`) |
+//! | `split_backward.rs` | a backward in two passes, the input's gradient first and the parameters' later (zero-bubble pipeline schedules) | `torch.distributed.pipelining._backward` (`stage_backward_input`, `stage_backward_weight`) |
 //! | `use_guard.rs` | a module's parameters used in the graph only through its hooked calls | (none: PyTorch's FSDP2 does not check) |
 
 mod callback;
 mod checkpoint;
 mod hooks;
+mod split_backward;
 mod tensor;
 mod use_guard;
 
@@ -21,6 +23,7 @@ pub use checkpoint::{checkpointed, Recomputation};
 pub(crate) use hooks::{
     add_output_grad_hook, queue_end_of_backward, set_grad_for, GradReadyHook, Interceptor,
 };
+pub use split_backward::{backward_input, WeightBackward};
 pub use tensor::{is_float, storage_nbytes, tensor_identity};
 pub(crate) use tensor::{release_storage, restore_storage, set_data, tensor_version};
 pub use use_guard::{autograd_mark, UseGuard};
