@@ -456,71 +456,110 @@ def ac_part(a, r):
     return out
 
 
-# The pipeline part: the suite's transformer as 2 stages on 2 ranks, Schedule1F1B with each of
-# MICROBATCHES; rounds (each a tch-dist and a PyTorch run per count) and timed / warm-up steps.
-PP = dict(model="transformer", batch=8, microbatches=(4, 8), rounds=2, steps=10, warmup=2)
+# The pipeline part: the suite's transformer as 2 stages on 2 ranks, each schedule with each
+# of MICROBATCHES; rounds (each a tch-dist and a PyTorch run per schedule and count) and timed
+# / warm-up steps.
+PP = dict(
+    model="transformer",
+    batch=8,
+    microbatches=(4, 8),
+    schedules=("1f1b", "zb"),
+    rounds=2,
+    steps=10,
+    warmup=2,
+)
+# The schedules' names, and their theoretical bubble for p stages and m microbatches:
+# 1F1B's (p - 1) / m; zero bubble's (ZB1P) (p - 1) / (3 m) where a forward, an input backward
+# and a weight backward cost the same.
+PP_SCHEDULES = {
+    "1f1b": ("Schedule1F1B", lambda p, m: (p - 1) / m),
+    "zb": ("ScheduleInterleavedZeroBubble", lambda p, m: (p - 1) / (3 * m)),
+}
+
+
+def pp_key(impl, schedule, m):
+    """A configuration's name: `tch_dist_m4` (1F1B), `pytorch_zb_m8`, ..."""
+    return f"{impl}_m{m}" if schedule == "1f1b" else f"{impl}_{schedule}_m{m}"
 
 
 def pp_part(a, r):
-    """tch-dist's Schedule1F1B against PyTorch's on the same 2-stage split; returns the
-    summary ratios."""
+    """tch-dist's schedules against PyTorch's same schedules on the same 2-stage split;
+    returns the summary ratios."""
     rounds = PP["rounds"] if a.pp_rounds is None else a.pp_rounds
     r.model, r.steps, r.warmup = PP["model"], PP["steps"], PP["warmup"]
     r.results = {}
     script = os.path.join(ROOT, "bench", "pytorch_pipeline.py")
+    names = " and ".join(PP_SCHEDULES[s][0] for s in PP["schedules"])
     print(
         f"bench pp: {FSDP['desc'].replace('batch 2', 'batch ' + str(PP['batch']))}, as 2 "
-        f"pipeline stages (one per rank), SGD, Schedule1F1B on "
+        f"pipeline stages (one per rank), SGD, {names} on "
         f"{' and '.join(map(str, PP['microbatches']))} microbatches, Gloo; {rounds} rounds x "
         f"{r.steps} timed steps (+{r.warmup} warm-up)",
         flush=True,
     )
+    runs_per_round = 2 * len(PP["microbatches"]) * len(PP["schedules"])
     for i in range(rounds):
         if i >= 1 and r.slack() < 0:
-            r.planned -= 2 * len(PP["microbatches"]) * (rounds - i)
+            r.planned -= runs_per_round * (rounds - i)
             print(f"  pp: stopped after {i} of {rounds} rounds for lack of time", flush=True)
             r.cut_rounds += rounds - i
             break
-        for m in PP["microbatches"]:
-            mb = ["--batch", str(PP["batch"]), "--microbatches", str(m)]
-            pair = [
-                lambda: r.tch(f"tch_dist_m{m}", "pipeline", *mb),
-                lambda: r.torch(f"pytorch_m{m}", "pipeline", *mb, script=script),
-            ]
-            if i % 2:
-                pair.reverse()
-            for f in pair:
-                f()
+        for sched in PP["schedules"]:
+            for m in PP["microbatches"]:
+                args = ["--batch", str(PP["batch"]), "--microbatches", str(m)]
+                args += ["--schedule", sched]
+                pair = [
+                    lambda: r.tch(pp_key("tch_dist", sched, m), "pipeline", *args),
+                    lambda: r.torch(
+                        pp_key("pytorch", sched, m), "pipeline", *args, script=script
+                    ),
+                ]
+                if i % 2:
+                    pair.reverse()
+                for f in pair:
+                    f()
     res = r.results
     med = {k: pooled_median(v) for k, v in res.items()}
     peak = {k: max(x["peak_rss_mib_max"] for x in v) for k, v in res.items()}
     bubble = {k: statistics.median(x["bubble_mean"] for x in v) for k, v in res.items()}
-    print(f"\n== pp: 2 stages x 1 rank, batch {PP['batch']} x 64 tokens, 1F1B\n")
+    print(f"\n== pp: 2 stages x 1 rank, batch {PP['batch']} x 64 tokens\n")
     print(
-        f"{'configuration':<16} {'step ms':>8} {'bubble':>7} {'(p-1)/m':>7} "
+        f"{'configuration':<19} {'step ms':>8} {'bubble':>7} {'theory':>7} "
         f"{'peak RSS MiB':>12} {'foreign':>7}  runs"
     )
-    for m in PP["microbatches"]:
-        for k in (f"tch_dist_m{m}", f"pytorch_m{m}"):
-            v = res[k]
-            print(
-                f"{k:<16} {med[k]:8.2f} {bubble[k]:7.3f} {1 / m:7.3f} {peak[k]:12.1f} "
-                f"{max(x['foreign'] for x in v):7.0%}  {len(v)}"
-            )
+    for sched in PP["schedules"]:
+        for m in PP["microbatches"]:
+            for impl in ("tch_dist", "pytorch"):
+                k = pp_key(impl, sched, m)
+                v = res[k]
+                print(
+                    f"{k:<19} {med[k]:8.2f} {bubble[k]:7.3f} {PP_SCHEDULES[sched][1](2, m):7.3f} "
+                    f"{peak[k]:12.1f} {max(x['foreign'] for x in v):7.0%}  {len(v)}"
+                )
     out = {}
     print()
-    for m in PP["microbatches"]:
-        t, p = f"tch_dist_m{m}", f"pytorch_m{m}"
-        out[f"pp_m{m}_vs_pytorch"] = med[t] / med[p]
-        out[f"pp_m{m}_bubble"] = bubble[t]
-        print(
-            f"pp_m{m}_vs_pytorch={out[f'pp_m{m}_vs_pytorch']:.3f}  (median step, "
-            f"{med[t]:.1f} / {med[p]:.1f} ms; goal <= 0.9)"
-        )
-        print(
-            f"pp_m{m}_bubble={bubble[t]:.3f}  (measured, (wall - CPU) / CPU per rank; PyTorch "
-            f"{bubble[p]:.3f}; the schedule's (p - 1) / m = {1 / m:.3f})"
-        )
+    for sched in PP["schedules"]:
+        name, theory = PP_SCHEDULES[sched]
+        for m in PP["microbatches"]:
+            t, p = pp_key("tch_dist", sched, m), pp_key("pytorch", sched, m)
+            tag = f"pp_m{m}" if sched == "1f1b" else f"pp_{sched}_m{m}"
+            out[f"{tag}_vs_pytorch"] = med[t] / med[p]
+            out[f"{tag}_bubble"] = bubble[t]
+            print(
+                f"{tag}_vs_pytorch={out[f'{tag}_vs_pytorch']:.3f}  (median step, {name}, "
+                f"{med[t]:.1f} / {med[p]:.1f} ms" + ("; goal <= 0.9)" if sched == "1f1b" else ")")
+            )
+            if sched != "1f1b" and "1f1b" in PP["schedules"]:
+                p1 = pp_key("pytorch", "1f1b", m)
+                out[f"{tag}_vs_pytorch_1f1b"] = med[t] / med[p1]
+                print(
+                    f"{tag}_vs_pytorch_1f1b={out[f'{tag}_vs_pytorch_1f1b']:.3f}  (median step, "
+                    f"tch-dist's {name} / PyTorch's Schedule1F1B, {med[t]:.1f} / {med[p1]:.1f} ms)"
+                )
+            print(
+                f"{tag}_bubble={bubble[t]:.3f}  (measured, (wall - CPU) / CPU per rank; PyTorch "
+                f"{bubble[p]:.3f}; the schedule's theoretical {theory(2, m):.3f})"
+            )
     print(flush=True)
     return out
 

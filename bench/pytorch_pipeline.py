@@ -19,7 +19,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pytorch_ddp import T_BLOCKS, T_SEQ, T_VOCAB, Transformer, cpu_ms, machine_busy_ms, rss_mib  # noqa: E402
@@ -56,6 +60,7 @@ def main():
     p.add_argument("--mode", default="pipeline", choices=["pipeline"])
     p.add_argument("--model", default="transformer", choices=["transformer"])
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "zb"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
@@ -76,7 +81,10 @@ def main():
     def loss_fn(out, y):
         return F.cross_entropy(out.view(-1, T_VOCAB), y.view(-1))
 
-    schedule = Schedule1F1B(stage, a.microbatches, loss_fn=loss_fn)
+    if a.schedule == "zb":
+        schedule = ScheduleInterleavedZeroBubble([stage], a.microbatches, loss_fn=loss_fn)
+    else:
+        schedule = Schedule1F1B(stage, a.microbatches, loss_fn=loss_fn)
     torch.manual_seed(1)
     x = torch.randint(T_VOCAB, (a.batch, T_SEQ))
     y = torch.randint(T_VOCAB, (a.batch, T_SEQ))
@@ -114,6 +122,7 @@ def main():
         "params": n_params,
         "batch": a.batch,
         "microbatches": a.microbatches,
+        "schedule": a.schedule,
         "stages": 2,
         "rank": rank,
         "world": world,

@@ -5,7 +5,7 @@
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode replicate [--bucket-cap-mb 25] [--grad-as-bucket-view] [--no-broadcast-buffers] [--in-place-min-bytes N]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode allreduce [--sizes BYTES,BYTES,...]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode fully_shard [--model NAME] [--optim adamw] [--activation-checkpointing]
-//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode pipeline --model transformer [--microbatches 4]
+//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode pipeline --model transformer [--microbatches 4] [--schedule 1f1b|zb]
 //! tch-dist-run --nproc-per-node 4 -- bench_ddp --mode hsdp|fsdp_tp
 //! ```
 //!
@@ -93,6 +93,8 @@ struct Args {
     activation_checkpointing: bool,
     /// `--mode pipeline`: microbatches per step.
     microbatches: usize,
+    /// `--mode pipeline`: `1f1b` (Schedule1F1B) or `zb` (ScheduleInterleavedZeroBubble).
+    schedule: String,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -113,6 +115,7 @@ fn parse_args() -> Result<Args, String> {
         optim: "sgd".into(),
         lr: 0.0,
         microbatches: 4,
+        schedule: "1f1b".to_string(),
         activation_checkpointing: false,
     };
     let mut it = std::env::args().skip(1);
@@ -160,6 +163,7 @@ fn parse_args() -> Result<Args, String> {
             "--lr" => a.lr = num(value()?, "--lr")?,
             "--activation-checkpointing" => a.activation_checkpointing = true,
             "--microbatches" => a.microbatches = num(value()?, "--microbatches")? as usize,
+            "--schedule" => a.schedule = value()?,
             other => return Err(format!("unknown argument {other}")),
         }
     }

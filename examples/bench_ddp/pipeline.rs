@@ -1,5 +1,5 @@
-//! `--mode pipeline`: the transformer as 2 pipeline stages, one per rank (`Schedule1F1B`,
-//! `--microbatches N`), as bench/pytorch_pipeline.py splits PyTorch's: stage 0 the token and
+//! `--mode pipeline`: the transformer as 2 pipeline stages, one per rank (`Schedule1F1B`, or
+//! `ScheduleInterleavedZeroBubble` with `--schedule zb`; `--microbatches N`), as bench/pytorch_pipeline.py splits PyTorch's: stage 0 the token and
 //! position embeddings and blocks 0-2, stage 1 blocks 3-5, the final LayerNorm and the head.
 //!
 //! The measured bubble is each rank's idle share of its step against its busy share:
@@ -8,7 +8,9 @@
 //! theoretical (p - 1) / m.
 
 use super::*;
-use tch_dist::pipelining::{PipelineStage, Schedule1F1B};
+use tch_dist::pipelining::{
+    PipelineError, PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble,
+};
 
 /// One stage's part of the transformer: the other stage's layers `None` (the whole
 /// model's FQNs).
@@ -68,6 +70,26 @@ impl Module for TransformerStage {
     }
 }
 
+/// The schedule benchmarked.
+enum Schedule {
+    OneFOneB(Schedule1F1B<TransformerStage>),
+    ZeroBubble(ScheduleInterleavedZeroBubble<TransformerStage>),
+}
+
+impl Schedule {
+    fn step(
+        &mut self,
+        x: Option<&Tensor>,
+        y: Option<&Tensor>,
+        losses: &mut Vec<Tensor>,
+    ) -> Result<(), PipelineError> {
+        match self {
+            Schedule::OneFOneB(s) => s.step(x, y, losses),
+            Schedule::ZeroBubble(s) => s.step(x, y, losses),
+        }
+    }
+}
+
 pub(crate) fn pipeline(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error>> {
     let (rank, world) = (pg.rank(), pg.world_size());
     if world != 2 || args.model != "transformer" {
@@ -84,10 +106,15 @@ pub(crate) fn pipeline(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std:
     let mut opt = nn::Sgd::default().build(&vs, if args.lr > 0.0 { args.lr } else { 0.01 })?;
     let stage = PipelineStage::new(part, rank, 2, args.device, &pg);
     let m = args.microbatches;
-    let mut schedule = Schedule1F1B::new(stage, m, |out, y| {
+    let loss = |out: &Tensor, y: &Tensor| {
         out.view([-1, T_VOCAB])
             .cross_entropy_for_logits(&y.view([-1]))
-    })?;
+    };
+    let mut schedule = match args.schedule.as_str() {
+        "1f1b" => Schedule::OneFOneB(Schedule1F1B::new(stage, m, loss)?),
+        "zb" => Schedule::ZeroBubble(ScheduleInterleavedZeroBubble::new(vec![stage], m, loss)?),
+        other => return Err(format!("--schedule {other:?}: 1f1b or zb").into()),
+    };
     let batch = if args.batch > 0 { args.batch } else { 8 };
     tch::manual_seed(1);
     let (x, target) = Transformer::batch(&args.model, batch, args.device)?;
@@ -127,6 +154,7 @@ pub(crate) fn pipeline(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std:
         "params": n_params,
         "batch": batch,
         "microbatches": m,
+        "schedule": args.schedule,
         "stages": 2,
         "rank": rank,
         "world": world,

@@ -390,11 +390,11 @@ impl<M> PipelineStage<M> {
         &self.group
     }
 
-    /// How many microbatch backwards of this stage ran split, the input's gradient first and
-    /// the parameters' later (a zero-bubble schedule's; see
-    /// [`ScheduleInterleavedZeroBubble`](super::ScheduleInterleavedZeroBubble) for when a
-    /// backward runs whole instead). A first stage has no input gradient to send: its
-    /// backwards always run whole.
+    /// How many microbatch backwards of this stage ran split: the input's gradient computed
+    /// and sent first, the parameters' after it (right away, or later in a zero-bubble
+    /// schedule). A first stage has no input gradient to send, and a stage under data
+    /// parallelism or tensor parallelism synchronises in its backward: their backwards run
+    /// whole (see [`ScheduleInterleavedZeroBubble`](super::ScheduleInterleavedZeroBubble)).
     pub fn split_backwards(&self) -> u64 {
         self.split_backwards
     }
@@ -599,15 +599,20 @@ impl<M> PipelineStage<M> {
     }
 
     /// Microbatch `mb`'s backward: from its loss on the last stage, else from the gradient
-    /// of its output received from the next stage; then the gradient of its input goes back
-    /// to the previous stage. Parameters' gradients accumulate in their `.grad`, now, or,
-    /// with `split`, in [`backward_weight_one_chunk`](Self::backward_weight_one_chunk) (a
-    /// zero-bubble schedule's input backward; see [`split_backward`](Self::split_backward)).
+    /// of its output received from the next stage; the gradient of its input goes back to
+    /// the previous stage; parameters' gradients accumulate in their `.grad`.
+    ///
+    /// Where the stage can split its backward (see [`split_backward`](Self::split_backward)),
+    /// the input's gradient is computed and sent first, then, with `defer_weights` false, the
+    /// parameters' right away (PyTorch's schedules run the whole backward before sending:
+    /// the previous stage here waits a weight pass less for every gradient); with
+    /// `defer_weights` (a zero-bubble schedule's input backward), in
+    /// [`backward_weight_one_chunk`](Self::backward_weight_one_chunk).
     pub(crate) fn backward_one_chunk(
         &mut self,
         mb: usize,
         last_backward: bool,
-        split: bool,
+        defer_weights: bool,
         pending: &mut Vec<PendingSend>,
     ) -> Result<(), PipelineError> {
         let rank = self.group.rank();
@@ -636,7 +641,7 @@ impl<M> PipelineStage<M> {
         } else {
             self.wait_recv(Direction::Backward, mb, &TensorMeta::of(&chunk.output))?
         };
-        let input_grad = if split && self.split_backward() {
+        let input_grad = if self.split_backward() {
             let (input_grad, weights) =
                 backward_input(&[chunk.output], &[grad], chunk.input.as_ref())
                     .map_err(|m| backward_error(tch::TchError::Kind(m)))?;
@@ -679,7 +684,11 @@ impl<M> PipelineStage<M> {
                 peer_rank: peer,
             });
         }
-        Ok(())
+        if defer_weights {
+            Ok(())
+        } else {
+            self.backward_weight_one_chunk(mb)
+        }
     }
 
     /// Microbatch `mb`'s weight backward: the parameters' gradients its split input backward
@@ -696,13 +705,13 @@ impl<M> PipelineStage<M> {
         }
     }
 
-    /// Whether this stage's backward splits into an input pass and a weight pass (a
-    /// zero-bubble schedule's): not on a stage that synchronises gradients in its backward
+    /// Whether this stage's backward splits into an input pass and a weight pass: not on a
+    /// first stage (no input gradient to send; decided in the split itself), nor on a stage that synchronises gradients in its backward
     /// ([`on_backward`](Self::on_backward)), nor in a process where `replicate`,
     /// `fully_shard` or `shard_module` manage parameters, whose hooks expect the whole
     /// backward in one pass (fully_shard's end-of-backward callback would reduce gradients
-    /// the weight pass has not computed yet). There the input backward is the whole
-    /// backward, and the weight backward does nothing.
+    /// the weight pass has not computed yet). There each backward runs whole, and a
+    /// zero-bubble schedule's weight backward does nothing.
     fn split_backward(&self) -> bool {
         self.on_backward.is_none() && !crate::state_dict::managed::any()
     }

@@ -6,9 +6,9 @@
 //!
 //! The weight pass starts from the gradients the input pass kept at the nodes where a
 //! parameter's branch leaves the input's path, so no part of the input pass runs twice.
-//! Where the graph cannot be split without counting a gradient twice (one weight used twice
-//! along the input's path), or the outputs do not depend on the input (a first stage), the
-//! input pass is the whole backward and there is no weight pass.
+//! Where the outputs do not depend on the input (a first stage), or an activation-checkpointed
+//! function is on the input's path (its recomputation would run twice), the input pass is the
+//! whole backward and there is no weight pass.
 
 use std::ptr::NonNull;
 
@@ -139,18 +139,38 @@ mod tests {
         }
     }
 
-    /// One weight used twice along the input's path: no split (it would count a gradient
-    /// twice), the whole backward at once, the right gradient.
+    /// One weight used twice along the input's path: each use's share once (no gradient
+    /// flows from one split node into the other in the weight pass).
     #[test]
-    fn a_weight_used_twice_is_not_split() {
+    fn a_weight_used_twice_gets_each_share_once() {
         let w = Tensor::from_slice(&[2.0f32]).set_requires_grad(true);
         let x = Tensor::from_slice(&[3.0f32]).set_requires_grad(true);
         let y = (&x * &w * &w).sum(Kind::Float);
         let (dx, weights) =
             backward_input(&[y.shallow_clone()], &[y.ones_like()], Some(&x)).unwrap();
-        assert!(weights.is_none());
         assert_eq!(dx.unwrap().double_value(&[0]), 4.0);
+        assert!(!w.grad().defined());
+        weights.expect("split").run().unwrap();
         assert_eq!(w.grad().double_value(&[0]), 12.0); // d(x w^2)/dw = 2 x w
+    }
+
+    /// An output that does not depend on the input: its parameters' gradients come in the
+    /// weight pass, from its own gradient.
+    #[test]
+    fn an_output_without_the_input_is_differentiated_in_the_weight_pass() {
+        let w = Tensor::from_slice(&[2.0f32]).set_requires_grad(true);
+        let v = Tensor::from_slice(&[5.0f32]).set_requires_grad(true);
+        let x = Tensor::from_slice(&[3.0f32]).set_requires_grad(true);
+        let a = (&x * &w).sum(Kind::Float);
+        let b = (&v * &v).sum(Kind::Float);
+        let roots = [a.shallow_clone(), b.shallow_clone()];
+        let (dx, weights) =
+            backward_input(&roots, &[a.ones_like(), b.ones_like()], Some(&x)).unwrap();
+        assert_eq!(dx.unwrap().double_value(&[0]), 2.0);
+        assert!(!w.grad().defined() && !v.grad().defined());
+        weights.expect("split").run().unwrap();
+        assert_eq!(w.grad().double_value(&[0]), 3.0);
+        assert_eq!(v.grad().double_value(&[0]), 10.0);
     }
 
     /// Without an input (a first stage): the whole backward.
@@ -161,5 +181,30 @@ mod tests {
         let (dx, weights) = backward_input(&[y.shallow_clone()], &[y.ones_like()], None).unwrap();
         assert!(dx.is_none() && weights.is_none());
         assert_eq!(w.grad().double_value(&[0]), 5.0);
+    }
+
+    /// An activation-checkpointed function on the input's path: the whole backward (the
+    /// split would run its recomputation twice), the right gradients.
+    #[test]
+    fn a_checkpointed_function_on_the_path_runs_whole() {
+        let w = Tensor::from_slice(&[2.0f32]).set_requires_grad(true);
+        let x = Tensor::from_slice(&[3.0f32]).set_requires_grad(true);
+        let (w1, w2) = (w.shallow_clone(), w.shallow_clone());
+        let mut first = move |xs: &[Tensor]| vec![&xs[0] * &w1];
+        let again: crate::Recomputation = Box::new(move |xs: &[Tensor]| Ok(vec![&xs[0] * &w2]));
+        let out = crate::checkpointed(
+            &[x.shallow_clone()],
+            &[w.shallow_clone()],
+            false,
+            &mut first,
+            again,
+        )
+        .unwrap();
+        let y = (&out[0] * 5.0).sum(Kind::Float);
+        let (dx, weights) =
+            backward_input(&[y.shallow_clone()], &[y.ones_like()], Some(&x)).unwrap();
+        assert!(weights.is_none());
+        assert_eq!(dx.unwrap().double_value(&[0]), 10.0);
+        assert_eq!(w.grad().double_value(&[0]), 15.0);
     }
 }
