@@ -13,7 +13,9 @@ use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tch_dist::device_mesh::init_device_mesh;
 use tch_dist::fully_shard::full_state_dict;
-use tch_dist::pipelining::{PipelineStage, Schedule1F1B, ScheduleGPipe};
+use tch_dist::pipelining::{
+    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble,
+};
 use tch_dist::testing::run_ranks;
 use tch_dist::{checkpoint, fully_shard, Call, FsdpOptions, ProcessGroup, Shardable};
 
@@ -101,19 +103,31 @@ fn global_batch(step: usize) -> (Tensor, Tensor) {
     (x, y)
 }
 
-/// GPipe or 1F1B over one stage of [`Chain`]: the two schedules the compositions run.
+/// GPipe, 1F1B or zero bubble over one stage of [`Chain`]: the schedules the compositions
+/// run.
 enum ChainSchedule {
     GPipe(ScheduleGPipe<Chain>),
     OneFOneB(Schedule1F1B<Chain>),
+    ZeroBubble(ScheduleInterleavedZeroBubble<Chain>),
+}
+
+/// Which of [`ChainSchedule`]'s.
+#[derive(Debug, Clone, Copy)]
+enum Which {
+    GPipe,
+    OneFOneB,
+    ZeroBubble,
 }
 
 impl ChainSchedule {
-    /// GPipe (`gpipe`) or 1F1B of `stage` on 4 microbatches, MSE.
-    fn new(stage: PipelineStage<Chain>, gpipe: bool) -> ChainSchedule {
-        if gpipe {
-            ChainSchedule::GPipe(ScheduleGPipe::new(stage, 4, mse).unwrap())
-        } else {
-            ChainSchedule::OneFOneB(Schedule1F1B::new(stage, 4, mse).unwrap())
+    /// `which` schedule of `stage` on 4 microbatches, MSE.
+    fn new(stage: PipelineStage<Chain>, which: Which) -> ChainSchedule {
+        match which {
+            Which::GPipe => ChainSchedule::GPipe(ScheduleGPipe::new(stage, 4, mse).unwrap()),
+            Which::OneFOneB => ChainSchedule::OneFOneB(Schedule1F1B::new(stage, 4, mse).unwrap()),
+            Which::ZeroBubble => ChainSchedule::ZeroBubble(
+                ScheduleInterleavedZeroBubble::new(vec![stage], 4, mse).unwrap(),
+            ),
         }
     }
 
@@ -121,14 +135,20 @@ impl ChainSchedule {
         match self {
             ChainSchedule::GPipe(s) => s.step(x, y, losses).unwrap(),
             ChainSchedule::OneFOneB(s) => s.step(x, y, losses).unwrap(),
+            ChainSchedule::ZeroBubble(s) => s.step(x, y, losses).unwrap(),
+        }
+    }
+
+    fn stage(&self) -> &PipelineStage<Chain> {
+        match self {
+            ChainSchedule::GPipe(s) => s.stage(),
+            ChainSchedule::OneFOneB(s) => s.stage(),
+            ChainSchedule::ZeroBubble(s) => &s.stages()[0],
         }
     }
 
     fn module(&self) -> &Chain {
-        match self {
-            ChainSchedule::GPipe(s) => s.stage().module(),
-            ChainSchedule::OneFOneB(s) => s.stage().module(),
-        }
+        self.stage().module()
     }
 }
 
@@ -195,7 +215,7 @@ impl PpDp {
     }
 }
 
-fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
+fn pp_dp_equals_one_process(world: &ProcessGroup, which: Which) {
     let (mut setup, part) = PpDp::new();
     let (stage_index, range) = (setup.stage_index, setup.range.clone());
     let dp = setup.dp.clone();
@@ -220,18 +240,20 @@ fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
         state.set_reshard_after_backward(last);
         Ok(())
     });
-    let mut schedule = ChainSchedule::new(stage, gpipe);
+    let mut schedule = ChainSchedule::new(stage, which);
     for step in 0..3 {
         setup.step_both(step, &mut schedule, &mut opt);
         let (d, n) = diff_to(schedule.module(), &setup.ref_vs);
         assert_eq!(n, 2 * range.len());
-        assert!(d < 1e-5, "gpipe {gpipe} step {step}: differs by {d}");
+        assert!(d < 1e-5, "{which:?} step {step}: differs by {d}");
     }
+    // fully_shard reduces in the backward: every backward ran whole, in one pass.
+    assert_eq!(schedule.stage().split_backwards(), 0);
 
     // The pipelined checkpoint: each stage's ranks save their shards under the whole
     // model's names, each tensor once.
     let module = schedule.module();
-    let dir = scratch(&format!("pp_dp_checkpoint_{gpipe}"), world);
+    let dir = scratch(&format!("pp_dp_checkpoint_{which:?}"), world);
     let ckpt = dir.join("step-00000003");
     checkpoint::save_with_optimizer(&ckpt, module, &opt, world, &Default::default()).unwrap();
     // Into the unsplit model (every rank the whole model, replicated).
@@ -242,7 +264,7 @@ fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
             .abs()
             .max()
             .double_value(&[]);
-        assert!(d < 1e-5, "gpipe {gpipe}: unsplit {fqn} differs by {d}");
+        assert!(d < 1e-5, "{which:?}: unsplit {fqn} differs by {d}");
     }
     // Into PyTorch's unsplit model (DCP, one process).
     if world.rank() == 0 {
@@ -267,7 +289,7 @@ fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
     checkpoint::load_with_optimizer(&ckpt, &resumed, &mut resumed_opt, world).unwrap();
     let (d, n) = diff_to(&resumed, &setup.ref_vs);
     assert_eq!(n, 2 * range.len());
-    assert!(d < 1e-5, "gpipe {gpipe}: resumed stage differs by {d}");
+    assert!(d < 1e-5, "{which:?}: resumed stage differs by {d}");
     assert_eq!(
         resumed_opt.states().count(),
         opt.states().count(),
@@ -276,7 +298,8 @@ fn pp_dp_equals_one_process(world: &ProcessGroup, gpipe: bool) {
 }
 
 /// pp 2 x dp 2 with `fully_shard` on each stage's part: several forwards run before their
-/// backwards (GPipe's F F F F B B B B, 1F1B's warm-up), each backward its own pass; every
+/// backwards (GPipe's F F F F B B B B, 1F1B's and zero bubble's warm-up), each backward its
+/// own pass (zero bubble's too: its input backward is the whole backward under fully_shard); every
 /// pass that reaches a group enters it again, so every microbatch's gradients are reduced
 /// (before the fix, the passes after the first left theirs behind: off by about 1e-2).
 /// Then its checkpoint loads into the unsplit model and back into the stages.
@@ -286,8 +309,9 @@ fn pp_2_x_dp_2_with_fully_shard_equals_one_process() {
         "composition::pp_2_x_dp_2_with_fully_shard_equals_one_process",
         4,
         |pg| {
-            pp_dp_equals_one_process(&pg, false);
-            pp_dp_equals_one_process(&pg, true);
+            for which in [Which::OneFOneB, Which::GPipe, Which::ZeroBubble] {
+                pp_dp_equals_one_process(&pg, which);
+            }
         },
     );
 }
@@ -412,6 +436,8 @@ fn pp_2_x_tp_2_with_parallelize_module_equals_one_process() {
                     assert!(d < 1e-5, "step {step}: {fqn} differs by {d}");
                 }
             }
+            // Tensor parallelism's collectives run in the backward: every backward whole.
+            assert_eq!(schedule.stage().split_backwards(), 0);
         },
     );
 }
@@ -425,7 +451,7 @@ fn pp_2_x_dp_2_with_replicate_equals_one_process() {
         "composition::pp_2_x_dp_2_with_replicate_equals_one_process",
         4,
         |_pg| {
-            for gpipe in [false, true] {
+            for which in [Which::OneFOneB, Which::GPipe] {
                 let (mut setup, part) = PpDp::new();
                 let options = tch_dist::replicate::Options {
                     process_group: Some(setup.dp.clone()),
@@ -445,13 +471,13 @@ fn pp_2_x_dp_2_with_replicate_equals_one_process() {
                     state.set_requires_gradient_sync(last);
                     Ok(())
                 });
-                let mut schedule = ChainSchedule::new(stage, gpipe);
+                let mut schedule = ChainSchedule::new(stage, which);
                 for step in 0..3 {
                     setup.step_both(step, &mut schedule, &mut opt);
                     let ref_vars = setup.ref_vs.variables();
                     for (fqn, t) in setup.vs.variables() {
                         let d = (&t - &ref_vars[&fqn]).abs().max().double_value(&[]);
-                        assert!(d < 1e-5, "gpipe {gpipe} step {step}: {fqn} differs by {d}");
+                        assert!(d < 1e-5, "{which:?} step {step}: {fqn} differs by {d}");
                     }
                 }
                 let synced = tch_dist::replicate::state(schedule.module())

@@ -9,7 +9,7 @@ use tch::nn::{self, Module};
 use tch::{Device, Tensor};
 use tch_dist::pipelining::{
     PipelineError, PipelineProblem, PipelineStage, Schedule1F1B, ScheduleGPipe,
-    ScheduleInterleaved1F1B, Transfer,
+    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, Transfer,
 };
 use tch_dist::testing::{describe, run_ranks, run_ranks_with, worker, Launch};
 use tch_dist::Backend;
@@ -175,6 +175,29 @@ fn schedules_refuse_on_every_rank_before_any_work() {
                     group_size: 2,
                     local_stages: expected_local
                 }
+            );
+
+            // Zero bubble (as interleaved 1F1B and PyTorch's): 5 microbatches on 2 ranks are
+            // not a multiple of its max(1, 5 / 2) = 2 rounds.
+            let stage = stages(&pg, &vs, &MODEL, &CUTS).remove(0);
+            let (p, text) = problem(
+                rank,
+                "ScheduleInterleavedZeroBubble::new",
+                ScheduleInterleavedZeroBubble::new(vec![stage], 5, mse).unwrap_err(),
+            );
+            assert_eq!(
+                p,
+                PipelineProblem::Rounds {
+                    n_microbatches: 5,
+                    rounds: 2
+                }
+            );
+            assert_eq!(
+                text,
+                format!(
+                    "rank {rank}: ScheduleInterleavedZeroBubble::new: 5 microbatches are not a \
+                     multiple of the schedule's 2 rounds"
+                )
             );
         },
     );
