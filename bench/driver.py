@@ -43,13 +43,17 @@ checkpointing every block, tch-dist `checkpoint_activations` (`bench_ddp
 
 Pipeline (`pp` in --models, last, with its own budget, --pp-budget): the same transformer as
 2 stages, one per rank (the embeddings and blocks 0-2, then blocks 3-5, the final norm and
-the head), batch 8 x 64 tokens, SGD, `Schedule1F1B` on 4 and on 8 microbatches: tch-dist's
-`pipelining` (`bench_ddp --mode pipeline`) against PyTorch's `torch.distributed.pipelining`
-(bench/pytorch_pipeline.py), alternating. Prints a table and, per microbatch count M,
+the head), batch 8 x 64 tokens, SGD, `Schedule1F1B` and `ScheduleInterleavedZeroBubble` on
+4 and on 8 microbatches: tch-dist's `pipelining` (`bench_ddp --mode pipeline --schedule
+1f1b|zb`) against PyTorch's `torch.distributed.pipelining` (bench/pytorch_pipeline.py), the
+same schedule, alternating. Prints a table and, per microbatch count M,
 
-    pp_m{M}_vs_pytorch=R     (median step, tch-dist / PyTorch; goal <= 0.9)
+    pp_m{M}_vs_pytorch=R     (median step, Schedule1F1B, tch-dist / PyTorch; goal <= 0.9)
     pp_m{M}_bubble=B         (measured bubble, (wall - CPU) / CPU per rank, both ranks'
                               mean; beside it PyTorch's and the schedule's (p - 1) / m)
+    pp_zb_m{M}_vs_pytorch=R  (the same for ScheduleInterleavedZeroBubble)
+    pp_zb_m{M}_vs_pytorch_1f1b=R  (tch-dist's zero bubble / PyTorch's Schedule1F1B)
+    pp_zb_m{M}_bubble=B      (beside it PyTorch's and (p - 1) / (3 m))
 
 2-D parallelism (`two_d` in --models, last, with its own budget, --two-d-budget): the same
 transformer with separate q, k and v projections (so that a tensor-parallel rank holds whole
