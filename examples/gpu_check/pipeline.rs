@@ -1,7 +1,8 @@
 //! Check 9, pipeline parallelism on the device: two ranks on `cuda:0` through Gloo (as check
 //! 4), each one stage of a 3-layer chain (`Schedule1F1B`, 4 microbatches), the activations
 //! and their gradients sent between the stages (staged through host memory for Gloo), equal
-//! to one process training the whole chain on the device.
+//! to one process training the whole chain on the device; stage 1's backwards split (the
+//! input's gradient first, the weights' in a second engine run on the device).
 
 use super::*;
 use tch::nn::Module;
@@ -115,8 +116,16 @@ pub(crate) fn pipeline_rank() -> Result<(), String> {
             "stage {stage}: differs from one process by {worst}"
         ));
     }
+    // Stage 0 has no input gradient to send; stage 1 splits each of its 3 x 4 backwards.
+    let splits = schedule.stage().split_backwards();
+    let expected = if stage == 1 { 12 } else { 0 };
+    if splits != expected {
+        return Err(format!(
+            "stage {stage}: {splits} split backwards, expected {expected}"
+        ));
+    }
     println!(
-        "pipeline rank {}: stage {stage} of 2 on {:?}, 3 Schedule1F1B steps in {:.1} ms, max |pipeline - one process| = {worst:.2e}",
+        "pipeline rank {}: stage {stage} of 2 on {:?}, 3 Schedule1F1B steps in {:.1} ms, {splits} split backwards, max |pipeline - one process| = {worst:.2e}",
         pg.rank(),
         dev(),
         ms(start.elapsed())

@@ -93,7 +93,8 @@ pub enum PipelineError {
         #[source]
         source: Box<DistError>,
     },
-    /// The loss function panicked on the last stage (libtorch refused its inputs).
+    /// The loss function panicked on the last stage (libtorch refused its inputs), or its
+    /// loss is not one number.
     #[error("rank {rank}: stage {stage}: the loss of microbatch {microbatch} failed: {message}")]
     Loss {
         /// This process's rank in the pipeline's group.

@@ -285,6 +285,19 @@ impl<M: 'static> Runner<M> {
                                 message: panic_text(p),
                             },
                         )?;
+                        if loss.numel() != 1 {
+                            // A backward from it would sum it (PyTorch refuses too: "grad can
+                            // be implicitly created only for scalar outputs").
+                            return Err(PipelineError::Loss {
+                                rank,
+                                stage: a.stage,
+                                microbatch: mb,
+                                message: format!(
+                                    "the loss must be one number (a mean), not of shape {:?}",
+                                    loss.size()
+                                ),
+                            });
+                        }
                         losses[mb] = Some(loss.detach());
                         let root = if self.scale_grads {
                             loss / n as f64

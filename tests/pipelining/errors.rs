@@ -349,6 +349,37 @@ fn an_output_that_changes_shape_is_an_error_naming_both_stages() {
     });
 }
 
+/// A loss of more than one number (`Reduction::None`) is an error on the last stage, not a
+/// backward from its sum; stage 0, waiting for the gradient, fails once rank 1 has gone.
+#[test]
+fn a_loss_that_is_not_one_number_is_an_error() {
+    const TEST: &str = "errors::a_loss_that_is_not_one_number_is_an_error";
+    let launch = Launch::new(TEST, 2).env("TCH_DIST_TIMEOUT_SECS", "10");
+    run_ranks_with(&launch, Backend::Gloo, |pg| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mine = stages(&pg, &vs, &MODEL, &[0, 2, 6]).remove(0);
+        let per_element = |out: &Tensor, y: &Tensor| out.mse_loss(y, tch::Reduction::None);
+        let mut schedule = Schedule1F1B::new(mine, 4, per_element).unwrap();
+        let first = pg.rank() == 0;
+        let (x, y) = batch(0, 8);
+        let e = schedule
+            .step(first.then_some(&x), (!first).then_some(&y), &mut Vec::new())
+            .unwrap_err();
+        if first {
+            assert!(
+                matches!(e, PipelineError::Transfer { stage: 0, .. }),
+                "{e:?}"
+            );
+        } else {
+            assert_eq!(
+                e.to_string(),
+                "rank 1: stage 1: the loss of microbatch 0 failed: the loss must be one number \
+                 (a mean), not of shape [2, 3]"
+            );
+        }
+    });
+}
+
 const KILLED: &str = "errors::a_stage_killed_mid_step_fails_every_other_rank_within_the_timeout";
 const KILLED_TIMEOUT_SECS: u64 = 5;
 
