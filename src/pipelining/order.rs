@@ -88,40 +88,81 @@ pub(crate) fn rounds(group_size: usize, n: usize) -> (usize, usize) {
     (rounds, n / rounds)
 }
 
-/// Interleaved 1F1B on `rank` of `group_size` holding `n_local` stages (`rank`,
-/// `rank + group_size`, ...): forwards in rounds of `per_round` microbatches per local stage
-/// (depth first), warmup `(n_local - 1) * per_round + 2 * (group_size - 1 - rank)` forwards
-/// (at most all of them), then one forward and one backward in turn, then the backwards; the
-/// backwards go through the local stages from the last in the same rounds.
+/// What the interleaved schedules share on `rank` of `group_size` holding `n_local` stages
+/// (`rank`, `rank + group_size`, ...): rounds of `per_round` microbatches per local stage,
+/// `warmup` forwards first (`(n_local - 1) * per_round + hop * (group_size - 1 - rank)`, at
+/// most all), then `op`s that each pair a forward with a backward, then the last backwards;
+/// forwards go depth first through the local stages round by round, backwards from the last
+/// local stage down.
+struct Interleaving {
+    rank: usize,
+    group_size: usize,
+    n_local: usize,
+    per_round: usize,
+    warmup: usize,
+    total: usize,
+}
+
+impl Interleaving {
+    fn new(rank: usize, group_size: usize, n_local: usize, n: usize, hop: usize) -> Self {
+        let (_, per_round) = rounds(group_size, n);
+        let total = n_local * n;
+        let warmup = ((n_local - 1) * per_round + hop * (group_size - 1 - rank)).min(total);
+        Interleaving {
+            rank,
+            group_size,
+            n_local,
+            per_round,
+            warmup,
+            total,
+        }
+    }
+
+    /// Every op: a forward while `op < total`, a backward from `op >= warmup`.
+    fn ops(&self) -> std::ops::Range<usize> {
+        0..self.total + self.warmup
+    }
+
+    fn forward_stage(&self, op: usize) -> usize {
+        ((op / self.per_round) % self.n_local) * self.group_size + self.rank
+    }
+
+    fn backward_stage(&self, op: usize) -> usize {
+        let local = self.n_local - 1 - ((op - self.warmup) / self.per_round) % self.n_local;
+        local * self.group_size + self.rank
+    }
+}
+
+/// The next microbatch of each (stage, kind of work).
+#[derive(Default)]
+struct Next(BTreeMap<(usize, u8), usize>);
+
+impl Next {
+    fn action(&mut self, stage: usize, work: Work) -> Action {
+        let m = self.0.entry((stage, work as u8)).or_insert(0);
+        *m += 1;
+        action(stage, work, *m - 1)
+    }
+}
+
+/// Interleaved 1F1B on `rank` of `group_size` holding `n_local` stages: warmup
+/// `(n_local - 1) * per_round + 2 * (group_size - 1 - rank)` forwards (at most all of them),
+/// then one forward and one backward in turn, then the backwards (see [`Interleaving`]).
 pub(crate) fn interleaved_1f1b(
     rank: usize,
     group_size: usize,
     n_local: usize,
     n: usize,
 ) -> Vec<Action> {
-    let (_, per_round) = rounds(group_size, n);
-    let total = n_local * n;
-    let warmup = ((n_local - 1) * per_round + 2 * (group_size - 1 - rank)).min(total);
-    let fwd_bwd = total - warmup;
-    let forward_stage = |op: usize| ((op / per_round) % n_local) * group_size + rank;
-    let backward_stage =
-        |op: usize| (n_local - 1 - ((op - warmup) / per_round) % n_local) * group_size + rank;
-    let mut next_fwd: BTreeMap<usize, usize> = BTreeMap::new();
-    let mut next_bwd: BTreeMap<usize, usize> = BTreeMap::new();
-    let take = |map: &mut BTreeMap<usize, usize>, stage: usize| {
-        let m = map.entry(stage).or_insert(0);
-        *m += 1;
-        *m - 1
-    };
-    let mut order = Vec::with_capacity(2 * total);
-    for op in 0..warmup + fwd_bwd + warmup {
-        if op < warmup + fwd_bwd {
-            let s = forward_stage(op);
-            order.push(f(s, take(&mut next_fwd, s)));
+    let plan = Interleaving::new(rank, group_size, n_local, n, 2);
+    let mut next = Next::default();
+    let mut order = Vec::with_capacity(2 * plan.total);
+    for op in plan.ops() {
+        if op < plan.total {
+            order.push(next.action(plan.forward_stage(op), Work::Forward));
         }
-        if op >= warmup {
-            let s = backward_stage(op);
-            order.push(b(s, take(&mut next_bwd, s)));
+        if op >= plan.warmup {
+            order.push(next.action(plan.backward_stage(op), Work::Backward));
         }
     }
     order
@@ -139,45 +180,28 @@ pub(crate) fn interleaved_zero_bubble(
     n_local: usize,
     n: usize,
 ) -> Vec<Action> {
-    let (_, per_round) = rounds(group_size, n);
-    let total = n_local * n;
-    let warmup = ((n_local - 1) * per_round + (group_size - 1 - rank)).min(total);
-    let fwd_bwd = total - warmup;
-    let forward_stage = |op: usize| ((op / per_round) % n_local) * group_size + rank;
-    let backward_stage =
-        |op: usize| (n_local - 1 - ((op - warmup) / per_round) % n_local) * group_size + rank;
-    let mut counters: [BTreeMap<usize, usize>; 3] = Default::default();
-    let mut next = |work: Work, stage: usize| {
-        let i = match work {
-            Work::Forward => 0,
-            Work::BackwardInput => 1,
-            _ => 2,
-        };
-        let m = counters[i].entry(stage).or_insert(0);
-        *m += 1;
-        action(stage, work, *m - 1)
-    };
-    let mut order = Vec::with_capacity(3 * total);
-    let mut backward_ops = Vec::with_capacity(total);
-    let mut weights_done = 0;
-    for op in 0..warmup + fwd_bwd + warmup {
-        if op < warmup + fwd_bwd {
-            order.push(next(Work::Forward, forward_stage(op)));
+    let plan = Interleaving::new(rank, group_size, n_local, n, 1);
+    let mut next = Next::default();
+    let mut order = Vec::with_capacity(3 * plan.total);
+    // The stage of each input backward so far; the weight backwards follow them.
+    let mut inputs = Vec::with_capacity(plan.total);
+    let mut weights = 0;
+    for op in plan.ops() {
+        if op < plan.total {
+            order.push(next.action(plan.forward_stage(op), Work::Forward));
         }
-        if op >= warmup {
-            order.push(next(Work::BackwardInput, backward_stage(op)));
-            backward_ops.push(op);
-            if op - warmup >= rank {
-                order.push(next(
-                    Work::BackwardWeight,
-                    backward_stage(backward_ops[weights_done]),
-                ));
-                weights_done += 1;
+        if op >= plan.warmup {
+            let stage = plan.backward_stage(op);
+            order.push(next.action(stage, Work::BackwardInput));
+            inputs.push(stage);
+            if op - plan.warmup >= rank {
+                order.push(next.action(inputs[weights], Work::BackwardWeight));
+                weights += 1;
             }
         }
     }
-    for &op in &backward_ops[weights_done..] {
-        order.push(next(Work::BackwardWeight, backward_stage(op)));
+    for &stage in &inputs[weights..] {
+        order.push(next.action(stage, Work::BackwardWeight));
     }
     order
 }

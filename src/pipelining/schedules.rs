@@ -372,6 +372,31 @@ fn agree(
     Ok(())
 }
 
+/// The methods every schedule has, over its `runner`.
+macro_rules! schedule_methods {
+    () => {
+        /// Whether gradients are those of the mean of the microbatch losses (`true`, as
+        /// PyTorch's default `scale_grads=True`) or of their sum.
+        pub fn scale_grads(mut self, scale: bool) -> Self {
+            self.runner.scale_grads = scale;
+            self
+        }
+
+        /// One training step over a batch: `input` on the rank holding stage 0, `target` on
+        /// the one holding the last stage (`None` elsewhere), split along dim 0 into the
+        /// microbatches; `losses` gets each microbatch's loss on the last stage. Gradients
+        /// accumulate in the stages' parameters' `.grad`; the optimizer steps afterwards.
+        pub fn step(
+            &mut self,
+            input: Option<&Tensor>,
+            target: Option<&Tensor>,
+            losses: &mut Vec<Tensor>,
+        ) -> Result<(), PipelineError> {
+            self.runner.step(input, target, losses)
+        }
+    };
+}
+
 macro_rules! single_stage_schedule {
     ($(#[$doc:meta])* $name:ident, $kind:expr, $op_new:literal, $op_step:literal) => {
         $(#[$doc])*
@@ -409,25 +434,7 @@ macro_rules! single_stage_schedule {
                 Ok(Self { runner })
             }
 
-            /// Whether gradients are those of the mean of the microbatch losses (`true`, as
-            /// PyTorch's default `scale_grads=True`) or of their sum.
-            pub fn scale_grads(mut self, scale: bool) -> Self {
-                self.runner.scale_grads = scale;
-                self
-            }
-
-            /// One training step over a batch: `input` on the first stage's rank, `target`
-            /// on the last's (`None` elsewhere), split along dim 0 into the microbatches;
-            /// `losses` gets each microbatch's loss on the last stage. Gradients accumulate
-            /// in the stage's parameters' `.grad`; the optimizer steps afterwards.
-            pub fn step(
-                &mut self,
-                input: Option<&Tensor>,
-                target: Option<&Tensor>,
-                losses: &mut Vec<Tensor>,
-            ) -> Result<(), PipelineError> {
-                self.runner.step(input, target, losses)
-            }
+            schedule_methods!();
 
             /// This rank's stage.
             pub fn stage(&self) -> &PipelineStage<M> {
@@ -540,22 +547,7 @@ macro_rules! multi_stage_schedule {
                 Ok(Self { runner })
             }
 
-            /// As [`Schedule1F1B::scale_grads`].
-            pub fn scale_grads(mut self, scale: bool) -> Self {
-                self.runner.scale_grads = scale;
-                self
-            }
-
-            /// One training step, as [`Schedule1F1B::step`] (the input on the rank holding
-            /// stage 0, the target on the one holding the last stage).
-            pub fn step(
-                &mut self,
-                input: Option<&Tensor>,
-                target: Option<&Tensor>,
-                losses: &mut Vec<Tensor>,
-            ) -> Result<(), PipelineError> {
-                self.runner.step(input, target, losses)
-            }
+            schedule_methods!();
 
             /// This rank's stages, by stage index.
             pub fn stages(&self) -> &[PipelineStage<M>] {
