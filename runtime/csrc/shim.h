@@ -228,13 +228,13 @@ char* tdr_checkpoint_apply(TdrTensor** inputs, size_t num_inputs, TdrTensor** pa
 // Pipelining's split backward (src/autograd/split_backward.rs): tdr_backward_input
 // differentiates the n `roots` (with `grads`, their gradients) with respect to `input` (a
 // leaf that requires grad; null on a first stage) only, keeping what the parameters' gradients
-// need in *out, and sets *input_grad (null when undefined). Where the graph cannot be split
-// safely (see split_backward.cpp), or without an input, it runs the whole backward (the
-// parameters' gradients and the input's `.grad`) and *out is null. tdr_backward_weight
-// accumulates the parameters' gradients of a split backward, once.
+// need in *out, and sets *input_grad (null when undefined). Without `may_split`, where the
+// graph cannot be split safely (see split_backward.cpp), or without an input, it runs the
+// whole backward (the parameters' gradients and the input's `.grad`) and *out is null.
+// tdr_backward_weight accumulates the parameters' gradients of a split backward, once.
 typedef struct TdrSplitBackward TdrSplitBackward;
 char* tdr_backward_input(TdrTensor** roots, TdrTensor** grads, size_t n, TdrTensor* input,
-                         TdrTensor** input_grad, TdrSplitBackward** out);
+                         bool may_split, TdrTensor** input_grad, TdrSplitBackward** out);
 char* tdr_backward_weight(TdrSplitBackward* s);
 void tdr_split_backward_free(TdrSplitBackward* s);
 

@@ -17,8 +17,9 @@
 // use's share once.
 //
 // An activation-checkpointed function on the path is never split (its backward, a forward
-// run again, would run twice): there, as where the outputs do not depend on the input, the
-// input pass is the whole backward and there is no weight pass.
+// run again, would run twice): there, as where the outputs do not depend on the input or the
+// caller does not allow a split, the input pass is the whole backward and there is no weight
+// pass.
 
 #include "internal.h"
 
@@ -40,7 +41,7 @@ using torch::autograd::variable_list;
 // The gradients that flowed into one split node during the input pass.
 struct Captured {
   std::shared_ptr<Node> node;
-  torch::autograd::variable_list grads;
+  variable_list grads;
 };
 
 class CaptureHook : public torch::autograd::FunctionPreHook {
@@ -114,7 +115,7 @@ struct TdrSplitBackward {
 extern "C" {
 
 char* tdr_backward_input(TdrTensor** roots, TdrTensor** grads, size_t n, TdrTensor* input,
-                         TdrTensor** input_grad, TdrSplitBackward** out) {
+                         bool may_split, TdrTensor** input_grad, TdrSplitBackward** out) {
   *input_grad = nullptr;
   *out = nullptr;
   TDR_TRY
@@ -127,7 +128,7 @@ char* tdr_backward_input(TdrTensor** roots, TdrTensor** grads, size_t n, TdrTens
   }
   auto state = std::make_unique<TdrSplitBackward>();
   NodeSet path;
-  bool split = input != nullptr && input->requires_grad() && input->is_leaf();
+  bool split = may_split && input != nullptr && input->requires_grad() && input->is_leaf();
   if (split) {
     std::vector<Node*> root_nodes;
     for (const auto& t : outputs) {

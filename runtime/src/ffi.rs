@@ -328,6 +328,7 @@ extern "C" {
         grads: *mut *mut C_tensor,
         n: usize,
         input: *mut C_tensor,
+        may_split: bool,
         input_grad: *mut *mut C_tensor,
         out: *mut *mut TdrSplitBackward,
     ) -> ShimStatus;

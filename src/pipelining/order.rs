@@ -31,28 +31,20 @@ pub(crate) struct Action {
     pub microbatch: usize,
 }
 
-fn f(stage: usize, microbatch: usize) -> Action {
-    Action {
-        stage,
-        work: Work::Forward,
-        microbatch,
-    }
-}
-
-fn b(stage: usize, microbatch: usize) -> Action {
-    Action {
-        stage,
-        work: Work::Backward,
-        microbatch,
-    }
-}
-
 fn action(stage: usize, work: Work, microbatch: usize) -> Action {
     Action {
         stage,
         work,
         microbatch,
     }
+}
+
+fn f(stage: usize, microbatch: usize) -> Action {
+    action(stage, Work::Forward, microbatch)
+}
+
+fn b(stage: usize, microbatch: usize) -> Action {
+    action(stage, Work::Backward, microbatch)
 }
 
 /// GPipe (fill-drain): every forward, then every backward, in microbatch order.

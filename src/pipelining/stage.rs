@@ -602,7 +602,7 @@ impl<M> PipelineStage<M> {
     /// of its output received from the next stage; the gradient of its input goes back to
     /// the previous stage; parameters' gradients accumulate in their `.grad`.
     ///
-    /// Where the stage can split its backward (see [`split_backward`](Self::split_backward)),
+    /// Where the stage's backward splits (see [`split_backward`](Self::split_backward)),
     /// the input's gradient is computed and sent first, then, with `defer_weights` false, the
     /// parameters' right away (PyTorch's schedules run the whole backward before sending:
     /// the previous stage here waits a weight pass less for every gradient); with
@@ -641,28 +641,17 @@ impl<M> PipelineStage<M> {
         } else {
             self.wait_recv(Direction::Backward, mb, &TensorMeta::of(&chunk.output))?
         };
-        let input_grad = if self.split_backward() {
-            let (input_grad, weights) =
-                backward_input(&[chunk.output], &[grad], chunk.input.as_ref())
-                    .map_err(|m| backward_error(tch::TchError::Kind(m)))?;
-            if let Some(weights) = weights {
-                self.weight_passes.insert(mb, weights);
-                self.split_backwards += 1;
-            }
-            input_grad
-        } else {
-            // d(sum(out * g))/d(out) is g exactly: backward from the output with its
-            // gradient, through Tensor::backward.
-            (&chunk.output * &grad)
-                .sum(chunk.output.kind())
-                .f_backward()
-                .map_err(backward_error)?;
-            chunk
-                .input
-                .as_ref()
-                .map(Tensor::grad)
-                .filter(Tensor::defined)
-        };
+        let (input_grad, weights) = backward_input(
+            &[chunk.output],
+            &[grad],
+            chunk.input.as_ref(),
+            self.split_backward(),
+        )
+        .map_err(|m| backward_error(tch::TchError::Kind(m)))?;
+        if let Some(weights) = weights {
+            self.weight_passes.insert(mb, weights);
+            self.split_backwards += 1;
+        }
         if let Some(input) = chunk.input {
             let prev = stage - 1;
             // The part did not use its input (or it is not floating point): the previous
@@ -705,13 +694,14 @@ impl<M> PipelineStage<M> {
         }
     }
 
-    /// Whether this stage's backward splits into an input pass and a weight pass: not on a
-    /// first stage (no input gradient to send; decided in the split itself), nor on a stage that synchronises gradients in its backward
-    /// ([`on_backward`](Self::on_backward)), nor in a process where `replicate`,
-    /// `fully_shard` or `shard_module` manage parameters, whose hooks expect the whole
-    /// backward in one pass (fully_shard's end-of-backward callback would reduce gradients
-    /// the weight pass has not computed yet). There each backward runs whole, and a
-    /// zero-bubble schedule's weight backward does nothing.
+    /// Whether this stage's backward may split into an input pass and a weight pass: not on
+    /// a stage that synchronises gradients in its backward ([`on_backward`](Self::on_backward)),
+    /// nor in a process where `replicate`, `fully_shard` or `shard_module` manage parameters,
+    /// whose hooks expect the whole backward in one pass (fully_shard's end-of-backward
+    /// callback would reduce gradients the weight pass has not computed yet). The split itself
+    /// declines a first stage (no input gradient to send) and a graph it cannot split. Where
+    /// it does not split, each backward runs whole, and a zero-bubble schedule's weight
+    /// backward does nothing.
     fn split_backward(&self) -> bool {
         self.on_backward.is_none() && !crate::state_dict::managed::any()
     }

@@ -1,14 +1,14 @@
-//! Pipelining's split backward (csrc/split_backward.cpp): a microbatch's backward in two
-//! passes, the input's gradient first ([`backward_input`]) and the parameters' gradients
-//! later ([`WeightBackward::run`]), so that a zero-bubble schedule sends the gradient back
-//! to the previous stage before it computes its weights' (PyTorch's `stage_backward_input`
-//! and `stage_backward_weight` in `torch/distributed/pipelining/_backward.py`).
+//! Pipelining's backward (csrc/split_backward.cpp): a microbatch's backward in two passes,
+//! the input's gradient first ([`backward_input`]) and the parameters' gradients later
+//! ([`WeightBackward::run`]), so that a pipeline stage sends the gradient back to the
+//! previous stage before it computes its weights' (PyTorch's `stage_backward_input` and
+//! `stage_backward_weight` in `torch/distributed/pipelining/_backward.py`), or in one pass.
 //!
 //! The weight pass starts from the gradients the input pass kept at the nodes where a
 //! parameter's branch leaves the input's path, so no part of the input pass runs twice.
-//! Where the outputs do not depend on the input (a first stage), or an activation-checkpointed
-//! function is on the input's path (its recomputation would run twice), the input pass is the
-//! whole backward and there is no weight pass.
+//! Where the caller allows no split, the outputs do not depend on the input (a first stage),
+//! or an activation-checkpointed function is on the input's path (its recomputation would run
+//! twice), the input pass is the whole backward and there is no weight pass.
 
 use std::ptr::NonNull;
 
@@ -41,9 +41,9 @@ impl Drop for WeightBackward {
 
 /// The input pass of `roots`' backward, each with its gradient in `grads`: the gradient of
 /// `input` (a leaf that requires grad; `None` on a first stage), `None` where the outputs do
-/// not depend on it, and the weight pass still to run. Without a weight pass the parameters'
-/// gradients are accumulated already (the whole backward ran). An engine error is its
-/// message.
+/// not depend on it, and the weight pass still to run. Without `may_split` there is none: the
+/// whole backward runs, as where the graph does not split. Without a weight pass the
+/// parameters' gradients are accumulated already. An engine error is its message.
 ///
 /// ```
 /// use tch::{Kind, Tensor};
@@ -51,7 +51,7 @@ impl Drop for WeightBackward {
 /// let w = Tensor::from_slice(&[2.0f32]).set_requires_grad(true);
 /// let x = Tensor::from_slice(&[3.0f32]).set_requires_grad(true);
 /// let y = (&x * &w).sum(Kind::Float);
-/// let (dx, weights) = backward_input(&[y.shallow_clone()], &[y.ones_like()], Some(&x))?;
+/// let (dx, weights) = backward_input(&[y.shallow_clone()], &[y.ones_like()], Some(&x), true)?;
 /// assert_eq!(dx.map(|g| g.double_value(&[0])), Some(2.0));
 /// assert!(!w.grad().defined()); // not yet
 /// weights.expect("the product splits").run()?;
@@ -62,6 +62,7 @@ pub fn backward_input(
     roots: &[Tensor],
     grads: &[Tensor],
     input: Option<&Tensor>,
+    may_split: bool,
 ) -> Result<(Option<Tensor>, Option<WeightBackward>), String> {
     if roots.len() != grads.len() {
         return Err(format!(
@@ -85,6 +86,7 @@ pub fn backward_input(
             grad_ptrs.as_mut_ptr(),
             roots.len(),
             input_ptr,
+            may_split,
             &mut input_grad,
             &mut state,
         )
@@ -128,7 +130,7 @@ mod tests {
         };
         let x = x0.copy().set_requires_grad(true);
         let y = net.forward(&x);
-        let (dx, weights) = backward_input(&[y], &[g], Some(&x)).unwrap();
+        let (dx, weights) = backward_input(&[y], &[g], Some(&x), true).unwrap();
         assert!(dx.unwrap().allclose(&whole.0, 1e-6, 1e-6, false));
         for p in vs.trainable_variables() {
             assert_eq!(p.grad().abs().sum(Kind::Float).double_value(&[]), 0.0);
@@ -147,7 +149,7 @@ mod tests {
         let x = Tensor::from_slice(&[3.0f32]).set_requires_grad(true);
         let y = (&x * &w * &w).sum(Kind::Float);
         let (dx, weights) =
-            backward_input(&[y.shallow_clone()], &[y.ones_like()], Some(&x)).unwrap();
+            backward_input(&[y.shallow_clone()], &[y.ones_like()], Some(&x), true).unwrap();
         assert_eq!(dx.unwrap().double_value(&[0]), 4.0);
         assert!(!w.grad().defined());
         weights.expect("split").run().unwrap();
@@ -178,7 +180,7 @@ mod tests {
         let x = x0.copy().set_requires_grad(true);
         let y = lin.forward(&lin.forward(&x)).sum(Kind::Float);
         let (dx, weights) =
-            backward_input(&[y.shallow_clone()], &[y.ones_like()], Some(&x)).unwrap();
+            backward_input(&[y.shallow_clone()], &[y.ones_like()], Some(&x), true).unwrap();
         assert!(dx.unwrap().allclose(&whole_dx, 1e-6, 1e-6, false));
         weights.expect("split").run().unwrap();
         for (p, want) in vs.trainable_variables().iter().zip(&whole) {
@@ -197,7 +199,7 @@ mod tests {
         let b = (&v * &v).sum(Kind::Float);
         let roots = [a.shallow_clone(), b.shallow_clone()];
         let (dx, weights) =
-            backward_input(&roots, &[a.ones_like(), b.ones_like()], Some(&x)).unwrap();
+            backward_input(&roots, &[a.ones_like(), b.ones_like()], Some(&x), true).unwrap();
         assert_eq!(dx.unwrap().double_value(&[0]), 2.0);
         assert!(!w.grad().defined() && !v.grad().defined());
         weights.expect("split").run().unwrap();
@@ -205,12 +207,26 @@ mod tests {
         assert_eq!(v.grad().double_value(&[0]), 10.0);
     }
 
+    /// Without `may_split`: the whole backward at once, the input's gradient returned.
+    #[test]
+    fn without_may_split_the_whole_backward_runs() {
+        let w = Tensor::from_slice(&[2.0f32]).set_requires_grad(true);
+        let x = Tensor::from_slice(&[3.0f32]).set_requires_grad(true);
+        let y = (&x * &w).sum(Kind::Float);
+        let (dx, weights) =
+            backward_input(&[y.shallow_clone()], &[y.ones_like()], Some(&x), false).unwrap();
+        assert!(weights.is_none());
+        assert_eq!(dx.unwrap().double_value(&[0]), 2.0);
+        assert_eq!(w.grad().double_value(&[0]), 3.0);
+    }
+
     /// Without an input (a first stage): the whole backward.
     #[test]
     fn without_an_input_the_whole_backward_runs() {
         let w = Tensor::from_slice(&[2.0f32]).set_requires_grad(true);
         let y = (&w * 5.0).sum(Kind::Float);
-        let (dx, weights) = backward_input(&[y.shallow_clone()], &[y.ones_like()], None).unwrap();
+        let (dx, weights) =
+            backward_input(&[y.shallow_clone()], &[y.ones_like()], None, true).unwrap();
         assert!(dx.is_none() && weights.is_none());
         assert_eq!(w.grad().double_value(&[0]), 5.0);
     }
@@ -234,7 +250,7 @@ mod tests {
         .unwrap();
         let y = (&out[0] * 5.0).sum(Kind::Float);
         let (dx, weights) =
-            backward_input(&[y.shallow_clone()], &[y.ones_like()], Some(&x)).unwrap();
+            backward_input(&[y.shallow_clone()], &[y.ones_like()], Some(&x), true).unwrap();
         assert!(weights.is_none());
         assert_eq!(dx.unwrap().double_value(&[0]), 10.0);
         assert_eq!(w.grad().double_value(&[0]), 15.0);
