@@ -212,7 +212,7 @@ impl Sharder for RowwiseEmbedding {
             chunk_sizes(vocab, world)[rank],
         );
         let params = shard_weight(fqn, &weight, 0, src_rank, group)?;
-        let unhookable = |source| ShardError::plan(group, fqn, PlanProblem::Unhookable { source });
+        let unhookable = |source| ShardError::unhookable(group, fqn, source);
         let masks = Arc::new(Masks::default());
         let (g, name, inside) = (group.clone(), fqn.to_string(), masks.clone());
         let pre = register_fallible_forward_pre_hook(module, move |_m, ids| {

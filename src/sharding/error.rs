@@ -153,6 +153,11 @@ impl ShardError {
         }
     }
 
+    /// `fqn`'s hooks could not be registered, on this rank of `group`.
+    pub(crate) fn unhookable(group: &ProcessGroup, fqn: &str, source: HookError) -> ShardError {
+        ShardError::plan(group, fqn, PlanProblem::Unhookable { source })
+    }
+
     /// An engine failure of this rank of `group` while sharding `fqn` (for a
     /// [`Sharder`](super::Sharder)'s collectives).
     pub fn dist(group: &ProcessGroup, fqn: &str, source: DistError) -> ShardError {

@@ -41,7 +41,7 @@ use tch_dist_runtime::{
     ShardFence, UseGuard,
 };
 
-use super::error::{ForwardProblem, HookSite, PlanProblem, ShardError};
+use super::error::{ForwardProblem, HookSite, ShardError};
 
 /// One hooked module's guard.
 #[derive(Clone)]
@@ -163,9 +163,8 @@ pub(super) fn install(
             named_param,
         });
         hooks.extend(
-            register_call_scope(module, scope).map_err(|source| {
-                ShardError::plan(group, fqn, PlanProblem::Unhookable { source })
-            })?,
+            register_call_scope(module, scope)
+                .map_err(|source| ShardError::unhookable(group, fqn, source))?,
         );
         if let Some(guard) = guard {
             guards.push(Guarded {
@@ -181,9 +180,8 @@ pub(super) fn install(
             group: group.clone(),
         });
         hooks.extend(
-            register_call_scope(root, check).map_err(|source| {
-                ShardError::plan(group, "", PlanProblem::Unhookable { source })
-            })?,
+            register_call_scope(root, check)
+                .map_err(|source| ShardError::unhookable(group, "", source))?,
         );
     }
     Ok((hooks, guards.into_iter().map(|g| g.guard).collect()))

@@ -13,7 +13,7 @@ use tch_dist_core::Shardable;
 use tch_dist_runtime::sharding::functional;
 use tch_dist_runtime::ProcessGroup;
 
-use super::error::{ForwardProblem, HookSite, PlanProblem, ShardError};
+use super::error::{ForwardProblem, HookSite, ShardError};
 use super::plan::ShardingPlan;
 
 /// What a module's forward returns on each rank once it is sharded.
@@ -77,7 +77,7 @@ pub(super) fn install_output_hooks(
                 ForwardError::from_error(ShardError::forward(&g, &name, HookSite::Output, problem))
             })
         })
-        .map_err(|source| ShardError::plan(group, &fqn, PlanProblem::Unhookable { source }))?;
+        .map_err(|source| ShardError::unhookable(group, &fqn, source))?;
         hooks.push(hook);
     }
     Ok(hooks)

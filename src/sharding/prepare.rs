@@ -16,7 +16,7 @@ use tch_dist_core::hooks::{
 use tch_dist_core::Shardable;
 use tch_dist_runtime::ProcessGroup;
 
-use super::error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError};
+use super::error::{ForwardProblem, HookSite, ShardError, SharderError};
 use super::output::OutputLayout;
 use super::redistribute::{to_shard, Redistribute};
 use super::sharder::{hook_error, ShardedModule, Sharder};
@@ -66,7 +66,7 @@ impl<S: Sharder> Sharder for GatherInput<S> {
                 .apply(x, &g)
                 .map_err(|p| hook_error(&g, &name, HookSite::ColumnParallel, p))
         })
-        .map_err(|source| ShardError::plan(group, fqn, PlanProblem::Unhookable { source }))?;
+        .map_err(|source| ShardError::unhookable(group, fqn, source))?;
         let mut done = match self.inner.shard(fqn, module, src_rank, group) {
             Ok(done) => done,
             Err(e) => {
@@ -125,11 +125,7 @@ impl<S: Sharder> Sharder for ReshardOutput<S> {
             Ok(hook) => done.hooks.push(hook),
             Err(source) => {
                 remove_all(&done.hooks);
-                return Err(ShardError::plan(
-                    group,
-                    fqn,
-                    PlanProblem::Unhookable { source },
-                ));
+                return Err(ShardError::unhookable(group, fqn, source));
             }
         }
         Ok(done)
@@ -242,11 +238,7 @@ impl Sharder for Prepare {
                 })
             }
         }
-        .map_err(|source| ShardError::plan(group, fqn, PlanProblem::Unhookable { source }))?;
-        Ok(ShardedModule {
-            params: Vec::new(),
-            output: OutputLayout::Replicated,
-            hooks: vec![hook],
-        })
+        .map_err(|source| ShardError::unhookable(group, fqn, source))?;
+        Ok(ShardedModule::hook_only(hook))
     }
 }

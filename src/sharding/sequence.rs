@@ -23,8 +23,7 @@ use tch_dist_runtime::fsdp::tensor_identity;
 use tch_dist_runtime::sharding::GradientSum;
 use tch_dist_runtime::ProcessGroup;
 
-use super::error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError};
-use super::output::OutputLayout;
+use super::error::{ForwardProblem, HookSite, ShardError, SharderError};
 use super::sharder::{hook_error, ShardedModule, Sharder};
 
 /// PyTorch's `SequenceParallel` on a norm: the input is this rank's chunk along
@@ -127,11 +126,7 @@ impl Sharder for SequenceParallelNorm {
                 )),
             }
         })
-        .map_err(|source| ShardError::plan(group, fqn, PlanProblem::Unhookable { source }))?;
-        Ok(ShardedModule {
-            params: Vec::new(),
-            output: OutputLayout::Replicated,
-            hooks: vec![hook],
-        })
+        .map_err(|source| ShardError::unhookable(group, fqn, source))?;
+        Ok(ShardedModule::hook_only(hook))
     }
 }

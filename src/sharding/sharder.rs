@@ -84,6 +84,18 @@ pub struct ShardedModule {
     pub hooks: Vec<RemovableHandle>,
 }
 
+impl ShardedModule {
+    /// A module whose parameters stay whole and whose output needs nothing more: only
+    /// `hook` (a layout sharder's).
+    pub(super) fn hook_only(hook: RemovableHandle) -> ShardedModule {
+        ShardedModule {
+            params: Vec::new(),
+            output: OutputLayout::Replicated,
+            hooks: vec![hook],
+        }
+    }
+}
+
 /// Column-parallel linear layer (Megatron's `ColumnParallelLinear`): the weight
 /// `[out, in]` and bias `[out]` are split along `out`, every rank computes its slice of the
 /// output features from the whole input. With `fused = k` the weight is `k` layers stacked
@@ -295,7 +307,7 @@ impl ChunkedLinear {
         let weight_local = scatter_local(&p.weight, &weight_spec, src_rank, group, &weight_fqn)?;
         params.push(("weight".to_string(), weight_local.1));
         let mut hooks = Vec::new();
-        let unhookable = |source| ShardError::plan(group, fqn, PlanProblem::Unhookable { source });
+        let unhookable = |source| ShardError::unhookable(group, fqn, source);
         let output;
         if self.colwise {
             let part = shape[0] / self.fused as i64;
