@@ -498,8 +498,9 @@ pub fn load_with<M: Shardable + ?Sized>(
     const OP: &str = "checkpoint.load";
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
-    let targets = plan::targets(module);
-    let split = plan::split_tensors(module);
+    let placements = crate::state_dict::placements(module);
+    let targets = plan::targets_placed(module, &placements);
+    let split = plan::split_tensors(module, &placements);
     let held = plan::held_anywhere(&targets, &split, group).map_err(loading(rank, path))?;
     // Every rank must share the reads the same way: a striped rank's all-gather of its
     // whole tensors' digest would otherwise meet another rank's reads.
@@ -599,8 +600,9 @@ pub fn load_with_optimizer<M: Shardable + ?Sized>(
     const OP: &str = "checkpoint.load";
     let (path, rank) = (path.as_ref(), group.rank());
     crate::fully_shard::reshard_all(module)?;
-    let mut targets = plan::targets(module);
-    let split = plan::split_tensors(module);
+    let placements = crate::state_dict::placements(module);
+    let mut targets = plan::targets_placed(module, &placements);
+    let split = plan::split_tensors(module, &placements);
     let mut held = plan::held_anywhere(&targets, &split, group).map_err(loading(rank, path))?;
     let mut reader = reader::Reader::new(rank);
     let local = (|| {

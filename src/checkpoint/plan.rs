@@ -14,6 +14,7 @@ use tch_dist_core::Shardable;
 use super::storage::{self, Manifest, TensorEntry};
 use super::{CheckpointError, MANIFEST, OPTIMIZER_SIDECAR, OPTIM_STATE_PREFIX};
 use crate::optim::{self as optimizer, Algorithm, Optimizer, ParamState};
+use crate::state_dict::Placements;
 
 /// One tensor of the model as a checkpoint sees it: this rank's part of a global tensor.
 pub(super) struct Target {
@@ -49,9 +50,16 @@ impl Clone for Target {
 
 /// The model's parameters and buffers, with this rank's place in each global tensor.
 pub(super) fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
+    targets_placed(module, &crate::state_dict::placements(module))
+}
+
+/// [`targets`], with `module`'s placement record computed already.
+pub(super) fn targets_placed<M: Shardable + ?Sized>(
+    module: &M,
+    placements: &Placements,
+) -> Vec<Target> {
     // Where each sharded parameter's pieces are: the one placement record (a tied
     // parameter's second name is the same tensor, so saved as the shard it is too).
-    let placements = crate::state_dict::placements(module);
     let mut seen = HashSet::new();
     let mut out = Vec::new();
     for (fqn, t) in module
@@ -84,9 +92,12 @@ pub(super) fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
 }
 
 /// `module`'s tensors that this rank holds as several blocks of the whole, with how many
-/// (see [`ParamPlacement::blocks`](crate::state_dict::ParamPlacement::blocks)).
-pub(super) fn split_tensors<M: Shardable + ?Sized>(module: &M) -> HashMap<String, usize> {
-    let placements = crate::state_dict::placements(module);
+/// (see [`ParamPlacement::blocks`](crate::state_dict::ParamPlacement::blocks)), by its
+/// placement record.
+pub(super) fn split_tensors<M: Shardable + ?Sized>(
+    module: &M,
+    placements: &Placements,
+) -> HashMap<String, usize> {
     module
         .named_parameters()
         .into_iter()
@@ -447,7 +458,7 @@ pub(super) fn replicas_agree<M: Shardable + ?Sized>(
 ) -> Result<Writers, CheckpointError> {
     const OP: &str = "checkpoint.save";
     let placements = crate::state_dict::placements(module);
-    let split = split_tensors(module);
+    let split = split_tensors(module, &placements);
     let mut seen = HashSet::new();
     let buffers = module
         .named_buffers()
