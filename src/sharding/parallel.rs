@@ -25,8 +25,7 @@ use tch_dist_core::Shardable;
 use super::embedding::{ColwiseEmbedding, RowwiseEmbedding};
 use super::error::{ShardError, StyleProblem};
 use super::plan::{PlanEntry, ShardingPlan};
-use super::prepare::{layouts_label, GatherInput, Prepare, ReshardOutput, Side};
-use super::redistribute::Redistribute;
+use super::prepare::{GatherInput, Prepare, ReshardOutput, Side};
 use super::sequence::{not_a_norm, SequenceParallelNorm};
 use super::sharder::{ColwiseLinear, RowwiseLinear, Sharder};
 use super::{shard_module, ShardState};
@@ -490,61 +489,15 @@ fn style_sharder(
                 sequence_dim: s.sequence_dim,
             })
         }
-        ParallelStyle::PrepareInput(p) => {
-            let changes = changes(
-                "PrepareModuleInput",
-                "input",
-                &p.input_layouts,
-                &p.desired_input_layouts,
-            )?;
-            Arc::new(Prepare {
-                side: Side::Input,
-                changes,
-                label: layouts_label(&p.input_layouts, &p.desired_input_layouts),
-            })
-        }
-        ParallelStyle::PrepareOutput(p) => {
-            let changes = changes(
-                "PrepareModuleOutput",
-                "output",
-                &p.output_layouts,
-                &p.desired_output_layouts,
-            )?;
-            Arc::new(Prepare {
-                side: Side::Output,
-                changes,
-                label: layouts_label(&p.output_layouts, &p.desired_output_layouts),
-            })
-        }
+        ParallelStyle::PrepareInput(p) => Arc::new(Prepare::new(
+            Side::Input,
+            &p.input_layouts,
+            &p.desired_input_layouts,
+        )?),
+        ParallelStyle::PrepareOutput(p) => Arc::new(Prepare::new(
+            Side::Output,
+            &p.output_layouts,
+            &p.desired_output_layouts,
+        )?),
     }))
-}
-
-/// The change of layout of each input (or output) a `PrepareModule*` style asks for.
-fn changes(
-    style: &'static str,
-    which: &'static str,
-    from: &[Option<Layout>],
-    to: &[Option<Layout>],
-) -> Result<Vec<Redistribute>, StyleProblem> {
-    if from.len() != to.len() {
-        return Err(StyleProblem::LayoutCount {
-            style,
-            which,
-            layouts: from.len(),
-            desired: to.len(),
-        });
-    }
-    from.iter()
-        .zip(to)
-        .enumerate()
-        .map(|(index, (&from, &to))| {
-            Redistribute::new(from, to).ok_or(StyleProblem::Redistribute {
-                style,
-                which,
-                index,
-                from,
-                to,
-            })
-        })
-        .collect()
 }

@@ -16,8 +16,9 @@ use tch_dist_core::hooks::{
 use tch_dist_core::Shardable;
 use tch_dist_runtime::ProcessGroup;
 
-use super::error::{ForwardProblem, HookSite, ShardError, SharderError};
+use super::error::{ForwardProblem, HookSite, ShardError, SharderError, StyleProblem};
 use super::output::OutputLayout;
+use super::parallel::Layout;
 use super::redistribute::{to_shard, Redistribute};
 use super::sharder::{hook_error, ShardedModule, Sharder};
 
@@ -140,11 +141,8 @@ fn remove_all(hooks: &[RemovableHandle]) {
 
 /// The layouts of a `PrepareModuleInput` / `PrepareModuleOutput`, for names: `[Shard(1),
 /// None] -> [Replicate, None]`.
-pub(super) fn layouts_label(
-    from: &[Option<super::parallel::Layout>],
-    to: &[Option<super::parallel::Layout>],
-) -> String {
-    let list = |ls: &[Option<super::parallel::Layout>]| {
+fn layouts_label(from: &[Option<Layout>], to: &[Option<Layout>]) -> String {
+    let list = |ls: &[Option<Layout>]| {
         let items: Vec<String> = ls
             .iter()
             .map(|l| l.map_or("None".to_string(), |l| format!("{l:?}")))
@@ -188,6 +186,17 @@ pub(super) enum Side {
     Output,
 }
 
+impl Side {
+    /// PyTorch's style of this side and what it lays out: `("PrepareModuleInput",
+    /// "input")`.
+    fn names(self) -> (&'static str, &'static str) {
+        match self {
+            Side::Input => ("PrepareModuleInput", "input"),
+            Side::Output => ("PrepareModuleOutput", "output"),
+        }
+    }
+}
+
 /// PyTorch's `PrepareModuleInput` / `PrepareModuleOutput` on any module: each input (or
 /// output) of a call changed from its layout to the desired one (a call of another arity is
 /// refused). The module's parameters stay as they are; its submodules are other entries'.
@@ -199,12 +208,56 @@ pub(super) struct Prepare {
     pub label: String,
 }
 
+impl Prepare {
+    /// The sharder of a `PrepareModuleInput` (`side` input) or `PrepareModuleOutput` that
+    /// changes each tensor from its layout in `from` to the one in `to`, or what tch-dist
+    /// does not build.
+    pub(super) fn new(
+        side: Side,
+        from: &[Option<Layout>],
+        to: &[Option<Layout>],
+    ) -> Result<Prepare, StyleProblem> {
+        Ok(Prepare {
+            side,
+            changes: changes(side, from, to)?,
+            label: layouts_label(from, to),
+        })
+    }
+}
+
+/// The change of layout of each input (or output) a `PrepareModule*` style asks for.
+fn changes(
+    side: Side,
+    from: &[Option<Layout>],
+    to: &[Option<Layout>],
+) -> Result<Vec<Redistribute>, StyleProblem> {
+    let (style, which) = side.names();
+    if from.len() != to.len() {
+        return Err(StyleProblem::LayoutCount {
+            style,
+            which,
+            layouts: from.len(),
+            desired: to.len(),
+        });
+    }
+    from.iter()
+        .zip(to)
+        .enumerate()
+        .map(|(index, (&from, &to))| {
+            Redistribute::new(from, to).ok_or(StyleProblem::Redistribute {
+                style,
+                which,
+                index,
+                from,
+                to,
+            })
+        })
+        .collect()
+}
+
 impl Sharder for Prepare {
     fn name(&self) -> String {
-        let side = match self.side {
-            Side::Input => "input",
-            Side::Output => "output",
-        };
+        let (_, side) = self.side.names();
         format!("prepare_module_{side}({})", self.label)
     }
 
