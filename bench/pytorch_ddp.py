@@ -100,11 +100,13 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self):
+    """The suite's transformer, its blocks `block()` (Block; bench/pytorch_two_d.py's TpBlock)."""
+
+    def __init__(self, block=Block):
         super().__init__()
         self.tok = nn.Embedding(T_VOCAB, T_DIM)
         self.pos = nn.Embedding(T_SEQ, T_DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(T_BLOCKS))
+        self.blocks = nn.ModuleList(block() for _ in range(T_BLOCKS))
         self.ln_f = nn.LayerNorm(T_DIM)
         self.head = nn.Linear(T_DIM, T_VOCAB)
         # Plain attributes, not buffers (nothing for DDP to broadcast), as in examples/bench_ddp/models.rs.

@@ -31,7 +31,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pytorch_ddp import T_BLOCKS, T_DIM, T_SEQ, T_VOCAB, attention, cpu_ms, machine_busy_ms, rss_mib
+from pytorch_ddp import (
+    T_BLOCKS,
+    T_DIM,
+    T_SEQ,
+    T_VOCAB,
+    Transformer,
+    attention,
+    cpu_ms,
+    machine_busy_ms,
+    rss_mib,
+)
 
 
 def sys_ms():
@@ -59,24 +69,6 @@ class TpBlock(nn.Module):
         # Over q's width: T_DIM whole, T_DIM / tp under ColwiseParallel (a local tensor).
         x = x + self.proj(attention(self.q(h), self.k(h), self.v(h), mask))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class TpTransformer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok = nn.Embedding(T_VOCAB, T_DIM)
-        self.pos = nn.Embedding(T_SEQ, T_DIM)
-        self.blocks = nn.ModuleList(TpBlock() for _ in range(T_BLOCKS))
-        self.ln_f = nn.LayerNorm(T_DIM)
-        self.head = nn.Linear(T_DIM, T_VOCAB)
-        self.mask = torch.ones(T_SEQ, T_SEQ, dtype=torch.bool).triu(1)
-        self.positions = torch.arange(T_SEQ)
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos(self.positions)
-        for b in self.blocks:
-            x = b(x, self.mask)
-        return self.head(self.ln_f(x))
 
 
 def lay_out(mode, model):
@@ -127,7 +119,7 @@ def main():
     if world != 4:
         raise SystemExit(f"--mode {a.mode}: 4 ranks (a 2x2 mesh), not {world}")
     torch.manual_seed(0)
-    model = TpTransformer()
+    model = Transformer(block=TpBlock)
     model.train()
     n_params = sum(t.numel() for t in model.parameters())
     n_tensors = len(list(model.parameters()))
