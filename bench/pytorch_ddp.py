@@ -179,6 +179,24 @@ def batch_of(model, batch, device):
     return x, y, F.cross_entropy
 
 
+def held_bytes(model, opt):
+    """What this rank holds between steps (after the last one, before the next zero_grad):
+    the bytes of its trainable parameters, their gradients and the optimizer's state (a
+    DTensor's local piece)."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    nbytes = lambda t: local(t).numel() * local(t).element_size()
+    params = [p for p in model.parameters() if p.requires_grad]
+    param_bytes = sum(nbytes(p) for p in params)
+    grad_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
+    optim_bytes = sum(
+        nbytes(v)
+        for st in opt.state.values()
+        for k, v in st.items()
+        if torch.is_tensor(v) and k != "step"
+    )
+    return param_bytes, grad_bytes, optim_bytes
+
+
 def rss_mib():
     peak = cur = 0.0
     with open("/proc/self/status") as f:
@@ -332,18 +350,7 @@ def main():
         "machine_busy_ms": machine_busy_ms() - busy0,
     }
     peak, cur = rss_mib()
-    # What this rank holds between steps (after the last one, before the next zero_grad).
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
-    nbytes = lambda t: local(t).numel() * local(t).element_size()
-    params = [p for p in model.parameters() if p.requires_grad]
-    param_bytes = sum(nbytes(p) for p in params)
-    grad_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
-    optim_bytes = sum(
-        nbytes(v)
-        for st in opt.state.values()
-        for k, v in st.items()
-        if torch.is_tensor(v) and k != "step"
-    )
+    param_bytes, grad_bytes, optim_bytes = held_bytes(model, opt)
     out = {
         "cpu_ms": window["cpu_ms"] / a.steps,
         "page_faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / a.steps,

@@ -39,6 +39,7 @@ from pytorch_ddp import (
     Transformer,
     attention,
     cpu_ms,
+    held_bytes,
     machine_busy_ms,
     rss_mib,
 )
@@ -160,17 +161,7 @@ def main():
     }
     sys_per_step = (sys_ms() - sys0) / a.steps
     peak, cur = rss_mib()
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
-    nbytes = lambda t: local(t).numel() * local(t).element_size()
-    params = [p for p in model.parameters() if p.requires_grad]
-    param_bytes = sum(nbytes(p) for p in params)
-    grad_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
-    optim_bytes = sum(
-        nbytes(v)
-        for st in opt.state.values()
-        for k, v in st.items()
-        if torch.is_tensor(v) and k != "step"
-    )
+    param_bytes, grad_bytes, optim_bytes = held_bytes(model, opt)
     out = {
         "cpu_ms": window["cpu_ms"] / a.steps,
         "sys_ms": sys_per_step,
