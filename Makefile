@@ -24,7 +24,9 @@ setup: $(SETUP_STAMP) $(GLOO_HEADER) $(TORCH_LINK) $(DIGITS) $(LM_TEXT)
 
 $(SETUP_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_PACKAGES)
+	# One wheel at a time and no wheel cache: the CUDA wheels would otherwise need about
+	# 8.5 GB free at once (tools/pip_install_lean.py).
+	$(PY) tools/pip_install_lean.py $(PIP_PACKAGES)
 	touch $@
 
 $(TORCH_LINK): $(SETUP_STAMP)
