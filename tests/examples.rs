@@ -651,6 +651,56 @@ fn trace_of_train_fsdp_shows_each_gather_before_its_forward() {
     }
 }
 
+/// `--pp 2`: each rank's trace names its pipeline actions as PyTorch does (`0F3`: stage 0's
+/// forward of microbatch 3), in Schedule1F1B's order, and a receive's wait inside the action
+/// that needed it: stage 1 waits for each activation inside its forward, stage 0 for each
+/// gradient inside its backward.
+#[test]
+fn trace_of_a_pipelined_train_fsdp_names_each_action_in_1f1b_order() {
+    let traces = traced_run("train_fsdp", &["--epochs", "1", "--pp", "2"]);
+    for (stage, events) in traces.iter().enumerate() {
+        let (complete, _) = spans(events);
+        let actions: Vec<&TraceSpan> = complete
+            .iter()
+            .filter(|s| {
+                let b = s.name.as_bytes();
+                b.len() == 3 && b[0] == b'0' + stage as u8 && matches!(b[1], b'F' | b'B')
+            })
+            .collect();
+        assert!(
+            actions.len() > 40,
+            "stage {stage}: {} actions",
+            actions.len()
+        );
+        // The first step: 1F1B's order for 2 stages and 4 microbatches (order.rs).
+        let first: Vec<&str> = actions.iter().take(8).map(|s| s.name.as_str()).collect();
+        let expected = if stage == 0 {
+            ["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"]
+        } else {
+            ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"]
+        };
+        assert_eq!(first, expected, "stage {stage}'s first step");
+        let (wait, inside) = if stage == 0 {
+            ("wait gradient 0 from stage 1", "0B0")
+        } else {
+            ("wait activation 0 from stage 0", "1F0")
+        };
+        let w = complete
+            .iter()
+            .find(|s| s.name == wait)
+            .unwrap_or_else(|| panic!("stage {stage}: no {wait:?} span"));
+        let a = actions.iter().find(|s| s.name == inside).unwrap();
+        assert!(
+            a.start <= w.start && w.end <= a.end,
+            "stage {stage}: {wait:?} ({:.0}..{:.0} µs) outside {inside} ({:.0}..{:.0})",
+            w.start,
+            w.end,
+            a.start,
+            a.end
+        );
+    }
+}
+
 /// `train_lm` at 4 ranks with `args`, every rank to its end: (exit status, stdout, stderr)
 /// per rank.
 fn train_lm_at_4(args: &[&str]) -> Vec<(std::process::ExitStatus, String, String)> {

@@ -14,7 +14,12 @@
 //! - every collective from its launch to the return of its wait, as an async event per
 //!   operation (category `collective`: `all_reduce`, `all_gather_into_tensor`,
 //!   `reduce_scatter_tensor`, ...), and the wait itself on the waiting thread (`wait <op>`);
-//! - optimizer steps of `tch_dist::optim` (category `optimizer`).
+//! - optimizer steps of `tch_dist::optim` (category `optimizer`);
+//! - each action of a pipeline schedule under PyTorch's name for it (`1F0`: stage 1's
+//!   forward of microbatch 0; `B`, `I`, `W` for a whole, input and weight backward;
+//!   category `forward` or `backward`), a split backward's `weight pass N` inside it, and
+//!   each wait for a received activation or gradient (`wait activation 0 from stage 0`,
+//!   category `wait`) inside the action that needed it.
 //!
 //! The file is valid JSON after every flush: events are buffered in memory and written about
 //! once a second, when a buffer of 64 KiB fills, at [`flush`], and (from the runtime) at

@@ -31,6 +31,34 @@ pub(crate) struct Action {
     pub microbatch: usize,
 }
 
+impl Work {
+    /// PyTorch's letter for it in an action's name (`_ComputationType`: F, B, I, W).
+    fn letter(self) -> char {
+        match self {
+            Work::Forward => 'F',
+            Work::Backward => 'B',
+            Work::BackwardInput => 'I',
+            Work::BackwardWeight => 'W',
+        }
+    }
+
+    /// The category its span is traced in (`TCH_DIST_TRACE`).
+    pub(crate) fn trace_category(self) -> &'static str {
+        match self {
+            Work::Forward => "forward",
+            _ => "backward",
+        }
+    }
+}
+
+/// PyTorch's notation for an action (`_Action`'s): stage, letter, microbatch, e.g. `1F0`
+/// for stage 1's forward of microbatch 0; the name of its span in a trace.
+impl std::fmt::Display for Action {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}{}", self.stage, self.work.letter(), self.microbatch)
+    }
+}
+
 fn action(stage: usize, work: Work, microbatch: usize) -> Action {
     Action {
         stage,
@@ -205,17 +233,17 @@ mod tests {
     fn text(order: &[Action]) -> String {
         order
             .iter()
-            .map(|a| {
-                let w = match a.work {
-                    Work::Forward => 'F',
-                    Work::Backward => 'B',
-                    Work::BackwardInput => 'I',
-                    Work::BackwardWeight => 'W',
-                };
-                format!("{w}{}.{}", a.stage, a.microbatch)
-            })
+            .map(|a| format!("{}{}.{}", a.work.letter(), a.stage, a.microbatch))
             .collect::<Vec<_>>()
             .join(" ")
+    }
+
+    #[test]
+    fn an_action_is_named_as_pytorch_names_it() {
+        assert_eq!(f(1, 0).to_string(), "1F0");
+        assert_eq!(b(0, 12).to_string(), "0B12");
+        assert_eq!(action(3, Work::BackwardInput, 2).to_string(), "3I2");
+        assert_eq!(action(3, Work::BackwardWeight, 2).to_string(), "3W2");
     }
 
     #[test]

@@ -261,6 +261,9 @@ impl<M: 'static> Runner<M> {
                 continue;
             };
             let mb = a.microbatch;
+            // PyTorch records each action under its name too (`record_function`).
+            let _span = tch_dist_core::trace::enabled()
+                .then(|| tch_dist_core::trace::span(a.to_string(), a.work.trace_category()));
             match a.work {
                 Work::Forward => {
                     let input = if stage.is_first() {

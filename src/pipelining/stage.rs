@@ -25,6 +25,7 @@ use std::fmt;
 use tch::nn::ModuleT;
 use tch::{Device, Kind, Tensor};
 use tch_dist_core::hooks::{catch_forward_errors, ForwardError};
+use tch_dist_core::trace;
 use tch_dist_runtime::{backward_input, DistError, Object, ProcessGroup, WeightBackward, Work};
 
 use super::error::{PipelineError, Transfer};
@@ -470,6 +471,13 @@ impl<M> PipelineStage<M> {
             .remove(&(direction, mb))
             .expect("posted just above");
         let (from, transfer) = self.recv_from(direction);
+        let _wait = trace::enabled().then(|| {
+            let what = match direction {
+                Direction::Forward => "activation",
+                Direction::Backward => "gradient",
+            };
+            trace::span(format!("wait {what} {mb} from stage {from}"), "wait")
+        });
         work.wait()
             .map_err(|e| self.transfer_error(transfer, mb, from, e))?;
         Ok(buffer)
@@ -684,12 +692,16 @@ impl<M> PipelineStage<M> {
     /// left (none where that backward was whole).
     pub(crate) fn backward_weight_one_chunk(&mut self, mb: usize) -> Result<(), PipelineError> {
         match self.weight_passes.remove(&mb) {
-            Some(weights) => weights.run().map_err(|m| PipelineError::Backward {
-                rank: self.group.rank(),
-                stage: self.stage_index,
-                microbatch: mb,
-                source: tch::TchError::Kind(m),
-            }),
+            Some(weights) => {
+                let _span =
+                    trace::enabled().then(|| trace::span(format!("weight pass {mb}"), "backward"));
+                weights.run().map_err(|m| PipelineError::Backward {
+                    rank: self.group.rank(),
+                    stage: self.stage_index,
+                    microbatch: mb,
+                    source: tch::TchError::Kind(m),
+                })
+            }
             None => Ok(()),
         }
     }
