@@ -482,9 +482,11 @@ fn weight_sync_pytorch_trainer_and_rust_workers() {
     }
 }
 
-/// Runs 2 ranks of `name` with `TCH_DIST_TRACE` and returns each rank's trace events.
-fn traced_run(name: &str, args: &[&str]) -> Vec<Vec<serde_json::Value>> {
-    let dir = temp_dir(&format!("trace-{name}"));
+/// Runs 2 ranks of `name` with `TCH_DIST_TRACE` and returns each rank's trace events; the
+/// traces go to a folder of the calling `test`'s own (tests run at once, several with the
+/// same example).
+fn traced_run(test: &str, name: &str, args: &[&str]) -> Vec<Vec<serde_json::Value>> {
+    let dir = temp_dir(test);
     let traces = dir.join("traces");
     let exe = example(name);
     let port = free_port();
@@ -575,7 +577,10 @@ fn trace_of_train_ddp_shows_all_reduces_overlapping_backward() {
     let dir = temp_dir("trace-ddp-ck");
     let ck = dir.join("ck.safetensors");
     let args = ["--epochs", "1", "--checkpoint", ck.to_str().unwrap()];
-    for (rank, events) in traced_run("train_ddp", &args).iter().enumerate() {
+    for (rank, events) in traced_run("trace-ddp", "train_ddp", &args)
+        .iter()
+        .enumerate()
+    {
         let (complete, collectives) = spans(events);
         let backward: Vec<&TraceSpan> = complete
             .iter()
@@ -611,7 +616,7 @@ fn trace_of_train_ddp_shows_all_reduces_overlapping_backward() {
 
 #[test]
 fn trace_of_train_fsdp_shows_each_gather_before_its_forward() {
-    for (rank, events) in traced_run("train_fsdp", &["--epochs", "1"])
+    for (rank, events) in traced_run("trace-fsdp", "train_fsdp", &["--epochs", "1"])
         .iter()
         .enumerate()
     {
@@ -657,7 +662,7 @@ fn trace_of_train_fsdp_shows_each_gather_before_its_forward() {
 /// gradient inside its backward.
 #[test]
 fn trace_of_a_pipelined_train_fsdp_names_each_action_in_1f1b_order() {
-    let traces = traced_run("train_fsdp", &["--epochs", "1", "--pp", "2"]);
+    let traces = traced_run("trace-pp", "train_fsdp", &["--epochs", "1", "--pp", "2"]);
     for (stage, events) in traces.iter().enumerate() {
         let (complete, _) = spans(events);
         let actions: Vec<&TraceSpan> = complete
