@@ -222,6 +222,21 @@ pub enum PipelineProblem {
         /// The pipeline group's size.
         group_size: usize,
     },
+    /// A stage on the wrong rank for the V placement (`ScheduleZBVZeroBubble`: rank r holds
+    /// stages r and 2P-1-r).
+    VPlacement {
+        /// The stage.
+        stage_index: usize,
+        /// This rank.
+        rank: usize,
+        /// The pipeline group's size.
+        group_size: usize,
+    },
+    /// The V placement needs exactly two stages on every rank.
+    TwoStagesPerRank {
+        /// The stages this rank holds.
+        local_stages: usize,
+    },
     /// The stages of one schedule were made over different groups.
     Groups,
     /// A schedule without stages.
@@ -320,6 +335,22 @@ impl fmt::Display for PipelineProblem {
                 "stage {stage_index} belongs on rank {} of the {group_size}-rank group, not on \
                  rank {rank} (rank r holds stages r, r+{group_size}, ...)",
                 stage_index % group_size
+            ),
+            PipelineProblem::VPlacement {
+                stage_index,
+                rank,
+                group_size,
+            } => write!(
+                f,
+                "stage {stage_index} belongs on rank {} of the {group_size}-rank group, not on \
+                 rank {rank} (the V placement: rank r holds stages r and {}-r)",
+                super::stage::Placement::V.rank_of(*stage_index, *group_size),
+                2 * group_size - 1
+            ),
+            PipelineProblem::TwoStagesPerRank { local_stages } => write!(
+                f,
+                "the V placement needs exactly 2 stages on every rank, this rank holds \
+                 {local_stages}"
             ),
             PipelineProblem::Groups => {
                 write!(f, "the stages were made over different process groups")

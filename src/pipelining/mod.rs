@@ -5,15 +5,15 @@
 //! Each rank builds its part of the model under the whole model's `VarStore` paths, wraps it
 //! in a [`PipelineStage`] and hands the stage to a schedule ([`ScheduleGPipe`],
 //! [`Schedule1F1B`], or [`ScheduleInterleaved1F1B`] or [`ScheduleInterleavedZeroBubble`] for
-//! several stages per rank); every step
+//! several stages per rank, [`ScheduleZBVZeroBubble`] for two in the V placement); every step
 //! then gives the batch to the first stage and the target to the last, and the optimizer
 //! steps on each rank's own parameters. A pipeline's group is any process group (a mesh's
 //! `"pp"` dim: `mesh.get_group("pp")`).
 //!
 //! | file | job | PyTorch |
 //! |---|---|---|
-//! | `stage.rs`: [`PipelineStage`], [`TensorMeta`] | a stage's part, forward/backward per microbatch, activation metadata sent ahead, P2P transfers and their tags | `stage.py` (`PipelineStage`, `_PipelineStageBase`, `get_fwd_send_ops`, ..., `_shape_inference`) |
-//! | `schedules.rs`: [`ScheduleGPipe`], [`Schedule1F1B`], [`ScheduleInterleaved1F1B`], [`ScheduleInterleavedZeroBubble`] | the step: checks on every rank, running the order of work, loss and its scaling | `schedules.py` (`PipelineScheduleSingle`, `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`, `ScheduleInterleavedZeroBubble`, `scale_grads`) |
+//! | `stage.rs`: [`PipelineStage`], [`TensorMeta`] | a stage's part, forward/backward per microbatch, activation metadata sent ahead, P2P transfers and their tags, the placements (loop, V) and in-memory handoffs | `stage.py` (`PipelineStage`, `_PipelineStageBase`, `get_fwd_send_ops`, ..., `_shape_inference`, `set_local_fwd_input`), `generate_stage_to_rank_mapping` |
+//! | `schedules.rs`: [`ScheduleGPipe`], [`Schedule1F1B`], [`ScheduleInterleaved1F1B`], [`ScheduleInterleavedZeroBubble`], [`ScheduleZBVZeroBubble`] | the step: checks on every rank, running the order of work, handing activations and gradients between stages of one rank, loss and its scaling | `schedules.py` (`PipelineScheduleSingle`, `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`, `ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`, `scale_grads`) |
 //! | `order.rs` | each schedule's order of forwards and backwards on one rank | `schedules.py` (`_step_microbatches`, `_get_1f1b_rank_ops`, `_calculate_single_rank_operations`) |
 //! | `microbatch.rs` | splitting a batch along dim 0, the step's batch check on every rank | `microbatch.py` (`split_args_kwargs_into_chunks`, `TensorChunkSpec`) |
 //! | `error.rs`: [`PipelineError`], [`PipelineProblem`], [`Transfer`] | why a schedule refused or a step failed | the `ValueError`s / `RuntimeError`s of `schedules.py` and `stage.py` |
@@ -49,5 +49,6 @@ mod stage;
 pub use error::{PipelineError, PipelineProblem, Transfer};
 pub use schedules::{
     Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 };
 pub use stage::{PipelineStage, TensorMeta};

@@ -226,6 +226,70 @@ pub(crate) fn interleaved_zero_bubble(
     order
 }
 
+/// The V-shaped zero bubble (ZB-V) on `rank` of `group_size`, holding stages `rank` (its
+/// "down" stage) and `2 * group_size - 1 - rank` (its "up" stage), as PyTorch's
+/// `ScheduleZBVZeroBubble._calculate_single_rank_operations`: warmup forwards of the down
+/// stage, then down and up forwards in turn, then forward, input and weight backward of the
+/// up stage; in the steady state a down forward (while any remain), the down stage's input
+/// and weight backward, and the same three of the up stage; in the cooldown the input
+/// backwards first and the weight backwards last. Planned for at least `2 * group_size - 1`
+/// microbatches, as PyTorch plans it, with the actions of microbatches past `n` left out.
+pub(crate) fn zero_bubble_v(rank: usize, group_size: usize, n: usize) -> Vec<Action> {
+    let planned = n.max(2 * group_size - 1);
+    let (down, up) = (rank, 2 * group_size - 1 - rank);
+    let mut order = Vec::with_capacity(6 * planned);
+    // Forwards, input backwards and weight backwards so far, of the down and the up stage.
+    let (mut f0, mut f1, mut b0, mut b1) = (0, 0, 0, 0);
+    for _ in 0..2 * (group_size - rank) - 1 {
+        order.push(f(down, f0));
+        f0 += 1;
+    }
+    for _ in 0..rank {
+        order.push(f(up, f1));
+        f1 += 1;
+        order.push(f(down, f0));
+        f0 += 1;
+    }
+    for _ in 0..group_size - rank {
+        order.push(f(up, f1));
+        f1 += 1;
+        order.push(action(up, Work::BackwardInput, b1));
+        order.push(action(up, Work::BackwardWeight, b1));
+        b1 += 1;
+    }
+    while f1 < f0 || f0 < planned {
+        if f0 < planned {
+            order.push(f(down, f0));
+            f0 += 1;
+        }
+        order.push(action(down, Work::BackwardInput, b0));
+        order.push(action(down, Work::BackwardWeight, b0));
+        b0 += 1;
+        order.push(f(up, f1));
+        f1 += 1;
+        order.push(action(up, Work::BackwardInput, b1));
+        order.push(action(up, Work::BackwardWeight, b1));
+        b1 += 1;
+    }
+    let (mut w0, w1) = (b0, b1);
+    for _ in 0..rank {
+        order.push(action(down, Work::BackwardInput, b0));
+        b0 += 1;
+        order.push(action(up, Work::BackwardInput, b1));
+        b1 += 1;
+    }
+    for _ in 0..group_size - rank {
+        order.push(action(down, Work::BackwardInput, b0));
+        b0 += 1;
+        order.push(action(down, Work::BackwardWeight, w0));
+        w0 += 1;
+    }
+    order.extend((w1..b1).map(|m| action(up, Work::BackwardWeight, m)));
+    order.extend((w0..b0).map(|m| action(down, Work::BackwardWeight, m)));
+    order.retain(|a| a.microbatch < n);
+    order
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,6 +300,57 @@ mod tests {
             .map(|a| format!("{}{}.{}", a.work.letter(), a.stage, a.microbatch))
             .collect::<Vec<_>>()
             .join(" ")
+    }
+
+    /// PyTorch 2.11's own orders (`ScheduleZBVZeroBubble._calculate_single_rank_operations`
+    /// with `pp_group_size`, `num_stages = 2 * pp_group_size` and `_n_microbatches` set), in
+    /// its notation.
+    #[test]
+    fn zero_bubble_v_is_pytorch_s_order() {
+        let pytorch = |p: usize, n: usize| -> Vec<String> {
+            (0..p)
+                .map(|r| {
+                    zero_bubble_v(r, p, n)
+                        .iter()
+                        .map(Action::to_string)
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+                .collect()
+        };
+        assert_eq!(
+            pytorch(2, 4),
+            [
+                "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 \
+                 0I2 0W2 0I3 0W3",
+                "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 \
+                 1I3 1W2 2W3 1W3",
+            ]
+        );
+        assert_eq!(
+            pytorch(2, 2),
+            [
+                "0F0 0F1 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 0I1 0W1",
+                "1F0 2F0 1F1 2F1 2I0 2W0 1I0 1W0 2I1 2W1 1I1 1W1",
+            ]
+        );
+        assert_eq!(
+            pytorch(4, 8),
+            [
+                "0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7I0 7W0 7F1 7I1 7W1 7F2 7I2 7W2 7F3 7I3 7W3 0F7 \
+                 0I0 0W0 7F4 7I4 7W4 0I1 0W1 7F5 7I5 7W5 0I2 0W2 7F6 7I6 7W6 0I3 0W3 7F7 7I7 7W7 \
+                 0I4 0W4 0I5 0W5 0I6 0W6 0I7 0W7",
+                "1F0 1F1 1F2 1F3 1F4 6F0 1F5 6F1 6I0 6W0 6F2 6I1 6W1 6F3 6I2 6W2 1F6 1I0 1W0 6F4 \
+                 6I3 6W3 1F7 1I1 1W1 6F5 6I4 6W4 1I2 1W2 6F6 6I5 6W5 1I3 1W3 6F7 6I6 6W6 1I4 6I7 \
+                 1I5 1W4 1I6 1W5 1I7 1W6 6W7 1W7",
+                "2F0 2F1 2F2 5F0 2F3 5F1 2F4 5F2 5I0 5W0 5F3 5I1 5W1 2F5 2I0 2W0 5F4 5I2 5W2 2F6 \
+                 2I1 2W1 5F5 5I3 5W3 2F7 2I2 2W2 5F6 5I4 5W4 2I3 2W3 5F7 5I5 5W5 2I4 5I6 2I5 5I7 \
+                 2I6 2W4 2I7 2W5 5W6 5W7 2W6 2W7",
+                "3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4I0 4W0 3F4 3I0 3W0 4F4 4I1 4W1 3F5 3I1 3W1 4F5 \
+                 4I2 4W2 3F6 3I2 3W2 4F6 4I3 4W3 3F7 3I3 3W3 4F7 4I4 4W4 3I4 4I5 3I5 4I6 3I6 4I7 \
+                 3I7 3W4 4W5 4W6 4W7 3W5 3W6 3W7",
+            ]
+        );
     }
 
     #[test]

@@ -25,7 +25,7 @@ use tch_dist_runtime::ProcessGroup;
 use super::error::{PipelineError, PipelineProblem};
 use super::microbatch::{check_step, split};
 use super::order::{self, Action, Work};
-use super::stage::{tags_fit, PendingSend, PipelineStage};
+use super::stage::{tags_fit, Handoff, PendingSend, PipelineStage, Placement};
 
 /// The loss of the last stage: `loss_fn(output, target)` for one microbatch (the mean over
 /// its samples, as PyTorch's default `scale_grads=True` assumes).
@@ -52,6 +52,7 @@ enum Kind {
     OneFOneB = 2,
     Interleaved = 3,
     ZeroBubble = 4,
+    ZeroBubbleV = 5,
 }
 
 fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
@@ -70,6 +71,14 @@ impl<M: 'static> Runner<M> {
         loss_fn: LossFn,
     ) -> Result<Self, PipelineError> {
         stages.sort_by_key(PipelineStage::stage_index);
+        let placement = if kind == Kind::ZeroBubbleV {
+            Placement::V
+        } else {
+            Placement::Loop
+        };
+        for s in &mut stages {
+            s.set_placement(placement);
+        }
         let Some(first) = stages.first() else {
             return Err(PipelineError::Invalid {
                 rank: tch_dist_runtime::default_group().map_or(0, |g| g.rank()),
@@ -101,6 +110,7 @@ impl<M: 'static> Runner<M> {
             Kind::ZeroBubble => {
                 order::interleaved_zero_bubble(rank, group_size, stages.len(), n_microbatches)
             }
+            Kind::ZeroBubbleV => order::zero_bubble_v(rank, group_size, n_microbatches),
         };
         Ok(Self {
             op: step_op,
@@ -132,7 +142,10 @@ impl<M: 'static> Runner<M> {
         {
             return Some(PipelineProblem::Groups);
         }
-        let multi_stage = matches!(kind, Kind::Interleaved | Kind::ZeroBubble);
+        let multi_stage = matches!(
+            kind,
+            Kind::Interleaved | Kind::ZeroBubble | Kind::ZeroBubbleV
+        );
         if !multi_stage && stages.len() != 1 {
             return Some(PipelineProblem::NumStages {
                 num_stages,
@@ -148,6 +161,11 @@ impl<M: 'static> Runner<M> {
                 });
             }
         }
+        if kind == Kind::ZeroBubbleV && stages.len() != 2 {
+            return Some(PipelineProblem::TwoStagesPerRank {
+                local_stages: stages.len(),
+            });
+        }
         if num_stages != group_size * stages.len() {
             return Some(PipelineProblem::NumStages {
                 num_stages,
@@ -155,12 +173,26 @@ impl<M: 'static> Runner<M> {
                 local_stages: stages.len(),
             });
         }
-        for (k, s) in stages.iter().enumerate() {
-            if s.stage_index() != rank + k * group_size {
-                return Some(PipelineProblem::Placement {
-                    stage_index: s.stage_index(),
-                    rank,
-                    group_size,
+        // Every stage on the rank its placement puts it on (the stages are distinct: as many
+        // as the ranks' share, each on this rank).
+        let distinct = stages
+            .windows(2)
+            .all(|w| w[0].stage_index() != w[1].stage_index());
+        for s in stages {
+            if s.expected_rank() != rank || !distinct {
+                let (stage_index, group_size) = (s.stage_index(), group_size);
+                return Some(if kind == Kind::ZeroBubbleV {
+                    PipelineProblem::VPlacement {
+                        stage_index,
+                        rank,
+                        group_size,
+                    }
+                } else {
+                    PipelineProblem::Placement {
+                        stage_index,
+                        rank,
+                        group_size,
+                    }
                 });
             }
         }
@@ -173,7 +205,7 @@ impl<M: 'static> Runner<M> {
                 num_stages,
             });
         }
-        if multi_stage {
+        if matches!(kind, Kind::Interleaved | Kind::ZeroBubble) {
             let (rounds, _) = order::rounds(group_size, n);
             if !n.is_multiple_of(rounds) {
                 return Some(PipelineProblem::Rounds {
@@ -256,7 +288,15 @@ impl<M: 'static> Runner<M> {
     ) -> Result<(), PipelineError> {
         let n = self.n_microbatches;
         let rank = self.group.rank();
+        let mut handoffs: Vec<Handoff> = Vec::new();
         for a in self.order.clone() {
+            // What the previous action handed to a stage on this rank (the V placement's
+            // turn), delivered before anything can need it.
+            for h in handoffs.drain(..) {
+                if let Some(to) = self.stages.iter_mut().find(|s| s.stage_index() == h.to) {
+                    to.take_handoff(h);
+                }
+            }
             let Some(stage) = self.stages.iter_mut().find(|s| s.stage_index() == a.stage) else {
                 continue;
             };
@@ -309,11 +349,15 @@ impl<M: 'static> Runner<M> {
                         };
                         stage.set_loss(mb, root);
                     } else {
-                        stage.send_activation(mb, &output, pending)?;
+                        stage.send_activation(mb, &output, pending, &mut handoffs)?;
                     }
                 }
-                Work::Backward => stage.backward_one_chunk(mb, mb + 1 == n, false, pending)?,
-                Work::BackwardInput => stage.backward_one_chunk(mb, mb + 1 == n, true, pending)?,
+                Work::Backward => {
+                    stage.backward_one_chunk(mb, mb + 1 == n, false, pending, &mut handoffs)?
+                }
+                Work::BackwardInput => {
+                    stage.backward_one_chunk(mb, mb + 1 == n, true, pending, &mut handoffs)?
+                }
                 Work::BackwardWeight => stage.backward_weight_one_chunk(mb)?,
             }
         }
@@ -533,8 +577,8 @@ macro_rules! multi_stage_schedule {
         impl<M: 'static> $name<M> {
             /// The schedule over this rank's `stages` (in any order), as
             /// [`Schedule1F1B::new`]; the stage count must be the group's size times the
-            /// stages per rank, and the microbatches a multiple of
-            /// `max(1, n_microbatches / P)`.
+            /// stages per rank, each stage on the rank the schedule's placement puts it on,
+            /// and the microbatches what the schedule needs (its own documentation says).
             pub fn new(
                 stages: Vec<PipelineStage<M>>,
                 n_microbatches: usize,
@@ -638,4 +682,50 @@ multi_stage_schedule!(
     Kind::ZeroBubble,
     "ScheduleInterleavedZeroBubble::new",
     "ScheduleInterleavedZeroBubble::step"
+);
+
+multi_stage_schedule!(
+    /// The V-shaped zero bubble (PyTorch's `ScheduleZBVZeroBubble`, the ZB-V schedule of Qi
+    /// et al., "Zero Bubble Pipeline Parallelism", section 6): exactly two stages per rank in
+    /// the V placement, rank `r` of `P` holding stages `r` and `2P - 1 - r`, so that the
+    /// microbatches go down the ranks and back up, and rank 0 holds both the first stage
+    /// (the input) and the last (the target and the loss). Each backward is split as in
+    /// [`ScheduleInterleavedZeroBubble`], and the weight backwards fill the bubble; where a
+    /// forward, an input backward and a weight backward cost the same, the V has no bubble
+    /// but its warmup and cooldown, with 1F1B's peak of activations. The two stages of rank
+    /// `P - 1` are neighbours: the activation and its gradient between them are handed over
+    /// in memory, not sent. Any number of microbatches (PyTorch plans for at least
+    /// `2P - 1` and leaves the rest out, as here).
+    ///
+    /// A stage whose backward cannot be split (see [`ScheduleInterleavedZeroBubble`]) runs
+    /// it whole in its input slot: the same gradients.
+    ///
+    /// ```no_run
+    /// use tch::nn;
+    /// use tch_dist::pipelining::{PipelineStage, ScheduleZBVZeroBubble};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?; // 2 ranks, 4 stages
+    /// let vs = nn::VarStore::new(tch::Device::Cpu);
+    /// let (r, p) = (pg.rank(), pg.world_size());
+    /// // Rank 0: stages 0 and 3, rank 1: stages 1 and 2.
+    /// let stages: Vec<_> = [r, 2 * p - 1 - r]
+    ///     .into_iter()
+    ///     .map(|s| {
+    ///         let part = nn::linear(vs.root() / "layers" / s, 4, 4, Default::default());
+    ///         PipelineStage::new(part, s, 2 * p, tch::Device::Cpu, &pg)
+    ///     })
+    ///     .collect();
+    /// let mut schedule =
+    ///     ScheduleZBVZeroBubble::new(stages, 4, |out, y| out.mse_loss(y, tch::Reduction::Mean))?;
+    /// let (x, y) = (tch::Tensor::randn([8, 4], tch::kind::FLOAT_CPU), tch::Tensor::zeros([8, 4], tch::kind::FLOAT_CPU));
+    /// let mut losses = Vec::new();
+    /// // Rank 0 holds the first stage and the last: the input and the target.
+    /// let first = r == 0;
+    /// schedule.step(first.then_some(&x), first.then_some(&y), &mut losses)?;
+    /// # Ok(()) }
+    /// ```
+    ScheduleZBVZeroBubble,
+    Kind::ZeroBubbleV,
+    "ScheduleZBVZeroBubble::new",
+    "ScheduleZBVZeroBubble::step"
 );

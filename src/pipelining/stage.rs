@@ -2,7 +2,8 @@
 //! microbatch, and the point-to-point transfers with its neighbours (PyTorch's
 //! `torch/distributed/pipelining/stage.py`, `PipelineStage`).
 //!
-//! The protocol between stage `s` (on rank `s % P`) and stage `s + 1` (rank `(s + 1) % P`):
+//! The protocol between stage `s` and stage `s + 1` on other ranks (in loop placement stage `s`
+//! is on rank `s % P`; see [`Placement`]):
 //!
 //! - once, before the first microbatch's activation of the first step (and again at a step
 //!   whose batch size differs from the last exchange's, which every rank learns from the
@@ -18,6 +19,10 @@
 //! their send works late); receives are waited for before the compute that needs them. With
 //! a schedule whose order respects the data dependencies, no rank then waits for a rank that
 //! waits for it.
+//!
+//! Two neighbouring stages on one rank (the V placement's turn, stages `P - 1` and `P` on
+//! rank `P - 1`) exchange nothing over the group: the activation and its gradient are handed
+//! over in memory ([`Handoff`], PyTorch's `set_local_fwd_input` / `set_local_bwd_input`).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -132,6 +137,43 @@ pub(crate) fn tags_fit(num_stages: usize, n_microbatches: usize) -> bool {
         .is_some_and(|n| n < i32::MAX as usize - 2)
 }
 
+/// Which rank of the pipeline's group holds each stage (PyTorch's
+/// `generate_stage_to_rank_mapping` styles); the schedule that takes the stages sets it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Placement {
+    /// Stage `s` on rank `s % P` (PyTorch's "loop"): every schedule but the V-shaped one.
+    Loop,
+    /// Two stages per rank, down then back up (PyTorch's "v"): rank `r` holds stages `r` and
+    /// `2P - 1 - r`, so that rank 0 holds the first and the last.
+    V,
+}
+
+impl Placement {
+    /// The rank of a group of `group_size` that holds `stage`.
+    pub(crate) fn rank_of(self, stage: usize, group_size: usize) -> usize {
+        match self {
+            Placement::Loop => stage % group_size,
+            Placement::V => {
+                let s = stage % (2 * group_size);
+                if s < group_size {
+                    s
+                } else {
+                    2 * group_size - 1 - s
+                }
+            }
+        }
+    }
+}
+
+/// An activation or gradient for a stage on this same rank, handed over in memory instead
+/// of sent: the schedule gives it to stage `to` (see [`PipelineStage::take_handoff`]).
+pub(crate) struct Handoff {
+    pub to: usize,
+    pub direction: Direction,
+    pub microbatch: usize,
+    pub tensor: Tensor,
+}
+
 /// A stage's forward: the part, its input, the train flag.
 type ForwardFn<M> = Box<dyn Fn(&M, &Tensor, bool) -> Result<Tensor, ForwardError>>;
 /// Called before each microbatch's backward with whether it is the step's last.
@@ -143,6 +185,19 @@ struct Chunk {
     input: Option<Tensor>,
     /// The output (or, on the last stage, the loss to run backward from).
     output: Tensor,
+}
+
+/// A received (or handed over) activation as a stage's input: a leaf that requires grad
+/// where it is floating point, so that its backward yields the gradient to send back.
+fn input_leaf(t: Tensor) -> Tensor {
+    if matches!(
+        t.kind(),
+        Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16
+    ) {
+        t.set_requires_grad(true)
+    } else {
+        t
+    }
 }
 
 /// A send in flight, with the tensor it reads (kept alive until it completes).
@@ -233,6 +288,10 @@ pub struct PipelineStage<M> {
     posted: BTreeMap<(Direction, usize), (Tensor, Work)>,
     /// The weight passes of split input backwards, by microbatch.
     weight_passes: BTreeMap<usize, WeightBackward>,
+    /// Where the stages of this stage's schedule live.
+    placement: Placement,
+    /// What a neighbouring stage on this rank handed over, by direction and microbatch.
+    handed: BTreeMap<(Direction, usize), Tensor>,
     /// How many backwards ran split.
     split_backwards: u64,
 }
@@ -252,7 +311,8 @@ impl<M> fmt::Debug for PipelineStage<M> {
 
 impl<M: ModuleT + 'static> PipelineStage<M> {
     /// Stage `stage_index` of `num_stages`, running `module.forward_t(x, true)`, on the
-    /// pipeline's `group` (stage `s` lives on group rank `s % group.world_size()`).
+    /// pipeline's `group` (stage `s` lives on group rank `s % group.world_size()`, or in
+    /// the V placement under [`ScheduleZBVZeroBubble`](super::ScheduleZBVZeroBubble)).
     ///
     /// The schedule that takes the stage checks it, on every rank of the group together (a
     /// stage index out of range, a group of one rank, a stage on the wrong rank are refused
@@ -319,6 +379,8 @@ impl<M: 'static> PipelineStage<M> {
             chunks: BTreeMap::new(),
             posted: BTreeMap::new(),
             weight_passes: BTreeMap::new(),
+            placement: Placement::Loop,
+            handed: BTreeMap::new(),
             split_backwards: 0,
         }
     }
@@ -406,7 +468,52 @@ impl<M> PipelineStage<M> {
     }
 
     fn rank_of(&self, stage: usize) -> usize {
-        stage % self.group.world_size()
+        self.placement.rank_of(stage, self.group.world_size())
+    }
+
+    /// Whether `stage` lives on this rank (its transfers with this stage are handoffs).
+    fn is_local(&self, stage: usize) -> bool {
+        self.rank_of(stage) == self.group.rank()
+    }
+
+    /// Sets where the schedule's stages live (before its checks).
+    pub(crate) fn set_placement(&mut self, placement: Placement) {
+        self.placement = placement;
+    }
+
+    /// The rank of the group that holds this stage in its schedule's placement.
+    pub(crate) fn expected_rank(&self) -> usize {
+        self.rank_of(self.stage_index)
+    }
+
+    /// Keeps what a stage on this rank handed over for this one.
+    pub(crate) fn take_handoff(&mut self, handoff: Handoff) {
+        self.handed
+            .insert((handoff.direction, handoff.microbatch), handoff.tensor);
+    }
+
+    /// Microbatch `mb`'s activation or gradient in `direction` that a stage on this rank
+    /// handed over; its absence is a schedule whose order does not fit (an internal error).
+    fn handed_over(
+        &mut self,
+        direction: Direction,
+        mb: usize,
+        transfer: Transfer,
+    ) -> Result<Tensor, PipelineError> {
+        let (from, _) = self.recv_from(direction);
+        self.handed.remove(&(direction, mb)).ok_or_else(|| {
+            self.transfer_error(
+                transfer,
+                mb,
+                from,
+                DistError::Internal {
+                    rank: self.group.rank(),
+                    op: "handoff",
+                    what: "the stage on this rank has not handed it over yet (the schedule's \
+                           order does not fit)",
+                },
+            )
+        })
     }
 
     fn transfer_error(
@@ -488,6 +595,10 @@ impl<M> PipelineStage<M> {
     /// of the next microbatch's (of `n` this step) is posted before this one is waited for.
     pub(crate) fn recv_activation(&mut self, mb: usize, n: usize) -> Result<Tensor, PipelineError> {
         let prev = self.stage_index - 1;
+        if self.is_local(prev) {
+            let handed = self.handed_over(Direction::Forward, mb, Transfer::RecvActivation)?;
+            return Ok(input_leaf(handed));
+        }
         let peer = self.rank_of(prev);
         let meta = match &self.input_meta {
             Some(meta) => meta.clone(),
@@ -512,16 +623,7 @@ impl<M> PipelineStage<M> {
             self.post_recv(Direction::Forward, mb + 1, &meta)?;
         }
         let buffer = self.wait_recv(Direction::Forward, mb, &meta)?;
-        Ok(
-            if matches!(
-                meta.kind,
-                Kind::Float | Kind::Double | Kind::Half | Kind::BFloat16
-            ) {
-                buffer.set_requires_grad(true)
-            } else {
-                buffer
-            },
-        )
+        Ok(input_leaf(buffer))
     }
 
     /// Runs the part on microbatch `mb`'s input, keeping what its backward needs.
@@ -564,8 +666,18 @@ impl<M> PipelineStage<M> {
         mb: usize,
         output: &Tensor,
         pending: &mut Vec<PendingSend>,
+        handoffs: &mut Vec<Handoff>,
     ) -> Result<(), PipelineError> {
         let next = self.stage_index + 1;
+        if self.is_local(next) {
+            handoffs.push(Handoff {
+                to: next,
+                direction: Direction::Forward,
+                microbatch: mb,
+                tensor: output.detach(),
+            });
+            return Ok(());
+        }
         let peer = self.rank_of(next);
         let meta = TensorMeta::of(output);
         match &self.output_meta {
@@ -622,6 +734,7 @@ impl<M> PipelineStage<M> {
         last_backward: bool,
         defer_weights: bool,
         pending: &mut Vec<PendingSend>,
+        handoffs: &mut Vec<Handoff>,
     ) -> Result<(), PipelineError> {
         let rank = self.group.rank();
         let stage = self.stage_index;
@@ -646,6 +759,8 @@ impl<M> PipelineStage<M> {
         }
         let grad = if self.is_last() {
             chunk.output.ones_like()
+        } else if self.is_local(stage + 1) {
+            self.handed_over(Direction::Backward, mb, Transfer::RecvGradient)?
         } else {
             self.wait_recv(Direction::Backward, mb, &TensorMeta::of(&chunk.output))?
         };
@@ -665,6 +780,15 @@ impl<M> PipelineStage<M> {
             // The part did not use its input (or it is not floating point): the previous
             // stage's backward still waits for a gradient.
             let grad = input_grad.unwrap_or_else(|| input.zeros_like());
+            if self.is_local(prev) {
+                handoffs.push(Handoff {
+                    to: prev,
+                    direction: Direction::Backward,
+                    microbatch: mb,
+                    tensor: grad,
+                });
+                return self.finish_backward(mb, defer_weights);
+            }
             let t = tag(self.num_stages, stage, mb, Direction::Backward);
             let peer = self.rank_of(prev);
             let work = self
@@ -681,6 +805,11 @@ impl<M> PipelineStage<M> {
                 peer_rank: peer,
             });
         }
+        self.finish_backward(mb, defer_weights)
+    }
+
+    /// After an input backward: the weight pass now, unless the schedule runs it later.
+    fn finish_backward(&mut self, mb: usize, defer_weights: bool) -> Result<(), PipelineError> {
         if defer_weights {
             Ok(())
         } else {
@@ -733,6 +862,7 @@ impl<M> PipelineStage<M> {
         self.chunks.clear();
         self.posted.clear();
         self.weight_passes.clear();
+        self.handed.clear();
     }
 
     /// Moves the first stage's microbatch input to the stage's device.

@@ -9,7 +9,7 @@ use tch::nn::{self, Module};
 use tch::{Device, Tensor};
 use tch_dist::pipelining::{
     PipelineError, PipelineProblem, PipelineStage, Schedule1F1B, ScheduleGPipe,
-    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, Transfer,
+    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, Transfer,
 };
 use tch_dist::testing::{describe, run_ranks, run_ranks_with, worker, Launch};
 use tch_dist::Backend;
@@ -197,6 +197,50 @@ fn schedules_refuse_on_every_rank_before_any_work() {
                 format!(
                     "rank {rank}: ScheduleInterleavedZeroBubble::new: 5 microbatches are not a \
                      multiple of the schedule's 2 rounds"
+                )
+            );
+
+            // ZB-V: stages in the loop placement (rank 0: 0 and 2, rank 1: 1 and 3) are on the
+            // wrong ranks for the V (rank 0: 0 and 3, rank 1: 1 and 2).
+            let four =
+                |s: usize| PipelineStage::new(part(&vs, &MODEL, 0..1), s, 4, Device::Cpu, &pg);
+            let (p, text) = problem(
+                rank,
+                "ScheduleZBVZeroBubble::new",
+                ScheduleZBVZeroBubble::new(vec![four(rank), four(rank + 2)], 4, mse).unwrap_err(),
+            );
+            let wrong = if rank == 0 { 2 } else { 3 };
+            assert_eq!(
+                p,
+                PipelineProblem::VPlacement {
+                    stage_index: wrong,
+                    rank,
+                    group_size: 2
+                }
+            );
+            assert_eq!(
+                text,
+                format!(
+                    "rank {rank}: ScheduleZBVZeroBubble::new: stage {wrong} belongs on rank {} of \
+                     the 2-rank group, not on rank {rank} (the V placement: rank r holds stages r \
+                     and 3-r)",
+                    1 - rank
+                )
+            );
+
+            // ZB-V: one stage per rank.
+            let stage = stages(&pg, &vs, &MODEL, &CUTS).remove(0);
+            let (p, text) = problem(
+                rank,
+                "ScheduleZBVZeroBubble::new",
+                ScheduleZBVZeroBubble::new(vec![stage], 4, mse).unwrap_err(),
+            );
+            assert_eq!(p, PipelineProblem::TwoStagesPerRank { local_stages: 1 });
+            assert_eq!(
+                text,
+                format!(
+                    "rank {rank}: ScheduleZBVZeroBubble::new: the V placement needs exactly 2 \
+                     stages on every rank, this rank holds 1"
                 )
             );
         },

@@ -1,5 +1,5 @@
 //! `tch_dist::pipelining` end to end, ranks as real processes over 127.0.0.1: GPipe, 1F1B,
-//! Interleaved1F1B and InterleavedZeroBubble training equal one process training the whole model (SGD with
+//! Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble training equal one process training the whole model (SGD with
 //! momentum, 1e-5 after 3 steps) for 2 and 4 stages with 4 and 8 microbatches, stages of
 //! uneven sizes, one with an embedding (integer input) and one with a LayerNorm; and the
 //! refusals and failures.
@@ -17,7 +17,7 @@ use tch::{Device, Kind, Reduction, Tensor};
 use tch_dist::optim;
 use tch_dist::pipelining::{
     PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
+    ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
 };
 use tch_dist::testing::run_ranks;
 use tch_dist::ProcessGroup;
@@ -52,6 +52,18 @@ pub const MODEL: [Spec; 6] = [
     Spec::Norm(12),
     Spec::Linear(12, 9, true),
     Spec::Linear(9, 7, true),
+    Spec::Linear(7, 3, false),
+];
+
+/// The model with two more linears, for 8 stages of one layer each.
+pub const MODEL_8: [Spec; 8] = [
+    Spec::Embed(VOCAB, 6),
+    Spec::Linear(6, 12, true),
+    Spec::Norm(12),
+    Spec::Linear(12, 9, true),
+    Spec::Linear(9, 8, true),
+    Spec::Linear(8, 8, true),
+    Spec::Linear(8, 7, true),
     Spec::Linear(7, 3, false),
 ];
 
@@ -142,6 +154,7 @@ pub enum Which {
     OneFOneB,
     Interleaved,
     ZeroBubble,
+    ZeroBubbleV,
 }
 
 /// A schedule of any kind over `Part` stages.
@@ -150,6 +163,7 @@ pub enum AnySchedule {
     OneFOneB(Schedule1F1B<Part>),
     Interleaved(ScheduleInterleaved1F1B<Part>),
     ZeroBubble(ScheduleInterleavedZeroBubble<Part>),
+    ZeroBubbleV(ScheduleZBVZeroBubble<Part>),
 }
 
 impl AnySchedule {
@@ -164,6 +178,7 @@ impl AnySchedule {
             AnySchedule::OneFOneB(s) => s.step(x, y, losses),
             AnySchedule::Interleaved(s) => s.step(x, y, losses),
             AnySchedule::ZeroBubble(s) => s.step(x, y, losses),
+            AnySchedule::ZeroBubbleV(s) => s.step(x, y, losses),
         }
     }
 
@@ -174,6 +189,7 @@ impl AnySchedule {
             AnySchedule::OneFOneB(s) => s.stage().split_backwards(),
             AnySchedule::Interleaved(s) => s.stages().iter().map(|s| s.split_backwards()).sum(),
             AnySchedule::ZeroBubble(s) => s.stages().iter().map(|s| s.split_backwards()).sum(),
+            AnySchedule::ZeroBubbleV(s) => s.stages().iter().map(|s| s.split_backwards()).sum(),
         }
     }
 }
@@ -186,10 +202,31 @@ pub fn stages(
     specs: &[Spec],
     cuts: &[usize],
 ) -> Vec<PipelineStage<Part>> {
+    let held = held(Which::GPipe, pg.rank(), pg.world_size(), cuts.len() - 1);
+    stages_at(pg, vs, specs, cuts, &held)
+}
+
+/// The stages rank `rank` of `p` holds of `num_stages` under `kind`'s placement: loop (rank
+/// r: r, r + p, ...), or the V for ZB-V (r and 2p - 1 - r).
+pub fn held(kind: Which, rank: usize, p: usize, num_stages: usize) -> Vec<usize> {
+    if kind == Which::ZeroBubbleV {
+        vec![rank, 2 * p - 1 - rank]
+    } else {
+        (rank..num_stages).step_by(p).collect()
+    }
+}
+
+/// Stages `held` of `specs` cut at `cuts`, in `vs`.
+pub fn stages_at(
+    pg: &ProcessGroup,
+    vs: &nn::VarStore,
+    specs: &[Spec],
+    cuts: &[usize],
+    held: &[usize],
+) -> Vec<PipelineStage<Part>> {
     let num_stages = cuts.len() - 1;
-    (pg.rank()..num_stages)
-        .step_by(pg.world_size())
-        .map(|s| {
+    held.iter()
+        .map(|&s| {
             PipelineStage::new(
                 part(vs, specs, cuts[s]..cuts[s + 1]),
                 s,
@@ -215,6 +252,7 @@ pub fn schedule(
         Which::ZeroBubble => {
             AnySchedule::ZeroBubble(ScheduleInterleavedZeroBubble::new(stages, n, mse)?)
         }
+        Which::ZeroBubbleV => AnySchedule::ZeroBubbleV(ScheduleZBVZeroBubble::new(stages, n, mse)?),
     })
 }
 
@@ -226,13 +264,19 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 /// every parameter of this rank's stages, and the last stage's mean loss, must equal the
 /// whole model's within 1e-5 after every step.
 fn check_parity(pg: &ProcessGroup, kind: Which, cuts: &[usize], n: usize) {
-    let (init, _) = initial(&MODEL);
-    let (mut whole_vs, whole) = initial(&MODEL);
+    check_parity_of(pg, kind, &MODEL, cuts, n)
+}
+
+/// [`check_parity`] of the model `specs`.
+fn check_parity_of(pg: &ProcessGroup, kind: Which, specs: &[Spec], cuts: &[usize], n: usize) {
+    let (init, _) = initial(specs);
+    let (mut whole_vs, whole) = initial(specs);
     whole_vs.copy(&init).unwrap();
     let mut whole_opt = sgd(&whole_vs);
 
     let mut vs = nn::VarStore::new(Device::Cpu);
-    let mine = stages(pg, &vs, &MODEL, cuts);
+    let held = held(kind, pg.rank(), pg.world_size(), cuts.len() - 1);
+    let mine = stages_at(pg, &vs, specs, cuts, &held);
     let holds_first = mine.iter().any(|s| s.is_first());
     let holds_last = mine.iter().any(|s| s.is_last());
     vs.copy(&init).unwrap();
@@ -279,10 +323,7 @@ fn check_parity(pg: &ProcessGroup, kind: Which, cuts: &[usize], n: usize) {
     assert!(!vs.variables().is_empty());
     // Every schedule split every backward of every stage but the first (which has no input
     // gradient to send): the input's gradient went back before the weights' were computed.
-    let split_stages = (pg.rank()..cuts.len() - 1)
-        .step_by(pg.world_size())
-        .filter(|&s| s != 0)
-        .count();
+    let split_stages = held.iter().filter(|&&s| s != 0).count();
     assert_eq!(
         schedule.split_backwards(),
         (STEPS * n * split_stages) as u64,
@@ -294,6 +335,8 @@ fn check_parity(pg: &ProcessGroup, kind: Which, cuts: &[usize], n: usize) {
 const CUTS_2: [usize; 3] = [0, 2, 6];
 /// 4 stages: the embedding; a linear and the LayerNorm; a linear; two linears.
 const CUTS_4: [usize; 5] = [0, 1, 3, 4, 6];
+/// 8 stages of [`MODEL_8`], a layer each.
+const CUTS_8: [usize; 9] = [0, 1, 2, 3, 4, 5, 6, 7, 8];
 
 #[test]
 fn gpipe_equals_one_process_at_2_stages() {
@@ -375,6 +418,27 @@ fn zero_bubble_equals_one_process_at_2_ranks_x_2_stages() {
             }
         },
     );
+}
+
+/// ZB-V on 2 ranks: rank 0 holds stages 0 and 3 (the input and the loss), rank 1 stages 1
+/// and 2, handed over in memory; 2 microbatches are fewer than PyTorch's planned 3.
+#[test]
+fn zero_bubble_v_equals_one_process_at_2_ranks() {
+    run_ranks("zero_bubble_v_equals_one_process_at_2_ranks", 2, |pg| {
+        for n in [2, 4, 8] {
+            check_parity(&pg, Which::ZeroBubbleV, &CUTS_4, n);
+        }
+    });
+}
+
+/// ZB-V on 4 ranks, 8 stages of one layer each.
+#[test]
+fn zero_bubble_v_equals_one_process_at_4_ranks() {
+    run_ranks("zero_bubble_v_equals_one_process_at_4_ranks", 4, |pg| {
+        for n in [4, 8] {
+            check_parity_of(&pg, Which::ZeroBubbleV, &MODEL_8, &CUTS_8, n);
+        }
+    });
 }
 
 /// A batch of another size than the last step's: the activation metadata is sent again
