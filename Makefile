@@ -82,7 +82,7 @@ doc: setup
 # under 10 minutes, then FSDP (fully_shard against PyTorch's, the transformer with AdamW,
 # per-block groups; about 1.5 minutes more); a model=NAME line of ratios per model, an
 # `fsdp fsdp_vs_pytorch=R fsdp_rss_vs_pytorch=R fsdp_bytes_vs_replicate=R` line, the
-# pipeline part (2 stages, Schedule1F1B and zero bubble, pp_ lines) and the 2-D part (4 ranks: HSDP 2x2 and
+# pipeline part (2 stages, Schedule1F1B and zero bubble; ZB-V on 4; pp_ lines) and the 2-D part (4 ranks: HSDP 2x2 and
 # FSDP x TP 2x2 against PyTorch's same layouts with AdamW(fused=True), about 2.5 minutes, a
 # `two_d hsdp_vs_pytorch=R ...` line), and last the MLP's tch_dist_vs_pytorch_ddp=<ratio>.
 # BENCH_ARGS="--models fsdp" (or pp, two_d) runs one part alone.

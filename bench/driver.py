@@ -46,7 +46,9 @@ Pipeline (`pp` in --models, last, with its own budget, --pp-budget): the same tr
 the head), batch 8 x 64 tokens, SGD, `Schedule1F1B` and `ScheduleInterleavedZeroBubble` on
 4 and on 8 microbatches: tch-dist's `pipelining` (`bench_ddp --mode pipeline --schedule
 1f1b|zb`) against PyTorch's `torch.distributed.pipelining` (bench/pytorch_pipeline.py), the
-same schedule, alternating. Prints a table and, per microbatch count M,
+same schedule, alternating; and tch-dist's `ScheduleZBVZeroBubble` (`--schedule zbv`: 4
+stages in the V, 3 blocks per rank), which PyTorch cannot run on Gloo (PP_PYTORCH), against
+PyTorch's other two. Prints a table and, per microbatch count M,
 
     pp_m{M}_vs_pytorch=R     (median step, Schedule1F1B, tch-dist / PyTorch; goal <= 0.9)
     pp_m{M}_bubble=B         (measured bubble, (wall - CPU) / CPU per rank, both ranks'
@@ -54,6 +56,7 @@ same schedule, alternating. Prints a table and, per microbatch count M,
     pp_zb_m{M}_vs_pytorch=R  (the same for ScheduleInterleavedZeroBubble)
     pp_zb_m{M}_vs_pytorch_1f1b=R  (tch-dist's zero bubble / PyTorch's Schedule1F1B)
     pp_zb_m{M}_bubble=B      (beside it PyTorch's and (p - 1) / (3 m))
+    pp_zbv_m{M}_vs_pytorch_1f1b=R, pp_zbv_m{M}_vs_pytorch_zb=R, pp_zbv_m{M}_bubble=B
 
 2-D parallelism (`two_d` in --models, last, with its own budget, --two-d-budget): the same
 transformer with separate q, k and v projections (so that a tensor-parallel rank holds whole
@@ -467,7 +470,7 @@ PP = dict(
     model="transformer",
     batch=8,
     microbatches=(4, 8),
-    schedules=("1f1b", "zb"),
+    schedules=("1f1b", "zb", "zbv"),
     rounds=2,
     steps=10,
     warmup=2,
@@ -475,10 +478,26 @@ PP = dict(
 # The schedules' names, and their theoretical bubble for p stages and m microbatches:
 # 1F1B's (p - 1) / m; zero bubble's (ZB1P) (p - 1) / (3 m) where a forward, an input backward
 # and a weight backward cost the same.
+# ZB-V's (4 stages in the V, two per rank) is none where they cost the same (PyTorch's
+# docstring: "zero bubble" only if forward == backward input == backward weights).
 PP_SCHEDULES = {
     "1f1b": ("Schedule1F1B", lambda p, m: (p - 1) / m),
     "zb": ("ScheduleInterleavedZeroBubble", lambda p, m: (p - 1) / (3 * m)),
+    "zbv": ("ScheduleZBVZeroBubble", lambda p, m: 0.0),
 }
+# The schedules PyTorch runs on Gloo. Its ScheduleZBVZeroBubble fails at the first step
+# there: `_initialize_stages` posts a message between the two middle stages, which are on
+# one rank, and Gloo refuses a send to itself ("Pair is not connected"); tch-dist's is
+# compared with PyTorch's Schedule1F1B and zero bubble on the 2-stage split instead.
+PP_PYTORCH = ("1f1b", "zb")
+# Which of PyTorch's schedules each of tch-dist's is compared with: its own first (the
+# `pp_..._vs_pytorch` line), then the others (`pp_..._vs_pytorch_<other>`).
+PP_AGAINST = {"1f1b": ("1f1b",), "zb": ("zb", "1f1b"), "zbv": ("1f1b", "zb")}
+
+
+def pp_runs_per_round():
+    """The runs of one round of the pipeline part."""
+    return len(PP["microbatches"]) * sum(2 if s in PP_PYTORCH else 1 for s in PP["schedules"])
 
 
 def pp_key(impl, schedule, m):
@@ -496,12 +515,12 @@ def pp_part(a, r):
     names = " and ".join(PP_SCHEDULES[s][0] for s in PP["schedules"])
     print(
         f"bench pp: {FSDP['desc'].replace('batch 2', 'batch ' + str(PP['batch']))}, as 2 "
-        f"pipeline stages (one per rank), SGD, {names} on "
+        f"pipeline stages (one per rank; 4 in the V for ScheduleZBVZeroBubble), SGD, {names} on "
         f"{' and '.join(map(str, PP['microbatches']))} microbatches, Gloo; {rounds} rounds x "
         f"{r.steps} timed steps (+{r.warmup} warm-up)",
         flush=True,
     )
-    runs_per_round = 2 * len(PP["microbatches"]) * len(PP["schedules"])
+    runs_per_round = pp_runs_per_round()
     for i in range(rounds):
         if i >= 1 and r.slack() < 0:
             r.planned -= runs_per_round * (rounds - i)
@@ -512,12 +531,13 @@ def pp_part(a, r):
             for m in PP["microbatches"]:
                 args = ["--batch", str(PP["batch"]), "--microbatches", str(m)]
                 args += ["--schedule", sched]
-                pair = [
-                    lambda: r.tch(pp_key("tch_dist", sched, m), "pipeline", *args),
-                    lambda: r.torch(
-                        pp_key("pytorch", sched, m), "pipeline", *args, script=script
-                    ),
-                ]
+                pair = [lambda: r.tch(pp_key("tch_dist", sched, m), "pipeline", *args)]
+                if sched in PP_PYTORCH:
+                    pair.append(
+                        lambda: r.torch(
+                            pp_key("pytorch", sched, m), "pipeline", *args, script=script
+                        )
+                    )
                 if i % 2:
                     pair.reverse()
                 for f in pair:
@@ -526,14 +546,14 @@ def pp_part(a, r):
     med = {k: pooled_median(v) for k, v in res.items()}
     peak = {k: max(x["peak_rss_mib_max"] for x in v) for k, v in res.items()}
     bubble = {k: statistics.median(x["bubble_mean"] for x in v) for k, v in res.items()}
-    print(f"\n== pp: 2 stages x 1 rank, batch {PP['batch']} x 64 tokens\n")
+    print(f"\n== pp: 2 ranks (zbv: 4 stages in the V), batch {PP['batch']} x 64 tokens\n")
     print(
         f"{'configuration':<19} {'step ms':>8} {'bubble':>7} {'theory':>7} "
         f"{'peak RSS MiB':>12} {'foreign':>7}  runs"
     )
     for sched in PP["schedules"]:
         for m in PP["microbatches"]:
-            for impl in ("tch_dist", "pytorch"):
+            for impl in ("tch_dist", "pytorch") if sched in PP_PYTORCH else ("tch_dist",):
                 k = pp_key(impl, sched, m)
                 v = res[k]
                 print(
@@ -545,24 +565,30 @@ def pp_part(a, r):
     for sched in PP["schedules"]:
         name, theory = PP_SCHEDULES[sched]
         for m in PP["microbatches"]:
-            t, p = pp_key("tch_dist", sched, m), pp_key("pytorch", sched, m)
+            t = pp_key("tch_dist", sched, m)
             tag = f"pp_m{m}" if sched == "1f1b" else f"pp_{sched}_m{m}"
-            out[f"{tag}_vs_pytorch"] = med[t] / med[p]
             out[f"{tag}_bubble"] = bubble[t]
-            print(
-                f"{tag}_vs_pytorch={out[f'{tag}_vs_pytorch']:.3f}  (median step, {name}, "
-                f"{med[t]:.1f} / {med[p]:.1f} ms" + ("; goal <= 0.9)" if sched == "1f1b" else ")")
-            )
-            if sched != "1f1b" and "1f1b" in PP["schedules"]:
-                p1 = pp_key("pytorch", "1f1b", m)
-                out[f"{tag}_vs_pytorch_1f1b"] = med[t] / med[p1]
-                print(
-                    f"{tag}_vs_pytorch_1f1b={out[f'{tag}_vs_pytorch_1f1b']:.3f}  (median step, "
-                    f"tch-dist's {name} / PyTorch's Schedule1F1B, {med[t]:.1f} / {med[p1]:.1f} ms)"
+            for other in PP_AGAINST[sched]:
+                if other not in PP["schedules"]:
+                    continue
+                p = pp_key("pytorch", other, m)
+                key = f"{tag}_vs_pytorch" + ("" if other == sched else f"_{other}")
+                out[key] = med[t] / med[p]
+                what = (
+                    name
+                    if other == sched
+                    else f"tch-dist's {name} / PyTorch's {PP_SCHEDULES[other][0]}"
                 )
+                goal = "; goal <= 0.9" if sched == other == "1f1b" else ""
+                print(
+                    f"{key}={out[key]:.3f}  (median step, {what}, {med[t]:.1f} / "
+                    f"{med[p]:.1f} ms{goal})"
+                )
+            own = pp_key("pytorch", sched, m)
+            pytorch_bubble = f"PyTorch {bubble[own]:.3f}; " if own in bubble else ""
             print(
-                f"{tag}_bubble={bubble[t]:.3f}  (measured, (wall - CPU) / CPU per rank; PyTorch "
-                f"{bubble[p]:.3f}; the schedule's theoretical {theory(2, m):.3f})"
+                f"{tag}_bubble={bubble[t]:.3f}  (measured, (wall - CPU) / CPU per rank; "
+                f"{pytorch_bubble}the schedule's theoretical {theory(2, m):.3f})"
             )
     print(flush=True)
     return out
@@ -711,7 +737,7 @@ def cpu_bench(a, r):
     if pp:
         start = time.time()
         rounds = PP["rounds"] if a.pp_rounds is None else a.pp_rounds
-        r.planned, r.done = 2 * len(PP["microbatches"]) * rounds, 0
+        r.planned, r.done = pp_runs_per_round() * rounds, 0
         r.deadline = start + a.pp_budget if a.pp_budget else float("inf")
         pp_summary = pp_part(a, r)
         print(f"bench pp took {time.time() - start:.0f} s", flush=True)

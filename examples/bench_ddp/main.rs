@@ -5,7 +5,7 @@
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode replicate [--bucket-cap-mb 25] [--grad-as-bucket-view] [--no-broadcast-buffers] [--in-place-min-bytes N]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode allreduce [--sizes BYTES,BYTES,...]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode fully_shard [--model NAME] [--optim adamw] [--activation-checkpointing]
-//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode pipeline --model transformer [--microbatches 4] [--schedule 1f1b|zb]
+//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode pipeline --model transformer [--microbatches 4] [--schedule 1f1b|zb|zbv]
 //! tch-dist-run --nproc-per-node 4 -- bench_ddp --mode hsdp|fsdp_tp
 //! ```
 //!
@@ -17,7 +17,8 @@
 //!   (the MLP's layers, the transformer's and the convnet's blocks), then the root, with the
 //!   defaults;
 //! - `pipeline`: the transformer as 2 pipeline stages, one per rank, `Schedule1F1B` on
-//!   `--microbatches` (default 4) microbatches of a batch of 8 sequences (pipeline.rs);
+//!   `--microbatches` (default 4) microbatches of a batch of 8 sequences (pipeline.rs;
+//!   `--schedule zb` zero bubble, `zbv` ZB-V on 4 stages, two per rank);
 //! - `hsdp`, `fsdp_tp`: the transformer (with separate q, k, v) on a 2x2 mesh of 4 ranks,
 //!   HSDP or FSDP x tensor parallelism, AdamW (two_d.rs).
 //!

@@ -1,15 +1,22 @@
 //! `--mode pipeline`: the transformer as 2 pipeline stages, one per rank (`Schedule1F1B`, or
-//! `ScheduleInterleavedZeroBubble` with `--schedule zb`; `--microbatches N`), as bench/pytorch_pipeline.py splits PyTorch's: stage 0 the token and
-//! position embeddings and blocks 0-2, stage 1 blocks 3-5, the final LayerNorm and the head.
+//! `ScheduleInterleavedZeroBubble` with `--schedule zb`; `--microbatches N`), as
+//! bench/pytorch_pipeline.py splits PyTorch's: stage 0 the token and position embeddings and
+//! blocks 0-2, stage 1 blocks 3-5, the final LayerNorm and the head. With `--schedule zbv`
+//! (`ScheduleZBVZeroBubble`) 4 stages in the V placement, 3 blocks per rank: rank 0 stage 0
+//! (the embeddings, blocks 0-1) and stage 3 (block 5, the LayerNorm and the head), rank 1
+//! stage 1 (block 2) and stage 2 (blocks 3-4).
 //!
 //! The measured bubble is each rank's idle share of its step against its busy share:
 //! (wall - CPU time) / CPU time over the timed steps (one torch thread per rank, so a rank's
 //! CPU time is its compute and its communication's own work), next to the schedule's
 //! theoretical (p - 1) / m.
 
+use std::ops::Range;
+
 use super::*;
 use tch_dist::pipelining::{
     PipelineError, PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 };
 
 /// One stage's part of the transformer: the other stage's layers `None` (the whole
@@ -28,12 +35,10 @@ struct TransformerStage {
 }
 
 impl TransformerStage {
-    /// Stage `stage` of 2, built as `Transformer::new` builds the whole (the same paths and
+    /// A stage holding blocks `mine`, the embeddings if `first`, the final LayerNorm and the
+    /// head if `last`, built as `Transformer::new` builds the whole (the same paths and
     /// shapes).
-    fn new(p: &nn::Path, stage: usize) -> TransformerStage {
-        let (first, last) = (stage == 0, stage == 1);
-        let half = T_BLOCKS / 2;
-        let mine = if first { 0..half } else { half..T_BLOCKS };
+    fn new(p: &nn::Path, mine: Range<usize>, first: bool, last: bool) -> TransformerStage {
         let dev = p.device();
         TransformerStage {
             tok: first.then(|| nn::embedding(p / "tok", T_VOCAB, T_DIM, Default::default())),
@@ -70,10 +75,26 @@ impl Module for TransformerStage {
     }
 }
 
+/// Each stage's blocks of `num_stages` (2, or 4 in the V): (stage, blocks, first, last).
+fn split(num_stages: usize) -> Vec<(usize, Range<usize>, bool, bool)> {
+    let half = T_BLOCKS / 2;
+    if num_stages == 2 {
+        vec![(0, 0..half, true, false), (1, half..T_BLOCKS, false, true)]
+    } else {
+        vec![
+            (0, 0..2, true, false),
+            (1, 2..3, false, false),
+            (2, 3..5, false, false),
+            (3, 5..T_BLOCKS, false, true),
+        ]
+    }
+}
+
 /// The schedule benchmarked.
 enum Schedule {
     OneFOneB(Schedule1F1B<TransformerStage>),
     ZeroBubble(ScheduleInterleavedZeroBubble<TransformerStage>),
+    ZeroBubbleV(ScheduleZBVZeroBubble<TransformerStage>),
 }
 
 impl Schedule {
@@ -86,6 +107,7 @@ impl Schedule {
         match self {
             Schedule::OneFOneB(s) => s.step(x, y, losses),
             Schedule::ZeroBubble(s) => s.step(x, y, losses),
+            Schedule::ZeroBubbleV(s) => s.step(x, y, losses),
         }
     }
 }
@@ -97,28 +119,41 @@ pub(crate) fn pipeline(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std:
     }
     tch::manual_seed(0);
     let vs = nn::VarStore::new(args.device);
-    let part = TransformerStage::new(&vs.root(), rank);
+    let v = args.schedule == "zbv";
+    let num_stages = if v { 4 } else { 2 };
+    // This rank's stages: its own (loop), or r and 3 - r (the V).
+    let held = if v { vec![rank, 3 - rank] } else { vec![rank] };
+    let parts: Vec<(usize, TransformerStage)> = split(num_stages)
+        .into_iter()
+        .filter(|(s, ..)| held.contains(s))
+        .map(|(s, blocks, first, last)| (s, TransformerStage::new(&vs.root(), blocks, first, last)))
+        .collect();
     let n_params: i64 = vs
         .trainable_variables()
         .iter()
         .map(|t| t.numel() as i64)
         .sum();
     let mut opt = nn::Sgd::default().build(&vs, if args.lr > 0.0 { args.lr } else { 0.01 })?;
-    let stage = PipelineStage::new(part, rank, 2, args.device, &pg);
+    let mut stages: Vec<_> = parts
+        .into_iter()
+        .map(|(s, part)| PipelineStage::new(part, s, num_stages, args.device, &pg))
+        .collect();
     let m = args.microbatches;
     let loss = |out: &Tensor, y: &Tensor| {
         out.view([-1, T_VOCAB])
             .cross_entropy_for_logits(&y.view([-1]))
     };
     let mut schedule = match args.schedule.as_str() {
-        "1f1b" => Schedule::OneFOneB(Schedule1F1B::new(stage, m, loss)?),
-        "zb" => Schedule::ZeroBubble(ScheduleInterleavedZeroBubble::new(vec![stage], m, loss)?),
-        other => return Err(format!("--schedule {other:?}: 1f1b or zb").into()),
+        "1f1b" => Schedule::OneFOneB(Schedule1F1B::new(stages.remove(0), m, loss)?),
+        "zb" => Schedule::ZeroBubble(ScheduleInterleavedZeroBubble::new(stages, m, loss)?),
+        "zbv" => Schedule::ZeroBubbleV(ScheduleZBVZeroBubble::new(stages, m, loss)?),
+        other => return Err(format!("--schedule {other:?}: 1f1b, zb or zbv").into()),
     };
     let batch = if args.batch > 0 { args.batch } else { 8 };
     tch::manual_seed(1);
     let (x, target) = Transformer::batch(&args.model, batch, args.device)?;
-    let (first, last) = (rank == 0, rank == 1);
+    // Rank 0 holds the first stage; the last is rank 1's, or rank 0's in the V.
+    let (first, last) = (rank == 0, if v { rank == 0 } else { rank == 1 });
     let mut steps = vec![];
     let mut busy = vec![];
     pg.barrier()?;
@@ -155,7 +190,7 @@ pub(crate) fn pipeline(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std:
         "batch": batch,
         "microbatches": m,
         "schedule": args.schedule,
-        "stages": 2,
+        "stages": num_stages,
         "rank": rank,
         "world": world,
         "threads": tch::get_num_threads(),
