@@ -55,6 +55,16 @@ enum Kind {
     ZeroBubbleV = 5,
 }
 
+impl Kind {
+    /// Where the schedule's stages live.
+    fn placement(self) -> Placement {
+        match self {
+            Kind::ZeroBubbleV => Placement::V,
+            _ => Placement::Loop,
+        }
+    }
+}
+
 fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<String>()
         .cloned()
@@ -71,13 +81,8 @@ impl<M: 'static> Runner<M> {
         loss_fn: LossFn,
     ) -> Result<Self, PipelineError> {
         stages.sort_by_key(PipelineStage::stage_index);
-        let placement = if kind == Kind::ZeroBubbleV {
-            Placement::V
-        } else {
-            Placement::Loop
-        };
         for s in &mut stages {
-            s.set_placement(placement);
+            s.set_placement(kind.placement());
         }
         let Some(first) = stages.first() else {
             return Err(PipelineError::Invalid {
@@ -180,19 +185,18 @@ impl<M: 'static> Runner<M> {
             .all(|w| w[0].stage_index() != w[1].stage_index());
         for s in stages {
             if s.expected_rank() != rank || !distinct {
-                let (stage_index, group_size) = (s.stage_index(), group_size);
-                return Some(if kind == Kind::ZeroBubbleV {
-                    PipelineProblem::VPlacement {
+                let stage_index = s.stage_index();
+                return Some(match kind.placement() {
+                    Placement::V => PipelineProblem::VPlacement {
                         stage_index,
                         rank,
                         group_size,
-                    }
-                } else {
-                    PipelineProblem::Placement {
+                    },
+                    Placement::Loop => PipelineProblem::Placement {
                         stage_index,
                         rank,
                         group_size,
-                    }
+                    },
                 });
             }
         }
