@@ -23,10 +23,27 @@ pub fn values(vs: &nn::VarStore) -> Vec<Tensor> {
     vs.trainable_variables().iter().map(|t| t.copy()).collect()
 }
 
-/// Whether every trainable variable still equals `before` and has no `.grad`.
+/// Whether every trainable variable still equals `before` and has no `.grad`; when not,
+/// what changed first is printed (to stderr, which the multi-process tests show on failure).
 pub fn unchanged(vs: &nn::VarStore, before: &[Tensor]) -> bool {
-    before
-        .iter()
-        .zip(vs.trainable_variables())
-        .all(|(a, b)| a.equal(&b) && !b.grad().defined())
+    let now = vs.trainable_variables();
+    if now.len() != before.len() {
+        eprintln!("unchanged: {} trainable variables, {} before", now.len(), before.len());
+        return false;
+    }
+    for (i, (a, b)) in before.iter().zip(now).enumerate() {
+        let what = if a.size() != b.size() {
+            format!("shape {:?} became {:?}", a.size(), b.size())
+        } else if !a.equal(&b) {
+            let diff = (a - &b.detach()).abs().max().double_value(&[]);
+            format!("values of shape {:?} changed, max |difference| {diff:e}", a.size())
+        } else if b.grad().defined() {
+            "a .grad appeared".to_string()
+        } else {
+            continue;
+        };
+        eprintln!("unchanged: trainable variable {i}: {what}");
+        return false;
+    }
+    true
 }
