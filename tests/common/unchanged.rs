@@ -28,7 +28,11 @@ pub fn values(vs: &nn::VarStore) -> Vec<Tensor> {
 pub fn unchanged(vs: &nn::VarStore, before: &[Tensor]) -> bool {
     let now = vs.trainable_variables();
     if now.len() != before.len() {
-        eprintln!("unchanged: {} trainable variables, {} before", now.len(), before.len());
+        eprintln!(
+            "unchanged: {} trainable variables, {} before",
+            now.len(),
+            before.len()
+        );
         return false;
     }
     for (i, (a, b)) in before.iter().zip(now).enumerate() {
@@ -36,7 +40,10 @@ pub fn unchanged(vs: &nn::VarStore, before: &[Tensor]) -> bool {
             format!("shape {:?} became {:?}", a.size(), b.size())
         } else if !a.equal(&b) {
             let diff = (a - &b.detach()).abs().max().double_value(&[]);
-            format!("values of shape {:?} changed, max |difference| {diff:e}", a.size())
+            format!(
+                "values of shape {:?} changed, max |difference| {diff:e}",
+                a.size()
+            )
         } else if b.grad().defined() {
             "a .grad appeared".to_string()
         } else {

@@ -11,12 +11,13 @@
 //! with its message). Every outermost call's end resets the guards' per-thread state, also
 //! when the call failed or unwound, so that nothing a failed forward started outlives it.
 
+use std::any::{Any, TypeId};
 use std::sync::RwLock;
 
 use super::ForwardError;
 
 /// An API's check of hooked calls ([`register_call_guard`]).
-pub trait CallGuard: Send + Sync + 'static {
+pub trait CallGuard: Any + Send + Sync {
     /// A hooked call's `forward` (or the closure of
     /// [`catch_forward_errors`](super::catch_forward_errors)) panicked: the typed error this
     /// guard's refusal on this thread recorded, taken; `None` when it refused nothing (the
@@ -30,8 +31,8 @@ pub trait CallGuard: Send + Sync + 'static {
 /// The registered guards (few: one per API, registered once).
 static GUARDS: RwLock<Vec<&'static dyn CallGuard>> = RwLock::new(Vec::new());
 
-/// Registers `guard` for every hooked call in the process (a second registration of the
-/// same guard does nothing).
+/// Registers `guard` for every hooked call in the process (a second registration of a guard
+/// of the same type does nothing).
 ///
 /// ```
 /// use tch_dist_core::hooks::{register_call_guard, CallGuard, ForwardError};
@@ -47,12 +48,19 @@ static GUARDS: RwLock<Vec<&'static dyn CallGuard>> = RwLock::new(Vec::new());
 /// ```
 pub fn register_call_guard(guard: &'static dyn CallGuard) {
     let mut guards = GUARDS.write().unwrap_or_else(|e| e.into_inner());
-    let same = |g: &&'static dyn CallGuard| {
-        std::ptr::addr_eq(*g as *const dyn CallGuard, guard as *const dyn CallGuard)
-    };
-    if !guards.iter().any(same) {
+    // By type, not by address: guards are zero-sized statics, and two of those may share an
+    // address (fully_shard's and shard_module's did in one build, and fully_shard's was then
+    // never registered: a forward that failed left its groups unsharded).
+    let id = guard_type(guard);
+    if !guards.iter().any(|g| guard_type(*g) == id) {
         guards.push(guard);
     }
+}
+
+/// The concrete type of `guard` (through `dyn Any`, whose `type_id` is the value's).
+fn guard_type(guard: &'static dyn CallGuard) -> TypeId {
+    let any: &'static dyn Any = guard;
+    any.type_id()
 }
 
 /// The first registered guard's refusal on this thread.
@@ -66,5 +74,44 @@ pub(super) fn outermost_call_ended() {
     let guards = GUARDS.read().unwrap_or_else(|e| e.into_inner());
     for g in guards.iter() {
         g.outermost_call_ended();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct First;
+    struct Second;
+    impl CallGuard for First {
+        fn refusal(&self) -> Option<ForwardError> {
+            None
+        }
+        fn outermost_call_ended(&self) {}
+    }
+    impl CallGuard for Second {
+        fn refusal(&self) -> Option<ForwardError> {
+            None
+        }
+        fn outermost_call_ended(&self) {}
+    }
+    static FIRST: First = First;
+    static SECOND: Second = Second;
+
+    fn registered(id: TypeId) -> usize {
+        let guards = GUARDS.read().unwrap_or_else(|e| e.into_inner());
+        guards.iter().filter(|g| guard_type(**g) == id).count()
+    }
+
+    /// Two zero-sized guards (which may share an address) both register, each once.
+    #[test]
+    fn guards_of_two_types_register_each_once() {
+        for _ in 0..2 {
+            register_call_guard(&FIRST);
+            register_call_guard(&SECOND);
+        }
+        assert_eq!(registered(TypeId::of::<First>()), 1);
+        assert_eq!(registered(TypeId::of::<Second>()), 1);
+        assert_ne!(TypeId::of::<First>(), TypeId::of::<Second>());
     }
 }
