@@ -123,10 +123,13 @@ pub(crate) fn pipeline(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std:
     let num_stages = if v { 4 } else { 2 };
     // This rank's stages: its own (loop), or r and 3 - r (the V).
     let held = if v { vec![rank, 3 - rank] } else { vec![rank] };
-    let parts: Vec<(usize, TransformerStage)> = split(num_stages)
+    let mut stages: Vec<_> = split(num_stages)
         .into_iter()
         .filter(|(s, ..)| held.contains(s))
-        .map(|(s, blocks, first, last)| (s, TransformerStage::new(&vs.root(), blocks, first, last)))
+        .map(|(s, blocks, first, last)| {
+            let part = TransformerStage::new(&vs.root(), blocks, first, last);
+            PipelineStage::new(part, s, num_stages, args.device, &pg)
+        })
         .collect();
     let n_params: i64 = vs
         .trainable_variables()
@@ -134,10 +137,6 @@ pub(crate) fn pipeline(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std:
         .map(|t| t.numel() as i64)
         .sum();
     let mut opt = nn::Sgd::default().build(&vs, if args.lr > 0.0 { args.lr } else { 0.01 })?;
-    let mut stages: Vec<_> = parts
-        .into_iter()
-        .map(|(s, part)| PipelineStage::new(part, s, num_stages, args.device, &pg))
-        .collect();
     let m = args.microbatches;
     let loss = |out: &Tensor, y: &Tensor| {
         out.view([-1, T_VOCAB])

@@ -20,6 +20,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tch::Tensor;
 use tch_dist_core::hooks::ForwardError;
+use tch_dist_core::trace;
 use tch_dist_runtime::ProcessGroup;
 
 use super::error::{PipelineError, PipelineProblem};
@@ -306,8 +307,8 @@ impl<M: 'static> Runner<M> {
             };
             let mb = a.microbatch;
             // PyTorch records each action under its name too (`record_function`).
-            let _span = tch_dist_core::trace::enabled()
-                .then(|| tch_dist_core::trace::span(a.to_string(), a.work.trace_category()));
+            let _span =
+                trace::enabled().then(|| trace::span(a.to_string(), a.work.trace_category()));
             match a.work {
                 Work::Forward => {
                     let input = if stage.is_first() {

@@ -787,29 +787,24 @@ impl<M> PipelineStage<M> {
                     microbatch: mb,
                     tensor: grad,
                 });
-                return self.finish_backward(mb, defer_weights);
+            } else {
+                let t = tag(self.num_stages, stage, mb, Direction::Backward);
+                let peer = self.rank_of(prev);
+                let work = self
+                    .group
+                    .send_async(&grad, peer, t)
+                    .map_err(|e| self.transfer_error(Transfer::SendGradient, mb, prev, e))?;
+                pending.push(PendingSend {
+                    work,
+                    _tensor: grad,
+                    stage,
+                    transfer: Transfer::SendGradient,
+                    microbatch: mb,
+                    peer_stage: prev,
+                    peer_rank: peer,
+                });
             }
-            let t = tag(self.num_stages, stage, mb, Direction::Backward);
-            let peer = self.rank_of(prev);
-            let work = self
-                .group
-                .send_async(&grad, peer, t)
-                .map_err(|e| self.transfer_error(Transfer::SendGradient, mb, prev, e))?;
-            pending.push(PendingSend {
-                work,
-                _tensor: grad,
-                stage,
-                transfer: Transfer::SendGradient,
-                microbatch: mb,
-                peer_stage: prev,
-                peer_rank: peer,
-            });
         }
-        self.finish_backward(mb, defer_weights)
-    }
-
-    /// After an input backward: the weight pass now, unless the schedule runs it later.
-    fn finish_backward(&mut self, mb: usize, defer_weights: bool) -> Result<(), PipelineError> {
         if defer_weights {
             Ok(())
         } else {
