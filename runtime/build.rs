@@ -1,7 +1,8 @@
 //! Builds the C++ shim (every csrc/*.cpp, sharing csrc/internal.h, compiled as one unity
-//! translation unit; warnings on, and errors in a checkout) against the libtorch headers that torch-sys found, with Gloo always and NCCL
-//! when its headers and libtorch_cuda are present, and sets the run-time rpath for this
-//! package's own tests (`tch_dist_build::link_libtorch`).
+//! translation unit; warnings on, and errors in a checkout) against the libtorch headers that
+//! torch-sys found, with Gloo always and NCCL whenever that libtorch is a CUDA build (a CUDA
+//! libtorch without NCCL's headers fails the build unless `TCH_DIST_NO_NCCL=1`), and sets the
+//! run-time rpath for this package's own tests (`tch_dist_build::link_libtorch`).
 
 use std::path::{Path, PathBuf};
 
@@ -22,7 +23,14 @@ fn main() {
         .expect("libtorch lib folder has a parent")
         .to_path_buf();
     let include = torch.join("include");
-    let site_packages = torch.parent().map(Path::to_path_buf).unwrap_or_default();
+    // The CUDA and NCCL headers are pip packages beside torch, in its site-packages. LIBTORCH
+    // is often a link (make setup's `.venv/torch`), whose own parent is not that folder: look
+    // beside the folder it points to.
+    let site_packages = std::fs::canonicalize(&torch)
+        .unwrap_or_else(|_| torch.clone())
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
 
     // Warnings on (-Wall -Wextra) for the shim's own code: libtorch's headers (and the CUDA
     // ones below) are system headers, whose warnings do not count, as gloo's in /usr/include.
@@ -54,11 +62,22 @@ fn main() {
         site_packages.join("nvidia/cu13/include"),
         site_packages.join("nvidia/cu13/include/cccl"),
     ];
-    let with_nccl = lib.join("libtorch_cuda.so").exists()
-        && nccl_includes[0].join("nccl.h").exists()
-        && nccl_includes[1].join("crt/host_config.h").exists()
-        && std::env::var_os("TCH_DIST_NO_NCCL").is_none();
-    println!("cargo:rerun-if-env-changed=TCH_DIST_NO_NCCL");
+    let with_nccl = match nccl_choice(&lib, &nccl_includes) {
+        NcclChoice::Build => true,
+        NcclChoice::NotCuda => false,
+        NcclChoice::OptedOut => {
+            println!("cargo:warning=building tch-dist without NCCL (TCH_DIST_NO_NCCL=1)");
+            false
+        }
+        NcclChoice::HeadersMissing(missing) => panic!(
+            "tch-dist: the libtorch in {} is a CUDA build (it has libtorch_cuda.so), but NCCL's \
+             headers are missing, so Backend::Nccl could not be built: {missing} not found. \
+             Install them beside torch (`pip install \"nvidia-cuda-crt==13.0.*\" \
+             \"nvidia-cuda-cccl==13.0.*\"`; in a checkout, `make setup`), or build for CPU only \
+             with TCH_DIST_NO_NCCL=1.",
+            lib.display()
+        ),
+    };
     if with_nccl {
         build
             .define("USE_C10D_NCCL", None)
@@ -66,8 +85,6 @@ fn main() {
         for dir in &nccl_includes {
             build.flag("-isystem").flag(dir.display().to_string());
         }
-    } else {
-        println!("cargo:warning=building tch-dist without NCCL (no CUDA libtorch or NCCL headers)");
     }
     build.compile("tch_dist_shim");
 
@@ -80,6 +97,39 @@ fn main() {
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");
     tch_dist_build::link_libtorch();
+}
+
+/// Whether the shim is built with NCCL.
+enum NcclChoice {
+    /// A CUDA libtorch with NCCL's headers beside it.
+    Build,
+    /// A CPU-only libtorch: nothing to build NCCL against.
+    NotCuda,
+    /// A CUDA libtorch, and the user asked for no NCCL (`TCH_DIST_NO_NCCL=1`).
+    OptedOut,
+    /// A CUDA libtorch without the header named here: a build error, never a silent CPU build.
+    HeadersMissing(String),
+}
+
+/// A CUDA libtorch (`libtorch_cuda.so` in its `lib`) always gets NCCL, unless opted out: a
+/// build that quietly left NCCL out would only show itself on a GPU machine.
+fn nccl_choice(lib: &Path, includes: &[PathBuf; 3]) -> NcclChoice {
+    println!("cargo:rerun-if-env-changed=TCH_DIST_NO_NCCL");
+    if !lib.join("libtorch_cuda.so").exists() {
+        return NcclChoice::NotCuda;
+    }
+    if std::env::var("TCH_DIST_NO_NCCL").is_ok_and(|v| v == "1") {
+        return NcclChoice::OptedOut;
+    }
+    let needed = [
+        includes[0].join("nccl.h"),
+        includes[1].join("crt/host_config.h"),
+        includes[2].join("nv/target"),
+    ];
+    match needed.iter().find(|header| !header.exists()) {
+        Some(header) => NcclChoice::HeadersMissing(header.display().to_string()),
+        None => NcclChoice::Build,
+    }
 }
 
 /// A warning fails the build in a checkout (so `make lint` keeps the shim clean), not in a
