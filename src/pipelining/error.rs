@@ -287,6 +287,9 @@ pub enum PipelineProblem {
         /// The microbatch count.
         n_microbatches: usize,
     },
+    /// A training step under `no_grad` (`tch::no_grad`, or grad mode off on the calling
+    /// thread): its backward would have no graph.
+    GradDisabled,
     /// The first stage got no input.
     MissingInput,
     /// The last stage got no target.
@@ -400,6 +403,11 @@ impl fmt::Display for PipelineProblem {
             } => write!(
                 f,
                 "a batch of {batch} does not split into {n_microbatches} equal microbatches"
+            ),
+            PipelineProblem::GradDisabled => write!(
+                f,
+                "a training step needs grad mode, but it is off on this thread (the step is \
+                 inside `tch::no_grad`); call step outside it"
             ),
             PipelineProblem::MissingInput => write!(f, "the first stage needs an input"),
             PipelineProblem::MissingTarget => write!(f, "the last stage needs a target"),

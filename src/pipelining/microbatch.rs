@@ -44,6 +44,7 @@ fn code(problem: &PipelineProblem) -> i64 {
     match problem {
         PipelineProblem::MissingInput => 1,
         PipelineProblem::MissingTarget => 2,
+        PipelineProblem::GradDisabled => 4,
         _ => 3,
     }
 }
@@ -64,7 +65,12 @@ pub(crate) fn check_step(
     let rows = |t: &Tensor| t.size().first().copied();
     let mut own: Option<PipelineProblem> = None;
     let (mut input_rows, mut target_rows) = (0i64, 0i64);
-    if holds_first {
+    // A step's backward needs the forward's graph: under no_grad one rank would fail in its
+    // backward while its peers waited for it, so it is refused here, before any work.
+    if !tch_dist_runtime::grad_enabled() {
+        own = Some(PipelineProblem::GradDisabled);
+    }
+    if holds_first && own.is_none() {
         match input.map(rows) {
             None => own = Some(PipelineProblem::MissingInput),
             Some(None) => own = Some(PipelineProblem::Scalar),

@@ -315,6 +315,36 @@ fn a_step_whose_batch_does_not_fit_is_refused_on_every_rank_and_changes_nothing(
             }
             assert!(losses.is_empty() && no_grads(&vs));
 
+            // A step inside no_grad (issue 41, item 10: one rank failed in libtorch's backward
+            // while the other waited out the timeout): refused before any work, on every
+            // rank, naming grad mode; on one rank only, the other learns that it refused.
+            let grad_off = format!(
+                "rank {rank}: Schedule1F1B::step: a training step needs grad mode, but it is \
+                 off on this thread (the step is inside `tch::no_grad`); call step outside it"
+            );
+            let e = tch::no_grad(|| {
+                schedule.step(first.then_some(&x), (!first).then_some(&y), &mut losses)
+            })
+            .unwrap_err();
+            let (p, text) = problem(rank, "Schedule1F1B::step", e);
+            assert_eq!((p, text), (PipelineProblem::GradDisabled, grad_off.clone()));
+            let step = |s: &mut Schedule1F1B<_>, losses: &mut Vec<Tensor>| {
+                s.step(first.then_some(&x), (!first).then_some(&y), losses)
+            };
+            let e = if rank == 1 {
+                tch::no_grad(|| step(&mut schedule, &mut losses))
+            } else {
+                step(&mut schedule, &mut losses)
+            }
+            .unwrap_err();
+            let (p, text) = problem(rank, "Schedule1F1B::step", e);
+            if rank == 1 {
+                assert_eq!((p, text), (PipelineProblem::GradDisabled, grad_off));
+            } else {
+                assert_eq!(p, PipelineProblem::PeerRefused { peer: 1 });
+            }
+            assert!(losses.is_empty() && no_grads(&vs));
+
             // The same schedule still trains.
             schedule
                 .step(first.then_some(&x), (!first).then_some(&y), &mut losses)
