@@ -142,6 +142,25 @@ fn mesh_refusals_are_errors_on_every_rank_that_create_nothing() {
                 refused(&[2, 2], &["dp", "dp"]),
                 MeshProblem::RepeatedName { name: "dp".into() }
             );
+            // A shape whose product overflows (issue 41, item 8): wrapped, (2^62+1)*4 is 4,
+            // the world's size; every rank panicked ("capacity overflow").
+            let huge = (1usize << 62) + 1;
+            let e = init_device_mesh("cpu", &[huge, 4], &[]).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "rank {rank}: init_device_mesh: a mesh of shape [{huge}, 4] holds more ranks \
+                     than a usize counts, the world has 4"
+                )
+            );
+            assert_eq!(
+                problem(e),
+                MeshProblem::WorldMismatch {
+                    shape: vec![huge, 4],
+                    world_size: 4
+                }
+            );
+            assert!(tch_dist::device_mesh::subgroups(&[huge, 4], &[0]).is_empty());
             assert_eq!(refused(&[], &[]), MeshProblem::EmptyShape);
             assert_eq!(refused(&[4, 0], &[]), MeshProblem::ZeroSize { dim: 1 });
             assert_eq!(

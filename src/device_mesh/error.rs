@@ -102,11 +102,17 @@ impl fmt::Display for MeshProblem {
         match self {
             MeshProblem::EmptyShape => write!(f, "the mesh shape has no dimension"),
             MeshProblem::ZeroSize { dim } => write!(f, "mesh dim {dim} has size 0"),
-            MeshProblem::WorldMismatch { shape, world_size } => write!(
-                f,
-                "a mesh of shape {shape:?} holds {} ranks, the world has {world_size}",
-                shape.iter().product::<usize>()
-            ),
+            MeshProblem::WorldMismatch { shape, world_size } => match super::ranks_in(shape) {
+                Some(ranks) => write!(
+                    f,
+                    "a mesh of shape {shape:?} holds {ranks} ranks, the world has {world_size}"
+                ),
+                None => write!(
+                    f,
+                    "a mesh of shape {shape:?} holds more ranks than a usize counts, the world \
+                     has {world_size}"
+                ),
+            },
             MeshProblem::NamesLength { names, dims } => write!(
                 f,
                 "{names} mesh dim names for a mesh of {dims} dims (give one name per dim, or none)"

@@ -92,8 +92,11 @@ pub struct DeviceMesh {
 /// assert_eq!(subgroups(&[2, 2, 2], &[0, 1]), [[0, 2, 4, 6], [1, 3, 5, 7]]);
 /// ```
 pub fn subgroups(shape: &[usize], dims: &[usize]) -> Vec<Vec<usize>> {
+    // A shape of more ranks than a usize counts has no subgroups (init_device_mesh refuses it).
+    let Some(world) = ranks_in(shape) else {
+        return Vec::new();
+    };
     let strides = row_major_strides(shape);
-    let world: usize = shape.iter().product();
     let mut groups = Vec::new();
     for first in 0..world {
         if dims
@@ -118,6 +121,12 @@ fn along(first: usize, shape: &[usize], strides: &[usize], dims: &[usize]) -> Ve
             .collect();
     }
     ranks
+}
+
+/// The number of ranks a mesh of `shape` holds; `None` when it overflows a usize (a
+/// wrapped product could equal the world's size and pass for a valid shape).
+pub(crate) fn ranks_in(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
 }
 
 fn row_major_strides(shape: &[usize]) -> Vec<usize> {
@@ -195,7 +204,7 @@ pub fn init_device_mesh(
             }));
         }
     }
-    if shape.iter().product::<usize>() != world.world_size() {
+    if ranks_in(shape) != Some(world.world_size()) {
         return Err(invalid(MeshProblem::WorldMismatch {
             shape: shape.to_vec(),
             world_size: world.world_size(),
