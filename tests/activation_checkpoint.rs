@@ -381,6 +381,20 @@ fn misuse_is_an_error_and_changes_nothing() {
     DRIFT.store(0, Ordering::SeqCst);
     assert!(unchecked.call(&x).sum(Kind::Float).f_backward().is_err());
     assert!(!unchecked.fc.ws.grad().defined());
+
+    // An output tuple holding an undefined tensor (issue 41, item 7: reading its dtype
+    // panicked with `UnknownKind(46)`): an error naming the block, not a panic.
+    let vs = nn::VarStore::new(Device::Cpu);
+    let n = net(&vs, 1, 0.0);
+    checkpoint_activations(&n.blocks[0], CheckpointOptions::default()).unwrap();
+    let e = n.blocks[0]
+        .f_call_with([&x], |b, [x]| (b.forward_t(x, false), Tensor::new()))
+        .unwrap_err();
+    assert_eq!(
+        e.message(),
+        "rank 0: checkpoint: the forward of `Block` failed: the forward returned an undefined \
+         tensor"
+    );
 }
 
 #[derive(Debug, Shardable)]

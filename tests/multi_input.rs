@@ -475,6 +475,19 @@ fn mixed_precision_casts(pg: &ProcessGroup) {
     let (y_ref, z_ref) = reference.blocks[0].forward_pair(&x, &m.mask);
     assert!(max_diff(&y.to_kind(Kind::Float), &y_ref) < 1e-2);
     assert!(max_diff(&z.to_kind(Kind::Float), &z_ref) < 1e-2);
+
+    // A tuple holding an undefined tensor, as input and as output (issue 41, item 7: the
+    // casts read its dtype and f_call_with panicked with `UnknownKind(46)`): the casts leave
+    // it as it is, as PyTorch's leave a `None`.
+    let (y, none) = tch::no_grad(|| {
+        m.blocks[0].f_call_with([&x, &m.mask, &Tensor::new()], |b, [x, mask, empty]| {
+            assert!(!empty.defined());
+            (b.forward(x, mask), Tensor::new())
+        })
+    })
+    .unwrap();
+    assert_eq!(y.kind(), Kind::Half);
+    assert!(!none.defined());
 }
 
 #[test]

@@ -41,32 +41,28 @@ pub(super) fn snapshot_of<M: Shardable + ShallowClone + Send + 'static>() -> Sna
     })
 }
 
-/// One output's shape, dtype and device, as the determinism check compares them.
+/// One output's shape, dtype and device, as the determinism check compares them (`None`
+/// for an undefined tensor, which has none of them: the shim refuses it as an output).
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Meta {
-    size: Vec<i64>,
-    kind: Kind,
-    device: Device,
-}
+struct Meta(Option<(Vec<i64>, Kind, Device)>);
 
 impl Meta {
     fn of(t: &Tensor) -> Meta {
-        Meta {
-            size: t.size(),
-            kind: t.kind(),
-            device: t.device(),
-        }
+        Meta(t.defined().then(|| (t.size(), t.kind(), t.device())))
     }
 }
 
 impl std::fmt::Display for Meta {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let device = match self.device {
+        let Some((size, kind, device)) = &self.0 else {
+            return write!(f, "an undefined tensor");
+        };
+        let device = match device {
             Device::Cpu => "cpu".to_string(),
             Device::Cuda(i) => format!("cuda:{i}"),
             other => format!("{other:?}"),
         };
-        write!(f, "{:?} {:?} {device}", self.size, self.kind)
+        write!(f, "{size:?} {kind:?} {device}")
     }
 }
 

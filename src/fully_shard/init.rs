@@ -287,8 +287,10 @@ pub(super) fn register_hooks<M: Shardable + ?Sized>(
 }
 
 /// `tensors` with each floating one of another dtype cast to `dtype` (`None`: none is).
+/// An undefined tensor (an output a forward left empty) has no dtype and stays as it is, as
+/// PyTorch's cast leaves a `None` in a tuple.
 fn cast_floats(tensors: &[Tensor], dtype: Kind) -> Option<Vec<Tensor>> {
-    let cast = |t: &Tensor| is_float(t.kind()) && t.kind() != dtype;
+    let cast = |t: &Tensor| t.defined() && is_float(t.kind()) && t.kind() != dtype;
     tensors.iter().any(cast).then(|| {
         tensors
             .iter()
