@@ -16,8 +16,8 @@ use tch::nn::{self, Module};
 use tch::{Device, Tensor};
 use tch_dist::fully_shard::full_state_dict;
 use tch_dist::sharding::{shard_module, MegatronPlanner, ShardingPlanner};
-use tch_dist::testing::run_ranks;
-use tch_dist::{fully_shard, Call, FsdpOptions, Shardable};
+use tch_dist::testing::{describe, run_ranks, run_ranks_with, worker, Launch, RankOutput};
+use tch_dist::{fully_shard, Backend, Call, FsdpOptions, Shardable};
 use unchanged::{unchanged, values};
 
 /// Whether [`Embedder`]'s and [`Mlp`]'s forwards call their layers through their hooks.
@@ -158,4 +158,56 @@ fn a_root_run_without_any_hooked_call_is_refused_at_2_ranks() {
             assert!(vs.trainable_variables().iter().all(|p| p.grad().defined()));
         },
     );
+}
+
+/// A refused op inside `f_call` is the call's error and nothing more (issue 41, section 5:
+/// tch's panic text, "thread ... panicked at ...", reached stderr as if the rank had
+/// crashed, although `f_call` returned the error and the program went on).
+#[test]
+fn a_refusal_inside_f_call_prints_no_panic_text() {
+    const TEST: &str = "a_refusal_inside_f_call_prints_no_panic_text";
+    let launch = Launch::new(TEST, 2);
+    if worker().is_some() {
+        run_ranks_with(&launch, Backend::Gloo, |pg| {
+            HOOKED.store(false, Ordering::Relaxed);
+            let vs = nn::VarStore::new(Device::Cpu);
+            let m = Embedder {
+                emb: nn::embedding(vs.root() / "emb", 8, 4, Default::default()),
+                head: nn::linear(vs.root() / "head", 4, 4, Default::default()),
+            };
+            fully_shard(&m.emb, FsdpOptions::default()).unwrap();
+            fully_shard(&m, FsdpOptions::default()).unwrap();
+            let ids = Tensor::from_slice(&[0i64, 1, 2, 3]);
+            // The root through its hooks, the embedding inside it bypassed.
+            let e = m.f_call(&ids).unwrap_err();
+            assert!(
+                e.message().starts_with(&format!(
+                    "rank {}: fully_shard: parameter `emb.weight` of `emb` was used outside",
+                    pg.rank()
+                )),
+                "{e}"
+            );
+            eprintln!("f_call returned its error");
+        });
+        return;
+    }
+    let outputs = launch.run();
+    assert!(
+        outputs.iter().all(RankOutput::success),
+        "{}",
+        describe(&outputs)
+    );
+    for o in &outputs {
+        assert!(
+            o.stderr.contains("f_call returned its error"),
+            "{}",
+            o.stderr
+        );
+        assert!(
+            !o.stderr.contains("panicked"),
+            "rank {}: {}",
+            o.rank,
+            o.stderr
+        );
+    }
 }

@@ -655,8 +655,14 @@ pub(crate) fn hooked_depth() -> usize {
 /// The end of a call whose hook failed: inside an `f_call` (a child called from its
 /// module's `forward`), the error unwinds to that `f_call` without the panic hook's report;
 /// at the top, a panic with the message, as PyTorch's `module(x)` raises.
+/// Whether an `f_call` (or [`catch_forward_errors`]) runs on this thread: a hook's failure
+/// or a guard's refusal then becomes its `Err` rather than a panic that reaches the caller.
+fn inside_f_call() -> bool {
+    F_CALL_DEPTH.with(Cell::get) > 0
+}
+
 fn fail(e: ForwardError) -> ! {
-    if F_CALL_DEPTH.with(Cell::get) > 0 {
+    if inside_f_call() {
         std::panic::resume_unwind(Box::new(e))
     }
     panic!("{e}")

@@ -117,6 +117,11 @@ impl CallGuard for ThreadReset {
         None
     }
 
+    /// A fence's refusal recorded on this thread, whichever API's guard will take it.
+    fn refusal_pending(&self) -> bool {
+        LAST_HIT.with(|h| h.try_borrow().is_ok_and(|h| h.is_some()))
+    }
+
     fn outermost_call_ended(&self) {
         // SAFETY: touches only this thread's state.
         unsafe { ffi::tdr_fence_reset_thread() };

@@ -24,6 +24,13 @@ pub trait CallGuard: Any + Send + Sync {
     /// panic goes on).
     fn refusal(&self) -> Option<ForwardError>;
 
+    /// Whether this guard holds a refusal on this thread that [`refusal`](Self::refusal)
+    /// would hand over, without taking it (a panic starting now is that refusal's). Default:
+    /// never.
+    fn refusal_pending(&self) -> bool {
+        false
+    }
+
     /// The outermost hooked call on this thread ended: returned, failed or unwound.
     fn outermost_call_ended(&self);
 }
@@ -55,6 +62,32 @@ pub fn register_call_guard(guard: &'static dyn CallGuard) {
     if !guards.iter().any(|g| guard_type(*g) == id) {
         guards.push(guard);
     }
+    quiet_refusals();
+}
+
+/// Installs, once, a panic hook in front of the program's: a panic that a guard's refusal
+/// caused inside an `f_call` (tch unwrapping the refused op's error in a layer's `forward`)
+/// becomes that call's `Err`, so printing it, as the default hook does ("thread 'main'
+/// panicked at ..."), would report a crash that did not happen. Every other panic goes to
+/// the hook that was there before.
+fn quiet_refusals() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !(super::inside_f_call() && refusal_pending()) {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// Whether a registered guard holds a refusal on this thread. Never blocks: a panic hook
+/// calls it, and a panic may start while the registry is being written.
+fn refusal_pending() -> bool {
+    GUARDS
+        .try_read()
+        .is_ok_and(|guards| guards.iter().any(|g| g.refusal_pending()))
 }
 
 /// The concrete type of `guard` (through `dyn Any`, whose `type_id` is the value's).
