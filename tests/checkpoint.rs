@@ -651,3 +651,122 @@ fn a_peer_dying_during_a_load_names_the_checkpoint() {
     let killed = out[0].status.is_some_and(|s| !s.success());
     assert!(killed && out[1].success(), "{}", describe(&out));
 }
+
+const FULL_DISK: &str = "a_save_that_fails_on_a_full_disk_removes_what_it_wrote";
+
+/// Rank 0's disk fills while it writes its file (the only one: the model is whole on every
+/// rank; the test-only switch `TCH_DIST_TEST_CHECKPOINT_FULL`: half its file written, then
+/// `ENOSPC`), in a save and in an async save: rank 0's error is the full disk, rank 1's that
+/// rank 0 failed, and
+/// `DIR.partial` with the files written into it is gone (issue 41, section 5: it stayed, so
+/// the disk stayed full, while rank 0's message said that nothing was changed); the previous
+/// checkpoint is still `latest`, and the next save trains on.
+#[test]
+fn a_save_that_fails_on_a_full_disk_removes_what_it_wrote() {
+    use tch_dist::testing::{describe, Launch};
+    if worker().is_some() {
+        return run_ranks(FULL_DISK, 2, |pg| {
+            let rank = pg.rank();
+            let dir = scratch("full_disk", &pg);
+            let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 1);
+            checkpoint::save(dir.join("step-00000001"), &model, &pg).unwrap();
+            let full = dir.join("step-00000002");
+            let partial = dir.join("step-00000002.partial");
+            let check = |result: Result<(), CheckpointError>| {
+                let err = result.unwrap_err();
+                if rank == 0 {
+                    let CheckpointError::Io { op, source, .. } = &err else {
+                        panic!("{err:?}");
+                    };
+                    assert_eq!(
+                        (*op, source.raw_os_error()),
+                        ("writing", Some(libc::ENOSPC))
+                    );
+                } else {
+                    assert_eq!(
+                        tch_dist::report(&err),
+                        format!(
+                            "rank 1: checkpoint.save of {}: writing the files failed: rank 1: \
+                             checkpoint.save: rank 0 failed its own check (see its error); \
+                             nothing was changed",
+                            full.display()
+                        )
+                    );
+                }
+                pg.barrier().unwrap();
+                assert!(!partial.exists(), "rank {rank}: {} left", partial.display());
+                assert!(!full.exists());
+                assert_eq!(checkpoint::latest(&dir), Some(dir.join("step-00000001")));
+            };
+            check(checkpoint::save(&full, &model, &pg));
+            check(checkpoint::async_save(&full, &model, &pg).and_then(|s| s.wait()));
+            // Another name saves as ever.
+            checkpoint::save(dir.join("step-00000003"), &model, &pg).unwrap();
+        });
+    }
+    let out = Launch::new(FULL_DISK, 2)
+        .rank_env(0, "TCH_DIST_TEST_CHECKPOINT_FULL", "step-00000002")
+        .run();
+    assert!(out.iter().all(|o| o.success()), "{}", describe(&out));
+}
+
+const COMMITTED: &str = "a_peer_dying_after_the_commit_is_reported_as_committed";
+
+/// Rank 1 dies once its file is written, while rank 0 commits (the test-only crash point
+/// `awaiting-commit`): rank 0's error says that the checkpoint was committed, with the dead
+/// peer as its cause, and the checkpoint verifies and is `latest` (issue 41, section 5: an
+/// async save reported a plain failure for a committed checkpoint). Both for a save and an
+/// async save (`COMMITTED_MODE`).
+#[test]
+fn a_peer_dying_after_the_commit_is_reported_as_committed() {
+    use tch_dist::testing::{describe, Launch};
+    if worker().is_some() {
+        return run_ranks(COMMITTED, 2, |pg| {
+            let mode = std::env::var("COMMITTED_MODE").unwrap();
+            let dir = scratch(&format!("committed_{mode}"), &pg);
+            let ckpt = dir.join("step-00000001");
+            let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 1);
+            let result = match mode.as_str() {
+                "save" => checkpoint::save(&ckpt, &model, &pg),
+                _ => checkpoint::async_save(&ckpt, &model, &pg).and_then(|s| s.wait()),
+            };
+            assert_eq!(pg.rank(), 0, "rank 1 was not killed: {result:?}");
+            let err = result.unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!(
+                    "rank 0: checkpoint.save of {}: the checkpoint was committed, but what \
+                     followed failed",
+                    ckpt.display()
+                )
+            );
+            let CheckpointError::Committed { source, .. } = &err else {
+                panic!("{err:?}");
+            };
+            assert!(
+                matches!(
+                    **source,
+                    CheckpointError::Save {
+                        step: "committing",
+                        ..
+                    }
+                ),
+                "{source:?}"
+            );
+            checkpoint::verify(&ckpt).unwrap();
+            assert_eq!(checkpoint::latest(&dir), Some(ckpt.clone()));
+            // The group is unusable with rank 1 gone: end here.
+            println!("tch-dist-test: rank body finished: {COMMITTED} 0");
+            std::process::exit(0);
+        });
+    }
+    for mode in ["save", "async"] {
+        let out = Launch::new(COMMITTED, 2)
+            .env("COMMITTED_MODE", mode)
+            .env("TCH_DIST_TIMEOUT_SECS", "20")
+            .rank_env(1, "TCH_DIST_TEST_CHECKPOINT_CRASH", "awaiting-commit")
+            .run();
+        let killed = out[1].status.is_some_and(|s| !s.success());
+        assert!(out[0].success() && killed, "{mode}: {}", describe(&out));
+    }
+}

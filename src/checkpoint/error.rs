@@ -248,6 +248,21 @@ pub enum CheckpointError {
         #[source]
         source: Box<DistError>,
     },
+    /// Rank 0 put the checkpoint in place (it is complete as `dir`, and loads), but what
+    /// followed failed: removing the checkpoint it replaced, pruning to `keep_last`, or the
+    /// ranks' last agreement (a peer that died after its files were written). What failed is
+    /// the [`source`](std::error::Error::source). Only rank 0 knows that it committed; the
+    /// other ranks' errors say that committing failed.
+    #[error("rank {rank}: checkpoint.save of {dir}: the checkpoint was committed, but what followed failed")]
+    Committed {
+        /// This rank (0).
+        rank: usize,
+        /// The checkpoint folder, complete.
+        dir: PathBuf,
+        /// What failed after the commit (boxed, as [`Save`](Self::Save)'s).
+        #[source]
+        source: Box<CheckpointError>,
+    },
     /// The background thread of [`async_save`](super::async_save()) panicked (a bug: its
     /// errors are values); the other ranks' saves then fail on a collective.
     #[error("rank {rank}: checkpoint.async_save of {dir}: the background write failed: {cause}")]

@@ -35,6 +35,9 @@ pub(super) struct Save<'a> {
     dir: &'a Path,
     /// `DIR.partial`, where the files are written before the folder is put in place.
     tmp: PathBuf,
+    /// Rank 0 put the new folder in place (`replace` returned): from then on the save's
+    /// errors say that the checkpoint was committed.
+    committed: std::cell::Cell<bool>,
 }
 
 /// What rank 0 writes beside the safetensors files, each into its JSON sidecar.
@@ -53,6 +56,7 @@ impl<'a> Save<'a> {
             group,
             dir,
             tmp: storage::sibling(dir, PARTIAL),
+            committed: std::cell::Cell::new(false),
         }
     }
 
@@ -99,6 +103,7 @@ impl<'a> Save<'a> {
                 return Ok(None);
             }
             let bytes = storage::encode(rank, &path, &mine)?;
+            full_disk_point(rank, self.dir, &path, &bytes)?;
             write_durable(rank, &path, &bytes)?;
             Ok(Some(FileEntry::of_safetensors(rank, &path, &bytes)?))
         });
@@ -120,10 +125,27 @@ impl<'a> Save<'a> {
         keep_last: Option<usize>,
     ) -> Result<(), CheckpointError> {
         self.make_temporary_folder()?;
-        let file = self.write_file(pieces)?;
-        let reports = self.gather_reports(&RankReport { file, tensors })?;
-        let tensors = merge_tensors(self.rank, &reports)?;
-        self.commit(&reports, tensors, sidecars, keep_last)
+        let outcome = self
+            .write_file(pieces)
+            .and_then(|file| self.gather_reports(&RankReport { file, tensors }))
+            .and_then(|reports| {
+                let tensors = merge_tensors(self.rank, &reports)?;
+                self.commit(&reports, tensors, sidecars, keep_last)
+            });
+        if matches!(outcome, Err(ref e) if !matches!(e, CheckpointError::Committed { .. })) {
+            self.discard_temporary_folder();
+        }
+        outcome
+    }
+
+    /// After a failed save, rank 0 removes `DIR.partial` and what the ranks wrote into it
+    /// (a save that failed on a full disk would otherwise keep the disk full). Every step
+    /// ends in a collective, so no rank writes there any more. Its own failure is not the
+    /// save's error: the cause is; the next save of the name removes the folder again.
+    fn discard_temporary_folder(&self) {
+        if self.rank == 0 && self.tmp.exists() {
+            let _ = remove_checkpoint(self.rank, &self.tmp);
+        }
     }
 
     /// 2 (end). Every rank's report, gathered: its file's entry (rank 0 lists them in the
@@ -152,23 +174,42 @@ impl<'a> Save<'a> {
         sidecars: Sidecars<'_>,
         keep_last: Option<usize>,
     ) -> Result<(), CheckpointError> {
-        let local = if self.rank == 0 {
-            self.commit_on_rank_0(entries, tensors, sidecars, keep_last)
+        let (local, after) = if self.rank == 0 {
+            match self.commit_on_rank_0(entries, tensors, sidecars, keep_last) {
+                Ok(after) => (Ok(true), after),
+                Err(e) => (Err(e), Ok(())),
+            }
         } else {
-            Ok(())
+            crash_point("awaiting-commit");
+            (Ok(false), Ok(()))
         };
-        self.group
+        let agreed = self
+            .group
             .agree(OP, local)
-            .map_err(self.failed("committing"))
+            .map_err(self.failed("committing"));
+        match (agreed, after) {
+            // Rank 0 committed: whatever failed afterwards says so.
+            (Ok(true), Err(e)) | (Err(e), _) if self.committed.get() => {
+                Err(CheckpointError::Committed {
+                    rank: self.rank,
+                    dir: self.dir.to_path_buf(),
+                    source: Box::new(e),
+                })
+            }
+            (agreed, _) => agreed.map(|_| ()),
+        }
     }
 
+    /// Rank 0's part of the commit: `Err` when the checkpoint could not be put in place;
+    /// `Ok` once it is, with what failed after that (removing the replaced checkpoint,
+    /// pruning).
     fn commit_on_rank_0(
         &self,
         entries: &[RankReport],
         tensors: BTreeMap<String, TensorEntry>,
         sidecars: Sidecars<'_>,
         keep_last: Option<usize>,
-    ) -> Result<(), CheckpointError> {
+    ) -> Result<Result<(), CheckpointError>, CheckpointError> {
         let (rank, tmp) = (self.rank, &self.tmp);
         crash_point("files-written");
         hold_point();
@@ -198,12 +239,12 @@ impl<'a> Save<'a> {
         storage::write_json(rank, &tmp.join(MANIFEST), &manifest)?;
         crash_point("manifest-written");
         replace(rank, tmp, self.dir)?;
+        self.committed.set(true);
         crash_point("replaced");
-        finish(rank, tmp)?;
-        if let Some(k) = keep_last {
-            retention::prune(rank, self.dir, k)?;
-        }
-        Ok(())
+        Ok(finish(rank, tmp).and_then(|()| match keep_last {
+            Some(k) => retention::prune(rank, self.dir, k),
+            None => Ok(()),
+        }))
     }
 }
 
@@ -253,8 +294,9 @@ pub(super) fn is_temporary(name: &str) -> bool {
 
 /// The test-only crash switch: a rank 0 whose environment has
 /// `TCH_DIST_TEST_CHECKPOINT_CRASH=<point>` aborts at that point of every save's commit
-/// (`files-written`, `manifest-written`, `replaced`), leaving the disk as a crash there
-/// would (tests/checkpoint.rs kills saves at each point this way).
+/// (rank 0's `files-written`, `manifest-written`, `replaced`; the other ranks'
+/// `awaiting-commit`, before they wait for rank 0's commit), leaving the disk as a crash
+/// there would (tests/checkpoint.rs kills saves at each point this way).
 pub(super) const CRASH_SWITCH: &str = "TCH_DIST_TEST_CHECKPOINT_CRASH";
 
 /// Aborts this process when the crash switch names `point` (see [`CRASH_SWITCH`]).
@@ -262,6 +304,30 @@ pub(super) fn crash_point(point: &str) {
     if std::env::var(CRASH_SWITCH).as_deref() == Ok(point) {
         // abort: no destructor, no unwinding, no flush; what is on disk stays as it is.
         std::process::abort();
+    }
+}
+
+/// The test-only full-disk switch: a rank whose environment has
+/// `TCH_DIST_TEST_CHECKPOINT_FULL=<name>` writes half of its file of each save into a folder
+/// named `<name>`, then fails as a full disk would (`ENOSPC`), so that a test can see what a
+/// failed save leaves behind (tests/checkpoint.rs).
+pub(super) const FULL_SWITCH: &str = "TCH_DIST_TEST_CHECKPOINT_FULL";
+
+/// Fails like a full disk when the full-disk switch names `dir` (see [`FULL_SWITCH`]).
+fn full_disk_point(
+    rank: usize,
+    dir: &Path,
+    path: &Path,
+    bytes: &[u8],
+) -> Result<(), CheckpointError> {
+    match std::env::var_os(FULL_SWITCH) {
+        Some(name) if dir.file_name() == Some(name.as_os_str()) => {
+            let _ = std::fs::write(path, &bytes[..bytes.len() / 2]);
+            Err(io(rank, "writing", path)(
+                std::io::Error::from_raw_os_error(libc::ENOSPC),
+            ))
+        }
+        _ => Ok(()),
     }
 }
 
