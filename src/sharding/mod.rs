@@ -114,8 +114,44 @@ use crate::state_dict::managed::{first_manager, register, ManagingApi};
 use tch_dist_core::path::is_within;
 use tch_dist_runtime::fsdp::tensor_identity;
 
+/// Every parameter and buffer of `module`, by FQN: what the ranks must hold alike before
+/// anything is sharded (names, shapes and dtypes, [`broadcast_the_rest`]'s premise).
+fn all_tensors<M: Shardable + ?Sized>(module: &M) -> Vec<(String, &tch::Tensor)> {
+    let mut all = module.named_parameters();
+    all.extend(module.named_buffers());
+    all
+}
+
+/// Every parameter and buffer of `module` that no sharder sharded (a sequence-parallel norm's,
+/// a layer the plan does not name) gets `src_rank`'s values, so that the whole module starts
+/// from one rank's values as the sharded pieces do: tch models are often seeded per rank,
+/// and a replicated parameter that differs across the group trains apart (under FSDP x TP,
+/// fully_shard's broadcast over `dp` alone left ranks at different `tp` positions with
+/// different norms). The ranks checked before sharding that they hold the same tensors, and
+/// the plan, the same on every rank, decided which were sharded: the lists match.
+fn broadcast_the_rest<M: Shardable + ?Sized>(
+    module: &M,
+    sharded: &BTreeMap<String, ShardedTensorMetadata>,
+    src_rank: usize,
+    group: &ProcessGroup,
+) -> Result<(), ShardError> {
+    let mut rest = all_tensors(module);
+    rest.retain(|(fqn, _)| !sharded.contains_key(fqn));
+    let tensors: Vec<&tch::Tensor> = rest.iter().map(|(_, t)| *t).collect();
+    group
+        .broadcast_coalesced(&tensors, src_rank, tch_dist_runtime::BROADCAST_BUCKET_BYTES)
+        .map_err(|source| ShardError::Dist {
+            rank: group.rank(),
+            fqn: String::new(),
+            source,
+        })
+}
+
 /// Shards `module` as `plan` says, with the values of rank `src_rank`, over `group`
-/// (PyTorch's `shard_module`). The whole plan is checked first: an FQN not in the model, a
+/// (PyTorch's `shard_module`); every parameter and buffer no sharder shards gets
+/// `src_rank`'s values too, so that the whole module starts from one rank's values. The
+/// ranks' modules must hold the same tensors (names, shapes, dtypes), and the whole plan is
+/// checked first: an FQN not in the model, a
 /// spec on a module or a sharder on a parameter, a dim out of range, placements that do not
 /// match the group, an entry inside a sharder's subtree — each is a [`ShardError::Plan`]
 /// naming it, with the model unchanged. See the [module docs](self) for an example.
@@ -145,6 +181,11 @@ pub fn shard_module<M: Shardable + ?Sized>(
         }));
     }
     let module: &M = module;
+    let all = all_tensors(module);
+    let named: Vec<(&str, &tch::Tensor)> = all.iter().map(|(n, t)| (n.as_str(), *t)).collect();
+    group
+        .verify_same_tensors("shard_module", "tensors", src_rank, &named)
+        .map_err(disagreement)?;
     let modules: BTreeMap<String, &dyn Shardable> = module.named_modules().into_iter().collect();
     let mut sharded = BTreeMap::new();
     let mut hooks = Vec::new();
@@ -171,6 +212,7 @@ pub fn shard_module<M: Shardable + ?Sized>(
         hooks.extend(done.hooks);
         layouts.insert(fqn, done.output);
     }
+    broadcast_the_rest(module, &sharded, src_rank, group)?;
     let mut hooked: Vec<String> = layouts
         .keys()
         .filter(|f| !unguarded.contains(f))

@@ -109,8 +109,9 @@ impl Default for RowwiseParallel {
 /// this rank's chunk of the sequence (`torch.chunk` along `sequence_dim`), and so is the
 /// output; the parameters stay whole on every rank, and their gradients are summed over the
 /// tensor-parallel group before they are accumulated (PyTorch: the `Partial` gradient of a
-/// `Replicate` parameter). Like PyTorch, the parameters are not broadcast: every rank must
-/// start from the same values (a norm's ones and zeros).
+/// `Replicate` parameter). Their values are the source rank's, as every parameter's that
+/// no style shards (`shard_module` broadcasts them; PyTorch leaves them as each rank has
+/// them).
 ///
 /// ```
 /// use tch_dist::sharding::SequenceParallel;

@@ -3,7 +3,7 @@
 //! model.
 
 use tch::nn::{self, Module, OptimizerConfig};
-use tch::Device;
+use tch::{Device, Kind, Tensor};
 use tch_dist::device_mesh::{init_device_mesh, DeviceMesh};
 use tch_dist::sharding::parallelize_module;
 use tch_dist::state_dict::{placements, Placement};
@@ -145,6 +145,53 @@ fn fsdp_x_tp_on_a_2x2_mesh_equals_one_process() {
             let theirs = tch::no_grad(|| s.reference.forward(&ids));
             let d = (ours - theirs).abs().max().double_value(&[]);
             assert!(d < 1e-5, "no_grad logits: {d}");
+        },
+    );
+}
+
+/// Every rank seeded its own values and nothing copied them: the 2-D model starts from
+/// global rank 0's values in every piece, the norm included, and trains as one process
+/// from them (issue 41, item 4: the norm, which no tensor-parallel style names, was
+/// broadcast only within each `dp` group, so the ranks at `tp` 1 kept their own, trained
+/// apart and were saved so).
+#[test]
+fn fsdp_x_tp_starts_every_rank_from_rank_0s_values() {
+    run_ranks(
+        "two_d::fsdp_x_tp_starts_every_rank_from_rank_0s_values",
+        4,
+        |pg: ProcessGroup| {
+            let mesh = init_device_mesh("cpu", &[2, 2], &["dp", "tp"]).unwrap();
+            // Rank 0's seed: the one process's values are rank 0's. The norm is drawn too
+            // (a LayerNorm starts as ones and zeros on every rank).
+            let seeded = |seed: i64| {
+                tch::manual_seed(seed);
+                let vs = nn::VarStore::new(Device::Cpu);
+                let m = lm(&vs);
+                tch::no_grad(|| {
+                    for t in [m.norm.ws.as_ref().unwrap(), m.norm.bs.as_ref().unwrap()] {
+                        t.shallow_clone()
+                            .copy_(&(Tensor::randn(t.size(), (Kind::Float, Device::Cpu)) + 1));
+                    }
+                });
+                (vs, m)
+            };
+            let (ref_vs, reference) = seeded(3);
+            let (vs, mut m) = seeded(3 + pg.rank() as i64 * 1000);
+            fsdp_x_tp(&mut m, &mesh).unwrap();
+            let s = TwoD {
+                mesh,
+                ref_vs,
+                reference,
+                vs,
+                m,
+            };
+            let diff = max_diff_full(&s.m, &s.ref_vs);
+            assert!(
+                diff == 0.0,
+                "rank {}: not rank 0's values: {diff}",
+                pg.rank()
+            );
+            train(&s);
         },
     );
 }
