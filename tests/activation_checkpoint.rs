@@ -575,3 +575,62 @@ fn a_tensor_parallel_mlp_inside_a_checkpointed_block_at_2_ranks() {
         );
     });
 }
+
+/// A block with a BatchNorm, whose training forwards update its running statistics.
+#[derive(Debug, Shardable, ShallowClone)]
+struct NormedBlock {
+    fc: nn::Linear,
+    bn: nn::BatchNorm,
+}
+
+impl ModuleT for NormedBlock {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        x + self.bn.call_t(&self.fc.call(x), train).relu()
+    }
+}
+
+/// A checkpointed block with a BatchNorm: after 3 training steps its running statistics
+/// (and everything else) equal those without checkpointing, bit for bit (issue 41, item 5:
+/// the recomputation counted as a second forward and updated them twice per step, as
+/// PyTorch's does, silently).
+#[test]
+fn batch_norm_statistics_end_as_without_checkpointing() {
+    let _s = serial();
+    let normed = || {
+        tch::manual_seed(5);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let b = NormedBlock {
+            fc: nn::linear(vs.root() / "fc", D, D, Default::default()),
+            bn: nn::batch_norm1d(vs.root() / "bn", D, Default::default()),
+        };
+        (vs, b)
+    };
+    let ((vs_a, a), (vs_b, b)) = (normed(), normed());
+    checkpoint_activations(&b, CheckpointOptions::default()).unwrap();
+    let before = b.bn.running_mean.copy();
+    for (vs, m) in [(&vs_a, &a), (&vs_b, &b)] {
+        let mut opt = nn::Sgd {
+            momentum: 0.9,
+            ..Default::default()
+        }
+        .build(vs, 0.05)
+        .unwrap();
+        for step in 0..3 {
+            let (x, _) = data(step);
+            let loss = m.call_t(&x, true).square().mean(Kind::Float);
+            opt.zero_grad();
+            loss.backward();
+            opt.step();
+        }
+    }
+    assert!(!b.bn.running_mean.equal(&before), "the statistics moved");
+    assert!(
+        b.bn.running_mean.equal(&a.bn.running_mean) && b.bn.running_var.equal(&a.bn.running_var),
+        "running statistics: {} / {} checkpointed, {} / {} not",
+        b.bn.running_mean,
+        b.bn.running_var,
+        a.bn.running_mean,
+        a.bn.running_var
+    );
+    assert!(bitwise_equal(&vs_a, &vs_b), "the parameters");
+}

@@ -107,6 +107,7 @@ struct Shared : torch::CustomClassHolder {
   size_t num_inputs = 0;
   std::vector<bool> input_requires_grad;
   std::vector<at::Tensor> params;
+  std::vector<at::Tensor> buffers;
   bool preserve_rng = false;
   RngStates rng;
   AutocastState autocast;
@@ -142,6 +143,32 @@ struct RestoreOnExit {
         restore(*states);
       } catch (...) {
       }
+    }
+  }
+};
+
+// The module's buffers as they were before the recomputation, put back when the backward
+// that recomputed ends (also when it fails): a training forward updates a BatchNorm's running
+// statistics, and the recomputation is no second forward, so they end as without
+// checkpointing (PyTorch's checkpoint updates them twice per step, silently). Not sooner: the
+// recomputed graph saved them, and writing them before its grad() would fail it.
+struct BuffersBefore {
+  std::vector<at::Tensor> live;
+  std::vector<at::Tensor> before;
+  explicit BuffersBefore(const std::vector<at::Tensor>& buffers) : live(buffers) {
+    at::NoGradGuard no_grad;
+    before.reserve(live.size());
+    for (const auto& b : live) {
+      before.push_back(b.clone());
+    }
+  }
+  ~BuffersBefore() {
+    try {
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < live.size(); ++i) {
+        live[i].copy_(before[i]);
+      }
+    } catch (...) {
     }
   }
 };
@@ -188,6 +215,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       }
       inputs.push_back(std::move(d));
     }
+    BuffersBefore buffers_before(shared->buffers);
     std::vector<at::Tensor> outputs;
     {
       RngStates now;
@@ -258,7 +286,8 @@ char* tdr_tensor_list_push(TdrTensorList* list, TdrTensor* t) {
 }
 
 char* tdr_checkpoint_apply(TdrTensor** inputs, size_t num_inputs, TdrTensor** params,
-                           size_t num_params, bool preserve_rng, TdrForwardCallback first,
+                           size_t num_params, TdrTensor** buffers, size_t num_buffers,
+                           bool preserve_rng, TdrForwardCallback first,
                            void* first_ctx, TdrForwardCallback again, void* again_ctx,
                            TdrRelease release, TdrTensorList** out) {
   TDR_TRY
@@ -280,6 +309,11 @@ char* tdr_checkpoint_apply(TdrTensor** inputs, size_t num_inputs, TdrTensor** pa
     }
     args.push_back(*params[j]);
     shared->params.push_back(*params[j]);
+  }
+  for (size_t k = 0; k < num_buffers; ++k) {
+    if (buffers[k]->defined()) {
+      shared->buffers.push_back(*buffers[k]);
+    }
   }
   auto result = std::make_unique<TdrTensorList>();
   result->tensors =

@@ -218,10 +218,13 @@ void tdr_tensor_list_free(TdrTensorList* list);
 // the inputs and `params` (leaves that require grad), keeping only the inputs (and, with
 // `preserve_rng`, the CPU's and the inputs' CUDA devices' RNG states); its backward runs
 // again(again_ctx, detached inputs) with grad enabled and those RNG states, and returns the
-// gradients of the inputs and of the parameters. `again_ctx` is released (release) when the
-// function's graph is gone, or at once on failure. *out: the outputs.
+// gradients of the inputs and of the parameters. `buffers` (the module's: a BatchNorm's
+// running statistics) are put back as they were before the recomputation once its backward
+// is done, so that the recomputation updates none of them. `again_ctx` is released (release)
+// when the function's graph is gone, or at once on failure. *out: the outputs.
 char* tdr_checkpoint_apply(TdrTensor** inputs, size_t num_inputs, TdrTensor** params,
-                           size_t num_params, bool preserve_rng, TdrForwardCallback first,
+                           size_t num_params, TdrTensor** buffers, size_t num_buffers,
+                           bool preserve_rng, TdrForwardCallback first,
                            void* first_ctx, TdrForwardCallback again, void* again_ctx,
                            TdrRelease release, TdrTensorList** out);
 

@@ -314,6 +314,8 @@ extern "C" {
         num_inputs: usize,
         params: *mut *mut C_tensor,
         num_params: usize,
+        buffers: *mut *mut C_tensor,
+        num_buffers: usize,
         preserve_rng: bool,
         first: TdrForwardCallback,
         first_ctx: *mut std::ffi::c_void,

@@ -228,9 +228,15 @@ impl ForwardWrapper for Wrapper {
             this_name.clone(),
         );
         let mark = autograd_mark();
+        let buffers: Vec<Tensor> = module
+            .named_buffers()
+            .into_iter()
+            .map(|(_, b)| b.shallow_clone())
+            .collect();
         let outs = checkpointed(
             inputs,
             &params,
+            &buffers,
             self.options.preserve_rng_state,
             &mut run_first,
             recompute,

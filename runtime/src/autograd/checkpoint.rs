@@ -39,13 +39,16 @@ struct Again {
 /// gradients run `again` on detached copies of the inputs and return the gradients of the
 /// inputs and of `params` (leaves that require grad: the module's trainable parameters).
 /// With `preserve_rng`, the recomputation draws the same random numbers (dropout) as the
-/// first run.
+/// first run. `buffers` (the module's: a BatchNorm's running statistics) are put back as
+/// they were before the recomputation once its backward is done: only the first run
+/// updates them, as a forward without checkpointing would.
 ///
 /// A panic inside `forward` unwinds from here, as from `forward` itself; an engine error is
 /// its message (the caller names the rank and the module).
 pub fn checkpointed(
     inputs: &[Tensor],
     params: &[Tensor],
+    buffers: &[Tensor],
     preserve_rng: bool,
     forward: &mut dyn FnMut(&[Tensor]) -> Vec<Tensor>,
     again: Recomputation,
@@ -61,6 +64,8 @@ pub fn checkpointed(
         inputs.iter().map(|t| t.as_ptr() as *mut _).collect();
     let mut param_ptrs: Vec<*mut torch_sys::C_tensor> =
         params.iter().map(|t| t.as_ptr() as *mut _).collect();
+    let mut buffer_ptrs: Vec<*mut torch_sys::C_tensor> =
+        buffers.iter().map(|t| t.as_ptr() as *mut _).collect();
     let mut out = std::ptr::null_mut();
     // SAFETY: live tensors and out-pointer; `first` outlives the call (the shim calls it only
     // during it); `again` is a box the shim releases through `release_again`, once, also on
@@ -71,6 +76,8 @@ pub fn checkpointed(
             input_ptrs.len(),
             param_ptrs.as_mut_ptr(),
             param_ptrs.len(),
+            buffer_ptrs.as_mut_ptr(),
+            buffer_ptrs.len(),
             preserve_rng,
             first_trampoline,
             &mut first as *mut FirstRun as *mut c_void,

@@ -243,6 +243,7 @@ mod tests {
         let out = crate::checkpointed(
             &[x.shallow_clone()],
             &[w.shallow_clone()],
+            &[],
             false,
             &mut first,
             again,
