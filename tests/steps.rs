@@ -7,6 +7,8 @@
 
 #[path = "common/blocks.rs"]
 mod blocks;
+#[path = "steps/tensor_parallel.rs"]
+mod tensor_parallel;
 use blocks::{blocks, Blocks};
 use tch::nn::{self, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Tensor};

@@ -2,6 +2,8 @@
 
 #include "internal.h"
 
+#include <torch/csrc/autograd/graph_task.h>
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -70,6 +72,8 @@ char* tdr_queue_end_of_backward(TdrCallback cb, void* ctx, size_t index) {
       [cb, ctx, index]() { call_or_throw(cb, ctx, index); });
   TDR_CATCH
 }
+
+bool tdr_in_backward(void) { return torch::autograd::get_current_graph_task_id() != -1; }
 
 // Makes `grad` the `.grad` of `param` (gradient_as_bucket_view), or clears it when null.
 char* tdr_set_grad(at::Tensor* param, at::Tensor* grad) {

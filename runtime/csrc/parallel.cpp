@@ -6,7 +6,10 @@
 //   split:          forward own slice along `dim`,              backward all-gather
 //   reduce_scatter: forward sum then own slice along `dim`,     backward all-gather
 // Slices along `dim` follow `sizes` (one per rank, uneven allowed, zeros allowed).
-// The backward node holds the group's backends, so a graph may outlive the Rust handle.
+// The backward node holds the group's backends, so a graph may outlive the Rust handle, and
+// the Rust context of its callbacks: the step check before its collective, and the text of
+// the collective's failure (a DETAIL desync decoded, the peer named) as Rust writes every
+// other collective's.
 
 #include "internal.h"
 
@@ -14,6 +17,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 using namespace tdr;
 
@@ -109,6 +113,39 @@ at::Tensor parallel_forward(const TdrGroup& g, const at::Tensor& x, int mode, in
   }
 }
 
+// The Rust side of a backward node: its callbacks and their context, released once.
+struct RustHooks {
+  TdrCallback before = nullptr;
+  TdrDescribe describe = nullptr;
+  void* ctx = nullptr;
+  TdrRelease release = nullptr;
+  RustHooks(const RustHooks&) = delete;
+  RustHooks& operator=(const RustHooks&) = delete;
+  RustHooks(TdrCallback b, TdrDescribe d, void* c, TdrRelease r)
+      : before(b), describe(d), ctx(c), release(r) {}
+  ~RustHooks() {
+    if (release != nullptr) {
+      release(ctx);
+    }
+  }
+};
+
+// Throws a malloc'ed message from a callback as the exception that fails the backward pass.
+[[noreturn]] void throw_message(char* msg) {
+  std::string text = msg != nullptr ? msg : "out of memory describing a failure";
+  std::free(msg);
+  throw std::runtime_error(text);
+}
+
+// Runs `body` as an entry point runs its own (TDR_TRY/TDR_CATCH): null, or the failure's
+// message with its kind in tdr_last_error_kind.
+template <class F>
+char* caught(F&& body) {
+  TDR_TRY
+  body();
+  TDR_CATCH
+}
+
 struct TdrParallelBackward : public torch::autograd::Node {
   TdrGroup group;
   int mode = TDR_PARALLEL_REDUCE;
@@ -116,10 +153,26 @@ struct TdrParallelBackward : public torch::autograd::Node {
   std::vector<int64_t> sizes;
   std::vector<int64_t> output_shape;
   at::TensorOptions output_options;
+  std::shared_ptr<RustHooks> hooks;
 
   std::string name() const override { return "TdrParallelBackward"; }
 
+  // The collective of `run`; its failure described by Rust.
+  template <class F>
+  at::Tensor communicate(F&& run) {
+    at::Tensor out;
+    if (char* failed = caught([&]() { out = run(); })) {
+      throw_message(hooks->describe(hooks->ctx, failed));
+    }
+    return out;
+  }
+
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    // Every mode's node tells Rust that the backward reached it (the step check counts the
+    // pass), and one that communicates is checked there first.
+    if (char* refused = hooks->before(hooks->ctx, static_cast<size_t>(mode))) {
+      throw_message(refused);
+    }
     at::NoGradGuard no_grad;
     // Every rank must run the same collective: a missing gradient counts as zeros.
     at::Tensor g = grads[0].defined() ? grads[0] : at::zeros(output_shape, output_options);
@@ -127,12 +180,12 @@ struct TdrParallelBackward : public torch::autograd::Node {
       case TDR_PARALLEL_REDUCE:
         return {g};
       case TDR_PARALLEL_COPY:
-        return {all_reduce_sum(group, g)};
+        return {communicate([&]() { return all_reduce_sum(group, g); })};
       case TDR_PARALLEL_GATHER:
         return {own_slice(group, g, dim, sizes)};
       case TDR_PARALLEL_SPLIT:
       case TDR_PARALLEL_REDUCE_SCATTER:
-        return {all_gather_uneven(group, g.contiguous(), dim, sizes)};
+        return {communicate([&]() { return all_gather_uneven(group, g.contiguous(), dim, sizes); })};
       default:
         throw std::runtime_error("unknown parallel op " + std::to_string(mode));
     }
@@ -144,7 +197,10 @@ struct TdrParallelBackward : public torch::autograd::Node {
 extern "C" {
 
 char* tdr_parallel_op(TdrGroup* g, at::Tensor* input, int mode, int64_t dim,
-                      const int64_t* sizes, size_t n, at::Tensor** out) {
+                      const int64_t* sizes, size_t n, TdrCallback before, TdrDescribe describe,
+                      void* ctx, TdrRelease release, at::Tensor** out) {
+  // Owns the context from here, so that it is released however this ends.
+  auto hooks = std::make_shared<RustHooks>(before, describe, ctx, release);
   TDR_TRY
   const at::Tensor& x = *input;
   std::vector<int64_t> slices;
@@ -184,6 +240,7 @@ char* tdr_parallel_op(TdrGroup* g, at::Tensor* input, int mode, int64_t dim,
     node->sizes = slices;
     node->output_shape = y.sizes().vec();
     node->output_options = y.options();
+    node->hooks = hooks;
     node->set_next_edges(torch::autograd::collect_next_edges(x));
     torch::autograd::set_history(y, node);
   }

@@ -72,6 +72,10 @@ typedef char* (*TdrCallback)(void* ctx, size_t index);
 typedef char* (*TdrGradCallback)(void* ctx, size_t index, TdrTensor* grad);
 // Releases a context the shim shared among hooks (once, when the last one is gone).
 typedef void (*TdrRelease)(void* ctx);
+// A Rust callback that turns a failure the shim caught on this thread (`message`, malloc'ed,
+// which it takes and frees; tdr_last_error_kind is the failure's kind) into the text the
+// backward pass fails with, malloc'ed (null: out of memory).
+typedef char* (*TdrDescribe)(void* ctx, char* message);
 
 // Memory handed to Rust, and the kind of the last failure on this thread.
 void tdr_string_free(char* s);
@@ -160,6 +164,9 @@ char* tdr_add_grad_ready_hook(TdrTensor* param, TdrCallback cb, void* ctx, size_
                               TdrHook** out);
 void tdr_hook_remove(TdrHook* h);
 char* tdr_queue_end_of_backward(TdrCallback cb, void* ctx, size_t index);
+// Whether this thread runs inside a backward pass of libtorch's engine (a node, a hook, a
+// recomputation), where tdr_queue_end_of_backward may be called.
+bool tdr_in_backward(void);
 char* tdr_set_grad(TdrTensor* param, TdrTensor* grad);
 
 // Fully sharded parameters (src/fsdp/). The interceptor is a pre-hook on `param`'s gradient
@@ -260,9 +267,13 @@ void tdr_fence_close(TdrFence* f);
 void tdr_fence_reset_thread(void);
 bool tdr_fence_suspend(bool suspended);
 
-// Differentiable collectives for tensor parallelism (mode: a TdrParallelMode).
+// Differentiable collectives for tensor parallelism (mode: a TdrParallelMode). When the
+// output records a graph, its backward node runs before(ctx, mode) before its collective (the
+// step check: its message fails the backward) and describe(ctx, ...) on the collective's
+// failure; `ctx` is released (release) with the node, or at once when none is made.
 char* tdr_parallel_op(TdrGroup* g, TdrTensor* input, int mode, int64_t dim,
-                      const int64_t* sizes, size_t n, TdrTensor** out);
+                      const int64_t* sizes, size_t n, TdrCallback before, TdrDescribe describe,
+                      void* ctx, TdrRelease release, TdrTensor** out);
 
 // torch.randperm(n, generator=torch.Generator().manual_seed(seed)): a new int64 CPU tensor
 // (DistributedSampler's shuffle, from a generator of its own: the default one is untouched).

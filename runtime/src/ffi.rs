@@ -109,6 +109,11 @@ pub type TdrGradCallback = unsafe extern "C" fn(
 /// Releases a context the shim shared among hooks, once the last of them is gone.
 pub type TdrRelease = unsafe extern "C" fn(ctx: *mut std::ffi::c_void);
 
+/// Turns a failure the shim caught on this thread (`message`, malloc'ed, taken and freed;
+/// `tdr_last_error_kind` its kind) into the malloc'ed text a backward pass fails with.
+pub type TdrDescribe =
+    unsafe extern "C" fn(ctx: *mut std::ffi::c_void, message: *mut c_char) -> *mut c_char;
+
 /// A module's forward the shim runs (activation checkpointing): `n` input tensors lent for
 /// the call; the outputs pushed onto `out` with [`tdr_tensor_list_push`]; null or a
 /// malloc'ed message.
@@ -280,6 +285,7 @@ extern "C" {
         ctx: *mut std::ffi::c_void,
         index: usize,
     ) -> ShimStatus;
+    pub fn tdr_in_backward() -> bool;
     pub fn tdr_set_grad(param: *mut C_tensor, grad: *mut C_tensor) -> ShimStatus;
 
     pub fn tdr_add_grad_interceptor(
@@ -379,6 +385,10 @@ extern "C" {
         dim: i64,
         sizes: *const i64,
         n: usize,
+        before: TdrCallback,
+        describe: TdrDescribe,
+        ctx: *mut std::ffi::c_void,
+        release: TdrRelease,
         out: *mut *mut C_tensor,
     ) -> ShimStatus;
 
@@ -433,6 +443,23 @@ pub fn check(status: ShimStatus) -> Result<(), ShimError> {
     // SAFETY: a `ShimStatus` only comes from a shim entry point that just returned on this
     // thread: null, or a message not yet freed, which `take_error` frees once.
     unsafe { take_error(status.0) }
+}
+
+/// The failure a shim error check made on this thread (a callback handed its `message`): its
+/// text and kind, the message freed.
+///
+/// # Safety
+/// `message` must be a non-null message from the shim's error check that ran last on this
+/// thread, not yet freed.
+pub unsafe fn take_failure(message: *mut c_char) -> ShimError {
+    // SAFETY: the caller's promise.
+    match unsafe { take_error(message) } {
+        Err(e) => e,
+        Ok(()) => ShimError {
+            message: "an engine failure without a message".into(),
+            kind: FailureKind::Engine,
+        },
+    }
 }
 
 /// Copies `msg` into a malloc'ed C string the shim frees (for callback errors).

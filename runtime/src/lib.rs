@@ -44,9 +44,9 @@ pub use env::{
     RUN_ID_ENV, TORCH_DEBUG_ENV,
 };
 pub use error::{
-    ArgumentError, CallTensor, CollectiveCall, Desync, DistError, EnvError, Mismatch,
-    MisuseProblem, NamedSignature, Phase, PickleError, RendezvousError, Result, StepPosition,
-    TensorSignature,
+    ArgumentError, CallTensor, CollectiveCall, CollectiveSignature, Desync, DistError, EnvError,
+    Mismatch, MisuseProblem, NamedSignature, PassProgram, Phase, PickleError, RendezvousError,
+    Result, StepPosition, TensorSignature,
 };
 pub use objects::Object;
 pub use process_group::{
@@ -59,5 +59,8 @@ pub use reducer::{
     DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
 };
 pub use shard_fence::{check_enter, check_exit, take_fence_hit, unfenced, FenceOwner, ShardFence};
+pub use step_check::passes::{
+    forward_begins as managed_forward_begins, forward_ends as managed_forward_ends,
+};
 pub use step_check::{grad_enabled, set_step, step_check_time, NO_STEP_CHECK_ENV};
 pub use store::Store;

@@ -37,8 +37,8 @@ use tch_dist_core::hooks::{
 use tch_dist_core::path::{is_within, join_fqn};
 use tch_dist_core::Shardable;
 use tch_dist_runtime::{
-    autograd_mark, check_enter, check_exit, take_fence_hit, DistError, FenceOwner, ProcessGroup,
-    ShardFence, UseGuard,
+    autograd_mark, check_enter, check_exit, managed_forward_begins, managed_forward_ends,
+    take_fence_hit, DistError, FenceOwner, ProcessGroup, ShardFence, UseGuard,
 };
 
 use super::error::{ForwardProblem, HookSite, ShardError};
@@ -231,11 +231,14 @@ impl CallScope for Claim {
         if let Some(fence) = &self.fence {
             fence.open();
         }
+        // The step check covers the call's collectives as (part of) one forward pass.
+        managed_forward_begins();
         Ok(autograd_mark())
     }
 
     /// Claims the uses behind every output of the call.
     fn exit(&self, _m: &dyn Shardable, outputs: &[Tensor], mark: u64) -> Result<(), ForwardError> {
+        managed_forward_ends();
         if let Some(id) = self.opens {
             OPEN.with(|o| {
                 let mut open = o.borrow_mut();
@@ -275,11 +278,14 @@ impl CallScope for Check {
         // outside its calls.
         check_enter();
         CHECKING.with(|c| c.set(c.get() + 1));
+        // The whole root's call is one forward pass for the step check.
+        managed_forward_begins();
         Ok(autograd_mark())
     }
 
     /// Checks the graph of every output of the call.
     fn exit(&self, _m: &dyn Shardable, outputs: &[Tensor], mark: u64) -> Result<(), ForwardError> {
+        managed_forward_ends();
         check_exit();
         CHECKING.with(|c| c.set(c.get().saturating_sub(1)));
         let guards: Vec<&UseGuard> = self.guards.iter().map(|g| &*g.guard).collect();

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use tch::Tensor;
 
-use crate::ffi;
+use crate::ffi::{self, ShimError};
 
 /// What a callback tells the engine: `Ok` to go on, `Err(text)` to fail with `text` (the
 /// engine carries only text; an engine keeps the typed error itself where it needs it).
@@ -63,6 +63,30 @@ pub(crate) unsafe extern "C" fn grad_trampoline<C: Callback>(
     // SAFETY: the caller's promise; the clone is a handle of our own.
     let (ctx, grad) = unsafe { (&*(ctx as *const C::Context), Tensor::clone_from_ptr(grad)) };
     reply(C::PANIC, || C::run(ctx, index, Some(grad)))
+}
+
+/// A callback whose engine also hands back the failures it catches around its own work (a
+/// tensor-parallel backward's collective), for the text the backward pass fails with: the
+/// failure written as every other collective's failure is, in Rust.
+pub(crate) trait DescribeFailure: Callback {
+    /// The text of `failure`, caught by the engine inside the callback's node.
+    fn describe(ctx: &Self::Context, failure: ShimError) -> String;
+}
+
+/// The shim's [`TdrDescribe`](ffi::TdrDescribe) for callback `C`.
+///
+/// # Safety
+/// As [`trampoline`]; `message` is a message the shim's error check made on this thread
+/// just now (its kind is this thread's last), not yet freed: taken here.
+pub(crate) unsafe extern "C" fn describe_trampoline<C: DescribeFailure>(
+    ctx: *mut c_void,
+    message: *mut c_char,
+) -> *mut c_char {
+    // SAFETY: the caller's promises.
+    let (ctx, failure) = unsafe { (&*(ctx as *const C::Context), ffi::take_failure(message)) };
+    let text = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| C::describe(ctx, failure)))
+        .unwrap_or_else(|_| C::PANIC.to_string());
+    ffi::malloc_message(&text)
 }
 
 /// A strong reference to `ctx`, as a context the shim releases through [`release::<T>`].

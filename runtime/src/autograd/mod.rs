@@ -18,7 +18,9 @@ mod split_backward;
 mod tensor;
 mod use_guard;
 
-pub(crate) use callback::{Callback, Reply};
+pub(crate) use callback::{
+    describe_trampoline, release, share, trampoline, Callback, DescribeFailure, Reply,
+};
 pub use checkpoint::{checkpointed, Recomputation};
 pub(crate) use hooks::{
     add_output_grad_hook, queue_end_of_backward, set_grad_for, GradReadyHook, Interceptor,

@@ -5,7 +5,7 @@ use std::fmt;
 use tch::Kind;
 
 use super::text::RankValues;
-use crate::step_check::StepPosition;
+use crate::step_check::{CollectiveSignature, PassProgram, StepPosition};
 
 /// A tensor's shape and dtype, as ranks compare them (written `[8, 4] (Float)`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,7 +111,7 @@ pub enum Mismatch {
         /// Its tensor.
         other: TensorSignature,
     },
-    /// The always-on step check (`step_check.rs`): another rank is at another step or in
+    /// The always-on step check (`step_check/`): another rank is at another step or in
     /// another pass; nothing of this pass was sent.
     #[error(
         "rank {other_rank} is {other} while this rank is {this} (a rank skipped or repeated \
@@ -125,6 +125,64 @@ pub enum Mismatch {
         /// Where this rank is.
         this: StepPosition,
     },
+    /// The always-on step check: another rank is in the same pass but would run other
+    /// collectives in it (it recorded another number of tensor-parallel collectives for this
+    /// backward, or starts the pass with another collective or another shape); nothing of
+    /// this pass was sent.
+    #[error("{}", ProgramText { other_rank: *other_rank, position, other, this })]
+    Program {
+        /// The rank that differs (the lowest one).
+        other_rank: usize,
+        /// Where both are.
+        position: StepPosition,
+        /// What its pass runs.
+        other: PassProgram,
+        /// What this rank's pass runs.
+        this: PassProgram,
+    },
+}
+
+/// [`Mismatch::Program`]'s text: the first thing that differs, and its likely cause.
+struct ProgramText<'a> {
+    other_rank: usize,
+    position: &'a StepPosition,
+    other: &'a PassProgram,
+    this: &'a PassProgram,
+}
+
+impl fmt::Display for ProgramText<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ProgramText {
+            other_rank,
+            position,
+            other,
+            this,
+        } = self;
+        if other.recorded != this.recorded {
+            return write!(
+                f,
+                "rank {other_rank}'s forward recorded {} tensor-parallel collectives for its \
+                 backward while this rank's recorded {}, {position} (activation checkpointing, \
+                 no_grad or another model on some ranks only: the backward passes would run \
+                 different collectives)",
+                other.recorded, this.recorded
+            );
+        }
+        let first = |s: &Option<CollectiveSignature>| {
+            s.as_ref()
+                .map_or("no tensor-parallel collective".to_string(), |s| {
+                    s.to_string()
+                })
+        };
+        write!(
+            f,
+            "rank {other_rank} starts this pass with {} while this rank starts it with {}, \
+             {position} (the ranks' inputs differ: every rank of a tensor-parallel group must \
+             get inputs of the same shapes, and run the same layers)",
+            first(&other.first),
+            first(&this.first)
+        )
+    }
 }
 
 /// A list entry, or `missing` past the list's end.

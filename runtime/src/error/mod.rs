@@ -42,7 +42,7 @@ use text::{PeerText, RankList};
 
 pub use crate::reducer::ReducerError;
 
-pub use crate::step_check::{Phase, StepPosition};
+pub use crate::step_check::{CollectiveSignature, PassProgram, Phase, StepPosition};
 
 /// An error from tch-dist's runtime.
 ///

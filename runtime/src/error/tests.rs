@@ -658,6 +658,16 @@ fn argument_error_texts() {
     );
 }
 
+/// A position at `phase` after `forwards` and `backwards` passes, without `set_step`.
+fn position(phase: Phase, forwards: u64, backwards: u64) -> StepPosition {
+    StepPosition {
+        phase,
+        forwards,
+        backwards,
+        step: None,
+    }
+}
+
 #[test]
 fn mismatch_texts() {
     let named = |fqn: &str, shape: &[i64]| NamedSignature {
@@ -694,6 +704,54 @@ fn mismatch_texts() {
                 other: sig(&[9, 2]),
             },
             "rank 0 passes a tensor of shape [10, 2] (Float), but rank 2 passed [9, 2] (Float)",
+        ),
+        (
+            Mismatch::Step {
+                other_rank: 1,
+                other: position(Phase::Forward, 3, 1),
+                this: position(Phase::Backward, 2, 2),
+            },
+            "rank 1 is in the forward of step 3 (3 forward and 1 backward passes) while this \
+             rank is in the backward of step 2 (2 forward and 2 backward passes) (a rank skipped \
+             or repeated a step, a forward or a backward)",
+        ),
+        (
+            Mismatch::Program {
+                other_rank: 1,
+                position: position(Phase::Backward, 1, 1),
+                other: PassProgram {
+                    recorded: 0,
+                    first: None,
+                },
+                this: PassProgram {
+                    recorded: 1,
+                    first: None,
+                },
+            },
+            "rank 1's forward recorded 0 tensor-parallel collectives for its backward while \
+             this rank's recorded 1, in the backward of step 1 (1 forward and 1 backward passes) \
+             (activation checkpointing, no_grad or another model on some ranks only: the \
+             backward passes would run different collectives)",
+        ),
+        (
+            Mismatch::Program {
+                other_rank: 0,
+                position: position(Phase::Forward, 1, 0),
+                other: PassProgram {
+                    recorded: 0,
+                    first: Some(CollectiveSignature::new(
+                        "all_reduce (tensor-parallel forward)",
+                        vec![2, 6, 8],
+                        Kind::Float,
+                    )),
+                },
+                this: PassProgram::default(),
+            },
+            "rank 0 starts this pass with all_reduce (tensor-parallel forward) of [2, 6, 8] \
+             (Float) while this rank starts it with no tensor-parallel collective, in the \
+             forward of step 1 (1 forward and 0 backward passes) (the ranks' inputs differ: \
+             every rank of a tensor-parallel group must get inputs of the same shapes, and run \
+             the same layers)",
         ),
     ];
     for (m, text) in cases {

@@ -6,10 +6,10 @@
 use tch::Tensor;
 
 use super::param::{BucketMeta, ParamMeta, ParamTensors};
-use super::steps;
 use crate::autograd;
 use crate::error::{DistError, MisuseProblem, Result};
 use crate::shard_fence::ShardFence;
+use crate::step_check::passes::{self as steps, Api};
 use crate::{ProcessGroup, ReduceOp, Work};
 
 /// An all-gather of the group's shards in flight.
@@ -51,7 +51,7 @@ pub(crate) fn all_gather(
     flats: &[Tensor],
     tensors: &[ParamTensors],
 ) -> Result<Gather> {
-    steps::before_collective(group)?;
+    steps::before_collective(group, Api::FullyShard, None)?;
     let world = group.world_size() as i64;
     let mut gathered = Vec::with_capacity(buckets.len());
     let mut works = Vec::with_capacity(buckets.len());
@@ -149,7 +149,7 @@ pub(crate) fn all_gather_post_forward(
     buckets: &[BucketMeta],
     flats: &[Tensor],
 ) -> Result<Vec<Tensor>> {
-    steps::before_collective(group)?;
+    steps::before_collective(group, Api::FullyShard, None)?;
     let n = sub.world_size() as i64;
     let mut gathered = Vec::with_capacity(flats.len());
     let mut works = Vec::with_capacity(flats.len());
@@ -183,7 +183,7 @@ pub(crate) fn reduce_scatter(
     grads: &mut [Option<Tensor>],
     stash: &mut [Option<Tensor>],
 ) -> Result<Reduction> {
-    steps::before_collective(group)?;
+    steps::before_collective(group, Api::FullyShard, None)?;
     let world = group.world_size() as i64;
     let mut works = Vec::new();
     let mut outputs = Vec::with_capacity(buckets.len());
@@ -240,7 +240,7 @@ impl Reduction {
         }
         let mut world = group.world_size() as f64;
         if let Some(replicas) = replicas {
-            steps::before_collective(replicas)?;
+            steps::before_collective(replicas, Api::FullyShard, None)?;
             let mut works = Vec::new();
             for out in self.outputs.iter().flatten() {
                 works.push(replicas.all_reduce_async(out, ReduceOp::Sum)?);
@@ -323,7 +323,7 @@ pub(crate) fn gather_full(
             .copy_(&local.reshape([-1]))
     });
     let out = padded.new_empty([world * l.padded_numel()], (padded.kind(), padded.device()));
-    steps::before_collective(group)?;
+    steps::before_collective(group, Api::FullyShard, None)?;
     group.all_gather_into_tensor(&out, &padded)?;
     let full = padded.new_empty(l.shape(), (padded.kind(), padded.device()));
     tch::no_grad(|| l.copy_from_rank_major(&full, &out.view([world, l.padded_numel()])));

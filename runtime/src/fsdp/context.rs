@@ -19,9 +19,9 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use tch::Tensor;
 
 use super::group::GroupInner;
-use super::steps;
 use crate::autograd::{self, Callback, Reply};
 use crate::error::{DistError, Result};
+use crate::step_check::passes as steps;
 
 #[derive(Default)]
 struct Pass {

@@ -11,7 +11,6 @@
 //! | `module.rs` ([`FsdpGroup`], [`FsdpGroupOptions`]) | the handle the facade holds: pre/post-forward, unshard/reshard, setters, full values | `_fully_shard.py` (`FSDPModule`'s methods) |
 //! | `context.rs` | one root's backward pass, handed down to the groups under it: join order, prefetches, the end-of-backward callback | `_fsdp_state.py` (`_state_ctx`, `_root_post_backward_final_callback`) |
 //! | `hooks.rs` | the group's autograd callbacks (gradient interceptor, pre-backward hook), registered through `crate::autograd` | `FSDPParamGroup.pre_backward`, `_register_post_backward_hook` |
-//! | `steps.rs` | which pass this process is in, and the step check before each pass's first collective | (none: tch-dist's step check) |
 //!
 //! The facade's `tch_dist::fully_shard` decides what each group manages and drives it from
 //! forward hooks.
@@ -23,7 +22,6 @@ mod hooks;
 mod layout;
 mod module;
 mod param;
-mod steps;
 
 pub use crate::autograd::{is_float, storage_nbytes, tensor_identity};
 pub use layout::ShardLayout;

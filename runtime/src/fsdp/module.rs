@@ -7,14 +7,15 @@ use std::sync::{Arc, Mutex, Weak};
 
 use tch::{Kind, Tensor};
 
+use super::collectives;
 use super::context::PassContext;
 use super::group::{BackwardState, GroupInner, ShardedState, State};
 use super::hooks;
 use super::param::{self, engine, ManagedParam, ParamMeta, ShardInfo};
-use super::{collectives, steps};
 use crate::autograd::{self, Interceptor};
 use crate::error::{DistError, Result};
 use crate::shard_fence::{FenceOwner, ShardFence};
+use crate::step_check::passes as steps;
 use crate::ProcessGroup;
 
 /// Per-group switches (PyTorch's `fully_shard` options and `FSDPModule` setters).

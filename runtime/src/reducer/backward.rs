@@ -69,7 +69,8 @@ impl ReducerInner {
                 // for it (`Pass::note_launch`), so that backward computes meanwhile.
                 *backwards += 1;
                 let me = StepPosition::now(Phase::Backward, *forwards, *backwards);
-                let step_check = step_check::begin(&self.group, self.opts.api, me)?;
+                let step_check =
+                    step_check::begin(&self.group, self.opts.api, me, Default::default())?;
                 autograd::queue_end_of_backward(self).map_err(|e| DistError::Collective {
                     rank: self.rank(),
                     op: self.opts.api,

@@ -36,7 +36,7 @@
 //!   left (unused parameters count as zero with `find_unused_parameters`), waits for every
 //!   bucket, and writes the averaged gradients back into `.grad`.
 //! - **Step check.** A synchronised pass's first hook starts the step check
-//!   (`step_check.rs`: every rank's forward and backward counts, all-gathered in a header of
+//!   (`step_check/`: every rank's forward and backward counts, all-gathered in a header of
 //!   fixed size), and its first launch waits for it, so that a rank in another pass or step
 //!   fails every rank before any bucket is sent.
 //! - **Rebuild.** After the first iteration the buckets are rebuilt once from the order in
@@ -292,7 +292,8 @@ impl Reducer {
             return Err(e.clone());
         }
         let me = StepPosition::now(Phase::Forward, st.forwards, st.backwards);
-        let result = crate::step_check::check(&self.inner.group, "replicate", me);
+        let result =
+            crate::step_check::check(&self.inner.group, "replicate", me, Default::default());
         if let Err(e) = &result {
             st.failed = Some(e.clone());
         }

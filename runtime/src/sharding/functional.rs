@@ -19,12 +19,16 @@
 //! these functions are not supported.
 
 use std::ffi::c_int;
+use std::sync::Arc;
 
 use tch::Tensor;
 
+use crate::autograd::{self, Callback, DescribeFailure, Reply};
 use crate::error::{DistError, Result};
-use crate::ffi;
+use crate::ffi::{self, ShimError};
 use crate::process_group::ProcessGroup;
+use crate::step_check::passes::{self, Api};
+use crate::step_check::CollectiveSignature;
 
 #[derive(Clone, Copy)]
 enum Mode {
@@ -35,6 +39,74 @@ enum Mode {
     ReduceScatter = ffi::TDR_PARALLEL_REDUCE_SCATTER as isize,
 }
 
+impl Mode {
+    /// The collective its forward runs, if any (the step check's name for it).
+    fn forward_collective(self) -> Option<&'static str> {
+        match self {
+            Mode::Reduce => Some("all_reduce (tensor-parallel forward)"),
+            Mode::Gather => Some("all_gather (tensor-parallel forward)"),
+            Mode::ReduceScatter => Some("reduce_scatter (tensor-parallel forward)"),
+            Mode::Copy | Mode::Split => None,
+        }
+    }
+
+    /// The collective its backward runs, if any.
+    fn backward_collective(self) -> Option<&'static str> {
+        match self {
+            Mode::Copy => Some("all_reduce (tensor-parallel backward)"),
+            Mode::Split | Mode::ReduceScatter => Some("all_gather (tensor-parallel backward)"),
+            Mode::Reduce | Mode::Gather => None,
+        }
+    }
+}
+
+/// The whole tensor a collective of `mode` on `x` moves (the ranks compare it): `x` itself,
+/// but for an all-gather, whose slices may differ, the gathered tensor.
+fn whole_shape(x: &Tensor, mode: Mode, dim: i64, sizes: &[i64]) -> Vec<i64> {
+    let mut shape = x.size();
+    if let Mode::Gather = mode {
+        let ndim = shape.len() as i64;
+        if (-ndim..ndim).contains(&dim) {
+            shape[dim.rem_euclid(ndim) as usize] = sizes.iter().sum();
+        }
+    }
+    shape
+}
+
+/// What a backward node of ours needs from Rust: the group, its collective's name and
+/// signature, for the step check before it and the text of its failure.
+struct BackwardCollective {
+    group: ProcessGroup,
+    signature: Option<CollectiveSignature>,
+}
+
+impl Callback for BackwardCollective {
+    type Context = BackwardCollective;
+    const PANIC: &'static str = "tensor parallelism: internal panic before a backward collective";
+
+    /// The backward reached the node: its collective is checked (the first of the pass over
+    /// the group), or, without one, the pass is counted for the group.
+    fn run(ctx: &BackwardCollective, _index: usize, _grad: Option<Tensor>) -> Reply {
+        match &ctx.signature {
+            Some(signature) => {
+                passes::before_collective(&ctx.group, Api::TensorParallel, Some(signature.clone()))
+            }
+            None => passes::note_pass(&ctx.group, Api::TensorParallel),
+        }
+        .map_err(|e| e.to_string())
+    }
+}
+
+impl DescribeFailure for BackwardCollective {
+    fn describe(ctx: &BackwardCollective, failure: ShimError) -> String {
+        let op = ctx
+            .signature
+            .as_ref()
+            .map_or("tensor-parallel backward", |s| s.op);
+        ctx.group.op_context(op).failure(failure).to_string()
+    }
+}
+
 fn run(
     group: &ProcessGroup,
     op: &'static str,
@@ -43,9 +115,29 @@ fn run(
     dim: i64,
     sizes: &[i64],
 ) -> Result<Tensor> {
+    if !x.defined() {
+        return Err(DistError::Collective {
+            rank: group.rank(),
+            op,
+            cause: "the input tensor is undefined".into(),
+        });
+    }
+    let whole = whole_shape(x, mode, dim, sizes);
+    let signature = |op| CollectiveSignature::new(op, whole.clone(), x.kind());
+    match mode.forward_collective() {
+        Some(forward) => {
+            passes::before_collective(group, Api::TensorParallel, Some(signature(forward)))?
+        }
+        None => passes::note_pass(group, Api::TensorParallel)?,
+    }
+    let backward = Arc::new(BackwardCollective {
+        group: group.clone(),
+        signature: mode.backward_collective().map(signature),
+    });
     let mut out = std::ptr::null_mut();
     // SAFETY: a live group and tensor; `sizes` outlives the call; the shim catches every C++
-    // exception and hands back a new tensor that we own.
+    // exception and hands back a new tensor that we own; it releases the shared context once
+    // (with the backward node, or at once), and calls the callbacks only while it lives.
     ffi::check(unsafe {
         ffi::tdr_parallel_op(
             group.raw(),
@@ -54,6 +146,10 @@ fn run(
             dim,
             sizes.as_ptr(),
             sizes.len(),
+            autograd::trampoline::<BackwardCollective>,
+            autograd::describe_trampoline::<BackwardCollective>,
+            autograd::share(&backward),
+            autograd::release::<BackwardCollective>,
             &mut out,
         )
     })
@@ -66,7 +162,12 @@ fn run(
         });
     }
     // SAFETY: `out` is a fresh `new at::Tensor` from the shim, owned by the returned Tensor.
-    Ok(unsafe { Tensor::from_ptr(out) })
+    let out = unsafe { Tensor::from_ptr(out) };
+    // A node whose backward communicates: the next backward's step check counts it.
+    if out.requires_grad() && mode.backward_collective().is_some() {
+        passes::note_recorded(group);
+    }
+    Ok(out)
 }
 
 /// Sums partial results over the ranks; backward passes the gradient through unchanged.

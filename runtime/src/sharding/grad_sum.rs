@@ -19,6 +19,8 @@ use crate::autograd::{add_output_grad_hook, Callback, Reply};
 use crate::collectives::ReduceOp;
 use crate::error::{DistError, Result};
 use crate::process_group::ProcessGroup;
+use crate::step_check::passes::{self, Api};
+use crate::step_check::CollectiveSignature;
 
 /// Sums the gradients of the parameters it is [registered](GradientSum::register) on over a
 /// group, for as long as it lives: the hooks hold it weakly, so dropping the last `Arc` turns
@@ -76,8 +78,15 @@ impl GradientSum {
         })
     }
 
-    /// Sums `grad` over the group, in place.
+    /// Sums `grad` over the group, in place, after the step check (a backward collective of
+    /// tensor parallelism's).
     fn sum(&self, grad: &Tensor) -> Result<()> {
+        let signature = CollectiveSignature::new(
+            "all_reduce (sequence-parallel gradient)",
+            grad.size(),
+            grad.kind(),
+        );
+        passes::before_collective(&self.group, Api::TensorParallel, Some(signature))?;
         if grad.is_contiguous() {
             return self.group.all_reduce(grad, ReduceOp::Sum);
         }

@@ -1,0 +1,525 @@
+//! The step check that runs always, not only under `TCH_DIST_DEBUG=DETAIL`: before the first
+//! collective of each pass (a forward, a backward, or between them) over a process group,
+//! every rank all-gathers one fixed-size header saying where it is and what the pass will
+//! run, and every rank fails with [`Mismatch::Step`] or [`Mismatch::Program`] when the
+//! headers differ.
+//!
+//! | file | what it does | PyTorch's counterpart |
+//! |---|---|---|
+//! | `mod.rs` | the header (where a rank is: [`StepPosition`]; what its pass runs: [`PassProgram`]), its all-gather and comparison; [`set_step`] | (none: tch-dist's step check; DETAIL's fingerprints are c10d's `ProcessGroupWrapper`) |
+//! | `passes.rs` | which pass this process is in, for fully_shard and tensor parallelism, and the check before each pass's first collective over each group | (none) |
+//!
+//! Why a separate header and not a counter appended to a bucket: the collectives of a pass
+//! have sizes that depend on the pass (a forward's all-gathers, a backward's
+//! reduce-scatters, replicate's buffer broadcast and buckets). Gloo's pair thread enforces
+//! the size it expects on receive and aborts the process (`std::terminate`) when a peer
+//! sends another, so a check carried inside those collectives would come too late: two
+//! ranks in different passes abort before they can compare. The header has the same size
+//! on every rank in every pass, so whatever pass each rank is in, the first collective of
+//! that pass on each rank is a header, the headers meet each other, and a difference is
+//! seen before any pass-sized collective is sent. Once the headers agree, both ranks run
+//! the same pass of the same program, whose collectives have the same sizes.
+//!
+//! The header (int64): a tag, the pass, the forward passes begun, the backward passes begun,
+//! the caller's own step number ([`set_step`], -1 without one), then the pass's program:
+//! the tensor-parallel collectives the forward passes recorded for this backward, and the
+//! signature of the pass's first collective (an op code, a dtype code, the rank count and
+//! up to [`DIMS`] dims of its whole tensor). A whole step left out on one rank leaves no
+//! trace in that rank's counters (its next step is simply its step `k`); only [`set_step`]
+//! (or the end of training, where the other rank's last header meets a departed peer, a
+//! timeout, or a header between passes) tells it apart.
+
+use std::fmt;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tch::{Kind, Tensor};
+
+use tch_dist_core::sharding::Dtype;
+
+use crate::collectives::Work;
+use crate::error::{DistError, Mismatch, MisuseProblem, Result, TensorSignature};
+use crate::process_group::ProcessGroup;
+
+pub(crate) mod passes;
+
+/// The header's first element: a value no pass counter takes, so that a header never reads
+/// as something else.
+const TAG: i64 = 0x7464_735f_7374_6570; // "tds_step"
+/// The dims of a first collective's tensor a header carries (more are folded into the last).
+pub const DIMS: usize = 6;
+/// Elements of a header: the tag, the position (4), the recorded count, the signature's op,
+/// dtype and rank count, and its dims.
+const LEN: usize = 9 + DIMS;
+
+/// The caller's step number ([`set_step`]); -1 when never set.
+static USER_STEP: AtomicI64 = AtomicI64::new(-1);
+
+/// A benchmark switch: `TCH_DIST_NO_STEP_CHECK=1` turns the step check off, to measure what
+/// it costs (`bench/ab.py`). Set it on every rank or on none: a rank that checks against
+/// one that does not meets a pass-sized collective with its header.
+pub const NO_STEP_CHECK_ENV: &str = "TCH_DIST_NO_STEP_CHECK";
+
+fn check_off() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OFF.get_or_init(|| std::env::var(NO_STEP_CHECK_ENV).is_ok_and(|v| v == "1"))
+}
+
+/// Nanoseconds this process spent in step checks (for benchmarks).
+static CHECK_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// The time this process has spent in step checks so far, every group together: what the
+/// always-on check costs (`make bench` prints it per step as `step_check_vs_step`).
+pub fn step_check_time() -> Duration {
+    Duration::from_nanos(CHECK_NANOS.load(Ordering::Relaxed))
+}
+
+/// Tells every later step check the training loop's own step number, so that a rank that
+/// leaves out a whole step (or repeats one) is caught at its next forward or backward,
+/// rather than averaged with the wrong step: without it a rank's pass counters cannot show
+/// a step that was never begun. Call it once per step, with the same number on every rank.
+///
+/// ```no_run
+/// for step in 0..10u64 {
+///     tch_dist_runtime::set_step(step);
+///     // forward, backward, optimizer step
+/// }
+/// ```
+pub fn set_step(step: u64) {
+    USER_STEP.store(i64::try_from(step).unwrap_or(i64::MAX), Ordering::Relaxed);
+}
+
+/// Which pass a rank is in when it checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Phase {
+    /// A forward pass.
+    Forward,
+    /// A backward pass.
+    Backward,
+    /// Between passes (after a forward or a backward ended: a state dict, an explicit
+    /// unshard).
+    Between,
+}
+
+impl Phase {
+    fn code(self) -> i64 {
+        match self {
+            Phase::Forward => 0,
+            Phase::Backward => 1,
+            Phase::Between => 2,
+        }
+    }
+
+    fn from_code(code: i64) -> Option<Phase> {
+        match code {
+            0 => Some(Phase::Forward),
+            1 => Some(Phase::Backward),
+            2 => Some(Phase::Between),
+            _ => None,
+        }
+    }
+}
+
+/// Where a rank is in training, as the step check compares it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepPosition {
+    /// The pass it is in.
+    pub phase: Phase,
+    /// Forward passes begun (the current one included): the step number.
+    pub forwards: u64,
+    /// Backward passes begun (the current one included).
+    pub backwards: u64,
+    /// The caller's step number ([`set_step`]), if it gave one.
+    pub step: Option<u64>,
+}
+
+impl fmt::Display for StepPosition {
+    /// `in the forward of step 3 (3 forward and 2 backward passes)`; with the caller's
+    /// numbering, `in the forward of step 7 (set_step; 3 forward and 2 backward passes)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (forwards, backwards) = (self.forwards, self.backwards);
+        let step = self.step.unwrap_or(forwards);
+        match self.phase {
+            Phase::Forward => write!(f, "in the forward of step {step}")?,
+            Phase::Backward => write!(f, "in the backward of step {step}")?,
+            Phase::Between => write!(f, "between passes after step {step}")?,
+        }
+        let numbered = if self.step.is_some() {
+            "set_step; "
+        } else {
+            ""
+        };
+        write!(
+            f,
+            " ({numbered}{forwards} forward and {backwards} backward passes)"
+        )
+    }
+}
+
+/// A collective whose tensors the ranks compare at the start of a pass: which one, and the
+/// whole tensor it moves (for an uneven all-gather, the gathered tensor: every rank's is
+/// the same).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CollectiveSignature {
+    /// The operation (`all_reduce (tensor parallel forward)`, ...).
+    pub op: &'static str,
+    /// Its tensor's shape and dtype.
+    pub tensor: TensorSignature,
+}
+
+impl fmt::Display for CollectiveSignature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} of {}", self.op, self.tensor)
+    }
+}
+
+/// The operations a signature names, by code (0: none).
+const SIGNATURE_OPS: [&str; 6] = [
+    "all_reduce (tensor-parallel forward)",
+    "all_gather (tensor-parallel forward)",
+    "reduce_scatter (tensor-parallel forward)",
+    "all_reduce (tensor-parallel backward)",
+    "all_gather (tensor-parallel backward)",
+    "all_reduce (sequence-parallel gradient)",
+];
+
+impl CollectiveSignature {
+    /// A signature of `op` (one of [`SIGNATURE_OPS`]) on `tensor`'s shape and dtype.
+    pub(crate) fn new(op: &'static str, shape: Vec<i64>, kind: Kind) -> Self {
+        debug_assert!(SIGNATURE_OPS.contains(&op), "unknown signature op {op}");
+        CollectiveSignature {
+            op,
+            tensor: TensorSignature { shape, kind },
+        }
+    }
+
+    /// `[op, dtype, ndim, dims...]`; the dims past [`DIMS`] multiplied into the last slot.
+    fn encode(&self) -> [i64; 3 + DIMS] {
+        let mut out = [0i64; 3 + DIMS];
+        out[0] = SIGNATURE_OPS
+            .iter()
+            .position(|o| *o == self.op)
+            .map_or(-1, |i| i as i64 + 1);
+        out[1] = Dtype(self.tensor.kind).code();
+        let shape = &self.tensor.shape;
+        out[2] = shape.len() as i64;
+        for (i, d) in shape.iter().enumerate() {
+            let slot = i.min(DIMS - 1);
+            out[3 + slot] = if i > slot {
+                out[3 + slot].saturating_mul(*d)
+            } else {
+                *d
+            };
+        }
+        out
+    }
+
+    fn decode(row: &[i64]) -> Option<Option<CollectiveSignature>> {
+        let [op, dtype, ndim, ref dims @ ..] = *row else {
+            return None;
+        };
+        if op == 0 {
+            return Some(None);
+        }
+        let op = *SIGNATURE_OPS.get(usize::try_from(op - 1).ok()?)?;
+        let kind = Dtype::from_code(dtype)?.into();
+        let ndim = usize::try_from(ndim).ok()?;
+        let shape = dims[..ndim.min(DIMS)].to_vec();
+        Some(Some(CollectiveSignature {
+            op,
+            tensor: TensorSignature { shape, kind },
+        }))
+    }
+}
+
+/// What a rank's pass will run, as the step check compares it beside the position: a
+/// difference here is two programs in one pass (activation checkpointing or `no_grad` on
+/// some ranks only, inputs of other shapes), whose collectives would meet each other.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PassProgram {
+    /// The tensor-parallel collectives the forward passes recorded for this backward over
+    /// the group (0 outside a backward, and for the other APIs).
+    pub recorded: u64,
+    /// The pass's first collective, where the API names it (tensor parallelism).
+    pub first: Option<CollectiveSignature>,
+}
+
+impl StepPosition {
+    /// This rank at `phase` after `forwards` and `backwards` passes, with the caller's step.
+    pub(crate) fn now(phase: Phase, forwards: u64, backwards: u64) -> StepPosition {
+        let step = USER_STEP.load(Ordering::Relaxed);
+        StepPosition {
+            phase,
+            forwards,
+            backwards,
+            step: u64::try_from(step).ok(),
+        }
+    }
+}
+
+/// One rank's header: where it is and what its pass runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Header {
+    position: StepPosition,
+    program: PassProgram,
+}
+
+fn count(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+impl Header {
+    fn encode(&self) -> [i64; LEN] {
+        let p = &self.position;
+        let mut out = [0i64; LEN];
+        out[..6].copy_from_slice(&[
+            TAG,
+            p.phase.code(),
+            count(p.forwards),
+            count(p.backwards),
+            p.step.map_or(-1, count),
+            count(self.program.recorded),
+        ]);
+        if let Some(first) = &self.program.first {
+            out[6..].copy_from_slice(&first.encode());
+        }
+        out
+    }
+
+    fn decode(row: &[i64]) -> Option<Header> {
+        if row.len() != LEN || row[0] != TAG {
+            return None;
+        }
+        let [_, phase, forwards, backwards, step, recorded] = row[..6] else {
+            return None;
+        };
+        Some(Header {
+            position: StepPosition {
+                phase: Phase::from_code(phase)?,
+                forwards: u64::try_from(forwards).ok()?,
+                backwards: u64::try_from(backwards).ok()?,
+                step: (step >= 0).then_some(step as u64),
+            },
+            program: PassProgram {
+                recorded: u64::try_from(recorded).ok()?,
+                first: CollectiveSignature::decode(&row[6..])?,
+            },
+        })
+    }
+}
+
+/// Whether autograd records graphs on this thread now (a forward under `no_grad` is no
+/// training step).
+pub fn grad_enabled() -> bool {
+    // SAFETY: reads and restores this thread's grad mode (libtorch has no getter in tch).
+    unsafe {
+        let was = torch_sys::at_grad_set_enabled(1);
+        torch_sys::at_grad_set_enabled(was);
+        was != 0
+    }
+}
+
+/// The step check over `group` for operation `op` (`replicate`, `fully_shard`, tensor
+/// parallelism): every rank sends `me` and `program`, and fails with [`Mismatch::Step`] (or,
+/// at the same position, [`Mismatch::Program`]), naming the lowest rank that differs, unless
+/// every rank agrees. Nothing to do in a group of one (no other rank to disagree with; so
+/// also nothing to count among its collectives).
+pub(crate) fn check(
+    group: &ProcessGroup,
+    op: &'static str,
+    me: StepPosition,
+    program: PassProgram,
+) -> Result<()> {
+    begin(group, op, me, program)?.finish()
+}
+
+/// [`check`] in two halves: the all-gather starts now, [`PendingCheck::finish`] waits for it
+/// and compares, so that the pass can compute meanwhile. Nothing of the pass may be launched
+/// over `group` before `finish` returned Ok.
+pub(crate) fn begin(
+    group: &ProcessGroup,
+    op: &'static str,
+    me: StepPosition,
+    program: PassProgram,
+) -> Result<PendingCheck> {
+    if group.world_size() == 1 || check_off() {
+        return Ok(PendingCheck { flight: None });
+    }
+    let start = Instant::now();
+    let me = Header {
+        position: me,
+        program,
+    };
+    let mine = Tensor::from_slice(&me.encode());
+    let all = Tensor::zeros(
+        [(group.world_size() * LEN) as i64],
+        (Kind::Int64, mine.device()),
+    );
+    let work = group.all_gather_into_tensor_async(&all, &mine);
+    note_time(start);
+    Ok(PendingCheck {
+        flight: Some(Flight {
+            work: work?,
+            all,
+            _mine: mine,
+            group: group.clone(),
+            op,
+            me,
+        }),
+    })
+}
+
+/// A step check whose all-gather is in flight ([`begin`]).
+pub(crate) struct PendingCheck {
+    flight: Option<Flight>,
+}
+
+struct Flight {
+    work: Work,
+    all: Tensor,
+    _mine: Tensor,
+    group: ProcessGroup,
+    op: &'static str,
+    me: Header,
+}
+
+impl PendingCheck {
+    /// Waits for the all-gather and compares every rank's position with this rank's.
+    pub(crate) fn finish(self) -> Result<()> {
+        let Some(f) = self.flight else {
+            return Ok(());
+        };
+        let start = Instant::now();
+        let Flight {
+            work,
+            all,
+            _mine: mine,
+            group,
+            op,
+            me,
+        } = f;
+        let result = work.wait().and_then(|()| compare(&group, op, me, &all));
+        drop(mine);
+        note_time(start);
+        result
+    }
+}
+
+fn note_time(start: Instant) {
+    let spent = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    CHECK_NANOS.fetch_add(spent, Ordering::Relaxed);
+}
+
+/// Every rank's header in `all` against `me`: positions first (a rank in another pass), then
+/// programs.
+fn compare(group: &ProcessGroup, op: &'static str, me: Header, all: &Tensor) -> Result<()> {
+    let all = Vec::<i64>::try_from(all).map_err(|e| DistError::Collective {
+        rank: group.rank(),
+        op,
+        cause: format!("reading the step check: {e}"),
+    })?;
+    let mut others = Vec::with_capacity(group.world_size());
+    for (other_rank, row) in all.chunks(LEN).enumerate() {
+        let other = Header::decode(row).ok_or_else(|| DistError::Misuse {
+            rank: group.rank(),
+            op,
+            problem: Box::new(MisuseProblem::Undecodable {
+                what: "a step check",
+                from: Some(other_rank),
+            }),
+        })?;
+        others.push(other);
+    }
+    let mismatch = |mismatch| DistError::Mismatch {
+        rank: group.rank(),
+        op,
+        mismatch: Box::new(mismatch),
+    };
+    if let Some((other_rank, other)) = others
+        .iter()
+        .enumerate()
+        .find(|(_, o)| o.position != me.position)
+    {
+        return Err(mismatch(Mismatch::Step {
+            other_rank,
+            other: other.position,
+            this: me.position,
+        }));
+    }
+    if let Some((other_rank, other)) = others
+        .iter()
+        .enumerate()
+        .find(|(_, o)| o.program != me.program)
+    {
+        return Err(mismatch(Mismatch::Program {
+            other_rank,
+            position: me.position,
+            other: other.program.clone(),
+            this: me.program,
+        }));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_round_trip_and_read() {
+        let p = StepPosition {
+            phase: Phase::Backward,
+            forwards: 4,
+            backwards: 3,
+            step: Some(7),
+        };
+        let header = |position, program| Header { position, program };
+        let h = header(p, PassProgram::default());
+        assert_eq!(Header::decode(&h.encode()), Some(h.clone()));
+        assert_eq!(
+            p.to_string(),
+            "in the backward of step 7 (set_step; 4 forward and 3 backward passes)"
+        );
+        let q = StepPosition {
+            phase: Phase::Between,
+            step: None,
+            ..p
+        };
+        let programmed = header(
+            q,
+            PassProgram {
+                recorded: 5,
+                first: Some(CollectiveSignature::new(
+                    "all_reduce (tensor-parallel forward)",
+                    vec![4, 128, 16],
+                    Kind::BFloat16,
+                )),
+            },
+        );
+        assert_eq!(Header::decode(&programmed.encode()), Some(programmed));
+        assert_eq!(
+            q.to_string(),
+            "between passes after step 4 (4 forward and 3 backward passes)"
+        );
+        // Dims past DIMS are folded into the last one (the rank count is kept).
+        let deep = CollectiveSignature::new(
+            "all_gather (tensor-parallel backward)",
+            vec![1, 2, 3, 4, 5, 6, 7],
+            Kind::Float,
+        );
+        let row = deep.encode();
+        assert_eq!(row[2..], [7, 1, 2, 3, 4, 5, 42]);
+        // Not a header: another tag, an unknown pass, a short row, an unknown op.
+        let mut bad = h.encode();
+        bad[0] = 1;
+        assert_eq!(Header::decode(&bad), None);
+        let mut bad = h.encode();
+        bad[1] = 9;
+        assert_eq!(Header::decode(&bad), None);
+        assert_eq!(Header::decode(&h.encode()[..4]), None);
+        let mut bad = h.encode();
+        bad[6] = 99;
+        assert_eq!(Header::decode(&bad), None);
+    }
+}
