@@ -29,8 +29,8 @@ pub mod fused {
 // The c10d layer's modules under the crate-root paths the engines' files use
 // (`crate::process_group::ProcessGroup`, `crate::collectives::Work`).
 use c10d::{
-    coalesced, collectives, desync, devices, env, group as process_group, objects, rendezvous,
-    store,
+    coalesced, collectives, departures, desync, devices, env, group as process_group, objects,
+    rendezvous, store,
 };
 
 pub use autograd::{
@@ -44,9 +44,9 @@ pub use env::{
     RUN_ID_ENV, TORCH_DEBUG_ENV,
 };
 pub use error::{
-    ArgumentError, CallTensor, CollectiveCall, CollectiveSignature, Desync, DistError, EnvError,
-    Mismatch, MisuseProblem, NamedSignature, PassProgram, Phase, PickleError, RendezvousError,
-    Result, StepPosition, TensorSignature,
+    ArgumentError, CallTensor, CollectiveCall, CollectiveSignature, Departure, Desync, DistError,
+    EnvError, Mismatch, MisuseProblem, NamedSignature, PassProgram, Phase, PickleError,
+    RendezvousError, Result, StepPosition, TensorSignature,
 };
 pub use objects::Object;
 pub use process_group::{

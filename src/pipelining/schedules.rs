@@ -274,7 +274,13 @@ impl<M: 'static> Runner<M> {
             .into_iter()
             .map(|p| p.wait(rank))
             .collect::<Result<Vec<()>, _>>();
-        if result.is_err() || sent.is_err() {
+        // A step that failed after its transfers began leaves the peers waiting for what
+        // this rank will not send, and a receive of its own posted ahead: this rank takes
+        // no further part in the group, and says so first, so that its peers fail within
+        // seconds naming it and its error (rather than at the group's timeout, or with a
+        // closed connection once the posted receives are dropped below).
+        if let Some(e) = result.as_ref().err().or(sent.as_ref().err()) {
+            self.group.stop_after_failure(&crate::report(e));
             self.stages.iter_mut().for_each(PipelineStage::clear);
             self.meta_batch = None;
         }

@@ -530,3 +530,71 @@ fn a_stage_killed_mid_step_fails_every_other_rank_within_the_timeout() {
     }
     assert!(started.elapsed() < Duration::from_secs(60));
 }
+
+/// Stage 0's forward fails at the first microbatch of the second step, before it sends or
+/// posts anything, and its program carries on, neither exiting nor sending: stage 1, waiting
+/// for the activation, fails within seconds naming rank 0 and its error, where it waited out
+/// the group's timeout (issue 41, section 4); both ranks' next steps are refused at once
+/// (their groups stopped).
+#[test]
+fn a_stage_that_fails_and_carries_on_fails_its_peer_within_seconds() {
+    const TEST: &str = "errors::a_stage_that_fails_and_carries_on_fails_its_peer_within_seconds";
+    let launch = Launch::new(TEST, 2).env("TCH_DIST_TIMEOUT_SECS", "60");
+    run_ranks_with(&launch, Backend::Gloo, |pg| {
+        let rank = pg.rank();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let calls = Rc::new(Cell::new(0usize));
+        let seen = calls.clone();
+        let range = if rank == 0 { 0..2 } else { 2..6 };
+        let stage = PipelineStage::with_forward(
+            part(&vs, &MODEL, range),
+            move |m: &Part, x: &Tensor, _train| {
+                seen.set(seen.get() + 1);
+                if rank == 0 && seen.get() > 4 {
+                    return Err(tch_dist::ForwardError::new("the data went away"));
+                }
+                Ok(m.forward(x))
+            },
+            rank,
+            2,
+            Device::Cpu,
+            &pg,
+        );
+        let mut schedule = Schedule1F1B::new(stage, 4, mse).unwrap();
+        let first = rank == 0;
+        let (x, y) = batch(0, 8);
+        let mut losses = Vec::new();
+        let mut step = || schedule.step(first.then_some(&x), (!first).then_some(&y), &mut losses);
+        step().unwrap();
+        let started = Instant::now();
+        let e = step().unwrap_err();
+        let took = started.elapsed();
+        let own = tch_dist::report(&e);
+        if first {
+            assert!(own.contains("the data went away"), "{own}");
+            // The program carries on: it neither exits nor sends.
+            std::thread::sleep(Duration::from_secs(4));
+        } else {
+            assert!(
+                took < Duration::from_secs(5),
+                "rank 1 failed after {took:?}: {own}"
+            );
+            assert!(
+                own.contains(
+                    "rank 1: recv: rank 0 failed and stopped taking part: rank 0: stage 0: the \
+                     forward of microbatch 0 failed"
+                ),
+                "{own}"
+            );
+            assert!(own.contains("the data went away"), "{own}");
+        }
+        // Both groups stopped: the next step is refused at once, naming the failure.
+        let started = Instant::now();
+        let again = tch_dist::report(&step().unwrap_err());
+        assert!(started.elapsed() < Duration::from_secs(2), "{again}");
+        assert!(
+            again.contains("the group stopped after this rank's failure"),
+            "{again}"
+        );
+    });
+}

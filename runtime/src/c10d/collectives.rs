@@ -11,6 +11,7 @@ use tch::Tensor;
 use tch_dist_core::trace;
 use torch_sys::C_tensor;
 
+use crate::departures::WATCH_SLICE;
 use crate::error::{ArgumentError, DistError, Result};
 use crate::ffi::{self, FailureKind, ShimError};
 use crate::process_group::ProcessGroup;
@@ -131,6 +132,8 @@ pub struct Work {
     launched: Instant,
     /// With `TCH_DIST_TRACE`: what the trace records of this operation once it is waited.
     traced: Option<Box<TracedOp>>,
+    /// The group, whose departed members a long wait looks for (`departures.rs`).
+    group: ProcessGroup,
 }
 
 /// A collective being traced: its async event's id, launch time and group.
@@ -150,7 +153,35 @@ impl Work {
     /// see the type's docs).
     pub fn wait(mut self) -> Result<()> {
         let left = self.timeout.saturating_sub(self.launched.elapsed());
-        self.wait_for(left, self.timeout, false)
+        self.wait_watched(left)
+    }
+
+    /// Waits up to `limit` for a blocking wait (Gloo's), in slices between which it looks
+    /// for members of the group that left ([`DistError::PeerDeparted`] within seconds, where
+    /// the wait would run to the group's timeout); NCCL's wait on its stream blocks nothing
+    /// and is left as it is.
+    fn wait_watched(&mut self, limit: Duration) -> Result<()> {
+        if self.is_on_stream() {
+            return self.wait_for(limit, self.timeout, false);
+        }
+        let end = Instant::now() + limit;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            let last = left <= WATCH_SLICE;
+            match self.wait_for(left.min(WATCH_SLICE), self.timeout, false) {
+                Err(DistError::Timeout { .. }) if !last && !self.is_completed() => {
+                    if let Some(departed) = self.group.watch(self.context.op) {
+                        return Err(departed);
+                    }
+                }
+                // A peer that reported its failure before it closed its connections is
+                // named with what it reported.
+                Err(gone @ DistError::PeerGone { .. }) => {
+                    return Err(self.group.watch(self.context.op).unwrap_or(gone))
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Waits on the CPU up to `timeout`; when it passes with the work still pending, the
@@ -282,6 +313,7 @@ impl ProcessGroup {
             timeout: self.timeout(),
             launched,
             traced,
+            group: self.clone(),
         })
     }
 

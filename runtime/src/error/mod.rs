@@ -44,6 +44,46 @@ pub use crate::reducer::ReducerError;
 
 pub use crate::step_check::{CollectiveSignature, PassProgram, Phase, StepPosition};
 
+/// What a rank that left a job's collectives reported, or what was reported of it
+/// ([`DistError::PeerDeparted`]).
+///
+/// ```
+/// use tch_dist_runtime::Departure;
+/// let exited = Departure::Exited { status: "exited with status 0".into() };
+/// assert_eq!(
+///     exited.to_string(),
+///     "exited with status 0 (its launcher reported it), so it will not take part"
+/// );
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Departure {
+    /// Its process exited, as its launcher (`tch-dist-run`) reported.
+    Exited {
+        /// The launcher's words (`exited with status 0`, `was killed by signal 9 (SIGKILL)`).
+        status: String,
+    },
+    /// It failed and stopped taking part in the group's collectives.
+    Failed {
+        /// Its error, as it reported it.
+        error: String,
+    },
+}
+
+impl std::fmt::Display for Departure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Departure::Exited { status } => write!(
+                f,
+                "{status} (its launcher reported it), so it will not take part"
+            ),
+            Departure::Failed { error } => {
+                write!(f, "failed and stopped taking part: {error}")
+            }
+        }
+    }
+}
+
 /// An error from tch-dist's runtime.
 ///
 /// ```
@@ -113,6 +153,36 @@ pub enum DistError {
         /// point-to-point transfer).
         peer: Option<usize>,
         /// What the engine said.
+        cause: String,
+    },
+    /// A rank this one waited for has left: its launcher reported that its process exited,
+    /// or it reported that it failed and stopped taking part in the group's collectives.
+    /// Seen within seconds ([`Departure`]), where the wait would otherwise have run to the
+    /// group's timeout.
+    #[error("rank {rank}: {op}: rank {peer} {departure}")]
+    PeerDeparted {
+        /// This process's rank in the group.
+        rank: usize,
+        /// The operation that waited.
+        op: &'static str,
+        /// The rank that left, in the group.
+        peer: usize,
+        /// What it reported, or what was reported of it.
+        departure: Departure,
+    },
+    /// This rank stopped taking part in the group's collectives after a failure (and told
+    /// the other ranks, who fail with [`PeerDeparted`](Self::PeerDeparted)): a transfer or
+    /// collective of it may be left pending, so nothing more is sent over the group.
+    #[error(
+        "rank {rank}: {op}: the group stopped after this rank's failure ({cause}); create a \
+         new group to go on"
+    )]
+    GroupStopped {
+        /// This process's rank in the group.
+        rank: usize,
+        /// The operation refused.
+        op: &'static str,
+        /// The failure, as this rank reported it.
         cause: String,
     },
     /// A wait gave up after `timeout`.
@@ -264,6 +334,8 @@ impl DistError {
             | DistError::Misuse { rank, .. }
             | DistError::Internal { rank, .. }
             | DistError::PeerGone { rank, .. }
+            | DistError::PeerDeparted { rank, .. }
+            | DistError::GroupStopped { rank, .. }
             | DistError::Timeout { rank, .. }
             | DistError::InvalidArgument { rank, .. }
             | DistError::Mismatch { rank, .. }

@@ -101,6 +101,9 @@ struct GroupInner {
     launched: AtomicU64,
     /// The subgroups created from this group, shut down with it.
     children: Mutex<Vec<Weak<GroupInner>>>,
+    /// Set once this rank stopped taking part in the group's collectives after a failure
+    /// (`ProcessGroup::stop_after_failure`): the failure, which every later operation names.
+    stopped: Mutex<Option<String>>,
 }
 
 /// What a new group's `GroupInner` takes beyond its handle.
@@ -137,6 +140,7 @@ impl GroupInner {
             shut_down: AtomicBool::new(false),
             launched: AtomicU64::new(0),
             children: Mutex::new(Vec::new()),
+            stopped: Mutex::new(None),
         }
     }
 
@@ -278,7 +282,25 @@ impl ProcessGroup {
                 op,
             });
         }
+        if let Some(cause) = &*self.inner.stopped.lock().unwrap_or_else(|e| e.into_inner()) {
+            return Err(DistError::GroupStopped {
+                rank: self.rank(),
+                op,
+                cause: cause.clone(),
+            });
+        }
         Ok(())
+    }
+
+    /// Keeps `cause` as the failure after which this rank takes no part in the group's
+    /// collectives; false when one was kept before (it stays).
+    pub(crate) fn keep_stop(&self, cause: &str) -> bool {
+        let mut stopped = self.inner.stopped.lock().unwrap_or_else(|e| e.into_inner());
+        if stopped.is_some() {
+            return false;
+        }
+        *stopped = Some(cause.to_string());
+        true
     }
 
     /// Counts a launched collective.

@@ -1,0 +1,125 @@
+//! Who has left a job, or stopped taking part in a group, as the ranks and their launchers
+//! tell each other through the rendezvous store; and the watch a long wait keeps over it, so
+//! that no rank waits out the group's timeout (30 minutes by default) for a rank that will
+//! never come.
+//!
+//! The keys, in the root store (the TCPStore rank 0 hosts):
+//!
+//! | key | written by | when |
+//! |---|---|---|
+//! | `tch_dist/exited/<global rank>`, counted in `tch_dist/exited_count` | the rank's launcher (`tch-dist-run`) | its process exited, while the launcher was not stopping the job (`exited with status 0`) |
+//! | `tch_dist/failed/<group name>/<group rank>`, counted in `tch_dist/failed/<group name>/count` | the rank itself ([`ProcessGroup::stop_after_failure`]) | it failed in a way that leaves its peers waiting (a pipeline step that failed after its transfers began), and takes no further part in the group's collectives |
+//!
+//! A wait that has lasted [`WATCH_SLICE`] reads the two counts (two round trips to the store)
+//! and, when one moved, the keys of the group's members: a member that left fails the wait
+//! with [`DistError::PeerDeparted`] naming it and what it reported. The rank that saw it stops
+//! taking part too (its pending transfer would otherwise meet the next step's), and says so,
+//! so that ranks waiting for it learn in turn. A wait that ends within the slice costs
+//! nothing.
+
+use std::time::Duration;
+
+use crate::error::{Departure, DistError};
+use crate::process_group::ProcessGroup;
+
+/// How long a wait runs before it first looks for members that left, and between looks.
+pub(crate) const WATCH_SLICE: Duration = Duration::from_secs(1);
+
+/// The key of a rank's exit, in the launcher's words.
+fn exited_key(global_rank: usize) -> String {
+    format!("tch_dist/exited/{global_rank}")
+}
+
+/// How many exits were reported, job-wide.
+const EXITED_COUNT: &str = "tch_dist/exited_count";
+
+/// The key of a rank's failure in the group named `group`.
+fn failed_key(group: &str, rank: usize) -> String {
+    format!("tch_dist/failed/{group}/{rank}")
+}
+
+/// How many ranks of the group named `group` reported a failure.
+fn failed_count(group: &str) -> String {
+    format!("tch_dist/failed/{group}/count")
+}
+
+impl ProcessGroup {
+    /// The first other member of this group that reported a failure or whose launcher
+    /// reported its exit, if the store says so (`None` too when the store cannot be read: a
+    /// store that is gone fails the wait by itself).
+    pub(crate) fn departed_member(&self) -> Option<(usize, Departure)> {
+        let store = self.store();
+        let name = self.group_name();
+        let read = |key: &str| -> Option<String> {
+            match store.check(key) {
+                Ok(true) => store
+                    .get(key)
+                    .ok()
+                    .map(|v| String::from_utf8_lossy(&v).into_owned()),
+                _ => None,
+            }
+        };
+        let others = (0..self.world_size()).filter(|&r| r != self.rank());
+        if store.add(&failed_count(name), 0).ok()? > 0 {
+            for r in others.clone() {
+                if let Some(error) = read(&failed_key(name, r)) {
+                    return Some((r, Departure::Failed { error }));
+                }
+            }
+        }
+        if store.add(EXITED_COUNT, 0).ok()? > 0 {
+            for r in others {
+                if let Some(status) = read(&exited_key(self.global_ranks()[r])) {
+                    return Some((r, Departure::Exited { status }));
+                }
+            }
+        }
+        None
+    }
+
+    /// This rank failed in a way that leaves its peers waiting (`cause`: its error; a
+    /// pipeline step that failed after its transfers began): it takes no further part in the
+    /// group's collectives (every later one fails at once with [`DistError::GroupStopped`]),
+    /// and tells the other members, whose waits for it fail within a second or two naming it
+    /// ([`DistError::PeerDeparted`]) instead of running to the group's timeout. Idempotent:
+    /// the first cause stays.
+    ///
+    /// ```no_run
+    /// # let pg = tch_dist_runtime::default_group()?;
+    /// pg.stop_after_failure("rank 0: my_api: the batch could not be loaded");
+    /// let t = tch::Tensor::from_slice(&[1.0f32]);
+    /// assert!(matches!(
+    ///     pg.all_reduce(&t, tch_dist_runtime::ReduceOp::Sum),
+    ///     Err(tch_dist_runtime::DistError::GroupStopped { .. })
+    /// ));
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
+    pub fn stop_after_failure(&self, cause: &str) {
+        if !self.keep_stop(cause) {
+            return;
+        }
+        let store = self.store();
+        let name = self.group_name();
+        // Best effort: a store that is gone leaves the peers to their own errors.
+        if store
+            .set(&failed_key(name, self.rank()), cause.as_bytes())
+            .is_ok()
+        {
+            let _ = store.add(&failed_count(name), 1);
+        }
+    }
+
+    /// A wait of `op` has lasted a slice: the error it ends with if a member left (this rank
+    /// then stops taking part too, and says so).
+    pub(crate) fn watch(&self, op: &'static str) -> Option<DistError> {
+        let (peer, departure) = self.departed_member()?;
+        let error = DistError::PeerDeparted {
+            rank: self.rank(),
+            op,
+            peer,
+            departure,
+        };
+        self.stop_after_failure(&error.to_string());
+        Some(error)
+    }
+}
