@@ -61,6 +61,7 @@
 
 mod args;
 mod output;
+mod store;
 mod supervise;
 
 use std::os::unix::process::CommandExt;
@@ -69,6 +70,7 @@ use std::time::Duration;
 
 use args::{check_capacity, parse_args, Args, HELP, USAGE};
 use output::{Output, Stream};
+use store::ExitReporter;
 use supervise::{first_signal, install_signal_handlers, Supervisor, TICK};
 
 /// How long the ranks' pipes are still read once their processes are gone.
@@ -192,7 +194,7 @@ fn start_and_supervise(
     restart: u32,
 ) -> Result<(i32, bool), String> {
     let rank_of = |local: usize| args.node_rank * args.nproc + local;
-    let mut ranks = Supervisor::default();
+    let mut ranks = Supervisor::new(ExitReporter::new(&args.master_addr, port));
     let mut start_error = None;
     for local in 0..args.nproc {
         if ranks.observe(false, rank_of) {
