@@ -37,6 +37,16 @@
 //!   with that rank's status (128+N for signal N). It looks after every rank it starts, so
 //!   a rank failing while later ranks are still being started stops the start there
 //!   (`started S of N ranks; not starting the others`).
+//! - When a rank exits (with any status) while the launcher is not stopping, the launcher
+//!   tells the other ranks through the store rank 0 hosts at MASTER_ADDR:MASTER_PORT (c10d's
+//!   TCPStore; `store.rs`): it sets `tch_dist/exited/<global rank>` to how the rank ended
+//!   (`exited with status 0`, `was killed by signal 9 (SIGKILL)`) and adds 1 to
+//!   `tch_dist/exited_count`, so that ranks still waiting for that rank (in a rendezvous)
+//!   can fail within seconds, naming it, instead of waiting out their 30-minute timeout.
+//!   A failing rank is reported before the others are stopped. Best effort: a report takes
+//!   at most 500 ms and one that fails is dropped (silently when no store is there yet or
+//!   any more); ranks that end once the launcher is stopping, or after a signal to it, are
+//!   not reported (they were stopped, not lost).
 //! - On SIGTERM, SIGINT, SIGHUP or SIGQUIT (torchrun's default set), the launcher prints
 //!   `received signal ...`, stops everything as below and exits with 128+N, as a shell
 //!   reports a job killed by signal N (torchrun instead exits 1 with a SignalException).
