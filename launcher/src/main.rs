@@ -37,6 +37,16 @@
 //!   with that rank's status (128+N for signal N). It looks after every rank it starts, so
 //!   a rank failing while later ranks are still being started stops the start there
 //!   (`started S of N ranks; not starting the others`).
+//! - When a rank exits (with any status) while the launcher is not stopping, the launcher
+//!   tells the other ranks through the store rank 0 hosts at MASTER_ADDR:MASTER_PORT (c10d's
+//!   TCPStore; `store.rs`): it sets `tch_dist/exited/<global rank>` to how the rank ended
+//!   (`exited with status 0`, `was killed by signal 9 (SIGKILL)`) and adds 1 to
+//!   `tch_dist/exited_count`, so that ranks still waiting for that rank (in a rendezvous)
+//!   can fail within seconds, naming it, instead of waiting out their 30-minute timeout.
+//!   A failing rank is reported before the others are stopped. Best effort: a report takes
+//!   at most 500 ms and one that fails is dropped (silently when no store is there yet or
+//!   any more); ranks that end once the launcher is stopping, or after a signal to it, are
+//!   not reported (they were stopped, not lost).
 //! - On SIGTERM, SIGINT, SIGHUP or SIGQUIT (torchrun's default set), the launcher prints
 //!   `received signal ...`, stops everything as below and exits with 128+N, as a shell
 //!   reports a job killed by signal N (torchrun instead exits 1 with a SignalException).
@@ -61,6 +71,7 @@
 
 mod args;
 mod output;
+mod store;
 mod supervise;
 
 use std::os::unix::process::CommandExt;
@@ -69,6 +80,7 @@ use std::time::Duration;
 
 use args::{check_capacity, parse_args, Args, HELP, USAGE};
 use output::{Output, Stream};
+use store::ExitReporter;
 use supervise::{first_signal, install_signal_handlers, Supervisor, TICK};
 
 /// How long the ranks' pipes are still read once their processes are gone.
@@ -192,7 +204,7 @@ fn start_and_supervise(
     restart: u32,
 ) -> Result<(i32, bool), String> {
     let rank_of = |local: usize| args.node_rank * args.nproc + local;
-    let mut ranks = Supervisor::default();
+    let mut ranks = Supervisor::new(ExitReporter::new(&args.master_addr, port));
     let mut start_error = None;
     for local in 0..args.nproc {
         if ranks.observe(false, rank_of) {

@@ -7,6 +7,8 @@ use std::process::ExitStatus;
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::store::ExitReporter;
+
 /// How long ranks get to exit after SIGTERM before SIGKILL.
 pub const GRACE: Duration = Duration::from_secs(5);
 /// How long processes get to die after SIGKILL before the launcher gives up on them.
@@ -56,7 +58,7 @@ pub fn install_signal_handlers() -> Result<(), String> {
         if !ok {
             return Err(format!(
                 "cannot install a handler for {}: {}",
-                signal_name(sig),
+                signal_name(sig).unwrap_or("signal"),
                 std::io::Error::last_os_error()
             ));
         }
@@ -64,15 +66,29 @@ pub fn install_signal_handlers() -> Result<(), String> {
     Ok(())
 }
 
-fn signal_name(sig: libc::c_int) -> &'static str {
-    match sig {
+/// The name of `sig`, for the signals a launcher sees or a rank dies of.
+pub fn signal_name(sig: libc::c_int) -> Option<&'static str> {
+    Some(match sig {
         libc::SIGTERM => "SIGTERM",
         libc::SIGINT => "SIGINT",
         libc::SIGHUP => "SIGHUP",
         libc::SIGQUIT => "SIGQUIT",
         libc::SIGKILL => "SIGKILL",
-        _ => "signal",
-    }
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGSYS => "SIGSYS",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        _ => return None,
+    })
 }
 
 fn errno() -> i32 {
@@ -153,15 +169,26 @@ impl Stopping {
 /// The ranks of one start, from the first started on, and whether the launcher is stopping
 /// them. Every step is O(1) per rank started or reaped, so that starting n ranks (with a
 /// [`Supervisor::observe`] after each) takes time linear in n.
-#[derive(Default)]
 pub struct Supervisor {
     ranks: Vec<Rank>,
     /// Each rank's index in `ranks` by its first process's pid.
     by_pid: HashMap<libc::pid_t, usize>,
     stopping: Option<Stopping>,
+    /// Tells the ranks still running, through their store, which ranks exited.
+    exits: ExitReporter,
 }
 
 impl Supervisor {
+    /// No ranks yet; their exits are reported through `exits`.
+    pub fn new(exits: ExitReporter) -> Supervisor {
+        Supervisor {
+            ranks: Vec::new(),
+            by_pid: HashMap::new(),
+            stopping: None,
+            exits,
+        }
+    }
+
     /// Adds the next rank, whose first process (and group leader) is `pid`.
     pub fn add(&mut self, pid: libc::pid_t) {
         self.by_pid.insert(pid, self.ranks.len());
@@ -183,7 +210,14 @@ impl Supervisor {
 
     /// Reaps what exited and acts on it: a rank that failed, or a signal to the launcher,
     /// starts stopping; so does the end of every rank once `all_started`. `rank_of(i)` is the
-    /// global rank of the i-th started rank (for messages). Returns whether it is stopping.
+    /// global rank of the i-th started rank (for messages and the store). Returns whether it
+    /// is stopping.
+    ///
+    /// A rank that exits while the launcher is not stopping is reported to the ranks' store
+    /// (before a failure starts the stop), so that ranks waiting for it fail at once. Ranks
+    /// that end once stopping began, or once a signal came (stopping begins below), are
+    /// not: the launcher stopped them, or the signal's sender did, and a report would only
+    /// hold up the stop.
     pub fn observe(&mut self, all_started: bool, rank_of: impl Fn(usize) -> usize) -> bool {
         for i in self.reap() {
             let status = self.ranks[i].status.expect("reaped");
@@ -192,6 +226,9 @@ impl Supervisor {
                 continue;
             }
             let rank = rank_of(i);
+            if first_signal().is_none() {
+                self.exits.report(rank, status);
+            }
             if !status.success() {
                 eprintln!("tch-dist-run: rank {rank} failed ({status}); stopping the other ranks");
                 self.stopping = Some(Stopping::new(exit_code(status), true));
@@ -206,7 +243,7 @@ impl Supervisor {
             if let Some(sig) = first_signal() {
                 eprintln!(
                     "tch-dist-run: received signal {sig} ({}), stopping all ranks",
-                    signal_name(sig)
+                    signal_name(sig).unwrap_or("signal")
                 );
                 self.stopping = Some(Stopping::new(128 + sig, false));
             } else if all_started && self.ranks.iter().all(|r| r.status.is_some()) {

@@ -1,18 +1,21 @@
 //! The launcher, `tch-dist-run`, with `sh -c` ranks: its arguments and limits, run ids, its
 //! hold on its ranks' whole process trees (SIGTERM to it, ranks that leave background
 //! processes behind, a rank failing while another's grandchild runs, a rank failing while
-//! the others are still being started), restarts. Process groups started through it are
-//! tested in `runtime/tests/launcher.rs`.
+//! the others are still being started), restarts, the reports of its ranks' exits to a real
+//! TCPStore. Process groups started through it are tested in `runtime/tests/launcher.rs`.
 //!
 //! The ranks' processes carry a marker variable that /proc shows.
 
 #[path = "common/bounded.rs"]
 mod bounded;
+#[path = "common/tcp_store.rs"]
+mod tcp_store;
 use bounded::{run_bounded, wait_bounded};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use tcp_store::TcpStoreServer;
 
 fn launcher() -> &'static str {
     env!("CARGO_BIN_EXE_tch-dist-run")
@@ -125,12 +128,18 @@ impl Marker {
     /// `tch-dist-run --nproc-per-node N -- sh -c SCRIPT`, marked, with `$SYNC` a fresh
     /// directory the scripts may use.
     fn sh_ranks(&self, nproc: usize, script: &str) -> Command {
+        self.sh_ranks_with(&["--nproc-per-node", &nproc.to_string()], script)
+    }
+
+    /// `tch-dist-run LAUNCHER_ARGS -- sh -c SCRIPT`, as [`Marker::sh_ranks`].
+    fn sh_ranks_with(&self, launcher_args: &[&str], script: &str) -> Command {
         let sync = self.sync_dir();
         std::fs::create_dir_all(&sync).unwrap();
         let mut cmd = Command::new(launcher());
         cmd.env(MARKER_ENV, &self.0)
             .env("SYNC", &sync)
-            .args(["--nproc-per-node", &nproc.to_string(), "--"])
+            .args(launcher_args)
+            .arg("--")
             .args(["sh", "-c", script]);
         cmd
     }
@@ -257,6 +266,54 @@ fi"#;
     assert!(stderr.contains("sending SIGKILL"), "{stderr}");
     assert!(elapsed < Duration::from_secs(15), "{elapsed:?}\n{stderr}");
     assert!(!stdout.contains("done"), "{stdout}");
+    let left = marker.wait_gone();
+    assert!(left.is_empty(), "left running: {left:?}");
+}
+
+/// The launcher tells the ranks' store (here a real TCPStore in Python, at MASTER_PORT) of
+/// each rank that exits while it is not stopping: rank 1's success, then rank 2's death by
+/// SIGKILL, which starts the stop. Rank 0, which the launcher stops itself, is not reported.
+#[test]
+fn rank_exits_are_reported_to_the_store() {
+    let mut store = TcpStoreServer::start();
+    let marker = Marker::new("store");
+    let script = r#"case "$RANK" in
+0) sleep 300; echo done ;;
+1) exit 0 ;;
+2) while [ ! -e "$SYNC/go" ]; do sleep 0.01; done; kill -9 $$ ;;
+esac"#;
+    let port = store.port().to_string();
+    let args = [
+        "--nproc-per-node",
+        "3",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        &port,
+    ];
+    let start = Instant::now();
+    let child = spawn_piped(marker.sh_ranks_with(&args, script));
+    // Rank 2 dies only once rank 1's exit is in the store, so the order is fixed.
+    store.wait("tch_dist/exited/1");
+    std::fs::write(marker.sync_dir().join("go"), "").unwrap();
+    let (out, elapsed) = wait_bounded(child, start, Duration::from_secs(60));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(128 + libc::SIGKILL),
+        "{stdout}\n{stderr}"
+    );
+    assert_eq!(store.get("tch_dist/exited/1"), "exited with status 0");
+    assert_eq!(
+        store.get("tch_dist/exited/2"),
+        "was killed by signal 9 (SIGKILL)"
+    );
+    assert_eq!(store.get("tch_dist/exited/0"), "<missing>");
+    assert_eq!(store.count("tch_dist/exited_count"), 2);
+    // Reports that reach the store print nothing.
+    assert!(!stderr.contains("could not tell"), "{stderr}");
+    assert!(elapsed < Duration::from_secs(30), "{elapsed:?}\n{stderr}");
     let left = marker.wait_gone();
     assert!(left.is_empty(), "left running: {left:?}");
 }
