@@ -204,7 +204,7 @@ fn start_and_supervise(
     restart: u32,
 ) -> Result<(i32, bool), String> {
     let rank_of = |local: usize| args.node_rank * args.nproc + local;
-    let mut ranks = Supervisor::new(ExitReporter::new(&args.master_addr, port));
+    let mut ranks = Supervisor::new(ExitReporter::new(&args.master_addr, port, run_id));
     let mut start_error = None;
     for local in 0..args.nproc {
         if ranks.observe(false, rank_of) {

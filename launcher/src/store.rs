@@ -45,6 +45,15 @@ pub fn exited_key(rank: usize) -> String {
 /// The key that counts the exits reported to the store, as the ranks read it.
 pub const EXITED_COUNT_KEY: &str = "tch_dist/exited_count";
 
+/// Where the ranks' rendezvous keeps the run id of the job that owns the store (the first
+/// rank to check in claims it): a launcher given another job's MASTER_PORT must not tell
+/// that job's ranks that one of them exited.
+pub const RUN_ID_KEY: &str = "tch_dist/run_id";
+
+/// The longest value read back from a store (a run id is short): a peer that is not a store
+/// cannot make the launcher allocate what it claims.
+const MAX_VALUE_BYTES: u64 = 64 * 1024;
+
 /// How long one report may take: short, since the supervision loop waits for it.
 const REPORT_TIMEOUT: Duration = Duration::from_millis(500);
 
@@ -52,8 +61,14 @@ const REPORT_TIMEOUT: Duration = Duration::from_millis(500);
 const VALIDATE: u8 = 0;
 /// `QueryType::SET`.
 const SET: u8 = 1;
+/// `QueryType::GET`.
+const GET: u8 = 3;
 /// `QueryType::ADD`.
 const ADD: u8 = 4;
+/// `QueryType::CHECK`.
+const CHECK: u8 = 5;
+/// `CheckResponseType::READY`: every key asked about exists.
+const READY: u8 = 0;
 /// `validationMagicNumber`: the server drops a client that validates with anything else.
 const VALIDATION_MAGIC: u32 = 0x3C85_F7CE;
 /// What PyTorch's client puts in front of every key (`TCPStore::keyPrefix_`).
@@ -77,7 +92,10 @@ pub fn describe_exit(status: ExitStatus) -> String {
 /// Writes to the store at `addr:port` that global rank `global_rank` ended as `what`: SETs
 /// `tch_dist/exited/<global_rank>` to `what`, then ADDs 1 to `tch_dist/exited_count`, and
 /// returns the count's new value. The ADD's reply also proves that the SET, sent before it
-/// on the same connection, arrived.
+/// on the same connection, arrived. A store that another run claimed (its
+/// `tch_dist/run_id` is not `run_id`: the launcher was given another job's port) is left
+/// alone: `Ok(None)`. One that no run claimed yet (rank 0 has not checked in: the very exits
+/// worth reporting) is written to.
 ///
 /// `addr` is a host name or an IP address, as MASTER_ADDR is for the ranks. Everything,
 /// resolving the name included, ends within about `timeout`; a late step fails with
@@ -86,13 +104,17 @@ pub fn describe_exit(status: ExitStatus) -> String {
 pub fn report_exit(
     addr: &str,
     port: u16,
+    run_id: &str,
     global_rank: usize,
     what: &str,
     timeout: Duration,
-) -> io::Result<i64> {
+) -> io::Result<Option<i64>> {
     let mut store = StoreClient::connect(addr, port, Instant::now() + timeout)?;
+    if store.check(RUN_ID_KEY)? && store.get(RUN_ID_KEY)? != run_id.as_bytes() {
+        return Ok(None);
+    }
     store.set(&exited_key(global_rank), what.as_bytes())?;
-    store.add(EXITED_COUNT_KEY, 1)
+    store.add(EXITED_COUNT_KEY, 1).map(Some)
 }
 
 /// Reports the exits of one start's ranks to the store at MASTER_ADDR:MASTER_PORT, best
@@ -102,17 +124,21 @@ pub fn report_exit(
 pub struct ExitReporter {
     addr: String,
     port: u16,
+    /// The ranks' TORCHELASTIC_RUN_ID.
+    run_id: String,
     /// Set once a report timed out: the store's host does not answer, and every further
     /// report would hold up the supervision loop for the whole timeout again.
     unreachable: bool,
 }
 
 impl ExitReporter {
-    /// Reports to the store that rank 0 hosts at `addr:port` (MASTER_ADDR, MASTER_PORT).
-    pub fn new(addr: &str, port: u16) -> ExitReporter {
+    /// Reports to the store that rank 0 hosts at `addr:port` (MASTER_ADDR, MASTER_PORT) for
+    /// the run `run_id` (the ranks' TORCHELASTIC_RUN_ID).
+    pub fn new(addr: &str, port: u16, run_id: &str) -> ExitReporter {
         ExitReporter {
             addr: addr.to_string(),
             port,
+            run_id: run_id.to_string(),
             unreachable: false,
         }
     }
@@ -125,7 +151,15 @@ impl ExitReporter {
             return;
         }
         let what = describe_exit(status);
-        let Err(e) = report_exit(&self.addr, self.port, rank, &what, REPORT_TIMEOUT) else {
+        let reported = report_exit(
+            &self.addr,
+            self.port,
+            &self.run_id,
+            rank,
+            &what,
+            REPORT_TIMEOUT,
+        );
+        let Err(e) = reported else {
             return;
         };
         // Refused: rank 0 has not opened the store yet or has exited; reset, broken pipe or
@@ -195,6 +229,46 @@ impl StoreClient {
         self.send(&request, &format!("setting {key}"))
     }
 
+    /// CHECK whether `key` (public form) exists, without waiting for it.
+    fn check(&mut self, key: &str) -> io::Result<bool> {
+        let mut request = vec![CHECK];
+        request.extend_from_slice(&1u64.to_le_bytes());
+        push_key(&mut request, key);
+        let doing = format!("checking {key}");
+        self.send(&request, &doing)?;
+        let mut reply = [0u8; 1];
+        self.receive(&mut reply, &doing)?;
+        Ok(reply[0] == READY)
+    }
+
+    /// GET `key` (public form), which must exist (the server waits for a missing one).
+    fn get(&mut self, key: &str) -> io::Result<Vec<u8>> {
+        let mut request = vec![GET];
+        push_key(&mut request, key);
+        let doing = format!("getting {key}");
+        self.send(&request, &doing)?;
+        let mut len = [0u8; 8];
+        self.receive(&mut len, &doing)?;
+        let len = u64::from_le_bytes(len);
+        if len > MAX_VALUE_BYTES {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{doing}: a value of {len} bytes is not a run id"),
+            ));
+        }
+        let mut value = vec![0u8; len as usize];
+        self.receive(&mut value, &doing)?;
+        Ok(value)
+    }
+
+    /// Reads exactly `buf.len()` bytes of a reply before the deadline.
+    fn receive(&mut self, buf: &mut [u8], doing: &str) -> io::Result<()> {
+        remaining(self.deadline, doing)
+            .and_then(|left| self.stream.set_read_timeout(Some(left)))
+            .and_then(|()| self.stream.read_exact(buf))
+            .map_err(|e| context(e, &format!("{doing}: reading the reply")))
+    }
+
     /// ADD `delta` to `key` (public form); returns the key's new value.
     fn add(&mut self, key: &str, delta: i64) -> io::Result<i64> {
         let mut request = vec![ADD];
@@ -203,10 +277,7 @@ impl StoreClient {
         let doing = format!("adding to {key}");
         self.send(&request, &doing)?;
         let mut reply = [0u8; 8];
-        let read = remaining(self.deadline, &doing)
-            .and_then(|left| self.stream.set_read_timeout(Some(left)))
-            .and_then(|()| self.stream.read_exact(&mut reply));
-        read.map_err(|e| context(e, &format!("{doing}: reading the reply")))?;
+        self.receive(&mut reply, &doing)?;
         Ok(i64::from_le_bytes(reply))
     }
 
@@ -296,27 +367,53 @@ mod tests {
     fn reports_reach_a_real_tcp_store() {
         let mut server = TcpStoreServer::start();
         let timeout = Duration::from_secs(10);
+        // No run claimed the store yet: the report is written.
         let count = report_exit(
             "127.0.0.1",
             server.port(),
+            RUN,
             3,
             "exited with status 0",
             timeout,
         )
         .expect("the first report");
-        assert_eq!(count, 1);
+        assert_eq!(count, Some(1));
         assert_eq!(server.get("tch_dist/exited/3"), "exited with status 0");
         assert_eq!(server.count("tch_dist/exited_count"), 1);
 
-        // A host name, resolved like the ranks resolve MASTER_ADDR.
+        // Claimed by this run, and a host name, resolved like the ranks resolve MASTER_ADDR.
+        server.set(RUN_ID_KEY, RUN);
         let what = "was killed by signal 9 (SIGKILL)";
-        let count =
-            report_exit("localhost", server.port(), 5, what, timeout).expect("the second report");
-        assert_eq!(count, 2);
+        let count = report_exit("localhost", server.port(), RUN, 5, what, timeout)
+            .expect("the second report");
+        assert_eq!(count, Some(2));
         assert_eq!(server.get("tch_dist/exited/5"), what);
         assert_eq!(server.count("tch_dist/exited_count"), 2);
         assert_eq!(server.get("tch_dist/exited/3"), "exited with status 0");
         assert_eq!(server.get("tch_dist/exited/4"), "<missing>");
+    }
+
+    /// The run id the ranks get (`TORCHELASTIC_RUN_ID`), in these tests.
+    const RUN: &str = "tch-dist-run-test";
+
+    /// A store another run claimed (the launcher was given that job's port): nothing is
+    /// written, and no error either.
+    #[test]
+    fn a_store_of_another_run_is_left_alone() {
+        let mut server = TcpStoreServer::start();
+        server.set(RUN_ID_KEY, "another-job");
+        let reported = report_exit(
+            "127.0.0.1",
+            server.port(),
+            RUN,
+            2,
+            "exited with status 0",
+            Duration::from_secs(10),
+        )
+        .expect("a report that writes nothing");
+        assert_eq!(reported, None);
+        assert_eq!(server.get("tch_dist/exited/2"), "<missing>");
+        assert_eq!(server.count("tch_dist/exited_count"), 0);
     }
 
     /// Nothing listening: an error, at once (refused), not a panic or a wait.
@@ -328,7 +425,14 @@ mod tests {
             .expect("a free port")
             .port();
         let start = Instant::now();
-        let result = report_exit("127.0.0.1", port, 0, "exited with status 1", REPORT_TIMEOUT);
+        let result = report_exit(
+            "127.0.0.1",
+            port,
+            RUN,
+            0,
+            "exited with status 1",
+            REPORT_TIMEOUT,
+        );
         let took = start.elapsed();
         let e = result.expect_err("nothing listens");
         assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
@@ -342,14 +446,18 @@ mod tests {
         let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).expect("a listener");
         let port = listener.local_addr().expect("its address").port();
         let start = Instant::now();
-        let result = report_exit("127.0.0.1", port, 0, "exited with status 1", REPORT_TIMEOUT);
+        let result = report_exit(
+            "127.0.0.1",
+            port,
+            RUN,
+            0,
+            "exited with status 1",
+            REPORT_TIMEOUT,
+        );
         let took = start.elapsed();
         let e = result.expect_err("no reply comes");
         assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
-        assert!(
-            e.to_string().contains("adding to tch_dist/exited_count"),
-            "{e}"
-        );
+        assert!(e.to_string().contains("checking tch_dist/run_id"), "{e}");
         assert!(
             took >= REPORT_TIMEOUT / 2 && took < Duration::from_secs(2),
             "took {took:?}"
@@ -367,14 +475,21 @@ mod tests {
             let (mut conn, _) = listener.accept().expect("the report's connection");
             conn.set_read_timeout(Some(Duration::from_secs(10)))
                 .expect("a read timeout");
-            let mut request = vec![0u8; 99];
-            conn.read_exact(&mut request).expect("the whole request");
+            // VALIDATE and the CHECK of the run id, answered NOT_READY (unclaimed).
+            let mut request = vec![0u8; 5 + 33];
+            conn.read_exact(&mut request)
+                .expect("the validation and the check");
+            conn.write_all(&[1]).expect("the check's reply");
+            let mut rest = vec![0u8; 94];
+            conn.read_exact(&mut rest).expect("the SET and the ADD");
+            request.extend_from_slice(&rest);
             // Then hang up without the ADD's reply.
             request
         });
         let e = report_exit(
             "127.0.0.1",
             port,
+            RUN,
             7,
             "exited with status 2",
             Duration::from_secs(10),
@@ -385,6 +500,10 @@ mod tests {
 
         let mut expected = vec![0u8]; // VALIDATE
         expected.extend_from_slice(&0x3C85_F7CEu32.to_le_bytes());
+        expected.push(5); // CHECK, one key
+        expected.extend_from_slice(&1u64.to_le_bytes());
+        expected.extend_from_slice(&16u64.to_le_bytes());
+        expected.extend_from_slice(b"/tch_dist/run_id");
         expected.push(1); // SET
         expected.extend_from_slice(&18u64.to_le_bytes());
         expected.extend_from_slice(b"/tch_dist/exited/7");

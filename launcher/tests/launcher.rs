@@ -9,6 +9,7 @@
 #[path = "common/bounded.rs"]
 mod bounded;
 #[path = "common/tcp_store.rs"]
+#[allow(dead_code)] // shared with src/store.rs's tests, which use the rest
 mod tcp_store;
 use bounded::{run_bounded, wait_bounded};
 use std::os::unix::process::CommandExt;

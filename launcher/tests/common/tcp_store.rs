@@ -13,6 +13,7 @@ use std::time::Duration;
 /// port), then one answer line per question line on stdin, through PyTorch's own client
 /// (so keys go through its "/" prefix, as the ranks' reads do):
 ///
+/// - `set KEY VALUE`: sets KEY (VALUE: words without newlines), answers `ok`;
 /// - `get KEY`: the value as text, or `<missing>`;
 /// - `add KEY`: `store.add(KEY, 0)`, the counter's value;
 /// - `wait KEY`: `ok` once KEY is set (at most 30 s), else the error.
@@ -26,9 +27,12 @@ store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=30))
 print(store.port, flush=True)
 for line in sys.stdin:
-    op, key = line.split()
+    op, key, *value = line.split()
     try:
-        if op == "get":
+        if op == "set":
+            store.set(key, " ".join(value))
+            answer = "ok"
+        elif op == "get":
             answer = store.get(key).decode() if store.check([key]) else "<missing>"
         elif op == "add":
             answer = store.add(key, 0)
@@ -109,6 +113,15 @@ impl TcpStoreServer {
     /// `key`'s value through PyTorch's client, or `<missing>`.
     pub fn get(&mut self, key: &str) -> String {
         self.ask("get", key)
+    }
+
+    /// Sets `key` to `value` (words without newlines) through PyTorch's client.
+    pub fn set(&mut self, key: &str, value: &str) {
+        assert_eq!(
+            self.ask("set", &format!("{key} {value}")),
+            "ok",
+            "setting {key}"
+        );
     }
 
     /// The counter `key` through PyTorch's client (`store.add(key, 0)`).
