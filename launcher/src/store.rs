@@ -129,7 +129,16 @@ pub struct ExitReporter {
     /// Set once a report timed out: the store's host does not answer, and every further
     /// report would hold up the supervision loop for the whole timeout again.
     unreachable: bool,
+    /// Exits the store refused, as (global rank, how it ended): a rank that exits before rank
+    /// 0 opened the store is exactly the one the others will wait for, so its report is
+    /// tried again ([`retry`](Self::retry)) until the store takes it.
+    pending: Vec<(usize, String)>,
+    /// When the pending reports were last tried.
+    last_retry: Option<Instant>,
 }
+
+/// How often refused reports are tried again.
+const RETRY_PERIOD: Duration = Duration::from_millis(250);
 
 impl ExitReporter {
     /// Reports to the store that rank 0 hosts at `addr:port` (MASTER_ADDR, MASTER_PORT) for
@@ -140,6 +149,20 @@ impl ExitReporter {
             port,
             run_id: run_id.to_string(),
             unreachable: false,
+            pending: Vec::new(),
+            last_retry: None,
+        }
+    }
+
+    /// Tries the refused reports again, at most every 250 ms (the supervision loop calls it
+    /// on every tick while the ranks run).
+    pub fn retry(&mut self) {
+        if self.pending.is_empty() || self.last_retry.is_some_and(|t| t.elapsed() < RETRY_PERIOD) {
+            return;
+        }
+        self.last_retry = Some(Instant::now());
+        for (rank, what) in std::mem::take(&mut self.pending) {
+            self.send(rank, what);
         }
     }
 
@@ -147,10 +170,14 @@ impl ExitReporter {
     /// that is not there (not up yet, or gone with rank 0) is expected and passes silently;
     /// other failures are noted on stderr.
     pub fn report(&mut self, rank: usize, status: ExitStatus) {
+        self.send(rank, describe_exit(status));
+    }
+
+    /// One try of one report; a refused one is kept for [`retry`](Self::retry).
+    fn send(&mut self, rank: usize, what: String) {
         if self.unreachable {
             return;
         }
-        let what = describe_exit(status);
         let reported = report_exit(
             &self.addr,
             self.port,
@@ -162,13 +189,17 @@ impl ExitReporter {
         let Err(e) = reported else {
             return;
         };
-        // Refused: rank 0 has not opened the store yet or has exited; reset, broken pipe or
-        // end of file: it exited during the report. Both are the ordinary start and end of
-        // a job, not worth a line.
+        // Refused: rank 0 has not opened the store yet (tried again later) or has exited (then
+        // tried in vain until the launcher stops); reset, broken pipe or end of file: it
+        // exited during the report. Both are the ordinary start and end of a job, not worth
+        // a line.
+        if e.kind() == io::ErrorKind::ConnectionRefused {
+            self.pending.push((rank, what));
+            return;
+        }
         let store_gone = matches!(
             e.kind(),
-            io::ErrorKind::ConnectionRefused
-                | io::ErrorKind::ConnectionReset
+            io::ErrorKind::ConnectionReset
                 | io::ErrorKind::BrokenPipe
                 | io::ErrorKind::UnexpectedEof
         );
@@ -395,6 +426,32 @@ mod tests {
 
     /// The run id the ranks get (`TORCHELASTIC_RUN_ID`), in these tests.
     const RUN: &str = "tch-dist-run-test";
+
+    /// A rank that exits before rank 0 opened the store (the one the others will wait for):
+    /// its refused report is tried again until the store takes it.
+    #[test]
+    fn a_report_refused_before_the_store_opens_is_tried_again() {
+        let port = std::net::TcpListener::bind(("127.0.0.1", 0))
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+            .port();
+        let mut reporter = ExitReporter::new("127.0.0.1", port, RUN);
+        reporter.report(1, ExitStatus::from_raw(0));
+        assert_eq!(reporter.pending, [(1, "exited with status 0".to_string())]);
+        let mut server = TcpStoreServer::start_at(port);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !reporter.pending.is_empty() && Instant::now() < deadline {
+            std::thread::sleep(RETRY_PERIOD);
+            reporter.retry();
+        }
+        assert!(
+            reporter.pending.is_empty(),
+            "still pending: {:?}",
+            reporter.pending
+        );
+        assert_eq!(server.get("tch_dist/exited/1"), "exited with status 0");
+        assert_eq!(server.count("tch_dist/exited_count"), 1);
+    }
 
     /// A store another run claimed (the launcher was given that job's port): nothing is
     /// written, and no error either.

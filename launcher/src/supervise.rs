@@ -239,6 +239,9 @@ impl Supervisor {
                 );
             }
         }
+        if self.stopping.is_none() && first_signal().is_none() {
+            self.exits.retry();
+        }
         if self.stopping.is_none() {
             if let Some(sig) = first_signal() {
                 eprintln!(

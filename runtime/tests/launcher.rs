@@ -408,3 +408,80 @@ fn two_nodes_make_one_world() {
         assert_eq!(out.status.code(), Some(2), "{args:?}");
     }
 }
+
+/// Runs this test binary's `test` as the ranks of `tch-dist-run --nproc-per-node n`, with a
+/// group timeout of 60 s that no rank may wait out; returns the launcher's stdout and
+/// stderr together, and how long it took.
+fn under_launcher(test: &str, n: usize) -> (String, Duration) {
+    let mut cmd = Command::new(launcher());
+    cmd.env(WORKER_ENV, test)
+        .env("TCH_DIST_TIMEOUT_SECS", "60")
+        .args(["--nproc-per-node", &n.to_string(), "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"]);
+    let (out, elapsed) = run_bounded(cmd, Duration::from_secs(90));
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (all, elapsed)
+}
+
+/// Rank 1 exits (status 0) before it creates its process group; rank 0 creating the group
+/// fails within seconds naming rank 1 and how it ended, as its launcher reported it, where
+/// it waited out the rendezvous timeout (issue 41, section 4).
+#[test]
+fn a_rank_that_exits_before_joining_is_named_within_seconds() {
+    const TEST: &str = "a_rank_that_exits_before_joining_is_named_within_seconds";
+    if worker().as_deref() == Some(TEST) {
+        if std::env::var("RANK").as_deref() == Ok("1") {
+            return;
+        }
+        let started = Instant::now();
+        let err = ProcessGroup::from_env(Backend::Gloo).unwrap_err();
+        let took = started.elapsed();
+        println!("rank 0 saw after {:.1} s: {err}", took.as_secs_f64());
+        assert!(took < Duration::from_secs(15), "{err}");
+        assert!(
+            err.to_string().ends_with(
+                "rank 1 exited with status 0 (its launcher reported it) without joining"
+            ),
+            "{err}"
+        );
+        return;
+    }
+    let (all, elapsed) = under_launcher(TEST, 2);
+    assert!(all.contains("rank 0 saw after"), "{all}");
+    assert!(elapsed < Duration::from_secs(30), "{elapsed:?}: {all}");
+}
+
+/// Rank 0 alone creates a subgroup (as `DeviceMesh::flatten` on one rank only does) while
+/// rank 1 finishes and exits: rank 0 fails within seconds naming rank 1, where it waited out
+/// the rendezvous timeout (issue 41, section 4).
+#[test]
+fn a_group_created_on_one_rank_only_fails_within_seconds() {
+    const TEST: &str = "a_group_created_on_one_rank_only_fails_within_seconds";
+    if worker().as_deref() == Some(TEST) {
+        let pg = ProcessGroup::from_env(Backend::Gloo).unwrap();
+        pg.barrier().unwrap();
+        if pg.rank() == 1 {
+            return;
+        }
+        let started = Instant::now();
+        let err = pg.new_group(&[0, 1], Backend::Gloo).unwrap_err();
+        let took = started.elapsed();
+        println!("rank 0 saw after {:.1} s: {err}", took.as_secs_f64());
+        assert!(took < Duration::from_secs(15), "{err}");
+        assert!(
+            err.to_string().ends_with(
+                "rank 1 exited with status 0 (its launcher reported it) without joining"
+            ),
+            "{err}"
+        );
+        return;
+    }
+    let (all, elapsed) = under_launcher(TEST, 2);
+    assert!(all.contains("rank 0 saw after"), "{all}");
+    assert!(elapsed < Duration::from_secs(30), "{elapsed:?}: {all}");
+}

@@ -9,8 +9,8 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::Duration;
 
-/// The server: a TCPStore master on a port of its choosing (port 0: no race for a free
-/// port), then one answer line per question line on stdin, through PyTorch's own client
+/// The server: a TCPStore master on the port given as its argument (0: a port of its
+/// choosing, with no race for a free one), then one answer line per question line on stdin, through PyTorch's own client
 /// (so keys go through its "/" prefix, as the ranks' reads do):
 ///
 /// - `set KEY VALUE`: sets KEY (VALUE: words without newlines), answers `ok`;
@@ -23,7 +23,7 @@ const SERVER: &str = r#"
 import datetime, signal, sys
 import torch.distributed as dist
 signal.alarm(120)
-store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=30))
 print(store.port, flush=True)
 for line in sys.stdin:
@@ -70,10 +70,16 @@ pub struct TcpStoreServer {
 }
 
 impl TcpStoreServer {
-    /// Starts the server and waits (bounded) until it listens.
+    /// Starts the server on a port of its choosing and waits (bounded) until it listens.
     pub fn start() -> TcpStoreServer {
+        Self::start_at(0)
+    }
+
+    /// Starts the server on `port` (0: one of its choosing) and waits (bounded) until it
+    /// listens.
+    pub fn start_at(port: u16) -> TcpStoreServer {
         let mut child = Command::new(venv_python())
-            .args(["-c", SERVER])
+            .args(["-c", SERVER, &port.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use crate::error::{Departure, DistError};
 use crate::process_group::ProcessGroup;
+use crate::store::Store;
 
 /// How long a wait runs before it first looks for members that left, and between looks.
 pub(crate) const WATCH_SLICE: Duration = Duration::from_secs(1);
@@ -32,6 +33,24 @@ fn exited_key(global_rank: usize) -> String {
 
 /// How many exits were reported, job-wide.
 const EXITED_COUNT: &str = "tch_dist/exited_count";
+
+/// Whether any launcher reported an exit yet (one round trip; `false` when the store cannot
+/// be read).
+pub(crate) fn any_exited(root: &Store) -> bool {
+    root.add(EXITED_COUNT, 0).is_ok_and(|n| n > 0)
+}
+
+/// How global rank `global_rank` exited, if its launcher reported it.
+pub(crate) fn exit_of(root: &Store, global_rank: usize) -> Option<String> {
+    let key = exited_key(global_rank);
+    match root.check(&key) {
+        Ok(true) => root
+            .get(&key)
+            .ok()
+            .map(|v| String::from_utf8_lossy(&v).into_owned()),
+        _ => None,
+    }
+}
 
 /// The key of a rank's failure in the group named `group`.
 fn failed_key(group: &str, rank: usize) -> String {
@@ -67,9 +86,9 @@ impl ProcessGroup {
                 }
             }
         }
-        if store.add(EXITED_COUNT, 0).ok()? > 0 {
+        if any_exited(store) {
             for r in others {
-                if let Some(status) = read(&exited_key(self.global_ranks()[r])) {
+                if let Some(status) = exit_of(store, self.global_ranks()[r]) {
                     return Some((r, Departure::Exited { status }));
                 }
             }

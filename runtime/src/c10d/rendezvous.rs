@@ -16,6 +16,7 @@
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+use crate::departures::{self, WATCH_SLICE};
 use crate::error::RendezvousError;
 use crate::store::Store;
 
@@ -266,6 +267,50 @@ fn barrier_on(
         }
         std::thread::sleep(left.min(pause));
         pause = (pause * 2).min(Duration::from_millis(10));
+    }
+}
+
+/// Waits until every other member of the group named `name` has arrived at its rendezvous
+/// (its join key, or for a PyTorch rank its Gloo key in the group's store `group`), looking
+/// every [`WATCH_SLICE`] for members whose launcher reported their exit: one that exited
+/// before it arrived will never come, and is [`RendezvousError::Departed`] within seconds
+/// rather than `NeverJoined` at the deadline. `members` are the group's ranks' global ranks,
+/// in group order; `me` is this rank's. At the deadline it returns Ok: the backends' own
+/// rendezvous then fails at once and says who never joined.
+pub(crate) fn await_members(
+    root: &Store,
+    group: &Store,
+    name: &str,
+    members: &[usize],
+    me: usize,
+    deadline: Deadline,
+) -> Result<(), RendezvousError> {
+    const POLL: Duration = Duration::from_millis(20);
+    let arrived = |r: usize| {
+        root.check(&joined_key(name, r)).unwrap_or(false)
+            || group.check(&gloo_key(r)).unwrap_or(false)
+    };
+    let mut missing: Vec<usize> = (0..members.len()).filter(|&r| r != me).collect();
+    let mut next_watch = Instant::now() + WATCH_SLICE;
+    loop {
+        missing.retain(|&r| !arrived(r));
+        if missing.is_empty() || deadline.left().is_zero() {
+            return Ok(());
+        }
+        if Instant::now() >= next_watch {
+            next_watch += WATCH_SLICE;
+            if departures::any_exited(root) {
+                for &r in &missing {
+                    // Arrived just before it exited: its absence is for the backends to name.
+                    if let Some(status) = departures::exit_of(root, members[r]) {
+                        if !arrived(r) {
+                            return Err(RendezvousError::Departed { rank: r, status });
+                        }
+                    }
+                }
+            }
+        }
+        std::thread::sleep(POLL.min(deadline.left()));
     }
 }
 

@@ -44,6 +44,16 @@ pub enum RendezvousError {
         /// (rank, their run id).
         refused: Vec<(usize, String)>,
     },
+    /// A rank of the group exited before it joined the group's rendezvous, as its launcher
+    /// reported (it will never join): seen within seconds, where the rendezvous would have
+    /// waited out its timeout.
+    #[error("rank {rank} {status} (its launcher reported it) without joining")]
+    Departed {
+        /// The rank, in the group.
+        rank: usize,
+        /// The launcher's words (`exited with status 0`).
+        status: String,
+    },
     /// The store at MASTER_ADDR:MASTER_PORT belongs to another run (TORCHELASTIC_RUN_ID,
     /// which `tch-dist-run` and torchrun set); this rank did not join it.
     #[error(

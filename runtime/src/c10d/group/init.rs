@@ -64,6 +64,21 @@ impl ProcessGroup {
                 .unwrap_or(RendezvousError::Engine { cause }),
             )
         };
+        // Every other rank arrives, or its launcher says it exited before it did (the wait
+        // below could not tell, and would run to the deadline). With lazy Gloo a PyTorch rank
+        // leaves no trace to wait for.
+        if !gloo_lazy_init() {
+            let everyone: Vec<usize> = (0..opts.world_size).collect();
+            rendezvous::await_members(
+                &store,
+                &default_store,
+                DEFAULT_NAME,
+                &everyone,
+                opts.rank,
+                deadline,
+            )
+            .map_err(|p| at.failed(p))?;
+        }
         // PyTorch's waitWorkers handshake: every rank checks in, the server waits for all.
         tcp.check_in(deadline.left()).map_err(missing)?;
         let handle = NewBackends {
@@ -192,6 +207,10 @@ impl ProcessGroup {
         };
         let store = at.prefixed(&world.default_store, &format!("{name}/"))?;
         rendezvous::join(&world.root, &name, sub_rank).map_err(|p| at.failed(p))?;
+        if !gloo_lazy_init() {
+            rendezvous::await_members(&world.root, &store, &name, &global, sub_rank, deadline)
+                .map_err(|p| at.failed(p))?;
+        }
         let handle = NewBackends {
             name: &name,
             rank: sub_rank,
