@@ -207,6 +207,119 @@ fn mesh_refusals_are_errors_on_every_rank_that_create_nothing() {
     );
 }
 
+/// Ranks that disagree on a mesh (issue 41, items 2 and 11): dims named in another order on
+/// half the ranks (every collective returned Ok, rank 0's `dp` meeting rank 2's `tp`), a
+/// rank given another shape (it got Ok while the others waited out the rendezvous, "rank 3
+/// never joined"), a rank whose own check refuses, a flattening under another name: an
+/// error on every rank, naming both calls, before any group is made.
+#[test]
+fn ranks_that_disagree_on_a_mesh_fail_on_every_rank_before_any_group() {
+    run_ranks(
+        "ranks_that_disagree_on_a_mesh_fail_on_every_rank_before_any_group",
+        4,
+        |world| {
+            let rank = world.rank();
+            let problem = |e: MeshError| match e {
+                MeshError::Invalid {
+                    rank: r, problem, ..
+                } if r == rank => problem,
+                e => panic!("{e:?}"),
+            };
+            let request = |shape: &str, names: &str| {
+                format!("a mesh of shape {shape} with dims {names} on cpu")
+            };
+            let (dp_tp, tp_dp) = (
+                request("[2, 2]", "`dp`, `tp`"),
+                request("[2, 2]", "`tp`, `dp`"),
+            );
+
+            // Names in another order on ranks 2 and 3.
+            let names: &[&str] = if rank < 2 {
+                &["dp", "tp"]
+            } else {
+                &["tp", "dp"]
+            };
+            let e = init_device_mesh("cpu", &[2, 2], names).unwrap_err();
+            let (mine, theirs, other_rank) = if rank < 2 {
+                (&dp_tp, &tp_dp, 2)
+            } else {
+                (&tp_dp, &dp_tp, 0)
+            };
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "rank {rank}: init_device_mesh: rank {other_rank} asked for {theirs}, this \
+                     rank for {mine} (every rank must make the same call, in the same order)"
+                )
+            );
+
+            // Another shape on rank 3 (as valid on its own).
+            let shape: &[usize] = if rank == 3 { &[4, 1] } else { &[2, 2] };
+            let four_one = request("[4, 1]", "`dp`, `tp`");
+            let expected = if rank == 3 {
+                MeshProblem::Disagree {
+                    other_rank: 0,
+                    this: four_one,
+                    other: dp_tp.clone(),
+                }
+            } else {
+                MeshProblem::Disagree {
+                    other_rank: 3,
+                    this: dp_tp.clone(),
+                    other: four_one,
+                }
+            };
+            assert_eq!(
+                problem(init_device_mesh("cpu", shape, &["dp", "tp"]).unwrap_err()),
+                expected
+            );
+
+            // Rank 1's own check refuses: it says why, the others that it refused.
+            let shape: &[usize] = if rank == 1 { &[3] } else { &[4] };
+            let names: &[&str] = &["dp"];
+            let expected = if rank == 1 {
+                MeshProblem::WorldMismatch {
+                    shape: vec![3],
+                    world_size: 4,
+                }
+            } else {
+                MeshProblem::PeerRefused { peer: 1 }
+            };
+            assert_eq!(
+                problem(init_device_mesh("cpu", shape, names).unwrap_err()),
+                expected
+            );
+            // None of these made a group.
+            assert_eq!(next_group_name(&world), "1");
+
+            // A flattening under another name on rank 0.
+            let mesh = init_device_mesh("cpu", &[2, 1, 2], &["dp", "cp", "tp"]).unwrap();
+            let name = if rank == 0 { "x" } else { "dp_cp" };
+            let dp_cp = mesh.slice(&["dp", "cp"]).unwrap();
+            let e = problem(dp_cp.flatten(Some(name)).unwrap_err());
+            let flattening = |n: &str| format!("a flattening of dims `dp`, `cp` as `{n}`");
+            let expected = if rank == 0 {
+                MeshProblem::Disagree {
+                    other_rank: 1,
+                    this: flattening("x"),
+                    other: flattening("dp_cp"),
+                }
+            } else {
+                MeshProblem::Disagree {
+                    other_rank: 0,
+                    this: flattening("dp_cp"),
+                    other: flattening("x"),
+                }
+            };
+            assert_eq!(e, expected);
+            // The same flattening everywhere still works afterwards.
+            let flat = dp_cp.flatten(None).unwrap();
+            assert_eq!(flat.dim_names(), ["dp_cp"]);
+            assert_eq!(summed(&flat.get_group("dp_cp").unwrap(), 1.0), 2.0);
+        },
+    );
+}
+
 /// PyTorch ranks take seconds to import torch.
 const MIXED_DEADLINE: Duration = Duration::from_secs(150);
 

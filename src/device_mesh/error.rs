@@ -33,6 +33,18 @@ pub enum MeshError {
         /// The mesh's dim names.
         dims: Vec<String>,
     },
+    /// The ranks could not agree on the call (a rank left before it said what it asked for,
+    /// or the store failed): nothing was created.
+    #[error("rank {rank}: {op}: the ranks could not agree on the mesh")]
+    Agreement {
+        /// This process's rank in the default group.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// What the engine said (boxed, so that every `Result` stays small).
+        #[source]
+        source: Box<DistError>,
+    },
     /// Creating a mesh dim's groups (or the default group) failed.
     #[error("rank {rank}: {op}: creating the process groups of mesh dim `{dim}` failed")]
     Group {
@@ -95,6 +107,21 @@ pub enum MeshProblem {
         /// The name.
         name: String,
     },
+    /// Another rank made another call (another shape, other names or another order of them,
+    /// another device type; another flattening): every rank must make the same one.
+    Disagree {
+        /// The first rank whose call differs.
+        other_rank: usize,
+        /// This rank's call.
+        this: String,
+        /// That rank's call.
+        other: String,
+    },
+    /// Another rank refused the call (its error says why).
+    PeerRefused {
+        /// The first rank that refused.
+        peer: usize,
+    },
 }
 
 impl fmt::Display for MeshProblem {
@@ -136,6 +163,18 @@ impl fmt::Display for MeshProblem {
                 f,
                 "`{name}` is already a dim of the root mesh or another flattening's name"
             ),
+            MeshProblem::Disagree {
+                other_rank,
+                this,
+                other,
+            } => write!(
+                f,
+                "rank {other_rank} asked for {other}, this rank for {this} (every rank must make \
+                 the same call, in the same order)"
+            ),
+            MeshProblem::PeerRefused { peer } => {
+                write!(f, "rank {peer} refused the call (its error says why)")
+            }
         }
     }
 }

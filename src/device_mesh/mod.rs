@@ -32,8 +32,10 @@ use std::sync::{Arc, Mutex};
 
 use tch_dist_runtime::{Backend, DistError, ProcessGroup};
 
+mod agree;
 mod error;
 
+use agree::agree;
 pub use error::{MeshError, MeshProblem};
 
 /// One dimension of a mesh as this rank sees it.
@@ -171,45 +173,13 @@ pub fn init_device_mesh(
         source: Box::new(source),
     })?;
     let rank = world.rank();
-    let invalid = |problem| MeshError::Invalid {
-        rank,
-        op: OP,
-        problem,
-    };
-    if device_type.is_empty() || !device_type.chars().all(|c| c.is_ascii_alphabetic()) {
-        return Err(invalid(MeshProblem::DeviceType {
-            given: device_type.to_string(),
-        }));
-    }
-    if shape.is_empty() {
-        return Err(invalid(MeshProblem::EmptyShape));
-    }
-    if let Some(dim) = shape.iter().position(|&s| s == 0) {
-        return Err(invalid(MeshProblem::ZeroSize { dim }));
-    }
-    if !names.is_empty() {
-        if names.len() != shape.len() {
-            return Err(invalid(MeshProblem::NamesLength {
-                names: names.len(),
-                dims: shape.len(),
-            }));
-        }
-        if let Some((i, _)) = names
-            .iter()
-            .enumerate()
-            .find(|(i, n)| names[..*i].contains(n))
-        {
-            return Err(invalid(MeshProblem::RepeatedName {
-                name: names[i].to_string(),
-            }));
-        }
-    }
-    if ranks_in(shape) != Some(world.world_size()) {
-        return Err(invalid(MeshProblem::WorldMismatch {
-            shape: shape.to_vec(),
-            world_size: world.world_size(),
-        }));
-    }
+    let local = check_request(device_type, shape, names, world.world_size());
+    agree(
+        &world,
+        OP,
+        &describe_request(device_type, shape, names),
+        local,
+    )?;
     let dim_names: Vec<String> = (0..shape.len())
         .map(|d| {
             names
@@ -246,6 +216,63 @@ pub fn init_device_mesh(
         flattened: Mutex::new(BTreeMap::new()),
     });
     Ok(DeviceMesh { root, dims })
+}
+
+/// This rank's own checks of `init_device_mesh`'s arguments (PyTorch's refusals) against a
+/// world of `world_size` ranks.
+fn check_request(
+    device_type: &str,
+    shape: &[usize],
+    names: &[&str],
+    world_size: usize,
+) -> Result<(), MeshProblem> {
+    if device_type.is_empty() || !device_type.chars().all(|c| c.is_ascii_alphabetic()) {
+        return Err(MeshProblem::DeviceType {
+            given: device_type.to_string(),
+        });
+    }
+    if shape.is_empty() {
+        return Err(MeshProblem::EmptyShape);
+    }
+    if let Some(dim) = shape.iter().position(|&s| s == 0) {
+        return Err(MeshProblem::ZeroSize { dim });
+    }
+    if !names.is_empty() {
+        if names.len() != shape.len() {
+            return Err(MeshProblem::NamesLength {
+                names: names.len(),
+                dims: shape.len(),
+            });
+        }
+        if let Some((i, _)) = names
+            .iter()
+            .enumerate()
+            .find(|(i, n)| names[..*i].contains(n))
+        {
+            return Err(MeshProblem::RepeatedName {
+                name: names[i].to_string(),
+            });
+        }
+    }
+    if ranks_in(shape) != Some(world_size) {
+        return Err(MeshProblem::WorldMismatch {
+            shape: shape.to_vec(),
+            world_size,
+        });
+    }
+    Ok(())
+}
+
+/// `init_device_mesh`'s call as the ranks compare it: `a mesh of shape [2, 2] with dims
+/// `dp`, `tp` on cpu`.
+fn describe_request(device_type: &str, shape: &[usize], names: &[&str]) -> String {
+    let dims = if names.is_empty() {
+        "unnamed dims".to_string()
+    } else {
+        let quoted: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+        format!("dims {}", quoted.join(", "))
+    };
+    format!("a mesh of shape {shape:?} with {dims} on {device_type}")
 }
 
 /// This rank's group along `dims` of the root mesh, created as PyTorch's
@@ -495,11 +522,11 @@ impl DeviceMesh {
     /// ```
     pub fn flatten(&self, name: Option<&str>) -> Result<DeviceMesh, MeshError> {
         const OP: &str = "DeviceMesh::flatten";
-        if !self.root.named {
-            return Err(self.invalid(OP, MeshProblem::NoNames));
-        }
-        let name = name.map_or_else(|| self.dim_names().join("_"), str::to_string);
-        if self.dims.len() == 1 && self.dims[0].name == name {
+        let dims = self.dim_names();
+        let name = name.map_or_else(|| dims.join("_"), str::to_string);
+        let quoted: Vec<String> = dims.iter().map(|n| format!("`{n}`")).collect();
+        let request = format!("a flattening of dims {} as `{name}`", quoted.join(", "));
+        if self.root.named && self.dims.len() == 1 && self.dims[0].name == name {
             return Ok(self.clone());
         }
         let root_dims: Vec<usize> = self
@@ -507,19 +534,22 @@ impl DeviceMesh {
             .iter()
             .flat_map(|d| d.root_dims.iter().copied())
             .collect();
-        if self.root.dims.iter().any(|d| d.name == name) {
-            return Err(self.invalid(OP, MeshProblem::FlattenName { name }));
-        }
         let mut flat = self.flattened();
-        if let Some(existing) = flat.get(&name) {
-            if existing.root_dims == root_dims {
-                return Ok(DeviceMesh {
-                    root: Arc::clone(&self.root),
-                    dims: vec![Arc::clone(existing)],
-                });
-            }
-            return Err(self.invalid(OP, MeshProblem::FlattenName { name }));
+        // Made before, by every rank together: nothing to create, nothing to agree on.
+        if let Some(existing) = flat.get(&name).filter(|e| e.root_dims == root_dims) {
+            return Ok(DeviceMesh {
+                root: Arc::clone(&self.root),
+                dims: vec![Arc::clone(existing)],
+            });
         }
+        let local = if !self.root.named {
+            Err(MeshProblem::NoNames)
+        } else if self.root.dims.iter().any(|d| d.name == name) || flat.contains_key(&name) {
+            Err(MeshProblem::FlattenName { name: name.clone() })
+        } else {
+            Ok(())
+        };
+        agree(&self.root.world, OP, &request, local)?;
         let group =
             dim_group(&self.root.world, &self.root.shape, &root_dims, &name).map_err(|source| {
                 MeshError::Group {

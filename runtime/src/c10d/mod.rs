@@ -15,6 +15,7 @@
 //! | `verify.rs` | every rank passes the same tensors (name, shape, dtype) | `_verify_param_shape_across_processes` |
 //! | `desync.rs` | reading the shim's `TCH_DIST_DEBUG=DETAIL` reports into `Desync` values | `ProcessGroupWrapper.cpp` |
 //! | `devices.rs` | each rank's claim on its GPU; no two ranks of an NCCL group on one GPU | `torch.cuda.set_device`, NCCL's "Duplicate GPU detected" |
+//! | `exchange.rs` | what the tch-dist ranks of a group tell each other through the store (agreements a PyTorch rank takes no part in) | (none) |
 //! | `departures.rs` | who left the job or stopped taking part in a group (the launcher's and the ranks' keys in the store), and the watch a long wait keeps over it | (none: PyTorch's ranks wait out the timeout) |
 
 pub(crate) mod coalesced;
@@ -23,6 +24,7 @@ pub(crate) mod departures;
 pub(crate) mod desync;
 pub(crate) mod devices;
 pub(crate) mod env;
+pub(crate) mod exchange;
 pub(crate) mod group;
 pub(crate) mod objects;
 pub(crate) mod rendezvous;

@@ -158,11 +158,18 @@ pub(crate) fn check_run(
     })
 }
 
+/// Whether rank `rank` of the group named `name` is a tch-dist rank: it wrote its join key
+/// (a PyTorch rank writes none). Reliable once the group exists: every tch-dist member wrote
+/// its key before the group's backends connected.
+pub(crate) fn is_tch_dist_rank(root: &Store, name: &str, rank: usize) -> bool {
+    root.check(&joined_key(name, rank)).unwrap_or(false)
+}
+
 /// Whether a rank of the group named `name` of `world_size` wrote no join key: a rank that
 /// is not tch-dist's (PyTorch's). Reliable once the group's backends are connected: every
 /// tch-dist rank writes its join key before it starts its backends' rendezvous.
 pub(crate) fn has_foreign_ranks(root: &Store, name: &str, world_size: usize) -> bool {
-    (0..world_size).any(|r| !root.check(&joined_key(name, r)).unwrap_or(false))
+    (0..world_size).any(|r| !is_tch_dist_rank(root, name, r))
 }
 
 /// Records that `rank` joined the group named `name` (in the root store).

@@ -104,6 +104,9 @@ struct GroupInner {
     /// Set once this rank stopped taking part in the group's collectives after a failure
     /// (`ProcessGroup::stop_after_failure`): the failure, which every later operation names.
     stopped: Mutex<Option<String>>,
+    /// Exchanges through the store made over this group (`exchange.rs`): the next one's
+    /// number.
+    exchanges: AtomicU64,
 }
 
 /// What a new group's `GroupInner` takes beyond its handle.
@@ -141,6 +144,7 @@ impl GroupInner {
             launched: AtomicU64::new(0),
             children: Mutex::new(Vec::new()),
             stopped: Mutex::new(None),
+            exchanges: AtomicU64::new(0),
         }
     }
 
@@ -290,6 +294,11 @@ impl ProcessGroup {
             });
         }
         Ok(())
+    }
+
+    /// The counter of this group's exchanges through the store.
+    pub(crate) fn exchanges(&self) -> &AtomicU64 {
+        &self.inner.exchanges
     }
 
     /// Keeps `cause` as the failure after which this rank takes no part in the group's
