@@ -315,7 +315,7 @@ fn ranks_that_disagree_on_a_mesh_fail_on_every_rank_before_any_group() {
             // The same flattening everywhere still works afterwards.
             let flat = dp_cp.flatten(None).unwrap();
             assert_eq!(flat.dim_names(), ["dp_cp"]);
-            assert_eq!(summed(&flat.get_group("dp_cp").unwrap(), 1.0), 2.0);
+            assert_eq!(summed(flat.get_group("dp_cp").unwrap(), 1.0), 2.0);
         },
     );
 }
