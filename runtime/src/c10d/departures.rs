@@ -26,6 +26,36 @@ use crate::store::Store;
 /// How long a wait runs before it first looks for members that left, and between looks.
 pub(crate) const WATCH_SLICE: Duration = Duration::from_secs(1);
 
+/// A connection of its own to the rendezvous store, for the watch: a TCPStore client runs
+/// one request at a time, and the rank's own client may be held for the whole of a blocking
+/// wait (Gloo's connection of a group's backends waits on it for a peer's address), which
+/// the watch would then wait behind. Made at the first look, once a wait has lasted a
+/// slice; `None` when the store cannot be reached (the wait fails by itself then).
+pub(crate) struct WatchStore {
+    master: (String, u16),
+    client: std::sync::OnceLock<Option<Store>>,
+}
+
+impl WatchStore {
+    /// A watch over the store at `master` (MASTER_ADDR, MASTER_PORT), not connected yet.
+    pub(crate) fn new(master: (String, u16)) -> WatchStore {
+        WatchStore {
+            master,
+            client: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The watch's client, connected at the first call.
+    pub(crate) fn get(&self) -> Option<&Store> {
+        self.client
+            .get_or_init(|| {
+                let (host, port) = (&self.master.0, self.master.1);
+                Store::tcp(host, port, false, 0, WATCH_SLICE, WATCH_SLICE).ok()
+            })
+            .as_ref()
+    }
+}
+
 /// The key of a rank's exit, in the launcher's words.
 fn exited_key(global_rank: usize) -> String {
     format!("tch_dist/exited/{global_rank}")
@@ -67,7 +97,7 @@ impl ProcessGroup {
     /// reported its exit, if the store says so (`None` too when the store cannot be read: a
     /// store that is gone fails the wait by itself).
     pub(crate) fn departed_member(&self) -> Option<(usize, Departure)> {
-        let store = self.store();
+        let store = self.watch_store()?;
         let name = self.group_name();
         let read = |key: &str| -> Option<String> {
             match store.check(key) {

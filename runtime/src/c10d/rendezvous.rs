@@ -16,7 +16,7 @@
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use crate::departures::{self, WATCH_SLICE};
+use crate::departures::{self, WatchStore, WATCH_SLICE};
 use crate::error::RendezvousError;
 use crate::store::Store;
 
@@ -277,47 +277,56 @@ fn barrier_on(
     }
 }
 
-/// Waits until every other member of the group named `name` has arrived at its rendezvous
-/// (its join key, or for a PyTorch rank its Gloo key in the group's store `group`), looking
-/// every [`WATCH_SLICE`] for members whose launcher reported their exit: one that exited
-/// before it arrived will never come, and is [`RendezvousError::Departed`] within seconds
-/// rather than `NeverJoined` at the deadline. `members` are the group's ranks' global ranks,
-/// in group order; `me` is this rank's. At the deadline it returns Ok: the backends' own
-/// rendezvous then fails at once and says who never joined.
-pub(crate) fn await_members(
-    root: &Store,
-    group: &Store,
-    name: &str,
+/// Runs `wait`, a step of a group's rendezvous that waits for the other members (the store's
+/// check-in, the backends' connection), on a thread of its own, and looks every
+/// [`WATCH_SLICE`] for members whose launcher reported their exit (`members`: the group's
+/// global ranks, `me`: this rank's place among them): one that exited before the group was
+/// made will never come, and is [`RendezvousError::Departed`] within seconds where the wait
+/// would run to its deadline. An exit seen while the wait may still complete (a member that
+/// joined and then exited) gets one more slice first. The thread of a wait given up on ends
+/// at the wait's own deadline; its result is dropped.
+pub(crate) fn watched<T: Send + 'static>(
+    watch: &WatchStore,
     members: &[usize],
     me: usize,
-    deadline: Deadline,
-) -> Result<(), RendezvousError> {
-    const POLL: Duration = Duration::from_millis(20);
-    let arrived = |r: usize| {
-        root.check(&joined_key(name, r)).unwrap_or(false)
-            || group.check(&gloo_key(r)).unwrap_or(false)
-    };
-    let mut missing: Vec<usize> = (0..members.len()).filter(|&r| r != me).collect();
-    let mut next_watch = Instant::now() + WATCH_SLICE;
+    wait: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, RendezvousError> {
+    let (done_tx, done) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name("tch-dist rendezvous".into())
+        .spawn(move || {
+            // The receiver is gone when the rendezvous was given up on.
+            let _ = done_tx.send(wait());
+        });
+    if let Err(e) = spawned {
+        return Err(RendezvousError::Engine {
+            cause: format!("cannot start the rendezvous thread: {e}"),
+        });
+    }
+    let mut departed: Option<(usize, String)> = None;
     loop {
-        missing.retain(|&r| !arrived(r));
-        if missing.is_empty() || deadline.left().is_zero() {
-            return Ok(());
-        }
-        if Instant::now() >= next_watch {
-            next_watch += WATCH_SLICE;
-            if departures::any_exited(root) {
-                for &r in &missing {
-                    // Arrived just before it exited: its absence is for the backends to name.
-                    if let Some(status) = departures::exit_of(root, members[r]) {
-                        if !arrived(r) {
-                            return Err(RendezvousError::Departed { rank: r, status });
-                        }
-                    }
-                }
+        match done.recv_timeout(WATCH_SLICE) {
+            Ok(result) => return Ok(result),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(RendezvousError::Engine {
+                    cause: "the rendezvous thread ended without a result".into(),
+                })
             }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
         }
-        std::thread::sleep(POLL.min(deadline.left()));
+        if let Some((rank, status)) = departed {
+            return Err(RendezvousError::Departed { rank, status });
+        }
+        let Some(store) = watch.get() else {
+            continue;
+        };
+        if departures::any_exited(store) {
+            departed = members
+                .iter()
+                .enumerate()
+                .filter(|&(r, _)| r != me)
+                .find_map(|(r, &global)| departures::exit_of(store, global).map(|s| (r, s)));
+        }
     }
 }
 

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::departures::WatchStore;
 use crate::devices::DeviceClaim;
 use crate::env::{is_loopback, DebugLevel};
 use crate::error::{ArgumentError, DistError, EnvError, RendezvousError, Result};
@@ -64,25 +65,20 @@ impl ProcessGroup {
                 .unwrap_or(RendezvousError::Engine { cause }),
             )
         };
-        // Every other rank arrives, or its launcher says it exited before it did (the wait
-        // below could not tell, and would run to the deadline). With lazy Gloo a PyTorch rank
-        // leaves no trace to wait for.
-        if !gloo_lazy_init() {
-            let everyone: Vec<usize> = (0..opts.world_size).collect();
-            rendezvous::await_members(
-                &store,
-                &default_store,
-                DEFAULT_NAME,
-                &everyone,
-                opts.rank,
-                deadline,
-            )
-            .map_err(|p| at.failed(p))?;
-        }
-        // PyTorch's waitWorkers handshake: every rank checks in, the server waits for all.
-        tcp.check_in(deadline.left()).map_err(missing)?;
-        let handle = NewBackends {
-            name: DEFAULT_NAME,
+        // PyTorch's waitWorkers handshake: every rank checks in, the server waits for all;
+        // then the backends connect. Both wait for the other ranks, watched for ranks whose
+        // launcher reported their exit (they will never come).
+        let everyone: Vec<usize> = (0..opts.world_size).collect();
+        let watch = WatchStore::new((opts.master_addr.clone(), opts.master_port));
+        let checking_in = tcp.clone();
+        let left = deadline.left();
+        rendezvous::watched(&watch, &everyone, opts.rank, move || {
+            checking_in.check_in(left)
+        })
+        .map_err(|p| at.failed(p))?
+        .map_err(missing)?;
+        let backends = NewBackends {
+            name: DEFAULT_NAME.to_string(),
             rank: opts.rank,
             world_size: opts.world_size,
             timeout: opts.timeout,
@@ -92,8 +88,12 @@ impl ProcessGroup {
             device,
             cuda_via_gloo: opts.cuda_via_gloo,
             debug: opts.debug,
-        }
-        .create(&default_store)
+        };
+        let connecting = default_store.clone();
+        let handle = rendezvous::watched(&watch, &everyone, opts.rank, move || {
+            backends.create(&connecting)
+        })
+        .map_err(|p| at.failed(p))?
         .map_err(missing)?;
         detail_with_foreign_ranks(&handle, &store, DEFAULT_NAME, opts.world_size, opts.debug)
             .map_err(|cause| at.engine(cause))?;
@@ -113,6 +113,7 @@ impl ProcessGroup {
                 .map_err(|p| at.failed(p))?;
         }
         let world = Arc::new(World {
+            watch: WatchStore::new((opts.master_addr.clone(), opts.master_port)),
             root: store,
             default_store,
             group_count: AtomicUsize::new(1),
@@ -207,12 +208,8 @@ impl ProcessGroup {
         };
         let store = at.prefixed(&world.default_store, &format!("{name}/"))?;
         rendezvous::join(&world.root, &name, sub_rank).map_err(|p| at.failed(p))?;
-        if !gloo_lazy_init() {
-            rendezvous::await_members(&world.root, &store, &name, &global, sub_rank, deadline)
-                .map_err(|p| at.failed(p))?;
-        }
-        let handle = NewBackends {
-            name: &name,
+        let backends = NewBackends {
+            name: name.clone(),
             rank: sub_rank,
             world_size: ranks.len(),
             timeout: self.inner.timeout,
@@ -222,8 +219,14 @@ impl ProcessGroup {
             device: self.inner.device,
             cuda_via_gloo: self.inner.cuda_via_gloo,
             debug: self.inner.debug,
-        }
-        .create(&store)
+        };
+        let connecting = store.clone();
+        // Watched for members whose launcher reported their exit (a group created on one
+        // rank only while the others finished: they will never come).
+        let handle = rendezvous::watched(&world.watch, &global, sub_rank, move || {
+            backends.create(&connecting)
+        })
+        .map_err(|p| at.failed(p))?
         .map_err(|cause| {
             at.failed(
                 subgroup_never_joined(world, &store, &name, &ranks, self.inner.timeout)
@@ -497,8 +500,8 @@ fn gloo_lazy_init() -> bool {
 }
 
 /// What the shim needs to create a group's backends (`tdr_group_new`).
-struct NewBackends<'a> {
-    name: &'a str,
+struct NewBackends {
+    name: String,
     rank: usize,
     world_size: usize,
     /// The collectives' timeout.
@@ -512,13 +515,13 @@ struct NewBackends<'a> {
     debug: DebugLevel,
 }
 
-impl NewBackends<'_> {
+impl NewBackends {
     /// The group's backends, rendezvoused over `store`.
     fn create(&self, store: &Store) -> std::result::Result<GroupHandle, String> {
         let host =
             CString::new(self.gloo_host).map_err(|_| "host contains a NUL byte".to_string())?;
-        let name =
-            CString::new(self.name).map_err(|_| "group name contains a NUL byte".to_string())?;
+        let name = CString::new(self.name.as_str())
+            .map_err(|_| "group name contains a NUL byte".to_string())?;
         let mut out = std::ptr::null_mut();
         // SAFETY: live store, valid C strings and out-pointer; exceptions are caught in the
         // shim.

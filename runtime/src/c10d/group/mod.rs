@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use tch::Device;
 
+use crate::departures::WatchStore;
 use crate::env::DebugLevel;
 use crate::error::{DistError, Result};
 use crate::ffi;
@@ -76,6 +77,8 @@ struct World {
     live_groups: AtomicUsize,
     /// PyTorch's store-based barrier after every `new_group` (TORCH_DIST_INIT_BARRIER=1).
     init_barrier: bool,
+    /// The departures watch's own connection to the store (`departures.rs`).
+    watch: WatchStore,
 }
 
 struct GroupInner {
@@ -294,6 +297,11 @@ impl ProcessGroup {
             });
         }
         Ok(())
+    }
+
+    /// The departures watch's connection to the store, made at its first use.
+    pub(crate) fn watch_store(&self) -> Option<&Store> {
+        self.inner.world.watch.get()
     }
 
     /// The counter of this group's exchanges through the store.
