@@ -372,7 +372,7 @@ fn stage<M: Shardable + ?Sized>(
         Err(e) => return (Err(e), BTreeMap::new()),
     };
     // fully_shard parameters held gathered go back to their shards first.
-    if let Err(e) = crate::fully_shard::reshard_all(module) {
+    if let Err(e) = crate::state_dict::reshard_all(module) {
         let failed = protocol::Save::new(dir, group).failed("writing the files");
         return (Err(failed(e.into())), BTreeMap::new());
     }
@@ -497,7 +497,7 @@ pub fn load_with<M: Shardable + ?Sized>(
 ) -> Result<LoadStats, CheckpointError> {
     const OP: &str = "checkpoint.load";
     let (path, rank) = (path.as_ref(), group.rank());
-    crate::fully_shard::reshard_all(module)?;
+    crate::state_dict::reshard_all(module)?;
     let placements = crate::state_dict::placements(module);
     let targets = plan::targets_placed(module, &placements);
     let split = plan::split_tensors(module, &placements);
@@ -599,7 +599,7 @@ pub fn load_with_optimizer<M: Shardable + ?Sized>(
 ) -> Result<(), CheckpointError> {
     const OP: &str = "checkpoint.load";
     let (path, rank) = (path.as_ref(), group.rank());
-    crate::fully_shard::reshard_all(module)?;
+    crate::state_dict::reshard_all(module)?;
     let placements = crate::state_dict::placements(module);
     let mut targets = plan::targets_placed(module, &placements);
     let split = plan::split_tensors(module, &placements);

@@ -35,9 +35,10 @@ pub enum FsdpError {
     /// differ across ranks).
     #[error(transparent)]
     Dist(#[from] DistError),
-    /// A `shard_module` parameter could not be gathered (`full_state_dict`).
+    /// The full state dict could not be made (`full_state_dict`: a parameter's pieces could
+    /// not be gathered).
     #[error(transparent)]
-    Shard(Box<crate::sharding::ShardError>),
+    StateDict(Box<crate::state_dict::StateDictError>),
     /// fully_shard's forward hooks could not be registered.
     #[error(transparent)]
     Hook(#[from] HookError),
@@ -205,9 +206,9 @@ pub enum FsdpError {
     },
 }
 
-impl From<crate::sharding::ShardError> for FsdpError {
-    fn from(e: crate::sharding::ShardError) -> Self {
-        FsdpError::Shard(Box::new(e))
+impl From<crate::state_dict::StateDictError> for FsdpError {
+    fn from(e: crate::state_dict::StateDictError) -> Self {
+        FsdpError::StateDict(Box::new(e))
     }
 }
 

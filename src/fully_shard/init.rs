@@ -14,12 +14,13 @@ use tch_dist_core::Shardable;
 use tch_dist_runtime::fsdp::ManagedParam;
 use tch_dist_runtime::fsdp::{is_float, tensor_identity, FsdpGroup, FsdpGroupOptions};
 use tch_dist_runtime::{
-    default_group, GroupOptions, ProcessGroup, UseGuard, BROADCAST_BUCKET_BYTES,
+    default_group, DistError, GroupOptions, ProcessGroup, UseGuard, BROADCAST_BUCKET_BYTES,
 };
 
 use super::collect::Collected;
 use super::{hooks, FsdpError, FsdpOptions, FsdpState, MeshUse, ReshardAfterForward};
-use crate::state_dict::managed::{register, ManagingApi, Registration};
+use crate::state_dict::managed::{register, Layer, ManagingApi, Registration, ShardHolder};
+use crate::state_dict::{MeshDimPlacement, Placement};
 
 /// The groups of one call: the shard group (the options' `process_group`, a 1-D mesh's
 /// group, a 2-D mesh's dim 1, else the default group), the replicate group (HSDP: a 2-D
@@ -315,13 +316,58 @@ pub(super) fn identities(params: &[(String, Tensor)]) -> Vec<(u64, String)> {
 }
 
 /// Enters the call's parameters in the registry of managed parameters (a later call tying
-/// one of them names it); the state removes them on drop.
-pub(super) fn enter_managed(identities: Vec<(u64, String)>, groups: &Groups) -> Registration {
-    register(
-        ManagingApi::FullyShard,
-        groups.all.global_ranks(),
-        identities,
-    )
+/// one of them names it), each with how the call shards it (the placement record's layer:
+/// over the shard group, and first the replicate group's copies under HSDP); the state
+/// removes them on drop.
+pub(super) fn enter_managed(
+    identities: Vec<(u64, String)>,
+    fsdp_group: &Arc<FsdpGroup>,
+    groups: &Groups,
+) -> Registration {
+    let holder: Arc<dyn ShardHolder> = Arc::new(Holder(Arc::clone(fsdp_group)));
+    let entries = identities
+        .into_iter()
+        .zip(fsdp_group.params())
+        .enumerate()
+        .map(|(index, ((id, fqn), info))| {
+            let mut dims = Vec::with_capacity(2);
+            if let Some(g) = &groups.replicate {
+                dims.push(MeshDimPlacement {
+                    placement: Placement::Replicate,
+                    group: g.clone(),
+                });
+            }
+            dims.push(MeshDimPlacement {
+                placement: Placement::Shard(info.dim),
+                group: groups.shard.clone(),
+            });
+            let layer = Layer {
+                dims,
+                whole: info.shape,
+                offsets: info.offsets,
+                local: info.local_shape,
+                blocks: 1,
+                holder: Arc::clone(&holder),
+                index,
+            };
+            (id, fqn, Some(layer))
+        })
+        .collect();
+    register(ManagingApi::FullyShard, groups.all.global_ranks(), entries)
+}
+
+/// fully_shard's holder in the state dict's registry: a call's group gathers its own
+/// parameters' shards, and puts them back.
+struct Holder(Arc<FsdpGroup>);
+
+impl ShardHolder for Holder {
+    fn gather(&self, index: usize, _piece: &Tensor) -> Result<Tensor, DistError> {
+        self.0.full_param(index)
+    }
+
+    fn reshard(&self) -> Result<(), DistError> {
+        self.0.reshard()
+    }
 }
 
 /// The names a call's errors give: the module's FQN (set by the enclosing call) and its

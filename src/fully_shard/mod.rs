@@ -47,22 +47,20 @@
 //!
 //! | file | what it does | PyTorch's counterpart |
 //! |---|---|---|
-//! | `mod.rs` | the API: [`fully_shard`] (a sequence of `init.rs`'s steps), [`full_state_dict`] | `_fully_shard.py` (`fully_shard`) |
-//! | `init.rs` | the steps of one call: process group, checks on every rank, rank 0's values, bypass guard, parameter group and fence, nested calls adopted, forward hooks, managed identities | `_fsdp_init.py` |
+//! | `mod.rs` | the API: [`fully_shard`] (a sequence of `init.rs`'s steps), [`full_state_dict`] (the state dict's, with this API's error) | `_fully_shard.py` (`fully_shard`) |
+//! | `init.rs` | the steps of one call: process group, checks on every rank, rank 0's values, bypass guard, parameter group and fence, nested calls adopted, forward hooks, the managed parameters entered with their layers and the call's holder (the placement record's) | `_fsdp_init.py` |
 //! | `options.rs` | [`FsdpOptions`] and its parts | `fully_shard`'s keyword arguments, `MixedPrecisionPolicy` |
 //! | `state.rs` | [`FsdpState`] | `FSDPModule` methods, `_fsdp_state.py` |
 //! | `collect.rs` | what a call manages, and why it refuses | `_fsdp_init.py` (`_get_managed_modules`) |
 //! | `hooks.rs` | the call scope per managed module, the call guard | `FSDPState._pre_forward` / `_post_forward` |
 //! | `error.rs` | [`FsdpError`] | (the errors of `_fsdp_init.py`) |
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use tch::Tensor;
-use tch_dist_core::path::join_fqn;
 use tch_dist_core::{contract, Shardable};
-use tch_dist_runtime::fsdp::{tensor_identity, ManagedParam, ShardInfo};
-use tch_dist_runtime::{default_group, DistError};
+use tch_dist_runtime::default_group;
+use tch_dist_runtime::fsdp::ManagedParam;
 
 mod collect;
 mod error;
@@ -136,7 +134,7 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         &found.nested,
         &opts,
     )?;
-    let registration = init::enter_managed(identities, &groups);
+    let registration = init::enter_managed(identities, &fsdp_group, &groups);
     Ok(FsdpState {
         group: fsdp_group,
         process_group: groups.shard,
@@ -148,16 +146,6 @@ pub fn fully_shard<M: Shardable + ?Sized>(
         guard,
         _registration: registration,
     })
-}
-
-/// A parameter a fully_shard call manages ([`fsdp_params_in`]).
-pub(crate) struct FsdpParam {
-    /// The call's state.
-    pub state: Arc<FsdpState>,
-    /// Its position in the call's group.
-    pub index: usize,
-    /// Where this rank's rows sit.
-    pub info: ShardInfo,
 }
 
 /// The outermost fully_shard calls in `module` (none encloses another), with their FQNs,
@@ -175,34 +163,6 @@ fn outermost_states<M: Shardable + ?Sized>(module: &M) -> Vec<(String, Arc<FsdpS
     roots
 }
 
-/// Every parameter a fully_shard call in `module` manages, by its FQN in `module`.
-pub(crate) fn fsdp_params_in<M: Shardable + ?Sized>(module: &M) -> HashMap<String, FsdpParam> {
-    let mut out = HashMap::new();
-    for (prefix, s) in outermost_states(module) {
-        let base = s.prefix();
-        for inner in s.all() {
-            // Prefixes are relative to the outermost call; `s` may be a nested one.
-            let own = inner.prefix();
-            let rel = own
-                .strip_prefix(base.as_str())
-                .map(|r| r.trim_start_matches('.'))
-                .unwrap_or(own.as_str());
-            for (index, mut info) in inner.group.params().into_iter().enumerate() {
-                info.fqn = join_fqn(&prefix, &join_fqn(rel, &info.fqn));
-                out.insert(
-                    info.fqn.clone(),
-                    FsdpParam {
-                        state: Arc::clone(&inner),
-                        index,
-                        info,
-                    },
-                );
-            }
-        }
-    }
-    out
-}
-
 /// Makes the outermost fully_shard calls in `module` (blocks with no common enclosing
 /// fully_shard, as under a `replicate`d root) share one backward pass: the first one's end of
 /// backward finishes them all, in forward order, so that a block autograd did not reach on
@@ -218,21 +178,8 @@ pub(crate) fn share_backward_pass<M: Shardable + ?Sized>(module: &M) {
     }
 }
 
-/// Puts every fully_shard parameter in `module` back on its shard (a checkpoint reads and
-/// writes shards).
-pub(crate) fn reshard_all<M: Shardable + ?Sized>(module: &M) -> Result<(), DistError> {
-    for (_, m) in module.named_modules() {
-        if let Some(s) = fully_shard_state(m) {
-            s.group.reshard()?;
-        }
-    }
-    Ok(())
-}
-
-/// Every parameter and buffer of `module` with its full value, in walk order (PyTorch's
-/// full `state_dict`, for evaluation or export; a tied parameter under each of its names).
-/// A collective: every rank calls it, and every rank gets the full values. Parameters
-/// sharded by `fully_shard` or `shard_module` are all-gathered; the others are copied.
+/// Every parameter and buffer of `module` with its full value: the state dict's
+/// [`full_state_dict`](crate::state_dict::full_state_dict), with this API's error type.
 ///
 /// ```no_run
 /// # fn demo<M: tch_dist::Shardable>(model: &M) -> Result<(), tch_dist::fully_shard::FsdpError> {
@@ -243,36 +190,5 @@ pub(crate) fn reshard_all<M: Shardable + ?Sized>(module: &M) -> Result<(), DistE
 pub fn full_state_dict<M: Shardable + ?Sized>(
     module: &M,
 ) -> Result<Vec<(String, Tensor)>, FsdpError> {
-    let placements = crate::state_dict::placements(module);
-    // A tied parameter is gathered once, under its first name.
-    let mut gathered: HashMap<u64, Tensor> = HashMap::new();
-    let mut out = Vec::new();
-    for (fqn, t) in module.named_parameters() {
-        let id = tensor_identity(t);
-        let full = if let Some(full) = gathered.get(&id) {
-            full.shallow_clone()
-        } else if let Some(p) = placements.get(t) {
-            // Innermost first: fully_shard's gather gives the piece shard_module split off
-            // (FSDP x TP) or the whole tensor; shard_module's gathers that.
-            let mut full = match &p.owner.fsdp {
-                Some(f) => f.state.group.full_param(f.index)?,
-                None => tch::no_grad(|| t.detach()),
-            };
-            if let Some(tp) = &p.owner.tp {
-                full = tp
-                    .state
-                    .sharded_tensor_of(&tp.local_fqn, full)?
-                    .all_gather()?;
-            }
-            gathered.insert(id, full.shallow_clone());
-            full
-        } else {
-            tch::no_grad(|| t.detach().copy())
-        };
-        out.push((fqn, full));
-    }
-    for (fqn, b) in module.named_buffers() {
-        out.push((fqn, tch::no_grad(|| b.detach().copy())));
-    }
-    Ok(out)
+    Ok(crate::state_dict::full_state_dict(module)?)
 }

@@ -304,7 +304,12 @@ pub(super) fn set_up(
     let buffer_fqns: Vec<String> = buffers.iter().map(|(n, _)| n.clone()).collect();
     let reducer = Reducer::new(params, group.clone(), reducer_opts)?;
     // Registered only once nothing can fail any more; the check above ran on every rank.
-    let registration = register(ManagingApi::Replicate, group.global_ranks(), identities);
+    // Replicated, not sharded: no layer in the placement record.
+    let entries = identities
+        .into_iter()
+        .map(|(id, fqn)| (id, fqn, None))
+        .collect();
+    let registration = register(ManagingApi::Replicate, group.global_ranks(), entries);
     let broadcast_buffers =
         opts.broadcast_buffers && !group.skips_communication() && !buffers.is_empty();
     Ok(ReplicateState {

@@ -103,14 +103,13 @@ pub use parallel::{
 pub use plan::{PlanEntry, ShardingPlan, ShardingPlanBuilder};
 pub use planner::{MegatronPlanner, ShardingPlanner};
 pub use sharder::{ColwiseLinear, RowwiseLinear, ShardedModule, Sharder};
-pub(crate) use state::sharded_params_in;
 pub use state::ShardState;
 pub use tch_dist_core::sharding::*;
 pub use tch_dist_runtime::sharding::{functional, Shard, ShardedTensor};
 
 use validate::{validate, Target};
 
-use crate::state_dict::managed::{first_manager, register, ManagingApi};
+use crate::state_dict::managed::{first_manager, ManagingApi};
 use tch_dist_core::path::is_within;
 use tch_dist_runtime::fsdp::tensor_identity;
 
@@ -228,16 +227,7 @@ pub fn shard_module<M: Shardable + ?Sized>(
     let root = module.as_dyn_shardable();
     let (scopes, guards) = guard::install(root, &modules, &hooked, &prepared, group)?;
     hooks.extend(scopes);
-    let params = module.named_parameters();
-    let registration = register(
-        ManagingApi::ShardModule,
-        group.global_ranks(),
-        params
-            .iter()
-            .filter(|(fqn, _)| sharded.contains_key(fqn))
-            .map(|(fqn, t)| (tensor_identity(t), fqn.clone()))
-            .collect(),
-    );
+    let registration = state::enter_managed(module, &sharded, group);
     Ok(ShardState {
         _registration: registration,
         sharded,

@@ -8,10 +8,13 @@ use tch::Tensor;
 use tch_dist_core::hooks::RemovableHandle;
 use tch_dist_core::sharding::ShardedTensorMetadata;
 use tch_dist_core::Shardable;
+use tch_dist_runtime::fsdp::tensor_identity;
 use tch_dist_runtime::sharding::{Shard, ShardedTensor};
-use tch_dist_runtime::{autograd_mark, unfenced, ProcessGroup, UseGuard};
+use tch_dist_runtime::{autograd_mark, unfenced, DistError, ProcessGroup, UseGuard};
 
 use super::error::{PlanProblem, ShardError};
+use crate::state_dict::managed::{register, Layer, ManagingApi, Registration, ShardHolder};
+use crate::state_dict::{MeshDimPlacement, Placement};
 
 /// What [`shard_module`](super::shard_module) did to a module:
 /// [`shard_module_state`](super::shard_module_state) returns it.
@@ -22,7 +25,7 @@ pub struct ShardState {
     pub(super) guards: Mutex<Vec<Arc<UseGuard>>>,
     pub(super) group: ProcessGroup,
     /// The sharded parameters in the registry of managed parameters.
-    pub(super) _registration: crate::state_dict::managed::Registration,
+    pub(super) _registration: Registration,
 }
 
 impl std::fmt::Debug for ShardState {
@@ -79,32 +82,7 @@ impl ShardState {
             .sharded
             .get(fqn)
             .ok_or_else(|| ShardError::plan(&self.group, fqn, PlanProblem::NotSharded))?;
-        // A single shard is the whole local piece; several (a fused layer's parts) are
-        // concatenated along dim 0 in metadata order.
-        let mine = meta.shards_for_rank(self.group.rank());
-        let shards = match mine.as_slice() {
-            [one] => vec![Shard {
-                tensor: local,
-                metadata: (*one).clone(),
-            }],
-            several => {
-                let mut off = 0;
-                several
-                    .iter()
-                    .map(|m| {
-                        let rows = m.shard_sizes[0];
-                        let tensor = local.narrow(0, off, rows);
-                        off += rows;
-                        Shard {
-                            tensor,
-                            metadata: (*m).clone(),
-                        }
-                    })
-                    .collect()
-            }
-        };
-        ShardedTensor::from_local_shards(shards, meta.clone(), &self.group)
-            .map_err(|e| ShardError::dist(&self.group, fqn, e))
+        sharded_tensor(meta, local, &self.group).map_err(|e| ShardError::dist(&self.group, fqn, e))
     }
 
     /// Runs `f`, whose result may use the sharded modules' parameters directly, outside
@@ -138,31 +116,105 @@ impl ShardState {
     }
 }
 
-/// A parameter [`shard_module`](super::shard_module) sharded somewhere in a model.
-pub(crate) struct ShardedParam {
-    /// The state of the `shard_module` call that sharded it.
-    pub state: Arc<ShardState>,
-    /// Its FQN within the module that call sharded (the state's own names).
-    pub local_fqn: String,
+/// The tensor `meta` lays out over `group`, as a [`ShardedTensor`] over `local`, this rank's
+/// piece of it: a single shard is the whole piece; several (a fused layer's parts) are
+/// concatenated along dim 0 in metadata order.
+fn sharded_tensor(
+    meta: &ShardedTensorMetadata,
+    local: Tensor,
+    group: &ProcessGroup,
+) -> Result<ShardedTensor, DistError> {
+    let mine = meta.shards_for_rank(group.rank());
+    let shards = match mine.as_slice() {
+        [one] => vec![Shard {
+            tensor: local,
+            metadata: (*one).clone(),
+        }],
+        several => {
+            let mut off = 0;
+            several
+                .iter()
+                .map(|m| {
+                    let rows = m.shard_sizes[0];
+                    let tensor = local.narrow(0, off, rows);
+                    off += rows;
+                    Shard {
+                        tensor,
+                        metadata: (*m).clone(),
+                    }
+                })
+                .collect()
+        }
+    };
+    ShardedTensor::from_local_shards(shards, meta.clone(), group)
 }
 
-/// Every parameter `shard_module` sharded anywhere in `module`, by its FQN in `module`.
-pub(crate) fn sharded_params_in<M: Shardable + ?Sized>(
+/// Enters `module`'s parameters that `sharded` names in the registry of managed parameters,
+/// each with how `shard_module` split it over `group` (the placement record's layer: the one
+/// dim along which this rank's piece differs from the whole, and how many blocks of the
+/// whole it joins); the state removes them on drop.
+pub(super) fn enter_managed<M: Shardable + ?Sized>(
     module: &M,
-) -> std::collections::HashMap<String, ShardedParam> {
-    let mut out = std::collections::HashMap::new();
-    for (prefix, m) in module.named_modules() {
-        if let Some(state) = super::shard_module_state(m) {
-            for fqn in state.sharded_params() {
-                out.insert(
-                    tch_dist_core::path::join_fqn(&prefix, fqn),
-                    ShardedParam {
-                        state: state.clone(),
-                        local_fqn: fqn.to_string(),
-                    },
-                );
-            }
-        }
+    sharded: &BTreeMap<String, ShardedTensorMetadata>,
+    group: &ProcessGroup,
+) -> Registration {
+    let params: Vec<(String, &Tensor)> = module
+        .named_parameters()
+        .into_iter()
+        .filter(|(fqn, _)| sharded.contains_key(fqn))
+        .collect();
+    let holder = Arc::new(Holder {
+        group: group.clone(),
+        metadata: params.iter().map(|(fqn, _)| sharded[fqn].clone()).collect(),
+    });
+    let entries = params
+        .into_iter()
+        .enumerate()
+        .map(|(index, (fqn, t))| {
+            let layer = layer(&holder, index);
+            (tensor_identity(t), fqn, layer)
+        })
+        .collect();
+    register(ManagingApi::ShardModule, group.global_ranks(), entries)
+}
+
+/// How `holder`'s tensor `index` lies: `None` when this rank holds no piece of it.
+fn layer(holder: &Arc<Holder>, index: usize) -> Option<Layer> {
+    let meta = &holder.metadata[index];
+    let held = meta.shards_for_rank(holder.group.rank());
+    let mine = *held.first()?;
+    // The one dim along which the pieces differ from the whole.
+    let dim = (0..meta.size.len())
+        .find(|&d| mine.shard_sizes[d] != meta.size[d])
+        .unwrap_or(0);
+    Some(Layer {
+        dims: vec![MeshDimPlacement {
+            placement: Placement::Shard(dim),
+            group: holder.group.clone(),
+        }],
+        whole: meta.size.clone(),
+        offsets: mine.shard_offsets.clone(),
+        local: mine.shard_sizes.clone(),
+        blocks: held.len(),
+        holder: Arc::clone(holder) as Arc<dyn ShardHolder>,
+        index,
+    })
+}
+
+/// shard_module's holder in the state dict's registry: each sharded parameter's layout,
+/// by its index; its pieces are gathered from the piece a rank holds.
+struct Holder {
+    group: ProcessGroup,
+    metadata: Vec<ShardedTensorMetadata>,
+}
+
+impl ShardHolder for Holder {
+    fn gather(&self, index: usize, piece: &Tensor) -> Result<Tensor, DistError> {
+        sharded_tensor(&self.metadata[index], piece.shallow_clone(), &self.group)?.all_gather()
     }
-    out
+
+    /// A sharded parameter always holds its shard.
+    fn reshard(&self) -> Result<(), DistError> {
+        Ok(())
+    }
 }
