@@ -13,7 +13,7 @@ use std::thread::JoinHandle;
 use tch_dist_core::Shardable;
 use tch_dist_runtime::{Backend, GroupOptions, ProcessGroup};
 
-use super::{protocol, CheckpointError, SaveOptions};
+use super::{fs, protocol, CheckpointError, SaveOptions};
 use crate::optim::Optimizer;
 
 /// The background thread's outcome.
@@ -228,7 +228,7 @@ pub(super) fn start<M: Shardable + ?Sized>(
             }
             outcome
         })
-        .map_err(protocol::io(rank, "starting the writer of", dir))?;
+        .map_err(fs::io(rank, "starting the writer of", dir))?;
     let job = Arc::new(Job {
         thread: Mutex::new(Some(thread)),
         outcome: Mutex::new(None),

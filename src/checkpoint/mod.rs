@@ -89,7 +89,8 @@
 //! | `striped.rs` | [`Reads::Striped`]: who reads each whole tensor, the check that every rank holds the same ones, the broadcast | (none: torchtitan's RFC #4035, striped I/O + collective broadcast) |
 //! | `reader.rs` | a load's I/O: manifest, headers, positioned reads of the planned ranges into the staged values (or one buffer of the rows read), each checked, counted in [`LoadStats`]; format 2 read whole | `_hf_storage.py` (`HuggingFaceStorageReader.read_data`) |
 //! | `reshard.rs` | a rank's part assembled from the saved pieces that overlap it (pure offset arithmetic, unit-tested), filled as the reads arrive (`Staged`'s coverage from the regions filled), and the checks of the model against the checkpoint | `default_planner.py`, `_reshard`, `resharding.py` (`_check_shard_metadata_pair_overlap`) |
-//! | `protocol.rs` | the ranks' save, as named steps, and the file-system moves that make it crash-safe (fsyncs, the rename or swap into place) | `state_dict_saver.py` (`_save_state_dict`'s steps), `filesystem.py` |
+//! | `protocol.rs` | the ranks' save, as named steps | `state_dict_saver.py` (`_save_state_dict`'s steps) |
+//! | `fs.rs` | the file-system moves that make a save crash-safe (fsyncs, the temporary folder, the rename or swap into place, removals manifest first) | `filesystem.py` |
 //! | `storage.rs` | the files: the safetensors layout, `DCP_SHARDING_INFO`, the manifest and sidecars through their serde structs, whole files against their checksums ([`verify`], format 2) | `_hf_storage.py` / `hf_storage.py` (`HuggingFaceStorageReader`/`Writer`), `storage.py`, `metadata.py` |
 //! | `retention.rs` | [`latest`], [`latest_valid`], pruning to `keep_last` | (none: torchtitan's checkpoint manager keeps the last k) |
 //! | `error.rs` | [`CheckpointError`] | DCP's `CheckpointException` |
@@ -112,6 +113,7 @@
 
 mod async_save;
 mod error;
+mod fs;
 mod index;
 mod plan;
 mod plan_cache;

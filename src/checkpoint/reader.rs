@@ -115,7 +115,7 @@ impl Reader {
         buf: &mut [u8],
     ) -> Result<(), CheckpointError> {
         file.read_exact_at(buf, start)
-            .map_err(super::protocol::io(self.rank, "reading", path))?;
+            .map_err(super::fs::io(self.rank, "reading", path))?;
         self.stats.bytes_read += buf.len() as u64;
         Ok(())
     }
@@ -130,12 +130,12 @@ impl Reader {
         let corrupted = self.corrupted(path);
         let file = match entry {
             Some(_) => File::open(path).map_err(|e| corrupted(e.to_string()))?,
-            None => File::open(path).map_err(super::protocol::io(self.rank, "reading", path))?,
+            None => File::open(path).map_err(super::fs::io(self.rank, "reading", path))?,
         };
         self.stats.files_opened += 1;
         let len = file
             .metadata()
-            .map_err(super::protocol::io(self.rank, "reading", path))?
+            .map_err(super::fs::io(self.rank, "reading", path))?
             .len();
         if let Some(e) = entry.filter(|e| e.bytes != len) {
             return Err(corrupted(format!(
@@ -265,12 +265,12 @@ impl Reader {
         };
         let temporary = dir
             .file_name()
-            .is_some_and(|n| super::protocol::is_temporary(&n.to_string_lossy()));
+            .is_some_and(|n| super::fs::is_temporary(&n.to_string_lossy()));
         if temporary || !dir.is_dir() {
             return Err(not_a_checkpoint());
         }
         let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(super::protocol::io(self.rank, "listing", dir))?
+            .map_err(super::fs::io(self.rank, "listing", dir))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "safetensors"))
             .collect();

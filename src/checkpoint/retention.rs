@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use tch_dist_runtime::ProcessGroup;
 
-use super::{protocol, storage, CheckpointError, MANIFEST};
+use super::{fs, storage, CheckpointError, MANIFEST};
 
 /// The complete checkpoints in `parent` (folders with a manifest, never a save's
 /// temporary `.partial` or `.old` folder), oldest first by name. A missing `parent` has
@@ -15,13 +15,13 @@ pub(super) fn complete_in(rank: usize, parent: &Path) -> Result<Vec<PathBuf>, Ch
     let entries = match std::fs::read_dir(parent) {
         Ok(entries) => entries,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(protocol::io(rank, "listing", parent)(e)),
+        Err(e) => return Err(fs::io(rank, "listing", parent)(e)),
     };
     let mut out: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
             p.file_name()
-                .is_some_and(|n| !protocol::is_temporary(&n.to_string_lossy()))
+                .is_some_and(|n| !fs::is_temporary(&n.to_string_lossy()))
         })
         .filter(|p| p.join(MANIFEST).is_file())
         .collect();
@@ -31,10 +31,10 @@ pub(super) fn complete_in(rank: usize, parent: &Path) -> Result<Vec<PathBuf>, Ch
 
 /// Removes all but the last `keep` complete checkpoints beside `dir` (by name).
 pub(super) fn prune(rank: usize, dir: &Path, keep: usize) -> Result<(), CheckpointError> {
-    let all = complete_in(rank, &protocol::parent_of(dir))?;
+    let all = complete_in(rank, &fs::parent_of(dir))?;
     let drop = all.len().saturating_sub(keep);
     for old in &all[..drop] {
-        protocol::remove_checkpoint(rank, old)?;
+        fs::remove_checkpoint(rank, old)?;
     }
     Ok(())
 }

@@ -126,7 +126,7 @@ pub(super) fn write_json<T: Serialize + ?Sized>(
     value: &T,
 ) -> Result<FileEntry, CheckpointError> {
     let text = to_json(rank, path, value)?;
-    super::protocol::write_durable(rank, path, text.as_bytes())?;
+    super::fs::write_durable(rank, path, text.as_bytes())?;
     Ok(FileEntry::of(text.as_bytes()))
 }
 
@@ -454,7 +454,7 @@ pub(super) fn decode(
 
 /// Reads `path`.
 pub(super) fn read(rank: usize, path: &Path) -> Result<Vec<u8>, CheckpointError> {
-    std::fs::read(path).map_err(super::protocol::io(rank, "reading", path))
+    std::fs::read(path).map_err(super::fs::io(rank, "reading", path))
 }
 
 /// `dir` with `suffix` added to its name: `DIR.partial`, the temporary folder a save
