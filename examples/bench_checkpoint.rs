@@ -28,6 +28,7 @@ use std::time::Instant;
 use tch::nn::{self, Module};
 use tch::{Device, Tensor};
 use tch_dist::checkpoint::{self, LoadOptions, Reads};
+use tch_dist::checkpoint::{SaveOptions, State};
 use tch_dist::{fully_shard, init_process_group, Backend, Call, FsdpOptions, Shardable};
 
 #[path = "common/cli.rs"]
@@ -129,11 +130,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             let model = sharded(1)?;
             pg.barrier()?;
             let t = Instant::now();
-            checkpoint::save(dir.join("sync"), &model, &pg)?;
+            checkpoint::save(
+                dir.join("sync"),
+                &State::new(&model),
+                &pg,
+                &SaveOptions::default(),
+            )?;
             let save_ms = ms(t);
             pg.barrier()?;
             let t = Instant::now();
-            let handle = checkpoint::async_save(dir.join("async"), &model, &pg)?;
+            let handle = checkpoint::async_save(
+                dir.join("async"),
+                &State::new(&model),
+                &pg,
+                &SaveOptions::default(),
+            )?;
             let blocked_ms = ms(t);
             handle.wait()?;
             let async_total_ms = ms(t);
@@ -160,7 +171,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             let _ = std::fs::write("/proc/self/clear_refs", "5");
             let (rss0, rchar0, disk0) = (status_bytes("VmRSS:"), io("rchar:"), io("read_bytes:"));
             let t = Instant::now();
-            let stats = checkpoint::load_with(&dir, &model, &pg, &LoadOptions { reads })?;
+            let stats =
+                checkpoint::load(&dir, &mut State::new(&model), &pg, &LoadOptions { reads })?;
             let load_ms = ms(t);
             serde_json::json!({
                 "mode": "load", "rank": rank, "world": pg.world_size(),

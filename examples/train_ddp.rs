@@ -9,7 +9,7 @@
 //!
 //! With `--checkpoint-dir DIR --checkpoint-every N` it writes a distributed checkpoint
 //! (`tch_dist::checkpoint`, loadable by PyTorch) every N steps into `DIR/step-00000010`, ...
-//! (`checkpoint::async_save_with_optimizer`: staged to host memory, written while the next
+//! (`checkpoint::async_save` of a `State` with the optimizer: staged to host memory, written while the next
 //! step trains, waited for once that step is done and at the end),
 //! with the SGD optimizer's momentum buffers and a train state (step, epoch, position in the
 //! epoch), keeping the last `--keep-last K` (3). Started again with `--resume`, or
@@ -37,6 +37,7 @@ use std::time::Instant;
 use tch::nn::{self, Module};
 use tch::{Device, Tensor};
 use tch_dist::checkpoint::{self as dcp, SaveOptions};
+use tch_dist::checkpoint::{LoadOptions, State};
 use tch_dist::data::{DistributedSampler, SamplerOptions};
 use tch_dist::optim::{self, Optimizer};
 use tch_dist::{init_process_group, replicate, Backend, Call, Shardable};
@@ -231,10 +232,12 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
                 .into());
             }
             if let Some(last) = found.dir {
-                dcp::load_with_optimizer(&last, &model, &mut opt, &pg)?;
-                let state = dcp::load_train_state(&last, &pg)?
+                let mut state = State::new(&model).with_optimizer(&mut opt);
+                dcp::load(&last, &mut state, &pg, &LoadOptions::default())?;
+                let train_state = state
+                    .train_state()
                     .ok_or_else(|| format!("{}: no train state", last.display()))?;
-                start_at = Position::from_json(&state)?;
+                start_at = Position::from_json(train_state)?;
                 if rank == 0 {
                     println!("resumed from {} at step {}", last.display(), start_at.step);
                 }
@@ -332,17 +335,14 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
                     }
                 };
                 let opts = SaveOptions {
-                    train_state: Some(next.to_json()),
                     keep_last: Some(args.keep_last),
                 };
+                let state = State::new(&model)
+                    .with_optimizer(&mut opt)
+                    .with_train_state(next.to_json());
                 // Staged to host memory now, written while the next step trains.
-                pending = Some(dcp::async_save_with_optimizer(
-                    dir.join(format!("step-{global:08}")),
-                    &model,
-                    &opt,
-                    &pg,
-                    &opts,
-                )?);
+                let dir = dir.join(format!("step-{global:08}"));
+                pending = Some(dcp::async_save(dir, &state, &pg, &opts)?);
             }
             if let Some(b) = &bar {
                 b.set_prefix(format!("{}/{}", epoch + 1, args.epochs));

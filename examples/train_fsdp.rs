@@ -13,7 +13,7 @@
 //!
 //! With `--checkpoint-dir DIR --checkpoint-every N` it writes a distributed checkpoint of
 //! the model every N steps into `DIR/step-00000010`, ... (each rank its shards, with a train
-//! state `{"step", "epoch"}`; the last 3 kept) by `checkpoint::async_save_with`: staged to
+//! state `{"step", "epoch"}`; the last 3 kept) by `checkpoint::async_save`: staged to
 //! host memory, written while the next step trains, waited for once that step is done and
 //! at the end.
 //!
@@ -48,6 +48,7 @@ use std::time::Instant;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::checkpoint;
+use tch_dist::checkpoint::{SaveOptions, State};
 use tch_dist::data::{DistributedSampler, SamplerOptions};
 use tch_dist::device_mesh::init_device_mesh;
 use tch_dist::pipelining::{PipelineStage, Schedule1F1B};
@@ -482,14 +483,12 @@ fn run() -> Result<(), Box<dyn Error>> {
             ) {
                 // Each rank's shards, staged to host memory now and written while the next
                 // step trains.
-                let opts = checkpoint::SaveOptions {
-                    train_state: Some(serde_json::json!({ "step": global, "epoch": epoch })),
-                    keep_last: Some(3),
-                };
+                let opts = SaveOptions { keep_last: Some(3) };
                 let dir = dir.join(format!("step-{global:08}"));
                 // Over every rank: a pipeline's stages each save their part.
-                let model = trainer.model();
-                pending = Some(checkpoint::async_save_with(dir, model, &pg, &opts)?);
+                let state = State::new(trainer.model())
+                    .with_train_state(serde_json::json!({ "step": global, "epoch": epoch }));
+                pending = Some(checkpoint::async_save(dir, &state, &pg, &opts)?);
             }
             if let Some(b) = &bar {
                 b.set_prefix(format!("{}/{}", epoch + 1, args.epochs));

@@ -62,7 +62,7 @@
 //! (or under `torchrun --no-python`, or `srun`).
 //!
 //! **Optimizers.** [`optim`]'s `Sgd` and `AdamW` are torch.optim's; their state is
-//! reachable, so [`checkpoint::save_with_optimizer`] saves it, and `backward_step` returns
+//! reachable, so [`checkpoint::save`] saves it (`State::with_optimizer`), and `backward_step` returns
 //! an error. tch's `nn::Sgd`/`nn::AdamW` train these models too, but their state cannot be
 //! checkpointed and their `backward_step` panics when a collective fails.
 //!

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
-use tch_dist::checkpoint::{self, CheckpointError};
+use tch_dist::checkpoint::{self, CheckpointError, LoadOptions, SaveOptions, State};
 use tch_dist::sharding::{
     shard_module, shard_module_state, ColwiseLinear, RowwiseLinear, ShardingPlan,
 };
@@ -157,7 +157,8 @@ fn tensor_parallel_checkpoints_reshard_and_load_in_pytorch() {
                 let vs = nn::VarStore::new(Device::Cpu);
                 let mut model = mlp(&vs, 8, 1);
                 shard_module(&mut model, &plan(), 0, pair).unwrap();
-                checkpoint::save(&ckpt2, &model, pair).unwrap();
+                checkpoint::save(&ckpt2, &State::new(&model), pair, &SaveOptions::default())
+                    .unwrap();
                 assert!(!ckpt2.with_file_name("by2.partial").exists());
             }
             pg.barrier().unwrap();
@@ -181,20 +182,38 @@ fn tensor_parallel_checkpoints_reshard_and_load_in_pytorch() {
             let vs = nn::VarStore::new(Device::Cpu);
             let mut model = mlp(&vs, 8, 2 + pg.rank() as i64);
             shard_module(&mut model, &plan(), 0, &pg).unwrap();
-            checkpoint::load(&ckpt2, &model, &pg).unwrap();
+            checkpoint::load(
+                &ckpt2,
+                &mut State::new(&model),
+                &pg,
+                &LoadOptions::default(),
+            )
+            .unwrap();
             equals_reference(&model, &reference, "2 -> 3 ranks, tensor-parallel");
             // ... and it computes what the reference computes.
             tch::manual_seed(33); // the same input on every rank
             let x = Tensor::randn([4, 6], (Kind::Float, Device::Cpu));
             let ref_model = mlp(&nn::VarStore::new(Device::Cpu), 8, 9);
-            checkpoint::load(&full, &ref_model, &pg).unwrap();
+            checkpoint::load(
+                &full,
+                &mut State::new(&ref_model),
+                &pg,
+                &LoadOptions::default(),
+            )
+            .unwrap();
             assert!(model
                 .call(&x)
                 .allclose(&ref_model.forward(&x), 1e-5, 1e-6, false));
             // Saved again at 3; loaded into a plain model.
-            checkpoint::save(&ckpt3, &model, &pg).unwrap();
+            checkpoint::save(&ckpt3, &State::new(&model), &pg, &SaveOptions::default()).unwrap();
             let plain = mlp(&nn::VarStore::new(Device::Cpu), 8, 7);
-            checkpoint::load(&ckpt3, &plain, &pg).unwrap();
+            checkpoint::load(
+                &ckpt3,
+                &mut State::new(&plain),
+                &pg,
+                &LoadOptions::default(),
+            )
+            .unwrap();
             equals_reference(&plain, &reference, "3 ranks -> plain");
         },
     );
@@ -250,17 +269,30 @@ fn fully_shard_checkpoints_reshard_and_load_in_pytorch() {
                     model.fc2.ws.size(),
                     [if pair.rank() == 0 { 3 } else { 2 }, 8]
                 );
-                checkpoint::save(&ckpt2, &model, pair).unwrap();
+                checkpoint::save(&ckpt2, &State::new(&model), pair, &SaveOptions::default())
+                    .unwrap();
             }
             pg.barrier().unwrap();
             // Loaded at 3 ranks (3 + 3 + 2 rows and 2 + 2 + 1), from other initial values.
             let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 2);
             fully_shard(&model, FsdpOptions::default()).unwrap();
-            checkpoint::load(&ckpt2, &model, &pg).unwrap();
+            checkpoint::load(
+                &ckpt2,
+                &mut State::new(&model),
+                &pg,
+                &LoadOptions::default(),
+            )
+            .unwrap();
             fsdp_equals_reference(&model, &reference, "2 -> 3 ranks, fully_shard");
-            checkpoint::save(&ckpt3, &model, &pg).unwrap();
+            checkpoint::save(&ckpt3, &State::new(&model), &pg, &SaveOptions::default()).unwrap();
             let plain = mlp(&nn::VarStore::new(Device::Cpu), 8, 7);
-            checkpoint::load(&ckpt3, &plain, &pg).unwrap();
+            checkpoint::load(
+                &ckpt3,
+                &mut State::new(&plain),
+                &pg,
+                &LoadOptions::default(),
+            )
+            .unwrap();
             equals_reference(&plain, &reference, "3 ranks fully_shard -> plain");
         },
     );
@@ -277,7 +309,6 @@ fn fully_shard_checkpoints_reshard_and_load_in_pytorch() {
 /// state comes back as saved.
 #[test]
 fn train_state_keep_last_and_latest() {
-    use tch_dist::checkpoint::SaveOptions;
     run_ranks("train_state_keep_last_and_latest", 2, |pg| {
         let dir = scratch("keep_last", &pg);
         let vs = nn::VarStore::new(Device::Cpu);
@@ -285,11 +316,10 @@ fn train_state_keep_last_and_latest() {
         shard_module(&mut model, &plan(), 0, &pg).unwrap();
         assert_eq!(checkpoint::latest(&dir), None);
         for step in 1..=3u64 {
-            let opts = SaveOptions {
-                train_state: Some(serde_json::json!({ "step": step, "epoch": step / 2 })),
-                keep_last: Some(2),
-            };
-            checkpoint::save_with(dir.join(format!("step-{step:08}")), &model, &pg, &opts).unwrap();
+            let state = State::new(&model)
+                .with_train_state(serde_json::json!({ "step": step, "epoch": step / 2 }));
+            let opts = SaveOptions { keep_last: Some(2) };
+            checkpoint::save(dir.join(format!("step-{step:08}")), &state, &pg, &opts).unwrap();
         }
         // An interrupted later save: a folder without a manifest.
         if pg.rank() == 0 {
@@ -307,11 +337,19 @@ fn train_state_keep_last_and_latest() {
         );
         let last = checkpoint::latest(&dir).unwrap();
         assert_eq!(last, dir.join("step-00000003"));
-        let state = checkpoint::load_train_state(&last, &pg).unwrap().unwrap();
-        assert_eq!(state, serde_json::json!({ "step": 3, "epoch": 1 }));
-        checkpoint::load(&last, &model, &pg).unwrap();
-        let err = checkpoint::load_train_state(dir.join("step-00000004.partial"), &pg).unwrap_err();
+        let mut state = State::new(&model);
+        checkpoint::load(&last, &mut state, &pg, &LoadOptions::default()).unwrap();
+        assert_eq!(
+            state.train_state(),
+            Some(&serde_json::json!({ "step": 3, "epoch": 1 }))
+        );
+        let partial = dir.join("step-00000004.partial");
+        let err = checkpoint::load(&partial, &mut state, &pg, &LoadOptions::default()).unwrap_err();
         assert!(matches!(err, CheckpointError::NotACheckpoint { rank, .. } if rank == pg.rank()));
+        // The previous release's function, kept for one release.
+        #[allow(deprecated)]
+        let old = checkpoint::load_train_state(&last, &pg).unwrap();
+        assert_eq!(old, Some(serde_json::json!({ "step": 3, "epoch": 1 })));
     });
 }
 
@@ -385,9 +423,20 @@ fn optimizer_state_saved_at_2_continues_at_3() {
                     .size(),
                 [4, 6]
             );
-            checkpoint::save_with_optimizer(&ckpt, &model, &opt, pair, &SaveOptions::default())
-                .unwrap();
-            checkpoint::save(dir.join("model-only"), &model, pair).unwrap();
+            checkpoint::save(
+                &ckpt,
+                &State::new(&model).with_optimizer(&mut opt),
+                pair,
+                &SaveOptions::default(),
+            )
+            .unwrap();
+            checkpoint::save(
+                dir.join("model-only"),
+                &State::new(&model),
+                pair,
+                &SaveOptions::default(),
+            )
+            .unwrap();
         }
         pg.barrier().unwrap();
         // PyTorch's names: each rank's shards of the state in its own file, the scalar
@@ -429,17 +478,28 @@ fn optimizer_state_saved_at_2_continues_at_3() {
         // Refusals first: a model-only checkpoint, another optimizer class.
         let r = pg.rank();
         let mut sgd = Sgd::default().build(&vs, 0.1).unwrap();
-        let err = checkpoint::load_with_optimizer(dir.join("model-only"), &model, &mut sgd, &pg)
-            .unwrap_err();
+        let err = checkpoint::load(
+            dir.join("model-only"),
+            &mut State::new(&model).with_optimizer(&mut sgd),
+            &pg,
+            &LoadOptions::default(),
+        )
+        .unwrap_err();
         assert_eq!(
             err.to_string(),
             format!(
-                "rank {r}: checkpoint: {} has no optimizer state (saved with save/save_with, not \
-                 save_with_optimizer)",
+                "rank {r}: checkpoint: {} has no optimizer state (its save's State held no \
+                 optimizer)",
                 dir.join("model-only").display()
             )
         );
-        let err = checkpoint::load_with_optimizer(&ckpt, &model, &mut sgd, &pg).unwrap_err();
+        let err = checkpoint::load(
+            &ckpt,
+            &mut State::new(&model).with_optimizer(&mut sgd),
+            &pg,
+            &LoadOptions::default(),
+        )
+        .unwrap_err();
         assert_eq!(
             err.to_string(),
             format!("rank {r}: checkpoint: the optimizer state is AdamW's, the optimizer is SGD")
@@ -449,7 +509,13 @@ fn optimizer_state_saved_at_2_continues_at_3() {
             "a refused load changed the model"
         );
         let mut opt = AdamW::default().build(&vs, 0.5).unwrap();
-        checkpoint::load_with_optimizer(&ckpt, &model, &mut opt, &pg).unwrap();
+        checkpoint::load(
+            &ckpt,
+            &mut State::new(&model).with_optimizer(&mut opt),
+            &pg,
+            &LoadOptions::default(),
+        )
+        .unwrap();
         assert_eq!(opt.lr(), 0.01);
         assert_eq!(opt.algorithm(), &tch_dist::optim::Algorithm::AdamW(adamw));
         let rows = [3, 3, 2][r];
@@ -507,14 +573,21 @@ fn commit_crash_worker(pg: ProcessGroup) {
             for case in 0..COMMIT_CASES.len() {
                 let dir = commit_case_dir(case);
                 for (name, seed) in [("step-00000001", 1), ("step-00000002", 2)] {
-                    checkpoint::save(dir.join(name), &model(seed), &pg).unwrap();
+                    checkpoint::save(
+                        dir.join(name),
+                        &State::new(&model(seed)),
+                        &pg,
+                        &SaveOptions::default(),
+                    )
+                    .unwrap();
                 }
             }
         }
         "crash" => {
             let case: usize = std::env::var("COMMIT_CRASH_CASE").unwrap().parse().unwrap();
             let ckpt = commit_case_dir(case).join(COMMIT_CASES[case].1);
-            let result = checkpoint::save(&ckpt, &model(3), &pg);
+            let result =
+                checkpoint::save(&ckpt, &State::new(&model(3)), &pg, &SaveOptions::default());
             assert_eq!(pg.rank(), 1, "rank 0 was not killed: {result:?}");
             // Rank 1 waited for rank 0 to commit: its error names the checkpoint.
             let err = result.unwrap_err();
@@ -545,7 +618,13 @@ fn commit_crash_worker(pg: ProcessGroup) {
                 let found = checkpoint::latest(&dir).unwrap_or_else(|| panic!("{what}: none"));
                 assert_eq!(found, dir.join(latest), "{what}");
                 let loaded = model(9);
-                checkpoint::load(&found, &loaded, &pg).unwrap();
+                checkpoint::load(
+                    &found,
+                    &mut State::new(&loaded),
+                    &pg,
+                    &LoadOptions::default(),
+                )
+                .unwrap();
                 let expected = model(seed);
                 assert!(
                     loaded.fc1.ws.equal(&expected.fc1.ws),
@@ -553,11 +632,29 @@ fn commit_crash_worker(pg: ProcessGroup) {
                 );
                 // A name that held a checkpoint always holds a complete one.
                 if name == latest {
-                    checkpoint::load(dir.join(name), &loaded, &pg).unwrap();
+                    checkpoint::load(
+                        dir.join(name),
+                        &mut State::new(&loaded),
+                        &pg,
+                        &LoadOptions::default(),
+                    )
+                    .unwrap();
                 }
                 // Saving the same name again works and leaves no temporary folder.
-                checkpoint::save(dir.join(name), &model(4), &pg).unwrap();
-                checkpoint::load(dir.join(name), &loaded, &pg).unwrap();
+                checkpoint::save(
+                    dir.join(name),
+                    &State::new(&model(4)),
+                    &pg,
+                    &SaveOptions::default(),
+                )
+                .unwrap();
+                checkpoint::load(
+                    dir.join(name),
+                    &mut State::new(&loaded),
+                    &pg,
+                    &LoadOptions::default(),
+                )
+                .unwrap();
                 assert!(loaded.fc1.ws.equal(&model(4).fc1.ws), "{what}: re-saved");
                 let mut left: Vec<String> = std::fs::read_dir(&dir)
                     .unwrap()
@@ -620,13 +717,15 @@ fn a_peer_dying_during_a_load_names_the_checkpoint() {
         return tch_dist::testing::run_ranks(LOAD_PEER_DIES, 2, |pg| {
             let ckpt = scratch("load_peer_dies", &pg).join("step-00000001");
             let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 1);
-            checkpoint::save(&ckpt, &model, &pg).unwrap();
+            checkpoint::save(&ckpt, &State::new(&model), &pg, &SaveOptions::default()).unwrap();
             pg.barrier().unwrap();
             if pg.rank() == 0 {
                 // No destructor, no goodbye: a rank that dies.
                 std::process::abort();
             }
-            let err = checkpoint::load(&ckpt, &model, &pg).unwrap_err();
+            let err =
+                checkpoint::load(&ckpt, &mut State::new(&model), &pg, &LoadOptions::default())
+                    .unwrap_err();
             assert_eq!(
                 err.to_string(),
                 format!("rank 1: checkpoint.load of {} failed", ckpt.display())
@@ -669,7 +768,13 @@ fn a_save_that_fails_on_a_full_disk_removes_what_it_wrote() {
             let rank = pg.rank();
             let dir = scratch("full_disk", &pg);
             let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 1);
-            checkpoint::save(dir.join("step-00000001"), &model, &pg).unwrap();
+            checkpoint::save(
+                dir.join("step-00000001"),
+                &State::new(&model),
+                &pg,
+                &SaveOptions::default(),
+            )
+            .unwrap();
             let full = dir.join("step-00000002");
             let partial = dir.join("step-00000002.partial");
             let check = |result: Result<(), CheckpointError>| {
@@ -698,10 +803,24 @@ fn a_save_that_fails_on_a_full_disk_removes_what_it_wrote() {
                 assert!(!full.exists());
                 assert_eq!(checkpoint::latest(&dir), Some(dir.join("step-00000001")));
             };
-            check(checkpoint::save(&full, &model, &pg));
-            check(checkpoint::async_save(&full, &model, &pg).and_then(|s| s.wait()));
+            check(checkpoint::save(
+                &full,
+                &State::new(&model),
+                &pg,
+                &SaveOptions::default(),
+            ));
+            check(
+                checkpoint::async_save(&full, &State::new(&model), &pg, &SaveOptions::default())
+                    .and_then(|s| s.wait()),
+            );
             // Another name saves as ever.
-            checkpoint::save(dir.join("step-00000003"), &model, &pg).unwrap();
+            checkpoint::save(
+                dir.join("step-00000003"),
+                &State::new(&model),
+                &pg,
+                &SaveOptions::default(),
+            )
+            .unwrap();
         });
     }
     let out = Launch::new(FULL_DISK, 2)
@@ -727,8 +846,13 @@ fn a_peer_dying_after_the_commit_is_reported_as_committed() {
             let ckpt = dir.join("step-00000001");
             let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 1);
             let result = match mode.as_str() {
-                "save" => checkpoint::save(&ckpt, &model, &pg),
-                _ => checkpoint::async_save(&ckpt, &model, &pg).and_then(|s| s.wait()),
+                "save" => {
+                    checkpoint::save(&ckpt, &State::new(&model), &pg, &SaveOptions::default())
+                }
+                _ => {
+                    checkpoint::async_save(&ckpt, &State::new(&model), &pg, &SaveOptions::default())
+                        .and_then(|s| s.wait())
+                }
             };
             assert_eq!(pg.rank(), 0, "rank 1 was not killed: {result:?}");
             let err = result.unwrap_err();

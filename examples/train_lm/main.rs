@@ -27,7 +27,7 @@
 //! `--metrics PATH` (default `target/train_lm/metrics.jsonl`): rank 0 writes one JSON object
 //! per step, `{"step", "epoch", "loss", "tokens_per_s", "peak_mem_mib"}` (JSON lines: no
 //! TensorBoard writer in the dependencies; `pandas.read_json(PATH, lines=True)` plots it).
-//! `--checkpoint-dir DIR`: at the end the model is saved by `checkpoint::save_with` into
+//! `--checkpoint-dir DIR`: at the end the model is saved by `checkpoint::save` into
 //! `DIR/step-NNNNNNNN`, every rank its own 2-D pieces, with the model's config and vocabulary
 //! in `train_state.json`; PyTorch's `dcp.load(sd, storage_reader=HuggingFaceStorageReader(..))`
 //! reads it into a plain PyTorch model (tests/examples/pytorch_load_lm.py).
@@ -50,6 +50,7 @@ use std::time::Instant;
 
 use tch::{nn, Device, Kind, Reduction, Tensor};
 use tch_dist::checkpoint;
+use tch_dist::checkpoint::{SaveOptions, State};
 use tch_dist::data::{DistributedSampler, SamplerOptions};
 use tch_dist::device_mesh::init_device_mesh;
 use tch_dist::optim::AdamW;
@@ -456,17 +457,14 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     if let Some(parent) = &args.checkpoint_dir {
         let dir = parent.join(format!("step-{global:08}"));
         let vocab: Vec<u32> = corpus.vocab.iter().map(|&b| b as u32).collect();
-        let opts = checkpoint::SaveOptions {
-            train_state: Some(serde_json::json!({
-                "step": global,
-                "epoch": epochs_run,
-                "config": config,
-                "vocab": vocab,
-                "test_loss": test_loss,
-            })),
-            keep_last: None,
-        };
-        checkpoint::save_with(&dir, &model, &pg, &opts)?;
+        let state = State::new(&model).with_train_state(serde_json::json!({
+            "step": global,
+            "epoch": epochs_run,
+            "config": config,
+            "vocab": vocab,
+            "test_loss": test_loss,
+        }));
+        checkpoint::save(&dir, &state, &pg, &SaveOptions::default())?;
         if rank == 0 {
             println!("saved checkpoint {}", dir.display());
         }

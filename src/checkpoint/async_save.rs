@@ -13,8 +13,7 @@ use std::thread::JoinHandle;
 use tch_dist_core::Shardable;
 use tch_dist_runtime::{Backend, GroupOptions, ProcessGroup};
 
-use super::{fs, protocol, CheckpointError, SaveOptions};
-use crate::optim::Optimizer;
+use super::{fs, protocol, CheckpointError, Parts, SaveOptions};
 
 /// The background thread's outcome.
 type Outcome = Result<(), CheckpointError>;
@@ -127,7 +126,8 @@ fn background_group(group: &ProcessGroup, dir: &Path) -> Result<ProcessGroup, Ch
 /// # #[derive(Debug, Shardable)]
 /// # struct Net { fc: nn::Linear }
 /// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net) -> Result<(), tch_dist::checkpoint::CheckpointError> {
-/// let pending = tch_dist::checkpoint::async_save("ckpt/step-00000100", model, pg)?;
+/// use tch_dist::checkpoint::{self, SaveOptions, State};
+/// let pending = checkpoint::async_save("ckpt/step-00000100", &State::new(model), pg, &SaveOptions::default())?;
 /// // ... the next steps train while the checkpoint is written ...
 /// pending.wait()?;
 /// # Ok(()) }
@@ -188,16 +188,16 @@ impl Drop for AsyncSave {
     }
 }
 
-/// Saves like [`save_with`](super::save_with), asynchronously: stages this rank's part of
-/// `module` to host memory (a copy: the next optimizer step may change the parameters) and
-/// returns; a background thread writes `DIR.partial`, agrees with the other ranks and
-/// commits, the same steps as [`save`](super::save) (`protocol.rs`), over a Gloo group of
-/// `group`'s ranks of its own (created at the first `async_save` over `group`: a collective
-/// of every rank), so that its collectives never interleave with training's on `group`.
+/// Saves like [`save`](super::save), asynchronously: stages this rank's part of the state
+/// to host memory (a copy: the next optimizer step may change the parameters; the
+/// optimizer's settings and the train state taken now) and returns; a background thread
+/// writes `DIR.partial`, agrees with the other ranks and commits, the same steps as
+/// [`save`](super::save) (`protocol.rs`), over a Gloo group of `group`'s ranks of its own
+/// (created at the first `async_save` over `group`: a collective of every rank), so that its
+/// collectives never interleave with training's on `group`.
 pub(super) fn start<M: Shardable + ?Sized>(
     dir: &Path,
-    module: &M,
-    optimizer: Option<&Optimizer>,
+    parts: &Parts<'_, M>,
     group: &ProcessGroup,
     opts: &SaveOptions,
 ) -> Result<AsyncSave, CheckpointError> {
@@ -206,18 +206,19 @@ pub(super) fn start<M: Shardable + ?Sized>(
     // every rank, and one staged copy at a time.
     wait_in_flight();
     let background = background_group(group, dir)?;
-    let (pieces, tensors) = super::stage(dir, module, optimizer, group, true);
-    let sidecar = optimizer.map(crate::optim::sidecar::of);
-    let (dir_owned, opts) = (dir.to_path_buf(), opts.clone());
+    let (pieces, tensors) = super::stage(dir, parts.model, parts.optimizer, group, true);
+    let sidecar = parts.optimizer.map(crate::optim::sidecar::of);
+    let train_state = parts.train_state.cloned();
+    let (dir_owned, keep_last) = (dir.to_path_buf(), opts.keep_last);
     let thread = std::thread::Builder::new()
         .name(format!("tch-dist async_save rank {rank}"))
         .spawn(move || {
             let save = protocol::Save::new(&dir_owned, &background);
             let sidecars = protocol::Sidecars {
-                train_state: opts.train_state.as_ref(),
+                train_state: train_state.as_ref(),
                 optimizer: sidecar,
             };
-            let outcome = save.run(pieces, tensors, sidecars, opts.keep_last);
+            let outcome = save.run(pieces, tensors, sidecars, keep_last);
             // The staged copy and the file's bytes are freed by now, but glibc keeps freed
             // memory of this thread's arena mapped: give it back, or every save's thread
             // leaves its shard resident (the growth pytorch#170163 reports).

@@ -182,11 +182,11 @@ pub enum CheckpointError {
         /// Values needed.
         needed: i64,
     },
-    /// [`load_with_optimizer`](super::load_with_optimizer) of a checkpoint saved without
-    /// optimizer state (no `optimizer.json`).
+    /// A [`load`](super::load) with an optimizer of a checkpoint saved without optimizer
+    /// state (no `optimizer.json`).
     #[error(
-        "rank {rank}: checkpoint: {dir} has no optimizer state (saved with save/save_with, \
-         not save_with_optimizer)"
+        "rank {rank}: checkpoint: {dir} has no optimizer state (its save's State held no \
+         optimizer)"
     )]
     NoOptimizerState {
         /// This rank.
@@ -233,8 +233,7 @@ pub enum CheckpointError {
         #[source]
         source: Box<DistError>,
     },
-    /// A collective of [`load`](super::load) or
-    /// [`load_with_optimizer`](super::load_with_optimizer) failed (a peer died): names the
+    /// A collective of [`load`](super::load) failed (a peer died): names the
     /// checkpoint being loaded; the collective's error is the
     /// [`source`](std::error::Error::source). Other ranks' failures stay
     /// [`Dist`](Self::Dist)`(PeersFailed)`.

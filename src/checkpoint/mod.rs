@@ -28,7 +28,8 @@
 //! into place; nothing is decoded whole to be narrowed, and a load holds its staged values
 //! and one read. A tensor sharded on dim 0
 //! (fully_shard, colwise) costs a rank its share; one sharded on another dim (rowwise) the
-//! overlapping rows whole. [`load_with_stats`] says how many bytes and files a rank read.
+//! overlapping rows whole. The [`LoadStats`] [`load`] returns say how many bytes and files a
+//! rank read.
 //!
 //! **What is verified when.** Per-file SHA-256s cannot check a partial read, so the
 //! manifest (format `tch-dist checkpoint 3`) also holds each file's header digest and, per
@@ -69,18 +70,24 @@
 //! checkpoint. **Plan once**: the save plan of a model and layout is computed at its first
 //! save and reused by later ones ([`plan_cache_stats`]).
 //!
-//! [`save_with`] also writes a train state (`train_state.json`, any JSON value: step, epoch,
-//! data position) and keeps only the last `k` checkpoints beside the new one; [`latest`]
-//! finds the last complete one to resume from, [`latest_valid`] the last one that verifies
-//! on every rank, skipping damaged newer ones. [`save_with_optimizer`] adds a
-//! [`tch_dist::optim`](crate::optim) optimizer's state beside the parameters (PyTorch's
-//! flattened names, `optim.state.<fqn>.exp_avg`, sharded like the parameter) and its
-//! settings in the JSON sidecar `optimizer.json`; [`load_with_optimizer`] restores both at
-//! any world size.
+//! **One description, three verbs.** A [`State`] says what a checkpoint holds: the model,
+//! optionally a [`tch_dist::optim`](crate::optim) optimizer (its state beside the
+//! parameters under PyTorch's flattened names, `optim.state.<fqn>.exp_avg`, sharded like
+//! the parameter; its settings in the JSON sidecar `optimizer.json`), optionally a train
+//! state (`train_state.json`, any JSON value: step, epoch, data position). [`save`],
+//! [`async_save`](async_save()) and [`load`] take it, as PyTorch's `dcp.save`/`dcp.load`
+//! take one state dict; [`SaveOptions::keep_last`] keeps only the last `k` checkpoints
+//! beside the new one. [`latest`] finds the last complete one to resume from,
+//! [`latest_valid`] the last one that verifies on every rank, skipping damaged newer ones.
+//! The previous release's one function per combination (`save_with_optimizer`,
+//! `load_train_state`, ...) are deprecated wrappers (`deprecated.rs`).
 //!
 //! | file | what it does | PyTorch's counterpart (`torch/distributed/checkpoint/`) |
 //! | --- | --- | --- |
-//! | `mod.rs` | the API: [`save`], [`save_with`], [`save_with_optimizer`], [`async_save`](async_save()), [`async_save_with`], [`async_save_with_optimizer`], [`load`], [`load_with_stats`], [`load_with`], [`load_with_optimizer`], [`load_train_state`], [`verify`], [`plan_cache_stats`] | `state_dict_saver.py` (`save`, `async_save`), `state_dict_loader.py` (`load`) |
+//! | `mod.rs` | the API: [`save`], [`async_save`](async_save()), [`load`], [`verify`], [`plan_cache_stats`], the options | `state_dict_saver.py` (`save`, `async_save`), `state_dict_loader.py` (`load`) |
+//! | `state.rs` | [`State`]: the model, optimizer and train state a checkpoint holds | `state_dict.py` (`get_state_dict(model, optimizers)`), `stateful.py` |
+//! | `load.rs` | a load's steps: open, plan, check, read, agree, then change the model, the optimizer and the train state | `state_dict_loader.py` (`_load_state_dict`) |
+//! | `deprecated.rs` | the previous release's functions, as wrappers of the three verbs | (none) |
 //! | `async_save.rs` | [`AsyncSave`]: staging, the one save in flight per process, the background group and thread | `state_dict_saver.py` (`async_save`), `staging.py` (`DefaultStager`), `_async_thread_executor.py` |
 //! | `plan_cache.rs` | the save plan cached per model and layout ([`PlanCacheStats`]) | `default_planner.py` (`enable_plan_caching`, `_cached_save_plan`) |
 //! | `plan.rs` | what a checkpoint holds and who writes it: the model's tensors with this rank's place in each global one, the optimizer's state flattened to PyTorch's names and back | `planner.py`, `default_planner.py` (`create_local_plan`, `flatten_state_dict`) |
@@ -106,15 +113,19 @@
 //! let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
 //! let vs = nn::VarStore::new(tch::Device::Cpu);
 //! let model = Net { fc: nn::linear(vs.root() / "fc", 4, 2, Default::default()) };
-//! checkpoint::save("ckpt/step-00000100", &model, &pg)?;
-//! checkpoint::load("ckpt/step-00000100", &model, &pg)?;
+//! let saved = checkpoint::State::new(&model);
+//! checkpoint::save("ckpt/step-00000100", &saved, &pg, &Default::default())?;
+//! let mut state = checkpoint::State::new(&model);
+//! checkpoint::load("ckpt/step-00000100", &mut state, &pg, &Default::default())?;
 //! # Ok(()) }
 //! ```
 
 mod async_save;
+mod deprecated;
 mod error;
 mod fs;
 mod index;
+mod load;
 mod plan;
 mod plan_cache;
 mod protocol;
@@ -122,6 +133,7 @@ mod read_plan;
 mod reader;
 mod reshard;
 mod retention;
+mod state;
 mod storage;
 mod striped;
 
@@ -130,21 +142,27 @@ use std::path::Path;
 
 use tch::Tensor;
 use tch_dist_core::Shardable;
-use tch_dist_runtime::{DistError, ProcessGroup};
+use tch_dist_runtime::ProcessGroup;
 
 pub use async_save::AsyncSave;
+#[allow(deprecated)]
+pub use deprecated::{
+    async_save_with, async_save_with_optimizer, load_train_state, load_with, load_with_optimizer,
+    load_with_stats, save_with, save_with_optimizer,
+};
 pub use error::CheckpointError;
 pub use index::DIGEST_BLOCK_BYTES;
 pub use plan_cache::PlanCacheStats;
 pub use reader::LoadStats;
 pub use retention::{latest, latest_valid, LatestValid, Skipped};
+pub use state::State;
+
+use load::train_state_only;
 pub use storage::{file_name, MANIFEST};
 
 use crate::optim::Optimizer;
 
-/// The prefix of optimizer state keys: PyTorch's flattened
-/// `{"optim": get_optimizer_state_dict(model, optim)}`, `optim.state.<fqn>.<name>`.
-pub const OPTIM_STATE_PREFIX: &str = "optim.state.";
+pub use crate::state_dict::OPTIM_STATE_PREFIX;
 /// The optimizer's sidecar in a checkpoint folder: the non-tensor fields (the optimizer's
 /// class and PyTorch's `param_groups`), never inside a safetensors file.
 pub const OPTIMIZER_SIDECAR: &str = "optimizer.json";
@@ -152,91 +170,92 @@ pub const OPTIMIZER_SIDECAR: &str = "optimizer.json";
 /// The train state's file in a checkpoint folder.
 pub const TRAIN_STATE: &str = "train_state.json";
 
-/// What [`save_with`] writes beside the model, and what it prunes.
+/// How a save ends: what it prunes once the new checkpoint is in place.
 ///
 /// ```
-/// let opts = tch_dist::checkpoint::SaveOptions {
-///     train_state: Some(serde_json::json!({"step": 100, "epoch": 3})),
-///     keep_last: Some(2),
-/// };
+/// let opts = tch_dist::checkpoint::SaveOptions { keep_last: Some(2) };
 /// # let _ = opts;
 /// ```
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SaveOptions {
-    /// A small JSON value saved as `train_state.json` by rank 0 (step, epoch, data
-    /// position, seeds, anything the loop needs to continue); [`load_train_state`] reads it.
-    pub train_state: Option<serde_json::Value>,
     /// Once the new checkpoint is in place, keep only the last `k` complete checkpoints
     /// among its sibling folders (by name: `step-00000100` sorts after `step-00000090`);
     /// `None` keeps all.
     pub keep_last: Option<usize>,
 }
 
-/// Saves `module`'s parameters and buffers into the folder `dir` over `group`'s ranks (see
-/// the [module docs](self)). Every rank of `group` calls it.
+/// Saves `state` (the model's parameters and buffers; its optimizer's state and settings and
+/// a train state when it holds them) into the folder `dir` over `group`'s ranks, as
+/// PyTorch's `dcp.save(state_dict, checkpoint_id=dir)` (see the [module docs](self)). Every
+/// rank of `group` calls it. The optimizer's state tensors go under PyTorch's flattened
+/// names (`optim.state.fc1.weight.exp_avg`, `....step`), sharded like their parameters, its
+/// class and `param_groups` into the JSON sidecar `optimizer.json`; the train state into
+/// `train_state.json`.
+///
+/// ```no_run
+/// # use tch::nn;
+/// # use tch_dist::Shardable;
+/// # #[derive(Debug, Shardable)]
+/// # struct Net { fc: nn::Linear }
+/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net, opt: &mut tch_dist::optim::Optimizer, step: u64) -> Result<(), tch_dist::checkpoint::CheckpointError> {
+/// use tch_dist::checkpoint::{self, SaveOptions, State};
+/// let state = State::new(model)
+///     .with_optimizer(opt)
+///     .with_train_state(serde_json::json!({ "step": step }));
+/// checkpoint::save(format!("ckpt/step-{step:08}"), &state, pg, &SaveOptions { keep_last: Some(3) })?;
+/// # Ok(()) }
+/// ```
 pub fn save<M: Shardable + ?Sized>(
     dir: impl AsRef<Path>,
-    module: &M,
-    group: &ProcessGroup,
-) -> Result<(), CheckpointError> {
-    save_with(dir, module, group, &SaveOptions::default())
-}
-
-/// [`save`] with a train state and pruning of older checkpoints.
-///
-/// ```no_run
-/// # use tch::nn;
-/// # use tch_dist::Shardable;
-/// # #[derive(Debug, Shardable)]
-/// # struct Net { fc: nn::Linear }
-/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net, step: u64) -> Result<(), tch_dist::checkpoint::CheckpointError> {
-/// use tch_dist::checkpoint::{self, SaveOptions};
-/// let opts = SaveOptions { train_state: Some(serde_json::json!({ "step": step })), keep_last: Some(3) };
-/// checkpoint::save_with(format!("ckpt/step-{step:08}"), model, pg, &opts)?;
-/// # Ok(()) }
-/// ```
-pub fn save_with<M: Shardable + ?Sized>(
-    dir: impl AsRef<Path>,
-    module: &M,
+    state: &State<'_, M>,
     group: &ProcessGroup,
     opts: &SaveOptions,
 ) -> Result<(), CheckpointError> {
-    save_impl(dir.as_ref(), module, None, group, opts)
+    let parts = Parts::of(state);
+    save_parts(dir.as_ref(), &parts, group, opts)
 }
 
-/// [`save_with`] and the optimizer's state beside the parameters: each state tensor under
-/// PyTorch's flattened name (`optim.state.fc1.weight.exp_avg`, `....step`), in the file of
-/// the rank that holds it, sharded like its parameter (the same `saved_offsets`), a scalar
-/// `step` once (by rank 0); the optimizer's class and `param_groups` (hyperparameters, the
-/// parameters' FQNs) go into the JSON sidecar `optimizer.json`. [`load_with_optimizer`]
-/// restores both, at any world size.
-///
-/// ```no_run
-/// # use tch::nn;
-/// # use tch_dist::Shardable;
-/// # #[derive(Debug, Shardable)]
-/// # struct Net { fc: nn::Linear }
-/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net, opt: &tch_dist::optim::Optimizer) -> Result<(), tch_dist::checkpoint::CheckpointError> {
-/// use tch_dist::checkpoint::{self, SaveOptions};
-/// checkpoint::save_with_optimizer("ckpt/step-00000100", model, opt, pg, &SaveOptions::default())?;
-/// # Ok(()) }
-/// ```
-pub fn save_with_optimizer<M: Shardable + ?Sized>(
-    dir: impl AsRef<Path>,
-    module: &M,
-    optimizer: &Optimizer,
+/// What a save writes, borrowed from a [`State`] (or given piece by piece, by the previous
+/// release's functions).
+struct Parts<'a, M: ?Sized> {
+    model: &'a M,
+    optimizer: Option<&'a Optimizer>,
+    train_state: Option<&'a serde_json::Value>,
+}
+
+impl<'a, M: Shardable + ?Sized> Parts<'a, M> {
+    fn of(state: &'a State<'_, M>) -> Self {
+        Parts {
+            model: state.model,
+            optimizer: state.optimizer(),
+            train_state: state.train_state(),
+        }
+    }
+}
+
+/// [`save`]'s steps (`protocol.rs`; docs/ARCHITECTURE.md, "Checkpoint commit protocol").
+fn save_parts<M: Shardable + ?Sized>(
+    dir: &Path,
+    parts: &Parts<'_, M>,
     group: &ProcessGroup,
     opts: &SaveOptions,
 ) -> Result<(), CheckpointError> {
-    save_impl(dir.as_ref(), module, Some(optimizer), group, opts)
+    // An async save in flight first (it may write the same folder).
+    async_save::wait_in_flight();
+    let (pieces, tensors) = stage(dir, parts.model, parts.optimizer, group, false);
+    let sidecars = protocol::Sidecars {
+        train_state: parts.train_state,
+        optimizer: parts.optimizer.map(crate::optim::sidecar::of),
+    };
+    protocol::Save::new(dir, group).run(pieces, tensors, sidecars, opts.keep_last)
 }
 
 /// [`save`], asynchronously (PyTorch's `dcp.async_save`): returns once this rank's tensors
 /// are staged, a copy in host memory (the next optimizer step may change the parameters:
-/// the checkpoint holds the values at the call); a background thread then writes this
-/// rank's file into `DIR.partial`, agrees with the other ranks and commits, the same
-/// crash-safe steps as [`save`]. [`AsyncSave::wait`] returns the outcome. Every rank of
-/// `group` calls it.
+/// the checkpoint holds the values at the call; the optimizer's settings and the train state
+/// are taken at the call too); a background thread then writes this rank's file into
+/// `DIR.partial`, agrees with the other ranks and commits, the same crash-safe steps as
+/// [`save`]. [`AsyncSave::wait`] returns the outcome. Every rank of `group` calls it.
 ///
 /// - The background's collectives run over a Gloo group of `group`'s ranks of its own,
 ///   created at the first `async_save` over `group` (a collective: every rank of `group`
@@ -255,67 +274,19 @@ pub fn save_with_optimizer<M: Shardable + ?Sized>(
 /// # #[derive(Debug, Shardable)]
 /// # struct Net { fc: nn::Linear }
 /// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net) -> Result<(), tch_dist::checkpoint::CheckpointError> {
-/// use tch_dist::checkpoint;
-/// let pending = checkpoint::async_save("ckpt/step-00000100", model, pg)?;
+/// use tch_dist::checkpoint::{self, SaveOptions, State};
+/// let pending = checkpoint::async_save("ckpt/step-00000100", &State::new(model), pg, &SaveOptions::default())?;
 /// // ... training goes on; the parameters may change, the checkpoint does not ...
 /// pending.wait()?;
 /// # Ok(()) }
 /// ```
 pub fn async_save<M: Shardable + ?Sized>(
     dir: impl AsRef<Path>,
-    module: &M,
-    group: &ProcessGroup,
-) -> Result<AsyncSave, CheckpointError> {
-    async_save::start(dir.as_ref(), module, None, group, &SaveOptions::default())
-}
-
-/// [`async_save`](async_save()) with [`save_with`]'s options: a train state, pruning to `keep_last`
-/// (after the commit, in the background).
-///
-/// ```no_run
-/// # use tch::nn;
-/// # use tch_dist::Shardable;
-/// # #[derive(Debug, Shardable)]
-/// # struct Net { fc: nn::Linear }
-/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net, step: u64) -> Result<(), tch_dist::checkpoint::CheckpointError> {
-/// use tch_dist::checkpoint::{self, SaveOptions};
-/// let opts = SaveOptions { train_state: Some(serde_json::json!({ "step": step })), keep_last: Some(3) };
-/// let pending = checkpoint::async_save_with(format!("ckpt/step-{step:08}"), model, pg, &opts)?;
-/// pending.wait()?;
-/// # Ok(()) }
-/// ```
-pub fn async_save_with<M: Shardable + ?Sized>(
-    dir: impl AsRef<Path>,
-    module: &M,
+    state: &State<'_, M>,
     group: &ProcessGroup,
     opts: &SaveOptions,
 ) -> Result<AsyncSave, CheckpointError> {
-    async_save::start(dir.as_ref(), module, None, group, opts)
-}
-
-/// [`async_save_with`] and the optimizer's state, as [`save_with_optimizer`] writes it: the
-/// state tensors are staged with the parameters, the settings (`optimizer.json`) taken at
-/// the call; [`load_with_optimizer`] restores both.
-///
-/// ```no_run
-/// # use tch::nn;
-/// # use tch_dist::Shardable;
-/// # #[derive(Debug, Shardable)]
-/// # struct Net { fc: nn::Linear }
-/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net, opt: &tch_dist::optim::Optimizer) -> Result<(), tch_dist::checkpoint::CheckpointError> {
-/// use tch_dist::checkpoint::{self, SaveOptions};
-/// let pending = checkpoint::async_save_with_optimizer("ckpt/step-00000100", model, opt, pg, &SaveOptions::default())?;
-/// pending.wait()?;
-/// # Ok(()) }
-/// ```
-pub fn async_save_with_optimizer<M: Shardable + ?Sized>(
-    dir: impl AsRef<Path>,
-    module: &M,
-    optimizer: &Optimizer,
-    group: &ProcessGroup,
-    opts: &SaveOptions,
-) -> Result<AsyncSave, CheckpointError> {
-    async_save::start(dir.as_ref(), module, Some(optimizer), group, opts)
+    async_save::start(dir.as_ref(), &Parts::of(state), group, opts)
 }
 
 /// How many save plans this process computed and how many saves reused one (the plan of a
@@ -327,24 +298,6 @@ pub fn async_save_with_optimizer<M: Shardable + ?Sized>(
 /// ```
 pub fn plan_cache_stats() -> PlanCacheStats {
     plan_cache::stats()
-}
-
-/// The save's steps (`protocol.rs`; docs/ARCHITECTURE.md, "Checkpoint commit protocol").
-fn save_impl<M: Shardable + ?Sized>(
-    dir: &Path,
-    module: &M,
-    optimizer: Option<&Optimizer>,
-    group: &ProcessGroup,
-    opts: &SaveOptions,
-) -> Result<(), CheckpointError> {
-    // An async save in flight first (it may write the same folder).
-    async_save::wait_in_flight();
-    let (pieces, tensors) = stage(dir, module, optimizer, group, false);
-    let sidecars = protocol::Sidecars {
-        train_state: opts.train_state.as_ref(),
-        optimizer: optimizer.map(crate::optim::sidecar::of),
-    };
-    protocol::Save::new(dir, group).run(pieces, tensors, sidecars, opts.keep_last)
 }
 
 /// One piece a rank writes: the key, its values, its offsets in the global tensor.
@@ -390,60 +343,48 @@ fn stage<M: Shardable + ?Sized>(
     (pieces, tensors)
 }
 
-/// A collective's failure during the load of `path` (a dead peer), naming the checkpoint;
-/// other ranks' failures (`PeersFailed`) and this rank's own errors as they are.
-fn loading(rank: usize, path: &Path) -> impl Fn(CheckpointError) -> CheckpointError + '_ {
-    move |e| match e {
-        CheckpointError::Dist(source) if !matches!(source, DistError::PeersFailed { .. }) => {
-            CheckpointError::Load {
-                rank,
-                dir: path.to_path_buf(),
-                source: Box::new(source),
-            }
-        }
-        e => e,
-    }
-}
-
-/// Loads a checkpoint folder written by [`save`] at any world size (or a one-file
-/// safetensors `VarStore::save`) into `module` over `group`'s ranks: each rank's tensors
-/// (its shards of sharded parameters, the whole of the others) are copied in place, after
-/// every check passed on every rank (see the [module docs](self)). Each rank reads the
+/// Loads the checkpoint folder `dir` (written by [`save`] at any world size, by PyTorch's
+/// `dcp.save` with `HuggingFaceStorageWriter`, or a one-file `VarStore::save`) into `state`
+/// over `group`'s ranks, as PyTorch's `dcp.load(state_dict, checkpoint_id=dir)`: the model's
+/// tensors (each rank's shards of sharded parameters, the whole of the others) copied in
+/// place; with an optimizer in `state`, its state and settings, resharded to this world size
+/// like the parameters (afterwards the optimizer has exactly the checkpoint's state and
+/// hyperparameters, learning rate included, as PyTorch's `load_state_dict`); and the train
+/// state the checkpoint holds ([`State::train_state`], `None` without one). Everything is
+/// checked on every rank before anything changes (see the [module docs](self)); a checkpoint
+/// without optimizer state when one is asked for, of another optimizer class, or whose state
+/// does not fit the model is an error on every rank, and nothing changed. Each rank reads the
 /// manifest, each file's header and only the rows of the saved pieces that overlap its
-/// tensors, and checks what it read against the manifest's digests ([`load_with_stats`]
-/// says how much it read; [`verify`] checks every byte).
-pub fn load<M: Shardable + ?Sized>(
-    path: impl AsRef<Path>,
-    module: &M,
-    group: &ProcessGroup,
-) -> Result<(), CheckpointError> {
-    load_with_stats(path, module, group).map(|_| ())
-}
-
-/// [`load`], returning what this rank read: the bytes (the manifest, each file's header,
-/// the slices of its tensors) and the files it opened, as [`LoadStats`].
+/// tensors, checked against the manifest's digests; the returned [`LoadStats`] says how much
+/// ([`verify`] checks every byte).
 ///
 /// ```no_run
 /// # use tch::nn;
 /// # use tch_dist::Shardable;
 /// # #[derive(Debug, Shardable)]
 /// # struct Net { fc: nn::Linear }
-/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net) -> Result<(), tch_dist::checkpoint::CheckpointError> {
-/// let stats = tch_dist::checkpoint::load_with_stats("ckpt/step-00000100", model, pg)?;
-/// println!("rank {} read {} bytes from {} files", pg.rank(), stats.bytes_read, stats.files_opened);
+/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net, opt: &mut tch_dist::optim::Optimizer) -> Result<(), tch_dist::checkpoint::CheckpointError> {
+/// use tch_dist::checkpoint::{self, LoadOptions, State};
+/// if let Some(dir) = checkpoint::latest("ckpt") {
+///     let mut state = State::new(model).with_optimizer(opt);
+///     let stats = checkpoint::load(&dir, &mut state, pg, &LoadOptions::default())?;
+///     let step = state.train_state().and_then(|s| s["step"].as_u64()).unwrap_or(0);
+///     println!("resumed at step {step}, {} bytes read", stats.bytes_read);
+/// }
 /// # Ok(()) }
 /// ```
-pub fn load_with_stats<M: Shardable + ?Sized>(
-    path: impl AsRef<Path>,
-    module: &M,
+pub fn load<M: Shardable + ?Sized>(
+    dir: impl AsRef<Path>,
+    state: &mut State<'_, M>,
     group: &ProcessGroup,
+    opts: &LoadOptions,
 ) -> Result<LoadStats, CheckpointError> {
-    load_with(path, module, group, &LoadOptions::default())
+    load::run(dir.as_ref(), state, group, opts)
 }
 
 /// How the ranks of a load share the reads of the tensors every rank needs whole (a
 /// replicated model's, the unsharded parts of a sharded one); shards are always read by
-/// their holder alone. See [`load_with`].
+/// their holder alone. See [`LoadOptions`].
 ///
 /// ```
 /// assert_eq!(tch_dist::checkpoint::Reads::default(), tch_dist::checkpoint::Reads::EachRank);
@@ -462,7 +403,7 @@ pub enum Reads {
     Striped,
 }
 
-/// The options of [`load_with`].
+/// The options of [`load`].
 ///
 /// ```
 /// let opts = tch_dist::checkpoint::LoadOptions { reads: tch_dist::checkpoint::Reads::Striped };
@@ -470,92 +411,11 @@ pub enum Reads {
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LoadOptions {
-    /// Who reads the tensors every rank needs whole.
+    /// Who reads the tensors every rank needs whole: with [`Reads::Striped`], each is read
+    /// by one rank and broadcast, after every rank's reads were checked (a damaged byte in a
+    /// tensor another rank reads is still an error on every rank, nothing changed); the
+    /// bytes in [`LoadStats`] are then this rank's reads alone.
     pub reads: Reads,
-}
-
-/// [`load_with_stats`] with `opts`: with [`Reads::Striped`], each tensor every rank needs
-/// whole is read by one rank and broadcast, after every rank's reads were checked (a
-/// damaged byte in a tensor another rank reads is still an error on every rank, nothing
-/// changed). The bytes in the returned [`LoadStats`] are this rank's reads alone.
-///
-/// ```no_run
-/// # use tch::nn;
-/// # use tch_dist::Shardable;
-/// # #[derive(Debug, Shardable)]
-/// # struct Net { fc: nn::Linear }
-/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net) -> Result<(), tch_dist::checkpoint::CheckpointError> {
-/// use tch_dist::checkpoint::{load_with, LoadOptions, Reads};
-/// let opts = LoadOptions { reads: Reads::Striped };
-/// let stats = load_with("/shared/ckpt/step-00000100", model, pg, &opts)?;
-/// # let _ = stats;
-/// # Ok(()) }
-/// ```
-pub fn load_with<M: Shardable + ?Sized>(
-    path: impl AsRef<Path>,
-    module: &M,
-    group: &ProcessGroup,
-    opts: &LoadOptions,
-) -> Result<LoadStats, CheckpointError> {
-    const OP: &str = "checkpoint.load";
-    let (path, rank) = (path.as_ref(), group.rank());
-    crate::state_dict::reshard_all(module)?;
-    let placements = crate::state_dict::placements(module);
-    let targets = plan::targets_placed(module, &placements);
-    let split = plan::split_tensors(module, &placements);
-    let held = plan::held_anywhere(&targets, &split, group).map_err(loading(rank, path))?;
-    // Every rank must share the reads the same way: a striped rank's all-gather of its
-    // whole tensors' digest would otherwise meet another rank's reads.
-    let reads = [("reads".to_string(), format!("{:?}", opts.reads))];
-    group
-        .verify_same_options(OP, &reads)
-        .map_err(|e| loading(rank, path)(e.into()))?;
-    let readers = match opts.reads {
-        Reads::Striped
-            if striped::same_on_every_rank(group, &targets).map_err(loading(rank, path))? =>
-        {
-            striped::readers(&targets, group.world_size())
-        }
-        _ => vec![None; targets.len()],
-    };
-    let mut reader = reader::Reader::new(rank);
-    let local = (|| {
-        let opened = reader.open(path)?;
-        let mut tensors = opened.tensors.clone();
-        // A model-only load leaves the optimizer's state aside.
-        tensors.retain(|k, _| !k.starts_with(OPTIM_STATE_PREFIX));
-        reshard::check(rank, &targets, &held, &tensors)?;
-        let mine: Vec<bool> = readers
-            .iter()
-            .map(|r| r.is_none_or(|r| r == rank))
-            .collect();
-        let own: Vec<plan::Target> = targets
-            .iter()
-            .zip(&mine)
-            .filter(|(_, m)| **m)
-            .map(|(t, _)| t.clone())
-            .collect();
-        let mut read = reader.read(&opened, &own, &tensors)?.into_iter();
-        // The values others read: placeholders the broadcast fills.
-        Ok::<_, CheckpointError>(
-            targets
-                .iter()
-                .zip(&mine)
-                .map(|(t, m)| match m {
-                    true => read.next().expect("one value per own target"),
-                    false => (t.tensor.shallow_clone(), t.tensor.detach().empty_like()),
-                })
-                .collect::<Vec<_>>(),
-        )
-    })();
-    let staged = group.agree(OP, local).map_err(loading(rank, path))?;
-    striped::broadcast(group, &readers, &staged).map_err(loading(rank, path))?;
-    tch::no_grad(|| {
-        for (target, values) in &staged {
-            target.shallow_clone().copy_(values);
-        }
-    });
-    Ok(reader.stats)
 }
 
 /// Checks every byte of the checkpoint folder `dir` against its manifest: every
@@ -573,100 +433,4 @@ pub fn load_with<M: Shardable + ?Sized>(
 /// ```
 pub fn verify(dir: impl AsRef<Path>) -> Result<(), CheckpointError> {
     storage::verify(0, dir.as_ref())
-}
-
-/// [`load`] and the optimizer's state and settings that [`save_with_optimizer`] saved,
-/// resharded to this world size like the parameters: afterwards `optimizer` has exactly the
-/// checkpoint's state (parameters without saved state have none) and hyperparameters
-/// (learning rate included, as PyTorch's `load_state_dict`). A checkpoint without optimizer
-/// state, of another optimizer class, or whose state does not fit the model is an error on
-/// every rank, and neither the model nor the optimizer changed.
-///
-/// ```no_run
-/// # use tch::nn;
-/// # use tch_dist::Shardable;
-/// # #[derive(Debug, Shardable)]
-/// # struct Net { fc: nn::Linear }
-/// # fn demo(pg: &tch_dist::ProcessGroup, model: &Net, opt: &mut tch_dist::optim::Optimizer) -> Result<(), tch_dist::checkpoint::CheckpointError> {
-/// if let Some(dir) = tch_dist::checkpoint::latest("ckpt") {
-///     tch_dist::checkpoint::load_with_optimizer(&dir, model, opt, pg)?;
-/// }
-/// # Ok(()) }
-/// ```
-pub fn load_with_optimizer<M: Shardable + ?Sized>(
-    path: impl AsRef<Path>,
-    module: &M,
-    optimizer: &mut Optimizer,
-    group: &ProcessGroup,
-) -> Result<(), CheckpointError> {
-    const OP: &str = "checkpoint.load";
-    let (path, rank) = (path.as_ref(), group.rank());
-    crate::state_dict::reshard_all(module)?;
-    let placements = crate::state_dict::placements(module);
-    let mut targets = plan::targets_placed(module, &placements);
-    let split = plan::split_tensors(module, &placements);
-    let mut held = plan::held_anywhere(&targets, &split, group).map_err(loading(rank, path))?;
-    let mut reader = reader::Reader::new(rank);
-    let local = (|| {
-        let opened = reader.open(path)?;
-        let tensors = &opened.tensors;
-        let (algorithm, lr) =
-            plan::saved_settings(rank, path, opened.manifest.as_ref(), optimizer)?;
-        let model_count = targets.len();
-        let state =
-            plan::state_targets(rank, path, &targets, tensors, &held, &algorithm, optimizer)?;
-        // Other ranks' optimizer state is theirs to load, as their parameters are.
-        held.extend(
-            tensors
-                .keys()
-                .filter(|k| held.contains(plan::owner_fqn(k)))
-                .cloned()
-                .collect::<Vec<_>>(),
-        );
-        targets.extend(state);
-        let staged = reader.fetch(&opened, &targets, &held, tensors)?;
-        Ok::<_, CheckpointError>((staged, targets.split_off(model_count), algorithm, lr))
-    })();
-    let (staged, state_targets, algorithm, lr) =
-        group.agree(OP, local).map_err(loading(rank, path))?;
-    let (model, state) = staged.split_at(staged.len() - state_targets.len());
-    tch::no_grad(|| {
-        for (target, values) in model {
-            target.shallow_clone().copy_(values);
-        }
-    });
-    optimizer.restore(algorithm, lr, plan::unflatten_state(&state_targets, state));
-    Ok(())
-}
-
-/// The train state [`save_with`] wrote into the checkpoint folder `dir` (`None` when it
-/// was saved without one), read on every rank of `group` (an error on one is an error on
-/// all).
-///
-/// ```no_run
-/// # let pg = tch_dist::default_group()?;
-/// let state = tch_dist::checkpoint::load_train_state("ckpt/step-00000100", &pg)?;
-/// let step = state.and_then(|s| s["step"].as_u64()).unwrap_or(0);
-/// # let _ = step;
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub fn load_train_state(
-    dir: impl AsRef<Path>,
-    group: &ProcessGroup,
-) -> Result<Option<serde_json::Value>, CheckpointError> {
-    let (dir, rank) = (dir.as_ref(), group.rank());
-    let local = (|| {
-        let manifest = storage::read_manifest(rank, dir)?;
-        let Some(bytes) = storage::read_sidecar(rank, dir, &manifest, TRAIN_STATE)? else {
-            return Ok(None);
-        };
-        serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| CheckpointError::Format {
-                rank,
-                path: dir.join(TRAIN_STATE),
-                cause: e.to_string(),
-            })
-    })();
-    group.agree("checkpoint.load_train_state", local)
 }

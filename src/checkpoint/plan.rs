@@ -1,6 +1,6 @@
 //! What a checkpoint holds and who writes it, DCP's planner (`planner.py`,
 //! `default_planner.py`): the model's tensors with this rank's place in each global tensor
-//! ([`Target`]), which of them this rank writes, the optimizer's state flattened to PyTorch's
+//! ([`Entry`]), which of them this rank writes, the optimizer's state flattened to PyTorch's
 //! names (`optim.state.<fqn>.<name>`, laid out as its parameter), and, on load, the
 //! optimizer state and settings a checkpoint holds, checked against the model and the
 //! optimizer, and unflattened again.
@@ -12,103 +12,9 @@ use tch::Tensor;
 use tch_dist_core::Shardable;
 
 use super::storage::{self, Manifest, TensorEntry};
-use super::{CheckpointError, MANIFEST, OPTIMIZER_SIDECAR, OPTIM_STATE_PREFIX};
-use crate::optim::{self as optimizer, Algorithm, Optimizer, ParamState};
-use crate::state_dict::Placements;
-
-/// One tensor of the model as a checkpoint sees it: this rank's part of a global tensor.
-pub(super) struct Target {
-    /// The FQN (`optim.state.<fqn>.<name>` for optimizer state).
-    pub fqn: String,
-    /// This rank's part (the whole tensor when not sharded).
-    pub tensor: Tensor,
-    /// Where this rank's part starts in the global tensor.
-    pub offsets: Vec<i64>,
-    /// The global tensor's shape.
-    pub global: Vec<i64>,
-    /// Whether the part is a shard (written by its holder) or the whole tensor (by rank 0).
-    pub sharded: bool,
-    /// A shard that another replica holds too (HSDP: the ranks of a 2-D mesh's replicate
-    /// dim hold the same shards): written only by the first replica, so the checkpoint holds
-    /// each piece once, as DCP's de-duplicated save plans do.
-    pub replica_copy: bool,
-}
-
-impl Clone for Target {
-    /// The same entry, its tensor the same storage.
-    fn clone(&self) -> Self {
-        Target {
-            fqn: self.fqn.clone(),
-            tensor: self.tensor.shallow_clone(),
-            offsets: self.offsets.clone(),
-            global: self.global.clone(),
-            sharded: self.sharded,
-            replica_copy: self.replica_copy,
-        }
-    }
-}
-
-/// The model's parameters and buffers, with this rank's place in each global tensor.
-pub(super) fn targets<M: Shardable + ?Sized>(module: &M) -> Vec<Target> {
-    targets_placed(module, &crate::state_dict::placements(module))
-}
-
-/// [`targets`], with `module`'s placement record computed already.
-pub(super) fn targets_placed<M: Shardable + ?Sized>(
-    module: &M,
-    placements: &Placements,
-) -> Vec<Target> {
-    // Where each sharded parameter's pieces are: the one placement record (a tied
-    // parameter's second name is the same tensor, so saved as the shard it is too).
-    let mut seen = HashSet::new();
-    let mut out = Vec::new();
-    for (fqn, t) in module
-        .named_parameters()
-        .into_iter()
-        .chain(module.named_buffers())
-    {
-        if !seen.insert(fqn.clone()) {
-            continue;
-        }
-        let (offsets, global, sharded, replica_copy) = match placements.get(t) {
-            Some(p) => (
-                p.offsets.clone(),
-                p.global_shape.clone(),
-                true,
-                p.is_replica_copy(),
-            ),
-            None => (vec![0; t.dim()], t.size(), false, false),
-        };
-        out.push(Target {
-            replica_copy,
-            fqn,
-            tensor: t.shallow_clone(),
-            offsets,
-            global,
-            sharded,
-        });
-    }
-    out
-}
-
-/// `module`'s tensors that this rank holds as several blocks of the whole, with how many
-/// (see [`ParamPlacement::blocks`](crate::state_dict::ParamPlacement::blocks)), by its
-/// placement record.
-pub(super) fn split_tensors<M: Shardable + ?Sized>(
-    module: &M,
-    placements: &Placements,
-) -> HashMap<String, usize> {
-    module
-        .named_parameters()
-        .into_iter()
-        .filter_map(|(fqn, t)| {
-            placements
-                .get(t)
-                .filter(|p| p.blocks > 1)
-                .map(|p| (fqn, p.blocks))
-        })
-        .collect()
-}
+use super::{CheckpointError, MANIFEST, OPTIMIZER_SIDECAR};
+use crate::optim::{self as optimizer, Algorithm, Optimizer};
+use crate::state_dict::flat::{self, owner_fqn, state_key, state_key_parts, Entry, Part};
 
 /// The first tensor some rank holds split (the lines each rank sent: `FQN\tsplit N`), as
 /// the refusal every rank returns alike.
@@ -145,7 +51,7 @@ fn tab_lines(gathered: &[Vec<u8>]) -> Vec<Vec<(String, String)>> {
 /// only other ranks hold (a pipeline's other stages) is theirs to load. A tensor that some
 /// rank holds as several blocks (`split`, by FQN) is refused on every rank.
 pub(super) fn held_anywhere(
-    targets: &[Target],
+    targets: &[Entry],
     split: &HashMap<String, usize>,
     group: &tch_dist_runtime::ProcessGroup,
 ) -> Result<HashSet<String>, CheckpointError> {
@@ -163,64 +69,18 @@ pub(super) fn held_anywhere(
     Ok(lines.into_iter().flatten().map(|(fqn, _)| fqn).collect())
 }
 
-/// `optim.state.<fqn>.<name>`.
-fn state_key(fqn: &str, name: &str) -> String {
-    format!("{OPTIM_STATE_PREFIX}{fqn}.{name}")
-}
-
-/// The place of a state tensor of the parameter `param` in its global tensor: a tensor of
-/// the parameter's (local) shape is laid out as the parameter (sharded with it), a scalar
-/// (`step`) is whole on every rank.
-fn state_layout(param: &Target, t: &Tensor) -> Option<(Vec<i64>, Vec<i64>, bool)> {
-    if t.dim() > 0 && t.size() == param.tensor.size() {
-        Some((param.offsets.clone(), param.global.clone(), param.sharded))
-    } else if t.dim() == 0 {
-        Some((vec![], vec![], false))
-    } else {
-        None
-    }
-}
-
-/// The optimizer's state tensors as checkpoint targets, each laid out as its parameter.
+/// The optimizer's state tensors as entries, each laid out as its parameter in `model`; a
+/// state with no place is an error naming its parameter.
 pub(super) fn optimizer_targets(
     rank: usize,
-    model: &[Target],
+    model: &[Entry],
     opt: &Optimizer,
-) -> Result<Vec<Target>, CheckpointError> {
-    let by_fqn: HashMap<&str, &Target> = model.iter().map(|t| (t.fqn.as_str(), t)).collect();
-    let mut out = Vec::new();
-    for (fqn, state) in opt.states() {
-        let param = by_fqn
-            .get(fqn)
-            .ok_or_else(|| CheckpointError::OptimizerState {
-                rank,
-                fqn: fqn.to_string(),
-                problem: "the optimizer has state for it, but the model has no such parameter"
-                    .into(),
-            })?;
-        for (name, t) in state.iter() {
-            let (offsets, global, sharded) =
-                state_layout(param, t).ok_or_else(|| CheckpointError::OptimizerState {
-                    rank,
-                    fqn: fqn.to_string(),
-                    problem: format!(
-                        "`{}` is {:?}, neither the parameter's shape {:?} nor a scalar",
-                        state_key(fqn, name),
-                        t.size(),
-                        param.tensor.size()
-                    ),
-                })?;
-            out.push(Target {
-                fqn: state_key(fqn, name),
-                tensor: t.shallow_clone(),
-                offsets,
-                global,
-                sharded,
-                replica_copy: sharded && param.replica_copy,
-            });
-        }
-    }
-    Ok(out)
+) -> Result<Vec<Entry>, CheckpointError> {
+    flat::optimizer_entries(model, opt).map_err(|p| CheckpointError::OptimizerState {
+        rank,
+        fqn: p.fqn,
+        problem: p.problem,
+    })
 }
 
 /// The optimizer's class and settings from the sidecar (checked against the manifest),
@@ -269,13 +129,13 @@ pub(super) fn saved_settings(
 pub(super) fn state_targets(
     rank: usize,
     dir: &Path,
-    model: &[Target],
+    model: &[Entry],
     tensors: &BTreeMap<String, TensorEntry>,
     held: &HashSet<String>,
     algorithm: &Algorithm,
     optimizer: &Optimizer,
-) -> Result<Vec<Target>, CheckpointError> {
-    let by_fqn: HashMap<&str, &Target> = model.iter().map(|t| (t.fqn.as_str(), t)).collect();
+) -> Result<Vec<Entry>, CheckpointError> {
+    let by_fqn: HashMap<&str, &Entry> = model.iter().map(|t| (t.fqn.as_str(), t)).collect();
     let params: HashSet<&str> = optimizer.param_names().collect();
     let names = algorithm.state_names();
     let mut saved: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
@@ -330,18 +190,17 @@ pub(super) fn state_targets(
             };
             // A scalar is whole everywhere; anything else must be of the parameter's global
             // shape (checked by `assemble`), laid out as the parameter.
-            let (offsets, global, sharded) = if entry.shape.is_empty() {
-                (vec![], vec![], false)
+            let (offsets, global, part) = if entry.shape.is_empty() {
+                (vec![], vec![], Part::Whole)
             } else {
-                (param.offsets.clone(), param.global.clone(), param.sharded)
+                (param.offsets.clone(), param.global.clone(), param.part)
             };
-            out.push(Target {
+            out.push(Entry {
                 fqn: key,
                 tensor: t,
                 offsets,
                 global,
-                sharded,
-                replica_copy: sharded && param.replica_copy,
+                part,
             });
         }
     }
@@ -355,16 +214,17 @@ pub(super) fn state_targets(
 /// memory itself.
 pub(super) fn to_write(
     rank: usize,
-    targets: &[Target],
+    targets: &[Entry],
     writers: &Writers,
     copy: bool,
 ) -> Vec<(String, Tensor, Vec<i64>)> {
     targets
         .iter()
         // An empty shard (more ranks than rows) has nothing to write.
-        .filter(|t| {
-            (t.sharded && !t.replica_copy && t.tensor.numel() > 0)
-                || (!t.sharded && whole_writer(writers, t) == Some(rank))
+        .filter(|t| match t.part {
+            Part::Shard => t.tensor.numel() > 0,
+            Part::ReplicaCopy => false,
+            Part::Whole => whole_writer(writers, t) == Some(rank),
         })
         .map(|t| {
             let values = if copy {
@@ -381,7 +241,7 @@ pub(super) fn to_write(
 }
 
 /// The manifest's `tensors`: every target's global shape and dtype.
-pub(super) fn tensor_entries(targets: &[Target]) -> BTreeMap<String, TensorEntry> {
+pub(super) fn tensor_entries(targets: &[Entry]) -> BTreeMap<String, TensorEntry> {
     targets
         .iter()
         .map(|t| {
@@ -396,28 +256,6 @@ pub(super) fn tensor_entries(targets: &[Target]) -> BTreeMap<String, TensorEntry
         .collect()
 }
 
-/// The loaded optimizer state, unflattened: each [`state_targets`] target's values (in
-/// `values`, in the same order) under its parameter's FQN and its state name.
-pub(super) fn unflatten_state(
-    targets: &[Target],
-    values: &[(Tensor, Tensor)],
-) -> BTreeMap<String, ParamState> {
-    let mut by_fqn: BTreeMap<String, BTreeMap<String, Tensor>> = BTreeMap::new();
-    for (t, (_, values)) in targets.iter().zip(values) {
-        let key = &t.fqn[OPTIM_STATE_PREFIX.len()..];
-        if let Some((fqn, name)) = key.rsplit_once('.') {
-            by_fqn
-                .entry(fqn.to_string())
-                .or_default()
-                .insert(name.to_string(), values.shallow_clone());
-        }
-    }
-    by_fqn
-        .into_iter()
-        .map(|(fqn, entries)| (fqn, ParamState::from_map(entries)))
-        .collect()
-}
-
 /// Which rank writes each tensor saved whole: the lowest rank of `group` that holds it
 /// (rank 0 for a replicated model; a pipeline stage's first rank for its tensors, which
 /// rank 0 does not hold), by FQN, for every parameter and buffer of any rank. A tensor's
@@ -426,22 +264,8 @@ pub(super) fn unflatten_state(
 pub(super) type Writers = HashMap<String, usize>;
 
 /// The rank that writes the whole tensor `t` (model or optimizer state) by `writers`.
-pub(super) fn whole_writer(writers: &Writers, t: &Target) -> Option<usize> {
+pub(super) fn whole_writer(writers: &Writers, t: &Entry) -> Option<usize> {
     writers.get(owner_fqn(&t.fqn)).copied()
-}
-
-/// The parameter an optimizer state key belongs to (`optim.state.<fqn>.<name>` -> `fqn`),
-/// else the key itself.
-pub(super) fn owner_fqn(key: &str) -> &str {
-    state_key_parts(key).map_or(key, |(fqn, _)| fqn)
-}
-
-/// An optimizer state key's parameter and state name (`optim.state.<fqn>.<name>`; a key
-/// without a name is its parameter's with an empty name), `None` for a model key: the
-/// inverse of [`state_key`].
-fn state_key_parts(key: &str) -> Option<(&str, &str)> {
-    let rest = key.strip_prefix(OPTIM_STATE_PREFIX)?;
-    Some(rest.rsplit_once('.').unwrap_or((rest, "")))
 }
 
 /// The [`Writers`] of `module`'s tensors over `group`, after checking that every parameter
@@ -458,7 +282,7 @@ pub(super) fn replicas_agree<M: Shardable + ?Sized>(
 ) -> Result<Writers, CheckpointError> {
     const OP: &str = "checkpoint.save";
     let placements = crate::state_dict::placements(module);
-    let split = split_tensors(module, &placements);
+    let split = flat::split_tensors(module, &placements);
     let mut seen = HashSet::new();
     let buffers = module
         .named_buffers()

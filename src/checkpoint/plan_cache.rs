@@ -20,8 +20,9 @@ use std::sync::{Arc, Mutex};
 use tch::Tensor;
 use tch_dist_core::Shardable;
 
-use super::plan::{self, Target};
+use super::plan;
 use super::storage::TensorEntry;
+use crate::state_dict::flat::{self, Entry, Part};
 
 /// How many plans the cache keeps (a job saves one model, or a few).
 const CACHED_PLANS: usize = 4;
@@ -64,8 +65,8 @@ struct Key {
 /// A computed plan: each target's place (in the key's order, which is the targets' order)
 /// and the manifest's entries.
 struct Plan {
-    /// Per target: offsets, global shape, sharded, a replica's copy.
-    places: Vec<(Vec<i64>, Vec<i64>, bool, bool)>,
+    /// Per target: offsets, global shape, who writes it.
+    places: Vec<(Vec<i64>, Vec<i64>, Part)>,
     entries: BTreeMap<String, TensorEntry>,
 }
 
@@ -83,13 +84,13 @@ fn named_tensors<M: Shardable + ?Sized>(module: &M) -> Vec<(String, Tensor)> {
         .collect()
 }
 
-/// [`plan::targets`] of `module` at `rank` of `world_size` ranks and the manifest's entries
+/// The entries (`state_dict::flat::model_entries`) of `module` at `rank` of `world_size` ranks and the manifest's entries
 /// for them, from the cache when this model and layout were planned before.
 pub(super) fn cached_targets<M: Shardable + ?Sized>(
     module: &M,
     rank: usize,
     world_size: usize,
-) -> (Vec<Target>, BTreeMap<String, TensorEntry>) {
+) -> (Vec<Entry>, BTreeMap<String, TensorEntry>) {
     let tensors = named_tensors(module);
     let key = Key {
         rank,
@@ -119,32 +120,22 @@ pub(super) fn cached_targets<M: Shardable + ?Sized>(
         let targets = tensors
             .into_iter()
             .zip(&found.places)
-            .map(
-                |((fqn, tensor), (offsets, global, sharded, replica_copy))| Target {
-                    fqn,
-                    tensor,
-                    offsets: offsets.clone(),
-                    global: global.clone(),
-                    sharded: *sharded,
-                    replica_copy: *replica_copy,
-                },
-            )
+            .map(|((fqn, tensor), (offsets, global, part))| Entry {
+                fqn,
+                tensor,
+                offsets: offsets.clone(),
+                global: global.clone(),
+                part: *part,
+            })
             .collect();
         return (targets, found.entries.clone());
     }
-    let targets = plan::targets(module);
+    let targets = flat::model_entries(module, &crate::state_dict::placements(module));
     let entries = plan::tensor_entries(&targets);
     let computed = Plan {
         places: targets
             .iter()
-            .map(|t| {
-                (
-                    t.offsets.clone(),
-                    t.global.clone(),
-                    t.sharded,
-                    t.replica_copy,
-                )
-            })
+            .map(|t| (t.offsets.clone(), t.global.clone(), t.part))
             .collect(),
         entries: entries.clone(),
     };

@@ -11,7 +11,7 @@
 //! `HuggingFaceStorageWriter` wrote (no manifest, no tch-dist mark in its files), are read
 //! by the plan and checked against nothing (they carry no checksum).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -19,16 +19,16 @@ use std::path::{Path, PathBuf};
 use tch::{Kind, Tensor};
 
 use super::index::{self, Header, PieceDigests, PieceHeader};
-use super::plan::Target;
 use super::read_plan::{self, Want};
 use super::reshard::{self, Span, Staged};
 use super::storage::{self, Manifest, Pieces, TensorEntry, MANIFEST};
 use super::CheckpointError;
+use crate::state_dict::flat::Entry;
 
 /// What one rank's load read: every byte it read from the checkpoint (the manifest, each
 /// file's header, the slices of its tensors, and for a checkpoint of format 2 every file
 /// whole) and how many safetensors files it opened. Returned by
-/// [`load_with_stats`](super::load_with_stats); a rank's `bytes_read` is about its share of
+/// [`load`](super::load()); a rank's `bytes_read` is about its share of
 /// the checkpoint (see the [module docs](super) for what it reads beyond).
 ///
 /// ```
@@ -82,6 +82,11 @@ impl Reader {
             rank,
             stats: LoadStats::default(),
         }
+    }
+
+    /// The rank it reads for.
+    pub(super) fn rank(&self) -> usize {
+        self.rank
     }
 
     fn corrupted(&self, file: &Path) -> impl Fn(String) -> CheckpointError {
@@ -323,29 +328,12 @@ impl Reader {
         })
     }
 
-    /// Checks `targets` against the checkpoint (keys, global shapes, dtypes: before any
-    /// data is read), reads the slices the read plan names, checks each against its
-    /// digests, and builds each target's values: (the target's tensor, its values).
-    /// `tensors` is the checkpoint's tensors to check against (a model-only load leaves
-    /// the optimizer's state out), `held` what the load's other ranks hold
-    /// ([`reshard::check`]). Nothing in the model changes here.
-    pub(super) fn fetch(
-        &mut self,
-        opened: &Opened,
-        targets: &[Target],
-        held: &HashSet<String>,
-        tensors: &BTreeMap<String, TensorEntry>,
-    ) -> Result<Vec<(Tensor, Tensor)>, CheckpointError> {
-        reshard::check(self.rank, targets, held, tensors)?;
-        self.read(opened, targets, tensors)
-    }
-
     /// [`Reader::fetch`] of `targets` once they were checked against the whole checkpoint
     /// (a striped load reads only some of the model's targets).
     pub(super) fn read(
         &mut self,
         opened: &Opened,
-        targets: &[Target],
+        targets: &[Entry],
         tensors: &BTreeMap<String, TensorEntry>,
     ) -> Result<Vec<(Tensor, Tensor)>, CheckpointError> {
         let files = match &opened.source {

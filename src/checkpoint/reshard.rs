@@ -11,9 +11,9 @@ use std::collections::{BTreeMap, HashSet};
 
 use tch::{Kind, Tensor};
 
-use super::plan::Target;
 use super::storage::{self, Pieces, TensorEntry};
 use super::CheckpointError;
+use crate::state_dict::flat::Entry;
 
 /// Where a saved piece and a rank's part overlap in one dimension: `len` values starting
 /// at `dst` in the part and at `src` in the piece.
@@ -60,7 +60,7 @@ pub(super) fn overlap(
 /// the manifest alone: before any data is read).
 pub(super) fn check(
     rank: usize,
-    targets: &[Target],
+    targets: &[Entry],
     held: &HashSet<String>,
     tensors: &BTreeMap<String, TensorEntry>,
 ) -> Result<(), CheckpointError> {
@@ -107,7 +107,7 @@ pub(super) fn check(
 /// the checkpoint first. Nothing in the model changes here.
 pub(super) fn assemble(
     rank: usize,
-    targets: &[Target],
+    targets: &[Entry],
     pieces: &Pieces,
 ) -> Result<Vec<(Tensor, Tensor)>, CheckpointError> {
     targets
@@ -135,7 +135,7 @@ pub(super) struct Staged {
 
 impl Staged {
     /// Zeros of `target`'s shape, dtype and device, nothing filled yet.
-    pub fn new(target: &Target) -> Self {
+    pub fn new(target: &Entry) -> Self {
         let t = &target.tensor;
         Staged {
             values: Tensor::zeros(t.size(), (t.kind(), t.device())),
@@ -152,7 +152,7 @@ impl Staged {
     /// Copies the overlap of a piece (`values` at `offsets` in the global tensor) with the
     /// target's part into place; a piece of another number of dimensions is left to the
     /// coverage check.
-    pub fn place(&mut self, target: &Target, offsets: &[i64], values: &Tensor) {
+    pub fn place(&mut self, target: &Entry, offsets: &[i64], values: &Tensor) {
         let size = target.tensor.size();
         let Some(spans) = overlap(&target.offsets, &size, offsets, &values.size()) else {
             return;
@@ -168,7 +168,7 @@ impl Staged {
 
     /// The target's tensor and its values, when the regions filled cover every value of the
     /// target's part; else [`CheckpointError::Incomplete`].
-    pub fn finish(self, rank: usize, target: &Target) -> Result<(Tensor, Tensor), CheckpointError> {
+    pub fn finish(self, rank: usize, target: &Entry) -> Result<(Tensor, Tensor), CheckpointError> {
         let covered = covered(&target.tensor.size(), &self.filled);
         let needed = target.tensor.numel() as i64;
         if covered != needed {

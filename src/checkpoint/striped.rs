@@ -13,14 +13,16 @@
 use tch::Tensor;
 use tch_dist_runtime::{Object, ProcessGroup, BROADCAST_BUCKET_BYTES};
 
-use super::plan::Target;
 use super::{storage, CheckpointError};
+use crate::state_dict::flat::Entry;
+#[cfg(test)]
+use crate::state_dict::flat::Part;
 
 /// Which rank reads each target: `Some(rank)` for a whole tensor, striped; `None` for a
 /// shard, which its holder reads.
-pub(super) fn readers(targets: &[Target], world: usize) -> Vec<Option<usize>> {
+pub(super) fn readers(targets: &[Entry], world: usize) -> Vec<Option<usize>> {
     let mut order: Vec<usize> = (0..targets.len())
-        .filter(|&i| !targets[i].sharded)
+        .filter(|&i| !targets[i].part.is_shard())
         .collect();
     let bytes = |i: usize| targets[i].tensor.numel() * targets[i].tensor.kind().elt_size_in_bytes();
     order.sort_by(|&a, &b| {
@@ -42,10 +44,10 @@ pub(super) fn readers(targets: &[Target], world: usize) -> Vec<Option<usize>> {
 /// one, so that the striped assignment is the same everywhere: one all-gather of a digest.
 pub(super) fn same_on_every_rank(
     group: &ProcessGroup,
-    targets: &[Target],
+    targets: &[Entry],
 ) -> Result<bool, CheckpointError> {
     let mut list = String::new();
-    for t in targets.iter().filter(|t| !t.sharded) {
+    for t in targets.iter().filter(|t| !t.part.is_shard()) {
         list.push_str(&format!("{}:{:?}:{:?};", t.fqn, t.global, t.tensor.kind()));
     }
     let mine = Object::Str(storage::sha256(list.as_bytes()));
@@ -77,14 +79,13 @@ pub(super) fn broadcast(
 mod tests {
     use super::*;
 
-    fn target(fqn: &str, numel: i64, sharded: bool) -> Target {
-        Target {
+    fn target(fqn: &str, numel: i64, sharded: bool) -> Entry {
+        Entry {
             fqn: fqn.into(),
             tensor: Tensor::zeros([numel], tch::kind::FLOAT_CPU),
             offsets: vec![0],
             global: vec![numel],
-            sharded,
-            replica_copy: false,
+            part: if sharded { Part::Shard } else { Part::Whole },
         }
     }
 

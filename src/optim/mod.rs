@@ -8,8 +8,9 @@
 //! shard) gets state of the shard's shape, so optimizer state is sharded like the parameter
 //! without anything to configure. Its state is kept by FQN ([`Optimizer::state`]), under
 //! PyTorch's names (`exp_avg`, `exp_avg_sq`, `step`, `momentum_buffer`), and
-//! [`checkpoint::save_with_optimizer`](crate::checkpoint::save_with_optimizer) saves it beside
-//! the parameters.
+//! [`checkpoint::save`](crate::checkpoint::save) of a
+//! [`State::with_optimizer`](crate::checkpoint::State::with_optimizer) saves it beside the
+//! parameters.
 //!
 //! As in PyTorch, a parameter without a gradient is skipped (no update, no state), and a
 //! parameter's state starts at its first gradient. One difference: [`Optimizer::zero_grad`]

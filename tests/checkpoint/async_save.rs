@@ -11,6 +11,7 @@ use std::time::SystemTime;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tch_dist::checkpoint::{self, CheckpointError, SaveOptions};
+use tch_dist::checkpoint::{LoadOptions, State};
 use tch_dist::sharding::shard_module;
 use tch_dist::testing::{describe, run_ranks, worker, Launch};
 use tch_dist::{ProcessGroup, Shardable};
@@ -72,7 +73,9 @@ fn training_continues_while_the_background_writes() {
             let ckpt = dir.join("step-00000001");
             let model = sharded(8, 1, &pg);
             let staged = copies(&model);
-            let pending = checkpoint::async_save(&ckpt, &model, &pg).unwrap();
+            let pending =
+                checkpoint::async_save(&ckpt, &State::new(&model), &pg, &SaveOptions::default())
+                    .unwrap();
             let step_start = stamp(&dir, "step-start", pg.rank());
             train_step(&model);
             let step_end = stamp(&dir, "step-end", pg.rank());
@@ -108,7 +111,13 @@ fn training_continues_while_the_background_writes() {
             assert!(!dir.join("step-00000001.partial").exists());
             // The values at staging, not the stepped ones.
             let loaded = sharded(8, 5, &pg);
-            checkpoint::load(&ckpt, &loaded, &pg).unwrap();
+            checkpoint::load(
+                &ckpt,
+                &mut State::new(&loaded),
+                &pg,
+                &LoadOptions::default(),
+            )
+            .unwrap();
             let now = copies(&model);
             for (((fqn, at_staging), (_, got)), (_, stepped)) in
                 staged.iter().zip(copies(&loaded)).zip(&now)
@@ -151,13 +160,24 @@ fn a_rank_killed_during_the_background_write_leaves_latest_on_the_previous() {
             match mode.as_str() {
                 "setup" => {
                     let model = sharded(8, 1, &pg);
-                    let pending = checkpoint::async_save(dir.join("step-00000001"), &model, &pg);
+                    let pending = checkpoint::async_save(
+                        dir.join("step-00000001"),
+                        &State::new(&model),
+                        &pg,
+                        &SaveOptions::default(),
+                    );
                     pending.unwrap().wait().unwrap();
                 }
                 "crash" => {
                     let model = sharded(8, 2, &pg);
                     let ckpt = dir.join("step-00000002");
-                    let pending = checkpoint::async_save(&ckpt, &model, &pg).unwrap();
+                    let pending = checkpoint::async_save(
+                        &ckpt,
+                        &State::new(&model),
+                        &pg,
+                        &SaveOptions::default(),
+                    )
+                    .unwrap();
                     // Training goes on while the background writes; rank 0 may die before
                     // this step's collectives end (its background can be that fast), and
                     // then the step fails naming it, as any collective with a dead peer.
@@ -197,7 +217,13 @@ fn a_rank_killed_during_the_background_write_leaves_latest_on_the_previous() {
                     assert!(dir.join("step-00000002.partial").exists());
                     assert!(!dir.join("step-00000002").exists());
                     let loaded = mlp(&nn::VarStore::new(Device::Cpu), 8, 9);
-                    checkpoint::load(&found, &loaded, &pg).unwrap();
+                    checkpoint::load(
+                        &found,
+                        &mut State::new(&loaded),
+                        &pg,
+                        &LoadOptions::default(),
+                    )
+                    .unwrap();
                     let expected = mlp(&nn::VarStore::new(Device::Cpu), 8, 1);
                     assert!(loaded.fc1.ws.equal(&expected.fc1.ws));
                     assert!(loaded.fc2.ws.equal(&expected.fc2.ws));
@@ -242,13 +268,15 @@ fn twenty_async_saves_do_not_grow_rss() {
             .iter()
             .map(|(_, t)| t.numel() as i64 * 4)
             .sum();
-        let opts = SaveOptions {
-            train_state: None,
-            keep_last: Some(2),
-        };
+        let opts = SaveOptions { keep_last: Some(2) };
         let save = |i: usize| {
-            checkpoint::async_save_with(dir.join(format!("step-{i:08}")), &model, &pg, &opts)
-                .unwrap()
+            checkpoint::async_save(
+                dir.join(format!("step-{i:08}")),
+                &State::new(&model),
+                &pg,
+                &opts,
+            )
+            .unwrap()
         };
         // Warm-up: the background group, the gradients, the allocator's pools.
         for i in 0..5 {
@@ -289,27 +317,62 @@ fn save_plans_are_cached_per_model_and_layout() {
         let stats = checkpoint::plan_cache_stats;
         let model = sharded(8, 1, &pg);
         let start = stats();
-        checkpoint::save(dir.join("a"), &model, &pg).unwrap();
+        checkpoint::save(
+            dir.join("a"),
+            &State::new(&model),
+            &pg,
+            &SaveOptions::default(),
+        )
+        .unwrap();
         assert_eq!(stats().computed, start.computed + 1);
         assert_eq!(stats().reused, start.reused);
-        checkpoint::async_save(dir.join("b"), &model, &pg)
-            .unwrap()
-            .wait()
-            .unwrap();
+        checkpoint::async_save(
+            dir.join("b"),
+            &State::new(&model),
+            &pg,
+            &SaveOptions::default(),
+        )
+        .unwrap()
+        .wait()
+        .unwrap();
         train_step(&model);
-        checkpoint::save(dir.join("c"), &model, &pg).unwrap();
+        checkpoint::save(
+            dir.join("c"),
+            &State::new(&model),
+            &pg,
+            &SaveOptions::default(),
+        )
+        .unwrap();
         assert_eq!(stats().computed, start.computed + 1);
         assert_eq!(stats().reused, start.reused + 2);
         // Another layout: a plain model of the same shapes, then a wider sharded one.
         let plain = mlp(&nn::VarStore::new(Device::Cpu), 8, 1);
-        checkpoint::save(dir.join("d"), &plain, &pg).unwrap();
+        checkpoint::save(
+            dir.join("d"),
+            &State::new(&plain),
+            &pg,
+            &SaveOptions::default(),
+        )
+        .unwrap();
         assert_eq!(stats().computed, start.computed + 2);
         let wider = sharded(12, 1, &pg);
-        checkpoint::save(dir.join("e"), &wider, &pg).unwrap();
+        checkpoint::save(
+            dir.join("e"),
+            &State::new(&wider),
+            &pg,
+            &SaveOptions::default(),
+        )
+        .unwrap();
         assert_eq!(stats().computed, start.computed + 3);
         // What the cached plan wrote loads as the first did.
         let loaded = sharded(8, 3, &pg);
-        checkpoint::load(dir.join("c"), &loaded, &pg).unwrap();
+        checkpoint::load(
+            dir.join("c"),
+            &mut State::new(&loaded),
+            &pg,
+            &LoadOptions::default(),
+        )
+        .unwrap();
         for ((fqn, a), (_, b)) in copies(&loaded).iter().zip(copies(&model)) {
             assert!(a.equal(&b), "{fqn}");
         }

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use tch::nn;
 use tch::Device;
 use tch_dist::checkpoint::{self, CheckpointError};
+use tch_dist::checkpoint::{LoadOptions, SaveOptions, State};
 use tch_dist::sharding::shard_module;
 use tch_dist::testing::{run_ranks, worker};
 use tch_dist::{fully_shard, Backend, FsdpOptions};
@@ -79,12 +80,18 @@ fn pytorch_written_checkpoints_load_at_1_2_and_3_ranks() {
                 // What PyTorch saved, from its one-file copy.
                 let reference = nn::VarStore::new(Device::Cpu);
                 let whole = mlp(&reference, 8, 9);
-                checkpoint::load(folder().join(format!("{name}.safetensors")), &whole, &pg)
-                    .unwrap();
+                checkpoint::load(
+                    folder().join(format!("{name}.safetensors")),
+                    &mut State::new(&whole),
+                    &pg,
+                    &LoadOptions::default(),
+                )
+                .unwrap();
                 for g in groups.iter().flatten() {
                     let at = format!("{name} at {} ranks", g.world_size());
                     let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 3);
-                    checkpoint::load(&ckpt, &model, g).unwrap();
+                    checkpoint::load(&ckpt, &mut State::new(&model), g, &LoadOptions::default())
+                        .unwrap();
                     equals_reference(&model, &reference, &format!("{at}, plain"));
                     let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 4);
                     let opts = FsdpOptions {
@@ -92,16 +99,23 @@ fn pytorch_written_checkpoints_load_at_1_2_and_3_ranks() {
                         ..Default::default()
                     };
                     fully_shard(&model, opts).unwrap();
-                    checkpoint::load(&ckpt, &model, g).unwrap();
+                    checkpoint::load(&ckpt, &mut State::new(&model), g, &LoadOptions::default())
+                        .unwrap();
                     fsdp_equals_reference(&model, &reference, &format!("{at}, fully_shard"));
                     let mut model = mlp(&nn::VarStore::new(Device::Cpu), 8, 5);
                     shard_module(&mut model, &plan(), 0, g).unwrap();
-                    checkpoint::load(&ckpt, &model, g).unwrap();
+                    checkpoint::load(&ckpt, &mut State::new(&model), g, &LoadOptions::default())
+                        .unwrap();
                     equals_reference(&model, &reference, &format!("{at}, tensor-parallel"));
                     if g.world_size() == 3 {
                         // Saved again by tch-dist, for PyTorch to read back below.
-                        checkpoint::save(folder().join(format!("{name}-by-tch-dist")), &model, g)
-                            .unwrap();
+                        checkpoint::save(
+                            folder().join(format!("{name}-by-tch-dist")),
+                            &State::new(&model),
+                            g,
+                            &SaveOptions::default(),
+                        )
+                        .unwrap();
                     }
                 }
                 pg.barrier().unwrap();
@@ -116,7 +130,13 @@ fn pytorch_written_checkpoints_load_at_1_2_and_3_ranks() {
             }
             pg.barrier().unwrap();
             let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 6);
-            let err = checkpoint::load(&partial, &model, &pg).unwrap_err();
+            let err = checkpoint::load(
+                &partial,
+                &mut State::new(&model),
+                &pg,
+                &LoadOptions::default(),
+            )
+            .unwrap_err();
             assert!(
                 matches!(err, CheckpointError::NotACheckpoint { rank, .. } if rank == pg.rank()),
                 "{err:?}"

@@ -10,6 +10,7 @@ use std::path::Path;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tch_dist::checkpoint::{self, CheckpointError, LoadStats};
+use tch_dist::checkpoint::{LoadOptions, SaveOptions, State};
 use tch_dist::sharding::shard_module;
 use tch_dist::testing::run_ranks;
 use tch_dist::Shardable;
@@ -77,7 +78,8 @@ fn overhead(ckpt: &Path) -> u64 {
 /// Loads `ckpt` into `model`, returning the loader's stats and the `rchar` delta around it.
 fn measured_load(ckpt: &Path, model: &Mlp, pg: &ProcessGroup) -> (LoadStats, u64) {
     let before = rchar();
-    let stats = checkpoint::load_with_stats(ckpt, model, pg).unwrap();
+    let stats =
+        checkpoint::load(ckpt, &mut State::new(model), pg, &LoadOptions::default()).unwrap();
     (stats, rchar() - before)
 }
 
@@ -114,7 +116,7 @@ fn save_fsdp_at_2(pg: &ProcessGroup, ckpt: &Path) {
             ..Default::default()
         };
         fully_shard(&model, opts).unwrap();
-        checkpoint::save(ckpt, &model, pair).unwrap();
+        checkpoint::save(ckpt, &State::new(&model), pair, &SaveOptions::default()).unwrap();
     }
     pg.barrier().unwrap();
 }
@@ -150,7 +152,9 @@ fn fully_shard_saved_at_2_loads_at_4_reading_only_its_rows() {
             pg.barrier().unwrap();
             let model = wide(&nn::VarStore::new(Device::Cpu), 3);
             fully_shard(&model, FsdpOptions::default()).unwrap();
-            let stats = checkpoint::load_with_stats(&hf, &model, &pg).unwrap();
+            let stats =
+                checkpoint::load(&hf, &mut State::new(&model), &pg, &LoadOptions::default())
+                    .unwrap();
             let share = 16384 * 16 + 16384 * 4 + 65536 * 4 + 4;
             let expected = LoadStats {
                 bytes_read: header(&hf).0 + share,
@@ -177,7 +181,8 @@ fn tensor_parallel_saved_at_2_loads_at_4_reading_only_its_rows() {
             if let Some(pair) = &pair {
                 let mut model = wide(&nn::VarStore::new(Device::Cpu), 1);
                 shard_module(&mut model, &plan(), 0, pair).unwrap();
-                checkpoint::save(&ckpt, &model, pair).unwrap();
+                checkpoint::save(&ckpt, &State::new(&model), pair, &SaveOptions::default())
+                    .unwrap();
             }
             pg.barrier().unwrap();
             let reference = nn::VarStore::new(Device::Cpu);
@@ -221,7 +226,9 @@ fn a_flipped_byte_in_a_slice_a_rank_reads_fails_the_load_on_every_rank() {
             let file = ckpt.join(checkpoint::file_name(0));
             let at = data_start(&file, "fc1.weight") + 20000 * 16 + 3;
             flip(&pg, &file, at);
-            let err = checkpoint::load(&ckpt, &model, &pg).unwrap_err();
+            let err =
+                checkpoint::load(&ckpt, &mut State::new(&model), &pg, &LoadOptions::default())
+                    .unwrap_err();
             if r == 1 {
                 assert_eq!(
                     err.to_string(),
@@ -252,7 +259,9 @@ fn a_flipped_byte_in_a_slice_a_rank_reads_fails_the_load_on_every_rank() {
             flip(&pg, &file, at);
             // A byte of the header's JSON.
             flip(&pg, &file, 20);
-            let err = checkpoint::load(&ckpt, &model, &pg).unwrap_err();
+            let err =
+                checkpoint::load(&ckpt, &mut State::new(&model), &pg, &LoadOptions::default())
+                    .unwrap_err();
             assert_eq!(
                 err.to_string(),
                 format!(
@@ -264,7 +273,7 @@ fn a_flipped_byte_in_a_slice_a_rank_reads_fails_the_load_on_every_rank() {
             assert!(model.fc1.ws.equal(&before), "rank {r}: the model changed");
             flip(&pg, &file, 20);
             checkpoint::verify(&ckpt).unwrap();
-            checkpoint::load(&ckpt, &model, &pg).unwrap();
+            checkpoint::load(&ckpt, &mut State::new(&model), &pg, &LoadOptions::default()).unwrap();
             let reference = nn::VarStore::new(Device::Cpu);
             let _ = wide(&reference, 1);
             fsdp_equals_reference(&model, &reference, "restored");
@@ -295,14 +304,19 @@ fn a_flipped_byte_no_rank_reads_loads_and_verify_finds_it() {
             let x = Tensor::randn([4, 6], (Kind::Float, Device::Cpu));
             sopt.backward_step(&saved.forward(&x).square().mean(Kind::Float))
                 .unwrap();
-            checkpoint::save_with_optimizer(&ckpt, &saved, &sopt, &pg, &Default::default())
-                .unwrap();
+            checkpoint::save(
+                &ckpt,
+                &State::new(&saved).with_optimizer(&mut sopt),
+                &pg,
+                &Default::default(),
+            )
+            .unwrap();
             let file = ckpt.join(checkpoint::file_name(0));
             let key = "optim.state.fc1.weight.momentum_buffer";
             flip(&pg, &file, data_start(&file, key) + 5);
 
             let model = mlp(&nn::VarStore::new(Device::Cpu), 8, 2);
-            checkpoint::load(&ckpt, &model, &pg).unwrap();
+            checkpoint::load(&ckpt, &mut State::new(&model), &pg, &LoadOptions::default()).unwrap();
             for (fqn, t) in model.named_parameters() {
                 assert!(
                     t.equal(&svs.variables()[&fqn]),
@@ -321,7 +335,13 @@ fn a_flipped_byte_no_rank_reads_loads_and_verify_finds_it() {
             let omodel = mlp(&ovs, 8, 2);
             let before = omodel.fc1.ws.copy();
             let mut opt = sgd.build(&ovs, 0.3).unwrap();
-            let err = checkpoint::load_with_optimizer(&ckpt, &omodel, &mut opt, &pg).unwrap_err();
+            let err = checkpoint::load(
+                &ckpt,
+                &mut State::new(&omodel).with_optimizer(&mut opt),
+                &pg,
+                &LoadOptions::default(),
+            )
+            .unwrap_err();
             assert_eq!(
                 err.to_string(),
                 format!(
@@ -352,7 +372,7 @@ fn a_format_2_checkpoint_loads_reading_every_file_whole() {
             let _ = mlp(&reference, 8, 1);
             let mut saved = mlp(&nn::VarStore::new(Device::Cpu), 8, 1);
             shard_module(&mut saved, &plan(), 0, &pg).unwrap();
-            checkpoint::save(&ckpt, &saved, &pg).unwrap();
+            checkpoint::save(&ckpt, &State::new(&saved), &pg, &SaveOptions::default()).unwrap();
             let manifest = ckpt.join(checkpoint::MANIFEST);
             pg.barrier().unwrap();
             if r == 0 {
@@ -370,7 +390,9 @@ fn a_format_2_checkpoint_loads_reading_every_file_whole() {
             pg.barrier().unwrap();
             let mut model = mlp(&nn::VarStore::new(Device::Cpu), 8, 2);
             shard_module(&mut model, &plan(), 0, &pg).unwrap();
-            let stats = checkpoint::load_with_stats(&ckpt, &model, &pg).unwrap();
+            let stats =
+                checkpoint::load(&ckpt, &mut State::new(&model), &pg, &LoadOptions::default())
+                    .unwrap();
             equals_reference(&model, &reference, "format 2");
             let files = [0, 1].map(|r| ckpt.join(checkpoint::file_name(r)));
             assert_eq!(
@@ -385,7 +407,9 @@ fn a_format_2_checkpoint_loads_reading_every_file_whole() {
             let mut fresh = mlp(&nn::VarStore::new(Device::Cpu), 8, 2);
             shard_module(&mut fresh, &plan(), 0, &pg).unwrap();
             let untouched = fresh.fc1.ws.copy();
-            let err = checkpoint::load(&ckpt, &fresh, &pg).unwrap_err();
+            let err =
+                checkpoint::load(&ckpt, &mut State::new(&fresh), &pg, &LoadOptions::default())
+                    .unwrap_err();
             assert_eq!(
                 err.to_string(),
                 format!(
@@ -409,7 +433,13 @@ fn a_manifest_whose_digests_do_not_fit_is_refused() {
         |pg| {
             let r = pg.rank();
             let ckpt = scratch("reads_bad_digests", &pg).join("ckpt");
-            checkpoint::save(&ckpt, &mlp(&nn::VarStore::new(Device::Cpu), 8, 1), &pg).unwrap();
+            checkpoint::save(
+                &ckpt,
+                &State::new(&mlp(&nn::VarStore::new(Device::Cpu), 8, 1)),
+                &pg,
+                &SaveOptions::default(),
+            )
+            .unwrap();
             let manifest = ckpt.join(checkpoint::MANIFEST);
             let original = std::fs::read(&manifest).unwrap();
             let file = ckpt.join(checkpoint::file_name(0));
@@ -423,7 +453,9 @@ fn a_manifest_whose_digests_do_not_fit_is_refused() {
                     std::fs::write(&manifest, serde_json::to_vec(&m).unwrap()).unwrap();
                 }
                 pg.barrier().unwrap();
-                let err = checkpoint::load(&ckpt, &model, &pg).unwrap_err();
+                let err =
+                    checkpoint::load(&ckpt, &mut State::new(&model), &pg, &LoadOptions::default())
+                        .unwrap_err();
                 assert!(model.fc1.ws.equal(&before), "the model changed");
                 err.to_string()
             };
@@ -467,7 +499,7 @@ fn striped_reads_share_a_replicated_models_tensors_out() {
             let ckpt = scratch("reads_striped", &pg).join("whole");
             let reference = nn::VarStore::new(Device::Cpu);
             let saved = wide(&reference, 1);
-            checkpoint::save(&ckpt, &saved, &pg).unwrap();
+            checkpoint::save(&ckpt, &State::new(&saved), &pg, &SaveOptions::default()).unwrap();
             let file = ckpt.join(checkpoint::file_name(0));
             let overhead = len(&ckpt.join(checkpoint::MANIFEST)) + header(&file).0;
             let striped = LoadOptions {
@@ -475,7 +507,7 @@ fn striped_reads_share_a_replicated_models_tensors_out() {
             };
 
             let model = wide(&nn::VarStore::new(Device::Cpu), 2);
-            let stats = checkpoint::load_with(&ckpt, &model, &pg, &striped).unwrap();
+            let stats = checkpoint::load(&ckpt, &mut State::new(&model), &pg, &striped).unwrap();
             let share = [65536 * 4 * 4, 4 * 65536 * 4, 65536 * 4 + 4 * 4][pg.rank()];
             let expected = LoadStats {
                 bytes_read: overhead + share,
@@ -485,7 +517,9 @@ fn striped_reads_share_a_replicated_models_tensors_out() {
             equals_reference(&model, &reference, "striped");
             // Each rank on its own reads all of it.
             let model = wide(&nn::VarStore::new(Device::Cpu), 2);
-            let stats = checkpoint::load_with_stats(&ckpt, &model, &pg).unwrap();
+            let stats =
+                checkpoint::load(&ckpt, &mut State::new(&model), &pg, &LoadOptions::default())
+                    .unwrap();
             assert_eq!(
                 stats.bytes_read,
                 overhead + 2 * 65536 * 4 * 4 + 65536 * 4 + 16
@@ -494,7 +528,7 @@ fn striped_reads_share_a_replicated_models_tensors_out() {
 
             flip(&pg, &file, data_start(&file, "fc2.weight") + 100);
             let model = wide(&nn::VarStore::new(Device::Cpu), 2);
-            let err = checkpoint::load_with(&ckpt, &model, &pg, &striped).unwrap_err();
+            let err = checkpoint::load(&ckpt, &mut State::new(&model), &pg, &striped).unwrap_err();
             match (pg.rank(), &err) {
                 (1, CheckpointError::Corrupted { file: f, .. }) => assert_eq!(f, &file),
                 (0 | 2, CheckpointError::Dist(DistError::PeersFailed { ranks, .. })) => {
@@ -511,7 +545,7 @@ fn striped_reads_share_a_replicated_models_tensors_out() {
             let opts = LoadOptions {
                 reads: [Reads::Striped, Reads::EachRank, Reads::EachRank][pg.rank()],
             };
-            let err = checkpoint::load_with(&ckpt, &model, &pg, &opts).unwrap_err();
+            let err = checkpoint::load(&ckpt, &mut State::new(&model), &pg, &opts).unwrap_err();
             let CheckpointError::Load { source, .. } = &err else {
                 panic!("rank {}: {err:?}", pg.rank());
             };

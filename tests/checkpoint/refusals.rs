@@ -3,6 +3,7 @@
 //! manifest; `latest_valid` skips damaged checkpoints.
 
 use super::*;
+use tch_dist::checkpoint::{LoadOptions, SaveOptions, State};
 
 /// Each refusal on every rank, with the model unchanged.
 #[test]
@@ -12,7 +13,7 @@ fn refusals_name_the_fqn_on_every_rank() {
         let dir = scratch("refusals", &pg);
         let ckpt = dir.join("ckpt");
         let saved = mlp(&nn::VarStore::new(Device::Cpu), 8, 1);
-        checkpoint::save(&ckpt, &saved, &pg).unwrap();
+        checkpoint::save(&ckpt, &State::new(&saved), &pg, &SaveOptions::default()).unwrap();
 
         let vs = nn::VarStore::new(Device::Cpu);
         let model = mlp(&vs, 8, 5);
@@ -34,7 +35,13 @@ fn refusals_name_the_fqn_on_every_rank() {
             fc2: nn::linear(bvs.root() / "fc2", 8, 5, Default::default()),
             head: nn::linear(bvs.root() / "head", 5, 2, Default::default()),
         };
-        let err = checkpoint::load(&ckpt, &bigger, &pg).unwrap_err();
+        let err = checkpoint::load(
+            &ckpt,
+            &mut State::new(&bigger),
+            &pg,
+            &LoadOptions::default(),
+        )
+        .unwrap_err();
         assert_eq!(
             err.to_string(),
             format!("rank {r}: checkpoint: `head.weight` is not in the checkpoint")
@@ -51,14 +58,21 @@ fn refusals_name_the_fqn_on_every_rank() {
                 Default::default(),
             ),
         };
-        let err = checkpoint::load(&ckpt, &smaller, &pg).unwrap_err();
+        let err = checkpoint::load(
+            &ckpt,
+            &mut State::new(&smaller),
+            &pg,
+            &LoadOptions::default(),
+        )
+        .unwrap_err();
         assert_eq!(
             err.to_string(),
             format!("rank {r}: checkpoint: `fc2.bias` is in the checkpoint but not in the model")
         );
         // A shape and a dtype.
         let wide = mlp(&nn::VarStore::new(Device::Cpu), 9, 1);
-        let err = checkpoint::load(&ckpt, &wide, &pg).unwrap_err();
+        let err = checkpoint::load(&ckpt, &mut State::new(&wide), &pg, &LoadOptions::default())
+            .unwrap_err();
         assert_eq!(
             err.to_string(),
             format!("rank {r}: checkpoint: `fc1.weight` is [8, 6] in the checkpoint but [9, 6] in the model")
@@ -66,7 +80,13 @@ fn refusals_name_the_fqn_on_every_rank() {
         let mut dvs = nn::VarStore::new(Device::Cpu);
         let double = mlp(&dvs, 8, 1);
         dvs.double();
-        let err = checkpoint::load(&ckpt, &double, &pg).unwrap_err();
+        let err = checkpoint::load(
+            &ckpt,
+            &mut State::new(&double),
+            &pg,
+            &LoadOptions::default(),
+        )
+        .unwrap_err();
         assert_eq!(
             err.to_string(),
             format!(
@@ -75,7 +95,8 @@ fn refusals_name_the_fqn_on_every_rank() {
         );
         // One rank's bad input is an error on the other too.
         let mine = if r == 0 { &wide } else { &model };
-        let err = checkpoint::load(&ckpt, mine, &pg).unwrap_err();
+        let err = checkpoint::load(&ckpt, &mut State::new(mine), &pg, &LoadOptions::default())
+            .unwrap_err();
         if r == 1 {
             assert!(
                 matches!(err, CheckpointError::Dist(DistError::PeersFailed { .. })),
@@ -97,7 +118,8 @@ fn refusals_name_the_fqn_on_every_rank() {
         pg.barrier().unwrap();
         // The last bytes are fc2.weight's ([5, 8]: one digest block), which both ranks read.
         unchanged(
-            checkpoint::load(&ckpt, &model, &pg).unwrap_err(),
+            checkpoint::load(&ckpt, &mut State::new(&model), &pg, &LoadOptions::default())
+                .unwrap_err(),
             &format!(
                 "rank {r}: checkpoint: {} is corrupted: `fc2.weight`'s rows 0..5 differ from the \
                  manifest's SHA-256",
@@ -109,7 +131,8 @@ fn refusals_name_the_fqn_on_every_rank() {
             std::fs::write(&file, &bytes[..bytes.len() - 4]).unwrap();
         }
         pg.barrier().unwrap();
-        let err = checkpoint::load(&ckpt, &model, &pg).unwrap_err();
+        let err = checkpoint::load(&ckpt, &mut State::new(&model), &pg, &LoadOptions::default())
+            .unwrap_err();
         assert!(err.to_string().contains("is corrupted"), "{err}");
         // An interrupted save (no manifest) is never loaded.
         pg.barrier().unwrap();
@@ -119,7 +142,8 @@ fn refusals_name_the_fqn_on_every_rank() {
         }
         pg.barrier().unwrap();
         unchanged(
-            checkpoint::load(&ckpt, &model, &pg).unwrap_err(),
+            checkpoint::load(&ckpt, &mut State::new(&model), &pg, &LoadOptions::default())
+                .unwrap_err(),
             &format!(
                 "rank {r}: checkpoint: {} holds no complete checkpoint (no manifest.json: never \
                  saved there, or the save was interrupted)",
@@ -128,8 +152,8 @@ fn refusals_name_the_fqn_on_every_rank() {
         );
         // Saving over it replaces it whole; then it loads.
         pg.barrier().unwrap();
-        checkpoint::save(&ckpt, &saved, &pg).unwrap();
-        checkpoint::load(&ckpt, &model, &pg).unwrap();
+        checkpoint::save(&ckpt, &State::new(&saved), &pg, &SaveOptions::default()).unwrap();
+        checkpoint::load(&ckpt, &mut State::new(&model), &pg, &LoadOptions::default()).unwrap();
         assert!(model.fc1.ws.equal(&saved.fc1.ws));
     });
 }
@@ -162,12 +186,11 @@ fn sidecars_are_checksummed() {
             momentum: 0.9,
             ..Default::default()
         };
-        let opts = SaveOptions {
-            train_state: Some(serde_json::json!({ "step": 5 })),
-            keep_last: None,
-        };
-        let sopt = sgd.build(&svs, 0.1).unwrap();
-        checkpoint::save_with_optimizer(&ckpt, &saved, &sopt, &pg, &opts).unwrap();
+        let mut sopt = sgd.build(&svs, 0.1).unwrap();
+        let saving = State::new(&saved)
+            .with_optimizer(&mut sopt)
+            .with_train_state(serde_json::json!({ "step": 5 }));
+        checkpoint::save(&ckpt, &saving, &pg, &SaveOptions::default()).unwrap();
 
         let vs = nn::VarStore::new(Device::Cpu);
         let model = mlp(&vs, 8, 2);
@@ -181,7 +204,13 @@ fn sidecars_are_checksummed() {
         };
         let sidecar = ckpt.join("optimizer.json");
         edit_on_rank_0(&pg, &sidecar, "\"lr\": 0.1", "\"lr\": 0.5");
-        let err = checkpoint::load_with_optimizer(&ckpt, &model, &mut opt, &pg).unwrap_err();
+        let err = checkpoint::load(
+            &ckpt,
+            &mut State::new(&model).with_optimizer(&mut opt),
+            &pg,
+            &LoadOptions::default(),
+        )
+        .unwrap_err();
         assert_eq!(err.to_string(), corrupted("optimizer.json"));
         assert!(
             model.fc1.ws.equal(&before),
@@ -189,30 +218,46 @@ fn sidecars_are_checksummed() {
         );
         assert_eq!(opt.lr(), 0.3, "a refused load changed the optimizer");
         edit_on_rank_0(&pg, &sidecar, "\"lr\": 0.5", "\"lr\": 0.1");
-        checkpoint::load_with_optimizer(&ckpt, &model, &mut opt, &pg).unwrap();
+        checkpoint::load(
+            &ckpt,
+            &mut State::new(&model).with_optimizer(&mut opt),
+            &pg,
+            &LoadOptions::default(),
+        )
+        .unwrap();
         assert_eq!(opt.lr(), 0.1);
         assert!(model.fc1.ws.equal(&saved.fc1.ws));
 
         let state = ckpt.join("train_state.json");
         edit_on_rank_0(&pg, &state, "\"step\": 5", "\"step\": 7");
-        let err = checkpoint::load_train_state(&ckpt, &pg).unwrap_err();
+        let load_state = |dir: &std::path::Path| {
+            let mut state = State::new(&model);
+            checkpoint::load(dir, &mut state, &pg, &LoadOptions::default())
+                .map(|_| state.train_state().cloned())
+        };
+        let err = load_state(&ckpt).unwrap_err();
         assert_eq!(err.to_string(), corrupted("train_state.json"));
         edit_on_rank_0(&pg, &state, "\"step\": 7", "\"step\": 5");
-        let state = checkpoint::load_train_state(&ckpt, &pg).unwrap();
-        assert_eq!(state, Some(serde_json::json!({ "step": 5 })));
+        assert_eq!(
+            load_state(&ckpt).unwrap(),
+            Some(serde_json::json!({ "step": 5 }))
+        );
 
         // A sidecar the save did not write (the manifest does not list it) is not read.
         let model_only = dir.join("model-only");
-        checkpoint::save(&model_only, &saved, &pg).unwrap();
-        assert_eq!(
-            checkpoint::load_train_state(&model_only, &pg).unwrap(),
-            None
-        );
+        checkpoint::save(
+            &model_only,
+            &State::new(&saved),
+            &pg,
+            &SaveOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(load_state(&model_only).unwrap(), None);
         if r == 0 {
             std::fs::write(model_only.join("train_state.json"), "{\"step\": 7}").unwrap();
         }
         pg.barrier().unwrap();
-        let err = checkpoint::load_train_state(&model_only, &pg).unwrap_err();
+        let err = load_state(&model_only).unwrap_err();
         assert_eq!(
             err.to_string(),
             format!(
@@ -240,7 +285,8 @@ fn latest_valid_skips_damaged_checkpoints() {
             shard_module(&mut model, &plan(), 0, &pg).unwrap();
             let step = |n: u32| dir.join(format!("step-{n:08}"));
             for n in 1..=3 {
-                checkpoint::save(step(n), &model, &pg).unwrap();
+                checkpoint::save(step(n), &State::new(&model), &pg, &SaveOptions::default())
+                    .unwrap();
             }
             let found = checkpoint::latest_valid(&dir, &pg).unwrap();
             assert_eq!(found.dir, Some(step(3)));
@@ -284,7 +330,13 @@ fn latest_valid_skips_damaged_checkpoints() {
             );
             // `latest` reads no file: it still names the newest complete one.
             assert_eq!(checkpoint::latest(&dir), Some(step(3)));
-            checkpoint::load(found.dir.unwrap(), &model, &pg).unwrap();
+            checkpoint::load(
+                found.dir.unwrap(),
+                &mut State::new(&model),
+                &pg,
+                &LoadOptions::default(),
+            )
+            .unwrap();
             // Every one damaged: none, all three listed.
             let manifest = step(1).join(checkpoint::MANIFEST);
             edit_on_rank_0(&pg, &manifest, "\"world_size\": 2", "\"world_size\": 2,,");
@@ -324,7 +376,8 @@ fn replicas_that_differ_are_refused_on_every_rank() {
             let vs = nn::VarStore::new(Device::Cpu);
             // Ranks 0 and 1 the same model, rank 2 another.
             let model = mlp(&vs, 8, if r == 2 { 9 } else { 1 });
-            let e = checkpoint::save(&ckpt, &model, &pg).unwrap_err();
+            let e = checkpoint::save(&ckpt, &State::new(&model), &pg, &SaveOptions::default())
+                .unwrap_err();
             assert_eq!(
                 e.to_string(),
                 format!(
@@ -341,7 +394,7 @@ fn replicas_that_differ_are_refused_on_every_rank() {
             // The same values everywhere save as before.
             let same_vs = nn::VarStore::new(Device::Cpu);
             let same = mlp(&same_vs, 8, 1);
-            checkpoint::save(&ckpt, &same, &pg).unwrap();
+            checkpoint::save(&ckpt, &State::new(&same), &pg, &SaveOptions::default()).unwrap();
         },
     );
 }
@@ -359,7 +412,13 @@ fn a_fused_column_parallel_layer_is_refused_on_every_rank() {
             let r = pg.rank();
             let dir = scratch("fused_refused", &pg);
             let plain = dir.join("plain");
-            checkpoint::save(&plain, &mlp(&nn::VarStore::new(Device::Cpu), 9, 1), &pg).unwrap();
+            checkpoint::save(
+                &plain,
+                &State::new(&mlp(&nn::VarStore::new(Device::Cpu), 9, 1)),
+                &pg,
+                &SaveOptions::default(),
+            )
+            .unwrap();
             let vs = nn::VarStore::new(Device::Cpu);
             let mut model = mlp(&vs, 9, 2);
             let fused = ShardingPlan::builder()
@@ -373,10 +432,22 @@ fn a_fused_column_parallel_layer_is_refused_on_every_rank() {
                  checkpoint holds one block per tensor and rank; shard the parts as layers \
                  of their own"
             );
-            let err = checkpoint::save(dir.join("fused"), &model, &pg).unwrap_err();
+            let err = checkpoint::save(
+                dir.join("fused"),
+                &State::new(&model),
+                &pg,
+                &SaveOptions::default(),
+            )
+            .unwrap_err();
             assert_eq!(err.to_string(), expected);
             assert!(!dir.join("fused").exists(), "nothing written");
-            let err = checkpoint::load(&plain, &model, &pg).unwrap_err();
+            let err = checkpoint::load(
+                &plain,
+                &mut State::new(&model),
+                &pg,
+                &LoadOptions::default(),
+            )
+            .unwrap_err();
             assert_eq!(err.to_string(), expected);
             assert!(model.fc1.ws.equal(&before), "the model changed");
         },

@@ -3,6 +3,7 @@
 //! a frozen weight beside a trained bias.
 
 use super::*;
+use tch_dist::checkpoint::{LoadOptions, SaveOptions, State};
 
 /// fully_shard on the blocks and `replicate` on the root (which then manages only the
 /// head): equal to one process.
@@ -276,14 +277,21 @@ fn optimizer_state_checkpoint_reshards_2_to_3() {
                 let mut opt = optim::AdamW::default().build(&vs, 1e-2).unwrap();
                 train(&m, &mut opt, pair, 0..2);
                 let opts = checkpoint::SaveOptions::default();
-                checkpoint::save_with_optimizer(&ckpt, &m, &opt, pair, &opts).unwrap();
+                checkpoint::save(&ckpt, &State::new(&m).with_optimizer(&mut opt), pair, &opts)
+                    .unwrap();
             }
             pg.barrier().unwrap();
             tch::manual_seed(50 + pg.rank() as i64);
             let vs = nn::VarStore::new(Device::Cpu);
             let m = sharded(&vs, &pg);
             let mut opt = optim::AdamW::default().build(&vs, 1e-2).unwrap();
-            checkpoint::load_with_optimizer(&ckpt, &m, &mut opt, &pg).unwrap();
+            checkpoint::load(
+                &ckpt,
+                &mut State::new(&m).with_optimizer(&mut opt),
+                &pg,
+                &LoadOptions::default(),
+            )
+            .unwrap();
             train(&m, &mut opt, &pg, 2..4);
             // The reference: one process, 4 steps.
             tch::manual_seed(3);
@@ -423,7 +431,7 @@ fn hsdp_on_a_2x2_mesh_equals_one_process() {
             }
             pg.barrier().unwrap();
             let ckpt = dir.join("step-00000003");
-            checkpoint::save(&ckpt, &m, &pg).unwrap();
+            checkpoint::save(&ckpt, &State::new(&m), &pg, &SaveOptions::default()).unwrap();
             // Ranks 2 and 3 (the second replica) hold the same shards as 0 and 1.
             for r in 0..4 {
                 assert_eq!(
@@ -434,7 +442,7 @@ fn hsdp_on_a_2x2_mesh_equals_one_process() {
             }
             let plain_vs = nn::VarStore::new(Device::Cpu);
             let plain = model(&plain_vs);
-            checkpoint::load(&ckpt, &plain, &pg).unwrap();
+            checkpoint::load(&ckpt, &mut State::new(&plain), &pg, &LoadOptions::default()).unwrap();
             let vars = ref_vs.variables();
             for (fqn, t) in plain_vs.variables() {
                 let d = (&t - &vars[&fqn]).abs().max().double_value(&[]);

@@ -4,6 +4,7 @@
 
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
+use tch_dist::checkpoint::{LoadOptions, SaveOptions, State};
 use tch_dist::device_mesh::{init_device_mesh, DeviceMesh};
 use tch_dist::sharding::parallelize_module;
 use tch_dist::state_dict::{placements, Placement};
@@ -267,7 +268,7 @@ fn fsdp_x_tp_checkpoint_loads_at_other_layouts_and_into_pytorch() {
             }
             pg.barrier().unwrap();
             let ckpt = dir.join("step-00000003");
-            checkpoint::save(&ckpt, &s.m, &pg).unwrap();
+            checkpoint::save(&ckpt, &State::new(&s.m), &pg, &SaveOptions::default()).unwrap();
             // Each rank holds pieces no other rank holds: all four write.
             for r in 0..4 {
                 assert!(
@@ -280,13 +281,13 @@ fn fsdp_x_tp_checkpoint_loads_at_other_layouts_and_into_pytorch() {
             let vs41 = nn::VarStore::new(Device::Cpu);
             let mut m41 = lm(&vs41);
             fsdp_x_tp(&mut m41, &mesh41).unwrap();
-            checkpoint::load(&ckpt, &m41, &pg).unwrap();
+            checkpoint::load(&ckpt, &mut State::new(&m41), &pg, &LoadOptions::default()).unwrap();
             let diff = max_diff_full(&m41, &s.ref_vs);
             assert!(diff < 1e-5, "loaded at 4 x 1: {diff}");
             // A plain model on every rank (what one process loads).
             let plain_vs = nn::VarStore::new(Device::Cpu);
             let plain = lm(&plain_vs);
-            checkpoint::load(&ckpt, &plain, &pg).unwrap();
+            checkpoint::load(&ckpt, &mut State::new(&plain), &pg, &LoadOptions::default()).unwrap();
             let vars = s.ref_vs.variables();
             for (fqn, t) in plain_vs.variables() {
                 let d = (&t - &vars[&fqn]).abs().max().double_value(&[]);

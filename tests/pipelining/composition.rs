@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
+use tch_dist::checkpoint::{LoadOptions, State};
 use tch_dist::device_mesh::init_device_mesh;
 use tch_dist::fully_shard::full_state_dict;
 use tch_dist::pipelining::{
@@ -255,10 +256,22 @@ fn pp_dp_equals_one_process(world: &ProcessGroup, which: Which) {
     let module = schedule.module();
     let dir = scratch(&format!("pp_dp_checkpoint_{which:?}"), world);
     let ckpt = dir.join("step-00000003");
-    checkpoint::save_with_optimizer(&ckpt, module, &opt, world, &Default::default()).unwrap();
+    checkpoint::save(
+        &ckpt,
+        &State::new(module).with_optimizer(&mut opt),
+        world,
+        &Default::default(),
+    )
+    .unwrap();
     // Into the unsplit model (every rank the whole model, replicated).
     let (whole_vs, unsplit) = whole(7);
-    checkpoint::load(&ckpt, &unsplit, world).unwrap();
+    checkpoint::load(
+        &ckpt,
+        &mut State::new(&unsplit),
+        world,
+        &LoadOptions::default(),
+    )
+    .unwrap();
     for (fqn, t) in whole_vs.variables() {
         let d = (&t - &setup.ref_vs.variables()[&fqn])
             .abs()
@@ -286,7 +299,13 @@ fn pp_dp_equals_one_process(world: &ProcessGroup, which: Which) {
     let resumed = chain(&resumed_vs, range.clone());
     fully_shard(&resumed, dp_options()).unwrap();
     let mut resumed_opt = sgd(&resumed_vs);
-    checkpoint::load_with_optimizer(&ckpt, &resumed, &mut resumed_opt, world).unwrap();
+    checkpoint::load(
+        &ckpt,
+        &mut State::new(&resumed).with_optimizer(&mut resumed_opt),
+        world,
+        &LoadOptions::default(),
+    )
+    .unwrap();
     let (d, n) = diff_to(&resumed, &setup.ref_vs);
     assert_eq!(n, 2 * range.len());
     assert!(d < 1e-5, "{which:?}: resumed stage differs by {d}");
