@@ -559,3 +559,50 @@ fn striped_reads_share_a_replicated_models_tensors_out() {
         },
     );
 }
+
+/// `Reads::Striped` with an optimizer in the [`State`]: the momentum buffers and the
+/// learning rate come back on every rank, equal to the saved ones (the previous release's
+/// `load_with_optimizer` took no `LoadOptions`, so striped reads could not restore one).
+#[test]
+fn striped_reads_restore_an_optimizer() {
+    use tch_dist::checkpoint::Reads;
+    use tch_dist::optim::Sgd;
+    run_ranks("reads::striped_reads_restore_an_optimizer", 2, |pg| {
+        let ckpt = scratch("reads_striped_optimizer", &pg).join("whole");
+        let sgd = Sgd {
+            momentum: 0.9,
+            ..Default::default()
+        };
+        let svs = nn::VarStore::new(Device::Cpu);
+        let saved = mlp(&svs, 8, 1);
+        let mut sopt = sgd.build(&svs, 0.1).unwrap();
+        let x = Tensor::ones([2, 6], (Kind::Float, Device::Cpu));
+        sopt.backward_step(&saved.forward(&x).sum(Kind::Float))
+            .unwrap();
+        let state = State::new(&saved).with_optimizer(&mut sopt);
+        checkpoint::save(&ckpt, &state, &pg, &SaveOptions::default()).unwrap();
+
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = mlp(&vs, 8, 2);
+        let mut opt = sgd.build(&vs, 0.3).unwrap();
+        let striped = LoadOptions {
+            reads: Reads::Striped,
+        };
+        let mut state = State::new(&model).with_optimizer(&mut opt);
+        checkpoint::load(&ckpt, &mut state, &pg, &striped).unwrap();
+        assert_eq!(opt.lr(), 0.1);
+        assert!(model.fc1.ws.equal(&saved.fc1.ws));
+        for (fqn, saved_state) in sopt.states() {
+            let buf = |s: &tch_dist::optim::ParamState| s.get("momentum_buffer").unwrap().copy();
+            let loaded = opt
+                .state(fqn)
+                .unwrap_or_else(|| panic!("no state for {fqn}"));
+            assert!(
+                buf(loaded).equal(&buf(saved_state)),
+                "rank {}: {fqn}'s momentum buffer",
+                pg.rank()
+            );
+        }
+        assert_eq!(opt.states().count(), 4);
+    });
+}
