@@ -176,7 +176,9 @@ pub use fully_shard::{fully_shard, FsdpOptions};
 
 // --- errors: the composed message (src/report.rs) ---
 
+mod error;
 mod report;
+pub use error::{Api, Composition, OnRank};
 pub use report::report;
 pub use tch_dist_runtime::{MisuseProblem, ReducerError};
 

@@ -13,6 +13,7 @@ use std::thread::JoinHandle;
 use tch_dist_core::Shardable;
 use tch_dist_runtime::{Backend, GroupOptions, ProcessGroup};
 
+use super::CheckpointProblem;
 use super::{fs, protocol, CheckpointError, Parts, SaveOptions};
 
 /// The background thread's outcome.
@@ -44,11 +45,11 @@ impl Job {
                     .map(|s| s.to_string())
                     .or_else(|| panic.downcast_ref::<String>().cloned())
                     .unwrap_or_else(|| "a panic".into());
-                Err(CheckpointError::Background {
-                    rank: self.rank,
+                Err(CheckpointProblem::Background {
                     dir: self.dir.clone(),
                     cause,
-                })
+                }
+                .on(self.rank))
             });
             *lock(&self.outcome) = Some(outcome);
         }
@@ -97,17 +98,21 @@ fn background_group(group: &ProcessGroup, dir: &Path) -> Result<ProcessGroup, Ch
     let opts = GroupOptions::new(Backend::Gloo).with_local_synchronization();
     let created = group
         .new_group_with(&ranks, &opts)
-        .map_err(|e| CheckpointError::Save {
-            rank: group.rank(),
-            dir: dir.to_path_buf(),
-            step: "creating the background group",
-            source: Box::new(e),
+        .map_err(|e| {
+            CheckpointProblem::Save {
+                dir: dir.to_path_buf(),
+                step: "creating the background group",
+                source: Box::new(e),
+            }
+            .on(group.rank())
         })?
         // Every rank of `group` is a member of a group of all its ranks.
-        .ok_or_else(|| CheckpointError::Background {
-            rank: group.rank(),
-            dir: dir.to_path_buf(),
-            cause: "this rank is not in the background group of its own ranks".into(),
+        .ok_or_else(|| {
+            CheckpointProblem::Background {
+                dir: dir.to_path_buf(),
+                cause: "this rank is not in the background group of its own ranks".into(),
+            }
+            .on(group.rank())
         })?;
     groups.push((key, created.clone()));
     Ok(created)

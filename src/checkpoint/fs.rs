@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use super::storage::{self, MANIFEST};
 use super::CheckpointError;
+use super::CheckpointProblem;
 
 /// The suffix of the folder a save writes into (`DIR.partial`) before it is renamed into
 /// place; after a replace it holds the old checkpoint until that is removed.
@@ -32,12 +33,7 @@ pub(super) fn io(
     path: &Path,
 ) -> impl FnOnce(std::io::Error) -> CheckpointError {
     let path = path.to_path_buf();
-    move |source| CheckpointError::Io {
-        rank,
-        op,
-        path,
-        source,
-    }
+    move |source| CheckpointProblem::Io { op, path, source }.on(rank)
 }
 
 /// Writes `bytes` to a new file `path` and fsyncs it.

@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use super::storage::{self, sha256};
 use super::CheckpointError;
+use super::CheckpointProblem;
 
 /// The most bytes one digest of a piece covers (whole dim-0 rows; a row larger than this
 /// is a block of its own). The trade-off: a load reads at most one block more than it needs
@@ -104,11 +105,11 @@ pub(super) fn header_len(
 ) -> Result<u64, CheckpointError> {
     let n = u64::from_le_bytes(first);
     if n > MAX_HEADER || n.saturating_add(8) > file_len {
-        return Err(CheckpointError::Format {
-            rank,
+        return Err(CheckpointProblem::Format {
             path: path.to_path_buf(),
             cause: format!("a safetensors header of {n} bytes in a file of {file_len}"),
-        });
+        }
+        .on(rank));
     }
     Ok(n + 8)
 }
@@ -154,10 +155,12 @@ pub(super) fn parse(
     bytes: &[u8],
     file_len: u64,
 ) -> Result<Header, CheckpointError> {
-    let format = |cause: String| CheckpointError::Format {
-        rank,
-        path: path.to_path_buf(),
-        cause,
+    let format = |cause: String| {
+        CheckpointProblem::Format {
+            path: path.to_path_buf(),
+            cause,
+        }
+        .on(rank)
     };
     let first: [u8; 8] = bytes
         .get(..8)

@@ -14,6 +14,7 @@ use tch_dist_runtime::{DistError, ProcessGroup};
 
 use super::reader::{self, LoadStats, Opened};
 use super::storage::{self, TensorEntry};
+use super::CheckpointProblem;
 use super::{plan, striped, CheckpointError, LoadOptions, Reads, State, TRAIN_STATE};
 use crate::optim::Algorithm;
 use crate::state_dict::flat::{self, Entry, OPTIM_STATE_PREFIX};
@@ -26,11 +27,11 @@ const OP: &str = "checkpoint.load";
 fn loading(rank: usize, path: &Path) -> impl Fn(CheckpointError) -> CheckpointError + '_ {
     move |e| match e {
         CheckpointError::Dist(source) if !matches!(source, DistError::PeersFailed { .. }) => {
-            CheckpointError::Load {
-                rank,
+            CheckpointProblem::Load {
                 dir: path.to_path_buf(),
                 source: Box::new(source),
             }
+            .on(rank)
         }
         e => e,
     }
@@ -159,13 +160,13 @@ fn train_state(
     let Some(bytes) = storage::read_sidecar(rank, path, manifest, TRAIN_STATE)? else {
         return Ok(None);
     };
-    serde_json::from_slice(&bytes)
-        .map(Some)
-        .map_err(|e| CheckpointError::Format {
-            rank,
+    serde_json::from_slice(&bytes).map(Some).map_err(|e| {
+        CheckpointProblem::Format {
             path: path.join(TRAIN_STATE),
             cause: e.to_string(),
-        })
+        }
+        .on(rank)
+    })
 }
 
 /// This rank's reads: the targets it reads itself (all, or those `readers` gives it), and
@@ -214,13 +215,13 @@ pub(super) fn train_state_only(
         let Some(bytes) = storage::read_sidecar(rank, dir, &manifest, TRAIN_STATE)? else {
             return Ok(None);
         };
-        serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| CheckpointError::Format {
-                rank,
+        serde_json::from_slice(&bytes).map(Some).map_err(|e| {
+            CheckpointProblem::Format {
                 path: dir.join(TRAIN_STATE),
                 cause: e.to_string(),
-            })
+            }
+            .on(rank)
+        })
     })();
     group.agree("checkpoint.load_train_state", local)
 }

@@ -150,7 +150,7 @@ pub use deprecated::{
     async_save_with, async_save_with_optimizer, load_train_state, load_with, load_with_optimizer,
     load_with_stats, save_with, save_with_optimizer,
 };
-pub use error::CheckpointError;
+pub use error::{CheckpointError, CheckpointProblem};
 pub use index::DIGEST_BLOCK_BYTES;
 pub use plan_cache::PlanCacheStats;
 pub use reader::LoadStats;

@@ -12,6 +12,7 @@ use tch::Tensor;
 use tch_dist_core::Shardable;
 
 use super::storage::{self, Manifest, TensorEntry};
+use super::CheckpointProblem;
 use super::{CheckpointError, MANIFEST, OPTIMIZER_SIDECAR};
 use crate::optim::{self as optimizer, Algorithm, Optimizer};
 use crate::state_dict::flat::{self, owner_fqn, state_key, state_key_parts, Entry, Part};
@@ -22,12 +23,14 @@ fn first_split(rank: usize, lines: &[Vec<(String, String)>]) -> Option<Checkpoin
     lines.iter().enumerate().find_map(|(holder, l)| {
         l.iter().find_map(|(fqn, v)| {
             let blocks = v.strip_prefix("split ")?.parse().ok()?;
-            Some(CheckpointError::SplitTensor {
-                rank,
-                fqn: fqn.clone(),
-                holder,
-                blocks,
-            })
+            Some(
+                CheckpointProblem::SplitTensor {
+                    fqn: fqn.clone(),
+                    holder,
+                    blocks,
+                }
+                .on(rank),
+            )
         })
     })
 }
@@ -76,10 +79,12 @@ pub(super) fn optimizer_targets(
     model: &[Entry],
     opt: &Optimizer,
 ) -> Result<Vec<Entry>, CheckpointError> {
-    flat::optimizer_entries(model, opt).map_err(|p| CheckpointError::OptimizerState {
-        rank,
-        fqn: p.fqn,
-        problem: p.problem,
+    flat::optimizer_entries(model, opt).map_err(|p| {
+        CheckpointProblem::OptimizerState {
+            fqn: p.fqn,
+            problem: p.problem,
+        }
+        .on(rank)
     })
 }
 
@@ -98,24 +103,26 @@ pub(super) fn saved_settings(
         None => None,
     };
     let Some(bytes) = bytes else {
-        return Err(CheckpointError::NoOptimizerState {
-            rank,
+        return Err(CheckpointProblem::NoOptimizerState {
             dir: dir.to_path_buf(),
-        });
+        }
+        .on(rank));
     };
-    let format = |cause: String| CheckpointError::Format {
-        rank,
-        path: path.clone(),
-        cause,
+    let format = |cause: String| {
+        CheckpointProblem::Format {
+            path: path.clone(),
+            cause,
+        }
+        .on(rank)
     };
     let name = optimizer::sidecar::class_of(&bytes).map_err(format)?;
     let expected = optimizer.algorithm().name();
     if name != expected {
-        return Err(CheckpointError::OptimizerKind {
-            rank,
+        return Err(CheckpointProblem::OptimizerKind {
             expected: expected.to_string(),
             found: name,
-        });
+        }
+        .on(rank));
     }
     let (algorithm, lr) = optimizer::sidecar::settings_of(&bytes).map_err(format)?;
     optimizer::check_settings(&algorithm, lr).map_err(|e| format(e.to_string()))?;
@@ -148,20 +155,16 @@ pub(super) fn state_targets(
             continue;
         }
         if !by_fqn.contains_key(fqn) || !params.contains(fqn) {
-            return Err(CheckpointError::UnexpectedKey {
-                rank,
-                fqn: key.clone(),
-            });
+            return Err(CheckpointProblem::UnexpectedKey { fqn: key.clone() }.on(rank));
         }
         if !names.contains(&name) {
-            return Err(CheckpointError::OptimizerState {
-                rank,
+            return Err(CheckpointProblem::OptimizerState {
                 fqn: fqn.to_string(),
                 problem: format!(
                     "the checkpoint has `{key}`, a state {} with these settings has not (it has {names:?})",
                     algorithm.name()
                 ),
-            });
+            }.on(rank));
         }
         saved.entry(fqn).or_default().push(name);
     }
@@ -170,20 +173,21 @@ pub(super) fn state_targets(
         let param = by_fqn[fqn];
         for name in names {
             if !have.contains(name) {
-                return Err(CheckpointError::MissingKey {
-                    rank,
+                return Err(CheckpointProblem::MissingKey {
                     fqn: state_key(fqn, name),
-                });
+                }
+                .on(rank));
             }
             let key = state_key(fqn, name);
             let entry = &tensors[&key];
             let t = if entry.shape.is_empty() {
-                let kind =
-                    storage::kind_of(&entry.dtype).ok_or_else(|| CheckpointError::Format {
-                        rank,
+                let kind = storage::kind_of(&entry.dtype).ok_or_else(|| {
+                    CheckpointProblem::Format {
                         path: dir.join(MANIFEST),
                         cause: format!("`{key}` has dtype {}, which tch cannot hold", entry.dtype),
-                    })?;
+                    }
+                    .on(rank)
+                })?;
                 Tensor::zeros([], (kind, param.tensor.device()))
             } else {
                 param.tensor.detach().zeros_like()
@@ -345,12 +349,12 @@ pub(super) fn replicas_agree<M: Shardable + ?Sized>(
             .filter(|&r| per_rank[r].get(fqn).is_some_and(|v| *v != value))
             .collect();
         if !ranks.is_empty() {
-            return Err(CheckpointError::ReplicasDiffer {
-                rank: group.rank(),
+            return Err(CheckpointProblem::ReplicasDiffer {
                 fqn: fqn.to_string(),
                 first,
                 ranks,
-            });
+            }
+            .on(group.rank()));
         }
     }
     Ok(writers)

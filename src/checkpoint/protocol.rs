@@ -18,6 +18,7 @@ use tch_dist_runtime::ProcessGroup;
 
 use super::fs::{finish, io, remove_checkpoint, replace, start, write_durable, PARTIAL};
 use super::storage::{self, file_name, FileEntry, Manifest, RankReport, TensorEntry, MANIFEST};
+use super::CheckpointProblem;
 use super::{retention, CheckpointError, OPTIMIZER_SIDECAR, TRAIN_STATE};
 use crate::optim;
 
@@ -26,7 +27,7 @@ const OP: &str = "checkpoint.save";
 
 /// One save of the checkpoint folder `dir` on this rank, step by step. Every step ends in
 /// a collective that every rank makes, so a failure on one rank is an error on all, and a
-/// collective's own failure (a dead peer) is [`CheckpointError::Save`] naming the folder
+/// collective's own failure (a dead peer) is [`CheckpointProblem::Save`] naming the folder
 /// and the step.
 pub(super) struct Save<'a> {
     rank: usize,
@@ -64,12 +65,12 @@ impl<'a> Save<'a> {
     pub(super) fn failed(&self, step: &'static str) -> impl Fn(CheckpointError) -> CheckpointError {
         let (rank, dir) = (self.rank, self.dir.to_path_buf());
         move |e| match e {
-            CheckpointError::Dist(source) => CheckpointError::Save {
-                rank,
+            CheckpointError::Dist(source) => CheckpointProblem::Save {
                 dir: dir.clone(),
                 step,
                 source: Box::new(source),
-            },
+            }
+            .on(rank),
             e => e,
         }
     }
@@ -131,7 +132,8 @@ impl<'a> Save<'a> {
                 let tensors = merge_tensors(self.rank, &reports)?;
                 self.commit(&reports, tensors, sidecars, keep_last)
             });
-        if matches!(outcome, Err(ref e) if !matches!(e, CheckpointError::Committed { .. })) {
+        if matches!(outcome, Err(ref e) if !matches!(e.problem(), Some(CheckpointProblem::Committed { .. })))
+        {
             self.discard_temporary_folder();
         }
         outcome
@@ -189,11 +191,11 @@ impl<'a> Save<'a> {
         match (agreed, after) {
             // Rank 0 committed: whatever failed afterwards says so.
             (Ok(true), Err(e)) | (Err(e), _) if self.committed.get() => {
-                Err(CheckpointError::Committed {
-                    rank: self.rank,
+                Err(CheckpointProblem::Committed {
                     dir: self.dir.to_path_buf(),
                     source: Box::new(e),
-                })
+                }
+                .on(self.rank))
             }
             (agreed, _) => agreed.map(|_| ()),
         }
@@ -262,14 +264,14 @@ pub(super) fn merge_tensors(
                     merged.insert(fqn.clone(), (r, entry.clone()));
                 }
                 Some((first, seen)) if seen != entry => {
-                    return Err(CheckpointError::TensorsDiffer {
-                        rank,
+                    return Err(CheckpointProblem::TensorsDiffer {
                         fqn: fqn.clone(),
                         first_rank: *first,
                         first: seen.to_string(),
                         other_rank: r,
                         other: entry.to_string(),
-                    })
+                    }
+                    .on(rank))
                 }
                 Some(_) => {}
             }

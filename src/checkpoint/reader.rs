@@ -23,6 +23,7 @@ use super::read_plan::{self, Want};
 use super::reshard::{self, Span, Staged};
 use super::storage::{self, Manifest, Pieces, TensorEntry, MANIFEST};
 use super::CheckpointError;
+use super::CheckpointProblem;
 use crate::state_dict::flat::Entry;
 
 /// What one rank's load read: every byte it read from the checkpoint (the manifest, each
@@ -91,10 +92,12 @@ impl Reader {
 
     fn corrupted(&self, file: &Path) -> impl Fn(String) -> CheckpointError {
         let (rank, file) = (self.rank, file.to_path_buf());
-        move |cause| CheckpointError::Corrupted {
-            rank,
-            file: file.clone(),
-            cause,
+        move |cause| {
+            CheckpointProblem::Corrupted {
+                file: file.clone(),
+                cause,
+            }
+            .on(rank)
         }
     }
 
@@ -149,10 +152,12 @@ impl Reader {
             )));
         }
         let first = self.read_at(&file, path, 0, 8.min(len))?;
-        let first: [u8; 8] = first.try_into().map_err(|_| CheckpointError::Format {
-            rank: self.rank,
-            path: path.to_path_buf(),
-            cause: "shorter than a safetensors header".into(),
+        let first: [u8; 8] = first.try_into().map_err(|_| {
+            CheckpointProblem::Format {
+                path: path.to_path_buf(),
+                cause: "shorter than a safetensors header".into(),
+            }
+            .on(self.rank)
         })?;
         let n = index::header_len(self.rank, path, first, len)?;
         let mut bytes = first.to_vec();
@@ -259,14 +264,16 @@ impl Reader {
     /// Opens the folder `dir` without a manifest as PyTorch's `HuggingFaceStorageWriter`
     /// output (its `*.safetensors` files, each tensor's global shape the pieces' extent,
     /// as `HuggingFaceStorageReader.read_metadata` computes it): nothing to check it against.
-    /// Refused as an interrupted tch-dist save ([`NotACheckpoint`](CheckpointError::NotACheckpoint))
+    /// Refused as an interrupted tch-dist save ([`NotACheckpoint`](CheckpointProblem::NotACheckpoint))
     /// when it is a save's temporary folder (`DIR.partial`, `DIR.old`), holds no
     /// safetensors file, or any of its files was written by tch-dist (`index::MARK`).
     fn open_pytorch(&mut self, dir: &Path) -> Result<Opened, CheckpointError> {
         let rank = self.rank;
-        let not_a_checkpoint = || CheckpointError::NotACheckpoint {
-            rank,
-            dir: dir.to_path_buf(),
+        let not_a_checkpoint = || {
+            CheckpointProblem::NotACheckpoint {
+                dir: dir.to_path_buf(),
+            }
+            .on(rank)
         };
         let temporary = dir
             .file_name()
@@ -296,8 +303,7 @@ impl Reader {
                     dtype: p.dtype.clone(),
                 });
                 if entry.dtype != p.dtype || entry.shape.len() != p.shape.len() {
-                    return Err(CheckpointError::Format {
-                        rank: self.rank,
+                    return Err(CheckpointProblem::Format {
                         path: path.clone(),
                         cause: format!(
                             "`{}` is {} {:?} here, {} of {} dimensions in another file",
@@ -307,7 +313,8 @@ impl Reader {
                             entry.dtype,
                             entry.shape.len()
                         ),
-                    });
+                    }
+                    .on(self.rank));
                 }
                 for (g, (o, n)) in entry.shape.iter_mut().zip(p.offsets.iter().zip(&p.shape)) {
                     *g = (*g).max(o + n);
@@ -483,10 +490,12 @@ impl Reader {
 
     fn format(&self, f: &IndexedFile) -> impl Fn(String) -> CheckpointError {
         let (rank, path) = (self.rank, f.path.clone());
-        move |cause| CheckpointError::Format {
-            rank,
-            path: path.clone(),
-            cause,
+        move |cause| {
+            CheckpointProblem::Format {
+                path: path.clone(),
+                cause,
+            }
+            .on(rank)
         }
     }
 }

@@ -13,6 +13,7 @@ use tch::{Kind, Tensor};
 
 use super::storage::{self, Pieces, TensorEntry};
 use super::CheckpointError;
+use super::CheckpointProblem;
 use crate::state_dict::flat::Entry;
 
 /// Where a saved piece and a rank's part overlap in one dimension: `len` values starting
@@ -69,34 +70,28 @@ pub(super) fn check(
         .keys()
         .find(|k| !names.contains(k.as_str()) && !held.contains(k.as_str()))
     {
-        return Err(CheckpointError::UnexpectedKey {
-            rank,
-            fqn: fqn.clone(),
-        });
+        return Err(CheckpointProblem::UnexpectedKey { fqn: fqn.clone() }.on(rank));
     }
     for t in targets {
         let saved = tensors
             .get(&t.fqn)
-            .ok_or_else(|| CheckpointError::MissingKey {
-                rank,
-                fqn: t.fqn.clone(),
-            })?;
+            .ok_or_else(|| CheckpointProblem::MissingKey { fqn: t.fqn.clone() }.on(rank))?;
         if saved.shape != t.global {
-            return Err(CheckpointError::Shape {
-                rank,
+            return Err(CheckpointProblem::Shape {
                 fqn: t.fqn.clone(),
                 expected: t.global.clone(),
                 found: saved.shape.clone(),
-            });
+            }
+            .on(rank));
         }
         let expected = storage::dtype_name(t.tensor.kind());
         if saved.dtype != expected {
-            return Err(CheckpointError::Dtype {
-                rank,
+            return Err(CheckpointProblem::Dtype {
                 fqn: t.fqn.clone(),
                 expected,
                 found: saved.dtype.clone(),
-            });
+            }
+            .on(rank));
         }
     }
     Ok(())
@@ -167,17 +162,17 @@ impl Staged {
     }
 
     /// The target's tensor and its values, when the regions filled cover every value of the
-    /// target's part; else [`CheckpointError::Incomplete`].
+    /// target's part; else [`CheckpointProblem::Incomplete`].
     pub fn finish(self, rank: usize, target: &Entry) -> Result<(Tensor, Tensor), CheckpointError> {
         let covered = covered(&target.tensor.size(), &self.filled);
         let needed = target.tensor.numel() as i64;
         if covered != needed {
-            return Err(CheckpointError::Incomplete {
-                rank,
+            return Err(CheckpointProblem::Incomplete {
                 fqn: target.fqn.clone(),
                 covered,
                 needed,
-            });
+            }
+            .on(rank));
         }
         Ok((target.tensor.shallow_clone(), self.values))
     }

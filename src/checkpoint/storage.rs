@@ -21,6 +21,7 @@ use tch::{Kind, Tensor};
 
 use super::index::{self, PieceDigests, ShardingInfo};
 use super::CheckpointError;
+use super::CheckpointProblem;
 
 /// The manifest's name in a checkpoint folder.
 pub const MANIFEST: &str = "manifest.json";
@@ -99,10 +100,12 @@ pub(super) fn to_json<T: Serialize + ?Sized>(
     path: &Path,
     value: &T,
 ) -> Result<String, CheckpointError> {
-    serde_json::to_string_pretty(value).map_err(|e| CheckpointError::Format {
-        rank,
-        path: path.to_path_buf(),
-        cause: e.to_string(),
+    serde_json::to_string_pretty(value).map_err(|e| {
+        CheckpointProblem::Format {
+            path: path.to_path_buf(),
+            cause: e.to_string(),
+        }
+        .on(rank)
     })
 }
 
@@ -112,10 +115,12 @@ pub(super) fn from_json<T: DeserializeOwned>(
     path: &Path,
     bytes: &[u8],
 ) -> Result<T, CheckpointError> {
-    serde_json::from_slice(bytes).map_err(|e| CheckpointError::Format {
-        rank,
-        path: path.to_path_buf(),
-        cause: e.to_string(),
+    serde_json::from_slice(bytes).map_err(|e| {
+        CheckpointProblem::Format {
+            path: path.to_path_buf(),
+            cause: e.to_string(),
+        }
+        .on(rank)
     })
 }
 
@@ -138,10 +143,10 @@ pub(super) const SIDECARS: [&str; 2] = [super::OPTIMIZER_SIDECAR, super::TRAIN_S
 pub(super) fn read_manifest(rank: usize, dir: &Path) -> Result<Manifest, CheckpointError> {
     let path = dir.join(MANIFEST);
     if !path.is_file() {
-        return Err(CheckpointError::NotACheckpoint {
-            rank,
+        return Err(CheckpointProblem::NotACheckpoint {
             dir: dir.to_path_buf(),
-        });
+        }
+        .on(rank));
     }
     let text = read(rank, &path)?;
     parse_manifest(rank, &path, &text)
@@ -156,10 +161,12 @@ pub(super) fn parse_manifest(
     serde_json::from_slice(text)
         .ok()
         .filter(|m: &Manifest| m.format == FORMAT || m.format == FORMAT_2)
-        .ok_or_else(|| CheckpointError::Format {
-            rank,
-            path: path.to_path_buf(),
-            cause: format!("not a manifest of this format ({FORMAT}, or {FORMAT_2})"),
+        .ok_or_else(|| {
+            CheckpointProblem::Format {
+                path: path.to_path_buf(),
+                cause: format!("not a manifest of this format ({FORMAT}, or {FORMAT_2})"),
+            }
+            .on(rank)
         })
 }
 
@@ -172,10 +179,12 @@ pub(super) fn read_listed(
     entry: &FileEntry,
 ) -> Result<Vec<u8>, CheckpointError> {
     let file = dir.join(name);
-    let corrupted = |cause: String| CheckpointError::Corrupted {
-        rank,
-        file: file.clone(),
-        cause,
+    let corrupted = |cause: String| {
+        CheckpointProblem::Corrupted {
+            file: file.clone(),
+            cause,
+        }
+        .on(rank)
     };
     let bytes = std::fs::read(&file).map_err(|e| corrupted(e.to_string()))?;
     if bytes.len() as u64 != entry.bytes {
@@ -202,11 +211,11 @@ pub(super) fn read_sidecar(
 ) -> Result<Option<Vec<u8>>, CheckpointError> {
     match manifest.sidecars.get(name) {
         Some(entry) => read_listed(rank, dir, name, entry).map(Some),
-        None if dir.join(name).exists() => Err(CheckpointError::Corrupted {
-            rank,
+        None if dir.join(name).exists() => Err(CheckpointProblem::Corrupted {
             file: dir.join(name),
             cause: "the manifest does not list it".into(),
-        }),
+        }
+        .on(rank)),
         None => Ok(None),
     }
 }
@@ -232,10 +241,12 @@ pub(super) fn verify(rank: usize, dir: &Path) -> Result<(), CheckpointError> {
 /// at a time.
 fn check_streamed(rank: usize, file: &Path, entry: &FileEntry) -> Result<(), CheckpointError> {
     use std::io::Read;
-    let corrupted = |cause: String| CheckpointError::Corrupted {
-        rank,
-        file: file.to_path_buf(),
-        cause,
+    let corrupted = |cause: String| {
+        CheckpointProblem::Corrupted {
+            file: file.to_path_buf(),
+            cause,
+        }
+        .on(rank)
     };
     let mut f = std::fs::File::open(file).map_err(|e| corrupted(e.to_string()))?;
     let (mut hasher, mut buf, mut len) = (Sha256::new(), vec![0u8; 1 << 20], 0u64);
@@ -367,10 +378,12 @@ pub(super) fn encode(
     path: &Path,
     tensors: &[(String, Tensor, Vec<i64>)],
 ) -> Result<Vec<u8>, CheckpointError> {
-    let format = |cause: String| CheckpointError::Format {
-        rank,
-        path: path.to_path_buf(),
-        cause,
+    let format = |cause: String| {
+        CheckpointProblem::Format {
+            path: path.to_path_buf(),
+            cause,
+        }
+        .on(rank)
     };
     let mut bytes: Vec<(String, Vec<u8>, StDtype, Vec<usize>)> = Vec::new();
     let mut info = BTreeMap::new();
@@ -418,10 +431,12 @@ pub(super) fn decode(
     path: &Path,
     bytes: &[u8],
 ) -> Result<HashMap<String, Piece>, CheckpointError> {
-    let format = |cause: String| CheckpointError::Format {
-        rank,
-        path: path.to_path_buf(),
-        cause,
+    let format = |cause: String| {
+        CheckpointProblem::Format {
+            path: path.to_path_buf(),
+            cause,
+        }
+        .on(rank)
     };
     let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| format(format!("{e:?}")))?;
     let info: HashMap<String, ShardingInfo> = match meta

@@ -10,7 +10,7 @@ use std::time::SystemTime;
 
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
-use tch_dist::checkpoint::{self, CheckpointError, SaveOptions};
+use tch_dist::checkpoint::{self, CheckpointProblem, SaveOptions};
 use tch_dist::checkpoint::{LoadOptions, State};
 use tch_dist::sharding::shard_module;
 use tch_dist::testing::{describe, run_ranks, worker, Launch};
@@ -203,7 +203,7 @@ fn a_rank_killed_during_the_background_write_leaves_latest_on_the_previous() {
                             ckpt.display()
                         )
                     );
-                    let CheckpointError::Save { source, .. } = &err else {
+                    let Some(CheckpointProblem::Save { source, .. }) = err.problem() else {
                         panic!("{err:?}");
                     };
                     assert!(source.to_string().contains("rank 0"), "{source}");

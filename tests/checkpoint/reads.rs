@@ -9,10 +9,11 @@ use std::path::Path;
 
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
-use tch_dist::checkpoint::{self, CheckpointError, LoadStats};
+use tch_dist::checkpoint::{self, CheckpointError, CheckpointProblem, LoadStats};
 use tch_dist::checkpoint::{LoadOptions, SaveOptions, State};
 use tch_dist::sharding::shard_module;
 use tch_dist::testing::run_ranks;
+use tch_dist::OnRank;
 use tch_dist::Shardable;
 use tch_dist::{fully_shard, Backend, DistError, FsdpOptions, ProcessGroup};
 
@@ -530,7 +531,13 @@ fn striped_reads_share_a_replicated_models_tensors_out() {
             let model = wide(&nn::VarStore::new(Device::Cpu), 2);
             let err = checkpoint::load(&ckpt, &mut State::new(&model), &pg, &striped).unwrap_err();
             match (pg.rank(), &err) {
-                (1, CheckpointError::Corrupted { file: f, .. }) => assert_eq!(f, &file),
+                (
+                    1,
+                    CheckpointError::OnRank(OnRank {
+                        problem: CheckpointProblem::Corrupted { file: f, .. },
+                        ..
+                    }),
+                ) => assert_eq!(f, &file),
                 (0 | 2, CheckpointError::Dist(DistError::PeersFailed { ranks, .. })) => {
                     assert_eq!(ranks, &[1])
                 }
@@ -546,7 +553,7 @@ fn striped_reads_share_a_replicated_models_tensors_out() {
                 reads: [Reads::Striped, Reads::EachRank, Reads::EachRank][pg.rank()],
             };
             let err = checkpoint::load(&ckpt, &mut State::new(&model), &pg, &opts).unwrap_err();
-            let CheckpointError::Load { source, .. } = &err else {
+            let Some(CheckpointProblem::Load { source, .. }) = err.problem() else {
                 panic!("rank {}: {err:?}", pg.rank());
             };
             assert!(
