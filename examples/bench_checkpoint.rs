@@ -33,6 +33,9 @@ use tch_dist::{fully_shard, init_process_group, Backend, Call, FsdpOptions, Shar
 
 #[path = "common/cli.rs"]
 mod cli;
+#[path = "common/memory.rs"]
+#[allow(dead_code)] // status_kib: the resident set before and after a load is the reading here
+mod memory;
 
 /// 12 layers, 2048 -> 4096 -> 2048 -> ...: 100.7M parameters.
 #[derive(Debug, Shardable)]
@@ -68,13 +71,8 @@ impl Module for Big {
 
 /// `field` of /proc/self/status in bytes.
 fn status_bytes(field: &str) -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|kb| kb.parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
+    let [kib] = memory::status_kib([field]);
+    kib * 1024
 }
 
 /// `field` of /proc/self/io.

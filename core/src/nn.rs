@@ -199,8 +199,10 @@ fn flatten_for_cudnn(
     }
 }
 
+/// A recurrent layer `$name` whose cells have `$gates` gate blocks (LSTM 4, GRU 3), run by
+/// cuDNN in mode `$cudnn_mode` (`CUDNN_LSTM` 2, `CUDNN_GRU` 3).
 macro_rules! rnn_layer {
-    ($(#[$doc:meta])* $name:ident) => {
+    ($(#[$doc:meta])* $name:ident, gates: $gates:literal, cudnn_mode: $cudnn_mode:literal) => {
         $(#[$doc])*
         #[allow(clippy::upper_case_acronyms)]
         #[derive(Debug)]
@@ -213,6 +215,21 @@ macro_rules! rnn_layer {
         }
 
         impl $name {
+            /// The layer's weights made in `vs` as tch makes them, and flattened for cuDNN
+            /// on a CUDA device.
+            fn new(vs: &Path, in_dim: i64, hidden_dim: i64, c: RNNConfig) -> $name {
+                let gate_dim = $gates * hidden_dim;
+                let (names, flat_weights) = rnn_weights(vs, in_dim, hidden_dim, gate_dim, &c);
+                flatten_for_cudnn(vs.device(), &flat_weights, in_dim, $cudnn_mode, hidden_dim, &c);
+                $name {
+                    names,
+                    flat_weights,
+                    hidden_dim,
+                    config: c,
+                    device: vs.device(),
+                }
+            }
+
             /// The flat weights, in the order `Tensor::lstm`/`Tensor::gru` expect.
             pub fn flat_weights(&self) -> &[Tensor] {
                 &self.flat_weights
@@ -241,40 +258,26 @@ macro_rules! rnn_layer {
 rnn_layer!(
     /// A Long Short-Term Memory layer, walkable: the drop-in for `tch::nn::LSTM`. Build it
     /// with [`lstm`].
-    LSTM
+    LSTM,
+    gates: 4,
+    cudnn_mode: 2
 );
 rnn_layer!(
     /// A Gated Recurrent Unit layer, walkable: the drop-in for `tch::nn::GRU`. Build it with
     /// [`gru`].
-    GRU
+    GRU,
+    gates: 3,
+    cudnn_mode: 3
 );
 
 /// Creates an [`LSTM`] layer: the same variables, names and behaviour as `tch::nn::lstm`.
 pub fn lstm<'a, T: Borrow<Path<'a>>>(vs: T, in_dim: i64, hidden_dim: i64, c: RNNConfig) -> LSTM {
-    let vs = vs.borrow();
-    let (names, flat_weights) = rnn_weights(vs, in_dim, hidden_dim, 4 * hidden_dim, &c);
-    flatten_for_cudnn(vs.device(), &flat_weights, in_dim, 2, hidden_dim, &c);
-    LSTM {
-        names,
-        flat_weights,
-        hidden_dim,
-        config: c,
-        device: vs.device(),
-    }
+    LSTM::new(vs.borrow(), in_dim, hidden_dim, c)
 }
 
 /// Creates a [`GRU`] layer: the same variables, names and behaviour as `tch::nn::gru`.
 pub fn gru<'a, T: Borrow<Path<'a>>>(vs: T, in_dim: i64, hidden_dim: i64, c: RNNConfig) -> GRU {
-    let vs = vs.borrow();
-    let (names, flat_weights) = rnn_weights(vs, in_dim, hidden_dim, 3 * hidden_dim, &c);
-    flatten_for_cudnn(vs.device(), &flat_weights, in_dim, 3, hidden_dim, &c);
-    GRU {
-        names,
-        flat_weights,
-        hidden_dim,
-        config: c,
-        device: vs.device(),
-    }
+    GRU::new(vs.borrow(), in_dim, hidden_dim, c)
 }
 
 fn zero_state_shape(c: &RNNConfig, batch_dim: i64, hidden_dim: i64) -> [i64; 3] {

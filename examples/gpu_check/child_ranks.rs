@@ -34,20 +34,23 @@ pub(crate) fn check_children(what: &str, ranks: &[(bool, String)]) {
     }
 }
 
-pub(crate) fn check_gloo_pair() -> Outcome {
+/// Runs this binary as two ranks with `mode` on `cuda:0` through Gloo, checks that both
+/// succeeded (`what` names the pair in the failure), and prints each rank's first line that
+/// starts with `report`.
+pub(crate) fn check_pair_on_one_device(mode: &str, what: &str, report: &str) -> Outcome {
     // Both ranks on cuda:0 whatever the machine has: LOCAL_RANK=0 for both.
-    let ranks = spawn_ranks(
-        "--pair-rank",
-        2,
-        &[(CUDA_VIA_GLOO_ENV, "1"), ("LOCAL_RANK", "0")],
-    );
-    check_children("2 ranks through Gloo", &ranks);
+    let ranks = spawn_ranks(mode, 2, &[(CUDA_VIA_GLOO_ENV, "1"), ("LOCAL_RANK", "0")]);
+    check_children(what, &ranks);
     for (_, out) in &ranks {
-        if let Some(line) = out.lines().find(|l| l.starts_with("pair rank 0")) {
+        if let Some(line) = out.lines().find(|l| l.starts_with(report)) {
             println!("        {line}");
         }
     }
     Outcome::Pass
+}
+
+pub(crate) fn check_gloo_pair() -> Outcome {
+    check_pair_on_one_device("--pair-rank", "2 ranks through Gloo", "pair rank 0")
 }
 
 /// One rank of the pair: two ranks, one device, CUDA through Gloo; replicated training on

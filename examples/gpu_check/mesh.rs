@@ -77,18 +77,7 @@ pub(crate) fn check_mesh_one_device(pg: &ProcessGroup) -> Outcome {
 
 /// 10b: a 2x1 mesh of two ranks on `cuda:0` through Gloo.
 pub(crate) fn check_mesh_pair() -> Outcome {
-    let ranks = spawn_ranks(
-        "--mesh-rank",
-        2,
-        &[(CUDA_VIA_GLOO_ENV, "1"), ("LOCAL_RANK", "0")],
-    );
-    check_children("a 2x1 mesh through Gloo", &ranks);
-    for (_, out) in &ranks {
-        if let Some(line) = out.lines().find(|l| l.starts_with("mesh rank")) {
-            println!("        {line}");
-        }
-    }
-    Outcome::Pass
+    check_pair_on_one_device("--mesh-rank", "a 2x1 mesh through Gloo", "mesh rank")
 }
 
 /// One rank of the 2x1 mesh (dp 2, tp 1).

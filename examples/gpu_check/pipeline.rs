@@ -7,63 +7,25 @@
 use super::*;
 use tch::nn::Module;
 use tch_dist::pipelining::{PipelineStage, Schedule1F1B};
-use tch_dist::Shardable;
 
-/// The whole model's layers `layers.<i>` (widths [`DIMS`]), tanh between them; a stage's
-/// part holds its own, `None` for the other stage's.
-#[derive(Debug, Shardable)]
-struct Chain {
-    layers: Vec<Option<nn::Linear>>,
-}
+// The pipeline tests' model (tests/pipelining/composition.rs).
+#[path = "../../tests/common/chain.rs"]
+mod chain;
+use chain::Chain;
 
+/// The widths of [`Chain`]'s layers.
 const DIMS: [i64; 4] = [32, 64, 48, 16];
-
-impl Module for Chain {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        let last = self.layers.len() - 1;
-        self.layers
-            .iter()
-            .enumerate()
-            .filter_map(|(i, l)| l.as_ref().map(|l| (i, l)))
-            .fold(xs.shallow_clone(), |h, (i, l)| {
-                let y = l.call(&h);
-                if i == last {
-                    y
-                } else {
-                    y.tanh()
-                }
-            })
-    }
-}
-
-fn chain(vs: &nn::VarStore, mine: impl Fn(usize) -> bool) -> Chain {
-    let root = vs.root() / "layers";
-    Chain {
-        layers: (0..DIMS.len() - 1)
-            .map(|i| {
-                mine(i).then(|| nn::linear(&root / i, DIMS[i], DIMS[i + 1], Default::default()))
-            })
-            .collect(),
-    }
-}
 
 fn mse(out: &Tensor, y: &Tensor) -> Tensor {
     out.mse_loss(y, tch::Reduction::Mean)
 }
 
 pub(crate) fn check_pipeline_pair() -> Outcome {
-    let ranks = spawn_ranks(
+    check_pair_on_one_device(
         "--pipeline-rank",
-        2,
-        &[(CUDA_VIA_GLOO_ENV, "1"), ("LOCAL_RANK", "0")],
-    );
-    check_children("a 2-stage pipeline through Gloo", &ranks);
-    for (_, out) in &ranks {
-        if let Some(line) = out.lines().find(|l| l.starts_with("pipeline rank")) {
-            println!("        {line}");
-        }
-    }
-    Outcome::Pass
+        "a 2-stage pipeline through Gloo",
+        "pipeline rank",
+    )
 }
 
 /// One stage of the pair: stage 0 holds layer 0, stage 1 layers 1 and 2.
@@ -76,9 +38,9 @@ pub(crate) fn pipeline_rank() -> Result<(), String> {
     };
     tch::manual_seed(3);
     let ref_vs = nn::VarStore::new(dev());
-    let reference = chain(&ref_vs, |_| true);
+    let reference = Chain::new(&ref_vs, &DIMS, |_| true);
     let mut vs = nn::VarStore::new(dev());
-    let part = chain(&vs, |i| (i == 0) == (stage == 0));
+    let part = Chain::new(&vs, &DIMS, |i| (i == 0) == (stage == 0));
     vs.copy(&ref_vs).map_err(|e| e.to_string())?;
     let mut ref_opt = sgd().build(&ref_vs, 0.05).map_err(|e| e.to_string())?;
     let mut opt = sgd().build(&vs, 0.05).map_err(|e| e.to_string())?;

@@ -23,48 +23,14 @@ use tch_dist::{checkpoint, fully_shard, Call, FsdpOptions, ProcessGroup, Shardab
 use super::python::{bounded, clean, python};
 use super::{mse, sgd};
 
-/// The whole model's linear layers `layers.<i>`, tanh after each but the last; a stage's
-/// part holds its own and `None` for the others' (torchtitan's deleted layers), so that its
-/// FQNs are the whole model's (`layers.2.weight` on the stage that holds layer 2).
-#[derive(Debug, Shardable)]
-struct Chain {
-    layers: Vec<Option<nn::Linear>>,
-}
+#[path = "../common/chain.rs"]
+mod chain;
+use chain::Chain;
 
-impl Module for Chain {
-    fn forward(&self, xs: &Tensor) -> Tensor {
-        let last = self.layers.len() - 1;
-        self.layers
-            .iter()
-            .enumerate()
-            .filter_map(|(i, l)| l.as_ref().map(|l| (i, l)))
-            .fold(xs.shallow_clone(), |h, (i, l)| {
-                let y = l.call(&h);
-                if i == last {
-                    y
-                } else {
-                    y.tanh()
-                }
-            })
-    }
-}
-
+/// The widths of [`Chain`]'s layers.
 const DIMS: [i64; 4] = [5, 8, 6, 4];
 /// Rows per data-parallel replica.
 const ROWS: i64 = 8;
-
-fn chain(vs: &nn::VarStore, range: Range<usize>) -> Chain {
-    let root = vs.root() / "layers";
-    Chain {
-        layers: (0..DIMS.len() - 1)
-            .map(|i| {
-                range
-                    .contains(&i)
-                    .then(|| nn::linear(&root / i, DIMS[i], DIMS[i + 1], Default::default()))
-            })
-            .collect(),
-    }
-}
 
 /// A folder for this test's files, the same for every rank (emptied by rank 0).
 fn scratch(name: &str, pg: &ProcessGroup) -> PathBuf {
@@ -93,7 +59,7 @@ fn diff_to(model: &Chain, reference: &nn::VarStore) -> (f64, usize) {
 fn whole(seed: i64) -> (nn::VarStore, Chain) {
     tch::manual_seed(seed);
     let vs = nn::VarStore::new(Device::Cpu);
-    let c = chain(&vs, 0..DIMS.len() - 1);
+    let c = Chain::new(&vs, &DIMS, |_| true);
     (vs, c)
 }
 
@@ -178,7 +144,7 @@ impl PpDp {
         let ref_opt = sgd(&ref_vs);
         let range = if stage_index == 0 { 0..1 } else { 1..3 };
         let mut vs = nn::VarStore::new(Device::Cpu);
-        let part = chain(&vs, range.clone());
+        let part = Chain::new(&vs, &DIMS, |i| range.contains(&i));
         vs.copy(&init).unwrap();
         let setup = PpDp {
             pp: mesh.get_group("pp").unwrap().clone(),
@@ -296,7 +262,7 @@ fn pp_dp_equals_one_process(world: &ProcessGroup, which: Which) {
     }
     // Back into the stages (a resume): the parts, fully sharded again, and the optimizer.
     let resumed_vs = nn::VarStore::new(Device::Cpu);
-    let resumed = chain(&resumed_vs, range.clone());
+    let resumed = Chain::new(&resumed_vs, &DIMS, |i| range.contains(&i));
     fully_shard(&resumed, dp_options()).unwrap();
     let mut resumed_opt = sgd(&resumed_vs);
     checkpoint::load(

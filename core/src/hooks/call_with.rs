@@ -15,7 +15,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tch::Tensor;
 
-use super::{any_hooks, catching_hook_errors, fail, run_hooked, ForwardError, Recompute};
+use super::forward_error::{catching_hook_errors, fail};
+use super::run::run_hooked;
+use super::{ForwardError, Recompute};
+use crate::instances::any_hooks;
 use crate::walk::Shardable;
 
 /// Why a hooked call of several inputs or outputs failed in the call machinery itself.

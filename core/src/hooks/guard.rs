@@ -75,7 +75,7 @@ fn quiet_refusals() {
     ONCE.call_once(|| {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
-            if !(super::inside_f_call() && refusal_pending()) {
+            if !(super::forward_error::inside_f_call() && refusal_pending()) {
                 previous(info);
             }
         }));

@@ -108,7 +108,7 @@ pub fn register_call_scope<M: Shardable + ?Sized>(
         let mark = entering.enter(m, xs)?;
         MARKS.with(|marks| {
             let mut marks = marks.borrow_mut();
-            if super::hooked_depth() == 1 {
+            if super::outermost::hooked_depth() == 1 {
                 marks.clear(); // no call encloses this one: what is left was unwound
             }
             marks.push((id, mark));

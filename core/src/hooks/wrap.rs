@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use tch::Tensor;
 
-use super::{resolve, ForwardError, HookError, RemovableHandle, NEXT_ID};
+use super::register::{resolve, NEXT_ID};
+use super::{ForwardError, HookError, RemovableHandle};
 use crate::instances::InstanceTable;
 use crate::walk::Shardable;
 
