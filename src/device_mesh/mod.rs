@@ -10,11 +10,11 @@
 //! rank), labelled `mesh_<dim name>`. Slicing ([`DeviceMesh::dim`], [`DeviceMesh::slice`])
 //! creates no group; [`DeviceMesh::flatten`] creates one, once per name.
 //!
-//! | piece | PyTorch |
-//! |---|---|
-//! | [`init_device_mesh`], [`DeviceMesh`] | `torch/distributed/device_mesh.py` (`init_device_mesh`, `DeviceMesh`, `_init_process_groups`, `_flatten`, `from_group`) |
-//! | [`subgroups`] (the ranks of each subgroup of a dim) | `torch/distributed/_mesh_layout.py` (`_MeshLayout.remap_to_tensor`) |
-//! | `error.rs`: [`MeshError`], [`MeshProblem`] | the `RuntimeError`s / `ValueError`s of `device_mesh.py` |
+//! | file | what it does | PyTorch's counterpart |
+//! |---|---|---|
+//! | `mod.rs` | [`init_device_mesh`], [`DeviceMesh`] (slicing, flattening, groups); [`subgroups`] (the ranks of each subgroup of a dim) | `torch/distributed/device_mesh.py` (`init_device_mesh`, `DeviceMesh`, `_init_process_groups`, `_flatten`, `from_group`), `torch/distributed/_mesh_layout.py` (`_MeshLayout.remap_to_tensor`) |
+//! | `agree.rs` | the ranks' agreement on each mesh call through the store, before any group is made | (none: PyTorch's ranks hang in the groups' creation) |
+//! | `error.rs` | [`MeshError`], [`MeshProblem`] | the `RuntimeError`s / `ValueError`s of `device_mesh.py` |
 //!
 //! ```no_run
 //! use tch_dist::device_mesh::init_device_mesh;

@@ -21,6 +21,14 @@
 //! still apply). The parameters are the `VarStore`'s variables that require grad when the
 //! optimizer is built.
 //!
+//! | file | what it does | PyTorch's counterpart |
+//! | --- | --- | --- |
+//! | `mod.rs` | [`Optimizer`]: the parameters by FQN, their state, `step`, `zero_grad`, `backward_step`, the learning rate | `torch/optim/optimizer.py` (`Optimizer`) |
+//! | `sgd.rs` | [`Sgd`]: the settings, their checks, the step on `_fused_sgd_` | `torch/optim/sgd.py` |
+//! | `adamw.rs` | [`AdamW`]: the settings, their checks, the step on `_fused_adamw_` | `torch/optim/adamw.py` |
+//! | `sidecar.rs` | the checkpoint sidecar `optimizer.json`: the class and `param_groups` | `torch/distributed/checkpoint/state_dict.py` (`get_optimizer_state_dict`'s `param_groups`) |
+//! | `error.rs` | [`OptimError`] | the `ValueError`s of `torch/optim/*.py` |
+//!
 //! ```no_run
 //! use tch::nn::{self, Module};
 //! use tch_dist::optim;

@@ -15,6 +15,15 @@
 //! Everything here is checked arithmetic on shapes; the runtime uses it to decide which
 //! slice of a tensor each rank holds.
 //!
+//! | file | what it does | PyTorch's counterpart (`torch/distributed/_shard/`) |
+//! | --- | --- | --- |
+//! | `mod.rs` | [`ShardingSpec`] (either spec, with serde), the re-exports | `sharding_spec/api.py` (`ShardingSpec`) |
+//! | `placement.rs` | [`Placement`] | `torch/distributed/remote_device.py` (`_remote_device`) |
+//! | `metadata.rs` | [`ShardMetadata`], [`ShardedTensorMetadata`], [`Dtype`], the shard-list checks | `metadata.py`, `sharded_tensor/metadata.py`, `_utils.py` (`validate_non_overlapping_shards_metadata`) |
+//! | `spec.rs` | [`ChunkShardingSpec`], [`EnumerableShardingSpec`] | `sharding_spec/chunk_sharding_spec.py`, `sharding_spec/api.py` (`EnumerableShardingSpec`) |
+//! | `chunk.rs` | `torch.chunk`'s split sizes and offsets, dim normalisation | `torch.chunk`, `_shard/sharding_spec/_internals.py` (`get_split_size`, `get_chunked_dim_size`) |
+//! | `error.rs` | [`ShardingError`] | the `ValueError`s of the same files |
+//!
 //! # Examples
 //!
 //! ```

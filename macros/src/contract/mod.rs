@@ -1,4 +1,10 @@
 //! `#[contract]`: parse (arguments, function) → validate → expand.
+//!
+//! | file | what it does | PyTorch's counterpart |
+//! | --- | --- | --- |
+//! | `mod.rs` | the entry: parse, then expand or report every error | `torch/distributed/_composable/contract.py` (`contract`) |
+//! | `parse.rs` | `#[contract(...)]`'s arguments and the function, validated into `ContractFn` | the checks `contract` runs when decorating |
+//! | `expand.rs` | the generated function: the registry and state around the body | `contract`'s `wrapper` |
 
 mod expand;
 mod parse;
