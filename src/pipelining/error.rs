@@ -4,7 +4,7 @@
 use std::fmt;
 
 use tch_dist_core::hooks::ForwardError;
-use tch_dist_runtime::DistError;
+use tch_dist_runtime::{DistError, Refusal};
 
 use super::stage::TensorMeta;
 
@@ -145,6 +145,36 @@ pub enum PipelineError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+}
+
+impl PipelineError {
+    /// The error of a check every rank of the pipeline made together
+    /// (`ProcessGroup::agree_on_values`): a refusal or a disagreement is
+    /// [`Invalid`](Self::Invalid), an exchange that could not communicate is
+    /// [`Check`](Self::Check).
+    pub(crate) fn refused(
+        rank: usize,
+        op: &'static str,
+        refusal: Refusal<PipelineProblem>,
+    ) -> Self {
+        let problem = match refusal {
+            Refusal::Own(problem) => problem,
+            Refusal::Peer { rank: peer } => PipelineProblem::PeerRefused { peer },
+            Refusal::Differs {
+                setting,
+                this,
+                other_rank,
+                other,
+            } => PipelineProblem::Disagree {
+                setting,
+                this,
+                other_rank,
+                other,
+            },
+            Refusal::Exchange(source) => return PipelineError::Check { rank, op, source },
+        };
+        PipelineError::Invalid { rank, op, problem }
+    }
 }
 
 /// What moves between two stages ([`PipelineError::Transfer`]).

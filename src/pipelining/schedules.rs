@@ -96,17 +96,20 @@ impl<M: 'static> Runner<M> {
         let (rank, group_size) = (group.rank(), group.world_size());
         let num_stages = first.num_stages();
         let own = Self::validate(kind, &stages, &group, n_microbatches);
-        agree(
-            &group,
-            op,
-            own,
-            [
-                ("num_stages", num_stages as i64),
-                ("n_microbatches", n_microbatches as i64),
-                ("schedule", kind as i64),
-                ("stages per rank", stages.len() as i64),
-            ],
-        )?;
+        // Every rank's refusal and settings, exchanged once, so that a refusal or a
+        // disagreement is the same error on every rank before any activation moves.
+        group
+            .agree_on_values(
+                op,
+                own,
+                &[
+                    ("num_stages", num_stages as i64),
+                    ("n_microbatches", n_microbatches as i64),
+                    ("schedule", kind as i64),
+                    ("stages per rank", stages.len() as i64),
+                ],
+            )
+            .map_err(|refusal| PipelineError::refused(rank, op, refusal))?;
         let order = match kind {
             Kind::GPipe => order::gpipe(first.stage_index(), n_microbatches),
             Kind::OneFOneB => order::one_f_one_b(first.stage_index(), num_stages, n_microbatches),
@@ -392,42 +395,6 @@ fn forward_catching<M: 'static>(
             source: ForwardError::new(panic_text(p)),
         })
     })
-}
-
-/// Every rank's settings and whether it refused, exchanged once, so that a refusal or a
-/// disagreement is the same error on every rank before any activation moves.
-fn agree(
-    group: &ProcessGroup,
-    op: &'static str,
-    own: Option<PipelineProblem>,
-    settings: [(&'static str, i64); 4],
-) -> Result<(), PipelineError> {
-    let (rank, world) = (group.rank(), group.world_size());
-    const W: usize = 5;
-    let mut values = vec![0i64; world * W];
-    for (i, (_, v)) in settings.iter().enumerate() {
-        values[rank * W + i] = *v;
-    }
-    values[rank * W + 4] = i64::from(own.is_some());
-    let all = super::microbatch::sum_over(group, op, &values)?;
-    let refuse = |problem| PipelineError::Invalid { rank, op, problem };
-    if let Some(problem) = own {
-        return Err(refuse(problem));
-    }
-    if let Some(peer) = (0..world).find(|r| all[r * W + 4] != 0) {
-        return Err(refuse(PipelineProblem::PeerRefused { peer }));
-    }
-    for (i, (setting, this)) in settings.iter().enumerate() {
-        if let Some(other_rank) = (0..world).find(|r| all[r * W + i] != *this) {
-            return Err(refuse(PipelineProblem::Disagree {
-                setting,
-                this: *this,
-                other_rank,
-                other: all[other_rank * W + i],
-            }));
-        }
-    }
-    Ok(())
 }
 
 /// The methods every schedule has, over its `runner`.
