@@ -6,7 +6,8 @@ use std::fmt;
 use tch_dist_core::hooks::ForwardError;
 use tch_dist_runtime::{DistError, Refusal};
 
-use super::stage::TensorMeta;
+use super::meta::TensorMeta;
+use super::placement::Placement;
 
 /// Why a pipeline stage or schedule could not be made, or a step failed.
 #[derive(Debug, thiserror::Error)]
@@ -377,7 +378,7 @@ impl fmt::Display for PipelineProblem {
                 f,
                 "stage {stage_index} belongs on rank {} of the {group_size}-rank group, not on \
                  rank {rank} (the V placement: rank r holds stages r and {}-r)",
-                super::stage::Placement::V.rank_of(*stage_index, *group_size),
+                Placement::V.rank_of(*stage_index, *group_size),
                 2 * group_size - 1
             ),
             PipelineProblem::TwoStagesPerRank { local_stages } => write!(

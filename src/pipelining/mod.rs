@@ -41,14 +41,18 @@
 //! ```
 
 mod error;
+mod meta;
 mod microbatch;
 mod order;
+mod placement;
 mod schedules;
 mod stage;
+mod transport;
 
 pub use error::{PipelineError, PipelineProblem, Transfer};
+pub use meta::TensorMeta;
 pub use schedules::{
     Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 };
-pub use stage::{PipelineStage, TensorMeta};
+pub use stage::PipelineStage;

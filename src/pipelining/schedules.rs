@@ -26,7 +26,9 @@ use tch_dist_runtime::ProcessGroup;
 use super::error::{PipelineError, PipelineProblem};
 use super::microbatch::{check_step, split};
 use super::order::{self, Action, Work};
-use super::stage::{tags_fit, Handoff, PendingSend, PipelineStage, Placement};
+use super::placement::Placement;
+use super::stage::{BackwardPart, PipelineStage};
+use super::transport::{tags_fit, Outbox};
 
 /// The loss of the last stage: `loss_fn(output, target)` for one microbatch (the mean over
 /// its samples, as PyTorch's default `scale_grads=True` assumes).
@@ -263,17 +265,18 @@ impl<M: 'static> Runner<M> {
         }
         let inputs = input.filter(|_| self.holds_first()).map(|x| split(x, n));
         let targets = target.filter(|_| self.holds_last()).map(|y| split(y, n));
-        let mut pending = Vec::new();
+        let mut outbox = Outbox::default();
         let mut step_losses: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
         let result = self.run(
             inputs.as_deref(),
             targets.as_deref(),
-            &mut pending,
+            &mut outbox,
             &mut step_losses,
         );
         let rank = self.group.rank();
         // Every send is waited for, also after a failure (its own error comes second).
-        let sent = pending
+        let sent = outbox
+            .sends
             .into_iter()
             .map(|p| p.wait(rank))
             .collect::<Result<Vec<()>, _>>();
@@ -297,16 +300,15 @@ impl<M: 'static> Runner<M> {
         &mut self,
         inputs: Option<&[Tensor]>,
         targets: Option<&[Tensor]>,
-        pending: &mut Vec<PendingSend>,
+        outbox: &mut Outbox,
         losses: &mut [Option<Tensor>],
     ) -> Result<(), PipelineError> {
         let n = self.n_microbatches;
         let rank = self.group.rank();
-        let mut handoffs: Vec<Handoff> = Vec::new();
         for a in self.order.clone() {
             // What the previous action handed to a stage on this rank (the V placement's
             // turn), delivered before anything can need it.
-            for h in handoffs.drain(..) {
+            for h in outbox.handoffs.drain(..) {
                 if let Some(to) = self.stages.iter_mut().find(|s| s.stage_index() == h.to) {
                     to.take_handoff(h);
                 }
@@ -363,14 +365,12 @@ impl<M: 'static> Runner<M> {
                         };
                         stage.set_loss(mb, root);
                     } else {
-                        stage.send_activation(mb, &output, pending, &mut handoffs)?;
+                        stage.send_activation(mb, &output, outbox)?;
                     }
                 }
-                Work::Backward => {
-                    stage.backward_one_chunk(mb, mb + 1 == n, false, pending, &mut handoffs)?
-                }
+                Work::Backward => stage.backward_one_chunk(mb, n, BackwardPart::Whole, outbox)?,
                 Work::BackwardInput => {
-                    stage.backward_one_chunk(mb, mb + 1 == n, true, pending, &mut handoffs)?
+                    stage.backward_one_chunk(mb, n, BackwardPart::InputOnly, outbox)?
                 }
                 Work::BackwardWeight => stage.backward_weight_one_chunk(mb)?,
             }
