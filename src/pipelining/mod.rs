@@ -48,6 +48,7 @@ mod placement;
 mod schedules;
 mod stage;
 mod transport;
+mod validate;
 
 pub use error::{PipelineError, PipelineProblem, Transfer};
 pub use meta::TensorMeta;

@@ -28,7 +28,8 @@ use super::microbatch::{check_step, split};
 use super::order::{self, Action, Work};
 use super::placement::Placement;
 use super::stage::{BackwardPart, PipelineStage};
-use super::transport::{tags_fit, Outbox};
+use super::transport::Outbox;
+use super::validate::{self, Microbatches, Rules, StagesPerRank};
 
 /// The loss of the last stage: `loss_fn(output, target)` for one microbatch (the mean over
 /// its samples, as PyTorch's default `scale_grads=True` assumes).
@@ -59,11 +60,26 @@ enum Kind {
 }
 
 impl Kind {
-    /// Where the schedule's stages live.
-    fn placement(self) -> Placement {
-        match self {
-            Kind::ZeroBubbleV => Placement::V,
-            _ => Placement::Loop,
+    /// What the schedule asks of its stages and microbatches.
+    fn rules(self) -> Rules {
+        let (placement, stages_per_rank, microbatches) = match self {
+            Kind::GPipe => (Placement::Loop, StagesPerRank::One, Microbatches::Any),
+            Kind::OneFOneB => (
+                Placement::Loop,
+                StagesPerRank::One,
+                Microbatches::AtLeastOnePerStage,
+            ),
+            Kind::Interleaved | Kind::ZeroBubble => (
+                Placement::Loop,
+                StagesPerRank::Several,
+                Microbatches::InRounds,
+            ),
+            Kind::ZeroBubbleV => (Placement::V, StagesPerRank::Two, Microbatches::Any),
+        };
+        Rules {
+            placement,
+            stages_per_rank,
+            microbatches,
         }
     }
 }
@@ -84,8 +100,9 @@ impl<M: 'static> Runner<M> {
         loss_fn: LossFn,
     ) -> Result<Self, PipelineError> {
         stages.sort_by_key(PipelineStage::stage_index);
+        let rules = kind.rules();
         for s in &mut stages {
-            s.set_placement(kind.placement());
+            s.set_placement(rules.placement);
         }
         let Some(first) = stages.first() else {
             return Err(PipelineError::Invalid {
@@ -97,7 +114,7 @@ impl<M: 'static> Runner<M> {
         let group = first.group().clone();
         let (rank, group_size) = (group.rank(), group.world_size());
         let num_stages = first.num_stages();
-        let own = Self::validate(kind, &stages, &group, n_microbatches);
+        let own = validate::own_problem(rules, &stages, &group, n_microbatches);
         // Every rank's refusal and settings, exchanged once, so that a refusal or a
         // disagreement is the same error on every rank before any activation moves.
         group
@@ -133,104 +150,6 @@ impl<M: 'static> Runner<M> {
             group,
             meta_batch: None,
         })
-    }
-
-    /// This rank's own problem with its stages and the schedule's settings, if any.
-    fn validate(
-        kind: Kind,
-        stages: &[PipelineStage<M>],
-        group: &ProcessGroup,
-        n: usize,
-    ) -> Option<PipelineProblem> {
-        let (rank, group_size) = (group.rank(), group.world_size());
-        let num_stages = stages[0].num_stages();
-        if group_size < 2 {
-            return Some(PipelineProblem::GroupTooSmall { group_size });
-        }
-        if stages
-            .iter()
-            .any(|s| s.group().group_name() != group.group_name() || s.num_stages() != num_stages)
-        {
-            return Some(PipelineProblem::Groups);
-        }
-        let multi_stage = matches!(
-            kind,
-            Kind::Interleaved | Kind::ZeroBubble | Kind::ZeroBubbleV
-        );
-        if !multi_stage && stages.len() != 1 {
-            return Some(PipelineProblem::NumStages {
-                num_stages,
-                group_size,
-                local_stages: stages.len(),
-            });
-        }
-        for s in stages {
-            if s.stage_index() >= num_stages {
-                return Some(PipelineProblem::StageIndex {
-                    stage_index: s.stage_index(),
-                    num_stages,
-                });
-            }
-        }
-        if kind == Kind::ZeroBubbleV && stages.len() != 2 {
-            return Some(PipelineProblem::TwoStagesPerRank {
-                local_stages: stages.len(),
-            });
-        }
-        if num_stages != group_size * stages.len() {
-            return Some(PipelineProblem::NumStages {
-                num_stages,
-                group_size,
-                local_stages: stages.len(),
-            });
-        }
-        // Every stage on the rank its placement puts it on (the stages are distinct: as many
-        // as the ranks' share, each on this rank).
-        let distinct = stages
-            .windows(2)
-            .all(|w| w[0].stage_index() != w[1].stage_index());
-        for s in stages {
-            if s.expected_rank() != rank || !distinct {
-                let stage_index = s.stage_index();
-                return Some(match kind.placement() {
-                    Placement::V => PipelineProblem::VPlacement {
-                        stage_index,
-                        rank,
-                        group_size,
-                    },
-                    Placement::Loop => PipelineProblem::Placement {
-                        stage_index,
-                        rank,
-                        group_size,
-                    },
-                });
-            }
-        }
-        if n == 0 {
-            return Some(PipelineProblem::ZeroMicrobatches);
-        }
-        if kind == Kind::OneFOneB && n < num_stages {
-            return Some(PipelineProblem::FewerMicrobatchesThanStages {
-                n_microbatches: n,
-                num_stages,
-            });
-        }
-        if matches!(kind, Kind::Interleaved | Kind::ZeroBubble) {
-            let (rounds, _) = order::rounds(group_size, n);
-            if !n.is_multiple_of(rounds) {
-                return Some(PipelineProblem::Rounds {
-                    n_microbatches: n,
-                    rounds,
-                });
-            }
-        }
-        if !tags_fit(num_stages, n) {
-            return Some(PipelineProblem::TooManyTags {
-                num_stages,
-                n_microbatches: n,
-            });
-        }
-        None
     }
 
     fn holds_first(&self) -> bool {
