@@ -4,9 +4,11 @@
 //! `torch/distributed/pipelining/schedules.py`.
 //!
 //! A schedule owns its stages. Its constructor checks, on every rank of the pipeline's group
-//! together (one small all-reduce), that the stages and microbatch count fit and that every
-//! rank was given the same settings; [`step`](Schedule1F1B::step) checks the batch the same
-//! way, then runs the rank's order of work (see `order.rs`).
+//! together (one small all-reduce, `ProcessGroup::agree_on_values`), that the stages and
+//! microbatch count fit (each rank's own checks: `validate.rs`) and that every rank was
+//! given the same settings; [`step`](Schedule1F1B::step) checks the batch the same way
+//! (`microbatch.rs`), then runs the rank's order of work (see `order.rs`), the stages'
+//! transfers going through their transports (`transport.rs`).
 //!
 //! Loss and gradient scaling as PyTorch's `scale_grads=True` (the default): the loss is
 //! computed per microbatch on the last stage, `losses` receives each microbatch's loss, and
