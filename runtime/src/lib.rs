@@ -36,6 +36,7 @@ use c10d::{
 pub use autograd::{
     autograd_mark, backward_input, checkpointed, Recomputation, UseGuard, WeightBackward,
 };
+pub use c10d::verify::Refusal;
 pub use coalesced::BROADCAST_BUCKET_BYTES;
 pub use collectives::{ReduceOp, Work};
 pub use devices::{first_shared_gpu, DeviceClaim};

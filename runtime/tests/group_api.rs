@@ -1,12 +1,13 @@
 //! The rest of a process group's public surface, as real processes over 127.0.0.1: the
 //! rendezvous store, subgroup ranks, work handles and their timeouts, checking that ranks
-//! pass the same tensors, coalesced broadcasts, and the multi-process harness's own guard.
+//! pass the same tensors and agree on settings, coalesced broadcasts, and the multi-process
+//! harness's own guard.
 
 use std::time::{Duration, Instant};
 
 use tch::{Kind, Tensor};
 use tch_dist_runtime::testing::{run_ranks, worker};
-use tch_dist_runtime::{Backend, DistError, Mismatch, BROADCAST_BUCKET_BYTES};
+use tch_dist_runtime::{Backend, DistError, Mismatch, Refusal, BROADCAST_BUCKET_BYTES};
 
 #[test]
 fn store_set_get_add() {
@@ -139,6 +140,54 @@ fn verify_same_tensors_names_the_first_difference_on_every_rank() {
                 ),
                 "{err}"
             );
+        },
+    );
+}
+
+#[test]
+fn agree_on_values_names_who_refused_and_what_differs_on_every_rank() {
+    run_ranks(
+        "agree_on_values_names_who_refused_and_what_differs_on_every_rank",
+        3,
+        |pg| {
+            let rank = pg.rank();
+            let same = [("stages", 4), ("microbatches", 8)];
+            assert_eq!(pg.agree_on_values("test", None::<&str>, &same), Ok(()));
+            // Ranks 1 and 2 refuse: each reports its own problem, rank 0 the lowest refusal.
+            let own = (rank > 0).then_some("too few microbatches");
+            let verdict = pg.agree_on_values("test", own, &same);
+            match rank {
+                0 => assert_eq!(verdict, Err(Refusal::Peer { rank: 1 })),
+                _ => assert_eq!(verdict, Err(Refusal::Own("too few microbatches"))),
+            }
+            // Rank 2 was given 16 microbatches: the first setting that differs, against the
+            // lowest rank with another value.
+            let microbatches = if rank == 2 { 16 } else { 8 };
+            let verdict = pg.agree_on_values(
+                "test",
+                None::<&str>,
+                &[("stages", 4), ("microbatches", microbatches)],
+            );
+            let (other_rank, other) = if rank == 2 { (0, 8) } else { (2, 16) };
+            assert_eq!(
+                verdict,
+                Err(Refusal::Differs {
+                    setting: "microbatches",
+                    this: microbatches,
+                    other_rank,
+                    other,
+                })
+            );
+            // Values that need not agree: every rank learns every rank's.
+            let rows = pg
+                .exchange_values("test", None::<&str>, &[rank as i64 * 10, 1])
+                .unwrap();
+            assert_eq!(rows, [[0, 1], [10, 1], [20, 1]]);
+            let refused = pg.exchange_values("test", (rank == 0).then_some(()), &[1]);
+            match rank {
+                0 => assert_eq!(refused, Err(Refusal::Own(()))),
+                _ => assert_eq!(refused, Err(Refusal::Peer { rank: 0 })),
+            }
         },
     );
 }

@@ -4,9 +4,10 @@
 use std::fmt;
 
 use tch_dist_core::hooks::ForwardError;
-use tch_dist_runtime::DistError;
+use tch_dist_runtime::{DistError, Refusal};
 
-use super::stage::TensorMeta;
+use super::meta::TensorMeta;
+use super::placement::Placement;
 
 /// Why a pipeline stage or schedule could not be made, or a step failed.
 #[derive(Debug, thiserror::Error)]
@@ -145,6 +146,36 @@ pub enum PipelineError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+}
+
+impl PipelineError {
+    /// The error of a check every rank of the pipeline made together
+    /// (`ProcessGroup::agree_on_values`): a refusal or a disagreement is
+    /// [`Invalid`](Self::Invalid), an exchange that could not communicate is
+    /// [`Check`](Self::Check).
+    pub(crate) fn refused(
+        rank: usize,
+        op: &'static str,
+        refusal: Refusal<PipelineProblem>,
+    ) -> Self {
+        let problem = match refusal {
+            Refusal::Own(problem) => problem,
+            Refusal::Peer { rank: peer } => PipelineProblem::PeerRefused { peer },
+            Refusal::Differs {
+                setting,
+                this,
+                other_rank,
+                other,
+            } => PipelineProblem::Disagree {
+                setting,
+                this,
+                other_rank,
+                other,
+            },
+            Refusal::Exchange(source) => return PipelineError::Check { rank, op, source },
+        };
+        PipelineError::Invalid { rank, op, problem }
+    }
 }
 
 /// What moves between two stages ([`PipelineError::Transfer`]).
@@ -347,7 +378,7 @@ impl fmt::Display for PipelineProblem {
                 f,
                 "stage {stage_index} belongs on rank {} of the {group_size}-rank group, not on \
                  rank {rank} (the V placement: rank r holds stages r and {}-r)",
-                super::stage::Placement::V.rank_of(*stage_index, *group_size),
+                Placement::V.rank_of(*stage_index, *group_size),
                 2 * group_size - 1
             ),
             PipelineProblem::TwoStagesPerRank { local_stages } => write!(

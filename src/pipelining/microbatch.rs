@@ -9,45 +9,10 @@
 //! step with the same problem. PyTorch's `tensor_split` lets uneven microbatches through
 //! (which changes each microbatch's weight in the mean); here they are refused.
 
-use tch::{Device, Kind, Tensor};
-use tch_dist_runtime::{ProcessGroup, ReduceOp};
+use tch::Tensor;
+use tch_dist_runtime::ProcessGroup;
 
 use super::error::{PipelineError, PipelineProblem};
-
-/// `values` summed over every rank of `group` (each rank fills its own slots, so the sum is
-/// every rank's values): the pipeline's checks before any work, one small all-reduce.
-pub(super) fn sum_over(
-    group: &ProcessGroup,
-    op: &'static str,
-    values: &[i64],
-) -> Result<Vec<i64>, PipelineError> {
-    let rank = group.rank();
-    let failed = |e| PipelineError::Check {
-        rank,
-        op,
-        source: Box::new(e),
-    };
-    let t = Tensor::from_slice(values).to_device(Device::Cpu);
-    group.all_reduce(&t, ReduceOp::Sum).map_err(failed)?;
-    Vec::<i64>::try_from(&t.to_kind(Kind::Int64)).map_err(|_| {
-        failed(tch_dist_runtime::DistError::Internal {
-            rank,
-            op,
-            what: "the check's sums could not be read back",
-        })
-    })
-}
-
-/// What one rank found wrong with its own part of a step's inputs (a code per problem, so
-/// that it travels in an integer tensor).
-fn code(problem: &PipelineProblem) -> i64 {
-    match problem {
-        PipelineProblem::MissingInput => 1,
-        PipelineProblem::MissingTarget => 2,
-        PipelineProblem::GradDisabled => 4,
-        _ => 3,
-    }
-}
 
 /// Checks a step's inputs on every rank together: `input` on the rank holding stage 0,
 /// `target` on the one holding the last stage. Returns the batch's size, or the same error on
@@ -61,7 +26,7 @@ pub(crate) fn check_step(
     input: Option<&Tensor>,
     target: Option<&Tensor>,
 ) -> Result<i64, PipelineError> {
-    let (rank, world) = (group.rank(), group.world_size());
+    let rank = group.rank();
     let rows = |t: &Tensor| t.size().first().copied();
     let mut own: Option<PipelineProblem> = None;
     let (mut input_rows, mut target_rows) = (0i64, 0i64);
@@ -74,31 +39,23 @@ pub(crate) fn check_step(
         match input.map(rows) {
             None => own = Some(PipelineProblem::MissingInput),
             Some(None) => own = Some(PipelineProblem::Scalar),
-            Some(Some(n)) => input_rows = n + 1,
+            Some(Some(n)) => input_rows = n,
         }
     }
     if holds_last && own.is_none() {
         match target.map(rows) {
             None => own = Some(PipelineProblem::MissingTarget),
             Some(None) => own = Some(PipelineProblem::Scalar),
-            Some(Some(n)) => target_rows = n + 1,
+            Some(Some(n)) => target_rows = n,
         }
     }
-    // Each rank's problem code at its slot, then the input's and target's rows (+1, so that
-    // 0 means "not this rank's"), summed: one contributor each.
-    let mut values = vec![0i64; world + 2];
-    values[rank] = own.as_ref().map_or(0, code);
-    values[world] = input_rows;
-    values[world + 1] = target_rows;
-    let all = sum_over(group, op, &values)?;
+    // Every rank's input and target rows (0 where it holds neither): one rank holds each.
+    let every_rank = group
+        .exchange_values(op, own, &[input_rows, target_rows])
+        .map_err(|refusal| PipelineError::refused(rank, op, refusal))?;
+    let sum = |i: usize| every_rank.iter().map(|values| values[i]).sum::<i64>();
     let refuse = |problem| PipelineError::Invalid { rank, op, problem };
-    if let Some(problem) = own {
-        return Err(refuse(problem));
-    }
-    if let Some(peer) = all[..world].iter().position(|&c| c != 0) {
-        return Err(refuse(PipelineProblem::PeerRefused { peer }));
-    }
-    let (batch, target) = (all[world] - 1, all[world + 1] - 1);
+    let (batch, target) = (sum(0), sum(1));
     if batch <= 0 || batch % n_microbatches as i64 != 0 {
         return Err(refuse(PipelineProblem::BatchNotDivisible {
             batch: batch.max(0),
@@ -122,6 +79,7 @@ pub(crate) fn split(x: &Tensor, n: usize) -> Vec<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tch::{Device, Kind};
 
     #[test]
     fn split_gives_equal_views_in_order() {

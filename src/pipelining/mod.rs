@@ -12,11 +12,18 @@
 //!
 //! | file | job | PyTorch |
 //! |---|---|---|
-//! | `stage.rs`: [`PipelineStage`], [`TensorMeta`] | a stage's part, forward/backward per microbatch, activation metadata sent ahead, P2P transfers and their tags, the placements (loop, V) and in-memory handoffs | `stage.py` (`PipelineStage`, `_PipelineStageBase`, `get_fwd_send_ops`, ..., `_shape_inference`, `set_local_fwd_input`), `generate_stage_to_rank_mapping` |
-//! | `schedules.rs`: [`ScheduleGPipe`], [`Schedule1F1B`], [`ScheduleInterleaved1F1B`], [`ScheduleInterleavedZeroBubble`], [`ScheduleZBVZeroBubble`] | the step: checks on every rank, running the order of work, handing activations and gradients between stages of one rank, loss and its scaling | `schedules.py` (`PipelineScheduleSingle`, `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`, `ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`, `scale_grads`) |
+//! | `stage.rs`: [`PipelineStage`] | a stage's part, its forward and backward per microbatch (whole or the input's only, then the weights'), what it keeps between them | `stage.py` (`PipelineStage`, `_PipelineStageBase`: `forward_one_chunk`, `backward_one_chunk`, `backward_weight_one_chunk`) |
+//! | `transport.rs` | a stage's sends, receives and in-memory handoffs to its neighbours, through one route (memory or the group); tags, receives posted ahead, the metadata announced and learnt, an action's sends and handoffs for the schedule | `stage.py` (`get_fwd_send_ops`, `get_bwd_send_ops`, `get_fwd_recv_ops`, `get_bwd_recv_ops`, `set_local_fwd_input`, `set_local_bwd_input`), `schedules.py` (`_batch_p2p`, `_wait_batch_p2p`) |
+//! | `meta.rs`: [`TensorMeta`] | an activation's shape and dtype, and the string that carries it ahead | `stage.py` (`_make_tensor_from_meta`, `_shape_inference`) |
+//! | `placement.rs` | which rank holds each stage: the loop and V placements | `_utils.py` (`generate_stage_to_rank_mapping`) |
+//! | `schedules.rs`: [`ScheduleGPipe`], [`Schedule1F1B`], [`ScheduleInterleaved1F1B`], [`ScheduleInterleavedZeroBubble`], [`ScheduleZBVZeroBubble`] | the step: the ranks' agreement on the settings, running the order of work, delivering handoffs, waiting for sends, loss and its scaling | `schedules.py` (`PipelineScheduleSingle`, `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`, `ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`, `scale_grads`) |
+//! | `validate.rs` | a rank's own checks of its stages and microbatch count, by what the schedule asks (plain data) | `schedules.py` (the constructors' `ValueError`s, `_validate_schedule`) |
 //! | `order.rs` | each schedule's order of forwards and backwards on one rank | `schedules.py` (`_step_microbatches`, `_get_1f1b_rank_ops`, `_calculate_single_rank_operations`) |
 //! | `microbatch.rs` | splitting a batch along dim 0, the step's batch check on every rank | `microbatch.py` (`split_args_kwargs_into_chunks`, `TensorChunkSpec`) |
 //! | `error.rs`: [`PipelineError`], [`PipelineProblem`], [`Transfer`] | why a schedule refused or a step failed | the `ValueError`s / `RuntimeError`s of `schedules.py` and `stage.py` |
+//!
+//! Every check that all ranks make together (a schedule's settings, a step's batch) goes
+//! through the runtime's `ProcessGroup::agree_on_values` / `exchange_values`.
 //!
 //! ```no_run
 //! use tch::nn::{self, Module};
@@ -41,14 +48,19 @@
 //! ```
 
 mod error;
+mod meta;
 mod microbatch;
 mod order;
+mod placement;
 mod schedules;
 mod stage;
+mod transport;
+mod validate;
 
 pub use error::{PipelineError, PipelineProblem, Transfer};
+pub use meta::TensorMeta;
 pub use schedules::{
     Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 };
-pub use stage::{PipelineStage, TensorMeta};
+pub use stage::PipelineStage;

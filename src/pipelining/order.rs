@@ -6,7 +6,7 @@
 //! `ScheduleInterleavedZeroBubble._calculate_single_rank_operations`).
 //!
 //! Communication is not in the lists: a forward receives its input just before it runs and
-//! sends its output right after, a backward likewise with gradients (see `stage.rs`).
+//! sends its output right after, a backward likewise with gradients (see `transport.rs`).
 
 use std::collections::BTreeMap;
 

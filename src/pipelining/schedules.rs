@@ -4,9 +4,11 @@
 //! `torch/distributed/pipelining/schedules.py`.
 //!
 //! A schedule owns its stages. Its constructor checks, on every rank of the pipeline's group
-//! together (one small all-reduce), that the stages and microbatch count fit and that every
-//! rank was given the same settings; [`step`](Schedule1F1B::step) checks the batch the same
-//! way, then runs the rank's order of work (see `order.rs`).
+//! together (one small all-reduce, `ProcessGroup::agree_on_values`), that the stages and
+//! microbatch count fit (each rank's own checks: `validate.rs`) and that every rank was
+//! given the same settings; [`step`](Schedule1F1B::step) checks the batch the same way
+//! (`microbatch.rs`), then runs the rank's order of work (see `order.rs`), the stages'
+//! transfers going through their transports (`transport.rs`).
 //!
 //! Loss and gradient scaling as PyTorch's `scale_grads=True` (the default): the loss is
 //! computed per microbatch on the last stage, `losses` receives each microbatch's loss, and
@@ -26,7 +28,10 @@ use tch_dist_runtime::ProcessGroup;
 use super::error::{PipelineError, PipelineProblem};
 use super::microbatch::{check_step, split};
 use super::order::{self, Action, Work};
-use super::stage::{tags_fit, Handoff, PendingSend, PipelineStage, Placement};
+use super::placement::Placement;
+use super::stage::{BackwardPart, PipelineStage};
+use super::transport::Outbox;
+use super::validate::{self, Microbatches, Rules, StagesPerRank};
 
 /// The loss of the last stage: `loss_fn(output, target)` for one microbatch (the mean over
 /// its samples, as PyTorch's default `scale_grads=True` assumes).
@@ -57,11 +62,26 @@ enum Kind {
 }
 
 impl Kind {
-    /// Where the schedule's stages live.
-    fn placement(self) -> Placement {
-        match self {
-            Kind::ZeroBubbleV => Placement::V,
-            _ => Placement::Loop,
+    /// What the schedule asks of its stages and microbatches.
+    fn rules(self) -> Rules {
+        let (placement, stages_per_rank, microbatches) = match self {
+            Kind::GPipe => (Placement::Loop, StagesPerRank::One, Microbatches::Any),
+            Kind::OneFOneB => (
+                Placement::Loop,
+                StagesPerRank::One,
+                Microbatches::AtLeastOnePerStage,
+            ),
+            Kind::Interleaved | Kind::ZeroBubble => (
+                Placement::Loop,
+                StagesPerRank::Several,
+                Microbatches::InRounds,
+            ),
+            Kind::ZeroBubbleV => (Placement::V, StagesPerRank::Two, Microbatches::Any),
+        };
+        Rules {
+            placement,
+            stages_per_rank,
+            microbatches,
         }
     }
 }
@@ -82,8 +102,9 @@ impl<M: 'static> Runner<M> {
         loss_fn: LossFn,
     ) -> Result<Self, PipelineError> {
         stages.sort_by_key(PipelineStage::stage_index);
+        let rules = kind.rules();
         for s in &mut stages {
-            s.set_placement(kind.placement());
+            s.set_placement(rules.placement);
         }
         let Some(first) = stages.first() else {
             return Err(PipelineError::Invalid {
@@ -95,18 +116,21 @@ impl<M: 'static> Runner<M> {
         let group = first.group().clone();
         let (rank, group_size) = (group.rank(), group.world_size());
         let num_stages = first.num_stages();
-        let own = Self::validate(kind, &stages, &group, n_microbatches);
-        agree(
-            &group,
-            op,
-            own,
-            [
-                ("num_stages", num_stages as i64),
-                ("n_microbatches", n_microbatches as i64),
-                ("schedule", kind as i64),
-                ("stages per rank", stages.len() as i64),
-            ],
-        )?;
+        let own = validate::own_problem(rules, &stages, &group, n_microbatches);
+        // Every rank's refusal and settings, exchanged once, so that a refusal or a
+        // disagreement is the same error on every rank before any activation moves.
+        group
+            .agree_on_values(
+                op,
+                own,
+                &[
+                    ("num_stages", num_stages as i64),
+                    ("n_microbatches", n_microbatches as i64),
+                    ("schedule", kind as i64),
+                    ("stages per rank", stages.len() as i64),
+                ],
+            )
+            .map_err(|refusal| PipelineError::refused(rank, op, refusal))?;
         let order = match kind {
             Kind::GPipe => order::gpipe(first.stage_index(), n_microbatches),
             Kind::OneFOneB => order::one_f_one_b(first.stage_index(), num_stages, n_microbatches),
@@ -128,104 +152,6 @@ impl<M: 'static> Runner<M> {
             group,
             meta_batch: None,
         })
-    }
-
-    /// This rank's own problem with its stages and the schedule's settings, if any.
-    fn validate(
-        kind: Kind,
-        stages: &[PipelineStage<M>],
-        group: &ProcessGroup,
-        n: usize,
-    ) -> Option<PipelineProblem> {
-        let (rank, group_size) = (group.rank(), group.world_size());
-        let num_stages = stages[0].num_stages();
-        if group_size < 2 {
-            return Some(PipelineProblem::GroupTooSmall { group_size });
-        }
-        if stages
-            .iter()
-            .any(|s| s.group().group_name() != group.group_name() || s.num_stages() != num_stages)
-        {
-            return Some(PipelineProblem::Groups);
-        }
-        let multi_stage = matches!(
-            kind,
-            Kind::Interleaved | Kind::ZeroBubble | Kind::ZeroBubbleV
-        );
-        if !multi_stage && stages.len() != 1 {
-            return Some(PipelineProblem::NumStages {
-                num_stages,
-                group_size,
-                local_stages: stages.len(),
-            });
-        }
-        for s in stages {
-            if s.stage_index() >= num_stages {
-                return Some(PipelineProblem::StageIndex {
-                    stage_index: s.stage_index(),
-                    num_stages,
-                });
-            }
-        }
-        if kind == Kind::ZeroBubbleV && stages.len() != 2 {
-            return Some(PipelineProblem::TwoStagesPerRank {
-                local_stages: stages.len(),
-            });
-        }
-        if num_stages != group_size * stages.len() {
-            return Some(PipelineProblem::NumStages {
-                num_stages,
-                group_size,
-                local_stages: stages.len(),
-            });
-        }
-        // Every stage on the rank its placement puts it on (the stages are distinct: as many
-        // as the ranks' share, each on this rank).
-        let distinct = stages
-            .windows(2)
-            .all(|w| w[0].stage_index() != w[1].stage_index());
-        for s in stages {
-            if s.expected_rank() != rank || !distinct {
-                let stage_index = s.stage_index();
-                return Some(match kind.placement() {
-                    Placement::V => PipelineProblem::VPlacement {
-                        stage_index,
-                        rank,
-                        group_size,
-                    },
-                    Placement::Loop => PipelineProblem::Placement {
-                        stage_index,
-                        rank,
-                        group_size,
-                    },
-                });
-            }
-        }
-        if n == 0 {
-            return Some(PipelineProblem::ZeroMicrobatches);
-        }
-        if kind == Kind::OneFOneB && n < num_stages {
-            return Some(PipelineProblem::FewerMicrobatchesThanStages {
-                n_microbatches: n,
-                num_stages,
-            });
-        }
-        if matches!(kind, Kind::Interleaved | Kind::ZeroBubble) {
-            let (rounds, _) = order::rounds(group_size, n);
-            if !n.is_multiple_of(rounds) {
-                return Some(PipelineProblem::Rounds {
-                    n_microbatches: n,
-                    rounds,
-                });
-            }
-        }
-        if !tags_fit(num_stages, n) {
-            return Some(PipelineProblem::TooManyTags {
-                num_stages,
-                n_microbatches: n,
-            });
-        }
-        None
     }
 
     fn holds_first(&self) -> bool {
@@ -260,17 +186,18 @@ impl<M: 'static> Runner<M> {
         }
         let inputs = input.filter(|_| self.holds_first()).map(|x| split(x, n));
         let targets = target.filter(|_| self.holds_last()).map(|y| split(y, n));
-        let mut pending = Vec::new();
+        let mut outbox = Outbox::default();
         let mut step_losses: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
         let result = self.run(
             inputs.as_deref(),
             targets.as_deref(),
-            &mut pending,
+            &mut outbox,
             &mut step_losses,
         );
         let rank = self.group.rank();
         // Every send is waited for, also after a failure (its own error comes second).
-        let sent = pending
+        let sent = outbox
+            .sends
             .into_iter()
             .map(|p| p.wait(rank))
             .collect::<Result<Vec<()>, _>>();
@@ -294,16 +221,15 @@ impl<M: 'static> Runner<M> {
         &mut self,
         inputs: Option<&[Tensor]>,
         targets: Option<&[Tensor]>,
-        pending: &mut Vec<PendingSend>,
+        outbox: &mut Outbox,
         losses: &mut [Option<Tensor>],
     ) -> Result<(), PipelineError> {
         let n = self.n_microbatches;
         let rank = self.group.rank();
-        let mut handoffs: Vec<Handoff> = Vec::new();
         for a in self.order.clone() {
             // What the previous action handed to a stage on this rank (the V placement's
             // turn), delivered before anything can need it.
-            for h in handoffs.drain(..) {
+            for h in outbox.handoffs.drain(..) {
                 if let Some(to) = self.stages.iter_mut().find(|s| s.stage_index() == h.to) {
                     to.take_handoff(h);
                 }
@@ -360,14 +286,12 @@ impl<M: 'static> Runner<M> {
                         };
                         stage.set_loss(mb, root);
                     } else {
-                        stage.send_activation(mb, &output, pending, &mut handoffs)?;
+                        stage.send_activation(mb, &output, outbox)?;
                     }
                 }
-                Work::Backward => {
-                    stage.backward_one_chunk(mb, mb + 1 == n, false, pending, &mut handoffs)?
-                }
+                Work::Backward => stage.backward_one_chunk(mb, n, BackwardPart::Whole, outbox)?,
                 Work::BackwardInput => {
-                    stage.backward_one_chunk(mb, mb + 1 == n, true, pending, &mut handoffs)?
+                    stage.backward_one_chunk(mb, n, BackwardPart::InputOnly, outbox)?
                 }
                 Work::BackwardWeight => stage.backward_weight_one_chunk(mb)?,
             }
@@ -392,42 +316,6 @@ fn forward_catching<M: 'static>(
             source: ForwardError::new(panic_text(p)),
         })
     })
-}
-
-/// Every rank's settings and whether it refused, exchanged once, so that a refusal or a
-/// disagreement is the same error on every rank before any activation moves.
-fn agree(
-    group: &ProcessGroup,
-    op: &'static str,
-    own: Option<PipelineProblem>,
-    settings: [(&'static str, i64); 4],
-) -> Result<(), PipelineError> {
-    let (rank, world) = (group.rank(), group.world_size());
-    const W: usize = 5;
-    let mut values = vec![0i64; world * W];
-    for (i, (_, v)) in settings.iter().enumerate() {
-        values[rank * W + i] = *v;
-    }
-    values[rank * W + 4] = i64::from(own.is_some());
-    let all = super::microbatch::sum_over(group, op, &values)?;
-    let refuse = |problem| PipelineError::Invalid { rank, op, problem };
-    if let Some(problem) = own {
-        return Err(refuse(problem));
-    }
-    if let Some(peer) = (0..world).find(|r| all[r * W + 4] != 0) {
-        return Err(refuse(PipelineProblem::PeerRefused { peer }));
-    }
-    for (i, (setting, this)) in settings.iter().enumerate() {
-        if let Some(other_rank) = (0..world).find(|r| all[r * W + i] != *this) {
-            return Err(refuse(PipelineProblem::Disagree {
-                setting,
-                this: *this,
-                other_rank,
-                other: all[other_rank * W + i],
-            }));
-        }
-    }
-    Ok(())
 }
 
 /// The methods every schedule has, over its `runner`.

@@ -12,7 +12,7 @@
 //! | `collectives.rs` | collectives on `tch::Tensor`, blocking and async (`Work`) | `distributed_c10d.py`'s collectives, `Work.hpp` |
 //! | `coalesced.rs` | broadcasting many tensors as a few flat buffers | `_broadcast_coalesced` (`torch/csrc/distributed/c10d/comm.cpp`) |
 //! | `objects.rs` | object collectives that meet PyTorch's on the wire (strings, bytes) | `broadcast_object_list`, `all_gather_object` |
-//! | `verify.rs` | every rank passes the same tensors (name, shape, dtype) | `_verify_param_shape_across_processes` |
+//! | `verify.rs` | every rank passes the same tensors (name, shape, dtype), the same options; ranks agree on a check each made and on integer settings (`agree`, `agree_on_values`) | `_verify_param_shape_across_processes` |
 //! | `desync.rs` | reading the shim's `TCH_DIST_DEBUG=DETAIL` reports into `Desync` values | `ProcessGroupWrapper.cpp` |
 //! | `devices.rs` | each rank's claim on its GPU; no two ranks of an NCCL group on one GPU | `torch.cuda.set_device`, NCCL's "Duplicate GPU detected" |
 //! | `exchange.rs` | what the tch-dist ranks of a group tell each other through the store (agreements a PyTorch rank takes no part in) | (none) |

@@ -1,13 +1,46 @@
 //! Checks that every rank passes the same tensors (PyTorch's
 //! `_verify_param_shape_across_processes`): every rank all-gathers every rank's list of
 //! (name, shape, dtype) in one encoding, compares it with the reference rank's, and all fail
-//! together, each naming the first difference.
+//! together, each naming the first difference. Also the agreements before work that one
+//! rank's refusal would otherwise leave its peers waiting for: [`ProcessGroup::agree`] (a
+//! check each rank made), [`ProcessGroup::agree_on_values`] and
+//! [`ProcessGroup::exchange_values`] (a check and integer settings, in one all-reduce).
 
 use tch::{Device, Kind, Tensor};
 use tch_dist_core::sharding::Dtype;
 
+use crate::c10d::collectives::ReduceOp;
+use crate::c10d::group::ProcessGroup;
 use crate::error::{DistError, Mismatch, MisuseProblem, NamedSignature, Result, TensorSignature};
-use crate::process_group::ProcessGroup;
+
+/// Why the ranks of a group did not agree ([`ProcessGroup::agree_on_values`],
+/// [`ProcessGroup::exchange_values`]). Every rank learns the same facts and reports them in
+/// the same order: its own problem first (as the caller gave it), else the lowest rank that
+/// refused, else the first setting that differs; so a refusal on one rank fails the call on
+/// every rank, each naming what it knows.
+#[derive(Debug, PartialEq)]
+pub enum Refusal<P> {
+    /// This rank's own check failed: its problem, given back.
+    Own(P),
+    /// Another rank's own check failed (its own error says why).
+    Peer {
+        /// The lowest such rank of the group.
+        rank: usize,
+    },
+    /// Every rank passed its own check, but was given another value of a setting.
+    Differs {
+        /// The setting's name (the first that differs, in the order given).
+        setting: &'static str,
+        /// This rank's value.
+        this: i64,
+        /// The lowest rank whose value differs from this rank's.
+        other_rank: usize,
+        /// Its value.
+        other: i64,
+    },
+    /// The exchange itself failed (boxed, so that every `Result` stays small).
+    Exchange(Box<DistError>),
+}
 
 impl ProcessGroup {
     /// Fails on every rank, with a [`DistError::Mismatch`] naming the first difference, unless
@@ -86,6 +119,112 @@ impl ProcessGroup {
             .into()),
             local => local,
         }
+    }
+
+    /// Checks, on every rank together (one all-reduce), that no rank refused and that every
+    /// rank was given the same value of each of `settings`; `own_problem` is what this rank's
+    /// own check found wrong, if anything. On every rank the verdict is the same but for who
+    /// says what: [`Refusal::Own`] on a rank that refused, [`Refusal::Peer`] naming the
+    /// lowest one that refused on the others, else [`Refusal::Differs`] naming the first
+    /// setting that differs and the lowest rank with another value of it. Every rank passes
+    /// the same settings (names and their order); only the values are exchanged.
+    ///
+    /// ```no_run
+    /// use tch_dist_runtime::Refusal;
+    /// # let pg = tch_dist_runtime::default_group()?;
+    /// let n_microbatches = 8;
+    /// let own = (n_microbatches == 0).then_some("n_microbatches must be at least 1");
+    /// match pg.agree_on_values("MySchedule::new", own, &[("n_microbatches", n_microbatches)]) {
+    ///     Ok(()) => {}
+    ///     Err(Refusal::Own(problem)) => eprintln!("{problem}"),
+    ///     Err(Refusal::Peer { rank }) => eprintln!("rank {rank} refused"),
+    ///     Err(Refusal::Differs { setting, this, other_rank, other }) => {
+    ///         eprintln!("{setting} is {this} here but {other} on rank {other_rank}")
+    ///     }
+    ///     Err(Refusal::Exchange(e)) => return Err(*e),
+    /// }
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
+    pub fn agree_on_values<P>(
+        &self,
+        op: &'static str,
+        own_problem: Option<P>,
+        settings: &[(&'static str, i64)],
+    ) -> std::result::Result<(), Refusal<P>> {
+        let values: Vec<i64> = settings.iter().map(|&(_, value)| value).collect();
+        let every_rank = self.exchange_values(op, own_problem, &values)?;
+        for (i, &(setting, this)) in settings.iter().enumerate() {
+            if let Some((other_rank, other)) = every_rank
+                .iter()
+                .map(|values| values[i])
+                .enumerate()
+                .find(|&(_, other)| other != this)
+            {
+                return Err(Refusal::Differs {
+                    setting,
+                    this,
+                    other_rank,
+                    other,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Every rank's `values`, in rank order, once no rank refused: the exchange of
+    /// [`agree_on_values`](Self::agree_on_values) where the values need not be equal (each
+    /// rank contributes what only it knows; a value that is no rank's stays 0). Refused as
+    /// `agree_on_values` refuses, but never with [`Refusal::Differs`]. Every rank passes as
+    /// many values.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let pg = tch_dist_runtime::default_group()?;
+    /// // Only rank 0 holds the batch: every rank learns its size.
+    /// let rows = if pg.rank() == 0 { 32 } else { 0 };
+    /// let every_rank = pg
+    ///     .exchange_values("step", None::<&str>, &[rows])
+    ///     .map_err(|refusal| format!("{refusal:?}"))?;
+    /// let batch: i64 = every_rank.iter().map(|values| values[0]).sum();
+    /// # Ok(()) }
+    /// ```
+    pub fn exchange_values<P>(
+        &self,
+        op: &'static str,
+        own_problem: Option<P>,
+        values: &[i64],
+    ) -> std::result::Result<Vec<Vec<i64>>, Refusal<P>> {
+        let (rank, world) = (self.rank(), self.world_size());
+        // Every rank fills its own row of a zeroed table (its values, then whether it
+        // refused), so that the table's sum over the ranks is every rank's rows.
+        let width = values.len() + 1;
+        let mut table = vec![0i64; world * width];
+        let row = &mut table[rank * width..(rank + 1) * width];
+        row[..values.len()].copy_from_slice(values);
+        row[values.len()] = i64::from(own_problem.is_some());
+        let summed = self
+            .sum_over_ranks(op, &table)
+            .map_err(|e| Refusal::Exchange(Box::new(e)))?;
+        if let Some(problem) = own_problem {
+            return Err(Refusal::Own(problem));
+        }
+        let mut rows: Vec<Vec<i64>> = summed.chunks(width).map(<[i64]>::to_vec).collect();
+        if let Some(peer) = rows.iter().position(|row| row[values.len()] != 0) {
+            return Err(Refusal::Peer { rank: peer });
+        }
+        rows.iter_mut().for_each(|row| row.truncate(values.len()));
+        Ok(rows)
+    }
+
+    /// `values` summed over every rank (one all-reduce on the CPU).
+    fn sum_over_ranks(&self, op: &'static str, values: &[i64]) -> Result<Vec<i64>> {
+        let t = Tensor::from_slice(values);
+        self.all_reduce(&t, ReduceOp::Sum)?;
+        Vec::<i64>::try_from(&t.to_kind(Kind::Int64)).map_err(|_| DistError::Internal {
+            rank: self.rank(),
+            op,
+            what: "the check's sums could not be read back",
+        })
     }
 
     /// Fails on every rank, with a [`DistError::Mismatch`] naming the first option that
