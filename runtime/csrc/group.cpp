@@ -67,9 +67,10 @@ void shutdown_backends(Backends& b) {
 // comma-separated GLOO_SOCKET_IFNAME entry, else one default device (this machine's hostname,
 // falling back to loopback), each with c10d's default lazy init (TORCH_GLOO_LAZY_INIT), and
 // two threads per device. Collectives are spread over the devices by tag, so every rank of a
-// group, PyTorch's included, must create as many. `host` (a loopback rendezvous) replaces the
-// default device's address by 127.0.0.1 when GLOO_SOCKET_IFNAME is unset: same count of
-// devices, an address every local peer reaches.
+// group, PyTorch's included, must create as many. `host` (runtime/src/c10d/interface.rs:
+// 127.0.0.1 for a loopback rendezvous, else the source address of the route to MASTER_ADDR)
+// replaces the default device's address when GLOO_SOCKET_IFNAME is unset: the same count of
+// devices, at an address the peers reach (the hostname's may be loopback).
 void add_gloo_devices(c10d::ProcessGroupGloo::Options& opts, const std::string& host) {
   bool lazy = c10d::getDefaultGlooLazyInit();
   const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");

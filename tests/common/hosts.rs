@@ -7,6 +7,8 @@
 //! ../shared/MULTIHOST.md has the commands and the facts, docs/ARCHITECTURE.md ("The
 //! multi-host tier") how to add a case.
 
+#![allow(dead_code)] // each includer uses part of it
+
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -72,6 +74,15 @@ fn sweep() {
             remove_namespace(&ns);
         }
     }
+}
+
+/// A host's link state, for [`Hosts::link`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Link {
+    /// Connected.
+    Up,
+    /// Cut: the host's peers hear nothing more from it, not even a reset.
+    Down,
 }
 
 /// `count` hosts on one switch; removed when dropped.
@@ -155,9 +166,12 @@ impl Hosts {
         cmd
     }
 
-    /// Puts host `i`'s link down (a cut cable: its peers hear nothing more) or up.
-    pub fn link(&self, i: usize, up: bool) {
-        let state = if up { "up" } else { "down" };
+    /// Puts host `i`'s link down (a cut cable: its peers hear nothing more) or up again.
+    pub fn link(&self, i: usize, state: Link) {
+        let state = match state {
+            Link::Up => "up",
+            Link::Down => "down",
+        };
         ip(&["-n", &self.name(i), "link", "set", "eth0", state]);
     }
 

@@ -7,6 +7,7 @@
 //! |---|---|---|
 //! | `env.rs` | the launch environment: torchrun's variables, then Slurm's; debug level, switches, default timeouts | `torch/distributed/rendezvous.py` (`_env_rendezvous_handler`), `distributed_c10d.py`'s `_get_default_timeout` |
 //! | `rendezvous.rs` | the rendezvous steps, each by one deadline: resolving MASTER_ADDR, waiting for a listener, the run id, join keys, who never came, the store-based barrier, every member connected (`all_connected`) | `rendezvous.py`, `distributed_c10d.py`'s `_store_based_barrier` |
+//! | `interface.rs` | the address a rank's Gloo devices bind: `GLOO_SOCKET_IFNAME`'s interfaces, else the source address of the route to `MASTER_ADDR` | `ProcessGroupGloo::createDefaultDevice` (which binds the hostname's address, even loopback) |
 //! | `store.rs` | `Store`: the TCPStore and prefix stores | `torch/csrc/distributed/c10d/TCPStore.hpp`, `PrefixStore.hpp` |
 //! | `group/` | `ProcessGroup`, `Backend`, `InitOptions`/`GroupOptions`, creating groups, the default group (its own table) | `ProcessGroup.hpp`, `distributed_c10d.py` (`init_process_group`, `new_group`, `_world`) |
 //! | `collectives.rs` | collectives on `tch::Tensor`, blocking and async (`Work`) | `distributed_c10d.py`'s collectives, `Work.hpp` |
@@ -26,6 +27,7 @@ pub(crate) mod devices;
 pub(crate) mod env;
 pub(crate) mod exchange;
 pub(crate) mod group;
+pub(crate) mod interface;
 pub(crate) mod objects;
 pub(crate) mod rendezvous;
 pub(crate) mod store;

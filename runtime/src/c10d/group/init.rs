@@ -9,9 +9,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::c10d::interface::gloo_host;
 use crate::departures::WatchStore;
 use crate::devices::DeviceClaim;
-use crate::env::{is_loopback, DebugLevel};
+use crate::env::DebugLevel;
 use crate::error::{ArgumentError, DistError, EnvError, RendezvousError, Result};
 use crate::ffi;
 use crate::rendezvous::{self, Deadline};
@@ -464,15 +465,6 @@ fn subgroup_never_joined(
     })
 }
 
-/// The address Gloo binds: loopback when the rendezvous is on loopback, else its own pick.
-fn gloo_host(master_addr: &str) -> &'static str {
-    if is_loopback(master_addr) {
-        "127.0.0.1"
-    } else {
-        ""
-    }
-}
-
 /// DETAIL in a job with ranks that wrote no join key (PyTorch's): the group makes c10d's
 /// checks only, which those ranks make too (see docs/ARCHITECTURE.md, "Rendezvous and
 /// naming").
@@ -508,7 +500,8 @@ struct NewBackends {
     timeout: Duration,
     /// What is left of the deadline for the backends' rendezvous.
     rendezvous: Duration,
-    gloo_host: &'static str,
+    /// The address Gloo binds (`interface.rs`; `""` for Gloo's own pick).
+    gloo_host: String,
     backend: Backend,
     device: Option<usize>,
     cuda_via_gloo: bool,
@@ -518,8 +511,8 @@ struct NewBackends {
 impl NewBackends {
     /// The group's backends, rendezvoused over `store`.
     fn create(&self, store: &Store) -> std::result::Result<GroupHandle, String> {
-        let host =
-            CString::new(self.gloo_host).map_err(|_| "host contains a NUL byte".to_string())?;
+        let host = CString::new(self.gloo_host.as_str())
+            .map_err(|_| "host contains a NUL byte".to_string())?;
         let name = CString::new(self.name.as_str())
             .map_err(|_| "group name contains a NUL byte".to_string())?;
         let mut out = std::ptr::null_mut();
