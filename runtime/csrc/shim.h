@@ -86,8 +86,11 @@ void tdr_bytes_free(uint8_t* data);
 // one listens, so that c10d's retry loop does not run); `timeout_ms` bounds every later wait.
 // The first store created in the process also configures c10's logging (no C++ backtraces
 // unless TORCH_SHOW_CPP_STACKTRACES=1).
-char* tdr_store_tcp(const char* host, uint16_t port, bool is_server, int world_size,
-                    int64_t connect_timeout_ms, int64_t timeout_ms, TdrStore** out);
+// `listen_fd`: for a server, a socket already listening where it should (taken over and
+// closed with the store), or -1 for the TCPStore's own (every interface).
+char* tdr_store_tcp(const char* host, uint16_t port, bool is_server, int listen_fd,
+                    int world_size, int64_t connect_timeout_ms, int64_t timeout_ms,
+                    TdrStore** out);
 // PyTorch's TCPStore handshake (`wait_for_workers=True`): the rank checks in on the store's
 // worker count; the server then waits for world_size ranks, at most `timeout_ms`.
 char* tdr_store_check_in(TdrStore* s, int64_t timeout_ms);

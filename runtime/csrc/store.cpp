@@ -14,13 +14,17 @@ using namespace tdr;
 
 extern "C" {
 
-char* tdr_store_tcp(const char* host, uint16_t port, bool is_server, int world_size,
-                    int64_t connect_timeout_ms, int64_t timeout_ms, TdrStore** out) {
+char* tdr_store_tcp(const char* host, uint16_t port, bool is_server, int listen_fd,
+                    int world_size, int64_t connect_timeout_ms, int64_t timeout_ms,
+                    TdrStore** out) {
   TDR_TRY
   configure_logging();
   c10d::TCPStoreOptions opts;
   opts.port = port;
   opts.isServer = is_server;
+  if (is_server && listen_fd >= 0) {
+    opts.masterListenFd = listen_fd;
+  }
   opts.numWorkers = world_size;
   opts.waitWorkers = false;
   opts.timeout = Millis(connect_timeout_ms);

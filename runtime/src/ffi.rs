@@ -133,6 +133,7 @@ extern "C" {
         host: *const c_char,
         port: u16,
         is_server: bool,
+        listen_fd: c_int,
         world_size: c_int,
         connect_timeout_ms: i64,
         timeout_ms: i64,

@@ -5,7 +5,7 @@
 //!
 //! | file | what it tests | PyTorch's counterpart |
 //! | --- | --- | --- |
-//! | `main.rs` | the jobs' plumbing; the interface Gloo binds found without `GLOO_SOCKET_IFNAME` | `test_c10d_gloo.py`'s `test_default_device` ... (none across real hosts) |
+//! | `main.rs` | the jobs' plumbing; the interface Gloo binds found without `GLOO_SOCKET_IFNAME`; the store listening where `MASTER_ADDR` points, deaf to strays | (none: PyTorch's tests stay on one host) |
 
 #[path = "../common/hosts.rs"]
 mod hosts;
@@ -92,6 +92,79 @@ fn two_hosts_connect_without_gloo_socket_ifname() {
         assert!(
             out.contains(&format!("rank {rank} sum=10")),
             "rank {rank}: {}",
+            describe(&ended)
+        );
+    }
+}
+
+/// Runs `script` with bash on host `host`, returning whether it succeeded.
+fn bash_on(hosts: &Hosts, host: usize, script: &str) -> bool {
+    hosts
+        .command(host, "bash")
+        .args(["-c", script])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// The file a test's ranks wait for before their collective (the hosts share this file
+/// system): the parent creates it once its probes are done.
+fn go_file(test: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{test}.go"))
+}
+
+/// The store rank 0 hosts listens where MASTER_ADDR points (10.77.0.1 on host 0), not on
+/// every interface: host 0's own 127.0.0.1:PORT is refused. Stray connections to it — a
+/// port scanner's connect-and-close, an HTTP request, 64 KiB of random bytes — change
+/// nothing: the job then sums as ever.
+#[test]
+fn the_store_listens_where_master_addr_points_and_ignores_strays() {
+    const NAME: &str = "the_store_listens_where_master_addr_points_and_ignores_strays";
+    let go = go_file(NAME);
+    if worker().is_some() {
+        let pg = init_process_group(Backend::Gloo).expect("init_process_group");
+        let start = std::time::Instant::now();
+        while !go.exists() && start.elapsed() < Duration::from_secs(40) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let t = Tensor::from_slice(&[pg.rank() as f32 + 1.0]);
+        pg.all_reduce(&t, ReduceOp::Sum).expect("all_reduce");
+        println!("rank {} sum={}", pg.rank(), t.double_value(&[0]));
+        tch_dist::destroy_process_group();
+        return;
+    }
+    let _ = std::fs::remove_file(&go);
+    let hosts = Hosts::new(2);
+    let jobs: Vec<Job> = (0..2)
+        .map(|node| Job::start(node, job(&hosts, node, 1, NAME)))
+        .collect();
+    let store = format!("/dev/tcp/{}/{PORT}", hosts.addr(0));
+    let reachable = |script: &str| bash_on(&hosts, 1, script);
+    let start = std::time::Instant::now();
+    while !reachable(&format!("exec 3<>{store}")) {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the store never listened"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let loopback = bash_on(&hosts, 0, &format!("exec 3<>/dev/tcp/127.0.0.1/{PORT}"));
+    reachable(&format!("printf 'GET / HTTP/1.0\\r\\n\\r\\n' >{store}"));
+    reachable(&format!("head -c 65536 /dev/urandom >{store}"));
+    reachable(&format!(
+        "exec 3<>{store}; head -c 9 /dev/urandom >&3; sleep 0.2"
+    ));
+    std::fs::write(&go, "").expect("the go file");
+    let ended = Job::wait_all(jobs, Duration::from_secs(60));
+    let _ = std::fs::remove_file(&go);
+    assert!(!loopback, "host 0's 127.0.0.1:{PORT} reached the store");
+    assert!(ended.iter().all(Ended::success), "{}", describe(&ended));
+    let out: String = ended.iter().map(|e| e.stdout.as_str()).collect();
+    for rank in 0..2 {
+        assert!(
+            out.contains(&format!("rank {rank} sum=3")),
+            "{}",
             describe(&ended)
         );
     }

@@ -1,6 +1,7 @@
 //! c10d's key-value stores: the TCPStore every group rendezvouses through, and prefixes.
 
 use std::ffi::CString;
+use std::os::fd::IntoRawFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,6 +38,32 @@ fn store_error(op: &'static str, key: &str, cause: impl Into<String>) -> DistErr
     }
 }
 
+/// The socket rank 0's store listens on: bound to the address `host` (MASTER_ADDR) names on
+/// this machine, so that the store is reached where the job says it is and nowhere else
+/// (PyTorch's TCPStore binds every interface, `::` or `0.0.0.0`). `None` leaves the choice to
+/// the TCPStore: when `host` does not resolve, or names no address of this machine (a
+/// forwarded or virtual address), it listens on every interface as PyTorch's does, and says
+/// so; when the port is taken, the TCPStore's own error names it.
+fn listen_where(host: &str, port: u16) -> Option<std::net::TcpListener> {
+    use std::net::ToSocketAddrs;
+    let addrs: Vec<_> = (host, port).to_socket_addrs().ok()?.collect();
+    let mut not_here = None;
+    for addr in &addrs {
+        match std::net::TcpListener::bind(addr) {
+            Ok(listener) => return Some(listener),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => not_here = Some(e),
+            Err(_) => return None,
+        }
+    }
+    if let Some(e) = not_here {
+        eprintln!(
+            "tch-dist: the store listens on every interface at port {port}: MASTER_ADDR \
+             {host} is not an address of this machine ({e})"
+        );
+    }
+    None
+}
+
 fn cstring(op: &'static str, s: &str) -> Result<CString> {
     CString::new(s).map_err(|_| store_error(op, s, "the key contains a NUL byte"))
 }
@@ -44,7 +71,8 @@ fn cstring(op: &'static str, s: &str) -> Result<CString> {
 impl Store {
     /// Connects to (or, with `is_server`, hosts) a TCPStore at `host:port`, waiting at most
     /// `connect_timeout` for the connection; `timeout` bounds every later wait. The error is
-    /// the engine's message; the caller names the rendezvous.
+    /// the engine's message; the caller names the rendezvous. A server listens only where
+    /// `host` points ([`listen_where`]).
     pub(crate) fn tcp(
         host: &str,
         port: u16,
@@ -53,14 +81,23 @@ impl Store {
         connect_timeout: Duration,
         timeout: Duration,
     ) -> std::result::Result<Store, String> {
+        let listener = if is_server {
+            listen_where(host, port)
+        } else {
+            None
+        };
         let host = CString::new(host).map_err(|_| format!("{host:?} contains a NUL byte"))?;
         let mut out = std::ptr::null_mut();
-        // SAFETY: valid C string and out-pointer; the shim catches every exception.
+        // The server takes the listening socket over (its fd is closed with the store).
+        let listen_fd = listener.map_or(-1, IntoRawFd::into_raw_fd);
+        // SAFETY: valid C string and out-pointer; `listen_fd` is a listening socket this
+        // call hands over, or -1; the shim catches every exception.
         ffi::check(unsafe {
             ffi::tdr_store_tcp(
                 host.as_ptr(),
                 port,
                 is_server,
+                listen_fd,
                 world_size as i32,
                 millis(connect_timeout).max(1),
                 millis(timeout),
