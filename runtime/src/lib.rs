@@ -26,33 +26,27 @@ pub mod fused {
     pub use crate::kernels::{adamw, sgd, AdamWHyper, KernelError, SgdHyper};
 }
 
-// The c10d layer's modules under the crate-root paths the engines' files use
-// (`crate::process_group::ProcessGroup`, `crate::collectives::Work`).
-use c10d::{
-    coalesced, collectives, departures, desync, devices, env, group as process_group, objects,
-    rendezvous, store,
-};
-
 pub use autograd::{
     autograd_mark, backward_input, checkpointed, Recomputation, UseGuard, WeightBackward,
 };
-pub use coalesced::BROADCAST_BUCKET_BYTES;
-pub use collectives::{ReduceOp, Work};
-pub use devices::{first_shared_gpu, DeviceClaim};
-pub use env::{
+pub use c10d::coalesced::BROADCAST_BUCKET_BYTES;
+pub use c10d::collectives::{ReduceOp, Work};
+pub use c10d::devices::{first_shared_gpu, DeviceClaim};
+pub use c10d::env::{
     DebugLevel, LaunchEnv, DEBUG_ENV, DEFAULT_MASTER_PORT, DEFAULT_NCCL_TIMEOUT, DEFAULT_TIMEOUT,
     RUN_ID_ENV, TORCH_DEBUG_ENV,
 };
+pub use c10d::group::{
+    default_group, destroy_process_group, init_process_group, init_process_group_with,
+    is_initialized, Backend, GroupOptions, InitOptions, ProcessGroup, CUDA_VIA_GLOO_ENV,
+    INIT_BARRIER_ENV, NO_SHORTCUTS_ENV, USE_AGENT_STORE_ENV,
+};
+pub use c10d::objects::Object;
+pub use c10d::store::Store;
 pub use error::{
     ArgumentError, CallTensor, CollectiveCall, CollectiveSignature, Departure, Desync, DistError,
     EnvError, Mismatch, MisuseProblem, NamedSignature, PassProgram, Phase, PickleError,
     RendezvousError, Result, StepPosition, TensorSignature,
-};
-pub use objects::Object;
-pub use process_group::{
-    default_group, destroy_process_group, init_process_group, init_process_group_with,
-    is_initialized, Backend, GroupOptions, InitOptions, ProcessGroup, CUDA_VIA_GLOO_ENV,
-    INIT_BARRIER_ENV, NO_SHORTCUTS_ENV, USE_AGENT_STORE_ENV,
 };
 pub use reducer::{
     CommHook, PowerSgdOptions, Reducer, ReducerError, ReducerOptions, ReducerStats,
@@ -63,4 +57,3 @@ pub use step_check::passes::{
     forward_begins as managed_forward_begins, forward_ends as managed_forward_ends,
 };
 pub use step_check::{grad_enabled, set_step, step_check_time, NO_STEP_CHECK_ENV};
-pub use store::Store;

@@ -6,8 +6,8 @@
 use tch::{Device, Kind, Tensor};
 use tch_dist_core::sharding::Dtype;
 
+use crate::c10d::group::ProcessGroup;
 use crate::error::{DistError, Mismatch, MisuseProblem, NamedSignature, Result, TensorSignature};
-use crate::process_group::ProcessGroup;
 
 impl ProcessGroup {
     /// Fails on every rank, with a [`DistError::Mismatch`] naming the first difference, unless

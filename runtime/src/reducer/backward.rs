@@ -8,7 +8,7 @@ use std::time::Instant;
 use tch::Tensor;
 
 use super::ReducerError;
-use crate::collectives::ReduceOp;
+use crate::c10d::collectives::ReduceOp;
 use crate::error::{DistError, MisuseProblem, Result};
 use crate::reducer::autograd;
 use crate::reducer::buckets::{rebuild_order, Layout};

@@ -58,8 +58,8 @@ use std::time::Duration;
 
 use tch::Tensor;
 
+use crate::c10d::group::ProcessGroup;
 use crate::error::{ArgumentError, DistError, Result};
-use crate::process_group::ProcessGroup;
 use crate::step_check::{Phase, StepPosition};
 use autograd::GradReadyHook;
 use buckets::{Layout, Param};

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use tch::Tensor;
 
-use crate::collectives::Work;
+use crate::c10d::collectives::Work;
 use crate::error::{DistError, Result};
 use crate::reducer::buckets::Layout;
 use crate::reducer::comm_hooks::InFlight;

@@ -16,9 +16,9 @@ use std::sync::{Arc, Weak};
 use tch::Tensor;
 
 use crate::autograd::{add_output_grad_hook, Callback, Reply};
-use crate::collectives::ReduceOp;
+use crate::c10d::collectives::ReduceOp;
+use crate::c10d::group::ProcessGroup;
 use crate::error::{DistError, Result};
-use crate::process_group::ProcessGroup;
 use crate::step_check::passes::{self, Api};
 use crate::step_check::CollectiveSignature;
 

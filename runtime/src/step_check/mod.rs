@@ -37,9 +37,9 @@ use tch::{Kind, Tensor};
 
 use tch_dist_core::sharding::Dtype;
 
-use crate::collectives::Work;
+use crate::c10d::collectives::Work;
+use crate::c10d::group::ProcessGroup;
 use crate::error::{DistError, Mismatch, MisuseProblem, Result, TensorSignature};
-use crate::process_group::ProcessGroup;
 
 pub(crate) mod passes;
 

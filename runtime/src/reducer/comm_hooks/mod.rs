@@ -14,9 +14,9 @@ mod powersgd;
 
 use tch::Tensor;
 
-use crate::collectives::Work;
+use crate::c10d::collectives::Work;
+use crate::c10d::group::ProcessGroup;
 use crate::error::Result;
-use crate::process_group::ProcessGroup;
 use crate::reducer::options::CommHook;
 
 pub use powersgd::PowerSgdOptions;
