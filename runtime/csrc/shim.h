@@ -248,7 +248,7 @@ char* tdr_backward_input(TdrTensor** roots, TdrTensor** grads, size_t n, TdrTens
 char* tdr_backward_weight(TdrSplitBackward* s);
 void tdr_split_backward_free(TdrSplitBackward* s);
 
-// Shard fences (src/shard_fence.rs): while this thread is inside a checked call (check_enter
+// Shard fences (src/autograd/shard_fence.rs): while this thread is inside a checked call (check_enter
 // .. check_exit, nested), an op using an armed parameter of a fence not opened on this thread
 // fails (a c10::Error inside the op) with the message cb(ctx, index), index being the
 // parameter's position in `params`. tdr_fence_new registers the dispatcher fallback once per

@@ -15,9 +15,7 @@ mod ffi;
 pub mod fsdp;
 pub mod kernels;
 mod reducer;
-mod shard_fence;
 pub mod sharding;
-mod step_check;
 pub mod testing;
 
 /// The fused optimizers under their first path (`tch_dist_runtime::fused::adamw`); they live in
@@ -27,7 +25,8 @@ pub mod fused {
 }
 
 pub use autograd::{
-    autograd_mark, backward_input, checkpointed, Recomputation, UseGuard, WeightBackward,
+    autograd_mark, backward_input, check_enter, check_exit, checkpointed, take_fence_hit, unfenced,
+    FenceOwner, Recomputation, ShardFence, UseGuard, WeightBackward,
 };
 pub use c10d::coalesced::BROADCAST_BUCKET_BYTES;
 pub use c10d::collectives::{ReduceOp, Work};
@@ -42,6 +41,10 @@ pub use c10d::group::{
     INIT_BARRIER_ENV, NO_SHORTCUTS_ENV, USE_AGENT_STORE_ENV,
 };
 pub use c10d::objects::Object;
+pub use c10d::step_check::passes::{
+    forward_begins as managed_forward_begins, forward_ends as managed_forward_ends,
+};
+pub use c10d::step_check::{grad_enabled, set_step, step_check_time, NO_STEP_CHECK_ENV};
 pub use c10d::store::Store;
 pub use error::{
     ArgumentError, CallTensor, CollectiveCall, CollectiveSignature, Departure, Desync, DistError,
@@ -52,8 +55,3 @@ pub use reducer::{
     CommHook, PowerSgdOptions, Reducer, ReducerError, ReducerOptions, ReducerStats,
     DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
 };
-pub use shard_fence::{check_enter, check_exit, take_fence_hit, unfenced, FenceOwner, ShardFence};
-pub use step_check::passes::{
-    forward_begins as managed_forward_begins, forward_ends as managed_forward_ends,
-};
-pub use step_check::{grad_enabled, set_step, step_check_time, NO_STEP_CHECK_ENV};

@@ -1,6 +1,7 @@
-//! The autograd bindings both engines (the reducer and fully_shard) share: how libtorch's
-//! callbacks come back into Rust, the hooks they register, the tensor primitives they need,
-//! and the use guard.
+//! The autograd bindings the engines (the reducer, fully_shard, tensor parallelism) share: how
+//! libtorch's callbacks come back into Rust, the hooks they register, the tensor primitives
+//! they need, and the two checks that a sharded parameter is used only inside its module's
+//! hooked call (the use guard, in the graph; the shard fence, at the dispatcher).
 //!
 //! | file | what it does | PyTorch's counterpart |
 //! |---|---|---|
@@ -9,11 +10,13 @@
 //! | `tensor.rs` | storage release/restore, `set_data` keeping the accumulator, identity, version, `is_float` | `_free_storage` / `_alloc_storage`, `Tensor.data =`, `_version`, `torch.is_floating_point` |
 //! | `checkpoint.rs` | activation checkpointing: a forward run without keeping activations, run again and differentiated in backward | `torch.utils.checkpoint` (`use_reentrant=True`'s `CheckpointFunction`) |
 //! | `split_backward.rs` | a backward in two passes, the input's gradient first and the parameters' later (zero-bubble pipeline schedules) | `torch.distributed.pipelining._backward` (`stage_backward_input`, `stage_backward_weight`) |
+//! | `shard_fence.rs` | shard fences: an op that uses an armed parameter (one holding only its shard) outside its module's hooked call is refused at libtorch's dispatcher, `no_grad` included | (none: PyTorch's FSDP2 does not check) |
 //! | `use_guard.rs` | a module's parameters used in the graph only through its hooked calls | (none: PyTorch's FSDP2 does not check) |
 
 mod callback;
 mod checkpoint;
 mod hooks;
+mod shard_fence;
 mod split_backward;
 mod tensor;
 mod use_guard;
@@ -25,6 +28,7 @@ pub use checkpoint::{checkpointed, Recomputation};
 pub(crate) use hooks::{
     add_output_grad_hook, queue_end_of_backward, set_grad_for, GradReadyHook, Interceptor,
 };
+pub use shard_fence::{check_enter, check_exit, take_fence_hit, unfenced, FenceOwner, ShardFence};
 pub use split_backward::{backward_input, WeightBackward};
 pub use tensor::{is_float, storage_nbytes, tensor_identity};
 pub(crate) use tensor::{release_storage, restore_storage, set_data, tensor_version};

@@ -42,7 +42,7 @@ use text::{PeerText, RankList};
 
 pub use crate::reducer::ReducerError;
 
-pub use crate::step_check::{CollectiveSignature, PassProgram, Phase, StepPosition};
+pub use crate::c10d::step_check::{CollectiveSignature, PassProgram, Phase, StepPosition};
 
 /// What a rank that left a job's collectives reported, or what was reported of it
 /// ([`DistError::PeerDeparted`]).

@@ -20,8 +20,8 @@ use tch::Tensor;
 
 use super::group::GroupInner;
 use crate::autograd::{self, Callback, Reply};
+use crate::c10d::step_check::passes as steps;
 use crate::error::{DistError, Result};
-use crate::step_check::passes as steps;
 
 #[derive(Default)]
 struct Pass {

@@ -24,9 +24,9 @@ use super::collectives::{self, Gather, Reduction};
 use super::context::PassContext;
 use super::param::{BucketMeta, ParamMeta, ParamTensors};
 use super::FsdpGroupOptions;
+use crate::autograd::ShardFence;
 use crate::c10d::group::ProcessGroup;
 use crate::error::{DistError, Result};
-use crate::shard_fence::ShardFence;
 
 /// Where the parameters' data is (PyTorch's `ShardedState`).
 pub(crate) enum ShardedState {

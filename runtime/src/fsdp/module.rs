@@ -13,10 +13,10 @@ use super::group::{BackwardState, GroupInner, ShardedState, State};
 use super::hooks;
 use super::param::{self, engine, ManagedParam, ParamMeta, ShardInfo};
 use crate::autograd::{self, Interceptor};
+use crate::autograd::{FenceOwner, ShardFence};
 use crate::c10d::group::ProcessGroup;
+use crate::c10d::step_check::passes as steps;
 use crate::error::{DistError, Result};
-use crate::shard_fence::{FenceOwner, ShardFence};
-use crate::step_check::passes as steps;
 
 /// Per-group switches (PyTorch's `fully_shard` options and `FSDPModule` setters).
 #[derive(Debug, Clone)]

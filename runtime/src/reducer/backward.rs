@@ -9,6 +9,7 @@ use tch::Tensor;
 
 use super::ReducerError;
 use crate::c10d::collectives::ReduceOp;
+use crate::c10d::step_check::{self, Phase, StepPosition};
 use crate::error::{DistError, MisuseProblem, Result};
 use crate::reducer::autograd;
 use crate::reducer::buckets::{rebuild_order, Layout};
@@ -16,7 +17,6 @@ use crate::reducer::comm_hooks::{BucketHook, GradBucket};
 use crate::reducer::pass::{InPlaceFlight, Pass};
 use crate::reducer::unused::{self, StaticGraphUse};
 use crate::reducer::{grads, lock, ReducerInner, State};
-use crate::step_check::{self, Phase, StepPosition};
 
 /// Bucket `b` as its communication hook sees it.
 fn grad_bucket(layout: &Layout, b: usize) -> GradBucket<'_> {

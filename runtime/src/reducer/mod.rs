@@ -36,7 +36,7 @@
 //!   left (unused parameters count as zero with `find_unused_parameters`), waits for every
 //!   bucket, and writes the averaged gradients back into `.grad`.
 //! - **Step check.** A synchronised pass's first hook starts the step check
-//!   (`step_check/`: every rank's forward and backward counts, all-gathered in a header of
+//!   (`c10d/step_check/`: every rank's forward and backward counts, all-gathered in a header of
 //!   fixed size), and its first launch waits for it, so that a rank in another pass or step
 //!   fails every rank before any bucket is sent.
 //! - **Rebuild.** After the first iteration the buckets are rebuilt once from the order in
@@ -59,8 +59,8 @@ use std::time::Duration;
 use tch::Tensor;
 
 use crate::c10d::group::ProcessGroup;
+use crate::c10d::step_check::{Phase, StepPosition};
 use crate::error::{ArgumentError, DistError, Result};
-use crate::step_check::{Phase, StepPosition};
 use autograd::GradReadyHook;
 use buckets::{Layout, Param};
 use comm_hooks::BucketHook;
@@ -274,7 +274,7 @@ impl Reducer {
             return Err(e.clone());
         }
         // A forward under no_grad (an evaluation, perhaps on one rank only) is no step.
-        if crate::step_check::grad_enabled() {
+        if crate::c10d::step_check::grad_enabled() {
             st.forwards += 1;
         }
         Ok(())
@@ -293,7 +293,7 @@ impl Reducer {
         }
         let me = StepPosition::now(Phase::Forward, st.forwards, st.backwards);
         let result =
-            crate::step_check::check(&self.inner.group, "replicate", me, Default::default());
+            crate::c10d::step_check::check(&self.inner.group, "replicate", me, Default::default());
         if let Err(e) = &result {
             st.failed = Some(e.clone());
         }

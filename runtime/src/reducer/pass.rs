@@ -8,10 +8,10 @@ use std::time::Instant;
 use tch::Tensor;
 
 use crate::c10d::collectives::Work;
+use crate::c10d::step_check::PendingCheck;
 use crate::error::{DistError, Result};
 use crate::reducer::buckets::Layout;
 use crate::reducer::comm_hooks::InFlight;
-use crate::step_check::PendingCheck;
 
 /// What one parameter did in this pass.
 #[derive(Debug, Clone, Copy, Default)]

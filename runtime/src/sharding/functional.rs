@@ -25,10 +25,10 @@ use tch::Tensor;
 
 use crate::autograd::{self, Callback, DescribeFailure, Reply};
 use crate::c10d::group::ProcessGroup;
+use crate::c10d::step_check::passes::{self, Api};
+use crate::c10d::step_check::CollectiveSignature;
 use crate::error::{DistError, Result};
 use crate::ffi::{self, ShimError};
-use crate::step_check::passes::{self, Api};
-use crate::step_check::CollectiveSignature;
 
 #[derive(Clone, Copy)]
 enum Mode {

@@ -124,7 +124,7 @@ impl CallGuard for ThreadReset {
 
     fn outermost_call_ended(&self) {
         // A failed or unwound call never ended its managed forwards.
-        crate::step_check::passes::outermost_call_ended();
+        crate::c10d::step_check::passes::outermost_call_ended();
         // SAFETY: touches only this thread's state.
         unsafe { ffi::tdr_fence_reset_thread() };
         CHECKED.with(|c| c.set(0));
