@@ -15,6 +15,8 @@ mod ffi;
 pub mod fsdp;
 pub mod kernels;
 mod reducer;
+#[cfg(test)]
+mod rules;
 pub mod sharding;
 pub mod testing;
 
@@ -49,9 +51,9 @@ pub use c10d::store::Store;
 pub use error::{
     ArgumentError, CallTensor, CollectiveCall, CollectiveSignature, Departure, Desync, DistError,
     EnvError, Mismatch, MisuseProblem, NamedSignature, PassProgram, Phase, PickleError,
-    RendezvousError, Result, StepPosition, TensorSignature,
+    ReducerError, RendezvousError, Result, StepPosition, TensorSignature,
 };
 pub use reducer::{
-    CommHook, PowerSgdOptions, Reducer, ReducerError, ReducerOptions, ReducerStats,
-    DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
+    CommHook, PowerSgdOptions, Reducer, ReducerOptions, ReducerStats, DEFAULT_FIRST_BUCKET_BYTES,
+    DEFAULT_IN_PLACE_MIN_BYTES,
 };

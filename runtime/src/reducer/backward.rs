@@ -7,10 +7,9 @@ use std::time::Instant;
 
 use tch::Tensor;
 
-use super::ReducerError;
 use crate::c10d::collectives::ReduceOp;
-use crate::c10d::step_check::{self, Phase, StepPosition};
-use crate::error::{DistError, MisuseProblem, Result};
+use crate::c10d::step_check;
+use crate::error::{DistError, MisuseProblem, Phase, ReducerError, Result, StepPosition};
 use crate::reducer::autograd;
 use crate::reducer::buckets::{rebuild_order, Layout};
 use crate::reducer::comm_hooks::{BucketHook, GradBucket};

@@ -12,7 +12,9 @@
 //! | `unused.rs` | `find_unused_parameters` and `static_graph` | `search_unused_parameters`, `static_graph_` |
 //! | `comm_hooks/` | the hook interface and one file per hook | `comm.hpp`, `default_comm_hooks.cpp`, `powerSGD_hook.py` |
 //! | `autograd.rs` | the engine's hooks and callbacks | `grad_accumulator()->add_post_hook`, `queue_callback` |
-//! | `error.rs` | [`ReducerError`]: the passes the reducer refuses, named after the API that runs it | the `RuntimeError`s of `reducer.cpp` |
+//!
+//! The passes the reducer refuses are [`ReducerError`](crate::ReducerError)s, written in
+//! `error/reducer.rs` with every other error's text.
 //!
 //! How a pass goes:
 //!
@@ -46,7 +48,6 @@ mod autograd;
 mod backward;
 mod buckets;
 pub(crate) mod comm_hooks;
-mod error;
 mod grads;
 mod options;
 mod pass;
@@ -59,8 +60,7 @@ use std::time::Duration;
 use tch::Tensor;
 
 use crate::c10d::group::ProcessGroup;
-use crate::c10d::step_check::{Phase, StepPosition};
-use crate::error::{ArgumentError, DistError, Result};
+use crate::error::{ArgumentError, DistError, Phase, Result, StepPosition};
 use autograd::GradReadyHook;
 use buckets::{Layout, Param};
 use comm_hooks::BucketHook;
@@ -68,7 +68,6 @@ use pass::Pass;
 use unused::StaticGraphUse;
 
 pub use comm_hooks::PowerSgdOptions;
-pub use error::ReducerError;
 pub use options::{
     CommHook, ReducerOptions, DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
 };

@@ -26,8 +26,7 @@ use tch::Tensor;
 use crate::autograd::{self, Callback, DescribeFailure, Reply};
 use crate::c10d::group::ProcessGroup;
 use crate::c10d::step_check::passes::{self, Api};
-use crate::c10d::step_check::CollectiveSignature;
-use crate::error::{DistError, Result};
+use crate::error::{CollectiveSignature, DistError, Result};
 use crate::ffi::{self, ShimError};
 
 #[derive(Clone, Copy)]

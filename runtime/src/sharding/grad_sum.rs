@@ -19,8 +19,7 @@ use crate::autograd::{add_output_grad_hook, Callback, Reply};
 use crate::c10d::collectives::ReduceOp;
 use crate::c10d::group::ProcessGroup;
 use crate::c10d::step_check::passes::{self, Api};
-use crate::c10d::step_check::CollectiveSignature;
-use crate::error::{DistError, Result};
+use crate::error::{CollectiveSignature, DistError, Result};
 
 /// Sums the gradients of the parameters it is [registered](GradientSum::register) on over a
 /// group, for as long as it lives: the hooks hold it weakly, so dropping the last `Arc` turns

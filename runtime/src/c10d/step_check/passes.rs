@@ -22,10 +22,9 @@ use std::sync::{Mutex, MutexGuard};
 
 use tch::Tensor;
 
-use super::{CollectiveSignature, PassProgram, Phase, StepPosition};
 use crate::autograd::{self, Callback, Reply};
 use crate::c10d::group::ProcessGroup;
-use crate::error::{DistError, Result};
+use crate::error::{CollectiveSignature, DistError, PassProgram, Phase, Result, StepPosition};
 use crate::ffi;
 
 /// What one process group has seen: its own counts, since the ranks of a group need not
