@@ -49,9 +49,9 @@ pub use c10d::step_check::passes::{
 pub use c10d::step_check::{grad_enabled, set_step, step_check_time, NO_STEP_CHECK_ENV};
 pub use c10d::store::Store;
 pub use error::{
-    ArgumentError, CallTensor, CollectiveCall, CollectiveSignature, Departure, Desync, DistError,
-    EnvError, Mismatch, MisuseProblem, NamedSignature, PassProgram, Phase, PickleError,
-    ReducerError, RendezvousError, Result, StepPosition, TensorSignature,
+    ArgumentError, AutogradError, CallTensor, CollectiveCall, CollectiveSignature, Departure,
+    Desync, DistError, EnvError, Mismatch, MisuseProblem, NamedSignature, PassProgram, Phase,
+    PickleError, ReducerError, RendezvousError, Result, StepPosition, TensorSignature,
 };
 pub use reducer::{
     CommHook, PowerSgdOptions, Reducer, ReducerOptions, ReducerStats, DEFAULT_FIRST_BUCKET_BYTES,

@@ -153,3 +153,130 @@ fn error_imports_no_engine() {
         "error/ names modules outside error/ and ffi: {broken:#?}"
     );
 }
+
+/// The return type of each `pub fn` (with `const`, `async`, `unsafe`, `extern` between) in
+/// `code`, with the function's name: the text after the signature's `->` at parenthesis
+/// depth 0 (an argument's `impl Fn(&str) -> String` is not it), up to its body or `where`.
+fn pub_fn_returns(code: &str) -> Vec<(String, String)> {
+    // Every identifier or keyword with its byte offset.
+    let mut words: Vec<(usize, &str)> = Vec::new();
+    let mut start = None;
+    for (j, c) in code.char_indices().chain([(code.len(), ' ')]) {
+        match (start, c.is_alphanumeric() || c == '_') {
+            (None, true) => start = Some(j),
+            (Some(s), false) => {
+                words.push((s, &code[s..j]));
+                start = None;
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    for (i, &(at, word)) in words.iter().enumerate() {
+        // `pub` followed directly by its qualifiers and `fn`: `pub(crate) fn` does not match,
+        // since `(` stands between `pub` and `crate`.
+        if word != "pub" || code[at + 3..].trim_start().starts_with('(') {
+            continue;
+        }
+        let mut rest = words[i + 1..].iter();
+        let Some(&(_, name)) = rest
+            .by_ref()
+            .find(|(_, w)| !matches!(*w, "const" | "async" | "unsafe" | "extern"))
+            .filter(|(_, w)| *w == "fn")
+            .and_then(|_| rest.next())
+        else {
+            continue;
+        };
+        let sig_start = at;
+        let sig_end = code[sig_start..]
+            .find(['{', ';'])
+            .map_or(code.len(), |e| sig_start + e);
+        let sig = &code[sig_start..sig_end];
+        let mut depth = 0i32;
+        let mut arrow = None;
+        for (j, c) in sig.char_indices() {
+            match c {
+                '(' => depth += 1,
+                ')' => depth -= 1,
+                '-' if depth == 0 && sig[j..].starts_with("->") => {
+                    arrow = Some(j + 2);
+                    break;
+                }
+                _ => {}
+            }
+        }
+        let Some(arrow) = arrow else { continue };
+        let ret = &sig[arrow..];
+        let ret = ret.split(" where ").next().unwrap_or(ret);
+        out.push((name.to_string(), ret.split_whitespace().collect()));
+    }
+    out
+}
+
+/// Whether type `ty` (whitespace removed) has a `Result<_, String>` in it: a `Result`
+/// (any path to it) whose error argument is `String`.
+fn has_string_error(ty: &str) -> bool {
+    ty.match_indices("Result<").any(|(at, _)| {
+        let args = &ty[at + "Result<".len()..];
+        let (mut depth, mut last_comma, mut end) = (0i32, None, args.len());
+        for (j, c) in args.char_indices() {
+            match c {
+                '<' | '(' | '[' => depth += 1,
+                '>' if depth == 0 => {
+                    end = j;
+                    break;
+                }
+                '>' | ')' | ']' => depth -= 1,
+                ',' if depth == 0 => last_comma = Some(j),
+                _ => {}
+            }
+        }
+        last_comma.is_some_and(|c| {
+            matches!(
+                &args[c + 1..end],
+                "String" | "std::string::String" | "string::String"
+            )
+        })
+    })
+}
+
+/// No runtime `pub fn` returns `Result<_, String>`: an error crossing the runtime's API is a
+/// typed value (an enum of `error/`), whose text the caller can wrap and whose cases it can
+/// tell apart; a text stays text only inside the crate (`pub(crate)`), and where libtorch
+/// carries it (a callback's reply, a recomputation's failure). Every `pub fn` under
+/// runtime/src counts, also inside private modules and impls: the crate re-exports them.
+#[test]
+fn no_pub_fn_returns_a_string_error() {
+    let root = workspace_root();
+    let mut files = Vec::new();
+    rust_files(&root, "runtime/src", &mut files);
+    let mut found = 0;
+    let mut broken = Vec::new();
+    for file in &files {
+        for (name, ret) in pub_fn_returns(&code_of(file)) {
+            found += 1;
+            if has_string_error(&ret) {
+                broken.push(format!("{file}: fn {name} -> {ret}"));
+            }
+        }
+    }
+    assert!(found >= 100, "read only {found} pub fns' return types");
+    assert!(
+        broken.is_empty(),
+        "pub fns returning Result<_, String> (give them a typed error): {broken:#?}"
+    );
+}
+
+#[test]
+fn the_string_error_rule_reads_signatures() {
+    let code = "pub fn a(f: impl Fn(&str) -> Result<(), String>) -> Result<u8, MyError> {}
+                pub(crate) fn b() -> Result<(), String> {}
+                pub unsafe fn c() -> std::result::Result<Vec<Option<u8>>, String>;
+                pub fn d<T>(t: T) -> Option<Result<T, String>> where T: Clone {}
+                pub fn e() -> Result<HashMap<String, u8>> {}";
+    let returns = pub_fn_returns(code);
+    let names: Vec<&str> = returns.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["a", "c", "d", "e"]);
+    let flagged: Vec<bool> = returns.iter().map(|(_, r)| has_string_error(r)).collect();
+    assert_eq!(flagged, [false, true, true, false]);
+}

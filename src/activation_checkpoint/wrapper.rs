@@ -241,11 +241,11 @@ impl ForwardWrapper for Wrapper {
             &mut run_first,
             recompute,
         )
-        .map_err(|message| {
+        .map_err(|e| {
             self.failed(ActivationCheckpointError::Forward {
                 rank: self.rank,
                 module: this_name.clone(),
-                message,
+                message: e.to_string(),
             })
         })?;
         // The function's node uses the module's parameters inside this hooked call: claimed

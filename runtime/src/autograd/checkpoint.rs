@@ -17,6 +17,7 @@ use std::sync::Mutex;
 use tch::Tensor;
 use tch_dist_core::hooks::ForwardError;
 
+use crate::error::AutogradError;
 use crate::ffi;
 
 /// The forward run again during backward: `Ok(outputs)`, or the text the backward pass
@@ -43,8 +44,8 @@ struct Again {
 /// they were before the recomputation once its backward is done: only the first run
 /// updates them, as a forward without checkpointing would.
 ///
-/// A panic inside `forward` unwinds from here, as from `forward` itself; an engine error is
-/// its message (the caller names the rank and the module).
+/// A panic inside `forward` unwinds from here, as from `forward` itself; the caller names the
+/// rank and the module around an engine error.
 pub fn checkpointed(
     inputs: &[Tensor],
     params: &[Tensor],
@@ -52,7 +53,7 @@ pub fn checkpointed(
     preserve_rng: bool,
     forward: &mut dyn FnMut(&[Tensor]) -> Vec<Tensor>,
     again: Recomputation,
-) -> Result<Vec<Tensor>, String> {
+) -> Result<Vec<Tensor>, AutogradError> {
     let mut first = FirstRun {
         forward,
         panic: None,
@@ -94,7 +95,7 @@ pub fn checkpointed(
         }
         resume_unwind(payload);
     }
-    status.map_err(|e| e.message)?;
+    status?;
     Ok(take_list(out))
 }
 

@@ -9,6 +9,7 @@
 //! | file | what it does | PyTorch's counterpart |
 //! |---|---|---|
 //! | `mod.rs` | [`DistError`], the runtime's one error type, and [`Result`] | `torch.distributed.DistError` and its subclasses (`DistBackendError`, `DistNetworkError`, `DistStoreError`; c10d's `exception.h`) |
+//! | `autograd.rs` | [`AutogradError`]: a split backward or a recomputation libtorch's engine failed, before the caller names the rank and the API | the `RuntimeError` of `torch.autograd.backward` |
 //! | `env.rs` | [`EnvError`]: a launch variable, by name | the `ValueError`s of `torch/distributed/rendezvous.py`'s `_env_rendezvous_handler` |
 //! | `rendezvous.rs` | [`RendezvousError`]: why the store or the backends could not be joined | `DistNetworkError`, `DistStoreError` from `TCPStore` |
 //! | `argument.rs` | [`ArgumentError`]: a refused argument, nothing sent | the `ValueError`s of `distributed_c10d.py`, DDP's and PowerSGD's checks |
@@ -22,6 +23,7 @@
 //! | `tests.rs` | the exact text of every variant | — |
 
 mod argument;
+mod autograd;
 mod desync;
 mod env;
 mod mismatch;
@@ -35,6 +37,7 @@ mod text;
 use std::time::Duration;
 
 pub use argument::ArgumentError;
+pub use autograd::AutogradError;
 pub use desync::{CallTensor, CollectiveCall, Desync};
 pub use env::EnvError;
 pub use mismatch::{Mismatch, NamedSignature, TensorSignature};
