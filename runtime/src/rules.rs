@@ -280,3 +280,36 @@ fn the_string_error_rule_reads_signatures() {
     let flagged: Vec<bool> = returns.iter().map(|(_, r)| has_string_error(r)).collect();
     assert_eq!(flagged, [false, true, true, false]);
 }
+
+/// Every libtorch callback goes through `autograd/callback.rs`: no other file of runtime/src
+/// defines an `extern "C" fn` that takes the shim's opaque context (`c_void`), so that the
+/// unwinding, the reply's conventions and the context's cast are written once. (ffi.rs
+/// declares the callback types; an `atexit` handler takes no context.)
+#[test]
+fn callbacks_go_through_callback_rs() {
+    let root = workspace_root();
+    let mut files = Vec::new();
+    rust_files(&root, "runtime/src", &mut files);
+    let mut broken = Vec::new();
+    for file in &files {
+        if file.ends_with("autograd/callback.rs") || file.ends_with("/ffi.rs") {
+            continue;
+        }
+        // Without its literal `"C"`, `extern "C" fn` reads `extern fn` once the spaces are
+        // joined.
+        let code = code_of(file)
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        for (at, _) in code.match_indices("extern fn") {
+            let params = code[at..].split(')').next().unwrap_or("");
+            if params.contains("c_void") {
+                broken.push(format!("{file}: {params})"));
+            }
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "callbacks outside autograd/callback.rs: {broken:#?}"
+    );
+}

@@ -10,13 +10,14 @@
 //! in the recomputation becomes the text the backward pass fails with.
 
 use std::any::Any;
-use std::ffi::{c_char, c_void};
-use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::Mutex;
+use std::cell::{Cell, RefCell};
+use std::ffi::c_void;
+use std::panic::resume_unwind;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use tch::Tensor;
-use tch_dist_core::hooks::ForwardError;
 
+use super::callback::{self, forward_trampoline, panic_text, release, Forward};
 use crate::error::AutogradError;
 use crate::ffi;
 
@@ -24,16 +25,43 @@ use crate::ffi;
 /// fails with (naming the module).
 pub type Recomputation = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>, String> + Send>;
 
-/// The first run's context: the borrowed forward and what it left behind.
+/// The caller's forward, borrowed for the first run.
+type BorrowedForward<'a> = &'a mut dyn FnMut(&[Tensor]) -> Vec<Tensor>;
+
+/// The first run: the borrowed forward and what it left behind. The shim calls it once,
+/// during [`checkpointed`], on this thread (hence the cells).
 struct FirstRun<'a> {
-    forward: &'a mut dyn FnMut(&[Tensor]) -> Vec<Tensor>,
+    forward: RefCell<BorrowedForward<'a>>,
     /// The first run's panic, resumed once the shim has returned.
-    panic: Option<Box<dyn Any + Send>>,
+    panic: Cell<Option<Box<dyn Any + Send>>>,
 }
 
-/// The recomputation's context, shared with the shim until the graph is gone.
+impl Forward for FirstRun<'_> {
+    fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>, String> {
+        let mut forward = self.forward.borrow_mut();
+        Ok((*forward)(inputs))
+    }
+
+    /// Keeps the panic, so that it unwinds from [`checkpointed`] as from the forward itself
+    /// (a hooked call's guard sees it); the engine fails the apply with its text meanwhile.
+    fn panicked(&self, payload: Box<dyn Any + Send>) -> String {
+        let text = panic_text(&*payload);
+        self.panic.set(Some(payload));
+        text
+    }
+}
+
+/// The recomputation, shared with the shim until the graph is gone (a backward pass may run
+/// on any of autograd's threads: hence the lock).
 struct Again {
     forward: Mutex<Recomputation>,
+}
+
+impl Forward for Again {
+    fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>, String> {
+        let forward = self.forward.lock().unwrap_or_else(PoisonError::into_inner);
+        forward(inputs)
+    }
 }
 
 /// Runs `forward(inputs)` without keeping its activations; during backward the outputs'
@@ -54,13 +82,13 @@ pub fn checkpointed(
     forward: &mut dyn FnMut(&[Tensor]) -> Vec<Tensor>,
     again: Recomputation,
 ) -> Result<Vec<Tensor>, AutogradError> {
-    let mut first = FirstRun {
-        forward,
-        panic: None,
+    let first = FirstRun {
+        forward: RefCell::new(forward),
+        panic: Cell::new(None),
     };
-    let again = Box::into_raw(Box::new(Again {
+    let again = Arc::new(Again {
         forward: Mutex::new(again),
-    }));
+    });
     let mut input_ptrs: Vec<*mut torch_sys::C_tensor> =
         inputs.iter().map(|t| t.as_ptr() as *mut _).collect();
     let mut param_ptrs: Vec<*mut torch_sys::C_tensor> =
@@ -69,8 +97,8 @@ pub fn checkpointed(
         buffers.iter().map(|t| t.as_ptr() as *mut _).collect();
     let mut out = std::ptr::null_mut();
     // SAFETY: live tensors and out-pointer; `first` outlives the call (the shim calls it only
-    // during it); `again` is a box the shim releases through `release_again`, once, also on
-    // failure.
+    // during it); the shim holds its own reference to `again` (`share`), which it releases
+    // through `release::<Again>` once, when the function's graph is gone or at once on failure.
     let status = ffi::check(unsafe {
         ffi::tdr_checkpoint_apply(
             input_ptrs.as_mut_ptr(),
@@ -80,11 +108,11 @@ pub fn checkpointed(
             buffer_ptrs.as_mut_ptr(),
             buffer_ptrs.len(),
             preserve_rng,
-            first_trampoline,
-            &mut first as *mut FirstRun as *mut c_void,
-            again_trampoline,
-            again as *mut c_void,
-            release_again,
+            forward_trampoline::<FirstRun>,
+            &first as *const FirstRun as *mut c_void,
+            forward_trampoline::<Again>,
+            callback::share(&again),
+            release::<Again>,
             &mut out,
         )
     });
@@ -116,87 +144,4 @@ fn take_list(list: *mut ffi::TdrTensorList) -> Vec<Tensor> {
         ffi::tdr_tensor_list_free(list);
         tensors
     }
-}
-
-/// Handles of our own on the `n` tensors the shim lends.
-///
-/// # Safety
-/// `inputs` points to `n` live tensors.
-unsafe fn lent(inputs: *mut *mut torch_sys::C_tensor, n: usize) -> Vec<Tensor> {
-    // SAFETY: the caller's promise; each clone is a new handle.
-    (0..n)
-        .map(|i| unsafe { Tensor::clone_from_ptr(*inputs.add(i)) })
-        .collect()
-}
-
-/// Pushes `outputs` onto the shim's list; the message of a failure.
-fn push(out: *mut ffi::TdrTensorList, outputs: &[Tensor]) -> *mut c_char {
-    for t in outputs {
-        // SAFETY: a live list lent for the call and a live tensor (copied as a handle).
-        if let Err(e) = ffi::check(unsafe { ffi::tdr_tensor_list_push(out, t.as_ptr() as *mut _) })
-        {
-            return ffi::malloc_message(&e.message);
-        }
-    }
-    std::ptr::null_mut()
-}
-
-/// The text of a panic's payload.
-fn panic_text(payload: &(dyn Any + Send)) -> String {
-    if let Some(e) = payload.downcast_ref::<ForwardError>() {
-        e.message().to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else {
-        "the forward panicked".to_string()
-    }
-}
-
-unsafe extern "C" fn first_trampoline(
-    ctx: *mut c_void,
-    inputs: *mut *mut torch_sys::C_tensor,
-    n: usize,
-    out: *mut ffi::TdrTensorList,
-) -> *mut c_char {
-    // SAFETY: `checkpointed`'s `FirstRun`, live for the whole shim call; the shim lends `n`
-    // live inputs.
-    let (first, inputs) = unsafe { (&mut *(ctx as *mut FirstRun), lent(inputs, n)) };
-    match catch_unwind(AssertUnwindSafe(|| (first.forward)(&inputs))) {
-        Ok(outputs) => push(out, &outputs),
-        Err(payload) => {
-            let text = panic_text(&*payload);
-            first.panic = Some(payload);
-            ffi::malloc_message(&text)
-        }
-    }
-}
-
-unsafe extern "C" fn again_trampoline(
-    ctx: *mut c_void,
-    inputs: *mut *mut torch_sys::C_tensor,
-    n: usize,
-    out: *mut ffi::TdrTensorList,
-) -> *mut c_char {
-    // SAFETY: the `Again` box, live until the shim releases it (after every call); the shim
-    // lends `n` live inputs.
-    let (again, inputs) = unsafe { (&*(ctx as *const Again), lent(inputs, n)) };
-    let run = catch_unwind(AssertUnwindSafe(|| {
-        let forward = again
-            .forward
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        forward(&inputs)
-    }));
-    match run {
-        Ok(Ok(outputs)) => push(out, &outputs),
-        Ok(Err(text)) => ffi::malloc_message(&text),
-        Err(payload) => ffi::malloc_message(&panic_text(&*payload)),
-    }
-}
-
-unsafe extern "C" fn release_again(ctx: *mut c_void) {
-    // SAFETY: the box `checkpointed` leaked, released once by the shim.
-    drop(unsafe { Box::from_raw(ctx as *mut Again) });
 }

@@ -5,7 +5,7 @@
 //!
 //! | file | what it does | PyTorch's counterpart |
 //! |---|---|---|
-//! | `callback.rs` | the one trampoline: context back to its Rust value, `catch_unwind`, the reply (null or a message) to the shim | pybind11's exception translation around Python hooks |
+//! | `callback.rs` | every libtorch callback's trampoline (a hook's `Callback`, a recomputation's `Forward`): context back to its Rust value, `catch_unwind`, the reply (null or a message) to the shim | pybind11's exception translation around Python hooks |
 //! | `hooks.rs` | grad-ready hook, gradient interceptor, output-grad hook, end-of-backward callback, assigning `.grad` | `AccumulateGrad` post hooks, `register_post_accumulate_grad_hook`, `Tensor.register_hook`, `Variable._execution_engine.queue_callback` |
 //! | `tensor.rs` | storage release/restore, `set_data` keeping the accumulator, identity, version, `is_float` | `_free_storage` / `_alloc_storage`, `Tensor.data =`, `_version`, `torch.is_floating_point` |
 //! | `checkpoint.rs` | activation checkpointing: a forward run without keeping activations, run again and differentiated in backward | `torch.utils.checkpoint` (`use_reentrant=True`'s `CheckpointFunction`) |
