@@ -211,7 +211,7 @@ char* tdr_guard_first_unclaimed(TdrGuard** guards, size_t n, TdrTensor* output,
                                 uint64_t mark, size_t* guard, size_t* index);
 void tdr_guard_free(TdrGuard* g);
 
-// Activation checkpointing (src/autograd/checkpoint.rs). A forward callback gets `n` input
+// Activation checkpointing (src/autograd/recompute.rs). A forward callback gets `n` input
 // tensors (borrowed for the call) and pushes its outputs onto `out` with
 // tdr_tensor_list_push; it returns null or a malloc'ed message.
 typedef struct TdrTensorList TdrTensorList;  // tensors handed from one side to the other

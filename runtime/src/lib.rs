@@ -26,8 +26,10 @@ pub mod fused {
     pub use crate::kernels::{adamw, sgd, AdamWHyper, KernelError, SgdHyper};
 }
 
+#[allow(deprecated)]
+pub use autograd::checkpointed;
 pub use autograd::{
-    autograd_mark, backward_input, check_enter, check_exit, checkpointed, take_fence_hit, unfenced,
+    autograd_mark, backward_input, check_enter, check_exit, recomputed, take_fence_hit, unfenced,
     FenceOwner, Recomputation, ShardFence, UseGuard, WeightBackward,
 };
 pub use c10d::coalesced::BROADCAST_BUCKET_BYTES;

@@ -240,8 +240,9 @@ mod tests {
         let x = Tensor::from_slice(&[3.0f32]).set_requires_grad(true);
         let (w1, w2) = (w.shallow_clone(), w.shallow_clone());
         let mut first = move |xs: &[Tensor]| vec![&xs[0] * &w1];
-        let again: crate::Recomputation = Box::new(move |xs: &[Tensor]| Ok(vec![&xs[0] * &w2]));
-        let out = crate::checkpointed(
+        let again: crate::autograd::Recomputation =
+            Box::new(move |xs: &[Tensor]| Ok(vec![&xs[0] * &w2]));
+        let out = crate::autograd::recomputed(
             &[x.shallow_clone()],
             &[w.shallow_clone()],
             &[],

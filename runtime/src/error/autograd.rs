@@ -5,7 +5,7 @@ use crate::ffi::ShimError;
 
 /// A failure of a backward or a forward the autograd layer runs through libtorch's engine
 /// ([`backward_input`](crate::backward_input), [`WeightBackward::run`](crate::WeightBackward::run),
-/// [`checkpointed`](crate::checkpointed)). The text is only what went wrong: the caller
+/// [`recomputed`](crate::recomputed)). The text is only what went wrong: the caller
 /// names the rank, the API and the module.
 ///
 /// ```

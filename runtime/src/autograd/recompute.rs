@@ -1,7 +1,10 @@
-//! Activation checkpointing's engine: [`checkpointed`] runs a forward with grad disabled
-//! inside a custom autograd function of the shim (csrc/checkpoint.cpp), which keeps only the
+//! Activation recomputation, the engine of the facade's `checkpoint_activations`:
+//! [`recomputed`] runs a forward with grad disabled inside a custom autograd function of the
+//! shim (csrc/checkpoint.cpp, named as PyTorch names the feature), which keeps only the
 //! inputs, and whose backward runs the forward again with grad enabled (and the first run's
 //! RNG states) and differentiates it (the reentrant style of `torch.utils.checkpoint`).
+//! "Checkpoint" in the runtime's Rust names nothing else: the facade's checkpoints are
+//! saved states (`tch_dist::checkpoint`).
 //!
 //! Both forwards are Rust closures the shim calls back: the first during this call (it may
 //! borrow), the second during a later backward pass (it owns what it needs). Neither lets a
@@ -29,7 +32,7 @@ pub type Recomputation = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>, String> + 
 type BorrowedForward<'a> = &'a mut dyn FnMut(&[Tensor]) -> Vec<Tensor>;
 
 /// The first run: the borrowed forward and what it left behind. The shim calls it once,
-/// during [`checkpointed`], on this thread (hence the cells).
+/// during [`recomputed`], on this thread (hence the cells).
 struct FirstRun<'a> {
     forward: RefCell<BorrowedForward<'a>>,
     /// The first run's panic, resumed once the shim has returned.
@@ -42,7 +45,7 @@ impl Forward for FirstRun<'_> {
         Ok((*forward)(inputs))
     }
 
-    /// Keeps the panic, so that it unwinds from [`checkpointed`] as from the forward itself
+    /// Keeps the panic, so that it unwinds from [`recomputed`] as from the forward itself
     /// (a hooked call's guard sees it); the engine fails the apply with its text meanwhile.
     fn panicked(&self, payload: Box<dyn Any + Send>) -> String {
         let text = panic_text(&*payload);
@@ -74,7 +77,7 @@ impl Forward for Again {
 ///
 /// A panic inside `forward` unwinds from here, as from `forward` itself; the caller names the
 /// rank and the module around an engine error.
-pub fn checkpointed(
+pub fn recomputed(
     inputs: &[Tensor],
     params: &[Tensor],
     buffers: &[Tensor],
@@ -125,6 +128,19 @@ pub fn checkpointed(
     }
     status?;
     Ok(take_list(out))
+}
+
+/// [`recomputed`]'s first name.
+#[deprecated(note = "renamed `recomputed`: \"checkpoint\" names the facade's saved states")]
+pub fn checkpointed(
+    inputs: &[Tensor],
+    params: &[Tensor],
+    buffers: &[Tensor],
+    preserve_rng: bool,
+    forward: &mut dyn FnMut(&[Tensor]) -> Vec<Tensor>,
+    again: Recomputation,
+) -> Result<Vec<Tensor>, AutogradError> {
+    recomputed(inputs, params, buffers, preserve_rng, forward, again)
 }
 
 /// The tensors of a list the shim made, which is freed.
