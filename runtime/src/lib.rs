@@ -5,6 +5,19 @@
 //! All `unsafe` code talks to the shim (csrc/shim.h, the contract of csrc/*.cpp) through the private
 //! `ffi` module; everything public returns [`Result`] with a [`DistError`] naming the rank,
 //! the operation and the cause.
+//!
+//! | file | what it does | PyTorch's counterpart |
+//! |---|---|---|
+//! | `ffi.rs` | the shim's `extern "C"` surface, mirrored from csrc/shim.h, and its errors as Rust values | pybind11's bindings of `torch/csrc/distributed/c10d` and `torch/csrc/autograd` |
+//! | `error/` | [`DistError`] and the values the errors carry, split by domain (its own table); imports no engine | `torch.distributed.DistError` and its subclasses |
+//! | `c10d/` | launch variables, rendezvous, [`Store`], [`ProcessGroup`], collectives, the step check (its own table) | `torch/csrc/distributed/c10d`, `torch/distributed/distributed_c10d.py` |
+//! | `autograd/` | libtorch's callbacks into Rust, hooks, tensor primitives, use guards and shard fences, activation recomputation, the split backward (its own table) | `torch/csrc/autograd` hooks, `torch.utils.checkpoint`, `torch.distributed.pipelining._backward` |
+//! | `reducer/` | the gradient [`Reducer`] beneath `replicate` (its own table) | DDP's `reducer.cpp` |
+//! | `fsdp/` | the engine side of `fully_shard` (its own table) | `torch/distributed/fsdp/_fully_shard/` |
+//! | `sharding/` | [`ShardedTensor`](sharding::ShardedTensor) and tensor parallelism's differentiable collectives (its own table) | `torch.distributed._shard`, `torch.distributed.tensor.parallel`'s collectives |
+//! | `kernels.rs` | libtorch kernels tch does not expose: the fused optimizers (also at [`fused`]), a seeded `randperm` | `torch._fused_adamw_`, `torch._fused_sgd_`, `torch.randperm(generator=)` |
+//! | `testing.rs` | running ranks as real processes, for tests | `MultiProcessTestCase` |
+//! | `rules.rs` | (tests) rules of the source tree the compiler does not see: `error/` imports no engine, no `pub fn` returns `Result<_, String>`, callbacks only through `autograd/callback.rs` | — |
 
 #![warn(missing_docs)]
 
