@@ -1,5 +1,5 @@
 // ---------------------------------------------------------------------------------------
-// Shard fences (src/shard_fence.rs). A parameter an API keeps as this rank's shard (a
+// Shard fences (src/autograd/shard_fence.rs). A parameter an API keeps as this rank's shard (a
 // fully_shard parameter between its uses, a tensor-parallel layer's weight) gives a wrong
 // result when an op uses it without the API's hooks (`layer.forward(&x)`), under `no_grad`
 // too, where autograd records nothing for the use guards to see. While a thread runs a

@@ -214,7 +214,7 @@ char* tdr_guard_first_unclaimed(TdrGuard** guards, size_t n, TdrTensor* output,
                                 uint64_t mark, size_t* guard, size_t* index);
 void tdr_guard_free(TdrGuard* g);
 
-// Activation checkpointing (src/autograd/checkpoint.rs). A forward callback gets `n` input
+// Activation checkpointing (src/autograd/recompute.rs). A forward callback gets `n` input
 // tensors (borrowed for the call) and pushes its outputs onto `out` with
 // tdr_tensor_list_push; it returns null or a malloc'ed message.
 typedef struct TdrTensorList TdrTensorList;  // tensors handed from one side to the other
@@ -251,7 +251,7 @@ char* tdr_backward_input(TdrTensor** roots, TdrTensor** grads, size_t n, TdrTens
 char* tdr_backward_weight(TdrSplitBackward* s);
 void tdr_split_backward_free(TdrSplitBackward* s);
 
-// Shard fences (src/shard_fence.rs): while this thread is inside a checked call (check_enter
+// Shard fences (src/autograd/shard_fence.rs): while this thread is inside a checked call (check_enter
 // .. check_exit, nested), an op using an armed parameter of a fence not opened on this thread
 // fails (a c10::Error inside the op) with the message cb(ctx, index), index being the
 // parameter's position in `params`. tdr_fence_new registers the dispatcher fallback once per

@@ -546,6 +546,8 @@ mod tests {
     use std::collections::{BTreeMap, BTreeSet};
     use std::path::Path;
 
+    use crate::rules::{code_only, rust_files};
+
     const HEADER: &str = include_str!("../csrc/shim.h");
     const BINDINGS: &str = include_str!("ffi.rs");
 
@@ -710,66 +712,6 @@ mod tests {
             ),
         ];
         assert_eq!(codes, BTreeMap::from(rust), "the enum codes");
-    }
-
-    /// `s` without comments, string and character literals, so that only code is left.
-    fn code_only(s: &str) -> String {
-        let b = s.as_bytes();
-        let mut out = String::with_capacity(s.len());
-        let mut i = 0;
-        while i < b.len() {
-            let rest = &s[i..];
-            if rest.starts_with("//") {
-                i += rest.find('\n').unwrap_or(rest.len());
-            } else if rest.starts_with("/*") {
-                i += rest.find("*/").map_or(rest.len(), |e| e + 2);
-            } else if rest.starts_with("r#\"") || rest.starts_with("r\"") {
-                let hashes = rest[1..].bytes().take_while(|&c| c == b'#').count();
-                let close = format!("\"{}", "#".repeat(hashes));
-                let body = 2 + hashes;
-                i += rest[body..]
-                    .find(&close)
-                    .map_or(rest.len(), |e| body + e + close.len());
-            } else if b[i] == b'"' {
-                let mut j = i + 1;
-                while j < b.len() && b[j] != b'"' {
-                    j += if b[j] == b'\\' { 2 } else { 1 };
-                }
-                i = j + 1;
-            } else if b[i] == b'\''
-                && (b.get(i + 1) == Some(&b'\\') || b.get(i + 2) == Some(&b'\''))
-            {
-                // A character literal ('x', '\n', '\''); a lifetime ('a) is code.
-                let start = if b[i + 1] == b'\\' { 3 } else { 2 };
-                let close = b[(i + start).min(b.len())..]
-                    .iter()
-                    .position(|&c| c == b'\'');
-                i += start + close.map_or(b.len(), |e| e + 1);
-            } else {
-                let c = rest.chars().next().expect("not at the end");
-                out.push(c);
-                i += c.len_utf8();
-            }
-        }
-        out
-    }
-
-    /// The `.rs` files under `dir` (relative to the workspace root), recursively.
-    fn rust_files(root: &Path, dir: &str, out: &mut Vec<String>) {
-        let mut entries: Vec<_> = std::fs::read_dir(root.join(dir))
-            .unwrap_or_else(|e| panic!("{dir}: {e}"))
-            .map(|e| e.expect("a directory entry").path())
-            .collect();
-        entries.sort();
-        for path in entries {
-            let rel = path.strip_prefix(root).expect("under the root");
-            let rel = rel.to_str().expect("a UTF-8 path").to_string();
-            if path.is_dir() {
-                rust_files(root, &rel, out);
-            } else if rel.ends_with(".rs") {
-                out.push(rel);
-            }
-        }
     }
 
     /// Every `.rs` file of runtime/src, launcher/src, core/src and src (the facade) whose

@@ -22,7 +22,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::process_group::{Backend, ProcessGroup};
+use crate::c10d::group::{Backend, ProcessGroup};
 
 /// The variable that marks a child process as a rank of the named test.
 pub const WORKER_ENV: &str = "TCH_DIST_TEST_WORKER";

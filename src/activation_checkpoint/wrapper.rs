@@ -1,5 +1,5 @@
 //! The checkpoint's forward wrapper: each hooked call of a checkpointed module with grad
-//! enabled runs its forward through the engine's [`checkpointed`] (without keeping its
+//! enabled runs its forward through the engine's [`recomputed`] (without keeping its
 //! activations), on the caller's module; the recomputation during backward runs on a
 //! [`ShallowClone`] of it taken at the call, and is checked against the first run.
 
@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tch::{Device, Kind, Tensor};
 use tch_dist_core::hooks::{Forward, ForwardError, ForwardWrapper};
 use tch_dist_core::{registry, InstanceAlias, InstanceHandles, ShallowClone, Shardable};
-use tch_dist_runtime::{autograd_mark, checkpointed, grad_enabled, Recomputation, UseGuard};
+use tch_dist_runtime::{autograd_mark, grad_enabled, recomputed, Recomputation, UseGuard};
 
 use super::{ActivationCheckpointError, CheckpointOptions, DeterminismCheck};
 
@@ -233,7 +233,7 @@ impl ForwardWrapper for Wrapper {
             .into_iter()
             .map(|(_, b)| b.shallow_clone())
             .collect();
-        let outs = checkpointed(
+        let outs = recomputed(
             inputs,
             &params,
             &buffers,
@@ -241,11 +241,11 @@ impl ForwardWrapper for Wrapper {
             &mut run_first,
             recompute,
         )
-        .map_err(|message| {
+        .map_err(|e| {
             self.failed(ActivationCheckpointError::Forward {
                 rank: self.rank,
                 module: this_name.clone(),
-                message,
+                message: e.to_string(),
             })
         })?;
         // The function's node uses the module's parameters inside this hooked call: claimed

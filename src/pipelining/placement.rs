@@ -45,7 +45,11 @@ mod tests {
                 }
                 let here = rank as usize;
                 if (stage + 1) % pp_size != 0 {
-                    rank += if (stage / pp_size).is_multiple_of(2) { 1 } else { -1 };
+                    rank += if (stage / pp_size).is_multiple_of(2) {
+                        1
+                    } else {
+                        -1
+                    };
                 }
                 here
             })

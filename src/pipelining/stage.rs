@@ -380,7 +380,7 @@ impl<M> PipelineStage<M> {
             chunk.input.as_ref(),
             self.split_backward(),
         )
-        .map_err(|m| backward_error(tch::TchError::Kind(m)))?;
+        .map_err(|e| backward_error(tch::TchError::Kind(e.to_string())))?;
         if let Some(weights) = weights {
             self.weight_passes.insert(mb, weights);
             self.split_backwards += 1;
@@ -404,11 +404,11 @@ impl<M> PipelineStage<M> {
             Some(weights) => {
                 let _span =
                     trace::enabled().then(|| trace::span(format!("weight pass {mb}"), "backward"));
-                weights.run().map_err(|m| PipelineError::Backward {
+                weights.run().map_err(|e| PipelineError::Backward {
                     rank: self.group().rank(),
                     stage: self.stage_index(),
                     microbatch: mb,
-                    source: tch::TchError::Kind(m),
+                    source: tch::TchError::Kind(e.to_string()),
                 })
             }
             None => Ok(()),

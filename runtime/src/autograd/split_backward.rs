@@ -14,6 +14,7 @@ use std::ptr::NonNull;
 
 use tch::Tensor;
 
+use crate::error::AutogradError;
 use crate::ffi;
 
 /// The parameters' gradients still to compute after a [`backward_input`]. Dropping it
@@ -25,10 +26,11 @@ pub struct WeightBackward {
 
 impl WeightBackward {
     /// Accumulates the parameters' gradients into their `.grad`, as a backward would
-    /// have. An engine error is its message.
-    pub fn run(self) -> Result<(), String> {
+    /// have.
+    pub fn run(self) -> Result<(), AutogradError> {
         // SAFETY: a live state the shim made, used once (self is consumed; Drop frees it).
-        ffi::check(unsafe { ffi::tdr_backward_weight(self.state.as_ptr()) }).map_err(|e| e.message)
+        ffi::check(unsafe { ffi::tdr_backward_weight(self.state.as_ptr()) })?;
+        Ok(())
     }
 }
 
@@ -43,7 +45,7 @@ impl Drop for WeightBackward {
 /// `input` (a leaf that requires grad; `None` on a first stage), `None` where the outputs do
 /// not depend on it, and the weight pass still to run. Without `may_split` there is none: the
 /// whole backward runs, as where the graph does not split. Without a weight pass the
-/// parameters' gradients are accumulated already. An engine error is its message.
+/// parameters' gradients are accumulated already.
 ///
 /// ```
 /// use tch::{Kind, Tensor};
@@ -56,20 +58,19 @@ impl Drop for WeightBackward {
 /// assert!(!w.grad().defined()); // not yet
 /// weights.expect("the product splits").run()?;
 /// assert_eq!(w.grad().double_value(&[0]), 3.0);
-/// # Ok::<(), String>(())
+/// # Ok::<(), tch_dist_runtime::AutogradError>(())
 /// ```
 pub fn backward_input(
     roots: &[Tensor],
     grads: &[Tensor],
     input: Option<&Tensor>,
     may_split: bool,
-) -> Result<(Option<Tensor>, Option<WeightBackward>), String> {
+) -> Result<(Option<Tensor>, Option<WeightBackward>), AutogradError> {
     if roots.len() != grads.len() {
-        return Err(format!(
-            "{} outputs but {} gradients for them",
-            roots.len(),
-            grads.len()
-        ));
+        return Err(AutogradError::GradientCount {
+            outputs: roots.len(),
+            grads: grads.len(),
+        });
     }
     let mut root_ptrs: Vec<*mut torch_sys::C_tensor> =
         roots.iter().map(|t| t.as_ptr() as *mut _).collect();
@@ -94,7 +95,7 @@ pub fn backward_input(
     // SAFETY: a new handle from the shim, or null.
     let input_grad = (!input_grad.is_null()).then(|| unsafe { Tensor::from_ptr(input_grad) });
     let weights = NonNull::new(state).map(|state| WeightBackward { state });
-    status.map_err(|e| e.message)?;
+    status?;
     Ok((input_grad, weights))
 }
 
@@ -239,8 +240,9 @@ mod tests {
         let x = Tensor::from_slice(&[3.0f32]).set_requires_grad(true);
         let (w1, w2) = (w.shallow_clone(), w.shallow_clone());
         let mut first = move |xs: &[Tensor]| vec![&xs[0] * &w1];
-        let again: crate::Recomputation = Box::new(move |xs: &[Tensor]| Ok(vec![&xs[0] * &w2]));
-        let out = crate::checkpointed(
+        let again: crate::autograd::Recomputation =
+            Box::new(move |xs: &[Tensor]| Ok(vec![&xs[0] * &w2]));
+        let out = crate::autograd::recomputed(
             &[x.shallow_clone()],
             &[w.shallow_clone()],
             &[],

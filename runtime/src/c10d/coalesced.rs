@@ -9,8 +9,8 @@
 
 use tch::{Device, Kind, Tensor};
 
+use crate::c10d::group::ProcessGroup;
 use crate::error::Result;
-use crate::process_group::ProcessGroup;
 
 /// PyTorch's bucket size for synchronising module states (`_DEFAULT_BROADCAST_BUCKET_SIZE`
 /// is 250 MiB in `torch.distributed.utils._sync_module_states`).

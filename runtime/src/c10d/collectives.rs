@@ -11,11 +11,11 @@ use tch::Tensor;
 use tch_dist_core::trace;
 use torch_sys::C_tensor;
 
-use crate::departures::WATCH_SLICE;
+use crate::c10d::departures::WATCH_SLICE;
+use crate::c10d::group::ProcessGroup;
+use crate::c10d::store::millis;
 use crate::error::{ArgumentError, DistError, Result};
 use crate::ffi::{self, FailureKind, ShimError};
-use crate::process_group::ProcessGroup;
-use crate::store::millis;
 
 /// The reduction of `all_reduce` and `reduce_scatter`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -82,7 +82,7 @@ impl OpContext {
                 op: self.op,
             },
             FailureKind::Desync => {
-                match crate::desync::parse(&e.message, self.timeout, self.started.elapsed()) {
+                match crate::c10d::desync::parse(&e.message, self.timeout, self.started.elapsed()) {
                     Some(desync) => DistError::Desync {
                         rank: self.rank,
                         op: self.op,

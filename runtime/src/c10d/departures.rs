@@ -19,9 +19,9 @@
 
 use std::time::Duration;
 
+use crate::c10d::group::ProcessGroup;
+use crate::c10d::store::Store;
 use crate::error::{Departure, DistError};
-use crate::process_group::ProcessGroup;
-use crate::store::Store;
 
 /// How long a wait runs before it first looks for members that left, and between looks.
 pub(crate) const WATCH_SLICE: Duration = Duration::from_secs(1);

@@ -5,9 +5,9 @@
 
 use std::ffi::{c_char, CStr};
 
+use crate::c10d::group::ProcessGroup;
 use crate::error::{DistError, MisuseProblem, Result};
 use crate::ffi;
-use crate::process_group::ProcessGroup;
 
 /// The GPU a rank uses, as the other ranks compare it.
 ///

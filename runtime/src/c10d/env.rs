@@ -358,7 +358,7 @@ mod tests {
     /// LOCAL_RANK (or SLURM_LOCALID) is the CUDA device an NCCL group binds by default.
     #[test]
     fn local_rank_picks_the_default_device() {
-        use crate::process_group::{Backend, InitOptions};
+        use crate::c10d::group::{Backend, InitOptions};
         let e = env(&[
             ("RANK", "5"),
             ("WORLD_SIZE", "8"),

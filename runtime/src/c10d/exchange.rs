@@ -13,10 +13,10 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::departures::WATCH_SLICE;
+use crate::c10d::departures::WATCH_SLICE;
+use crate::c10d::group::ProcessGroup;
+use crate::c10d::rendezvous;
 use crate::error::{DistError, Result};
-use crate::process_group::ProcessGroup;
-use crate::rendezvous;
 
 impl ProcessGroup {
     /// Every member's `mine` for this exchange: this rank's and every other tch-dist rank's

@@ -16,6 +16,7 @@
 //! | `verify.rs` | every rank passes the same tensors (name, shape, dtype), the same options; ranks agree on a check each made and on integer settings (`agree`, `agree_on_values`) | `_verify_param_shape_across_processes` |
 //! | `desync.rs` | reading the shim's `TCH_DIST_DEBUG=DETAIL` reports into `Desync` values | `ProcessGroupWrapper.cpp` |
 //! | `devices.rs` | each rank's claim on its GPU; no two ranks of an NCCL group on one GPU | `torch.cuda.set_device`, NCCL's "Duplicate GPU detected" |
+//! | `step_check/` | the step check that runs always: before the first collective of each pass over a group, every rank all-gathers one fixed-size header (where it is, what the pass runs) and fails on a difference (its own table) | (none: `TCH_DIST_DEBUG=DETAIL`'s fingerprints are `ProcessGroupWrapper.cpp`'s) |
 //! | `exchange.rs` | what the tch-dist ranks of a group tell each other through the store (agreements a PyTorch rank takes no part in) | (none) |
 //! | `departures.rs` | who left the job or stopped taking part in a group (the launcher's and the ranks' keys in the store), and the watch a long wait keeps over it | (none: PyTorch's ranks wait out the timeout) |
 
@@ -30,5 +31,6 @@ pub(crate) mod group;
 pub(crate) mod interface;
 pub(crate) mod objects;
 pub(crate) mod rendezvous;
+pub(crate) mod step_check;
 pub(crate) mod store;
 pub(crate) mod verify;

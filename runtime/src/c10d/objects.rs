@@ -9,8 +9,8 @@
 
 use tch::{Device, Kind, Tensor};
 
+use crate::c10d::group::ProcessGroup;
 use crate::error::{DistError, PickleError, Result};
-use crate::process_group::ProcessGroup;
 
 /// A value an object collective carries: what a PyTorch rank sees as `str` or `bytes`.
 ///

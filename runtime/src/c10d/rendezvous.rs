@@ -16,9 +16,9 @@
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use crate::departures::{self, WatchStore, WATCH_SLICE};
+use crate::c10d::departures::{self, WatchStore, WATCH_SLICE};
+use crate::c10d::store::Store;
 use crate::error::RendezvousError;
-use crate::store::Store;
 
 /// The key under which the first rank that carries a run id records it (in the root store).
 const RUN_ID_KEY: &str = "tch_dist/run_id";
@@ -142,7 +142,7 @@ pub(crate) fn check_run(
     let Some(mine) = run_id else {
         return Ok(());
     };
-    let engine = |e: crate::DistError| RendezvousError::Engine {
+    let engine = |e: crate::error::DistError| RendezvousError::Engine {
         cause: e.to_string(),
     };
     let theirs = root
@@ -251,7 +251,7 @@ fn barrier_on(
     deadline: Deadline,
     what: &'static str,
 ) -> Result<(), RendezvousError> {
-    let engine = |e: crate::DistError| RendezvousError::Engine {
+    let engine = |e: crate::error::DistError| RendezvousError::Engine {
         cause: e.to_string(),
     };
     let last = format!("{key}:last_worker");

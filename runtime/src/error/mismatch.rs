@@ -4,8 +4,8 @@ use std::fmt;
 
 use tch::Kind;
 
+use super::step::{CollectiveSignature, PassProgram, StepPosition};
 use super::text::RankValues;
-use crate::step_check::{CollectiveSignature, PassProgram, StepPosition};
 
 /// A tensor's shape and dtype, as ranks compare them (written `[8, 4] (Float)`).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,40 +9,45 @@
 //! | file | what it does | PyTorch's counterpart |
 //! |---|---|---|
 //! | `mod.rs` | [`DistError`], the runtime's one error type, and [`Result`] | `torch.distributed.DistError` and its subclasses (`DistBackendError`, `DistNetworkError`, `DistStoreError`; c10d's `exception.h`) |
+//! | `autograd.rs` | [`AutogradError`]: a split backward or a recomputation libtorch's engine failed, before the caller names the rank and the API | the `RuntimeError` of `torch.autograd.backward` |
 //! | `env.rs` | [`EnvError`]: a launch variable, by name | the `ValueError`s of `torch/distributed/rendezvous.py`'s `_env_rendezvous_handler` |
 //! | `rendezvous.rs` | [`RendezvousError`]: why the store or the backends could not be joined | `DistNetworkError`, `DistStoreError` from `TCPStore` |
 //! | `argument.rs` | [`ArgumentError`]: a refused argument, nothing sent | the `ValueError`s of `distributed_c10d.py`, DDP's and PowerSGD's checks |
 //! | `mismatch.rs` | [`Mismatch`], [`TensorSignature`], [`NamedSignature`]: what differs across ranks | DDP's `_verify_param_shape_across_processes` |
 //! | `desync.rs` | [`Desync`], [`CollectiveCall`]: what `TCH_DIST_DEBUG=DETAIL` found | c10d's `ProcessGroupWrapper` fingerprint check |
 //! | `misuse.rs` | [`MisuseProblem`]: what tch-dist refused on its own (not the engine's text) | the `RuntimeError`s DDP's and FSDP's Python code raises |
+//! | `step.rs` | [`StepPosition`], [`Phase`], [`PassProgram`], [`CollectiveSignature`]: what the always-on step check compares (the header's wire form is the check's, `c10d/step_check/`) | (none: tch-dist's step check) |
+//! | `reducer.rs` | [`ReducerError`]: the backward passes the reducer refuses, named after the API that runs it | the `RuntimeError`s of `reducer.cpp` |
 //! | `pickle.rs` | [`PickleError`]: a received object tch-dist does not read | `pickle.UnpicklingError` |
 //! | `text.rs` | the Display helpers several errors share (rank lists, joined items) | — |
 //! | `tests.rs` | the exact text of every variant | — |
 
 mod argument;
+mod autograd;
 mod desync;
 mod env;
 mod mismatch;
 mod misuse;
 mod pickle;
+mod reducer;
 mod rendezvous;
+mod step;
 mod text;
 
 use std::time::Duration;
 
 pub use argument::ArgumentError;
+pub use autograd::AutogradError;
 pub use desync::{CallTensor, CollectiveCall, Desync};
 pub use env::EnvError;
 pub use mismatch::{Mismatch, NamedSignature, TensorSignature};
 pub use misuse::MisuseProblem;
 pub use pickle::PickleError;
+pub use reducer::ReducerError;
 pub use rendezvous::RendezvousError;
-pub(crate) use text::Joined;
+pub(crate) use step::SIGNATURE_OPS;
+pub use step::{CollectiveSignature, PassProgram, Phase, StepPosition};
 use text::{PeerText, RankList};
-
-pub use crate::reducer::ReducerError;
-
-pub use crate::step_check::{CollectiveSignature, PassProgram, Phase, StepPosition};
 
 /// What a rank that left a job's collectives reported, or what was reported of it
 /// ([`DistError::PeerDeparted`]).

@@ -783,3 +783,24 @@ fn misuse_texts() {
         assert_eq!(problem.to_string(), text);
     }
 }
+
+#[test]
+fn autograd_error_texts() {
+    // The texts the split backward and the recomputation returned as Strings before they had
+    // a type: the facade's messages around them do not change.
+    assert_eq!(
+        AutogradError::GradientCount {
+            outputs: 2,
+            grads: 3
+        }
+        .to_string(),
+        "2 outputs but 3 gradients for them"
+    );
+    assert_eq!(
+        AutogradError::Engine {
+            message: "element 0 of tensors does not require grad".into()
+        }
+        .to_string(),
+        "element 0 of tensors does not require grad"
+    );
+}

@@ -7,10 +7,11 @@ use tch::Tensor;
 
 use super::param::{BucketMeta, ParamMeta, ParamTensors};
 use crate::autograd;
+use crate::autograd::ShardFence;
+use crate::c10d::collectives::{ReduceOp, Work};
+use crate::c10d::group::ProcessGroup;
+use crate::c10d::step_check::passes::{self as steps, Api};
 use crate::error::{DistError, MisuseProblem, Result};
-use crate::shard_fence::ShardFence;
-use crate::step_check::passes::{self as steps, Api};
-use crate::{ProcessGroup, ReduceOp, Work};
 
 /// An all-gather of the group's shards in flight.
 pub(crate) struct Gather {

@@ -18,18 +18,18 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use tch::Tensor;
 
-use super::group::GroupInner;
+use super::group::ParamGroup;
 use crate::autograd::{self, Callback, Reply};
+use crate::c10d::step_check::passes as steps;
 use crate::error::{DistError, Result};
-use crate::step_check::passes as steps;
 
 #[derive(Default)]
 struct Pass {
     /// The end-of-backward callback is queued for the running pass.
     queued: bool,
-    groups: Vec<Arc<GroupInner>>,
+    groups: Vec<Arc<ParamGroup>>,
     /// Groups with a prefetch started; those still unused at the end of the pass drop it.
-    prefetching: Vec<Arc<GroupInner>>,
+    prefetching: Vec<Arc<ParamGroup>>,
 }
 
 /// One root's backward pass.
@@ -52,7 +52,7 @@ impl PassContext {
     }
 
     /// `inner` takes part in the next backward pass.
-    pub(crate) fn join(&self, inner: &Arc<GroupInner>) {
+    pub(crate) fn join(&self, inner: &Arc<ParamGroup>) {
         let mut p = self.pass();
         if !p.groups.iter().any(|g| Arc::ptr_eq(g, inner)) {
             p.groups.push(Arc::clone(inner));
@@ -61,14 +61,14 @@ impl PassContext {
 
     /// The group that joined the pass just before `inner` (whose forward ran just before
     /// its own, so whose backward comes next).
-    pub(crate) fn joined_before(&self, inner: &GroupInner) -> Option<Arc<GroupInner>> {
+    pub(crate) fn joined_before(&self, inner: &ParamGroup) -> Option<Arc<ParamGroup>> {
         let p = self.pass();
         let i = p.groups.iter().position(|g| std::ptr::eq(&**g, inner))?;
         i.checked_sub(1).map(|j| Arc::clone(&p.groups[j]))
     }
 
     /// `inner` started a prefetch.
-    pub(crate) fn note_prefetch(&self, inner: &Arc<GroupInner>) {
+    pub(crate) fn note_prefetch(&self, inner: &Arc<ParamGroup>) {
         let mut p = self.pass();
         if !p.prefetching.iter().any(|g| Arc::ptr_eq(g, inner)) {
             p.prefetching.push(Arc::clone(inner));

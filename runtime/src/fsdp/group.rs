@@ -10,7 +10,7 @@
 //! parameter's rows into its full tensor, then points the parameter at it
 //! (`Tensor::set_data`); resharding points it back and releases the full tensor's memory.
 //! Gradients never reach `.grad` at full size: the interceptor hands them to
-//! [`GroupInner::on_grad`]; once every managed parameter's gradient is in, they are padded
+//! [`ParamGroup::on_grad`]; once every managed parameter's gradient is in, they are padded
 //! into the reduce-scatter's input and reduced while backward goes on; at the end of the
 //! backward pass each parameter's `.grad` becomes (or, if it had one, adds) its averaged
 //! shard.
@@ -24,9 +24,9 @@ use super::collectives::{self, Gather, Reduction};
 use super::context::PassContext;
 use super::param::{BucketMeta, ParamMeta, ParamTensors};
 use super::FsdpGroupOptions;
+use crate::autograd::ShardFence;
+use crate::c10d::group::ProcessGroup;
 use crate::error::{DistError, Result};
-use crate::shard_fence::ShardFence;
-use crate::ProcessGroup;
 
 /// Where the parameters' data is (PyTorch's `ShardedState`).
 pub(crate) enum ShardedState {
@@ -67,8 +67,8 @@ pub(crate) struct State {
     pub stash: Vec<Option<Tensor>>,
     /// Groups to prefetch when this one's forward starts, and when its backward starts
     /// (empty for backward: the group that ran forward before this one).
-    pub forward_prefetch: Vec<Weak<GroupInner>>,
-    pub backward_prefetch: Vec<Weak<GroupInner>>,
+    pub forward_prefetch: Vec<Weak<ParamGroup>>,
+    pub backward_prefetch: Vec<Weak<ParamGroup>>,
     /// Over the parameters' tensors, armed while they hold their shards
     /// ([`FsdpGroup::fence`](super::FsdpGroup::fence)).
     pub fence: Option<ShardFence>,
@@ -77,11 +77,12 @@ pub(crate) struct State {
     pub backward_started_us: Option<f64>,
 }
 
-/// The shared part of a group, which libtorch's hooks call into.
-pub(crate) struct GroupInner {
-    /// This group itself (`Arc::new_cyclic`): hooks get `&GroupInner`, and a backward pass
+/// One `fully_shard` call's parameter group (PyTorch's `FSDPParamGroup`): the part of an
+/// [`FsdpGroup`](super::FsdpGroup) its libtorch hooks share and call into.
+pub(crate) struct ParamGroup {
+    /// This group itself (`Arc::new_cyclic`): hooks get `&ParamGroup`, and a backward pass
     /// that reaches the group enters it in its root's pass by a strong reference.
-    pub me: Weak<GroupInner>,
+    pub me: Weak<ParamGroup>,
     /// The managed module's type, for errors.
     pub module: String,
     /// The managed module's FQN as the outermost enclosing call sees it (set when that call
@@ -101,7 +102,7 @@ pub(crate) struct GroupInner {
     pub failure: Mutex<Option<DistError>>,
 }
 
-impl GroupInner {
+impl ParamGroup {
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -308,7 +309,7 @@ impl GroupInner {
             self.unshard_locked(&mut st)?;
             st.backward_prefetch.clone()
         };
-        let next: Vec<Arc<GroupInner>> = if explicit.is_empty() {
+        let next: Vec<Arc<ParamGroup>> = if explicit.is_empty() {
             context.joined_before(self).into_iter().collect()
         } else {
             explicit.iter().filter_map(Weak::upgrade).collect()

@@ -5,13 +5,13 @@
 //! Each hook holds a strong reference to its group (an `Arc` handed to the shim with a
 //! release function), so a hook that outlives the model's state (a graph kept alive by a
 //! saved tensor) still calls into a live group. A hook's typed error is kept by the group
-//! ([`GroupInner::note_failure`]) for the next forward; the engine gets its text.
+//! ([`ParamGroup::note_failure`]) for the next forward; the engine gets its text.
 
 use std::sync::Arc;
 
 use tch::Tensor;
 
-use super::group::GroupInner;
+use super::group::ParamGroup;
 use crate::autograd::{self, Callback, Interceptor, Reply};
 use crate::ffi::ShimError;
 
@@ -19,10 +19,10 @@ use crate::ffi::ShimError;
 struct GradIntercepted;
 
 impl Callback for GradIntercepted {
-    type Context = GroupInner;
+    type Context = ParamGroup;
     const PANIC: &'static str = "fully_shard: internal panic in the gradient hook";
 
-    fn run(inner: &GroupInner, index: usize, grad: Option<Tensor>) -> Reply {
+    fn run(inner: &ParamGroup, index: usize, grad: Option<Tensor>) -> Reply {
         let Some(grad) = grad else { return Ok(()) };
         inner.on_grad(index, grad).map_err(|e| {
             inner.note_failure(&e);
@@ -35,10 +35,10 @@ impl Callback for GradIntercepted {
 struct PreBackward;
 
 impl Callback for PreBackward {
-    type Context = GroupInner;
+    type Context = ParamGroup;
     const PANIC: &'static str = "fully_shard: internal panic in the pre-backward hook";
 
-    fn run(inner: &GroupInner, _index: usize, _grad: Option<Tensor>) -> Reply {
+    fn run(inner: &ParamGroup, _index: usize, _grad: Option<Tensor>) -> Reply {
         inner.pre_backward().map_err(|e| {
             inner.note_failure(&e);
             e.to_string()
@@ -50,7 +50,7 @@ impl Callback for PreBackward {
 /// `param` must have its full shape now (its accumulator is made here).
 pub(crate) fn intercept_grads(
     param: &Tensor,
-    inner: &Arc<GroupInner>,
+    inner: &Arc<ParamGroup>,
     index: usize,
 ) -> std::result::Result<Interceptor, ShimError> {
     Interceptor::add::<GradIntercepted>(param, inner, index)
@@ -60,7 +60,7 @@ pub(crate) fn intercept_grads(
 /// backward of the module that made it.
 pub(crate) fn add_pre_backward_hook(
     output: &Tensor,
-    inner: &Arc<GroupInner>,
+    inner: &Arc<ParamGroup>,
 ) -> std::result::Result<(), ShimError> {
     autograd::add_output_grad_hook::<PreBackward>(output, inner)
 }

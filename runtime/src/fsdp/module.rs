@@ -9,14 +9,14 @@ use tch::{Kind, Tensor};
 
 use super::collectives;
 use super::context::PassContext;
-use super::group::{BackwardState, GroupInner, ShardedState, State};
+use super::group::{BackwardState, ParamGroup, ShardedState, State};
 use super::hooks;
 use super::param::{self, engine, ManagedParam, ParamMeta, ShardInfo};
 use crate::autograd::{self, Interceptor};
+use crate::autograd::{FenceOwner, ShardFence};
+use crate::c10d::group::ProcessGroup;
+use crate::c10d::step_check::passes as steps;
 use crate::error::{DistError, Result};
-use crate::shard_fence::{FenceOwner, ShardFence};
-use crate::step_check::passes as steps;
-use crate::ProcessGroup;
 
 /// Per-group switches (PyTorch's `fully_shard` options and `FSDPModule` setters).
 #[derive(Debug, Clone)]
@@ -46,7 +46,7 @@ pub struct FsdpGroupOptions {
 /// the user-facing API. Dropping it removes its gradient hooks (the parameters keep their
 /// shards).
 pub struct FsdpGroup {
-    inner: Arc<GroupInner>,
+    inner: Arc<ParamGroup>,
     _interceptors: Vec<Interceptor>,
 }
 
@@ -73,7 +73,7 @@ impl FsdpGroup {
         let expected = meta.iter().filter(|m| m.requires_grad).count();
         let (flats, tensors) = param::shard_in(&meta, &buckets, &params);
         let n = params.len();
-        let inner = Arc::new_cyclic(|me| GroupInner {
+        let inner = Arc::new_cyclic(|me| ParamGroup {
             me: me.clone(),
             module: module.to_string(),
             module_fqn: Mutex::new(String::new()),
@@ -149,14 +149,14 @@ impl FsdpGroup {
         let handles: Vec<&Tensor> = st.tensors.iter().map(|t| &t.handle).collect();
         let rank = self.inner.group.rank();
         let fence = ShardFence::new(rank, "fully_shard", &handles, owner)?;
-        GroupInner::arm_fence(&st, &fence)?;
+        ParamGroup::arm_fence(&st, &fence)?;
         st.fence = Some(fence);
         Ok(())
     }
 
     /// Whether the parameters hold their shards now.
     pub fn is_sharded(&self) -> bool {
-        GroupInner::is_sharded(&self.inner.lock())
+        ParamGroup::is_sharded(&self.inner.lock())
     }
 
     /// The typed error of a hook that failed the last backward pass, taken (the pass itself
@@ -273,7 +273,7 @@ impl FsdpGroup {
     /// Bytes of the shards kept over the post-forward group now (between forward and
     /// backward with `post_forward_group`; 0 otherwise).
     pub fn post_forward_bytes(&self) -> usize {
-        GroupInner::post_forward_bytes(&self.inner.lock())
+        ParamGroup::post_forward_bytes(&self.inner.lock())
     }
 
     /// Bytes of memory the full tensors of the parameters hold now (0 while sharded).

@@ -10,8 +10,8 @@ use tch::{Device, Kind, Tensor};
 use super::layout::ShardLayout;
 use super::FsdpGroupOptions;
 use crate::autograd::{self, is_float};
+use crate::c10d::group::ProcessGroup;
 use crate::error::{DistError, Result};
-use crate::ProcessGroup;
 
 /// A parameter handed to [`FsdpGroup::new`](super::FsdpGroup::new): its FQN (for errors)
 /// and the tensor the model, the `VarStore` and the optimizer hold.

@@ -7,16 +7,15 @@ use std::time::Instant;
 
 use tch::Tensor;
 
-use super::ReducerError;
-use crate::collectives::ReduceOp;
-use crate::error::{DistError, MisuseProblem, Result};
+use crate::c10d::collectives::ReduceOp;
+use crate::c10d::step_check;
+use crate::error::{DistError, MisuseProblem, Phase, ReducerError, Result, StepPosition};
 use crate::reducer::autograd;
 use crate::reducer::buckets::{rebuild_order, Layout};
 use crate::reducer::comm_hooks::{BucketHook, GradBucket};
 use crate::reducer::pass::{InPlaceFlight, Pass};
 use crate::reducer::unused::{self, StaticGraphUse};
 use crate::reducer::{grads, lock, ReducerInner, State};
-use crate::step_check::{self, Phase, StepPosition};
 
 /// Bucket `b` as its communication hook sees it.
 fn grad_bucket(layout: &Layout, b: usize) -> GradBucket<'_> {

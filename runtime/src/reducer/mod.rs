@@ -12,7 +12,9 @@
 //! | `unused.rs` | `find_unused_parameters` and `static_graph` | `search_unused_parameters`, `static_graph_` |
 //! | `comm_hooks/` | the hook interface and one file per hook | `comm.hpp`, `default_comm_hooks.cpp`, `powerSGD_hook.py` |
 //! | `autograd.rs` | the engine's hooks and callbacks | `grad_accumulator()->add_post_hook`, `queue_callback` |
-//! | `error.rs` | [`ReducerError`]: the passes the reducer refuses, named after the API that runs it | the `RuntimeError`s of `reducer.cpp` |
+//!
+//! The passes the reducer refuses are [`ReducerError`](crate::ReducerError)s, written in
+//! `error/reducer.rs` with every other error's text.
 //!
 //! How a pass goes:
 //!
@@ -36,7 +38,7 @@
 //!   left (unused parameters count as zero with `find_unused_parameters`), waits for every
 //!   bucket, and writes the averaged gradients back into `.grad`.
 //! - **Step check.** A synchronised pass's first hook starts the step check
-//!   (`step_check/`: every rank's forward and backward counts, all-gathered in a header of
+//!   (`c10d/step_check/`: every rank's forward and backward counts, all-gathered in a header of
 //!   fixed size), and its first launch waits for it, so that a rank in another pass or step
 //!   fails every rank before any bucket is sent.
 //! - **Rebuild.** After the first iteration the buckets are rebuilt once from the order in
@@ -46,7 +48,6 @@ mod autograd;
 mod backward;
 mod buckets;
 pub(crate) mod comm_hooks;
-mod error;
 mod grads;
 mod options;
 mod pass;
@@ -58,9 +59,8 @@ use std::time::Duration;
 
 use tch::Tensor;
 
-use crate::error::{ArgumentError, DistError, Result};
-use crate::process_group::ProcessGroup;
-use crate::step_check::{Phase, StepPosition};
+use crate::c10d::group::ProcessGroup;
+use crate::error::{ArgumentError, DistError, Phase, Result, StepPosition};
 use autograd::GradReadyHook;
 use buckets::{Layout, Param};
 use comm_hooks::BucketHook;
@@ -68,7 +68,6 @@ use pass::Pass;
 use unused::StaticGraphUse;
 
 pub use comm_hooks::PowerSgdOptions;
-pub use error::ReducerError;
 pub use options::{
     CommHook, ReducerOptions, DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
 };
@@ -274,7 +273,7 @@ impl Reducer {
             return Err(e.clone());
         }
         // A forward under no_grad (an evaluation, perhaps on one rank only) is no step.
-        if crate::step_check::grad_enabled() {
+        if crate::c10d::step_check::grad_enabled() {
             st.forwards += 1;
         }
         Ok(())
@@ -293,7 +292,7 @@ impl Reducer {
         }
         let me = StepPosition::now(Phase::Forward, st.forwards, st.backwards);
         let result =
-            crate::step_check::check(&self.inner.group, "replicate", me, Default::default());
+            crate::c10d::step_check::check(&self.inner.group, "replicate", me, Default::default());
         if let Err(e) = &result {
             st.failed = Some(e.clone());
         }

@@ -7,11 +7,11 @@ use std::time::Instant;
 
 use tch::Tensor;
 
-use crate::collectives::Work;
+use crate::c10d::collectives::Work;
+use crate::c10d::step_check::PendingCheck;
 use crate::error::{DistError, Result};
 use crate::reducer::buckets::Layout;
 use crate::reducer::comm_hooks::InFlight;
-use crate::step_check::PendingCheck;
 
 /// What one parameter did in this pass.
 #[derive(Debug, Clone, Copy, Default)]

@@ -5,7 +5,7 @@
 
 use tch::Tensor;
 
-use crate::collectives::ReduceOp;
+use crate::c10d::collectives::ReduceOp;
 use crate::error::{DistError, Result};
 use crate::reducer::buckets::Layout;
 use crate::reducer::pass::Pass;

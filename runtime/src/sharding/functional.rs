@@ -24,11 +24,10 @@ use std::sync::Arc;
 use tch::Tensor;
 
 use crate::autograd::{self, Callback, DescribeFailure, Reply};
-use crate::error::{DistError, Result};
+use crate::c10d::group::ProcessGroup;
+use crate::c10d::step_check::passes::{self, Api};
+use crate::error::{CollectiveSignature, DistError, Result};
 use crate::ffi::{self, ShimError};
-use crate::process_group::ProcessGroup;
-use crate::step_check::passes::{self, Api};
-use crate::step_check::CollectiveSignature;
 
 #[derive(Clone, Copy)]
 enum Mode {

@@ -16,11 +16,10 @@ use std::sync::{Arc, Weak};
 use tch::Tensor;
 
 use crate::autograd::{add_output_grad_hook, Callback, Reply};
-use crate::collectives::ReduceOp;
-use crate::error::{DistError, Result};
-use crate::process_group::ProcessGroup;
-use crate::step_check::passes::{self, Api};
-use crate::step_check::CollectiveSignature;
+use crate::c10d::collectives::ReduceOp;
+use crate::c10d::group::ProcessGroup;
+use crate::c10d::step_check::passes::{self, Api};
+use crate::error::{CollectiveSignature, DistError, Result};
 
 /// Sums the gradients of the parameters it is [registered](GradientSum::register) on over a
 /// group, for as long as it lives: the hooks hold it weakly, so dropping the last `Arc` turns

@@ -4,6 +4,12 @@
 //! plain-data specs ([`ShardingSpec`](tch_dist_core::sharding::ShardingSpec) and its
 //! metadata) live in `tch_dist_core::sharding`; plans, sharders and `shard_module` in the
 //! `tch_dist` facade.
+//!
+//! | file | what it does | PyTorch's counterpart |
+//! |---|---|---|
+//! | `sharded_tensor.rs` | [`ShardedTensor`], [`Shard`]: a tensor split across a group by a spec; scatter, gather, all-gather, reshard | `torch.distributed._shard.sharded_tensor.ShardedTensor` |
+//! | `functional.rs` | the differentiable collectives, each a collective in forward and its conjugate in backward | `torch.distributed.nn.functional` (differentiable collectives); Megatron-LM's `mappings.py` |
+//! | `grad_sum.rs` | [`GradientSum`]: a replicated parameter's gradient summed over the group (sequence parallelism's norms) | the `Partial` gradient of a `Replicate` DTensor parameter |
 
 pub mod functional;
 mod grad_sum;

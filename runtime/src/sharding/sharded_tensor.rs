@@ -5,8 +5,8 @@
 use tch::{Device, Tensor};
 use tch_dist_core::sharding::{Dtype, ShardMetadata, ShardedTensorMetadata, ShardingSpec};
 
+use crate::c10d::group::ProcessGroup;
 use crate::error::{ArgumentError, DistError, Result, TensorSignature};
-use crate::process_group::ProcessGroup;
 
 /// One shard held by this rank: its data and where it sits in the global tensor.
 #[derive(Debug)]

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::env::{DEFAULT_NCCL_TIMEOUT, DEFAULT_TIMEOUT};
+use crate::c10d::env::{DEFAULT_NCCL_TIMEOUT, DEFAULT_TIMEOUT};
 use crate::error::{DistError, Result};
 use crate::ffi;
 

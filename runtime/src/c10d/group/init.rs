@@ -9,14 +9,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::c10d::departures::WatchStore;
+use crate::c10d::devices::DeviceClaim;
+use crate::c10d::env::DebugLevel;
 use crate::c10d::interface::gloo_host;
-use crate::departures::WatchStore;
-use crate::devices::DeviceClaim;
-use crate::env::DebugLevel;
+use crate::c10d::rendezvous::{self, Deadline};
+use crate::c10d::store::{millis, Store};
 use crate::error::{ArgumentError, DistError, EnvError, RendezvousError, Result};
 use crate::ffi;
-use crate::rendezvous::{self, Deadline};
-use crate::store::{millis, Store};
 
 use super::{
     Backend, GroupHandle, GroupInner, GroupOptions, InitOptions, ProcessGroup, Shape, World,

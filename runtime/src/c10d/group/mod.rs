@@ -16,11 +16,11 @@ use std::time::Duration;
 
 use tch::Device;
 
-use crate::departures::WatchStore;
-use crate::env::DebugLevel;
+use crate::c10d::departures::WatchStore;
+use crate::c10d::env::DebugLevel;
+use crate::c10d::store::Store;
 use crate::error::{DistError, Result};
 use crate::ffi;
-use crate::store::Store;
 
 mod backend;
 mod default;

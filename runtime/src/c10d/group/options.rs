@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::env::{read_switch, DebugLevel, LaunchEnv};
+use crate::c10d::env::{read_switch, DebugLevel, LaunchEnv};
 use crate::error::{EnvError, Result};
 
 use super::Backend;

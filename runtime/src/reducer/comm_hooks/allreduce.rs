@@ -1,9 +1,9 @@
 //! DDP's default hook: all-reduce the bucket and divide by the world size (`allreduce_hook`).
 
 use super::{BucketHook, GradBucket, InFlight};
-use crate::collectives::ReduceOp;
+use crate::c10d::collectives::ReduceOp;
+use crate::c10d::group::ProcessGroup;
 use crate::error::Result;
-use crate::process_group::ProcessGroup;
 
 /// The mean of the ranks' gradients, exactly.
 pub(crate) struct AllReduceMean;

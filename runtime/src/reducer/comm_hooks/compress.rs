@@ -4,9 +4,9 @@
 use tch::Kind;
 
 use super::{BucketHook, GradBucket, InFlight};
-use crate::collectives::ReduceOp;
+use crate::c10d::collectives::ReduceOp;
+use crate::c10d::group::ProcessGroup;
 use crate::error::Result;
-use crate::process_group::ProcessGroup;
 
 /// Communicates in `kind` (half the bytes of fp32), averaging before the cast so that the
 /// sum stays in range.

@@ -7,6 +7,13 @@
 //! finishes them ([`BucketHook::complete`]), leaving the average in the bucket's buffer. A
 //! new hook is one file here: its state, its `launch` and `complete`, and a line in
 //! [`for_options`].
+//!
+//! | file | what it does | PyTorch's counterpart (`torch/distributed/algorithms/ddp_comm_hooks/`) |
+//! |---|---|---|
+//! | `mod.rs` | [`BucketHook`], [`GradBucket`], [`for_options`]: the interface and the choice of a hook | `register_comm_hook`, `GradBucket` (`torch/csrc/distributed/c10d/comm.hpp`) |
+//! | `allreduce.rs` | the default: all-reduce, divide by the world size | `default_hooks.allreduce_hook` |
+//! | `compress.rs` | divide, cast to fp16 or bf16, all-reduce, cast back | `default_hooks.fp16_compress_hook`, `bf16_compress_hook` |
+//! | `powersgd.rs` | [`PowerSgdOptions`]: low-rank gradient compression with error feedback | `powerSGD_hook.py` (`PowerSGDState`, `powerSGD_hook`) |
 
 mod allreduce;
 mod compress;
@@ -14,9 +21,9 @@ mod powersgd;
 
 use tch::Tensor;
 
-use crate::collectives::Work;
+use crate::c10d::collectives::Work;
+use crate::c10d::group::ProcessGroup;
 use crate::error::Result;
-use crate::process_group::ProcessGroup;
 use crate::reducer::options::CommHook;
 
 pub use powersgd::PowerSgdOptions;

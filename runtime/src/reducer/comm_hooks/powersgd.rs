@@ -24,9 +24,9 @@ use std::collections::HashMap;
 use tch::{Kind, Tensor};
 
 use super::{BucketHook, GradBucket, InFlight};
-use crate::collectives::ReduceOp;
+use crate::c10d::collectives::ReduceOp;
+use crate::c10d::group::ProcessGroup;
 use crate::error::{ArgumentError, DistError, Result};
-use crate::process_group::ProcessGroup;
 
 /// PowerSGD's settings, with PyTorch's `PowerSGDState` names and defaults.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -26,13 +26,14 @@
 
 use std::any::Any;
 use std::cell::{Cell, RefCell};
-use std::ffi::{c_char, c_void};
+use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use tch::Tensor;
 use tch_dist_core::hooks::{register_call_guard, CallGuard, ForwardError};
 
+use super::callback::{trampoline, Callback, Reply};
 use crate::error::{DistError, Result};
 use crate::ffi;
 
@@ -124,7 +125,7 @@ impl CallGuard for ThreadReset {
 
     fn outermost_call_ended(&self) {
         // A failed or unwound call never ended its managed forwards.
-        crate::step_check::passes::outermost_call_ended();
+        crate::c10d::step_check::passes::outermost_call_ended();
         // SAFETY: touches only this thread's state.
         unsafe { ffi::tdr_fence_reset_thread() };
         CHECKED.with(|c| c.set(0));
@@ -157,7 +158,7 @@ impl ShardFence {
             ffi::tdr_fence_new(
                 raw.as_mut_ptr(),
                 raw.len(),
-                refusal_trampoline,
+                trampoline::<FenceRefusal>,
                 &*context as *const FenceContext as *mut c_void,
                 &mut out,
             )
@@ -234,12 +235,16 @@ fn failure(rank: usize, op: &'static str, cause: String) -> DistError {
     DistError::Collective { rank, op, cause }
 }
 
-/// Called by the shim's fallback, under its lock, when an op uses parameter `index`
-/// outside its call: records the hit and returns the refusal's message.
-unsafe extern "C" fn refusal_trampoline(ctx: *mut c_void, index: usize) -> *mut c_char {
-    // SAFETY: `ctx` is the FenceContext registered with the fence, alive while it is.
-    let context = unsafe { &*(ctx as *const FenceContext) };
-    let message = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+/// The shim's fallback calls it, under its lock, when an op uses parameter `index` outside
+/// its call: it records the hit and refuses the op with the owner's message.
+struct FenceRefusal;
+
+impl Callback for FenceRefusal {
+    type Context = FenceContext;
+    const PANIC: &'static str = "a sharded parameter was used outside its module's hooked call \
+                                 (and its message panicked)";
+
+    fn run(context: &FenceContext, index: usize, _grad: Option<Tensor>) -> Reply {
         if CHECKED.with(Cell::get) > 0 {
             LAST_HIT.with(|h| {
                 *h.borrow_mut() = Some(FenceHit {
@@ -248,14 +253,7 @@ unsafe extern "C" fn refusal_trampoline(ctx: *mut c_void, index: usize) -> *mut 
                 })
             });
         }
-        context.owner.refusal(index)
-    }));
-    match message {
-        Ok(message) => ffi::malloc_message(&message),
-        Err(_) => ffi::malloc_message(
-            "a sharded parameter was used outside its module's hooked call (and its message \
-             panicked)",
-        ),
+        Err(context.owner.refusal(index))
     }
 }
 

@@ -6,7 +6,7 @@
 //!
 //! | file | what it does | PyTorch's counterpart |
 //! |---|---|---|
-//! | `mod.rs` | the header (where a rank is: [`StepPosition`]; what its pass runs: [`PassProgram`]), its all-gather and comparison; [`set_step`] | (none: tch-dist's step check; DETAIL's fingerprints are c10d's `ProcessGroupWrapper`) |
+//! | `mod.rs` | the header (where a rank is: [`StepPosition`]; what its pass runs: [`PassProgram`]; both defined in `error/step.rs`), its encoding, all-gather and comparison; [`set_step`] | (none: tch-dist's step check; DETAIL's fingerprints are c10d's `ProcessGroupWrapper`) |
 //! | `passes.rs` | which pass this process is in, for fully_shard and tensor parallelism, and the check before each pass's first collective over each group | (none) |
 //!
 //! Why a separate header and not a counter appended to a bucket: the collectives of a pass
@@ -29,7 +29,6 @@
 //! (or the end of training, where the other rank's last header meets a departed peer, a
 //! timeout, or a header between passes) tells it apart.
 
-use std::fmt;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -37,9 +36,12 @@ use tch::{Kind, Tensor};
 
 use tch_dist_core::sharding::Dtype;
 
-use crate::collectives::Work;
-use crate::error::{DistError, Mismatch, MisuseProblem, Result, TensorSignature};
-use crate::process_group::ProcessGroup;
+use crate::c10d::collectives::Work;
+use crate::c10d::group::ProcessGroup;
+use crate::error::{
+    CollectiveSignature, DistError, Mismatch, MisuseProblem, PassProgram, Phase, Result,
+    StepPosition, TensorSignature, SIGNATURE_OPS,
+};
 
 pub(crate) mod passes;
 
@@ -89,19 +91,9 @@ pub fn set_step(step: u64) {
     USER_STEP.store(i64::try_from(step).unwrap_or(i64::MAX), Ordering::Relaxed);
 }
 
-/// Which pass a rank is in when it checks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Phase {
-    /// A forward pass.
-    Forward,
-    /// A backward pass.
-    Backward,
-    /// Between passes (after a forward or a backward ended: a state dict, an explicit
-    /// unshard).
-    Between,
-}
-
+// The header's encoding of the values error/step.rs defines: what a rank's position and
+// program are is the errors' vocabulary (a `Mismatch` carries them), how they travel is the
+// check's.
 impl Phase {
     fn code(self) -> i64 {
         match self {
@@ -121,79 +113,7 @@ impl Phase {
     }
 }
 
-/// Where a rank is in training, as the step check compares it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StepPosition {
-    /// The pass it is in.
-    pub phase: Phase,
-    /// Forward passes begun (the current one included): the step number.
-    pub forwards: u64,
-    /// Backward passes begun (the current one included).
-    pub backwards: u64,
-    /// The caller's step number ([`set_step`]), if it gave one.
-    pub step: Option<u64>,
-}
-
-impl fmt::Display for StepPosition {
-    /// `in the forward of step 3 (3 forward and 2 backward passes)`; with the caller's
-    /// numbering, `in the forward of step 7 (set_step; 3 forward and 2 backward passes)`.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let (forwards, backwards) = (self.forwards, self.backwards);
-        let step = self.step.unwrap_or(forwards);
-        match self.phase {
-            Phase::Forward => write!(f, "in the forward of step {step}")?,
-            Phase::Backward => write!(f, "in the backward of step {step}")?,
-            Phase::Between => write!(f, "between passes after step {step}")?,
-        }
-        let numbered = if self.step.is_some() {
-            "set_step; "
-        } else {
-            ""
-        };
-        write!(
-            f,
-            " ({numbered}{forwards} forward and {backwards} backward passes)"
-        )
-    }
-}
-
-/// A collective whose tensors the ranks compare at the start of a pass: which one, and the
-/// whole tensor it moves (for an uneven all-gather, the gathered tensor: every rank's is
-/// the same).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CollectiveSignature {
-    /// The operation (`all_reduce (tensor parallel forward)`, ...).
-    pub op: &'static str,
-    /// Its tensor's shape and dtype.
-    pub tensor: TensorSignature,
-}
-
-impl fmt::Display for CollectiveSignature {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} of {}", self.op, self.tensor)
-    }
-}
-
-/// The operations a signature names, by code (0: none).
-const SIGNATURE_OPS: [&str; 6] = [
-    "all_reduce (tensor-parallel forward)",
-    "all_gather (tensor-parallel forward)",
-    "reduce_scatter (tensor-parallel forward)",
-    "all_reduce (tensor-parallel backward)",
-    "all_gather (tensor-parallel backward)",
-    "all_reduce (sequence-parallel gradient)",
-];
-
 impl CollectiveSignature {
-    /// A signature of `op` (one of [`SIGNATURE_OPS`]) on `tensor`'s shape and dtype.
-    pub(crate) fn new(op: &'static str, shape: Vec<i64>, kind: Kind) -> Self {
-        debug_assert!(SIGNATURE_OPS.contains(&op), "unknown signature op {op}");
-        CollectiveSignature {
-            op,
-            tensor: TensorSignature { shape, kind },
-        }
-    }
-
     /// `[op, dtype, ndim, dims...]`; the dims past [`DIMS`] multiplied into the last slot.
     fn encode(&self) -> [i64; 3 + DIMS] {
         let mut out = [0i64; 3 + DIMS];
@@ -231,18 +151,6 @@ impl CollectiveSignature {
             tensor: TensorSignature { shape, kind },
         }))
     }
-}
-
-/// What a rank's pass will run, as the step check compares it beside the position: a
-/// difference here is two programs in one pass (activation checkpointing or `no_grad` on
-/// some ranks only, inputs of other shapes), whose collectives would meet each other.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct PassProgram {
-    /// The tensor-parallel collectives the forward passes recorded for this backward over
-    /// the group (0 outside a backward, and for the other APIs).
-    pub recorded: u64,
-    /// The pass's first collective, where the API names it (tensor parallelism).
-    pub first: Option<CollectiveSignature>,
 }
 
 impl StepPosition {

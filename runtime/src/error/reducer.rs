@@ -1,8 +1,9 @@
 //! [`ReducerError`]: what the reducer itself refuses in a backward pass, named after the API
-//! that runs it (`op`, from [`ReducerOptions::api`](super::ReducerOptions::api):
+//! that runs it (`op`, from [`ReducerOptions::api`](crate::ReducerOptions::api):
 //! `replicate` for tch-dist's replicate), which the runtime does not hard-code.
 
-use crate::error::{DistError, Joined};
+use super::text::Joined;
+use super::DistError;
 
 /// A backward pass the reducer refuses (reached as [`DistError::Reducer`]).
 ///

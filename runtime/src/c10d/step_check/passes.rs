@@ -22,11 +22,10 @@ use std::sync::{Mutex, MutexGuard};
 
 use tch::Tensor;
 
-use super::{CollectiveSignature, PassProgram, Phase, StepPosition};
 use crate::autograd::{self, Callback, Reply};
-use crate::error::{DistError, Result};
+use crate::c10d::group::ProcessGroup;
+use crate::error::{CollectiveSignature, DistError, PassProgram, Phase, Result, StepPosition};
 use crate::ffi;
-use crate::process_group::ProcessGroup;
 
 /// What one process group has seen: its own counts, since the ranks of a group need not
 /// have run the same passes over other groups (a pair of ranks trained first, then all).
