@@ -17,7 +17,8 @@ use tch_dist::hooks::{
 use tch_dist::sharding::{shard_module, ColwiseLinear, RowwiseLinear, ShardError, ShardingPlan};
 use tch_dist::testing::run_ranks;
 use tch_dist::{
-    fully_shard, replicate, Call, CallWith, ForwardError, FsdpOptions, ProcessGroup, Shardable,
+    fully_shard, replicate, Call, CallWith, Composition, ForwardError, FsdpOptions, ProcessGroup,
+    Shardable,
 };
 
 #[path = "common/unchanged.rs"]
@@ -525,8 +526,8 @@ fn fully_shard_manages_multi_input_blocks_at_2_ranks() {
             let e = err.downcast_ref::<FsdpError>().expect("a typed error");
             assert!(
                 matches!(
-                    e,
-                    FsdpError::HooksBypassed { module, param, .. }
+                    e.composition(),
+                    Some(Composition::HooksBypassed { module, param, .. })
                         if module == "gate" && param == "gate.fc.weight"
                 ),
                 "{e}"

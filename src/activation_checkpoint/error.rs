@@ -5,25 +5,31 @@ use tch_dist_core::hooks::HookError;
 use tch_dist_core::ContractError;
 use tch_dist_runtime::DistError;
 
+use crate::{Composition, OnRank};
+
 /// Errors of [`checkpoint_activations`](super::checkpoint_activations) and of the calls of a
 /// checkpointed module. A refusal at apply leaves the module unchanged; a refused call runs
-/// nothing.
+/// nothing. This rank's problem is [`OnRank`](Self::OnRank) of an
+/// [`ActivationCheckpointProblem`], or [`Composition`](Self::Composition) of a rule of
+/// composing the APIs, its rank written once; another layer's error names its own.
 ///
 /// ```
-/// use tch_dist::activation_checkpoint::ActivationCheckpointError;
-/// let e = ActivationCheckpointError::Nondeterministic {
-///     rank: 1,
+/// use tch_dist::activation_checkpoint::{ActivationCheckpointError, ActivationCheckpointProblem};
+/// let e = ActivationCheckpointProblem::Nondeterministic {
 ///     module: "layers.0".into(),
 ///     output: 0,
 ///     first: "[4, 8] Float cpu".into(),
 ///     again: "[4, 9] Float cpu".into(),
-/// };
+/// }
+/// .on(1);
 /// assert_eq!(
 ///     e.to_string(),
 ///     "rank 1: checkpoint: the recomputation of `layers.0` differs from its first run: \
 ///      output 0 is [4, 9] Float cpu, was [4, 8] Float cpu; make the block's forward \
 ///      deterministic in shape, or set `determinism_check: DeterminismCheck::None`"
 /// );
+/// assert_eq!(e.rank(), Some(1));
+/// assert!(matches!(e.problem(), Some(ActivationCheckpointProblem::Nondeterministic { .. })));
 /// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -37,14 +43,83 @@ pub enum ActivationCheckpointError {
     /// The use guard over the module's parameters could not be made.
     #[error(transparent)]
     Dist(#[from] DistError),
+    /// This rank refused or failed: its rank and the problem.
+    #[error(transparent)]
+    OnRank(#[from] OnRank<ActivationCheckpointProblem>),
+    /// A rule of composing the APIs, broken on this rank
+    /// ([`Api::CheckpointActivations`](crate::Api::CheckpointActivations)'s
+    /// [`Composition`]): a parameter of the checkpointed module used outside its hooked call
+    /// (`x.apply(&block)`, `block.forward(&x)`), whose forward kept its activations and
+    /// bypassed every hook of the module ([`Composition::HooksBypassed`]; its `param` is the
+    /// parameter's FQN within the module).
+    #[error(transparent)]
+    Composition(#[from] OnRank<Composition>),
+}
+
+impl ActivationCheckpointError {
+    /// The rank the error names (this rank's, or the collective's); `None` for a contract's
+    /// or a hook's error.
+    pub fn rank(&self) -> Option<usize> {
+        match self {
+            ActivationCheckpointError::OnRank(e) => Some(e.rank),
+            ActivationCheckpointError::Composition(e) => Some(e.rank),
+            ActivationCheckpointError::Dist(e) => e.rank(),
+            ActivationCheckpointError::Contract(_) | ActivationCheckpointError::Hook(_) => None,
+        }
+    }
+
+    /// This rank's problem (`None` for another layer's error or a [`Composition`]).
+    pub fn problem(&self) -> Option<&ActivationCheckpointProblem> {
+        match self {
+            ActivationCheckpointError::OnRank(e) => Some(&e.problem),
+            _ => None,
+        }
+    }
+
+    /// The rule of composing the APIs this rank broke (`None` for any other error).
+    ///
+    /// ```
+    /// use tch_dist::activation_checkpoint::ActivationCheckpointError;
+    /// use tch_dist::{Api, Composition, OnRank};
+    /// let e = ActivationCheckpointError::from(OnRank::new(
+    ///     0,
+    ///     Composition::HooksBypassed {
+    ///         api: Api::CheckpointActivations,
+    ///         module: "layers.0".into(),
+    ///         param: "layers.0.fc.weight".into(),
+    ///     },
+    /// ));
+    /// assert!(e.to_string().starts_with(
+    ///     "rank 0: checkpoint: parameter `layers.0.fc.weight` of checkpointed `layers.0` was used"
+    /// ));
+    /// assert!(matches!(e.composition(), Some(Composition::HooksBypassed { .. })));
+    /// ```
+    pub fn composition(&self) -> Option<&Composition> {
+        match self {
+            ActivationCheckpointError::Composition(e) => Some(&e.problem),
+            _ => None,
+        }
+    }
+}
+
+impl ActivationCheckpointProblem {
+    /// This problem as rank `rank`'s [`ActivationCheckpointError`].
+    pub fn on(self, rank: usize) -> ActivationCheckpointError {
+        ActivationCheckpointError::OnRank(OnRank::new(rank, self))
+    }
+}
+
+/// What went wrong on a rank checkpointing a module or calling it
+/// ([`ActivationCheckpointError::OnRank`] adds the rank).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ActivationCheckpointProblem {
     /// The module was called as another type than it was checkpointed as.
     #[error(
-        "rank {rank}: checkpoint: `{module}` was checkpointed as a `{expected}` and called \
-         as a `{got}`; call it as the type `checkpoint_activations` was given"
+        "checkpoint: `{module}` was checkpointed as a `{expected}` and called as a `{got}`; \
+         call it as the type `checkpoint_activations` was given"
     )]
     CalledAs {
-        /// This rank.
-        rank: usize,
         /// The module.
         module: String,
         /// The type given to `checkpoint_activations`.
@@ -56,23 +131,19 @@ pub enum ActivationCheckpointError {
     /// parameters hold their shards outside its calls, so they cannot be inputs of the
     /// checkpoint.
     #[error(
-        "rank {rank}: checkpoint: `{module}` holds `{child}`, which fully_shard manages on its \
-         own; apply checkpoint_activations to `{child}` instead, or fully_shard to `{module}` \
-         (as torchtitan does: one block, both APIs)"
+        "checkpoint: `{module}` holds `{child}`, which fully_shard manages on its own; apply \
+         checkpoint_activations to `{child}` instead, or fully_shard to `{module}` (as \
+         torchtitan does: one block, both APIs)"
     )]
     NestedFullyShard {
-        /// This rank.
-        rank: usize,
         /// The checkpointed module.
         module: String,
         /// The submodule, by its FQN within the module.
         child: String,
     },
     /// The engine failed to run the checkpointed forward.
-    #[error("rank {rank}: checkpoint: the forward of `{module}` failed: {message}")]
+    #[error("checkpoint: the forward of `{module}` failed: {message}")]
     Forward {
-        /// This rank.
-        rank: usize,
         /// The module.
         module: String,
         /// The engine's message.
@@ -80,12 +151,10 @@ pub enum ActivationCheckpointError {
     },
     /// The recomputation returned another number of outputs than the first run.
     #[error(
-        "rank {rank}: checkpoint: the recomputation of `{module}` returned {again} outputs, \
-         its first run {first}; make the block's forward return the same outputs every time"
+        "checkpoint: the recomputation of `{module}` returned {again} outputs, its first run \
+         {first}; make the block's forward return the same outputs every time"
     )]
     OutputCount {
-        /// This rank.
-        rank: usize,
         /// The module.
         module: String,
         /// Outputs of the first run.
@@ -95,13 +164,11 @@ pub enum ActivationCheckpointError {
     },
     /// A recomputed output's shape, dtype or device differs from the first run's.
     #[error(
-        "rank {rank}: checkpoint: the recomputation of `{module}` differs from its first \
-         run: output {output} is {again}, was {first}; make the block's forward \
-         deterministic in shape, or set `determinism_check: DeterminismCheck::None`"
+        "checkpoint: the recomputation of `{module}` differs from its first run: output \
+         {output} is {again}, was {first}; make the block's forward deterministic in shape, \
+         or set `determinism_check: DeterminismCheck::None`"
     )]
     Nondeterministic {
-        /// This rank.
-        rank: usize,
         /// The module.
         module: String,
         /// The output's position.
@@ -110,21 +177,5 @@ pub enum ActivationCheckpointError {
         first: String,
         /// The recomputation's.
         again: String,
-    },
-    /// A parameter of the checkpointed module was used outside its hooked call
-    /// (`x.apply(&block)`, `block.forward(&x)`): that forward kept its activations and
-    /// bypassed every hook of the module.
-    #[error(
-        "rank {rank}: checkpoint: parameter `{param}` of checkpointed `{module}` was used \
-         outside the module's hooked call; call it with `.call(&x)` (`call_with` for several \
-         inputs), not `x.apply(&m)` or `m.forward(&x)`"
-    )]
-    HooksBypassed {
-        /// This rank.
-        rank: usize,
-        /// The module.
-        module: String,
-        /// The parameter, by its FQN within the module.
-        param: String,
     },
 }

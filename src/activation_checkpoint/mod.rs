@@ -52,7 +52,7 @@
 //! | `mod.rs` | the API: the contract, the state, the use guard | `torch/distributed/_composable/checkpoint_activation.py` |
 //! | `options.rs` | [`CheckpointOptions`], [`DeterminismCheck`] | its keyword arguments |
 //! | `wrapper.rs` | each call's run through the engine's checkpoint function, its snapshot and its determinism check | `torch/utils/checkpoint.py` (`_checkpoint_without_reentrant_generator`, `CheckpointFunction`) |
-//! | `error.rs` | [`ActivationCheckpointError`] | the `RuntimeError`s of `torch/utils/checkpoint.py` |
+//! | `error.rs` | [`ActivationCheckpointError`], [`ActivationCheckpointProblem`] | the `RuntimeError`s of `torch/utils/checkpoint.py` |
 //!
 //! The engine's half (the custom autograd function, the RNG states) is
 //! `tch_dist_runtime`'s `autograd/checkpoint.rs` over the shim's csrc/checkpoint.cpp.
@@ -68,7 +68,9 @@ use tch_dist_core::path::join_fqn;
 use tch_dist_core::{contract, ShallowClone, Shardable};
 use tch_dist_runtime::UseGuard;
 
-pub use error::ActivationCheckpointError;
+use crate::{Api, Composition, OnRank};
+
+pub use error::{ActivationCheckpointError, ActivationCheckpointProblem};
 pub use options::{CheckpointOptions, DeterminismCheck};
 
 /// What [`checkpoint_activations`] keeps for a module (PyTorch's `_CheckpointState`).
@@ -95,9 +97,9 @@ impl CheckpointState {
 ///
 /// Call the module with `.call(&x)` (or `call_with`): a call that bypasses the hooks
 /// (`x.apply(&block)`, `block.forward(&x)`) keeps its activations, and its backward fails
-/// with [`ActivationCheckpointError::HooksBypassed`]. The block's type must be
-/// [`ShallowClone`] (`#[derive(ShallowClone)]`): the recomputation runs on a second handle
-/// of the block taken at the call.
+/// with [`ActivationCheckpointError::Composition`] ([`Composition::HooksBypassed`]). The
+/// block's type must be [`ShallowClone`] (`#[derive(ShallowClone)]`): the recomputation runs
+/// on a second handle of the block taken at the call.
 ///
 /// # Errors
 ///
@@ -149,11 +151,14 @@ fn bypass_guard<M: Shardable + ?Sized>(
     let name = Arc::clone(name);
     let guard = UseGuard::new(rank, "checkpoint", &params, move |i| {
         let prefix = name.fqn().unwrap_or_default();
-        ActivationCheckpointError::HooksBypassed {
+        ActivationCheckpointError::from(OnRank::new(
             rank,
-            param: join_fqn(&prefix, names.get(i).map_or("", String::as_str)),
-            module: name.get(),
-        }
+            Composition::HooksBypassed {
+                api: Api::CheckpointActivations,
+                param: join_fqn(&prefix, names.get(i).map_or("", String::as_str)),
+                module: name.get(),
+            },
+        ))
         .to_string()
     })?;
     Ok(Some(guard))

@@ -11,7 +11,9 @@ use tch_dist_core::hooks::{Forward, ForwardError, ForwardWrapper};
 use tch_dist_core::{registry, InstanceAlias, InstanceHandles, ShallowClone, Shardable};
 use tch_dist_runtime::{autograd_mark, grad_enabled, recomputed, Recomputation, UseGuard};
 
-use super::{ActivationCheckpointError, CheckpointOptions, DeterminismCheck};
+use super::{
+    ActivationCheckpointError, ActivationCheckpointProblem, CheckpointOptions, DeterminismCheck,
+};
 
 /// A module's twin (its shallow clone), seen both ways the recomputation needs it.
 pub(super) trait Twin: Send {
@@ -125,11 +127,11 @@ impl Wrapper {
     fn trainable(&self, module: &dyn Shardable) -> Result<Vec<Tensor>, ActivationCheckpointError> {
         for (fqn, child) in module.named_modules() {
             if !fqn.is_empty() && registry(child).contains(&"fully_shard") {
-                return Err(ActivationCheckpointError::NestedFullyShard {
-                    rank: self.rank,
+                return Err(ActivationCheckpointProblem::NestedFullyShard {
                     module: self.name.get(),
                     child: fqn,
-                });
+                }
+                .on(self.rank));
             }
         }
         let mut seen = std::collections::HashSet::new();
@@ -159,12 +161,12 @@ impl Recheck {
     /// The recomputation's check against the first run's outputs.
     fn check(&self, first: &[Meta], again: &[Tensor]) -> Result<(), ActivationCheckpointError> {
         if first.len() != again.len() {
-            return Err(ActivationCheckpointError::OutputCount {
-                rank: self.rank,
+            return Err(ActivationCheckpointProblem::OutputCount {
                 module: self.module.clone(),
                 first: first.len(),
                 again: again.len(),
-            });
+            }
+            .on(self.rank));
         }
         if self.options.determinism_check == DeterminismCheck::None {
             return Ok(());
@@ -172,13 +174,13 @@ impl Recheck {
         for (i, (a, t)) in first.iter().zip(again).enumerate() {
             let b = Meta::of(t);
             if *a != b {
-                return Err(ActivationCheckpointError::Nondeterministic {
-                    rank: self.rank,
+                return Err(ActivationCheckpointProblem::Nondeterministic {
                     module: self.module.clone(),
                     output: i,
                     first: a.to_string(),
                     again: b.to_string(),
-                });
+                }
+                .on(self.rank));
             }
         }
         Ok(())
@@ -205,12 +207,14 @@ impl ForwardWrapper for Wrapper {
             return Ok(first(inputs));
         }
         let snapshot = (self.snapshot)(this).ok_or_else(|| {
-            self.failed(ActivationCheckpointError::CalledAs {
-                rank: self.rank,
-                module: this_name.clone(),
-                expected: self.type_name,
-                got: module.type_name(),
-            })
+            self.failed(
+                ActivationCheckpointProblem::CalledAs {
+                    module: this_name.clone(),
+                    expected: self.type_name,
+                    got: module.type_name(),
+                }
+                .on(self.rank),
+            )
         })?;
         let first_meta: Arc<Mutex<Vec<Meta>>> = Arc::default();
         let kept = Arc::clone(&first_meta);
@@ -242,11 +246,13 @@ impl ForwardWrapper for Wrapper {
             recompute,
         )
         .map_err(|e| {
-            self.failed(ActivationCheckpointError::Forward {
-                rank: self.rank,
-                module: this_name.clone(),
-                message: e.to_string(),
-            })
+            self.failed(
+                ActivationCheckpointProblem::Forward {
+                    module: this_name.clone(),
+                    message: e.to_string(),
+                }
+                .on(self.rank),
+            )
         })?;
         // The function's node uses the module's parameters inside this hooked call: claimed
         // for every use guard (the module's own, and those of the APIs around it).
@@ -287,12 +293,12 @@ impl Wrapper {
             let outs = again(snapshot.any(), xs);
             drop(alias);
             let outs = outs.ok_or_else(|| {
-                ActivationCheckpointError::CalledAs {
-                    rank: checker.rank,
+                ActivationCheckpointProblem::CalledAs {
                     module: checker.module.clone(),
                     expected: checker.type_name,
                     got: "another type",
                 }
+                .on(checker.rank)
                 .to_string()
             })?;
             let first = first.lock().unwrap_or_else(PoisonError::into_inner);

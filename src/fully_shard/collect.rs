@@ -13,8 +13,9 @@ use tch_dist_core::path::is_within;
 use tch_dist_core::{registry, Shardable};
 use tch_dist_runtime::fsdp::tensor_identity;
 
-use super::{fully_shard_state as state, FsdpError, FsdpState};
+use super::{fully_shard_state as state, FsdpError, FsdpProblem, FsdpState};
 use crate::state_dict::managed::{managed_by, ManagingApi};
+use crate::{Api, Composition, OnRank};
 
 /// What [`collect`] found.
 pub(super) struct Collected {
@@ -77,10 +78,13 @@ pub(super) fn collect(module: &dyn Shardable, ignored_params: &[String], at: Ran
             continue;
         }
         if problem.is_none() && registry(m).contains(&"replicate") {
-            problem = Some(FsdpError::ReplicatedInside {
+            problem = Some(FsdpError::from(OnRank::new(
                 rank,
-                module: prefix,
-            });
+                Composition::ReplicatedInside {
+                    api: Api::FullyShard,
+                    module: prefix,
+                },
+            )));
         }
     }
     let all = module.named_parameters();
@@ -89,10 +93,7 @@ pub(super) fn collect(module: &dyn Shardable, ignored_params: &[String], at: Ran
             .iter()
             .find(|i| !all.iter().any(|(f, _)| is_within(f, i)))
         {
-            problem = Some(FsdpError::UnknownIgnoredParam {
-                rank,
-                name: name.clone(),
-            });
+            problem = Some(FsdpProblem::UnknownIgnoredParam { name: name.clone() }.on(rank));
         }
     }
     let mut seen: HashMap<u64, String> = HashMap::new();
@@ -111,31 +112,39 @@ pub(super) fn collect(module: &dyn Shardable, ignored_params: &[String], at: Ran
                 // Beside tensor parallelism on one group of every rank: left to it.
                 TensorParallel::SameRanks if ranks.len() == world => continue,
                 TensorParallel::SameRanks => {
-                    problem.get_or_insert(FsdpError::TensorParallelDim {
+                    problem.get_or_insert(FsdpError::from(OnRank::new(
                         rank,
-                        fqn: fqn.clone(),
-                        ranks: ranks.to_vec(),
-                    });
+                        Composition::TensorParallelDim {
+                            api: Api::FullyShard,
+                            fqn: fqn.clone(),
+                            ranks: ranks.to_vec(),
+                        },
+                    )));
                     continue;
                 }
                 TensorParallel::Orthogonal => {}
                 TensorParallel::Overlapping => {
-                    problem.get_or_insert(FsdpError::TensorParallelRanks {
+                    problem.get_or_insert(FsdpError::from(OnRank::new(
                         rank,
-                        fqn: fqn.clone(),
-                        tp_ranks: tp_ranks.to_vec(),
-                        ranks: ranks.to_vec(),
-                    });
+                        Composition::TensorParallelRanks {
+                            api: Api::FullyShard,
+                            fqn: fqn.clone(),
+                            tp_ranks: tp_ranks.to_vec(),
+                            ranks: ranks.to_vec(),
+                        },
+                    )));
                     continue;
                 }
             }
         }
         if let Some(other) = managed_by(id, ManagingApi::FullyShard) {
-            problem.get_or_insert(FsdpError::TiedParameter {
-                rank,
-                fqn: fqn.clone(),
-                other: other.fqn,
-            });
+            problem.get_or_insert(
+                FsdpProblem::TiedParameter {
+                    fqn: fqn.clone(),
+                    other: other.fqn,
+                }
+                .on(rank),
+            );
             continue;
         }
         if seen.contains_key(&id) {
@@ -143,10 +152,7 @@ pub(super) fn collect(module: &dyn Shardable, ignored_params: &[String], at: Ran
             continue;
         }
         if !t.is_contiguous() {
-            problem.get_or_insert(FsdpError::NonContiguous {
-                rank,
-                fqn: fqn.clone(),
-            });
+            problem.get_or_insert(FsdpProblem::NonContiguous { fqn: fqn.clone() }.on(rank));
         }
         seen.insert(id, fqn.clone());
         params.push((fqn, t.shallow_clone()));

@@ -2,8 +2,8 @@
 //! parameters before the call and turns the shard fences' check on for it, and after it
 //! claims the call's uses of them (the autograd bypass check), hooks the output for
 //! backward, and frees them where `reshard_after_forward`; and the [`CallGuard`] that turns
-//! a fence's refusal into [`FsdpError::HooksBypassed`] and puts the groups of a forward that
-//! failed back on their shards.
+//! a fence's refusal into [`Composition::HooksBypassed`] (an [`FsdpError::Composition`]) and
+//! puts the groups of a forward that failed back on their shards.
 
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
@@ -18,6 +18,7 @@ use tch_dist_runtime::{
 };
 
 use super::FsdpError;
+use crate::{Api, Composition, OnRank};
 
 /// The names a call's errors give: this rank, the managed module's FQN and its managed
 /// parameters' FQNs within the module (the fence's and the group's order).
@@ -42,11 +43,14 @@ impl CallNames {
     pub fn bypassed(&self, index: usize) -> FsdpError {
         let module = self.module();
         let param = self.params.get(index).map_or("", String::as_str);
-        FsdpError::HooksBypassed {
-            rank: self.rank,
-            param: join_fqn(&module, param),
-            module,
-        }
+        FsdpError::from(OnRank::new(
+            self.rank,
+            Composition::HooksBypassed {
+                api: Api::FullyShard,
+                param: join_fqn(&module, param),
+                module,
+            },
+        ))
     }
 }
 
@@ -149,7 +153,7 @@ impl CallScope for Scope {
 }
 
 /// fully_shard's [`CallGuard`]: a fence's refusal (an op inside a bypassed managed module)
-/// becomes [`FsdpError::HooksBypassed`], the error of the hooked call around it; a forward
+/// becomes [`Composition::HooksBypassed`], the error of the hooked call around it; a forward
 /// that failed or unwound puts the groups it gathered back on their shards (their `exit`,
 /// which would have, never ran).
 pub(super) struct Guard;

@@ -18,7 +18,7 @@ use tch_dist_runtime::{
 };
 
 use super::collect::Collected;
-use super::{hooks, FsdpError, FsdpOptions, FsdpState, MeshUse, ReshardAfterForward};
+use super::{hooks, FsdpError, FsdpOptions, FsdpProblem, FsdpState, MeshUse, ReshardAfterForward};
 use crate::state_dict::managed::{register, Layer, ManagingApi, Registration, ShardHolder};
 use crate::state_dict::{MeshDimPlacement, Placement};
 
@@ -45,10 +45,7 @@ pub(super) fn process_groups(opts: &FsdpOptions) -> Result<Groups, FsdpError> {
         });
     };
     let world = default_group()?;
-    let refuse = |problem| FsdpError::Mesh {
-        rank: world.rank(),
-        problem,
-    };
+    let refuse = |problem| FsdpProblem::Mesh(problem).on(world.rank());
     if opts.process_group.is_some() {
         return Err(refuse(MeshUse::AndGroup));
     }
@@ -93,23 +90,21 @@ fn shard_dims(
             .unwrap_or(0);
         let size = t.size();
         if dim > 0 && problem.is_none() && (dim >= size.len() || size[dim] % world as i64 != 0) {
-            problem = Some(FsdpError::ShardDim {
-                rank,
-                fqn: fqn.clone(),
-                dim,
-                shape: size.clone(),
-                world,
-            });
+            problem = Some(
+                FsdpProblem::ShardDim {
+                    fqn: fqn.clone(),
+                    dim,
+                    shape: size.clone(),
+                    world,
+                }
+                .on(rank),
+            );
         }
         dims.push(dim);
     }
     if let Some(ReshardAfterForward::ToRanks(n)) = opts.reshard_after_forward {
         if problem.is_none() && (n == 0 || world % n != 0) {
-            problem = Some(FsdpError::ReshardRanks {
-                rank,
-                ranks: n,
-                world,
-            });
+            problem = Some(FsdpProblem::ReshardRanks { ranks: n, world }.on(rank));
         }
     }
     (dims, problem)

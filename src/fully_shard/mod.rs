@@ -13,8 +13,9 @@
 //!
 //! Apply it bottom-up, then to the root; call children with `.call` (a managed layer run
 //! with `x.apply(&layer)` or `layer.forward(&x)` bypasses the hooks: inside a hooked call its
-//! first op fails, under `no_grad` too, and `f_call` returns [`FsdpError::HooksBypassed`]
-//! naming the parameter's FQN; outside any, the backward pass fails with that error):
+//! first op fails, under `no_grad` too, and `f_call` returns an [`FsdpError::Composition`]
+//! ([`Composition::HooksBypassed`](crate::Composition::HooksBypassed)) naming the
+//! parameter's FQN; outside any, the backward pass fails with that error):
 //!
 //! ```no_run
 //! use tch::nn::{self, Module};
@@ -53,7 +54,7 @@
 //! | `state.rs` | [`FsdpState`] | `FSDPModule` methods, `_fsdp_state.py` |
 //! | `collect.rs` | what a call manages, and why it refuses | `_fsdp_init.py` (`_get_managed_modules`) |
 //! | `hooks.rs` | the call scope per managed module, the call guard | `FSDPState._pre_forward` / `_post_forward` |
-//! | `error.rs` | [`FsdpError`] | (the errors of `_fsdp_init.py`) |
+//! | `error.rs` | [`FsdpError`], [`FsdpProblem`] | (the errors of `_fsdp_init.py`) |
 
 use std::sync::Arc;
 
@@ -69,7 +70,7 @@ mod init;
 mod options;
 mod state;
 
-pub use error::{FsdpError, MeshUse};
+pub use error::{FsdpError, FsdpProblem, MeshUse};
 pub use options::{FsdpOptions, MixedPrecisionPolicy, ReshardAfterForward, ShardPlacementFn};
 pub use state::FsdpState;
 

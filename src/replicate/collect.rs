@@ -8,8 +8,9 @@ use tch_dist_core::{registry, ModuleKey, ModuleVisitor, Shardable};
 use tch_dist_runtime::fsdp::tensor_identity;
 use tch_dist_runtime::{default_group, ProcessGroup};
 
-use super::{Options, ReplicateError};
+use super::{Options, ReplicateError, ReplicateProblem};
 use crate::state_dict::managed::{managed_by, ManagingApi};
+use crate::{Api, Composition, OnRank};
 
 /// Whether `ignored` names `fqn`: the FQN itself, or a module prefix of it.
 pub(super) fn is_ignored(fqn: &str, ignored: &[String]) -> bool {
@@ -38,11 +39,13 @@ pub(super) fn group_of(opts: &Options) -> Result<ProcessGroup, ReplicateError> {
     };
     match (mesh.get_all_groups().as_slice(), &opts.process_group) {
         ([group], None) => Ok((*group).clone()),
-        (_, group) => Err(ReplicateError::Mesh {
-            rank: default_group()?.rank(),
-            ndim: mesh.ndim(),
-            with_group: group.is_some(),
-        }),
+        (_, group) => {
+            let problem = match group {
+                Some(_) => ReplicateProblem::MeshAndGroup,
+                None => ReplicateProblem::MeshDims { ndim: mesh.ndim() },
+            };
+            Err(problem.on(default_group()?.rank()))
+        }
     }
 }
 
@@ -136,12 +139,8 @@ pub(super) fn in_module<M: Shardable + ?Sized>(module: &M, opts: &Options, rank:
         buffers: Vec::new(),
     };
     module.visit(&mut c);
-    let problem = unknown_ignored(&opts.ignored_params, &c.seen).map(|name| {
-        ReplicateError::UnknownIgnoredParam {
-            rank,
-            name: name.clone(),
-        }
-    });
+    let problem = unknown_ignored(&opts.ignored_params, &c.seen)
+        .map(|name| ReplicateProblem::UnknownIgnoredParam { name: name.clone() }.on(rank));
     Found {
         params: c.params,
         buffers: c.buffers,
@@ -166,12 +165,15 @@ pub(super) fn tensor_parallel_elsewhere<M: Shardable + ?Sized>(
     for (fqn, t) in module.named_parameters() {
         if let Some(tp) = managed_by(tensor_identity(t), ManagingApi::ShardModule) {
             if &*tp.ranks != ranks {
-                return Err(ReplicateError::TensorParallelRanks {
-                    rank: group.rank(),
-                    fqn,
-                    tp_ranks: tp.ranks.to_vec(),
-                    ranks: ranks.to_vec(),
-                });
+                return Err(ReplicateError::from(OnRank::new(
+                    group.rank(),
+                    Composition::TensorParallelRanks {
+                        api: Api::Replicate,
+                        fqn,
+                        tp_ranks: tp.ranks.to_vec(),
+                        ranks: ranks.to_vec(),
+                    },
+                )));
             }
         }
     }

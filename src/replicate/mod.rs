@@ -24,7 +24,7 @@
 //! | `collect.rs` | what a call manages: the parameters and buffers a walk finds, `ignored_modules`, `ignored_params` | `replicate.py` (`_ReplicateState._collect_params`) |
 //! | `state.rs` | [`ReplicateState`] and `set_up`, the one implementation behind both forms: the checks, the start-up broadcast, the reducer, the forward-side work | `torch/nn/parallel/distributed.py` (`_verify_param_shape_across_processes`, `_sync_module_states`, `_pre_forward`) |
 //! | `wrap.rs` | the wrapper form: [`wrap`], [`wrap_t`], [`Replicated`], [`ReplicatedT`] over a `VarStore` | `torch/nn/parallel/distributed.py` (`DistributedDataParallel`) |
-//! | `error.rs` | [`ReplicateError`] | the errors DDP raises |
+//! | `error.rs` | [`ReplicateError`], [`ReplicateProblem`] | the errors DDP raises |
 //!
 //! The reducer itself is the runtime's ([`Reducer`](crate::Reducer): c10d's `reducer.cpp`).
 //!
@@ -59,7 +59,7 @@ mod wrap;
 use tch_dist_core::hooks::{register_fallible_forward_pre_hook_n, ForwardError};
 use tch_dist_core::{contract, Shardable};
 
-pub use error::ReplicateError;
+pub use error::{ReplicateError, ReplicateProblem};
 pub use options::{DeviceId, Options};
 pub use state::ReplicateState;
 pub use wrap::{wrap, wrap_t, Replicated, ReplicatedT};

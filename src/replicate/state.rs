@@ -9,7 +9,7 @@ use tch_dist_runtime::{
 };
 
 use super::collect::Found;
-use super::{DeviceId, Options, ReplicateError};
+use super::{DeviceId, Options, ReplicateError, ReplicateProblem};
 use crate::state_dict::managed::{managed_by, register, ManagingApi, Registration};
 use tch_dist_runtime::fsdp::tensor_identity;
 
@@ -244,7 +244,7 @@ pub(super) fn set_up(
     let misplaced = device
         .filter(|d| d.is_cuda())
         .and_then(|d| params.iter().find(|(_, t)| t.device() != d).map(|p| (d, p)));
-    let problem = problem.or(taken.map(|fqn| ReplicateError::AlreadyReplicated { rank, fqn }));
+    let problem = problem.or(taken.map(|fqn| ReplicateProblem::AlreadyReplicated { fqn }.on(rank)));
     let local = match (reducer_opts.validate(), problem, misplaced) {
         (Err(problem), _, _) => Err(ReplicateError::from(DistError::InvalidArgument {
             rank,
@@ -252,14 +252,14 @@ pub(super) fn set_up(
             problem: Box::new(problem),
         })),
         (Ok(()), Some(problem), _) => Err(problem),
-        (Ok(()), None, Some((device_id, (fqn, t)))) => Err(ReplicateError::DeviceMismatch {
-            rank,
+        (Ok(()), None, Some((device_id, (fqn, t)))) => Err(ReplicateProblem::DeviceMismatch {
             device_id,
             fqn: fqn.clone(),
             device: t.device(),
-        }),
+        }
+        .on(rank)),
         (Ok(()), None, None) if params.is_empty() => {
-            Err(ReplicateError::NothingToReplicate { rank })
+            Err(ReplicateProblem::NothingToReplicate.on(rank))
         }
         (Ok(()), None, None) => Ok(()),
     };

@@ -12,7 +12,8 @@ use tch::Tensor;
 use tch_dist_core::hooks::{catch_forward_errors, raise_forward_error, ForwardError};
 
 use super::{
-    group_of, is_ignored, set_up, unknown_ignored, Found, Options, ReplicateError, ReplicateState,
+    group_of, is_ignored, set_up, unknown_ignored, Found, Options, ReplicateError,
+    ReplicateProblem, ReplicateState,
 };
 
 /// What replicate manages in `vs`: parameters are its trainable variables that require a
@@ -57,17 +58,15 @@ fn found_in(vs: &VarStore, opts: &Options, rank: usize) -> Found {
         .map(|(nt, _)| nt)
         .collect();
     let problem = if opts.ignored_modules.is_empty() {
-        unknown_ignored(&opts.ignored_params, &seen).map(|name| {
-            ReplicateError::UnknownIgnoredParam {
-                rank,
-                name: name.clone(),
-            }
-        })
+        unknown_ignored(&opts.ignored_params, &seen)
+            .map(|name| ReplicateProblem::UnknownIgnoredParam { name: name.clone() }.on(rank))
     } else {
-        Some(ReplicateError::IgnoredModulesInWrap {
-            rank,
-            modules: opts.ignored_modules.iter().map(|k| k.type_name()).collect(),
-        })
+        Some(
+            ReplicateProblem::IgnoredModulesInWrap {
+                modules: opts.ignored_modules.iter().map(|k| k.type_name()).collect(),
+            }
+            .on(rank),
+        )
     };
     Found {
         params,

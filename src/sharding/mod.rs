@@ -93,7 +93,7 @@ use tch_dist_core::{contract, Shardable};
 use tch_dist_runtime::ProcessGroup;
 
 pub use embedding::{ColwiseEmbedding, RowwiseEmbedding};
-pub(crate) use error::{Fix, Key};
+pub(crate) use error::Key;
 pub use error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError, StyleProblem};
 pub use output::OutputLayout;
 pub use parallel::{

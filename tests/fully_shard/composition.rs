@@ -215,12 +215,8 @@ fn reshard_to_fewer_ranks_at_4_ranks() {
         let err = fully_shard(&m.blocks[0], opts).unwrap_err();
         assert!(
             matches!(
-                err,
-                FsdpError::ReshardRanks {
-                    ranks: 3,
-                    world: 4,
-                    ..
-                }
+                err.problem(),
+                Some(FsdpProblem::ReshardRanks { ranks: 3, world: 4 })
             ),
             "{err}"
         );

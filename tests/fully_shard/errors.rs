@@ -4,6 +4,7 @@
 
 use super::unchanged::{unchanged, values};
 use super::*;
+use tch_dist::{Api, Composition, OnRank};
 
 /// A model whose forward runs its head with `apply`, bypassing the head's hooks.
 #[derive(Debug, Shardable)]
@@ -84,7 +85,7 @@ fn bypass_memory_and_unshard_at_2_ranks() {
         let err = m.f_call(&x).unwrap_err();
         let e = err.downcast_ref::<FsdpError>().expect("a typed error");
         assert!(
-            matches!(e, FsdpError::HooksBypassed { module, param, .. }
+            matches!(e.composition(), Some(Composition::HooksBypassed { module, param, .. })
                 if module == "inner.head" && param == "inner.head.weight"),
             "{e}"
         );
@@ -176,7 +177,7 @@ fn refusals_at_2_ranks() {
         fully_shard(&tied.a, FsdpOptions::default()).unwrap();
         let err = fully_shard(&tied, FsdpOptions::default()).unwrap_err();
         assert!(
-            matches!(&err, FsdpError::TiedParameter { fqn, other, .. } if fqn == "b.weight" && other == "weight"),
+            matches!(err.problem(), Some(FsdpProblem::TiedParameter { fqn, other }) if fqn == "b.weight" && other == "weight"),
             "{err}"
         );
         // A child after its parent: refused, saying to go bottom-up.
@@ -218,7 +219,7 @@ fn refusals_at_2_ranks() {
         };
         let err = fully_shard(&m.blocks[1], unknown).unwrap_err();
         assert!(
-            matches!(err, FsdpError::UnknownIgnoredParam { .. }),
+            matches!(err.problem(), Some(FsdpProblem::UnknownIgnoredParam { .. })),
             "{err}"
         );
         // Non-contiguous on rank 1 only: rank 1 names it, rank 0 learns that rank 1 failed.
@@ -229,7 +230,7 @@ fn refusals_at_2_ranks() {
         let err = fully_shard(&m.blocks[2], FsdpOptions::default()).unwrap_err();
         if pg.rank() == 1 {
             assert!(
-                matches!(err, FsdpError::NonContiguous { ref fqn, .. } if fqn == "weight"),
+                matches!(err.problem(), Some(FsdpProblem::NonContiguous { fqn }) if fqn == "weight"),
                 "{err}"
             );
         } else {
@@ -295,8 +296,10 @@ fn assert_bypassed(err: &tch_dist::ForwardError, rank: usize, module: &str, para
     assert!(
         matches!(
             err.downcast_ref::<FsdpError>(),
-            Some(FsdpError::HooksBypassed { rank: r, module: m, param: p })
-                if *r == rank && m == module && p == param
+            Some(FsdpError::Composition(OnRank {
+                rank: r,
+                problem: Composition::HooksBypassed { api: Api::FullyShard, module: m, param: p },
+            })) if *r == rank && m == module && p == param
         ),
         "{err:?}"
     );
@@ -421,11 +424,14 @@ fn errors_name_the_module_fqn() {
             source()
         )
     );
-    let bypassed = FsdpError::HooksBypassed {
-        rank: 0,
-        module: "blocks.3.fc2".into(),
-        param: "blocks.3.fc2.weight".into(),
-    };
+    let bypassed = FsdpError::from(OnRank::new(
+        0,
+        Composition::HooksBypassed {
+            api: Api::FullyShard,
+            module: "blocks.3.fc2".into(),
+            param: "blocks.3.fc2.weight".into(),
+        },
+    ));
     assert_eq!(
         bypassed.to_string(),
         bypass_message(0, "blocks.3.fc2", "blocks.3.fc2.weight")

@@ -25,7 +25,7 @@ mod unchanged;
 use blocks::{blocks, Blocks as Model};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
-use tch_dist::fully_shard::{full_state_dict, FsdpError};
+use tch_dist::fully_shard::{full_state_dict, FsdpError, FsdpProblem};
 use tch_dist::testing::run_ranks;
 use tch_dist::{fully_shard, Call, FsdpOptions, ProcessGroup, Shardable};
 

@@ -351,8 +351,8 @@ fn fsdp_x_tp_refusals_on_every_rank_change_nothing() {
         4,
         |_pg: ProcessGroup| {
             use crate::unchanged::{unchanged, values};
-            use tch_dist::fully_shard::FsdpError;
             use tch_dist::sharding::{PlanProblem, ShardError};
+            use tch_dist::Composition;
             let mesh = init_device_mesh("cpu", &[2, 2], &["dp", "tp"]).unwrap();
             let tp = mesh.dim("tp").unwrap();
             let on = |dim: &str| FsdpOptions {
@@ -368,7 +368,7 @@ fn fsdp_x_tp_refusals_on_every_rank_change_nothing() {
             let err = fully_shard(&m.blocks[0], on("tp")).unwrap_err();
             let ranks = tp.get_group("tp").unwrap().global_ranks().to_vec();
             assert!(
-                matches!(&err, FsdpError::TensorParallelDim { fqn, ranks: r, .. }
+                matches!(err.composition(), Some(Composition::TensorParallelDim { fqn, ranks: r, .. })
                     if fqn == "fc1.weight" && *r == ranks),
                 "{err}"
             );
