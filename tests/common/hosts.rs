@@ -175,6 +175,28 @@ impl Hosts {
         ip(&["-n", &self.name(i), "link", "set", "eth0", state]);
     }
 
+    /// Stops every process of host `i` (SIGSTOP): a frozen host, whose sockets stay open
+    /// and silent.
+    pub fn freeze(&self, i: usize) {
+        self.signal(i, "-STOP");
+    }
+
+    /// Lets host `i`'s processes run again (SIGCONT).
+    pub fn thaw(&self, i: usize) {
+        self.signal(i, "-CONT");
+    }
+
+    fn signal(&self, i: usize, signal: &str) {
+        if let Ok(out) = Command::new("ip")
+            .args(["netns", "pids", &self.name(i)])
+            .output()
+        {
+            for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                let _ = Command::new("kill").args([signal, pid]).status();
+            }
+        }
+    }
+
     /// Host `i`'s `/etc/hosts` (`ip netns exec` mounts `/etc/netns/<ns>/hosts` over it):
     /// `127.0.1.1 <hostname>` gives the classic Debian failure, the hostname resolving to
     /// loopback.

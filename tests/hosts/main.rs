@@ -6,9 +6,11 @@
 //! | file | what it tests | PyTorch's counterpart |
 //! | --- | --- | --- |
 //! | `main.rs` | the jobs' plumbing; the interface Gloo binds found without `GLOO_SOCKET_IFNAME`; the store listening where `MASTER_ADDR` points, deaf to strays | (none: PyTorch's tests stay on one host) |
+//! | `lost.rs` | a cut link and a frozen host noticed on every other host in bounded time; a slow step no alarm | (none: PyTorch's ranks wait out the timeout) |
 
 #[path = "../common/hosts.rs"]
 mod hosts;
+mod lost;
 
 use std::process::Command;
 use std::time::Duration;

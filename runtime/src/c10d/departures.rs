@@ -20,6 +20,7 @@
 use std::time::Duration;
 
 use crate::c10d::group::ProcessGroup;
+use crate::c10d::heartbeat::Silence;
 use crate::c10d::store::Store;
 use crate::error::{Departure, DistError};
 
@@ -30,29 +31,50 @@ pub(crate) const WATCH_SLICE: Duration = Duration::from_secs(1);
 /// one request at a time, and the rank's own client may be held for the whole of a blocking
 /// wait (Gloo's connection of a group's backends waits on it for a peer's address), which
 /// the watch would then wait behind. Made at the first look, once a wait has lasted a
-/// slice; `None` when the store cannot be reached (the wait fails by itself then).
+/// slice; made again at the next look after one failed.
 pub(crate) struct WatchStore {
     master: (String, u16),
-    client: std::sync::OnceLock<Option<Store>>,
+    client: std::sync::Mutex<Option<Store>>,
 }
+
+/// The watch could not reach the store, or a request of its look failed.
+#[derive(Debug)]
+pub(crate) struct Unreachable;
 
 impl WatchStore {
     /// A watch over the store at `master` (MASTER_ADDR, MASTER_PORT), not connected yet.
     pub(crate) fn new(master: (String, u16)) -> WatchStore {
         WatchStore {
             master,
-            client: std::sync::OnceLock::new(),
+            client: std::sync::Mutex::new(None),
         }
     }
 
-    /// The watch's client, connected at the first call.
-    pub(crate) fn get(&self) -> Option<&Store> {
-        self.client
-            .get_or_init(|| {
+    /// `MASTER_ADDR:MASTER_PORT`, as errors name the store.
+    pub(crate) fn address(&self) -> String {
+        format!("{}:{}", self.master.0, self.master.1)
+    }
+
+    /// Runs `look` over the watch's connection, connecting first when there is none. A
+    /// look whose request failed drops the connection, so that the next one connects anew:
+    /// a TCPStore client that timed out mid-request could read the late reply as the next
+    /// request's.
+    pub(crate) fn look<T>(
+        &self,
+        look: impl FnOnce(&Store) -> Result<T, DistError>,
+    ) -> Result<T, Unreachable> {
+        let mut client = self.client.lock().unwrap_or_else(|e| e.into_inner());
+        let store = match client.take() {
+            Some(store) => store,
+            None => {
                 let (host, port) = (&self.master.0, self.master.1);
-                Store::tcp(host, port, false, 0, WATCH_SLICE, WATCH_SLICE).ok()
-            })
-            .as_ref()
+                Store::tcp(host, port, false, 0, WATCH_SLICE, WATCH_SLICE)
+                    .map_err(|_| Unreachable)?
+            }
+        };
+        let seen = look(&store).map_err(|_| Unreachable)?;
+        *client = Some(store);
+        Ok(seen)
     }
 }
 
@@ -64,22 +86,23 @@ fn exited_key(global_rank: usize) -> String {
 /// How many exits were reported, job-wide.
 const EXITED_COUNT: &str = "tch_dist/exited_count";
 
-/// Whether any launcher reported an exit yet (one round trip; `false` when the store cannot
-/// be read).
-pub(crate) fn any_exited(root: &Store) -> bool {
-    root.add(EXITED_COUNT, 0).is_ok_and(|n| n > 0)
+/// Whether any launcher reported an exit yet (one round trip).
+pub(crate) fn any_exited(root: &Store) -> Result<bool, DistError> {
+    root.add(EXITED_COUNT, 0).map(|n| n > 0)
 }
 
 /// How global rank `global_rank` exited, if its launcher reported it.
-pub(crate) fn exit_of(root: &Store, global_rank: usize) -> Option<String> {
-    let key = exited_key(global_rank);
-    match root.check(&key) {
-        Ok(true) => root
-            .get(&key)
-            .ok()
-            .map(|v| String::from_utf8_lossy(&v).into_owned()),
-        _ => None,
+pub(crate) fn exit_of(root: &Store, global_rank: usize) -> Result<Option<String>, DistError> {
+    read(root, &exited_key(global_rank))
+}
+
+/// `key`'s value as text, if it is there.
+fn read(store: &Store, key: &str) -> Result<Option<String>, DistError> {
+    if !store.check(key)? {
+        return Ok(None);
     }
+    let value = store.get(key)?;
+    Ok(Some(String::from_utf8_lossy(&value).into_owned()))
 }
 
 /// The key of a rank's failure in the group named `group`.
@@ -93,37 +116,37 @@ fn failed_count(group: &str) -> String {
 }
 
 impl ProcessGroup {
-    /// The first other member of this group that reported a failure or whose launcher
-    /// reported its exit, if the store says so (`None` too when the store cannot be read: a
-    /// store that is gone fails the wait by itself).
-    pub(crate) fn departed_member(&self) -> Option<(usize, Departure)> {
-        let store = self.watch_store()?;
+    /// The first other member of this group that reported a failure, whose launcher
+    /// reported its exit, or whose heartbeat stopped (`heartbeat.rs`), as the store says.
+    fn departed_member(&self, store: &Store) -> Result<Option<(usize, Departure)>, DistError> {
         let name = self.group_name();
-        let read = |key: &str| -> Option<String> {
-            match store.check(key) {
-                Ok(true) => store
-                    .get(key)
-                    .ok()
-                    .map(|v| String::from_utf8_lossy(&v).into_owned()),
-                _ => None,
-            }
-        };
-        let others = (0..self.world_size()).filter(|&r| r != self.rank());
-        if store.add(&failed_count(name), 0).ok()? > 0 {
-            for r in others.clone() {
-                if let Some(error) = read(&failed_key(name, r)) {
-                    return Some((r, Departure::Failed { error }));
+        let others = || (0..self.world_size()).filter(|&r| r != self.rank());
+        if store.add(&failed_count(name), 0)? > 0 {
+            for r in others() {
+                if let Some(error) = read(store, &failed_key(name, r))? {
+                    return Ok(Some((r, Departure::Failed { error })));
                 }
             }
         }
-        if any_exited(store) {
-            for r in others {
-                if let Some(status) = exit_of(store, self.global_ranks()[r]) {
-                    return Some((r, Departure::Exited { status }));
+        if any_exited(store)? {
+            for r in others() {
+                if let Some(status) = exit_of(store, self.global_ranks()[r])? {
+                    return Ok(Some((r, Departure::Exited { status })));
                 }
             }
         }
-        None
+        let members = others().map(|r| self.global_ranks()[r]);
+        Ok(match self.liveness().look(store, members)? {
+            Some(Silence::Member {
+                global_rank,
+                silent,
+            }) => self
+                .global_ranks()
+                .iter()
+                .position(|&g| g == global_rank)
+                .map(|r| (r, Departure::Silent { silent })),
+            _ => None,
+        })
     }
 
     /// This rank failed in a way that leaves its peers waiting (`cause`: its error; a
@@ -158,17 +181,38 @@ impl ProcessGroup {
         }
     }
 
-    /// A wait of `op` has lasted a slice: the error it ends with if a member left (this rank
-    /// then stops taking part too, and says so).
+    /// A wait of `op` has lasted a slice: the error it ends with if a member left, or if
+    /// the store has not answered for the heartbeat timeout. This rank then stops taking
+    /// part too, and says so where the store can still hear it.
     pub(crate) fn watch(&self, op: &'static str) -> Option<DistError> {
-        let (peer, departure) = self.departed_member()?;
-        let error = DistError::PeerDeparted {
-            rank: self.rank(),
-            op,
-            peer,
-            departure,
-        };
-        self.stop_after_failure(&error.to_string());
-        Some(error)
+        let watch = self.watch_store();
+        match watch.look(|store| self.departed_member(store)) {
+            Ok(None) => None,
+            Ok(Some((peer, departure))) => {
+                let error = DistError::PeerDeparted {
+                    rank: self.rank(),
+                    op,
+                    peer,
+                    departure,
+                };
+                self.stop_after_failure(&error.to_string());
+                Some(error)
+            }
+            Err(Unreachable) => {
+                let Silence::Store { silent } = self.liveness().unreachable()? else {
+                    return None;
+                };
+                let error = DistError::StoreUnreachable {
+                    rank: self.rank(),
+                    op,
+                    store: watch.address(),
+                    silent,
+                };
+                // Not through the store, which is out of reach: its client would wait out
+                // its own timeout.
+                self.keep_stop(&error.to_string());
+                Some(error)
+            }
+        }
     }
 }

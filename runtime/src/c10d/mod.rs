@@ -18,6 +18,7 @@
 //! | `devices.rs` | each rank's claim on its GPU; no two ranks of an NCCL group on one GPU | `torch.cuda.set_device`, NCCL's "Duplicate GPU detected" |
 //! | `step_check/` | the step check that runs always: before the first collective of each pass over a group, every rank all-gathers one fixed-size header (where it is, what the pass runs) and fails on a difference (its own table) | (none: `TCH_DIST_DEBUG=DETAIL`'s fingerprints are `ProcessGroupWrapper.cpp`'s) |
 //! | `exchange.rs` | what the tch-dist ranks of a group tell each other through the store (agreements a PyTorch rank takes no part in) | (none) |
+//! | `heartbeat.rs` | each rank's heartbeat into the store, and what the watches have seen of the members': a lost host noticed in bounded time | (none: torchrun's rendezvous keep-alive, NCCL's heartbeat monitor) |
 //! | `departures.rs` | who left the job or stopped taking part in a group (the launcher's and the ranks' keys in the store), and the watch a long wait keeps over it | (none: PyTorch's ranks wait out the timeout) |
 
 pub(crate) mod coalesced;
@@ -28,6 +29,7 @@ pub(crate) mod devices;
 pub(crate) mod env;
 pub(crate) mod exchange;
 pub(crate) mod group;
+pub(crate) mod heartbeat;
 pub(crate) mod interface;
 pub(crate) mod objects;
 pub(crate) mod rendezvous;

@@ -317,16 +317,20 @@ pub(crate) fn watched<T: Send + 'static>(
         if let Some((rank, status)) = departed {
             return Err(RendezvousError::Departed { rank, status });
         }
-        let Some(store) = watch.get() else {
-            continue;
-        };
-        if departures::any_exited(store) {
-            departed = members
-                .iter()
-                .enumerate()
-                .filter(|&(r, _)| r != me)
-                .find_map(|(r, &global)| departures::exit_of(store, global).map(|s| (r, s)));
-        }
+        // A store out of reach fails the wait by itself (at its deadline).
+        departed = watch
+            .look(|store| {
+                if !departures::any_exited(store)? {
+                    return Ok(None);
+                }
+                for (r, &global) in members.iter().enumerate().filter(|&(r, _)| r != me) {
+                    if let Some(status) = departures::exit_of(store, global)? {
+                        return Ok(Some((r, status)));
+                    }
+                }
+                Ok(None)
+            })
+            .unwrap_or(None);
     }
 }
 

@@ -52,9 +52,12 @@ pub enum EnvError {
         /// Its value.
         value: String,
     },
-    /// TCH_DIST_TIMEOUT_SECS is not a positive number.
-    #[error("TCH_DIST_TIMEOUT_SECS={value:?} is not a positive number")]
+    /// A timeout's variable (`TCH_DIST_TIMEOUT_SECS`, `TCH_DIST_HEARTBEAT_TIMEOUT_SECS`) is
+    /// not a positive number of seconds.
+    #[error("{var}={value:?} is not a positive number")]
     BadTimeout {
+        /// The variable.
+        var: &'static str,
         /// Its value.
         value: String,
     },

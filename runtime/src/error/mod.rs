@@ -73,6 +73,11 @@ pub enum Departure {
         /// Its error, as it reported it.
         error: String,
     },
+    /// Its heartbeat stopped: its host lost its link, or froze (`heartbeat.rs`).
+    Silent {
+        /// How long its heartbeat has stood still, as this rank saw it.
+        silent: Duration,
+    },
 }
 
 impl std::fmt::Display for Departure {
@@ -85,6 +90,12 @@ impl std::fmt::Display for Departure {
             Departure::Failed { error } => {
                 write!(f, "failed and stopped taking part: {error}")
             }
+            Departure::Silent { silent } => write!(
+                f,
+                "has not been heard from for {} s (its heartbeat stopped: its host lost its \
+                 link, or froze)",
+                silent.as_secs()
+            ),
         }
     }
 }
@@ -174,6 +185,25 @@ pub enum DistError {
         peer: usize,
         /// What it reported, or what was reported of it.
         departure: Departure,
+    },
+    /// The rendezvous store (rank 0's host) has not answered this rank's watch for the
+    /// heartbeat timeout while a wait of `op` lasted: this host lost its link, or rank 0's
+    /// host is gone or frozen. Its peers are beyond reach too, so the wait ends here rather
+    /// than at the group's timeout.
+    #[error(
+        "rank {rank}: {op}: the store at {store} (rank 0's host) has not answered for {} s: \
+         this host lost its link, or rank 0's host is gone; no peer can be reached",
+        silent.as_secs()
+    )]
+    StoreUnreachable {
+        /// This process's rank in the group.
+        rank: usize,
+        /// The operation that waited.
+        op: &'static str,
+        /// MASTER_ADDR:MASTER_PORT.
+        store: String,
+        /// How long it has not answered.
+        silent: Duration,
     },
     /// This rank stopped taking part in the group's collectives after a failure (and told
     /// the other ranks, who fail with [`PeerDeparted`](Self::PeerDeparted)): a transfer or
@@ -340,6 +370,7 @@ impl DistError {
             | DistError::Internal { rank, .. }
             | DistError::PeerGone { rank, .. }
             | DistError::PeerDeparted { rank, .. }
+            | DistError::StoreUnreachable { rank, .. }
             | DistError::GroupStopped { rank, .. }
             | DistError::Timeout { rank, .. }
             | DistError::InvalidArgument { rank, .. }

@@ -52,6 +52,29 @@ fn dist_error_texts() {
             "rank 1: all_gather failed: bad sizes",
         ),
         (
+            DistError::PeerDeparted {
+                rank: 0,
+                op: "all_reduce",
+                peer: 1,
+                departure: Departure::Silent {
+                    silent: Duration::from_millis(60_400),
+                },
+            },
+            "rank 0: all_reduce: rank 1 has not been heard from for 60 s (its heartbeat \
+             stopped: its host lost its link, or froze)",
+        ),
+        (
+            DistError::StoreUnreachable {
+                rank: 1,
+                op: "all_reduce",
+                store: "10.77.0.1:29500".into(),
+                silent: Duration::from_secs(61),
+            },
+            "rank 1: all_reduce: the store at 10.77.0.1:29500 (rank 0's host) has not answered \
+             for 61 s: this host lost its link, or rank 0's host is gone; no peer can be \
+             reached",
+        ),
+        (
             DistError::PeerGone {
                 rank: 0,
                 op: "all_reduce",
@@ -516,7 +539,10 @@ fn env_error_texts() {
             "MASTER_PORT=\"99999\" is not a port number (1-65535)",
         ),
         (
-            EnvError::BadTimeout { value: "-1".into() },
+            EnvError::BadTimeout {
+                var: "TCH_DIST_TIMEOUT_SECS",
+                value: "-1".into(),
+            },
             "TCH_DIST_TIMEOUT_SECS=\"-1\" is not a positive number",
         ),
         (

@@ -12,6 +12,7 @@ use std::time::Duration;
 use crate::c10d::departures::WatchStore;
 use crate::c10d::devices::DeviceClaim;
 use crate::c10d::env::DebugLevel;
+use crate::c10d::heartbeat::{Heartbeat, Liveness};
 use crate::c10d::interface::gloo_host;
 use crate::c10d::rendezvous::{self, Deadline};
 use crate::c10d::store::{millis, Store};
@@ -113,8 +114,11 @@ impl ProcessGroup {
             rendezvous::store_barrier(&barrier_store, DEFAULT_NAME, opts.world_size, deadline)
                 .map_err(|p| at.failed(p))?;
         }
+        let master = (opts.master_addr.clone(), opts.master_port);
         let world = Arc::new(World {
-            watch: WatchStore::new((opts.master_addr.clone(), opts.master_port)),
+            watch: WatchStore::new(master.clone()),
+            liveness: Liveness::new(opts.heartbeat_timeout),
+            _heartbeat: Heartbeat::start(master, opts.rank),
             root: store,
             default_store,
             group_count: AtomicUsize::new(1),

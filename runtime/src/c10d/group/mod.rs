@@ -18,6 +18,7 @@ use tch::Device;
 
 use crate::c10d::departures::WatchStore;
 use crate::c10d::env::DebugLevel;
+use crate::c10d::heartbeat::{Heartbeat, Liveness};
 use crate::c10d::store::Store;
 use crate::error::{DistError, Result};
 use crate::ffi;
@@ -33,8 +34,8 @@ pub use default::{
     is_initialized,
 };
 pub use options::{
-    GroupOptions, InitOptions, CUDA_VIA_GLOO_ENV, INIT_BARRIER_ENV, NO_SHORTCUTS_ENV,
-    USE_AGENT_STORE_ENV,
+    GroupOptions, InitOptions, CUDA_VIA_GLOO_ENV, HEARTBEAT_TIMEOUT_ENV, INIT_BARRIER_ENV,
+    NO_SHORTCUTS_ENV, USE_AGENT_STORE_ENV,
 };
 
 /// A group of processes that run collectives together. Cheap to clone; thread-safe.
@@ -79,6 +80,10 @@ struct World {
     init_barrier: bool,
     /// The departures watch's own connection to the store (`departures.rs`).
     watch: WatchStore,
+    /// What the watches have seen of the members' heartbeats (`heartbeat.rs`).
+    liveness: Liveness,
+    /// This rank's heartbeat, stopped with the last group of the rendezvous.
+    _heartbeat: Heartbeat,
 }
 
 struct GroupInner {
@@ -299,9 +304,14 @@ impl ProcessGroup {
         Ok(())
     }
 
-    /// The departures watch's connection to the store, made at its first use.
-    pub(crate) fn watch_store(&self) -> Option<&Store> {
-        self.inner.world.watch.get()
+    /// The departures watch's connection to the store.
+    pub(crate) fn watch_store(&self) -> &WatchStore {
+        &self.inner.world.watch
+    }
+
+    /// What this process's watches have seen of the members' heartbeats.
+    pub(crate) fn liveness(&self) -> &Liveness {
+        &self.inner.world.liveness
     }
 
     /// The counter of this group's exchanges through the store.

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::c10d::env::{read_switch, DebugLevel, LaunchEnv};
+use crate::c10d::heartbeat::DEFAULT_HEARTBEAT_TIMEOUT;
 use crate::error::{EnvError, Result};
 
 use super::Backend;
@@ -98,6 +99,10 @@ pub struct InitOptions {
     /// PyTorch's store-based barrier after the group's creation and after every `new_group`
     /// (`TORCH_DIST_INIT_BARRIER=1`), with its keys: every rank of the job must agree on it.
     pub init_barrier: bool,
+    /// How long a member's heartbeat may stand still, or the store stay out of reach,
+    /// before a wait calls it lost (`TCH_DIST_HEARTBEAT_TIMEOUT_SECS`; default
+    /// [`DEFAULT_HEARTBEAT_TIMEOUT`], 60 s; see `heartbeat.rs`).
+    pub heartbeat_timeout: Duration,
     /// How many times the launcher restarted the job (`TORCHELASTIC_RESTART_COUNT`; 0 at
     /// the first start). A restarted rank on an agent store that still holds the previous
     /// attempt's keys works under PyTorch's `/worker/attempt_{n}` prefix.
@@ -131,6 +136,7 @@ impl InitOptions {
             run_id: None,
             use_agent_store: false,
             init_barrier: false,
+            heartbeat_timeout: DEFAULT_HEARTBEAT_TIMEOUT,
             restart_count: 0,
         }
     }
@@ -152,14 +158,11 @@ impl InitOptions {
         .with_local_rank(env.local_rank);
         opts.run_id = env.run_id;
         opts.debug = DebugLevel::from_vars(|k| std::env::var(k).ok())?;
-        if let Ok(t) = std::env::var("TCH_DIST_TIMEOUT_SECS") {
-            let secs = t
-                .trim()
-                .parse::<f64>()
-                .ok()
-                .filter(|s| s.is_finite() && *s > 0.0);
-            let secs = secs.ok_or_else(|| EnvError::BadTimeout { value: t.clone() })?;
-            opts.timeout = Duration::from_secs_f64(secs);
+        if let Some(timeout) = read_seconds("TCH_DIST_TIMEOUT_SECS")? {
+            opts.timeout = timeout;
+        }
+        if let Some(timeout) = read_seconds(HEARTBEAT_TIMEOUT_ENV)? {
+            opts.heartbeat_timeout = timeout;
         }
         let switch = |var| read_switch(var, |k| std::env::var(k).ok());
         opts.shortcuts = !switch(NO_SHORTCUTS_ENV)?;
@@ -342,5 +345,24 @@ mod tests {
                 value: "yes".into()
             })
         );
+    }
+}
+
+/// The variable that sets [`InitOptions::heartbeat_timeout`] (seconds).
+pub const HEARTBEAT_TIMEOUT_ENV: &str = "TCH_DIST_HEARTBEAT_TIMEOUT_SECS";
+
+/// A positive number of seconds from `var`, if it is set.
+fn read_seconds(var: &'static str) -> Result<Option<Duration>> {
+    let Ok(value) = std::env::var(var) else {
+        return Ok(None);
+    };
+    let secs = value
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0);
+    match secs {
+        Some(secs) => Ok(Some(Duration::from_secs_f64(secs))),
+        None => Err(EnvError::BadTimeout { var, value }.into()),
     }
 }
