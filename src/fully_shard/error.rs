@@ -4,7 +4,8 @@ use tch_dist_core::hooks::HookError;
 use tch_dist_core::ContractError;
 use tch_dist_runtime::DistError;
 
-use crate::sharding::{Fix, Key};
+use crate::error::HookedCall as Fix;
+use crate::sharding::Key;
 
 /// Errors of [`fully_shard`](super::fully_shard) and its state. A refusal at apply happens on
 /// every rank together and leaves the model unchanged.

@@ -1,7 +1,9 @@
 //! The errors of tensor parallelism: [`ShardError`] (what [`shard_module`](super::shard_module),
-//! the sharders and the sharded layers' hooks fail with), [`PlanProblem`] (what is wrong with
-//! one plan entry), [`SharderError`] (why a [`Sharder`](super::Sharder) refuses a module) and
-//! [`ForwardProblem`] (why a sharded layer's forward hook failed).
+//! [`parallelize_module`](super::parallelize_module), the sharders and the sharded layers'
+//! hooks fail with), its context written once — [`OnRank`] of a [`ShardProblem`] (the plan
+//! entry's [`PlanProblem`], a style's [`StyleProblem`], an argument), [`OnRank`] of a
+//! [`Composition`] rule, an [`EngineFailure`], an [`OnHook`] of a [`ForwardProblem`] — and
+//! [`SharderError`] (why a [`Sharder`](super::Sharder) refuses a module).
 //!
 //! Every message names the rank, the operation (`shard_module`) and the FQN at fault once.
 //! Plan errors read `rank R: shard_module: `FQN`: what`; a failing hook reads
@@ -9,9 +11,10 @@
 //!
 //! One rule (see [`report`](crate::report)): a variant's Display names only its own context,
 //! and what went wrong inside it is its [`source`](std::error::Error::source): the plan
-//! entry's [`PlanProblem`], the spec check's [`ShardingError`], the [`DistError`] of a failed
-//! collective. `report(&err)` gives the whole text. A [`DistError`] names its rank itself, so
-//! the context around it does not.
+//! entry's [`PlanProblem`], the spec check's
+//! [`ShardingError`](tch_dist_core::sharding::ShardingError), the [`DistError`] of a failed
+//! collective. `report(&err)` gives the whole text. A [`DistError`] names its rank itself,
+//! so the context around it does not.
 
 use std::fmt;
 use std::sync::Arc;
@@ -21,115 +24,57 @@ use tch_dist_core::sharding::{Placement, ShardingError};
 use tch_dist_core::ContractError;
 use tch_dist_runtime::{ArgumentError, DistError, ProcessGroup};
 
+use crate::sharding::Layout;
+use crate::{Api, Composition, OnRank};
+
 /// Errors of [`shard_module`](super::shard_module), of the sharders and of the sharded
 /// layers' forward hooks (which hand them to [`ForwardError`](crate::ForwardError): a
 /// caller of `f_call` gets them back with
-/// [`ForwardError::downcast_ref`](crate::ForwardError::downcast_ref)).
+/// [`ForwardError::downcast_ref`](crate::ForwardError::downcast_ref)). This rank's refusal
+/// is [`OnRank`](Self::OnRank) of a [`ShardProblem`], or [`Composition`](Self::Composition)
+/// of a rule of composing the APIs, its rank written once; the engine's failure on this
+/// rank is an [`EngineFailure`], a failed hook an [`OnHook`]; another layer's error names
+/// its own.
 ///
 /// ```
-/// use tch_dist::sharding::{PlanProblem, ShardError};
-/// let e = ShardError::Plan { rank: 1, fqn: "fc3.weight".into(), problem: PlanProblem::NotAParameter };
+/// use tch_dist::sharding::{PlanProblem, ShardProblem};
+/// let problem = PlanProblem::NotAParameter;
+/// let e = ShardProblem::Plan { fqn: "fc3.weight".into(), problem }.on(1);
 /// assert_eq!(e.to_string(), "rank 1: shard_module: `fc3.weight`");
 /// assert_eq!(
 ///     tch_dist::report(&e),
 ///     "rank 1: shard_module: `fc3.weight`: is not a parameter of the model"
 /// );
+/// assert_eq!(e.rank(), Some(1));
+/// assert!(matches!(
+///     e.problem(),
+///     Some(ShardProblem::Plan { problem: PlanProblem::NotAParameter, .. })
+/// ));
 /// ```
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum ShardError {
-    /// The plan does not fit the model or the group; nothing was changed.
-    #[error("rank {rank}: shard_module: {}", Key(fqn))]
-    Plan {
-        /// This rank.
-        rank: usize,
-        /// The plan key (FQN) at fault (`""`: the root module).
-        fqn: String,
-        /// What is wrong.
-        #[source]
-        problem: PlanProblem,
-    },
-    /// [`parallelize_module`](super::parallelize_module)'s mesh or plan asks for what
-    /// tch-dist does not build; nothing was changed.
-    #[error("rank {rank}: parallelize_module: {}", Key(fqn))]
-    Parallelize {
-        /// This rank.
-        rank: usize,
-        /// The plan key (FQN) at fault (`""`: the mesh).
-        fqn: String,
-        /// What is wrong.
-        #[source]
-        problem: StyleProblem,
-    },
-    /// An argument of [`shard_module`](super::shard_module) is out of range (`src_rank`);
-    /// nothing was changed.
-    #[error("rank {rank}: shard_module")]
-    InvalidArgument {
-        /// This rank.
-        rank: usize,
-        /// What is wrong.
-        #[source]
-        problem: ArgumentError,
-    },
-    /// The engine failed while sharding `fqn` (scattering or broadcasting its values, or
-    /// rebuilding a sharded tensor); the modules sharded before it stay sharded.
-    #[error("{}shard_module: {}", RankUnlessNamed(source, *rank), Key(fqn))]
-    Dist {
-        /// This rank (named here unless the source names it).
-        rank: usize,
-        /// The module or parameter being sharded.
-        fqn: String,
-        /// What the engine said.
-        source: DistError,
-    },
-    /// A sharded module's forward hook failed: the module call (`f_call`) returns this
-    /// error inside a [`ForwardError`](crate::ForwardError), `call` panics with its message.
-    #[error("shard_module: {site} {}{}", Key(fqn), Detail(problem, *rank))]
-    Forward {
-        /// This rank.
-        rank: usize,
-        /// The module whose hook failed.
-        fqn: String,
-        /// Which of its hooks.
-        site: HookSite,
-        /// What went wrong.
-        problem: ForwardProblem,
-    },
-    /// A module `shard_module` hooked ran without its hooks: `param` was used (in the
-    /// autograd graph) outside a call of `module` through them, where this rank's shard
-    /// alone gives a wrong result. Raised by the check of the sharded model's call (`f_call`
+    /// This rank refused: its rank and the problem (the plan, a style, an argument); nothing
+    /// was changed.
+    #[error(transparent)]
+    OnRank(#[from] OnRank<ShardProblem>),
+    /// A rule of composing shard_module with the other APIs, broken on this rank
+    /// ([`Api::ShardModule`]'s [`Composition`]): a module `shard_module` hooked ran without
+    /// its hooks ([`Composition::HooksBypassed`]: its parameter was used, in the autograd
+    /// graph, outside a call of the module through them, where this rank's shard alone
+    /// gives a wrong result). Raised by the check of the sharded model's call (`f_call`
     /// returns it in a [`ForwardError`](crate::ForwardError)) or, as its message, by the
     /// backward pass, before any guarded parameter gets a gradient.
-    #[error(
-        "rank {rank}: shard_module: parameter `{param}` of {} was used outside a call of the \
-         module through its forward hooks, where this rank's shard alone gives a wrong result; \
-         {} (a deliberate direct use goes in ShardState::allow_direct_use)",
-        Key(module),
-        Fix(module)
-    )]
-    HooksBypassed {
-        /// This rank.
-        rank: usize,
-        /// The hooked module.
-        module: String,
-        /// The parameter used outside its calls (its FQN).
-        param: String,
-    },
-    /// Summing a sequence-parallel parameter's gradient over the tensor-parallel group
-    /// failed: the backward pass fails with this message.
-    #[error(
-        "{}shard_module: sequence-parallel parameter `{param}`: summing its gradient over the \
-         tensor-parallel group failed",
-        RankUnlessNamed(source, *rank)
-    )]
-    GradientSum {
-        /// This rank (named here unless the source names it).
-        rank: usize,
-        /// The parameter (its FQN).
-        param: String,
-        /// What the engine said.
-        source: DistError,
-    },
+    #[error(transparent)]
+    Composition(#[from] OnRank<Composition>),
+    /// The engine failed on this rank: sharding a module or parameter, or summing a
+    /// sequence-parallel gradient.
+    #[error(transparent)]
+    Engine(#[from] EngineFailure),
+    /// A sharded module's forward hook failed: the module call (`f_call`) returns this
+    /// error inside a [`ForwardError`](crate::ForwardError), `call` panics with its message.
+    #[error(transparent)]
+    Forward(#[from] OnHook),
     /// Applied twice, or the module's names changed (the message names `shard_module`).
     #[error(transparent)]
     Contract(#[from] ContractError),
@@ -144,13 +89,52 @@ pub enum ShardError {
 }
 
 impl ShardError {
+    /// The rank the error names (this rank's, or the disagreement's); `None` for a
+    /// contract's error.
+    pub fn rank(&self) -> Option<usize> {
+        match self {
+            ShardError::OnRank(e) => Some(e.rank),
+            ShardError::Composition(e) => Some(e.rank),
+            ShardError::Engine(e) => Some(e.rank),
+            ShardError::Forward(e) => Some(e.rank),
+            ShardError::Disagreement { source } => source.rank(),
+            ShardError::Contract(_) => None,
+        }
+    }
+
+    /// This rank's problem (`None` for any other error).
+    pub fn problem(&self) -> Option<&ShardProblem> {
+        match self {
+            ShardError::OnRank(e) => Some(&e.problem),
+            _ => None,
+        }
+    }
+
+    /// The rule of composing the APIs this rank broke (`None` for any other error).
+    ///
+    /// ```
+    /// use tch_dist::sharding::ShardError;
+    /// use tch_dist::{Api, Composition, OnRank};
+    /// let (module, param) = ("fc1".into(), "fc1.weight".into());
+    /// let bypassed = Composition::HooksBypassed { api: Api::ShardModule, module, param };
+    /// let e = ShardError::from(OnRank::new(0, bypassed));
+    /// assert!(tch_dist::report(&e).starts_with(
+    ///     "rank 0: shard_module: parameter `fc1.weight` of `fc1` was used outside a call of the \
+    ///      module through its forward hooks"
+    /// ));
+    /// assert!(matches!(e.composition(), Some(Composition::HooksBypassed { .. })));
+    /// ```
+    pub fn composition(&self) -> Option<&Composition> {
+        match self {
+            ShardError::Composition(e) => Some(&e.problem),
+            _ => None,
+        }
+    }
+
     /// A plan error of this rank of `group`.
     pub fn plan(group: &ProcessGroup, fqn: &str, problem: PlanProblem) -> ShardError {
-        ShardError::Plan {
-            rank: group.rank(),
-            fqn: fqn.to_string(),
-            problem,
-        }
+        let fqn = fqn.to_string();
+        ShardProblem::Plan { fqn, problem }.on(group.rank())
     }
 
     /// `fqn`'s hooks could not be registered, on this rank of `group`.
@@ -161,11 +145,14 @@ impl ShardError {
     /// An engine failure of this rank of `group` while sharding `fqn` (for a
     /// [`Sharder`](super::Sharder)'s collectives).
     pub fn dist(group: &ProcessGroup, fqn: &str, source: DistError) -> ShardError {
-        ShardError::Dist {
-            rank: group.rank(),
+        let problem = EngineProblem::Sharding {
             fqn: fqn.to_string(),
-            source,
-        }
+            source: Box::new(source),
+        };
+        ShardError::Engine(EngineFailure {
+            rank: group.rank(),
+            problem,
+        })
     }
 
     pub(crate) fn forward(
@@ -174,17 +161,149 @@ impl ShardError {
         site: HookSite,
         problem: ForwardProblem,
     ) -> ShardError {
-        ShardError::Forward {
+        ShardError::Forward(OnHook {
             rank: group.rank(),
-            fqn: fqn.to_string(),
             site,
+            fqn: fqn.to_string(),
             problem,
+        })
+    }
+
+    /// `param` of `module` used outside a call of the module through its hooks, on `rank`.
+    pub(crate) fn hooks_bypassed(rank: usize, module: &str, param: &str) -> ShardError {
+        let bypassed = Composition::HooksBypassed {
+            api: Api::ShardModule,
+            module: module.to_string(),
+            param: param.to_string(),
+        };
+        ShardError::Composition(OnRank::new(rank, bypassed))
+    }
+}
+
+/// Why [`shard_module`](super::shard_module) or
+/// [`parallelize_module`](super::parallelize_module) refused on a rank, before anything
+/// changed ([`ShardError::OnRank`] adds the rank). Each names the operation and the plan
+/// key at fault; what is wrong is the [`source`](std::error::Error::source).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShardProblem {
+    /// The plan does not fit the model or the group.
+    #[error("shard_module: {}", Key(fqn))]
+    Plan {
+        /// The plan key (FQN) at fault (`""`: the root module).
+        fqn: String,
+        /// What is wrong.
+        #[source]
+        problem: PlanProblem,
+    },
+    /// [`parallelize_module`](super::parallelize_module)'s mesh or plan asks for what
+    /// tch-dist does not build.
+    #[error("parallelize_module: {}", Key(fqn))]
+    Parallelize {
+        /// The plan key (FQN) at fault (`""`: the mesh).
+        fqn: String,
+        /// What is wrong.
+        #[source]
+        problem: StyleProblem,
+    },
+    /// An argument of [`shard_module`](super::shard_module) is out of range (`src_rank`).
+    #[error("shard_module")]
+    InvalidArgument {
+        /// What is wrong (boxed, so that every `Result` stays small).
+        #[source]
+        problem: Box<ArgumentError>,
+    },
+}
+
+impl ShardProblem {
+    /// This problem as rank `rank`'s [`ShardError`].
+    pub fn on(self, rank: usize) -> ShardError {
+        ShardError::OnRank(OnRank::new(rank, self))
+    }
+}
+
+/// The engine failed on this rank, its context written once: the rank, then what
+/// `shard_module` was doing ([`EngineProblem`]), whose [`DistError`] is the
+/// [`source`](std::error::Error::source). The [`DistError`] names the rank itself, so the
+/// context writes `rank R: ` only where it does not (an error of no group, of another rank).
+///
+/// ```
+/// use tch_dist::sharding::{EngineFailure, EngineProblem};
+/// use tch_dist::DistError;
+/// let source = DistError::Collective { rank: 1, op: "scatter", cause: "Connection reset".into() };
+/// let problem = EngineProblem::Sharding { fqn: "fc1.weight".into(), source: Box::new(source) };
+/// let e = EngineFailure { rank: 1, problem };
+/// assert_eq!(
+///     tch_dist::report(&e),
+///     "shard_module: `fc1.weight`: rank 1: scatter failed: Connection reset"
+/// );
+/// ```
+#[derive(Debug, Clone)]
+pub struct EngineFailure {
+    /// This rank.
+    pub rank: usize,
+    /// What failed.
+    pub problem: EngineProblem,
+}
+
+impl fmt::Display for EngineFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.problem.dist().rank() != Some(self.rank) {
+            write!(f, "rank {}: ", self.rank)?;
+        }
+        write!(f, "{}", self.problem)
+    }
+}
+
+impl std::error::Error for EngineFailure {
+    // The problem's cause (the DistError), not the problem: its text is this error's already.
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.problem.source()
+    }
+}
+
+/// What `shard_module` was doing on a rank when the engine failed (the
+/// [`problem`](EngineFailure::problem) of an [`EngineFailure`]); the engine's [`DistError`]
+/// is the [`source`](std::error::Error::source).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineProblem {
+    /// Sharding `fqn` (scattering or broadcasting its values, or rebuilding a sharded
+    /// tensor); the modules sharded before it stay sharded.
+    #[error("shard_module: {}", Key(fqn))]
+    Sharding {
+        /// The module or parameter being sharded.
+        fqn: String,
+        /// What the engine said (boxed, so that every `Result` stays small).
+        source: Box<DistError>,
+    },
+    /// Summing a sequence-parallel parameter's gradient over the tensor-parallel group:
+    /// the backward pass fails with this message.
+    #[error(
+        "shard_module: sequence-parallel parameter `{param}`: summing its gradient over the \
+         tensor-parallel group failed"
+    )]
+    GradientSum {
+        /// The parameter (its FQN).
+        param: String,
+        /// What the engine said (boxed, so that every `Result` stays small).
+        source: Box<DistError>,
+    },
+}
+
+impl EngineProblem {
+    /// The engine's error.
+    fn dist(&self) -> &DistError {
+        match self {
+            EngineProblem::Sharding { source, .. } | EngineProblem::GradientSum { source, .. } => {
+                source
+            }
         }
     }
 }
 
-/// What [`parallelize_module`](super::parallelize_module) does not build
-/// ([`ShardError::Parallelize`]).
+/// What [`parallelize_module`](crate::sharding::parallelize_module) does not build
+/// ([`ShardProblem::Parallelize`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum StyleProblem {
@@ -208,7 +327,7 @@ pub enum StyleProblem {
         /// `"input"` or `"output"`.
         which: &'static str,
         /// The layout asked for.
-        layout: super::parallel::Layout,
+        layout: Layout,
     },
     /// `use_local_output = false`.
     #[error(
@@ -232,9 +351,9 @@ pub enum StyleProblem {
         /// The tensor's position among the module's inputs or outputs.
         index: usize,
         /// Its layout (`input_layouts[index]`).
-        from: Option<super::parallel::Layout>,
+        from: Option<Layout>,
         /// The layout asked for (`desired_input_layouts[index]`).
-        to: Option<super::parallel::Layout>,
+        to: Option<Layout>,
     },
     /// `input_layouts` and `desired_input_layouts` (or the outputs') differ in length.
     #[error(
@@ -281,7 +400,7 @@ impl fmt::Display for Supported<'_> {
 }
 
 /// A layout of `PrepareModuleInput` / `PrepareModuleOutput`, `None` by name.
-struct LayoutName<'a>(&'a Option<super::parallel::Layout>);
+struct LayoutName<'a>(&'a Option<Layout>);
 
 impl fmt::Display for LayoutName<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -292,9 +411,10 @@ impl fmt::Display for LayoutName<'_> {
     }
 }
 
-/// What is wrong with one entry of a [`ShardingPlan`](super::ShardingPlan) (or with the key
-/// a [`ShardState`](super::ShardState) method was given), checked before anything changes.
-/// (Spec errors are boxed: they keep every `Result` of sharding small.)
+/// What is wrong with one entry of a [`ShardingPlan`](crate::sharding::ShardingPlan) (or
+/// with the key a [`ShardState`](crate::sharding::ShardState) method was given), checked
+/// before anything changes. (Spec errors are boxed: they keep every `Result` of sharding
+/// small.)
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum PlanProblem {
@@ -364,7 +484,7 @@ pub enum PlanProblem {
         /// Why.
         source: SharderError,
     },
-    /// A sharder refused the module ([`Sharder::check`](super::Sharder::check)).
+    /// A sharder refused the module ([`Sharder::check`](crate::sharding::Sharder::check)).
     #[error("{sharder}")]
     Sharder {
         /// The sharder's name.
@@ -443,7 +563,7 @@ pub enum PlanProblem {
         /// What the layout check said.
         source: Box<ShardingError>,
     },
-    /// A [`ShardState`](super::ShardState) was asked for a parameter it did not shard.
+    /// A [`ShardState`](crate::sharding::ShardState) was asked for a parameter it did not shard.
     #[error("is not a sharded parameter")]
     NotSharded,
     /// A parameter of a planned module is already managed by a data-parallel API, whose
@@ -461,8 +581,23 @@ pub enum PlanProblem {
     },
 }
 
-/// Why a [`Sharder`](super::Sharder) refuses a module: the built-in linear sharders' reasons,
-/// and [`Custom`](SharderError::Custom) for third-party sharders.
+/// Placements joined by `, `.
+struct Placements<'a>(&'a [Placement]);
+
+impl fmt::Display for Placements<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, p) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{p}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Why a [`Sharder`](crate::sharding::Sharder) refuses a module: the built-in linear
+/// sharders' reasons, and [`Custom`](SharderError::Custom) for third-party sharders.
 ///
 /// ```
 /// use tch_dist::sharding::SharderError;
@@ -580,6 +715,60 @@ impl SharderError {
     }
 }
 
+/// A sharded module's forward hook that failed on this rank, its context written once: the
+/// hook, the module and the rank, then the [`ForwardProblem`]. It reads as PyTorch's module
+/// call raises it, the rank after the module: ``shard_module: row-parallel `fc2` on rank 1
+/// expects ...``; a failed collective's [`DistError`] names the rank itself, so the context
+/// leaves it out (``shard_module: output of `fc2`: rank 1: all_gather ...``). The problem's
+/// cause is the [`source`](std::error::Error::source).
+///
+/// ```
+/// use tch_dist::sharding::{ForwardProblem, HookSite, OnHook};
+/// let e = OnHook {
+///     rank: 1,
+///     site: HookSite::Output,
+///     fqn: "fc2".into(),
+///     problem: ForwardProblem::Outputs { got: 2 },
+/// };
+/// assert_eq!(
+///     e.to_string(),
+///     "shard_module: output of `fc2` on rank 1: the plan describes one output, the call \
+///      returned 2"
+/// );
+/// ```
+#[derive(Debug, Clone)]
+pub struct OnHook {
+    /// This rank.
+    pub rank: usize,
+    /// Which of the module's hooks.
+    pub site: HookSite,
+    /// The module whose hook failed.
+    pub fqn: String,
+    /// What went wrong.
+    pub problem: ForwardProblem,
+}
+
+impl fmt::Display for OnHook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "shard_module: {} {}", self.site, Key(&self.fqn))?;
+        match &self.problem {
+            // `on rank R expects ...`: the width reads on from the rank.
+            problem @ ForwardProblem::InputWidth { .. } => {
+                write!(f, " on rank {} {problem}", self.rank)
+            }
+            ForwardProblem::Collective(e) if e.rank() == Some(self.rank) => write!(f, ": {e}"),
+            problem => write!(f, " on rank {}: {problem}", self.rank),
+        }
+    }
+}
+
+impl std::error::Error for OnHook {
+    // The problem's cause, not the problem: its text is this error's already.
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.problem.source()
+    }
+}
+
 /// Which hook of a sharded module failed (the part of the message before its FQN).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -611,7 +800,7 @@ impl fmt::Display for HookSite {
     }
 }
 
-/// Why a sharded module's forward hook failed (the `problem` of [`ShardError::Forward`]).
+/// Why a sharded module's forward hook failed (the `problem` of an [`OnHook`]).
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum ForwardProblem {
@@ -698,9 +887,16 @@ pub enum ForwardProblem {
         /// The call's outputs.
         got: usize,
     },
-    /// A collective failed.
+    /// A collective failed (boxed, so that every `Result` stays small).
     #[error(transparent)]
-    Collective(DistError),
+    Collective(Box<DistError>),
+}
+
+impl ForwardProblem {
+    /// A failed collective ([`Collective`](ForwardProblem::Collective)).
+    pub(crate) fn collective(e: DistError) -> ForwardProblem {
+        ForwardProblem::Collective(Box::new(e))
+    }
 }
 
 /// A plan key in backquotes, the root module by name (fully_shard's errors name modules
@@ -714,70 +910,6 @@ impl fmt::Display for Key<'_> {
         } else {
             write!(f, "`{}`", self.0)
         }
-    }
-}
-
-/// How to call a hooked module: with `call`, as its parent's field.
-pub(crate) struct Fix<'a>(pub(crate) &'a str);
-
-impl fmt::Display for Fix<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.0.rsplit('.').next().filter(|s| !s.is_empty()) {
-            Some(field) => write!(
-                f,
-                "call the module as `self.{field}.call(&x)`, not `x.apply(&self.{field})` or \
-                 `self.{field}.forward(&x)`"
-            ),
-            None => {
-                f.write_str("call the module with `.call(&x)`, not `x.apply(..)` or `.forward(..)`")
-            }
-        }
-    }
-}
-
-/// `rank R: `, unless the [`DistError`] inside names rank R itself (its message goes on
-/// after this one's, through `source()`).
-struct RankUnlessNamed<'a>(&'a DistError, usize);
-
-impl fmt::Display for RankUnlessNamed<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0.rank() == Some(self.1) {
-            Ok(())
-        } else {
-            write!(f, "rank {}: ", self.1)
-        }
-    }
-}
-
-/// A forward problem after the hook's module: ` on rank R expects ...` for a width,
-/// ` on rank R: ...` otherwise, and `: ...` for a failed collective, whose [`DistError`]
-/// names the rank itself.
-struct Detail<'a>(&'a ForwardProblem, usize);
-
-impl fmt::Display for Detail<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let rank = self.1;
-        match self.0 {
-            ForwardProblem::InputWidth { .. } => write!(f, " on rank {rank} {}", self.0),
-            ForwardProblem::Collective(e) if e.rank() == Some(rank) => write!(f, ": {e}"),
-            ForwardProblem::Collective(e) => write!(f, " on rank {rank}: {e}"),
-            other => write!(f, " on rank {rank}: {other}"),
-        }
-    }
-}
-
-/// Placements joined by `, `.
-struct Placements<'a>(&'a [Placement]);
-
-impl fmt::Display for Placements<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (i, p) in self.0.iter().enumerate() {
-            if i > 0 {
-                f.write_str(", ")?;
-            }
-            write!(f, "{p}")?;
-        }
-        Ok(())
     }
 }
 

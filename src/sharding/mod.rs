@@ -32,15 +32,15 @@
 //! `self.fc1.forward(&x)` run `Module::forward` alone, which computes with this rank's
 //! shard, and `shard_module` makes that an error on every rank: a parameter of a module it
 //! hooked, used outside a call of that module through its hooks, is a
-//! [`ShardError::HooksBypassed`] naming the module, the parameter and the fix. Inside a call
-//! of the module passed to `shard_module`, the first op that uses it is refused, in every
-//! grad mode (`no_grad` inference too) and for frozen parameters too: `f_call` of that
-//! module returns the error (`call` panics with it). Where no such call runs (that module
-//! called with `forward`, a use outside it), autograd sees the use: the backward pass fails
-//! with the error before any gradient of those parameters is accumulated, so no optimizer
-//! step applies a wrong gradient (nothing is checked there under `no_grad`). A layer that a
-//! forward does not use is fine; a deliberate direct use (a regularizer over this rank's
-//! shards) goes in [`ShardState::allow_direct_use`].
+//! [`Composition::HooksBypassed`](crate::Composition::HooksBypassed) naming the module, the
+//! parameter and the fix. Inside a call of the module passed to `shard_module`, the first
+//! op that uses it is refused, in every grad mode (`no_grad` inference too) and for frozen
+//! parameters too: `f_call` of that module returns the error (`call` panics with it). Where
+//! no such call runs (that module called with `forward`, a use outside it), autograd sees
+//! the use: the backward pass fails with the error before any gradient of those parameters
+//! is accumulated, so no optimizer step applies a wrong gradient (nothing is checked there
+//! under `no_grad`). A layer that a forward does not use is fine; a deliberate direct use (a
+//! regularizer over this rank's shards) goes in [`ShardState::allow_direct_use`].
 //!
 //! ```no_run
 //! use tch::nn;
@@ -93,8 +93,11 @@ use tch_dist_core::{contract, Shardable};
 use tch_dist_runtime::ProcessGroup;
 
 pub use embedding::{ColwiseEmbedding, RowwiseEmbedding};
-pub(crate) use error::{Fix, Key};
-pub use error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError, StyleProblem};
+pub(crate) use error::Key;
+pub use error::{
+    EngineFailure, EngineProblem, ForwardProblem, HookSite, OnHook, PlanProblem, ShardError,
+    ShardProblem, SharderError, StyleProblem,
+};
 pub use output::OutputLayout;
 pub use parallel::{
     parallelize_module, ColwiseParallel, Layout, ParallelStyle, ParallelizePlan,
@@ -139,11 +142,7 @@ fn broadcast_the_rest<M: Shardable + ?Sized>(
     let tensors: Vec<&tch::Tensor> = rest.iter().map(|(_, t)| *t).collect();
     group
         .broadcast_coalesced(&tensors, src_rank, tch_dist_runtime::BROADCAST_BUCKET_BYTES)
-        .map_err(|source| ShardError::Dist {
-            rank: group.rank(),
-            fqn: String::new(),
-            source,
-        })
+        .map_err(|source| ShardError::dist(group, "", source))
 }
 
 /// Shards `module` as `plan` says, with the values of rank `src_rank`, over `group`
@@ -152,7 +151,7 @@ fn broadcast_the_rest<M: Shardable + ?Sized>(
 /// ranks' modules must hold the same tensors (names, shapes, dtypes), and the whole plan is
 /// checked first: an FQN not in the model, a
 /// spec on a module or a sharder on a parameter, a dim out of range, placements that do not
-/// match the group, an entry inside a sharder's subtree — each is a [`ShardError::Plan`]
+/// match the group, an entry inside a sharder's subtree — each is a [`ShardProblem::Plan`]
 /// naming it, with the model unchanged. See the [module docs](self) for an example.
 #[contract(crate = "crate")]
 pub fn shard_module<M: Shardable + ?Sized>(

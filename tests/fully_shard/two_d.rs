@@ -352,7 +352,7 @@ fn fsdp_x_tp_refusals_on_every_rank_change_nothing() {
         |_pg: ProcessGroup| {
             use crate::unchanged::{unchanged, values};
             use tch_dist::fully_shard::FsdpError;
-            use tch_dist::sharding::{PlanProblem, ShardError};
+            use tch_dist::sharding::{PlanProblem, ShardProblem};
             let mesh = init_device_mesh("cpu", &[2, 2], &["dp", "tp"]).unwrap();
             let tp = mesh.dim("tp").unwrap();
             let on = |dim: &str| FsdpOptions {
@@ -391,7 +391,7 @@ fn fsdp_x_tp_refusals_on_every_rank_change_nothing() {
             let before = values(&vs);
             let err = parallelize_module(&mut m, &tp, &tp_plan()).unwrap_err();
             assert!(
-                matches!(&err, ShardError::Plan { fqn, problem: PlanProblem::AlreadyManaged { param, api }, .. }
+                matches!(err.problem(), Some(ShardProblem::Plan { fqn, problem: PlanProblem::AlreadyManaged { param, api } })
                     if fqn == "blocks.0.fc1" && param == "blocks.0.fc1.weight" && *api == "fully_shard"),
                 "{err}"
             );
