@@ -42,6 +42,26 @@
 //! under `no_grad`). A layer that a forward does not use is fine; a deliberate direct use (a
 //! regularizer over this rank's shards) goes in [`ShardState::allow_direct_use`].
 //!
+//! | file | job | PyTorch |
+//! |---|---|---|
+//! | `mod.rs` | [`shard_module`]: validation, the scatter, the hooks, in order; the re-exports | `torch/distributed/_shard/api.py` (`shard_module`, `shard_parameter`) |
+//! | `plan.rs` | [`ShardingPlan`], its builder and serde | `_shard/sharding_plan/api.py` (`ShardingPlan`) |
+//! | `planner.rs` | [`ShardingPlanner`], [`MegatronPlanner`] | `_shard/sharding_plan/api.py` (`ShardingPlanner`) |
+//! | `validate.rs` | every check of a plan, before any change | the checks `shard_module` makes as it goes |
+//! | `sharder.rs` | the [`Sharder`] trait and the linear sharders: the scatter and the input hooks | `_shard/sharder.py` (`Sharder`), `_shard/sharding_spec/chunk_sharding_spec.py` |
+//! | `embedding.rs` | the embedding sharders: the table's columns, or its rows with the ids mapped and the other ranks' tokens masked | `_shard/sharding_spec/chunk_sharding_spec_ops/embedding.py` |
+//! | `output.rs` | [`OutputLayout`] and the output hooks that restore or reshard outputs | `_reshard_output`, `_collect_local_shard` (`_shard/api.py`) |
+//! | `state.rs` | [`ShardState`]: what `shard_module` did to a module | (none: PyTorch's sharded parameters are `ShardedTensor`s) |
+//! | `guard.rs` | the bypass check: a hooked module's parameters used only in calls through its hooks | (none) |
+//! | `parallel.rs` | [`parallelize_module`] and its styles ([`ColwiseParallel`], [`PrepareModuleInput`], ...) on a 1-D mesh, as a plan of sharders | `tensor/parallel/api.py` (`parallelize_module`), `tensor/parallel/style.py` |
+//! | `redistribute.rs` | changes of layout of plain tensors, each a differentiable collective | DTensor's `redistribute` (`tensor/_redistribute.py`) |
+//! | `prepare.rs` | the sharders that lay out a module's inputs or outputs: `PrepareModuleInput` / `PrepareModuleOutput`'s, and the wrappers that give a linear or embedding sharder sequence-sharded inputs and outputs | `tensor/parallel/style.py` (`PrepareModuleInput`, `PrepareModuleOutput`, `input_layouts` / `output_layouts` of the styles) |
+//! | `sequence.rs` | [`SequenceParallel`]'s norm sharder and its gradient sums | `tensor/parallel/style.py` (`SequenceParallel`) |
+//! | `error.rs` | [`ShardError`] and its contexts: [`ShardProblem`] on a rank, [`EngineFailure`] | the errors `shard_module` and `parallelize_module` raise |
+//! | `error/plan.rs` | [`PlanProblem`], [`StyleProblem`]: a plan refused before anything changes | the `ValueError`s / `RuntimeError`s of `_shard/api.py`, `NotImplementedError`s of `tensor/parallel/style.py` |
+//! | `error/sharder.rs` | [`SharderError`]: why a sharder refuses a module | (none: a `Sharder.shard` raises its own) |
+//! | `error/forward.rs` | [`OnHook`], [`HookSite`], [`ForwardProblem`]: a sharded module's failed hook | the errors of the sharded ops and of the styles' hooks |
+//!
 //! ```no_run
 //! use tch::nn;
 //! use tch_dist::sharding::{shard_module, ColwiseLinear, RowwiseLinear, ShardingPlan};
