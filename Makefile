@@ -70,6 +70,8 @@ lint: setup
 	# README.md's and docs/FROM_PYTORCH.md's Rust blocks compile as copied (no hidden lines).
 	$(PYTHON) docs/check_blocks.py --self-test
 	$(PYTHON) docs/check_blocks.py
+	# Every source folder's table of files matches the folder; ARCHITECTURE.md's paths exist.
+	$(PYTHON) docs/check_tables.py
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps

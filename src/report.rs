@@ -11,8 +11,8 @@
 /// joined with `": "`.
 ///
 /// ```
-/// use tch_dist::sharding::{PlanProblem, ShardError};
-/// let e = ShardError::Plan { rank: 1, fqn: "fc3.weight".into(), problem: PlanProblem::NotAParameter };
+/// use tch_dist::sharding::{PlanProblem, ShardProblem};
+/// let e = ShardProblem::Plan { fqn: "fc3.weight".into(), problem: PlanProblem::NotAParameter }.on(1);
 /// assert_eq!(e.to_string(), "rank 1: shard_module: `fc3.weight`");
 /// assert_eq!(tch_dist::report(&e), "rank 1: shard_module: `fc3.weight`: is not a parameter of the model");
 /// ```

@@ -111,7 +111,7 @@ fn mesh_refusals_are_errors_on_every_rank_that_create_nothing() {
         |world| {
             let rank = world.rank();
             let problem = |e: MeshError| match e {
-                MeshError::Invalid {
+                MeshError {
                     rank: r, problem, ..
                 } if r == rank => problem,
                 e => panic!("{e:?}"),
@@ -182,8 +182,8 @@ fn mesh_refusals_are_errors_on_every_rank_that_create_nothing() {
                 )
             );
             assert!(matches!(
-                mesh.dim("pp").unwrap_err(),
-                MeshError::UnknownDim { name, .. } if name == "pp"
+                problem(mesh.dim("pp").unwrap_err()),
+                MeshProblem::UnknownDim { name, .. } if name == "pp"
             ));
             assert_eq!(
                 problem(mesh.slice(&["tp", "dp"]).unwrap_err()),
@@ -220,7 +220,7 @@ fn ranks_that_disagree_on_a_mesh_fail_on_every_rank_before_any_group() {
         |world| {
             let rank = world.rank();
             let problem = |e: MeshError| match e {
-                MeshError::Invalid {
+                MeshError {
                     rank: r, problem, ..
                 } if r == rank => problem,
                 e => panic!("{e:?}"),

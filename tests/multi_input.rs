@@ -17,8 +17,8 @@ use tch_dist::hooks::{
 use tch_dist::sharding::{shard_module, ColwiseLinear, RowwiseLinear, ShardError, ShardingPlan};
 use tch_dist::testing::run_ranks;
 use tch_dist::{
-    fully_shard, replicate, Call, CallWith, Composition, ForwardError, FsdpOptions, ProcessGroup,
-    Shardable,
+    fully_shard, replicate, Call, CallWith, Composition, ForwardError, FsdpOptions, OnRank,
+    ProcessGroup, Shardable,
 };
 
 #[path = "common/unchanged.rs"]
@@ -668,8 +668,10 @@ fn a_sharded_multi_input_block_matches_one_process_at_2_ranks() {
             assert!(
                 matches!(
                     err.downcast_ref::<ShardError>(),
-                    Some(ShardError::HooksBypassed { rank, module, param })
-                        if *rank == pg.rank() && module == "inner.up"
+                    Some(ShardError::Composition(OnRank {
+                        rank,
+                        problem: Composition::HooksBypassed { module, param, .. },
+                    })) if *rank == pg.rank() && module == "inner.up"
                             && param == "inner.up.weight"
                 ),
                 "{err:?}"

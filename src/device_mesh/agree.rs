@@ -29,27 +29,24 @@ pub(super) fn agree(
     local: Result<(), MeshProblem>,
 ) -> Result<(), MeshError> {
     let rank = world.rank();
-    let invalid = |problem| MeshError::Invalid { rank, op, problem };
+    let fail = |problem: MeshProblem| problem.on(rank, op);
     let verdict = if local.is_ok() { ACCEPTED } else { REFUSED };
     let all = world
         .exchange_in_store(op, format!("{verdict}{request}").as_bytes())
-        .map_err(|source| MeshError::Agreement {
-            rank,
-            op,
-            source: Box::new(source),
-        })?;
-    local.map_err(invalid)?;
+        .map_err(Box::new)
+        .map_err(|source| fail(MeshProblem::Agreement { source }))?;
+    local.map_err(fail)?;
     for (other_rank, theirs) in all.iter().enumerate() {
         let Some(theirs) = theirs else {
             continue; // a PyTorch rank
         };
         let theirs = String::from_utf8_lossy(theirs);
         if theirs.starts_with(REFUSED) {
-            return Err(invalid(MeshProblem::PeerRefused { peer: other_rank }));
+            return Err(fail(MeshProblem::PeerRefused { peer: other_rank }));
         }
         let their_request = theirs.strip_prefix(ACCEPTED).unwrap_or(&theirs);
         if their_request != request {
-            return Err(invalid(MeshProblem::Disagree {
+            return Err(fail(MeshProblem::Disagree {
                 other_rank,
                 this: request.to_string(),
                 other: their_request.to_string(),

@@ -166,11 +166,9 @@ pub fn init_device_mesh(
     } else {
         tch_dist_runtime::init_process_group(Backend::default_for_machine())
     }
-    .map_err(|source| MeshError::Group {
-        rank: 0,
-        op: OP,
-        dim: "default".into(),
-        source: Box::new(source),
+    .map_err(|source| {
+        let (dim, source) = ("default".into(), Box::new(source));
+        MeshProblem::Group { dim, source }.on(0, OP)
     })?;
     let rank = world.rank();
     let local = check_request(device_type, shape, names, world.world_size());
@@ -193,11 +191,9 @@ pub fn init_device_mesh(
         .collect();
     let mut dims = Vec::with_capacity(shape.len());
     for (d, name) in dim_names.iter().enumerate() {
-        let group = dim_group(&world, shape, &[d], name).map_err(|source| MeshError::Group {
-            rank,
-            op: OP,
-            dim: name.clone(),
-            source: Box::new(source),
+        let group = dim_group(&world, shape, &[d], name).map_err(|source| {
+            let (dim, source) = (name.clone(), Box::new(source));
+            MeshProblem::Group { dim, source }.on(rank, OP)
         })?;
         dims.push(Arc::new(MeshDim {
             name: name.clone(),
@@ -406,20 +402,13 @@ impl DeviceMesh {
     }
 
     fn unknown(&self, op: &'static str, name: &str) -> MeshError {
-        MeshError::UnknownDim {
-            rank: self.root.world.rank(),
-            op,
-            name: name.to_string(),
-            dims: self.dims.iter().map(|d| d.name.clone()).collect(),
-        }
+        let dims = self.dims.iter().map(|d| d.name.clone()).collect();
+        let name = name.to_string();
+        self.fail(op, MeshProblem::UnknownDim { name, dims })
     }
 
-    fn invalid(&self, op: &'static str, problem: MeshProblem) -> MeshError {
-        MeshError::Invalid {
-            rank: self.root.world.rank(),
-            op,
-            problem,
-        }
+    fn fail(&self, op: &'static str, problem: MeshProblem) -> MeshError {
+        problem.on(self.root.world.rank(), op)
     }
 
     /// The process group of dim `name` that holds this rank (PyTorch's `get_group`).
@@ -463,7 +452,7 @@ impl DeviceMesh {
     pub fn slice(&self, names: &[&str]) -> Result<DeviceMesh, MeshError> {
         const OP: &str = "DeviceMesh::slice";
         if !self.root.named {
-            return Err(self.invalid(OP, MeshProblem::NoNames));
+            return Err(self.fail(OP, MeshProblem::NoNames));
         }
         let mut dims = Vec::with_capacity(names.len());
         let mut last: Option<usize> = None;
@@ -471,7 +460,7 @@ impl DeviceMesh {
             let found = match self.dims.iter().position(|d| d.name == *name) {
                 Some(i) => {
                     if last.is_some_and(|l| l >= i) {
-                        return Err(self.invalid(
+                        return Err(self.fail(
                             OP,
                             MeshProblem::SliceOrder {
                                 names: names.iter().map(|n| n.to_string()).collect(),
@@ -492,7 +481,7 @@ impl DeviceMesh {
             dims.push(found);
         }
         if names.is_empty() {
-            return Err(self.invalid(OP, MeshProblem::EmptyShape));
+            return Err(self.fail(OP, MeshProblem::EmptyShape));
         }
         Ok(DeviceMesh {
             root: Arc::clone(&self.root),
@@ -552,12 +541,8 @@ impl DeviceMesh {
         agree(&self.root.world, OP, &request, local)?;
         let group =
             dim_group(&self.root.world, &self.root.shape, &root_dims, &name).map_err(|source| {
-                MeshError::Group {
-                    rank: self.root.world.rank(),
-                    op: OP,
-                    dim: name.clone(),
-                    source: Box::new(source),
-                }
+                let (dim, source) = (name.clone(), Box::new(source));
+                self.fail(OP, MeshProblem::Group { dim, source })
             })?;
         let dim = Arc::new(MeshDim {
             name: name.clone(),
@@ -624,24 +609,20 @@ mod tests {
 
     #[test]
     fn problems_read_well() {
-        let e = MeshError::Invalid {
-            rank: 1,
-            op: "init_device_mesh",
-            problem: MeshProblem::WorldMismatch {
-                shape: vec![2, 3],
-                world_size: 4,
-            },
-        };
+        let e = MeshProblem::WorldMismatch {
+            shape: vec![2, 3],
+            world_size: 4,
+        }
+        .on(1, "init_device_mesh");
         assert_eq!(
             e.to_string(),
             "rank 1: init_device_mesh: a mesh of shape [2, 3] holds 6 ranks, the world has 4"
         );
-        let e = MeshError::UnknownDim {
-            rank: 0,
-            op: "DeviceMesh::get_group",
+        let e = MeshProblem::UnknownDim {
             name: "pp".into(),
             dims: vec!["dp".into(), "tp".into()],
-        };
+        }
+        .on(0, "DeviceMesh::get_group");
         assert_eq!(
             e.to_string(),
             "rank 0: DeviceMesh::get_group: the mesh has no dim named `pp` (its dims: `dp`, `tp`)"

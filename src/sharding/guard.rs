@@ -7,9 +7,10 @@
 //! the autograd nodes its hooked calls make. The module passed to `shard_module` gets a
 //! second scope that checks, when it is called with `call`, that every use of a guarded
 //! parameter in its output's graph was claimed: a bypass fails the forward, as a
-//! [`ShardError::HooksBypassed`]. Whatever that check cannot see (the model's root called
-//! with `forward`, a use outside it) fails the backward pass with the same message, before
-//! any guarded parameter gets a gradient, so no optimizer step applies a wrong gradient.
+//! [`Composition::HooksBypassed`](crate::Composition::HooksBypassed). Whatever that check
+//! cannot see (the model's root called with `forward`, a use outside it) fails the backward
+//! pass with the same message, before any guarded parameter gets a gradient, so no
+//! optimizer step applies a wrong gradient.
 //!
 //! Autograd sees nothing under `no_grad`, so each hooked module's parameters (all of them,
 //! frozen ones too) are also behind a [`ShardFence`], armed for good (they always hold
@@ -138,14 +139,7 @@ pub(super) fn install(
         } else {
             let message = {
                 let (module, params) = (fqn.clone(), params.clone());
-                move |i: usize| {
-                    ShardError::HooksBypassed {
-                        rank,
-                        module: module.clone(),
-                        param: params[i].clone(),
-                    }
-                    .to_string()
-                }
+                move |i: usize| ShardError::hooks_bypassed(rank, &module, &params[i]).to_string()
             };
             let refs: Vec<&Tensor> = tensors.iter().collect();
             let guard = UseGuard::new(rank, "shard_module", &refs, message)
@@ -189,7 +183,7 @@ pub(super) fn install(
 
 /// An engine failure of the check itself (not expected) as a hook error.
 fn engine_error(group: &ProcessGroup, fqn: &str, e: DistError) -> ForwardError {
-    let problem = ForwardProblem::Collective(e);
+    let problem = ForwardProblem::collective(e);
     ForwardError::from_error(ShardError::forward(group, fqn, HookSite::Output, problem))
 }
 
@@ -218,11 +212,9 @@ impl CallScope for Claim {
                 .iter()
                 .find(|(_, id)| OPEN.with(|o| o.borrow().get(id).copied().unwrap_or(0)) == 0);
             if let Some((outer, _)) = closed {
-                return Err(ForwardError::from_error(ShardError::HooksBypassed {
-                    rank: self.group.rank(),
-                    module: outer.clone(),
-                    param: self.named_param.clone(),
-                }));
+                let (rank, param) = (self.group.rank(), &self.named_param);
+                let bypassed = ShardError::hooks_bypassed(rank, outer, param);
+                return Err(ForwardError::from_error(bypassed));
             }
         }
         if let Some(id) = self.opens {
@@ -293,11 +285,13 @@ impl CallScope for Check {
             let found = UseGuard::first_unclaimed(&guards, output, mark)
                 .map_err(|e| engine_error(&self.group, "", e))?;
             if let Some((i, j)) = found {
-                return Err(ForwardError::from_error(ShardError::HooksBypassed {
-                    rank: self.group.rank(),
-                    module: self.guards[i].module.clone(),
-                    param: self.guards[i].params[j].clone(),
-                }));
+                let guarded = &self.guards[i];
+                let bypassed = ShardError::hooks_bypassed(
+                    self.group.rank(),
+                    &guarded.module,
+                    &guarded.params[j],
+                );
+                return Err(ForwardError::from_error(bypassed));
             }
         }
         Ok(())
@@ -314,11 +308,8 @@ struct FenceNames {
 
 impl FenceNames {
     fn bypassed(&self, index: usize) -> ShardError {
-        ShardError::HooksBypassed {
-            rank: self.rank,
-            module: self.module.clone(),
-            param: self.params.get(index).cloned().unwrap_or_default(),
-        }
+        let param = self.params.get(index).map_or("", String::as_str);
+        ShardError::hooks_bypassed(self.rank, &self.module, param)
     }
 }
 
@@ -329,7 +320,8 @@ impl FenceOwner for FenceNames {
 }
 
 /// shard_module's [`CallGuard`]: a fence's refusal (an op of a bypassed sharded module)
-/// becomes [`ShardError::HooksBypassed`], the error of the hooked call around it.
+/// becomes [`Composition::HooksBypassed`](crate::Composition::HooksBypassed), the error of
+/// the hooked call around it.
 struct Guard;
 
 static GUARD: Guard = Guard;

@@ -32,15 +32,33 @@
 //! `self.fc1.forward(&x)` run `Module::forward` alone, which computes with this rank's
 //! shard, and `shard_module` makes that an error on every rank: a parameter of a module it
 //! hooked, used outside a call of that module through its hooks, is a
-//! [`ShardError::HooksBypassed`] naming the module, the parameter and the fix. Inside a call
-//! of the module passed to `shard_module`, the first op that uses it is refused, in every
-//! grad mode (`no_grad` inference too) and for frozen parameters too: `f_call` of that
-//! module returns the error (`call` panics with it). Where no such call runs (that module
-//! called with `forward`, a use outside it), autograd sees the use: the backward pass fails
-//! with the error before any gradient of those parameters is accumulated, so no optimizer
-//! step applies a wrong gradient (nothing is checked there under `no_grad`). A layer that a
-//! forward does not use is fine; a deliberate direct use (a regularizer over this rank's
-//! shards) goes in [`ShardState::allow_direct_use`].
+//! [`Composition::HooksBypassed`](crate::Composition::HooksBypassed) naming the module, the
+//! parameter and the fix. Inside a call of the module passed to `shard_module`, the first
+//! op that uses it is refused, in every grad mode (`no_grad` inference too) and for frozen
+//! parameters too: `f_call` of that module returns the error (`call` panics with it). Where
+//! no such call runs (that module called with `forward`, a use outside it), autograd sees
+//! the use: the backward pass fails with the error before any gradient of those parameters
+//! is accumulated, so no optimizer step applies a wrong gradient (nothing is checked there
+//! under `no_grad`). A layer that a forward does not use is fine; a deliberate direct use (a
+//! regularizer over this rank's shards) goes in [`ShardState::allow_direct_use`].
+//!
+//! | file | job | PyTorch |
+//! |---|---|---|
+//! | `mod.rs` | [`shard_module`]: validation, the scatter, the hooks, in order; the re-exports | `torch/distributed/_shard/api.py` (`shard_module`, `shard_parameter`) |
+//! | `plan.rs` | [`ShardingPlan`], its builder and serde | `_shard/sharding_plan/api.py` (`ShardingPlan`) |
+//! | `planner.rs` | [`ShardingPlanner`], [`MegatronPlanner`] | `_shard/sharding_plan/api.py` (`ShardingPlanner`) |
+//! | `validate.rs` | every check of a plan, before any change | the checks `shard_module` makes as it goes |
+//! | `sharder.rs` | the [`Sharder`] trait and the linear sharders: the scatter and the input hooks | `_shard/sharder.py` (`Sharder`), `_shard/sharding_spec/chunk_sharding_spec.py` |
+//! | `embedding.rs` | the embedding sharders: the table's columns, or its rows with the ids mapped and the other ranks' tokens masked | `_shard/sharding_spec/chunk_sharding_spec_ops/embedding.py` |
+//! | `output.rs` | [`OutputLayout`] and the output hooks that restore or reshard outputs | `_reshard_output`, `_collect_local_shard` (`_shard/api.py`) |
+//! | `state.rs` | [`ShardState`]: what `shard_module` did to a module | (none: PyTorch's sharded parameters are `ShardedTensor`s) |
+//! | `guard.rs` | the bypass check: a hooked module's parameters used only in calls through its hooks | (none) |
+//! | `parallel.rs` | [`parallelize_module`] and its styles ([`ColwiseParallel`], [`PrepareModuleInput`], ...) on a 1-D mesh, as a plan of sharders | `tensor/parallel/api.py` (`parallelize_module`), `tensor/parallel/style.py` |
+//! | `redistribute.rs` | changes of layout of plain tensors, each a differentiable collective | DTensor's `redistribute` (`tensor/_redistribute.py`) |
+//! | `prepare.rs` | the sharders that lay out a module's inputs or outputs: `PrepareModuleInput` / `PrepareModuleOutput`'s, and the wrappers that give a linear or embedding sharder sequence-sharded inputs and outputs | `tensor/parallel/style.py` (`PrepareModuleInput`, `PrepareModuleOutput`, `input_layouts` / `output_layouts` of the styles) |
+//! | `sequence.rs` | [`SequenceParallel`]'s norm sharder and its gradient sums | `tensor/parallel/style.py` (`SequenceParallel`) |
+//! | `error.rs` | [`ShardError`] and its contexts: [`ShardProblem`] on a rank, [`EngineFailure`] | the errors `shard_module` and `parallelize_module` raise |
+//! | `error/` | the problems by job, a table of its own in `error.rs` | (as `error.rs`) |
 //!
 //! ```no_run
 //! use tch::nn;
@@ -94,7 +112,10 @@ use tch_dist_runtime::ProcessGroup;
 
 pub use embedding::{ColwiseEmbedding, RowwiseEmbedding};
 pub(crate) use error::Key;
-pub use error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError, StyleProblem};
+pub use error::{
+    EngineFailure, EngineProblem, ForwardProblem, HookSite, OnHook, PlanProblem, ShardError,
+    ShardProblem, SharderError, StyleProblem,
+};
 pub use output::OutputLayout;
 pub use parallel::{
     parallelize_module, ColwiseParallel, Layout, ParallelStyle, ParallelizePlan,
@@ -139,11 +160,7 @@ fn broadcast_the_rest<M: Shardable + ?Sized>(
     let tensors: Vec<&tch::Tensor> = rest.iter().map(|(_, t)| *t).collect();
     group
         .broadcast_coalesced(&tensors, src_rank, tch_dist_runtime::BROADCAST_BUCKET_BYTES)
-        .map_err(|source| ShardError::Dist {
-            rank: group.rank(),
-            fqn: String::new(),
-            source,
-        })
+        .map_err(|source| ShardError::dist(group, "", source))
 }
 
 /// Shards `module` as `plan` says, with the values of rank `src_rank`, over `group`
@@ -152,7 +169,7 @@ fn broadcast_the_rest<M: Shardable + ?Sized>(
 /// ranks' modules must hold the same tensors (names, shapes, dtypes), and the whole plan is
 /// checked first: an FQN not in the model, a
 /// spec on a module or a sharder on a parameter, a dim out of range, placements that do not
-/// match the group, an entry inside a sharder's subtree — each is a [`ShardError::Plan`]
+/// match the group, an entry inside a sharder's subtree — each is a [`ShardProblem::Plan`]
 /// naming it, with the model unchanged. See the [module docs](self) for an example.
 #[contract(crate = "crate")]
 pub fn shard_module<M: Shardable + ?Sized>(

@@ -101,7 +101,7 @@ pub(super) fn materialize(
     layout: &OutputLayout,
     g: &ProcessGroup,
 ) -> Result<Option<Tensor>, ForwardProblem> {
-    let collective = ForwardProblem::Collective;
+    let collective = ForwardProblem::collective;
     Ok(match layout {
         OutputLayout::Replicated => None,
         OutputLayout::Sharded { dim, sizes, order } => {
@@ -131,7 +131,7 @@ fn convert_output(
     local: bool,
     g: &ProcessGroup,
 ) -> Result<Option<Tensor>, ForwardProblem> {
-    let collective = ForwardProblem::Collective;
+    let collective = ForwardProblem::collective;
     let world = g.world_size();
     let Some(spec_dim) = spec_dim else {
         if local {

@@ -23,7 +23,7 @@ use tch_dist_core::path::ModulePath;
 use tch_dist_core::Shardable;
 
 use super::embedding::{ColwiseEmbedding, RowwiseEmbedding};
-use super::error::{ShardError, StyleProblem};
+use super::error::{ShardError, ShardProblem, StyleProblem};
 use super::plan::{PlanEntry, ShardingPlan};
 use super::prepare::{GatherInput, Prepare, ReshardOutput, Side};
 use super::sequence::{not_a_norm, SequenceParallelNorm};
@@ -381,10 +381,9 @@ pub fn parallelize_module<M: Shardable + ?Sized>(
     plan: &ParallelizePlan,
 ) -> Result<Arc<ShardState>, ShardError> {
     let rank = tch_dist_runtime::default_group().map_or(0, |g| g.rank());
-    let refuse = |fqn: &str, problem| ShardError::Parallelize {
-        rank,
-        fqn: fqn.to_string(),
-        problem,
+    let refuse = |fqn: &str, problem| {
+        let fqn = fqn.to_string();
+        ShardProblem::Parallelize { fqn, problem }.on(rank)
     };
     let [group] = mesh.get_all_groups()[..] else {
         return Err(refuse("", StyleProblem::MeshDims { ndim: mesh.ndim() }));

@@ -52,7 +52,7 @@ impl Redistribute {
 
     /// `x` in the new layout (`None`: unchanged).
     pub fn apply(self, x: &Tensor, g: &ProcessGroup) -> Result<Option<Tensor>, ForwardProblem> {
-        let collective = ForwardProblem::Collective;
+        let collective = ForwardProblem::collective;
         match self {
             Redistribute::Keep => Ok(None),
             Redistribute::Gather(dim) => {
@@ -102,7 +102,7 @@ pub(super) fn to_shard(
     dim: i64,
     g: &ProcessGroup,
 ) -> Result<Tensor, ForwardProblem> {
-    let collective = ForwardProblem::Collective;
+    let collective = ForwardProblem::collective;
     let OutputLayout::Partial { replicated } = layout else {
         let whole = materialize(out, layout, g)?.unwrap_or_else(|| out.shallow_clone());
         let (d, sizes) = even_pieces(&whole, dim, g.world_size())?;

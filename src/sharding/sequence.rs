@@ -23,7 +23,9 @@ use tch_dist_runtime::fsdp::tensor_identity;
 use tch_dist_runtime::sharding::GradientSum;
 use tch_dist_runtime::ProcessGroup;
 
-use super::error::{ForwardProblem, HookSite, ShardError, SharderError};
+use super::error::{
+    EngineFailure, EngineProblem, ForwardProblem, HookSite, ShardError, SharderError,
+};
 use super::sharder::{hook_error, ShardedModule, Sharder};
 
 /// PyTorch's `SequenceParallel` on a norm: the input is this rank's chunk along
@@ -101,11 +103,9 @@ impl Sharder for SequenceParallelNorm {
             let param_fqn = join_fqn(fqn, &name);
             let named = param_fqn.clone();
             let sum = GradientSum::new(group.clone(), move |e| {
-                crate::report(&ShardError::GradientSum {
-                    rank,
-                    param: named.clone(),
-                    source: e.clone(),
-                })
+                let (param, source) = (named.clone(), Box::new(e.clone()));
+                let problem = EngineProblem::GradientSum { param, source };
+                crate::report(&EngineFailure { rank, problem })
             });
             sum.register(param)
                 .map_err(|e| ShardError::dist(group, &param_fqn, e))?;

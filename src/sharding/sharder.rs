@@ -359,7 +359,7 @@ impl ChunkedLinear {
             hooks.push(
                 register_fallible_forward_pre_hook(module, move |_m, xs| {
                     functional::copy_to_ranks(xs, &g).map(Some).map_err(|e| {
-                        let problem = ForwardProblem::Collective(e);
+                        let problem = ForwardProblem::collective(e);
                         hook_error(&g, &name, HookSite::ColumnParallel, problem)
                     })
                 })
@@ -390,7 +390,7 @@ impl ChunkedLinear {
                     functional::split(xs, -1, &sizes, &g)
                         .map(Some)
                         .map_err(|e| {
-                            let problem = ForwardProblem::Collective(e);
+                            let problem = ForwardProblem::collective(e);
                             hook_error(&g, &name, HookSite::RowParallel, problem)
                         })
                 })

@@ -87,7 +87,8 @@ impl ShardState {
 
     /// Runs `f`, whose result may use the sharded modules' parameters directly, outside
     /// their modules' calls (a regularizer over this rank's shards): the uses that the tensor
-    /// `f` returns depends on pass the bypass check (see [`ShardError::HooksBypassed`]).
+    /// `f` returns depends on pass the bypass check (see
+    /// [`Composition::HooksBypassed`](crate::Composition::HooksBypassed)).
     ///
     /// ```no_run
     /// # fn f(state: &tch_dist::sharding::ShardState, w: &tch::Tensor) -> Result<(), tch_dist::sharding::ShardError> {

@@ -10,7 +10,7 @@ use tch_dist_core::sharding::ShardingSpec;
 use tch_dist_core::{ModuleKey, Shardable};
 use tch_dist_runtime::{ArgumentError, ProcessGroup};
 
-use super::error::{PlanProblem, ShardError};
+use super::error::{PlanProblem, ShardError, ShardProblem};
 use super::plan::{PlanEntry, ShardingPlan};
 use super::sharder::{sharder_for_weight_spec, ChunkedLinear, Sharder};
 
@@ -60,14 +60,12 @@ pub(super) fn validate<M: Shardable + ?Sized>(
     let world = group.world_size();
     let err = |fqn: &str, problem: PlanProblem| ShardError::plan(group, fqn, problem);
     if src_rank >= world {
-        return Err(ShardError::InvalidArgument {
-            rank: group.rank(),
-            problem: ArgumentError::RankNotInGroup {
-                what: "src_rank",
-                rank: src_rank,
-                world_size: world,
-            },
+        let problem = Box::new(ArgumentError::RankNotInGroup {
+            what: "src_rank",
+            rank: src_rank,
+            world_size: world,
         });
+        return Err(ShardProblem::InvalidArgument { problem }.on(group.rank()));
     }
     let modules: BTreeMap<String, &dyn Shardable> = module.named_modules().into_iter().collect();
     let params: BTreeMap<String, &Tensor> = module.named_parameters().into_iter().collect();

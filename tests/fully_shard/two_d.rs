@@ -351,7 +351,7 @@ fn fsdp_x_tp_refusals_on_every_rank_change_nothing() {
         4,
         |_pg: ProcessGroup| {
             use crate::unchanged::{unchanged, values};
-            use tch_dist::sharding::{PlanProblem, ShardError};
+            use tch_dist::sharding::{PlanProblem, ShardProblem};
             use tch_dist::Composition;
             let mesh = init_device_mesh("cpu", &[2, 2], &["dp", "tp"]).unwrap();
             let tp = mesh.dim("tp").unwrap();
@@ -391,7 +391,7 @@ fn fsdp_x_tp_refusals_on_every_rank_change_nothing() {
             let before = values(&vs);
             let err = parallelize_module(&mut m, &tp, &tp_plan()).unwrap_err();
             assert!(
-                matches!(&err, ShardError::Plan { fqn, problem: PlanProblem::AlreadyManaged { param, api }, .. }
+                matches!(err.problem(), Some(ShardProblem::Plan { fqn, problem: PlanProblem::AlreadyManaged { param, api } })
                     if fqn == "blocks.0.fc1" && param == "blocks.0.fc1.weight" && *api == "fully_shard"),
                 "{err}"
             );

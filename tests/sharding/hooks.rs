@@ -159,7 +159,10 @@ fn hooked_layers_used_without_their_hooks_fail_on_every_rank() {
             assert!(
                 matches!(
                     err.downcast_ref::<ShardError>(),
-                    Some(ShardError::HooksBypassed { rank, module, param })
+                    Some(ShardError::Composition(OnRank {
+                        rank,
+                        problem: Composition::HooksBypassed { module, param, .. },
+                    }))
                         if *rank == pg.rank() && module == "fc1" && param == "fc1.weight"
                 ),
                 "{err:?}"
@@ -394,7 +397,10 @@ fn bypassed_layers_fail_under_no_grad_on_every_rank() {
             let typed = |err: &tch_dist::ForwardError, layer: &str| {
                 matches!(
                     err.downcast_ref::<ShardError>(),
-                    Some(ShardError::HooksBypassed { rank, module, param })
+                    Some(ShardError::Composition(OnRank {
+                        rank,
+                        problem: Composition::HooksBypassed { module, param, .. },
+                    }))
                         if *rank == pg.rank() && module == layer
                             && *param == format!("{layer}.weight")
                 )

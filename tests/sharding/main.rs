@@ -20,11 +20,12 @@ use tch::{Device, Kind, Tensor};
 use tch_dist::hooks::num_forward_hooks;
 use tch_dist::sharding::{
     shard_module, shard_module_state, ChunkShardingSpec, ColwiseLinear, EnumerableShardingSpec,
-    ForwardProblem, HookSite, MegatronPlanner, Placement, PlanProblem, RowwiseLinear, ShardError,
-    ShardMetadata, ShardedTensor, ShardingPlan, ShardingPlanner, ShardingSpec,
+    ForwardProblem, HookSite, MegatronPlanner, OnHook, Placement, PlanProblem, RowwiseLinear,
+    ShardError, ShardMetadata, ShardProblem, ShardedTensor, ShardingPlan, ShardingPlanner,
+    ShardingSpec,
 };
 use tch_dist::testing::run_ranks;
-use tch_dist::{registry, replicate, Call, ProcessGroup, Shardable};
+use tch_dist::{registry, replicate, Call, Composition, OnRank, ProcessGroup, Shardable};
 
 mod hooks;
 mod plans;
@@ -158,7 +159,7 @@ fn sharded_mlp_matches_the_unsharded_model() {
         assert!(
             matches!(
                 err.downcast_ref::<ShardError>(),
-                Some(ShardError::Forward {
+                Some(ShardError::Forward(OnHook {
                     rank,
                     fqn,
                     site: HookSite::RowParallel,
@@ -167,7 +168,7 @@ fn sharded_mlp_matches_the_unsharded_model() {
                         local: 4,
                         width: 5
                     },
-                }) if *rank == pg.rank() && fqn == "fc2"
+                })) if *rank == pg.rank() && fqn == "fc2"
             ),
             "{err:?}"
         );

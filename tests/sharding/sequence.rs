@@ -356,14 +356,14 @@ fn sequence_parallel_refusals() {
         assert!(
             matches!(
                 err.downcast_ref::<ShardError>(),
-                Some(ShardError::Forward {
+                Some(ShardError::Forward(OnHook {
                     problem: ForwardProblem::NotDivisible {
                         len: 5,
                         dim: 1,
                         world: 2
                     },
                     ..
-                })
+                }))
             ),
             "{err:?}"
         );

@@ -2,7 +2,7 @@
 
 use super::*;
 use tch::Device;
-use tch_dist_core::sharding::ShardMetadata;
+use tch_dist_core::sharding::{Placement, ShardMetadata, ShardingError};
 
 fn cpu(rank: usize) -> Placement {
     Placement::new(rank, Device::Cpu)
@@ -87,16 +87,39 @@ fn forward_name(p: &ForwardProblem) -> &'static str {
 
 fn shard_name(e: &ShardError) -> &'static str {
     match e {
-        ShardError::Plan { .. } => "Plan",
-        ShardError::Parallelize { .. } => "Parallelize",
-        ShardError::InvalidArgument { .. } => "InvalidArgument",
-        ShardError::Dist { .. } => "Dist",
-        ShardError::Forward { .. } => "Forward",
-        ShardError::HooksBypassed { .. } => "HooksBypassed",
-        ShardError::GradientSum { .. } => "GradientSum",
+        ShardError::OnRank(e) => match e.problem {
+            ShardProblem::Plan { .. } => "Plan",
+            ShardProblem::Parallelize { .. } => "Parallelize",
+            ShardProblem::InvalidArgument { .. } => "InvalidArgument",
+        },
+        ShardError::Composition(e) => match e.problem {
+            Composition::HooksBypassed { .. } => "HooksBypassed",
+            _ => "another rule", // shard_module breaks no other
+        },
+        ShardError::Engine(e) => match e.problem {
+            EngineProblem::Sharding { .. } => "Dist",
+            EngineProblem::GradientSum { .. } => "GradientSum",
+        },
+        ShardError::Forward(_) => "Forward",
         ShardError::Contract(_) => "Contract",
         ShardError::Disagreement { .. } => "Disagreement",
     }
+}
+
+/// `fqn`'s plan `problem` on `rank`.
+fn plan(rank: usize, fqn: &str, problem: PlanProblem) -> ShardError {
+    let fqn = fqn.to_string();
+    ShardProblem::Plan { fqn, problem }.on(rank)
+}
+
+/// The engine's `source` on `rank`, sharding `fqn`.
+fn engine(rank: usize, fqn: &str, source: DistError) -> ShardError {
+    let fqn = fqn.to_string();
+    let problem = EngineProblem::Sharding {
+        fqn,
+        source: Box::new(source),
+    };
+    ShardError::Engine(EngineFailure { rank, problem })
 }
 
 /// Checks that `cases` pins every variant `name` knows of, each once, and its composed text
@@ -469,7 +492,7 @@ fn every_forward_problem_has_its_text() {
                 "the plan lays out 1 outputs, the call returned 2",
             ),
             (
-                ForwardProblem::Collective(dist()),
+                ForwardProblem::collective(dist()),
                 "rank 1: all_gather (differentiable) failed: rank 0 closed the connection",
             ),
         ],
@@ -513,57 +536,56 @@ fn every_forward_problem_has_its_text() {
 /// Each message names the rank, `shard_module` and the FQN once.
 #[test]
 fn every_shard_error_names_rank_op_and_fqn_once() {
-    let forward = |site, problem| ShardError::Forward {
-        rank: 1,
-        fqn: "fc2".into(),
-        site,
-        problem,
+    let forward = |site, problem| {
+        let fqn = "fc2".into();
+        ShardError::Forward(OnHook {
+            rank: 1,
+            site,
+            fqn,
+            problem,
+        })
     };
     pin(
         vec![
             (
-                ShardError::Plan {
-                    rank: 1,
-                    fqn: "fc3.weight".into(),
-                    problem: PlanProblem::NotAParameter,
-                },
+                plan(1, "fc3.weight", PlanProblem::NotAParameter),
                 "rank 1: shard_module: `fc3.weight`: is not a parameter of the model",
             ),
             (
-                ShardError::Parallelize {
-                    rank: 1,
+                ShardProblem::Parallelize {
                     fqn: "fc1".into(),
                     problem: StyleProblem::Layout {
                         style: "ColwiseParallel",
                         which: "output",
                         layout: crate::sharding::Layout::Shard(0),
                     },
-                },
+                }
+                .on(1),
                 "rank 1: parallelize_module: `fc1`: ColwiseParallel with output_layouts = \
                  Shard(0) is not supported (ColwiseParallel: input Replicate or, on a linear \
                  layer, Shard(d); output Shard(-1) or Replicate)",
             ),
             (
-                ShardError::InvalidArgument {
-                    rank: 1,
-                    problem: ArgumentError::RankNotInGroup {
+                ShardProblem::InvalidArgument {
+                    problem: Box::new(ArgumentError::RankNotInGroup {
                         what: "src_rank",
                         rank: 2,
                         world_size: 2,
-                    },
-                },
+                    }),
+                }
+                .on(1),
                 "rank 1: shard_module: src_rank 2 is not in a group of size 2",
             ),
             (
-                ShardError::Dist {
-                    rank: 1,
-                    fqn: "fc1.weight".into(),
-                    source: DistError::Collective {
+                engine(
+                    1,
+                    "fc1.weight",
+                    DistError::Collective {
                         rank: 1,
                         op: "scatter",
                         cause: "Connection reset".into(),
                     },
-                },
+                ),
                 // The DistError names the rank (once), after the context.
                 "shard_module: `fc1.weight`: rank 1: scatter failed: Connection reset",
             ),
@@ -580,11 +602,7 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
                  slice of 4), got 5",
             ),
             (
-                ShardError::HooksBypassed {
-                    rank: 1,
-                    module: "blocks.0.fc1".into(),
-                    param: "blocks.0.fc1.weight".into(),
-                },
+                ShardError::hooks_bypassed(1, "blocks.0.fc1", "blocks.0.fc1.weight"),
                 "rank 1: shard_module: parameter `blocks.0.fc1.weight` of `blocks.0.fc1` was \
                  used outside a call of the module through its forward hooks, where this \
                  rank's shard alone gives a wrong result; call the module as \
@@ -592,11 +610,13 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
                  deliberate direct use goes in ShardState::allow_direct_use)",
             ),
             (
-                ShardError::GradientSum {
+                ShardError::Engine(EngineFailure {
                     rank: 1,
-                    param: "norm.weight".into(),
-                    source: dist(),
-                },
+                    problem: EngineProblem::GradientSum {
+                        param: "norm.weight".into(),
+                        source: Box::new(dist()),
+                    },
+                }),
                 // The DistError names the rank (once), after the context.
                 "shard_module: sequence-parallel parameter `norm.weight`: summing its gradient \
                  over the tensor-parallel group failed: rank 1: all_gather (differentiable) \
@@ -639,14 +659,14 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
         ],
     );
     // The other shapes of the variants that carry a FQN or a DistError.
-    let root = ShardError::Plan {
-        rank: 0,
-        fqn: String::new(),
-        problem: PlanProblem::Sharder {
+    let root = plan(
+        0,
+        "",
+        PlanProblem::Sharder {
             sharder: "rowwise_linear".into(),
             source: SharderError::NoWeight { kind: "Mlp" },
         },
-    };
+    );
     assert_eq!(
         crate::report(&root),
         "rank 0: shard_module: the root module: rowwise_linear: this `Mlp` has no `weight` \
@@ -655,7 +675,7 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
     // Display names only the variant's own context; the problem is its source.
     assert_eq!(root.to_string(), "rank 0: shard_module: the root module");
     // A failed collective's DistError names the rank itself, so the hook's context does not.
-    let collective = forward(HookSite::Output, ForwardProblem::Collective(dist()));
+    let collective = forward(HookSite::Output, ForwardProblem::collective(dist()));
     assert_eq!(
         collective.to_string(),
         "shard_module: output of `fc2`: rank 1: all_gather (differentiable) failed: rank \
@@ -670,16 +690,12 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
         "shard_module: output of `fc2` on rank 1: output_plan's dim -3 is out of range for an \
          output of 2 dims"
     );
-    let column = forward(HookSite::ColumnParallel, ForwardProblem::Collective(dist()));
+    let column = forward(HookSite::ColumnParallel, ForwardProblem::collective(dist()));
     assert!(column
         .to_string()
         .starts_with("shard_module: column-parallel `fc2`: rank 1: all_gather"));
     // A DistError that names no rank (not from this group): the context names it.
-    let other = ShardError::Dist {
-        rank: 1,
-        fqn: "fc1".into(),
-        source: DistError::NotInitialized,
-    };
+    let other = engine(1, "fc1", DistError::NotInitialized);
     assert_eq!(
         crate::report(&other),
         "rank 1: shard_module: `fc1`: the default process group is not initialized; call \
@@ -688,18 +704,14 @@ fn every_shard_error_names_rank_op_and_fqn_once() {
     assert_eq!(other.to_string(), "rank 1: shard_module: `fc1`");
     let other_rank = forward(
         HookSite::RowParallel,
-        ForwardProblem::Collective(DistError::NotInitialized),
+        ForwardProblem::collective(DistError::NotInitialized),
     );
     assert_eq!(
         other_rank.to_string(),
         "shard_module: row-parallel `fc2` on rank 1: the default process group is not \
          initialized; call init_process_group first"
     );
-    let root_bypassed = ShardError::HooksBypassed {
-        rank: 0,
-        module: String::new(),
-        param: "weight".into(),
-    };
+    let root_bypassed = ShardError::hooks_bypassed(0, "", "weight");
     assert_eq!(
         root_bypassed.to_string(),
         "rank 0: shard_module: parameter `weight` of the root module was used outside a call \
@@ -743,26 +755,18 @@ fn displays_name_only_their_own_context() {
     };
     assert_eq!(layer.to_string(), "`fc1`");
     assert_eq!(crate::report(&layer), "`fc1`: fused must be at least 1");
-    let plan = ShardError::Plan {
-        rank: 0,
-        fqn: "fc1".into(),
-        problem: layer,
-    };
+    let plan = plan(0, "fc1", layer);
     assert_eq!(plan.to_string(), "rank 0: shard_module: `fc1`");
     assert_eq!(
         crate::report(&plan),
         "rank 0: shard_module: `fc1`: `fc1`: fused must be at least 1"
     );
-    let invalid = ShardError::InvalidArgument {
-        rank: 1,
-        problem: ArgumentError::SelfPeer,
-    };
+    let invalid = ShardProblem::InvalidArgument {
+        problem: Box::new(ArgumentError::SelfPeer),
+    }
+    .on(1);
     assert_eq!(invalid.to_string(), "rank 1: shard_module");
-    let dist = ShardError::Dist {
-        rank: 1,
-        fqn: "fc1.weight".into(),
-        source: dist(),
-    };
+    let dist = engine(1, "fc1.weight", dist());
     assert_eq!(dist.to_string(), "shard_module: `fc1.weight`");
 }
 

@@ -322,6 +322,25 @@ pub(crate) fn read_init_barrier(get: impl Fn(&str) -> Option<String>) -> Result<
     }
 }
 
+/// The variable that sets [`InitOptions::heartbeat_timeout`] (seconds).
+pub const HEARTBEAT_TIMEOUT_ENV: &str = "TCH_DIST_HEARTBEAT_TIMEOUT_SECS";
+
+/// A positive number of seconds from `var`, if it is set.
+fn read_seconds(var: &'static str) -> Result<Option<Duration>> {
+    let Ok(value) = std::env::var(var) else {
+        return Ok(None);
+    };
+    let secs = value
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0);
+    match secs {
+        Some(secs) => Ok(Some(Duration::from_secs_f64(secs))),
+        None => Err(EnvError::BadTimeout { var, value }.into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -345,24 +364,5 @@ mod tests {
                 value: "yes".into()
             })
         );
-    }
-}
-
-/// The variable that sets [`InitOptions::heartbeat_timeout`] (seconds).
-pub const HEARTBEAT_TIMEOUT_ENV: &str = "TCH_DIST_HEARTBEAT_TIMEOUT_SECS";
-
-/// A positive number of seconds from `var`, if it is set.
-fn read_seconds(var: &'static str) -> Result<Option<Duration>> {
-    let Ok(value) = std::env::var(var) else {
-        return Ok(None);
-    };
-    let secs = value
-        .trim()
-        .parse::<f64>()
-        .ok()
-        .filter(|s| s.is_finite() && *s > 0.0);
-    match secs {
-        Some(secs) => Ok(Some(Duration::from_secs_f64(secs))),
-        None => Err(EnvError::BadTimeout { var, value }.into()),
     }
 }
