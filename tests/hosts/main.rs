@@ -6,9 +6,11 @@
 //! | file | what it tests | PyTorch's counterpart |
 //! | --- | --- | --- |
 //! | `main.rs` | the jobs' plumbing; the interface Gloo binds found without `GLOO_SOCKET_IFNAME` | `test_c10d_gloo.py`'s `test_default_device` ... (none across real hosts) |
+//! | `restarts.rs` | `--rdzv-backend c10d` across hosts: every host restarted together (train_ddp resumes to an uninterrupted run's parameters), a killed or cut-off host left behind, a host out of restarts ending every host, each round's workers in a store of their own, the same command lines under torchrun | `test/distributed/elastic/rendezvous/dynamic_rendezvous_test.py`, `test/distributed/launcher/api_test.py` (one machine, no real hosts) |
 
 #[path = "../common/hosts.rs"]
 mod hosts;
+mod restarts;
 
 use std::process::Command;
 use std::time::Duration;
