@@ -13,8 +13,9 @@
 //! step trains, waited for once that step is done and at the end),
 //! with the SGD optimizer's momentum buffers and a train state (step, epoch, position in the
 //! epoch), keeping the last `--keep-last K` (3). Started again with `--resume`, or
-//! automatically when torchrun's `TORCHELASTIC_RESTART_COUNT` is above 0 (a restart under
-//! `--max-restarts`), it continues from the newest checkpoint that verifies
+//! automatically after a restart (torchrun's `TORCHELASTIC_RESTART_COUNT` above 0 on any
+//! rank, or tch-dist-run's `TCH_DIST_RDZV_ROUND`: common/resume.rs), it continues from the
+//! newest checkpoint that verifies
 //! (`checkpoint::latest_valid`: a damaged newer one is skipped, and said so): the same step,
 //! the same data order, the same optimizer state, so that a killed and restarted job ends
 //! where an uninterrupted one does. `--max-steps S` stops after S steps in all.
@@ -50,6 +51,9 @@ use digits::load_digits;
 
 #[path = "common/cli.rs"]
 mod cli;
+#[path = "common/resume.rs"]
+mod resume;
+use resume::Position;
 
 #[derive(Debug, Shardable)]
 struct Net {
@@ -147,41 +151,9 @@ fn backward_step(model: &Net, opt: &mut Optimizer, loss: &Tensor) -> Result<(), 
     Ok(())
 }
 
-/// torchrun's (and tch-dist-run's) restart count: 0 on the first start.
-pub fn restart_count() -> Result<u64, String> {
-    match std::env::var("TORCHELASTIC_RESTART_COUNT") {
-        Ok(v) => v
-            .parse()
-            .map_err(|_| format!("TORCHELASTIC_RESTART_COUNT={v:?} is not a count")),
-        Err(_) => Ok(0),
-    }
-}
-
-/// Where training continues: the global step, the epoch and the batches done in it.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct Position {
-    step: u64,
-    epoch: u64,
-    batch: u64,
-}
-
-impl Position {
-    fn to_json(self) -> serde_json::Value {
-        serde_json::json!({ "step": self.step, "epoch": self.epoch, "batch": self.batch })
-    }
-
-    fn from_json(v: &serde_json::Value) -> Result<Self, String> {
-        let field = |k: &str| {
-            v[k].as_u64()
-                .ok_or_else(|| format!("the train state has no `{k}` count: {v}"))
-        };
-        Ok(Position {
-            step: field("step")?,
-            epoch: field("epoch")?,
-            batch: field("batch")?,
-        })
-    }
-}
+/// The restart count and the round, for tests/resume/train_ddp_crash.rs (a test build of
+/// this example that crashes on the first start only).
+pub use resume::{rdzv_round, restart_count};
 
 fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
     let args = parse_args()?;
@@ -208,30 +180,15 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
         ..Default::default()
     }
     .build(&vs, args.lr)?;
-    // A restart under torchrun's --max-restarts resumes by itself; a fresh start only when
-    // asked.
-    let resume = args.resume || restart_count()? > 0;
     let mut start_at = Position::default();
     match &args.checkpoint_dir {
-        Some(dir) if resume => {
+        // A restart under --max-restarts resumes by itself (every rank alike: see
+        // common/resume.rs); a fresh start only when asked.
+        Some(dir) if resume::should_resume(&pg, args.resume)? => {
             // Every rank sees the same folder: nothing writes there while the ranks start.
             // A damaged newest checkpoint (a changed byte, a missing file) is skipped for the
             // newest one that verifies on every rank.
-            let found = dcp::latest_valid(dir, &pg)?;
-            if rank == 0 {
-                for s in &found.skipped {
-                    println!("skipped {}: {}", s.dir.display(), s.reason);
-                }
-            }
-            if found.dir.is_none() && !found.skipped.is_empty() {
-                return Err(format!(
-                    "no checkpoint in {} verifies ({} skipped)",
-                    dir.display(),
-                    found.skipped.len()
-                )
-                .into());
-            }
-            if let Some(last) = found.dir {
+            if let Some(last) = resume::newest_valid(dir, &pg)? {
                 let mut state = State::new(&model).with_optimizer(&mut opt);
                 dcp::load(&last, &mut state, &pg, &LoadOptions::default())?;
                 let train_state = state
@@ -321,19 +278,7 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
                 &args.checkpoint_dir,
                 args.checkpoint_every > 0 && global % args.checkpoint_every == 0,
             ) {
-                let next = if step + 1 == steps_per_epoch {
-                    Position {
-                        step: global,
-                        epoch: epoch + 1,
-                        batch: 0,
-                    }
-                } else {
-                    Position {
-                        step: global,
-                        epoch,
-                        batch: step as u64 + 1,
-                    }
-                };
+                let next = Position::after(global, epoch, step as u64, steps_per_epoch as u64);
                 let opts = SaveOptions {
                     keep_last: Some(args.keep_last),
                 };

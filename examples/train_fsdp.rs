@@ -12,10 +12,14 @@
 //! gathered one by one), and rank 0 prints `test_accuracy=0.xx`.
 //!
 //! With `--checkpoint-dir DIR --checkpoint-every N` it writes a distributed checkpoint of
-//! the model every N steps into `DIR/step-00000010`, ... (each rank its shards, with a train
-//! state `{"step", "epoch"}`; the last 3 kept) by `checkpoint::async_save`: staged to
-//! host memory, written while the next step trains, waited for once that step is done and
-//! at the end.
+//! the model and its AdamW state (`tch_dist::optim::AdamW`, torch.optim's) every N steps
+//! into `DIR/step-00000010`, ... (each rank its shards, with a train state `{"step",
+//! "epoch", "batch"}`; the last 3 kept) by `checkpoint::async_save`: staged to host memory,
+//! written while the next step trains, waited for once that step is done and at the end.
+//! Started again with `--resume`, or automatically after a restart (torchrun's or
+//! tch-dist-run's, on any host: common/resume.rs), it continues from the newest checkpoint
+//! that verifies, at the same step and data position with the same optimizer state.
+//! `--max-steps S` stops after S steps in all.
 //!
 //! With `--activation-checkpointing` each block is checkpointed before it is sharded
 //! (`checkpoint_activations`): its forward keeps only its input, and backward runs it again.
@@ -33,7 +37,7 @@
 //!
 //! ```text
 //! target/release/tch-dist-run --nproc-per-node 2 -- target/release/examples/train_fsdp [--epochs N] [--batch-size N] [--lr LR] \
-//!     [--checkpoint-dir DIR --checkpoint-every N] [--activation-checkpointing] [--pp N]
+//!     [--checkpoint-dir DIR --checkpoint-every N [--resume]] [--max-steps S] [--activation-checkpointing] [--pp N]
 //! target/release/examples/train_fsdp --verify DIR/step-00000010   # checks every byte, one process
 //! ```
 //!
@@ -45,12 +49,13 @@ use std::error::Error;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use tch::nn::{self, Module, OptimizerConfig};
+use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tch_dist::checkpoint;
-use tch_dist::checkpoint::{SaveOptions, State};
+use tch_dist::checkpoint::{LoadOptions, SaveOptions, State};
 use tch_dist::data::{DistributedSampler, SamplerOptions};
 use tch_dist::device_mesh::init_device_mesh;
+use tch_dist::optim::{self, Optimizer};
 use tch_dist::pipelining::{PipelineStage, Schedule1F1B};
 use tch_dist::{
     fully_shard, init_process_group, Backend, Call, FsdpOptions, ProcessGroup, ReduceOp, Shardable,
@@ -68,8 +73,11 @@ mod cli;
 mod memory;
 #[path = "common/progress.rs"]
 mod progress;
+#[path = "common/resume.rs"]
+mod resume;
 use attention_block::Block;
 use memory::{malloc_in_use, rss_mib};
+use resume::Position;
 
 /// Tokens per image (its rows), pixels per token, model width, heads, blocks.
 const SEQ: i64 = 8;
@@ -170,7 +178,7 @@ impl Trainer {
     /// `kept_max`: the most a forward of the whole model left allocated for its backward.
     fn step(
         &mut self,
-        opt: &mut nn::Optimizer,
+        opt: &mut Optimizer,
         inputs: &Tensor,
         targets: &Tensor,
         kept_max: &mut f64,
@@ -196,7 +204,7 @@ impl Trainer {
                     last.then_some(targets),
                     &mut losses,
                 )?;
-                opt.step();
+                opt.step()?;
                 let n = losses.len() as f64;
                 Ok((!losses.is_empty())
                     .then(|| losses.iter().map(|l| l.double_value(&[])).sum::<f64>() / n))
@@ -240,6 +248,10 @@ struct Args {
     checkpoint_dir: Option<PathBuf>,
     verify: Option<PathBuf>,
     checkpoint_every: u64,
+    /// Continue from the newest checkpoint in `checkpoint_dir` (also after a restart).
+    resume: bool,
+    /// Stop after this many steps in all.
+    max_steps: Option<u64>,
     /// `checkpoint_activations` on each block before fully_shard (torchtitan's order).
     activation_checkpointing: bool,
     /// Pipeline stages (1: no pipeline).
@@ -255,6 +267,8 @@ fn parse_args() -> Result<Args, String> {
         checkpoint_dir: None,
         verify: None,
         checkpoint_every: 0,
+        resume: false,
+        max_steps: None,
         activation_checkpointing: false,
         pp: 1,
     };
@@ -268,6 +282,8 @@ fn parse_args() -> Result<Args, String> {
             "--checkpoint-dir" => a.checkpoint_dir = Some(flags.value(&flag)?.into()),
             "--verify" => a.verify = Some(flags.value(&flag)?.into()),
             "--checkpoint-every" => a.checkpoint_every = flags.parsed(&flag)?,
+            "--resume" => a.resume = true,
+            "--max-steps" => a.max_steps = Some(flags.parsed(&flag)?),
             "--activation-checkpointing" => a.activation_checkpointing = true,
             "--pp" => a.pp = flags.parsed(&flag)?,
             other => return Err(cli::unknown(other)),
@@ -275,6 +291,9 @@ fn parse_args() -> Result<Args, String> {
     }
     if a.checkpoint_every > 0 && a.checkpoint_dir.is_none() {
         return Err("--checkpoint-every needs --checkpoint-dir".into());
+    }
+    if a.resume && a.checkpoint_dir.is_none() {
+        return Err("--resume needs --checkpoint-dir".into());
     }
     if a.batch <= 0 {
         return Err("--batch-size must be positive".into());
@@ -288,14 +307,25 @@ fn parse_args() -> Result<Args, String> {
 }
 
 fn main() {
-    cli::main_with(run);
+    train_main(|_step| {});
+}
+
+/// The restart count and the round, for tests/resume/train_fsdp_crash.rs (a test build of
+/// this example that crashes on the first start only).
+pub use resume::{rdzv_round, restart_count};
+
+/// The program, calling `after_step(step)` after each optimizer step, before any checkpoint
+/// of it (tests/resume/train_fsdp_crash.rs, a test build of this example, crashes a rank
+/// there).
+pub fn train_main(after_step: impl FnMut(u64)) {
+    cli::main_with(|| run(after_step));
 }
 
 /// `opt.backward_step(&loss)` with failures as values: a collective that failed during
 /// backward (a dead peer) is fully_shard's typed error, naming the module.
 fn backward_step<M: tch_dist::Shardable>(
     model: &M,
-    opt: &mut nn::Optimizer,
+    opt: &mut Optimizer,
     loss: &Tensor,
 ) -> Result<(), Box<dyn Error>> {
     opt.zero_grad();
@@ -306,11 +336,11 @@ fn backward_step<M: tch_dist::Shardable>(
             None => text.into(),
         });
     }
-    opt.step();
+    opt.step()?;
     Ok(())
 }
 
-fn run() -> Result<(), Box<dyn Error>> {
+fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
     let args = parse_args()?;
     // `--verify DIR` checks a checkpoint and ends: one process, no group.
     if let Some(dir) = &args.verify {
@@ -379,8 +409,9 @@ fn run() -> Result<(), Box<dyn Error>> {
     }
     let root = fully_shard(&model, over_dp())?;
     let local_params = count(&vs);
-    // Built after fully_shard: the optimizer sees (and keeps state for) the shards only.
-    let mut opt = nn::AdamW::default().build(&vs, args.lr)?;
+    // Built after fully_shard: the optimizer sees (and keeps state for) the shards only;
+    // tch-dist's AdamW (torch.optim.AdamW's settings), whose state a checkpoint saves.
+    let mut opt = optim::AdamW::default().build(&vs, args.lr)?;
     let mut trainer = match pp_group {
         Some(pp_group) => {
             let part = PipelineStage::with_forward(
@@ -407,6 +438,26 @@ fn run() -> Result<(), Box<dyn Error>> {
         }
         None => Trainer::Whole(model),
     };
+
+    // With --resume, or after a restart (every rank alike: common/resume.rs), from the
+    // newest checkpoint that verifies: each rank's shards of the model and of AdamW's state,
+    // and where the loop was.
+    let mut start_at = Position::default();
+    if let Some(dir) = &args.checkpoint_dir {
+        if resume::should_resume(&pg, args.resume)? {
+            if let Some(last) = resume::newest_valid(dir, &pg)? {
+                let mut state = State::new(trainer.model()).with_optimizer(&mut opt);
+                checkpoint::load(&last, &mut state, &pg, &LoadOptions::default())?;
+                let train_state = state
+                    .train_state()
+                    .ok_or_else(|| format!("{}: no train state", last.display()))?;
+                start_at = Position::from_json(train_state)?;
+                if rank == 0 {
+                    println!("resumed from {} at step {}", last.display(), start_at.step);
+                }
+            }
+        }
+    }
 
     let mut sampler = DistributedSampler::new(
         n_train as usize,
@@ -436,8 +487,12 @@ fn run() -> Result<(), Box<dyn Error>> {
         )
         .into());
     }
-    let total = steps_per_epoch as u64 * args.epochs as u64;
+    let total =
+        (steps_per_epoch as u64 * args.epochs as u64).min(args.max_steps.unwrap_or(u64::MAX));
     let bar = (rank == 0).then(|| progress::progress_bar(total, String::new()));
+    if let Some(b) = &bar {
+        b.set_position(start_at.step);
+    }
     if rank == 0 {
         println!(
             "training on {world} ranks: {n_train} samples, {steps_per_epoch} steps per epoch, {} \
@@ -456,13 +511,23 @@ fn run() -> Result<(), Box<dyn Error>> {
     // The most any forward left allocated for its backward (the activations kept).
     let mut kept_max = 0f64;
     let mut seen = 0i64;
-    let mut global = 0u64;
+    let mut global = start_at.step;
     // The checkpoint being written in the background, if any.
     let mut pending: Option<checkpoint::AsyncSave> = None;
-    for epoch in 0..args.epochs {
-        sampler.set_epoch(epoch as u64);
+    'epochs: for epoch in start_at.epoch..args.epochs as u64 {
+        sampler.set_epoch(epoch);
         let order = Tensor::from_slice(&sampler.indices()?);
-        for step in 0..steps_per_epoch {
+        // A resumed epoch skips the batches done before the checkpoint: the same data order
+        // as an uninterrupted run.
+        let first = if epoch == start_at.epoch {
+            start_at.batch as i64
+        } else {
+            0
+        };
+        for step in first..steps_per_epoch {
+            if global >= total {
+                break 'epochs;
+            }
             let lo = step * per;
             let mine = order.narrow(0, lo, per.min(sampler.len() as i64 - lo));
             let len = mine.size()[0] * dp_size;
@@ -477,6 +542,7 @@ fn run() -> Result<(), Box<dyn Error>> {
             }
             global += 1;
             seen += len;
+            after_step(global);
             if let (Some(dir), true) = (
                 &args.checkpoint_dir,
                 args.checkpoint_every > 0 && global.is_multiple_of(args.checkpoint_every),
@@ -485,9 +551,12 @@ fn run() -> Result<(), Box<dyn Error>> {
                 // step trains.
                 let opts = SaveOptions { keep_last: Some(3) };
                 let dir = dir.join(format!("step-{global:08}"));
-                // Over every rank: a pipeline's stages each save their part.
+                // Over every rank: a pipeline's stages each save their part, with their
+                // AdamW state and where the next step starts.
+                let next = Position::after(global, epoch, step as u64, steps_per_epoch as u64);
                 let state = State::new(trainer.model())
-                    .with_train_state(serde_json::json!({ "step": global, "epoch": epoch }));
+                    .with_optimizer(&mut opt)
+                    .with_train_state(next.to_json());
                 pending = Some(checkpoint::async_save(dir, &state, &pg, &opts)?);
             }
             if let Some(b) = &bar {

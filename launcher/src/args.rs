@@ -1,6 +1,7 @@
 //! The command line, and how many ranks this machine lets the launcher start.
 
-pub const USAGE: &str = "usage: tch-dist-run --nproc-per-node N [--nnodes K --node-rank R] [--master-addr ADDR] [--master-port PORT] [--max-restarts M] [--rdzv-id ID] -- CMD [ARGS...]";
+pub const USAGE: &str = "usage: tch-dist-run --nproc-per-node N [--nnodes K --node-rank R] [--master-addr ADDR] [--master-port PORT] [--max-restarts M] [--rdzv-id ID] -- CMD [ARGS...]
+       tch-dist-run --nproc-per-node N --nnodes MIN[:MAX] --rdzv-backend c10d --rdzv-endpoint HOST[:PORT] [--rdzv-conf K=V,...] [--local-addr ADDR] [--max-restarts M] [--rdzv-id ID] -- CMD [ARGS...]";
 
 pub const HELP: &str = "\
 Starts N ranks of CMD with torchrun's variables and prefixes their output with [rankR]: .
@@ -16,11 +17,41 @@ successfully.
 --max-restarts M: after a rank fails, all ranks are stopped and started again, up to M times
 (TORCHELASTIC_RESTART_COUNT tells them which start they are). --nnodes K --node-rank R: this
 launcher starts ranks R*N .. R*N+N-1 of K*N, with the same --master-addr and --master-port
-(required) on every node. --rdzv-id ID: the run id (default: TORCHELASTIC_RUN_ID, else a new
-one; with K > 1, one derived from the master's address and port, the same on every node).";
+(required) on every node (the static rendezvous: no restarts with K > 1). --rdzv-id ID: the
+run id (default: TORCHELASTIC_RUN_ID, else a new one; with K > 1, one derived from the
+master's address and port, the same on every node).
+
+Restarts across hosts (--rdzv-backend c10d, torchrun's dynamic rendezvous, between
+tch-dist-run launchers only: torchrun's own launchers keep its state as a Python pickle):
+run the same command on every host. The launchers meet in rounds at --rdzv-endpoint
+HOST[:PORT] (port 29400 by default), which the launcher on that host serves on that address
+alone (one whose interface has the address, first to bind it; --rdzv-conf is_host=1 or 0
+decides instead). A round completes at MAX nodes, or MIN..MAX once a last call passes after
+MIN came; nodes are ranked by address (then pid), their ranks contiguous: GROUP_RANK,
+GROUP_WORLD_SIZE, RANK = the ranks of earlier nodes + LOCAL_RANK, WORLD_SIZE, ROLE_RANK,
+ROLE_WORLD_SIZE, MASTER_ADDR (node 0's address towards the endpoint, or its --local-addr),
+MASTER_PORT (a fresh free port of node 0's each round, so that each round's ranks meet in
+a store of their own), TORCHELASTIC_RESTART_COUNT (this node's own restarts),
+TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID (--rdzv-id, else the launcher's own
+TORCHELASTIC_RUN_ID, else tch-dist-run-HOST:PORT), and TCH_DIST_RDZV_ROUND (the round, the same on every node: key
+per-attempt state on it, not on the restart count). When a rank fails, its node stops its
+ranks, spends one of its own --max-restarts and joins the next round; the other nodes see it
+waiting and restart theirs without spending any. A node silent for keep_alive_interval x
+keep_alive_max_attempt (5 s x 3) is dropped and the others meet again without it; a node
+may join later (up to MAX), which restarts the others too. A node out of restarts closes the
+rendezvous: every launcher stops its ranks and exits non-zero, naming that node. A node
+whose ranks all succeed closes it too (nobody restarts any more). --node-rank,
+--master-addr and --master-port are not used. --rdzv-conf takes torchrun's keys, times in
+seconds: join_timeout=600, last_call_timeout=30, close_timeout=30 (how long the host stays
+for the others to hear of a closure), heartbeat=5 (one request), keep_alive_interval=5,
+keep_alive_max_attempt=3, is_host; others (read_timeout, use_libuv) are taken and unused.
+The rendezvous, like PyTorch's TCPStore, is unauthenticated: trusted networks only.";
 
 /// The parsed command line.
 pub struct Args {
+    /// `--rdzv-backend c10d`: the dynamic rendezvous' settings (then `nnodes`, `node_rank`,
+    /// `master_addr` and `master_port` are not used).
+    pub rdzv: Option<crate::rendezvous::Config>,
     pub nproc: usize,
     pub nnodes: usize,
     pub node_rank: usize,
@@ -36,7 +67,9 @@ pub fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String
     let mut nproc = None;
     let mut master_addr = "127.0.0.1".to_string();
     let mut master_port = None;
-    let (mut nnodes, mut node_rank, mut max_restarts, mut rdzv_id) = (1, 0, 0, None);
+    let (mut nnodes, mut node_rank, mut max_restarts, mut rdzv_id) = ((1, 1), 0, 0, None);
+    let (mut backend, mut endpoint, mut local_addr) = (None::<String>, None::<String>, None);
+    let mut conf = Vec::new();
     let mut cmd = Vec::new();
     while let Some(a) = args.next() {
         let (flag, inline) = match a.split_once('=') {
@@ -66,16 +99,26 @@ pub fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String
                     Some(p.ok_or_else(|| format!("--master-port {v:?} is not a port number"))?);
             }
             "--nnodes" => {
-                // torchrun's MIN:MAX form, with MIN = MAX (no elastic membership here).
+                // torchrun's N or MIN:MAX (an elastic range needs --rdzv-backend c10d).
                 let v = value("--nnodes")?;
-                let n = match v.split_once(':') {
-                    Some((lo, hi)) if lo == hi => lo.parse::<usize>().ok(),
-                    Some(_) => None,
-                    None => v.parse::<usize>().ok(),
+                let n = |s: &str| s.parse::<usize>().ok().filter(|n| *n > 0);
+                let parsed = match v.split_once(':') {
+                    Some((lo, hi)) => n(lo).zip(n(hi)).filter(|(lo, hi)| lo <= hi),
+                    None => n(&v).map(|n| (n, n)),
                 };
-                nnodes = n.filter(|n| *n > 0).ok_or_else(|| {
-                    format!("--nnodes {v:?} is not a positive integer (or N:N; elastic ranges are not supported)")
+                nnodes = parsed.ok_or_else(|| {
+                    format!("--nnodes {v:?} is not a positive integer or MIN:MAX with MIN <= MAX")
                 })?;
+            }
+            "--rdzv-backend" | "--rdzv_backend" => backend = Some(value("--rdzv-backend")?),
+            "--rdzv-endpoint" | "--rdzv_endpoint" => endpoint = Some(value("--rdzv-endpoint")?),
+            "--rdzv-conf" | "--rdzv_conf" => conf.push(value("--rdzv-conf")?),
+            "--local-addr" | "--local_addr" => {
+                let v = value("--local-addr")?;
+                if v.is_empty() || v.len() > 255 || v.chars().any(|c| c.is_whitespace()) {
+                    return Err(format!("--local-addr {v:?} is not an address"));
+                }
+                local_addr = Some(v);
             }
             "--node-rank" | "--node_rank" => {
                 let v = value("--node-rank")?;
@@ -113,27 +156,71 @@ pub fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String
     if cmd.is_empty() {
         return Err("no command given after --".into());
     }
-    if node_rank >= nnodes {
+    let (min_nodes, max_nodes) = nnodes;
+    if max_nodes.checked_mul(nproc).is_none() {
         return Err(format!(
-            "--node-rank {node_rank} is not below --nnodes {nnodes}"
+            "--nnodes {max_nodes} times --nproc-per-node {nproc} is not a world size"
         ));
     }
-    if nnodes.checked_mul(nproc).is_none() {
-        return Err(format!(
-            "--nnodes {nnodes} times --nproc-per-node {nproc} is not a world size"
-        ));
-    }
-    if nnodes > 1 && master_port.is_none() {
-        return Err("--nnodes above 1 needs --master-port (the same on every node)".into());
-    }
-    if nnodes > 1 && max_restarts > 0 {
-        // Restarting one node's ranks alone cannot meet the other nodes' running ranks:
-        // that takes torchrun's elastic agents.
-        return Err("--max-restarts with --nnodes above 1 is not supported (use torchrun)".into());
+    let rdzv = match backend.as_deref().unwrap_or("static") {
+        "static" => {
+            for (given, flag) in [
+                (endpoint.is_some(), "--rdzv-endpoint"),
+                (!conf.is_empty(), "--rdzv-conf"),
+                (local_addr.is_some(), "--local-addr"),
+            ] {
+                if given {
+                    return Err(format!("{flag} needs --rdzv-backend c10d"));
+                }
+            }
+            None
+        }
+        "c10d" => {
+            let endpoint = endpoint.ok_or(
+                "--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT] (the same on every node)",
+            )?;
+            let mut config = crate::rendezvous::Config::new(&endpoint, min_nodes, max_nodes)?;
+            for c in &conf {
+                config.apply_conf(c)?;
+            }
+            config.local_addr = local_addr;
+            Some(config)
+        }
+        other => {
+            return Err(format!(
+                "--rdzv-backend {other:?} is not supported (static or c10d; etcd is torchrun's)"
+            ))
+        }
+    };
+    if rdzv.is_none() {
+        if min_nodes != max_nodes {
+            return Err(format!(
+                "--nnodes {min_nodes}:{max_nodes} is an elastic range, which needs --rdzv-backend \
+                 c10d --rdzv-endpoint HOST:PORT"
+            ));
+        }
+        if node_rank >= max_nodes {
+            return Err(format!(
+                "--node-rank {node_rank} is not below --nnodes {max_nodes}"
+            ));
+        }
+        if max_nodes > 1 && master_port.is_none() {
+            return Err("--nnodes above 1 needs --master-port (the same on every node)".into());
+        }
+        if max_nodes > 1 && max_restarts > 0 {
+            // Restarting one node's ranks alone cannot meet the other nodes' running ranks:
+            // the nodes must meet again, in rounds.
+            return Err(
+                "--max-restarts with --nnodes above 1 needs the dynamic rendezvous: \
+                        --rdzv-backend c10d --rdzv-endpoint HOST:PORT"
+                    .into(),
+            );
+        }
     }
     Ok(Args {
+        rdzv,
         nproc,
-        nnodes,
+        nnodes: max_nodes,
         node_rank,
         master_addr,
         master_port,

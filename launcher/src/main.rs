@@ -4,11 +4,14 @@
 //! tch-dist-run --nproc-per-node N [--master-addr A] [--master-port P] -- CMD ARGS...
 //! tch-dist-run --nproc-per-node N --max-restarts M -- CMD ARGS...
 //! tch-dist-run --nnodes K --node-rank R --nproc-per-node N --master-addr A --master-port P -- CMD ARGS...
+//! tch-dist-run --nnodes MIN:MAX --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint H:P --max-restarts M -- CMD ARGS...
 //! ```
 //!
 //! `--max-restarts M` starts every rank again after a failure, up to M times
 //! (TORCHELASTIC_RESTART_COUNT says which start it is); `--nnodes`/`--node-rank` make this
-//! launcher one node of a static multi-node job (global ranks `R*N ..`).
+//! launcher one node of a static multi-node job (global ranks `R*N ..`). With
+//! `--rdzv-backend c10d` the launchers of several hosts meet in rounds instead, and restart
+//! every host's ranks together (`rendezvous/`).
 //!
 //! Starts N copies of CMD with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
 //! LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID), prefixes each line they
@@ -71,6 +74,7 @@
 
 mod args;
 mod output;
+mod rendezvous;
 mod store;
 mod supervise;
 
@@ -130,6 +134,22 @@ fn run(args: Args) -> Result<i32, String> {
     // SAFETY: prctl(2) on the launcher itself.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let output = Output::start()?;
+    if let Some(rdzv) = &args.rdzv {
+        // The dynamic rendezvous: each round says where this node's ranks are.
+        let run_id = args
+            .rdzv_id
+            .clone()
+            .or_else(|| std::env::var("TORCHELASTIC_RUN_ID").ok())
+            .filter(|id| !id.trim().is_empty())
+            .unwrap_or_else(|| format!("tch-dist-run-{}", rdzv.endpoint));
+        return rendezvous::run_node(
+            rdzv,
+            &run_id,
+            args.nproc,
+            args.max_restarts,
+            |start, interrupt| start_and_supervise(&args, &output, start, interrupt),
+        );
+    }
     let mut port = match args.master_port {
         Some(p) => p,
         None => free_port(&args.master_addr)?,
@@ -137,7 +157,19 @@ fn run(args: Args) -> Result<i32, String> {
     let run_id = run_id(&args, port);
     let mut restart = 0;
     loop {
-        let (code, rank_failed) = start_and_supervise(&args, &output, port, &run_id, restart)?;
+        let start = Start {
+            rank_base: args.node_rank * args.nproc,
+            world_size: args.nnodes * args.nproc,
+            group_rank: args.node_rank,
+            group_world_size: args.nnodes,
+            master_addr: args.master_addr.clone(),
+            master_port: port,
+            run_id: run_id.clone(),
+            restart,
+            max_restarts: args.max_restarts,
+            round: None,
+        };
+        let (code, rank_failed) = start_and_supervise(&args, &output, &start, &mut || false)?;
         if !rank_failed || restart >= args.max_restarts || first_signal().is_some() {
             return Ok(code);
         }
@@ -153,22 +185,45 @@ fn run(args: Args) -> Result<i32, String> {
     }
 }
 
-/// The command that starts local rank `local`, with torchrun's variables.
-fn rank_command(args: &Args, local: usize, port: u16, run_id: &str, restart: u32) -> Command {
+/// One start of this node's ranks: where they sit in the world, where they meet, and which
+/// start it is.
+pub struct Start {
+    /// The global rank of local rank 0 (ranks are contiguous per node).
+    pub rank_base: usize,
+    pub world_size: usize,
+    /// GROUP_RANK: this node's index among the nodes.
+    pub group_rank: usize,
+    pub group_world_size: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub run_id: String,
+    /// TORCHELASTIC_RESTART_COUNT: this node's restarts so far.
+    pub restart: u32,
+    pub max_restarts: u32,
+    /// The dynamic rendezvous' round (TCH_DIST_RDZV_ROUND), which every node agrees on.
+    pub round: Option<u64>,
+}
+
+/// The command that starts local rank `local` of `start`, with torchrun's variables.
+fn rank_command(args: &Args, local: usize, start: &Start) -> Command {
     let launcher = std::process::id() as libc::pid_t;
-    let rank = args.node_rank * args.nproc + local;
+    let rank = start.rank_base + local;
     let mut cmd = Command::new(&args.cmd[0]);
     cmd.args(&args.cmd[1..])
         .env("RANK", rank.to_string())
         .env("LOCAL_RANK", local.to_string())
-        .env("GROUP_RANK", args.node_rank.to_string())
-        .env("WORLD_SIZE", (args.nnodes * args.nproc).to_string())
+        .env("GROUP_RANK", start.group_rank.to_string())
+        // One role: a role's ranks are the world's.
+        .env("ROLE_RANK", rank.to_string())
+        .env("WORLD_SIZE", start.world_size.to_string())
+        .env("ROLE_WORLD_SIZE", start.world_size.to_string())
+        .env("GROUP_WORLD_SIZE", start.group_world_size.to_string())
         .env("LOCAL_WORLD_SIZE", args.nproc.to_string())
-        .env("MASTER_ADDR", &args.master_addr)
-        .env("MASTER_PORT", port.to_string())
-        .env("TORCHELASTIC_RUN_ID", run_id)
-        .env("TORCHELASTIC_RESTART_COUNT", restart.to_string())
-        .env("TORCHELASTIC_MAX_RESTARTS", args.max_restarts.to_string())
+        .env("MASTER_ADDR", &start.master_addr)
+        .env("MASTER_PORT", start.master_port.to_string())
+        .env("TORCHELASTIC_RUN_ID", &start.run_id)
+        .env("TORCHELASTIC_RESTART_COUNT", start.restart.to_string())
+        .env("TORCHELASTIC_MAX_RESTARTS", start.max_restarts.to_string())
         // Rank 0 hosts this launcher's store: no agent store here, even when the launcher
         // itself runs under torchrun.
         .env_remove("TORCHELASTIC_USE_AGENT_STORE")
@@ -178,6 +233,10 @@ fn rank_command(args: &Args, local: usize, port: u16, run_id: &str, restart: u32
         // A group of its own, led by the rank's first process (set before exec, so it
         // is in place when spawn returns).
         .process_group(0);
+    match start.round {
+        Some(round) => cmd.env("TCH_DIST_RDZV_ROUND", round.to_string()),
+        None => cmd.env_remove("TCH_DIST_RDZV_ROUND"),
+    };
     // SAFETY: prctl(2) and getppid(2) in the forked child before exec; both are
     // async-signal-safe, and the error is built without allocating.
     unsafe {
@@ -196,15 +255,20 @@ fn rank_command(args: &Args, local: usize, port: u16, run_id: &str, restart: u32
 /// One start of every rank of this node, supervised until it ends: the exit status and
 /// whether a rank's failure ended it. Ranks already started are watched between two starts,
 /// so a failure (or a signal) stops the start at once rather than after the last rank.
+/// `interrupt` is asked on every tick while the ranks run; when it says so, they are stopped
+/// (not a failure: the dynamic rendezvous calls a round off).
 fn start_and_supervise(
     args: &Args,
     output: &Output,
-    port: u16,
-    run_id: &str,
-    restart: u32,
+    start: &Start,
+    interrupt: &mut dyn FnMut() -> bool,
 ) -> Result<(i32, bool), String> {
-    let rank_of = |local: usize| args.node_rank * args.nproc + local;
-    let mut ranks = Supervisor::new(ExitReporter::new(&args.master_addr, port, run_id));
+    let rank_of = |local: usize| start.rank_base + local;
+    let mut ranks = Supervisor::new(ExitReporter::new(
+        &start.master_addr,
+        start.master_port,
+        &start.run_id,
+    ));
     let mut start_error = None;
     for local in 0..args.nproc {
         if ranks.observe(false, rank_of) {
@@ -215,7 +279,7 @@ fn start_and_supervise(
             break;
         }
         let rank = rank_of(local);
-        let started = rank_command(args, local, port, run_id, restart)
+        let started = rank_command(args, local, start)
             .spawn()
             .map_err(|e| format!("cannot start {:?}: {e}", args.cmd[0]))
             .and_then(|mut child| {
@@ -233,7 +297,7 @@ fn start_and_supervise(
             break;
         }
     }
-    let (code, rank_failed) = ranks.run(rank_of);
+    let (code, rank_failed) = ranks.run(rank_of, interrupt);
     // The ranks' processes are gone: copy what is still in their pipes, for a bounded time
     // (a process out of reach holding a pipe open would keep its end of file away forever).
     output.drain(DRAIN, TICK);

@@ -336,7 +336,7 @@ fn push_bytes(request: &mut Vec<u8>, bytes: &[u8]) {
 /// ranks' client does) on a thread of its own, since the lookup itself cannot be given a
 /// timeout: one that hangs (a DNS server that does not answer) is left behind, and the
 /// report fails at the deadline.
-fn resolve(addr: &str, port: u16, deadline: Instant) -> io::Result<Vec<SocketAddr>> {
+pub(crate) fn resolve(addr: &str, port: u16, deadline: Instant) -> io::Result<Vec<SocketAddr>> {
     if let Ok(ip) = addr.parse::<IpAddr>() {
         return Ok(vec![SocketAddr::new(ip, port)]);
     }

@@ -257,12 +257,18 @@ impl Supervisor {
     }
 
     /// Watches the started ranks (all there are) until they have all exited or one failed or a
-    /// signal came, then stops every process the launcher started (directly or not). Returns
-    /// the exit status and whether a rank's failure (not a signal to the launcher) ended the
-    /// run.
-    pub fn run(mut self, rank_of: impl Fn(usize) -> usize) -> (i32, bool) {
+    /// signal came or `interrupt` (asked every tick until then) said so, then stops every
+    /// process the launcher started (directly or not). Returns the exit status and whether a
+    /// rank's failure (not a signal to the launcher, nor the interrupt) ended the run.
+    pub fn run(
+        mut self,
+        rank_of: impl Fn(usize) -> usize,
+        interrupt: &mut dyn FnMut() -> bool,
+    ) -> (i32, bool) {
         loop {
-            self.observe(true, &rank_of);
+            if !self.observe(true, &rank_of) && interrupt() {
+                self.stop(1);
+            }
             if let Some(mut s) = self.stopping.take() {
                 if let Some(code) = stop_step(&mut self.ranks, &mut s) {
                     return (code, s.rank_failed);

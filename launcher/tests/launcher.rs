@@ -460,3 +460,85 @@ fn nproc_per_node_beyond_the_open_file_limit_is_refused() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `--rdzv-backend c10d` on one machine: two launchers of one rank each meet at
+/// 127.0.0.1 (the first to bind it hosts). Launcher B's rank fails in round 0: B spends its
+/// restart, A's rank is stopped and started again in round 1 without spending one, every
+/// rank gets the round's placement (ranks contiguous per node, the nodes in address then
+/// pid order), and both exit 0. Static multi-node restarts are still refused.
+#[test]
+fn c10d_restarts_every_node_together() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let script = r#"echo "node $NODE round $TCH_DIST_RDZV_ROUND rank $RANK/$WORLD_SIZE group $GROUP_RANK/$GROUP_WORLD_SIZE role $ROLE_RANK/$ROLE_WORLD_SIZE count $TORCHELASTIC_RESTART_COUNT/$TORCHELASTIC_MAX_RESTARTS"
+if [ "$TCH_DIST_RDZV_ROUND" = 0 ]; then if [ "$NODE" = B ]; then sleep 1; exit 3; fi; sleep 30; fi"#;
+    let start = std::time::Instant::now();
+    let children: Vec<Child> = ["A", "B"]
+        .into_iter()
+        .map(|node| {
+            Command::new(launcher())
+                .args([
+                    "--nnodes",
+                    "2",
+                    "--nproc-per-node",
+                    "1",
+                    "--max-restarts",
+                    "1",
+                ])
+                .args(["--rdzv-backend", "c10d"])
+                .args(["--rdzv-endpoint", &format!("127.0.0.1:{port}")])
+                .args(["--rdzv-conf", "join_timeout=30", "--", "sh", "-c", script])
+                .env("NODE", node)
+                .env_remove("TORCHELASTIC_RUN_ID")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("a launcher")
+        })
+        .collect();
+    let outs: Vec<String> = children
+        .into_iter()
+        .map(|c| {
+            let (out, _) = wait_bounded(c, start, Duration::from_secs(60));
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert_eq!(out.status.code(), Some(0), "{text}");
+            text
+        })
+        .collect();
+    let all = outs.concat();
+    assert!(
+        outs[1].contains("rank 1 failed") || outs[1].contains("rank 0 failed"),
+        "{all}"
+    );
+    assert!(outs[1].contains("restart 1 of 1"), "{all}");
+    assert!(outs[0].contains("no restart spent"), "{all}");
+    // Round 1: A's count is 0, B's 1; both see the same world of 2 nodes.
+    assert!(outs[0].contains("node A round 1 rank"), "{all}");
+    assert!(outs[0].contains("count 0/1"), "{all}");
+    assert!(outs[1].contains("node B round 1 rank"), "{all}");
+    assert!(outs[1].contains("count 1/1"), "{all}");
+    for out in &outs {
+        let line = out
+            .lines()
+            .find(|l| l.contains("round 1 rank"))
+            .unwrap_or_else(|| panic!("{all}"));
+        assert!(line.contains("/2 group "), "{line}");
+        assert!(line.contains("/2 role "), "{line}");
+    }
+
+    let out = Command::new(launcher())
+        .args(["--nnodes", "2", "--node-rank", "0", "--master-port", "1"])
+        .args(["--nproc-per-node", "1", "--max-restarts", "1", "--", "true"])
+        .output()
+        .expect("a launcher");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(
+        "--max-restarts with --nnodes above 1 needs the dynamic rendezvous: --rdzv-backend c10d"
+    ));
+}
