@@ -8,6 +8,17 @@
 //!    output gathered);
 //! 3. `fully_shard` over its `dp` dim on each layer, then on the root.
 //!
+//! With `--dp-replicate R` (and `--dp-shard S`, which `--dp` also sets), HSDP instead, as
+//! torchtitan's `dp_replicate` x `dp_shard`: `init_device_mesh("cpu", &[R, S],
+//! &["dp_replicate", "dp_shard"])` and `fully_shard` over both dims (each parameter sharded
+//! over the S ranks of a replica, the replicas' gradients all-reduced), no tensor
+//! parallelism (`--tp 1`: fully_shard's 2-D mesh is the whole world).
+//!
+//! **Across hosts**, ranks are numbered host by host and the mesh's last dim varies fastest:
+//! `--dp 2 --tp 2` on 2 hosts of 2 ranks keeps each tp group within a host and all-reduces
+//! across; `--dp-replicate 2 --dp-shard 2` shards within a host and replicates across, so that
+//! only one all-reduce of each shard's gradients per step crosses the network.
+//!
 //! With `--sequence-parallel`, torchtitan's sequence parallelism too (`SequenceParallel` on
 //! the norms, `PrepareModuleInput` on attention and the feed-forward, the embedding and
 //! wo/w2 reduce-scattering along the sequence, the output gathering it: model.rs's
@@ -34,11 +45,11 @@
 //!
 //! ```text
 //! target/release/tch-dist-run --nproc-per-node 4 -- target/release/examples/train_lm \
-//!     [--dp 2 --tp 2] [--epochs N] [--max-steps N] [--local-batch-size N] [--seq-len N] [--lr LR] \
+//!     [--dp 2 --tp 2 | --dp-replicate 2 --dp-shard 2 --tp 1] [--epochs N] [--max-steps N] [--local-batch-size N] [--seq-len N] [--lr LR] \
 //!     [--data PATH] [--metrics PATH] [--checkpoint-dir DIR] [--sequence-parallel]
 //! ```
 //!
-//! `--dp` x `--tp` must be the number of ranks. A bad argument ends every rank with one
+//! `--dp-replicate` x `--dp` x `--tp` must be the number of ranks. A bad argument ends every rank with one
 //! line, `error: ...`, and exit status 2 (no rank waits for another); any other failure with
 //! one line and exit status 1.
 
@@ -74,6 +85,9 @@ use model::{Config, Transformer};
 const EVAL_BATCH: i64 = 32;
 
 struct Args {
+    /// HSDP's replicas (torchtitan's `dp_replicate`); 1: FSDP over `dp` alone.
+    dp_replicate: usize,
+    /// The ranks each parameter is sharded over (torchtitan's `dp_shard`).
     dp: usize,
     tp: usize,
     epochs: usize,
@@ -105,6 +119,7 @@ impl Error for Usage {}
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
+        dp_replicate: 1,
         dp: 2,
         tp: 2,
         epochs: 16,
@@ -120,7 +135,8 @@ fn parse_args() -> Result<Args, String> {
     let mut flags = cli::Flags::from_env();
     while let Some(flag) = flags.next_flag() {
         match flag.as_str() {
-            "--dp" => a.dp = flags.parsed(&flag)?,
+            "--dp" | "--dp-shard" => a.dp = flags.parsed(&flag)?,
+            "--dp-replicate" => a.dp_replicate = flags.parsed(&flag)?,
             "--tp" => a.tp = flags.parsed(&flag)?,
             "--epochs" => a.epochs = flags.parsed(&flag)?,
             "--max-steps" => a.max_steps = flags.parsed(&flag)?,
@@ -134,8 +150,15 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(cli::unknown(other)),
         }
     }
-    if a.dp == 0 || a.tp == 0 {
-        return Err("--dp and --tp must be at least 1".into());
+    if a.dp == 0 || a.tp == 0 || a.dp_replicate == 0 {
+        return Err("--dp-replicate, --dp and --tp must be at least 1".into());
+    }
+    // fully_shard's HSDP takes a 2-D mesh of the whole world: no third, tensor-parallel dim.
+    if a.dp_replicate > 1 && a.tp > 1 {
+        return Err(format!(
+            "--dp-replicate {} (HSDP) with --tp {}: HSDP here is data parallel only; give              --tp 1, or --dp-replicate 1 for FSDP x TP",
+            a.dp_replicate, a.tp
+        ));
     }
     if a.epochs == 0 {
         return Err("--epochs must be at least 1".into());
@@ -223,13 +246,22 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     let (rank, world) = (pg.rank(), pg.world_size());
     // Every rank sees the same sizes and refuses alike, before any collective that a
     // mismatched mesh would leave waiting.
-    if args.dp * args.tp != world {
+    // The data-parallel ranks: replicas times shards.
+    let dp = args.dp_replicate * args.dp;
+    if dp * args.tp != world {
+        let (replicas, and) = match args.dp_replicate {
+            1 => (String::new(), "--dp and --tp"),
+            r => (
+                format!("--dp-replicate {r} x "),
+                "--dp-replicate, --dp and --tp",
+            ),
+        };
         return Err(Usage(format!(
-            "--dp {} x --tp {} is {} ranks, but this job has {world} (WORLD_SIZE); pick \
-             --dp and --tp whose product is {world}",
+            "{replicas}--dp {} x --tp {} is {} ranks, but this job has {world} (WORLD_SIZE); \
+             pick {and} whose product is {world}",
             args.dp,
             args.tp,
-            args.dp * args.tp
+            dp * args.tp
         ))
         .into());
     }
@@ -254,10 +286,20 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         .into());
     }
 
-    let mesh = init_device_mesh("cpu", &[args.dp, args.tp], &["dp", "tp"])?;
-    let (dp_mesh, tp_mesh) = (mesh.dim("dp")?, mesh.dim("tp")?);
-    let dp_group = mesh.get_group("dp")?.clone();
-    let dp_rank = mesh.get_local_rank("dp")?;
+    // fully_shard's mesh (1-D, or HSDP's 2-D), the tensor-parallel one (None for HSDP), and
+    // every data-parallel rank as one dim (the sampler's replicas, the loss's mean).
+    let (fsdp_mesh, tp_mesh, dp_mesh) = if args.dp_replicate > 1 {
+        let dims = ["dp_replicate", "dp_shard"];
+        let mesh = init_device_mesh("cpu", &[args.dp_replicate, args.dp], &dims)?;
+        let flat = mesh.flatten(Some("dp"))?;
+        (mesh, None, flat)
+    } else {
+        let mesh = init_device_mesh("cpu", &[args.dp, args.tp], &["dp", "tp"])?;
+        let dp_mesh = mesh.dim("dp")?;
+        (dp_mesh.clone(), Some(mesh.dim("tp")?), dp_mesh)
+    };
+    let dp_group = dp_mesh.get_group("dp")?.clone();
+    let dp_rank = dp_mesh.get_local_rank("dp")?;
 
     // The same seed on every rank: parallelize_module scatters each tp group's rank 0's
     // values and fully_shard keeps each rank's own piece of its values, so every rank must
@@ -274,9 +316,11 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     };
     let full_params = numel(&vs);
     let plan = model::tp_plan(config.n_layers, args.sequence_parallel);
-    parallelize_module(&mut model, &tp_mesh, &plan)?;
+    if let Some(tp_mesh) = &tp_mesh {
+        parallelize_module(&mut model, tp_mesh, &plan)?;
+    }
     let over_dp = || FsdpOptions {
-        mesh: Some(dp_mesh.clone()),
+        mesh: Some(fsdp_mesh.clone()),
         ..Default::default()
     };
     for layer in &model.layers {
@@ -294,7 +338,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     let mut sampler = DistributedSampler::new(
         n_train as usize,
         SamplerOptions {
-            num_replicas: Some(args.dp),
+            num_replicas: Some(dp),
             rank: Some(dp_rank),
             seed: 1000,
             ..Default::default()
@@ -324,10 +368,14 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             corpus.train.size()[0],
         );
         println!(
-            "dp {} x tp {}{} ({world} ranks), {local_params} parameters on this rank; {n_train} \
+            "{} x tp {}{} ({world} ranks), {local_params} parameters on this rank; {n_train} \
              sequences of {} tokens, {per} per dp rank and step ({} per step), \
              {steps_per_epoch} steps per epoch, {total_steps} in all",
-            args.dp,
+            if args.dp_replicate > 1 {
+                format!("dp_replicate {} x dp_shard {}", args.dp_replicate, args.dp)
+            } else {
+                format!("dp {}", args.dp)
+            },
             args.tp,
             if args.sequence_parallel {
                 " with sequence parallelism"
@@ -335,7 +383,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                 ""
             },
             args.seq_len,
-            per * args.dp as i64,
+            per * dp as i64,
         );
     }
 
@@ -373,11 +421,11 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             let own = loss.double_value(&[]);
             let mean = loss.detach().reshape([1]);
             dp_group.all_reduce(&mean, ReduceOp::Sum)?;
-            let loss = mean.double_value(&[0]) / args.dp as f64;
+            let loss = mean.double_value(&[0]) / dp as f64;
             global += 1;
             own_loss_sum += own;
             own_tokens += inputs.numel() as i64;
-            let step_tokens = (inputs.numel() * args.dp) as f64;
+            let step_tokens = (inputs.numel() * dp) as f64;
             let tokens_per_s = step_tokens / step_start.elapsed().as_secs_f64();
             if let Some(file) = &mut metrics {
                 let line = serde_json::json!({
@@ -409,8 +457,8 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         if rank == 0 {
             // The job's figures: every dp group's tokens (the tp ranks of a group share
             // theirs), the mean of the groups' losses, the largest peak.
-            let job_tokens: f64 = (0..args.dp).map(|d| all[d * args.tp].tokens_per_s).sum();
-            let loss = (0..args.dp).map(|d| all[d * args.tp].loss).sum::<f64>() / args.dp as f64;
+            let job_tokens: f64 = (0..dp).map(|d| all[d * args.tp].tokens_per_s).sum();
+            let loss = (0..dp).map(|d| all[d * args.tp].loss).sum::<f64>() / dp as f64;
             let peak = all.iter().map(|f| f.peak_mem_mib).fold(0.0, f64::max);
             println!(
                 "epoch {} loss={loss:.4} tokens/s={job_tokens:.0} peak_mem_mib={peak:.1}",

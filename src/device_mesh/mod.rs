@@ -14,6 +14,7 @@
 //! |---|---|---|
 //! | `mod.rs` | [`init_device_mesh`], [`DeviceMesh`] (slicing, flattening, groups); [`subgroups`] (the ranks of each subgroup of a dim) | `torch/distributed/device_mesh.py` (`init_device_mesh`, `DeviceMesh`, `_init_process_groups`, `_flatten`, `from_group`), `torch/distributed/_mesh_layout.py` (`_MeshLayout.remap_to_tensor`) |
 //! | `agree.rs` | the ranks' agreement on each mesh call through the store, before any group is made | (none: PyTorch's ranks hang in the groups' creation) |
+//! | `hosts.rs` | which host a rank is on (`LOCAL_WORLD_SIZE`); [`tp_group_across_hosts`], the check behind `init_device_mesh`'s warning that `tp` spans hosts | (none: PyTorch does not check) |
 //! | `error.rs` | [`MeshError`], [`MeshProblem`] | the `RuntimeError`s / `ValueError`s of `device_mesh.py` |
 //!
 //! ```no_run
@@ -34,9 +35,11 @@ use tch_dist_runtime::{Backend, DistError, ProcessGroup};
 
 mod agree;
 mod error;
+mod hosts;
 
 use agree::agree;
 pub use error::{MeshError, MeshProblem};
+pub use hosts::{tp_group_across_hosts, AcrossHosts, TENSOR_PARALLEL_DIM};
 
 /// One dimension of a mesh as this rank sees it.
 #[derive(Debug)]
@@ -149,6 +152,13 @@ fn row_major_strides(shape: &[usize]) -> Vec<usize> {
 /// an empty shape, a dim of size 0, a shape whose ranks are not the world's, names of
 /// another length than the shape or repeated, a device type with an index.
 ///
+/// **Across hosts**, the order of the dims decides what crosses the network: ranks are
+/// numbered host by host (`LOCAL_WORLD_SIZE` each) and the last dim varies fastest, so put
+/// `tp` last (within a host) and the data-parallel dims first (`["dp", "tp"]`, or
+/// `["dp_replicate", "dp_shard"]` for HSDP: shard within a host, replicate across). When a
+/// `tp` group would span hosts, rank 0 prints a warning naming the group
+/// ([`tp_group_across_hosts`]); the mesh is still made.
+///
 /// ```no_run
 /// use tch_dist::device_mesh::init_device_mesh;
 /// let mesh = init_device_mesh("cpu", &[4], &["dp"])?; // 1-D: the default group
@@ -178,6 +188,13 @@ pub fn init_device_mesh(
         &describe_request(device_type, shape, names),
         local,
     )?;
+    // Every rank agreed on the mesh; rank 0 says once when tp would cross the network.
+    if let Some(across) = hosts::local_world_size_from_env()
+        .filter(|_| rank == 0)
+        .and_then(|local| tp_group_across_hosts(shape, names, local))
+    {
+        eprintln!("tch-dist: warning: {OP}: {across}");
+    }
     let dim_names: Vec<String> = (0..shape.len())
         .map(|d| {
             names

@@ -49,12 +49,41 @@ fn namespaces() -> Vec<String> {
         .collect()
 }
 
+/// Where a signal goes, for [`send`]: never a number that kill(2) reads as "every process".
+#[derive(Debug, Clone, Copy)]
+enum To {
+    Process(u32),
+    /// The process group this process leads.
+    GroupOf(u32),
+}
+
+/// Sends `sig` through kill(2) itself, not the `kill` program: procps' `kill -9 -PGID`
+/// takes `-PGID` for an option and signals pid -1, every process of the machine (the test
+/// run, its shell, CI's runner). Pids 0 and 1 (our own group, init) are never signalled.
+fn send(to: To, sig: libc::c_int) {
+    let target = match to {
+        To::Process(pid) | To::GroupOf(pid) if pid <= 1 => return,
+        To::Process(pid) => pid as libc::pid_t,
+        To::GroupOf(pid) => -(pid as libc::pid_t),
+    };
+    // SAFETY: kill(2) with a target that is one process or one group, never 0 or -1.
+    unsafe { libc::kill(target, sig) };
+}
+
+/// The processes in namespace `ns` (`ip netns pids`).
+fn pids_in(ns: &str) -> Vec<u32> {
+    let out = Command::new("ip").args(["netns", "pids", ns]).output();
+    let text = out.map(|o| o.stdout).unwrap_or_default();
+    String::from_utf8_lossy(&text)
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
 /// Kills what runs in namespace `ns` and removes it (and its /etc/netns folder).
 fn remove_namespace(ns: &str) {
-    if let Ok(out) = Command::new("ip").args(["netns", "pids", ns]).output() {
-        for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-            let _ = Command::new("kill").args(["-9", pid]).status();
-        }
+    for pid in pids_in(ns) {
+        send(To::Process(pid), libc::SIGKILL);
     }
     let _ = Command::new("ip").args(["netns", "del", ns]).status();
     let _ = std::fs::remove_dir_all(Path::new("/etc/netns").join(ns));
@@ -178,22 +207,22 @@ impl Hosts {
     /// Stops every process of host `i` (SIGSTOP): a frozen host, whose sockets stay open
     /// and silent.
     pub fn freeze(&self, i: usize) {
-        self.signal(i, "-STOP");
+        self.signal(i, libc::SIGSTOP);
     }
 
     /// Lets host `i`'s processes run again (SIGCONT).
     pub fn thaw(&self, i: usize) {
-        self.signal(i, "-CONT");
+        self.signal(i, libc::SIGCONT);
     }
 
-    fn signal(&self, i: usize, signal: &str) {
-        if let Ok(out) = Command::new("ip")
-            .args(["netns", "pids", &self.name(i)])
-            .output()
-        {
-            for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-                let _ = Command::new("kill").args([signal, pid]).status();
-            }
+    /// Host `i` lost for good: every process of it (its launcher and ranks) SIGKILLed.
+    pub fn kill(&self, i: usize) {
+        self.signal(i, libc::SIGKILL);
+    }
+
+    fn signal(&self, i: usize, sig: libc::c_int) {
+        for pid in pids_in(&self.name(i)) {
+            send(To::Process(pid), sig);
         }
     }
 
@@ -236,25 +265,47 @@ impl Drop for Hosts {
 pub fn launcher() -> &'static Path {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT.get_or_init(|| {
-        let exe = std::env::current_exe().expect("the test binary's path");
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("target/<profile>");
-        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
-        let mut cmd = Command::new(env!("CARGO"));
-        cmd.args(["build", "--quiet", "--manifest-path"])
-            .arg(&manifest)
-            .args(["-p", "tch-dist-launcher", "--bin", "tch-dist-run"]);
-        if profile_dir.ends_with("release") {
-            cmd.arg("--release");
-        }
-        assert!(
-            cmd.status().expect("cargo").success(),
-            "building tch-dist-run failed"
-        );
-        profile_dir.join("tch-dist-run")
+        cargo_build(&["-p", "tch-dist-launcher", "--bin", "tch-dist-run"]).join("tch-dist-run")
     })
+}
+
+/// The example `name` of the facade crate (`train_lm`, `train_ddp_crash`, ...), built once
+/// per name in this test binary's profile.
+pub fn example(name: &str) -> PathBuf {
+    static BUILT: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, path)) = built.iter().find(|(n, _)| n == name) {
+        return path.clone();
+    }
+    let path = cargo_build(&["-p", "tch-dist", "--example", name])
+        .join("examples")
+        .join(name);
+    built.push((name.to_string(), path.clone()));
+    path
+}
+
+/// `cargo build` with `args` in this test binary's profile; returns `target/<profile>`.
+fn cargo_build(args: &[&str]) -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>")
+        .to_path_buf();
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.args(["build", "--quiet", "--manifest-path"])
+        .arg(&manifest)
+        .args(args);
+    if profile_dir.ends_with("release") {
+        cmd.arg("--release");
+    }
+    assert!(
+        cmd.status().expect("cargo").success(),
+        "cargo build {} failed",
+        args.join(" ")
+    );
+    profile_dir
 }
 
 /// A process started on a host, its output collected as it runs.
@@ -366,9 +417,7 @@ impl Job {
 
     fn kill(&mut self) {
         // The whole process group: the launcher and the ranks it started.
-        let _ = Command::new("kill")
-            .args(["-9", &format!("-{}", self.child.id())])
-            .status();
+        send(To::GroupOf(self.child.id()), libc::SIGKILL);
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

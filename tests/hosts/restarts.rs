@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::hosts::{describe, launcher, Ended, Hosts, Job, Link};
+use super::hosts::{describe, example, launcher, Ended, Hosts, Job, Link};
 use tch::Tensor;
 use tch_dist::testing::{worker, WORKER_ENV};
 use tch_dist::{init_process_group, Backend, ReduceOp};
@@ -79,17 +79,6 @@ fn wait_until(limit: Duration, ready: impl Fn() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(50));
     }
     ready()
-}
-
-/// Host `i` lost for good: every process in its namespace (its launcher and ranks) SIGKILLed.
-fn kill_host(hosts: &Hosts, i: usize) {
-    let out = Command::new("ip")
-        .args(["netns", "pids", &hosts.name(i)])
-        .output()
-        .expect("ip netns pids");
-    for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-        let _ = Command::new("kill").args(["-9", pid]).status();
-    }
 }
 
 /// The lines of `text` that contain `needle`.
@@ -167,7 +156,7 @@ fn check_went_on(ended: &[Ended]) {
 /// finish in a world of 2.
 #[test]
 fn three_hosts_go_on_without_a_killed_host() {
-    let (ended, took) = three_hosts_lose_one("hosts_restarts_killed", |hosts| kill_host(hosts, 2));
+    let (ended, took) = three_hosts_lose_one("hosts_restarts_killed", |hosts| hosts.kill(2));
     check_went_on(&ended);
     assert!(
         took < Duration::from_secs(20),
@@ -182,7 +171,8 @@ fn three_hosts_go_on_without_a_killed_host() {
 /// own keep-alives go unanswered and exits 1, saying so.
 #[test]
 fn three_hosts_go_on_without_a_cut_off_host() {
-    let (ended, took) = three_hosts_lose_one("hosts_restarts_cut", |hosts| hosts.link(2, Link::Down));
+    let (ended, took) =
+        three_hosts_lose_one("hosts_restarts_cut", |hosts| hosts.link(2, Link::Down));
     check_went_on(&ended);
     let cut = &ended[2];
     assert_eq!(
@@ -280,13 +270,9 @@ fn each_round_meets_in_a_store_of_its_own() {
         port.to_string()
     };
     assert_ne!(port(0), port(1), "{text}");
-    for rank in 0..2 {
-        assert!(
-            ended[rank]
-                .stdout
-                .contains(&format!("round 1 rank {rank} sum=3")),
-            "{text}"
-        );
+    for (rank, e) in ended.iter().enumerate() {
+        let sum = format!("round 1 rank {rank} sum=3");
+        assert!(e.stdout.contains(&sum), "{text}");
     }
 }
 
@@ -331,36 +317,6 @@ fn isolation_rank() {
     tch_dist::destroy_process_group();
 }
 
-/// A crash build of an example (tests/resume/*_crash.rs), built once per name in this
-/// binary's profile.
-fn crash_build(name: &'static str) -> PathBuf {
-    static BUILT: std::sync::Mutex<Vec<(&str, PathBuf)>> = std::sync::Mutex::new(Vec::new());
-    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, path)) = built.iter().find(|(n, _)| *n == name) {
-        return path.clone();
-    }
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>");
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
-    let mut cmd = Command::new(env!("CARGO"));
-    cmd.args(["build", "--quiet", "--manifest-path"])
-        .arg(&manifest)
-        .args(["-p", "tch-dist", "--example", name]);
-    if profile_dir.ends_with("release") {
-        cmd.arg("--release");
-    }
-    assert!(
-        cmd.status().expect("cargo").success(),
-        "building {name} failed"
-    );
-    let path = profile_dir.join("examples").join(name);
-    built.push((name, path.clone()));
-    path
-}
-
 /// A run of an example killed on one host and restarted on every host.
 struct Resumed {
     ended: Vec<Ended>,
@@ -372,7 +328,7 @@ struct Resumed {
     took: Duration,
 }
 
-/// `example`'s crash build on 2 hosts x `nproc` ranks (`--nnodes 2 --max-restarts 1`) with
+/// the example `crash_build` (a crash build: tests/resume/) on 2 hosts x `nproc` ranks (`--nnodes 2 --max-restarts 1`) with
 /// `args(folder)`, checkpoints every `every` steps in a folder both hosts see, the last rank
 /// of host 1 SIGKILLing itself after a step picked at random in `every+1 ..= steps-1`; and
 /// beside it, on this machine outside the namespaces, the uninterrupted run of the same
@@ -380,12 +336,12 @@ struct Resumed {
 /// round), and that rank 0 resumed from the last checkpoint before the kill.
 fn kill_and_resume(
     name: &str,
-    example: &'static str,
+    crash_build: &str,
     nproc: usize,
     (steps, every): (u64, u64),
     args: impl Fn(&Path) -> Vec<String>,
 ) -> Resumed {
-    let exe = crash_build(example);
+    let exe = example(crash_build);
     let dir = scratch(name);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
