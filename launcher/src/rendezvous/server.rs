@@ -1,7 +1,7 @@
 //! The hosting launcher's server: a TCP listener on the endpoint's address (not every
 //! interface), one request and one reply per connection, served on a thread of their own
 //! (at most [`MAX_CONNECTIONS`] at once, each bounded by [`CONNECTION_LIMIT`] and
-//! [`MAX_LINE`](super::wire::MAX_LINE)). A stray connection, a port scanner or garbage bytes
+//! [`MAX_LINE`]). A stray connection, a port scanner or garbage bytes
 //! get a `refused` line at most, and change nothing.
 
 use std::io::{self, Read, Write};
