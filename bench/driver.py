@@ -853,7 +853,7 @@ def main():
     p.add_argument(
         "--hosts-budget",
         type=float,
-        default=330.0,
+        default=420.0,
         help="seconds for the across-hosts part (0: none; default %(default)s)",
     )
     p.add_argument("--two-d-rounds", type=int, default=None, help=f"default {TWO_D['rounds']}")

@@ -18,7 +18,7 @@ holds after the forward beyond what it held before it (`mallinfo2`, as bench_ddp
 
 `--comm-hook` (ddp): DDP's `register_comm_hook` with `default_hooks.fp16_compress_hook`,
 `bf16_compress_hook` or `powerSGD_hook` (`PowerSGDState` defaults but
-`start_powersgd_iter=2`), as bench_ddp's `--comm-hook`; `allreduce` (default) registers none.
+`start_powerSGD_iter=2`), as bench_ddp's `--comm-hook`; `allreduce` (default) registers none.
 
 In a network namespace with an `eth0` (driver.py's `hosts` part), the record also holds that
 interface's received and sent bytes per timed step (`/proc/net/dev`), as bench_ddp's does.
@@ -278,7 +278,7 @@ def register_hook(model, name):
     elif name == "bf16":
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif name == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=None, start_powersgd_iter=2)
+        state = powerSGD_hook.PowerSGDState(process_group=None, start_powerSGD_iter=2)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
