@@ -86,8 +86,12 @@ doc: setup
 # `fsdp fsdp_vs_pytorch=R fsdp_rss_vs_pytorch=R fsdp_bytes_vs_replicate=R` line, the
 # pipeline part (2 stages, Schedule1F1B and zero bubble; ZB-V on 4; pp_ lines) and the 2-D part (4 ranks: HSDP 2x2 and
 # FSDP x TP 2x2 against PyTorch's same layouts with AdamW(fused=True), about 2.5 minutes, a
-# `two_d hsdp_vs_pytorch=R ...` line), and last the MLP's tch_dist_vs_pytorch_ddp=<ratio>.
-# BENCH_ARGS="--models fsdp" (or pp, two_d) runs one part alone.
+# `two_d hsdp_vs_pytorch=R ...` line), the across-hosts part (bench/hosts.py, root only,
+# else skipped with a line saying so: 2 network-namespace hosts x 2 ranks on a 1 Gbit/s tbf
+# link, replicate, fully_shard and HSDP against PyTorch's DDP, FSDP2 and HSDP, and the
+# replicate hooks; at most 7 minutes, a `hosts ...` line), and last the MLP's
+# tch_dist_vs_pytorch_ddp=<ratio>.
+# BENCH_ARGS="--models fsdp" (or pp, two_d, hosts) runs one part alone.
 # First the checkpoint part (bench/checkpoint.py, about 3 minutes: save, async_save and
 # loads at 2 and 4 ranks of a 403 MB fully_shard model against PyTorch's DCP; its goal lines
 # start with ckpt_); BENCH_CHECKPOINT=0 leaves it out.

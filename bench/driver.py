@@ -69,6 +69,22 @@ table and, per layout L (`hsdp`, `fsdp_tp`),
     L_vs_pytorch=R       (median step, tch-dist / PyTorch; goal <= 0.9)
     L_rss_vs_pytorch=R   (peak RSS of the largest rank, tch-dist / PyTorch; goal <= 1.0)
 
+Across hosts (`hosts` in --models, last, with its own budget, --hosts-budget; bench/hosts.py):
+2 hosts (network namespaces, root only; skipped with a printed line elsewhere) x 2 ranks, each
+host's eth0 shaped to 1 Gbit/s by tc's tbf; the transformer under replicate, fully_shard and
+HSDP (shard within a host, replicate across), each against PyTorch's DDP, FSDP2 and HSDP on
+the same hosts, alternating, then replicate with each comm hook (fp16, bf16, PowerSGD) on
+both sides. Prints a table (step times, eth0's bytes per step and host against the
+collectives' minimum) and
+
+    L_vs_pytorch=R        (median step, tch-dist / PyTorch; goal <= 0.9)
+    L_wire_vs_min=R       (bytes each host sends per step / the ring collectives' minimum;
+                           goal <= 1.05)
+    L_SIDE_hidden=H       (1 - (step - compute-only step) / wire time: the share of the
+                           link's time the step does not wait for)
+    hsdp_vs_fully_shard=R (tch-dist HSDP / fully_shard; goal < 1)
+    replicate_HOOK_vs_allreduce=R
+
 GPU (`--gpu`, run by target/gpu-check/run.sh on the GPU machine): world size 1, NCCL, the
 403M-parameter MLP (12 blocks 2048-8192-2048), batch 64, SGD; plain tch, tch-dist and PyTorch
 DDP. tch-dist runs with the test switch TCH_DIST_NO_SHORTCUTS=1, so that at world size 1 it
@@ -79,7 +95,7 @@ Every run reports its own CPU time and the machine's busy time over its timed wi
 during which other programs used more than --max-foreign of the CPUs is repeated (this machine
 is shared), up to --retries times, and the table shows what remained.
 
-    python3 bench/driver.py [--models mlp,transformer,convnet,fsdp,ac,pp,two_d] [--rounds N] [--steps N]
+    python3 bench/driver.py [--models mlp,transformer,convnet,fsdp,ac,pp,two_d,hosts] [--rounds N] [--steps N]
                             [--warmup N] [--budget SECONDS] [--fsdp-budget SECONDS] [-v]
     python3 bench/driver.py --gpu --bin-dir DIR --script DIR/pytorch_ddp.py --python python3
 
@@ -94,6 +110,7 @@ import time
 
 import charts
 from figures import floor_lines, paired_ratio, pooled_median, table
+from hosts import HOSTS, hosts_part
 from runner import ROOT, Runner, print_step_check
 
 # The CPU suite: what each model is, and its rounds / timed steps / warm-up steps (chosen so
@@ -609,7 +626,7 @@ TWO_D_DESC = {
 
 
 # The parts that follow the model suite, in the order they run.
-PARTS = ("fsdp", "ac", "pp", "two_d")
+PARTS = ("fsdp", "ac", "pp", "two_d", "hosts")
 
 
 def two_d_part(a, r):
@@ -705,6 +722,7 @@ def cpu_bench(a, r):
     ac = "ac" in models
     pp = "pp" in models
     two_d = "two_d" in models
+    hosts = "hosts" in models
     models = [m for m in models if m not in PARTS]
     # Each model gets the share of what is left of the budget that its runs are of the runs
     # still to come.
@@ -749,6 +767,9 @@ def cpu_bench(a, r):
         r.deadline = start + a.two_d_budget if a.two_d_budget else float("inf")
         two_d_summary = two_d_part(a, r)
         print(f"bench two_d took {time.time() - start:.0f} s", flush=True)
+    hosts_summary = None
+    if hosts:
+        hosts_summary = hosts_part(a)
     for m, s in summary.items():
         print(f"model={m} " + " ".join(f"{k}={v:.3f}" for k, v in s.items()))
     if fsdp_summary:
@@ -759,6 +780,8 @@ def cpu_bench(a, r):
         print("pp " + " ".join(f"{k}={v:.3f}" for k, v in pp_summary.items()))
     if two_d_summary:
         print("two_d " + " ".join(f"{k}={v:.3f}" for k, v in two_d_summary.items()))
+    if hosts_summary:
+        print("hosts " + " ".join(f"{k}={v:.3f}" for k, v in hosts_summary.items()))
     # The same figures as pictures (docs/PERFORMANCE.md shows a run's charts).
     per_model = {m: s["tch_dist_vs_pytorch_ddp"] for m, s in summary.items()}
     for path in charts.write_charts(
@@ -821,9 +844,17 @@ def main():
         "--models",
         default=",".join(list(MODELS) + list(PARTS)),
         help="the CPU suite's models, in order, `fsdp` for the FSDP part, `ac` for the "
-        "activation-checkpointing part, `pp` for the pipeline part and `two_d` for the 2-D "
-        "part (HSDP, FSDP x TP; 4 ranks), which run after them (default: %(default)s); the "
+        "activation-checkpointing part, `pp` for the pipeline part, `two_d` for the 2-D "
+        "part (HSDP, FSDP x TP; 4 ranks) and `hosts` for the across-hosts part (2 network "
+        "namespaces x 2 ranks, a 1 Gbit/s link; root), which run after them (default: %(default)s); the "
         "last line is the first model's tch_dist_vs_pytorch_ddp",
+    )
+    p.add_argument("--hosts-rounds", type=int, default=None, help=f"default {HOSTS['rounds']}")
+    p.add_argument(
+        "--hosts-budget",
+        type=float,
+        default=420.0,
+        help="seconds for the across-hosts part (0: none; default %(default)s)",
     )
     p.add_argument("--two-d-rounds", type=int, default=None, help=f"default {TWO_D['rounds']}")
     p.add_argument(

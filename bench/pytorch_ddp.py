@@ -2,7 +2,7 @@
 examples/bench_ddp/ (`--model mlp|transformer|convnet|gpu`; see there for what each is).
 
     tch-dist-run --nproc-per-node 2 -- python3 bench/pytorch_ddp.py --mode ddp [--model NAME] [--bucket-cap-mb 25]
-        [--grad-as-bucket-view] [--no-broadcast-buffers]
+        [--grad-as-bucket-view] [--no-broadcast-buffers] [--comm-hook allreduce|fp16|bf16|powersgd]
     tch-dist-run --nproc-per-node 2 -- python3 bench/pytorch_ddp.py --mode fsdp [--model NAME] [--optim adamw]
         [--activation-checkpointing]
     python3 bench/pytorch_ddp.py --mode plain
@@ -15,6 +15,13 @@ CPU mesh (Gloo), as bench_ddp's `--mode fully_shard`. `--optim sgd` (default) or
 `torch.distributed._composable.checkpoint` on each block before any other API (torchtitan's
 order), as bench_ddp's; `forward_kept_bytes` is the median over timed steps of what malloc
 holds after the forward beyond what it held before it (`mallinfo2`, as bench_ddp reads it).
+
+`--comm-hook` (ddp): DDP's `register_comm_hook` with `default_hooks.fp16_compress_hook`,
+`bf16_compress_hook` or `powerSGD_hook` (`PowerSGDState` defaults but
+`start_powerSGD_iter=2`), as bench_ddp's `--comm-hook`; `allreduce` (default) registers none.
+
+In a network namespace with an `eth0` (driver.py's `hosts` part), the record also holds that
+interface's received and sent bytes per timed step (`/proc/net/dev`), as bench_ddp's does.
 
 Reads torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; tch-dist-run sets
 them) and prints one `BENCH {json}` line per rank with per-step times (ms), phase medians, the
@@ -226,6 +233,26 @@ def malloc_in_use():
     return float(m.uordblks + m.hblkhd)
 
 
+def eth0_bytes():
+    """Bytes this process's network namespace received and sent on `eth0` so far
+    (/proc/net/dev), or None without an eth0 (bench_ddp's `eth0_bytes`)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "eth0":
+                v = [int(x) for x in rest.split()]
+                return v[0], v[8]
+    return None
+
+
+def add_net(out, net0, steps):
+    """Adds eth0's received and sent bytes per timed step since `net0` to a record."""
+    net1 = eth0_bytes()
+    if net0 and net1:
+        out["net_rx_bytes_per_step"] = (net1[0] - net0[0]) / steps
+        out["net_tx_bytes_per_step"] = (net1[1] - net0[1]) / steps
+
+
 def machine_busy_ms():
     """Busy CPU time of the whole machine so far (/proc/stat, USER_HZ 100), in ms."""
     with open("/proc/stat") as f:
@@ -240,6 +267,19 @@ def cpu_ms():
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def register_hook(model, name):
+    """DDP's comm hook `name` (--comm-hook)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "bf16":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, start_powerSGD_iter=2)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
 def main():
@@ -258,6 +298,7 @@ def main():
     p.add_argument("--optim", default="sgd", choices=["sgd", "adamw"])
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--lr", type=float, default=0.0, help="default: 0.01 (SGD), 1e-3 (AdamW)")
+    p.add_argument("--comm-hook", default="allreduce", choices=["allreduce", "fp16", "bf16", "powersgd"])
     a = p.parse_args()
     model_name = a.model or ("gpu" if a.device == "cuda" else "mlp")
     if model_name == "cpu":
@@ -305,6 +346,7 @@ def main():
             gradient_as_bucket_view=a.grad_as_bucket_view,
             broadcast_buffers=not a.no_broadcast_buffers,
         )
+        register_hook(model, a.comm_hook)
     if a.optim == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr or 1e-3)
     else:
@@ -321,10 +363,12 @@ def main():
         dist.barrier()
     sync(device)
     cpu0 = busy0 = wall0 = faults0 = 0.0
+    net0 = None
     for i in range(a.warmup + a.steps):
         if i == a.warmup:
             cpu0, busy0, wall0 = cpu_ms(), machine_busy_ms(), time.perf_counter()
             faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            net0 = eth0_bytes()
         t0 = time.perf_counter()
         opt.zero_grad()
         before = malloc_in_use()
@@ -344,6 +388,8 @@ def main():
             bwd.append((t2 - t1) * 1e3)
             upd.append((t3 - t2) * 1e3)
             kept.append(kept_bytes)
+    net = {}
+    add_net(net, net0, a.steps)
     window = {
         "wall_ms": (time.perf_counter() - wall0) * 1e3,
         "cpu_ms": cpu_ms() - cpu0,
@@ -383,6 +429,8 @@ def main():
         "optim_bytes": optim_bytes,
         "state_bytes": param_bytes + grad_bytes + optim_bytes,
         "fsdp_groups": fsdp_groups,
+        "comm_hook": a.comm_hook,
+        **net,
     }
     if a.mode == "ddp":
         out["bucket_cap_mb"] = a.bucket_cap_mb

@@ -37,8 +37,10 @@ from pytorch_ddp import (
     T_SEQ,
     T_VOCAB,
     Transformer,
+    add_net,
     attention,
     cpu_ms,
+    eth0_bytes,
     held_bytes,
     machine_busy_ms,
     rss_mib,
@@ -135,10 +137,12 @@ def main():
     losses = []  # the first and last steps' (two_d.rs's `losses`)
     dist.barrier()
     cpu0 = busy0 = wall0 = sys0 = 0.0
+    net0 = None
     for i in range(a.warmup + a.steps):
         if i == a.warmup:
             cpu0, busy0, wall0 = cpu_ms(), machine_busy_ms(), time.perf_counter()
             sys0 = sys_ms()
+            net0 = eth0_bytes()
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = F.cross_entropy(model(idx).view(-1, T_VOCAB), nxt.view(-1))
@@ -154,6 +158,8 @@ def main():
             fwd.append((t1 - t0) * 1e3)
             bwd.append((t2 - t1) * 1e3)
             upd.append((t3 - t2) * 1e3)
+    net = {}
+    add_net(net, net0, a.steps)
     window = {
         "wall_ms": (time.perf_counter() - wall0) * 1e3,
         "cpu_ms": cpu_ms() - cpu0,
@@ -190,6 +196,7 @@ def main():
         "grad_bytes": grad_bytes,
         "optim_bytes": optim_bytes,
         "state_bytes": param_bytes + grad_bytes + optim_bytes,
+        **net,
     }
     print("BENCH " + json.dumps(out), flush=True)
     dist.barrier()

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! bench_ddp --mode plain      [--device cpu|cuda] [--model NAME] [options]
-//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode replicate [--bucket-cap-mb 25] [--grad-as-bucket-view] [--no-broadcast-buffers] [--in-place-min-bytes N]
+//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode replicate [--bucket-cap-mb 25] [--grad-as-bucket-view] [--no-broadcast-buffers] [--in-place-min-bytes N] [--comm-hook allreduce|fp16|bf16|powersgd]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode allreduce [--sizes BYTES,BYTES,...]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode fully_shard [--model NAME] [--optim adamw] [--activation-checkpointing]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode pipeline --model transformer [--microbatches 4] [--schedule 1f1b|zb|zbv]
@@ -21,6 +21,12 @@
 //!   `--schedule zb` zero bubble, `zbv` ZB-V on 4 stages, two per rank);
 //! - `hsdp`, `fsdp_tp`: the transformer (with separate q, k, v) on a 2x2 mesh of 4 ranks,
 //!   HSDP or FSDP x tensor parallelism, AdamW (two_d.rs).
+//!
+//! `--comm-hook` (replicate): how buckets are communicated: `allreduce` (the default, mean),
+//! `fp16` or `bf16` (`CommHook::Fp16Compress`, `Bf16Compress`: PyTorch's
+//! `fp16_compress_hook`, `bf16_compress_hook`) or `powersgd` (`CommHook::PowerSgd` with
+//! PyTorch's `PowerSGDState` defaults but `start_powersgd_iter` 2, the smallest allowed, so
+//! that the warm-up steps run the exact all-reduce and the timed ones compress at rank 1).
 //!
 //! `--optim sgd` (the default: SGD, no momentum) or `adamw` (tch's `nn::AdamW` defaults);
 //! `--lr` (default 0.01 for SGD, 1e-3 for AdamW). `--activation-checkpointing` (the
@@ -56,8 +62,8 @@ use std::time::Instant;
 use tch::nn::{self, Module, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::{
-    fully_shard, init_process_group, replicate, Backend, Call, CallT, CallWith, FsdpOptions,
-    ProcessGroup, ReduceOp, Shardable,
+    fully_shard, init_process_group, replicate, Backend, Call, CallT, CallWith, CommHook,
+    FsdpOptions, PowerSgdOptions, ProcessGroup, ReduceOp, Shardable,
 };
 
 #[path = "../common/attention_block.rs"]
@@ -96,6 +102,8 @@ struct Args {
     microbatches: usize,
     /// `--mode pipeline`: `1f1b` (Schedule1F1B) or `zb` (ScheduleInterleavedZeroBubble).
     schedule: String,
+    /// `--mode replicate`: the bucket hook (`allreduce`, `fp16`, `bf16` or `powersgd`).
+    comm_hook: String,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -118,6 +126,7 @@ fn parse_args() -> Result<Args, String> {
         microbatches: 4,
         schedule: "1f1b".to_string(),
         activation_checkpointing: false,
+        comm_hook: "allreduce".to_string(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -165,6 +174,7 @@ fn parse_args() -> Result<Args, String> {
             "--activation-checkpointing" => a.activation_checkpointing = true,
             "--microbatches" => a.microbatches = num(value()?, "--microbatches")? as usize,
             "--schedule" => a.schedule = value()?,
+            "--comm-hook" => a.comm_hook = value()?,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -180,7 +190,26 @@ fn parse_args() -> Result<Args, String> {
     if a.optim != "sgd" && a.optim != "adamw" {
         return Err(format!("unknown --optim {} (sgd or adamw)", a.optim));
     }
+    comm_hook(&a.comm_hook)?;
     Ok(a)
+}
+
+/// The replicate bucket hook `--comm-hook` names.
+fn comm_hook(name: &str) -> Result<CommHook, String> {
+    Ok(match name {
+        "allreduce" => CommHook::AllReduceMean,
+        "fp16" => CommHook::Fp16Compress,
+        "bf16" => CommHook::Bf16Compress,
+        "powersgd" => CommHook::PowerSgd(PowerSgdOptions {
+            start_powersgd_iter: 2,
+            ..Default::default()
+        }),
+        other => {
+            return Err(format!(
+                "unknown --comm-hook {other} (allreduce, fp16, bf16 or powersgd)"
+            ))
+        }
+    })
 }
 
 fn main() {
@@ -271,6 +300,7 @@ fn train<M: BenchModel>(
             gradient_as_bucket_view: args.as_view,
             broadcast_buffers: args.broadcast_buffers,
             in_place_min_bytes: args.in_place_min_bytes,
+            comm_hook: comm_hook(&args.comm_hook)?,
             ..Default::default()
         };
         replicate::apply(&model, opts)?;
@@ -300,11 +330,13 @@ fn train<M: BenchModel>(
     sync(args.device);
     let (mut cpu0, mut busy0, mut wall0, mut faults0) = (0.0, 0.0, Instant::now(), 0.0);
     let mut check0 = std::time::Duration::ZERO;
+    let mut net0 = None;
     for i in 0..args.warmup + args.steps {
         if i == args.warmup {
             (cpu0, busy0, wall0) = (cpu_ms(), machine_busy_ms(), Instant::now());
             faults0 = page_faults();
             check0 = tch_dist::step_check_time();
+            net0 = eth0_bytes();
         }
         let t0 = Instant::now();
         opt.zero_grad();
@@ -342,6 +374,7 @@ fn train<M: BenchModel>(
             }
         }
     }
+    let net = net_window(net0, args.steps);
     let window = Window {
         wall_ms: ms(wall0),
         cpu_ms: cpu_ms() - cpu0,
@@ -401,7 +434,9 @@ fn train<M: BenchModel>(
         "fsdp_groups": fsdp_groups,
         "gathered_bytes": gathered_bytes,
         "step_check_ms": step_check_ms,
+        "comm_hook": args.comm_hook,
     });
+    add_net(&mut out, net);
     if let Some(s) = replicate::state(&model) {
         let st = s.stats();
         let size_of: std::collections::HashMap<String, usize> = vs

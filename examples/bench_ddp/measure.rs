@@ -109,3 +109,33 @@ pub(crate) fn held_bytes(vs: &tch::nn::VarStore) -> (usize, usize) {
         .sum();
     (params, grads)
 }
+
+/// The bytes this process's network namespace received and sent on `eth0` so far
+/// (`/proc/net/dev`; the hosts part runs each host as a namespace whose `eth0` is its link
+/// to the others); `None` without an `eth0`.
+pub(crate) fn eth0_bytes() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/net/dev").ok()?;
+    let line = text
+        .lines()
+        .find_map(|l| l.trim_start().strip_prefix("eth0:"))?;
+    let f: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    Some((*f.first()?, *f.get(8)?))
+}
+
+/// `eth0`'s received and sent bytes per timed step since `start` (from [`eth0_bytes`]).
+pub(crate) fn net_window(start: Option<(u64, u64)>, steps: usize) -> Option<(f64, f64)> {
+    let ((rx0, tx0), (rx1, tx1)) = (start?, eth0_bytes()?);
+    let per = |a: u64, b: u64| b.saturating_sub(a) as f64 / steps as f64;
+    Some((per(rx0, rx1), per(tx0, tx1)))
+}
+
+/// Adds [`net_window`]'s figures to a `BENCH` record (nothing without an `eth0`).
+pub(crate) fn add_net(out: &mut serde_json::Value, net: Option<(f64, f64)>) {
+    if let Some((rx, tx)) = net {
+        out["net_rx_bytes_per_step"] = rx.into();
+        out["net_tx_bytes_per_step"] = tx.into();
+    }
+}

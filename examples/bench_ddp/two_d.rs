@@ -195,10 +195,12 @@ pub(crate) fn two_d(args: &Args, pg: &ProcessGroup) -> Result<(), Box<dyn std::e
     pg.barrier()?;
     let (mut cpu0, mut busy0, mut wall0) = (0.0, 0.0, Instant::now());
     let mut sys0 = 0.0;
+    let mut net0 = None;
     for i in 0..args.warmup + args.steps {
         if i == args.warmup {
             (cpu0, busy0, wall0) = (cpu_ms(), machine_busy_ms(), Instant::now());
             sys0 = sys_ms();
+            net0 = eth0_bytes();
         }
         let t0 = Instant::now();
         opt.zero_grad();
@@ -220,6 +222,7 @@ pub(crate) fn two_d(args: &Args, pg: &ProcessGroup) -> Result<(), Box<dyn std::e
             upd.push(u);
         }
     }
+    let net = net_window(net0, args.steps);
     let window = Window {
         wall_ms: ms(wall0),
         cpu_ms: cpu_ms() - cpu0,
@@ -237,7 +240,7 @@ pub(crate) fn two_d(args: &Args, pg: &ProcessGroup) -> Result<(), Box<dyn std::e
                 .map(|(_, t)| tensor_bytes(t))
         })
         .sum();
-    let out = serde_json::json!({
+    let mut out = serde_json::json!({
         "cpu_ms": window.cpu_ms / args.steps as f64,
         "sys_ms": sys_per_step,
         "window": window.json(),
@@ -265,6 +268,7 @@ pub(crate) fn two_d(args: &Args, pg: &ProcessGroup) -> Result<(), Box<dyn std::e
         "optim_bytes": optim_bytes,
         "state_bytes": param_bytes + grad_bytes + optim_bytes,
     });
+    add_net(&mut out, net);
     println!("BENCH {out}");
     pg.barrier()?;
     Ok(())
