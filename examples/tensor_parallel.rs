@@ -12,12 +12,12 @@
 //! ```
 //!
 //! Every failure ends the program with one line, `error: ...`, and exit status 1 (a failing
-//! collective in a sharded layer's hook is `f_call`'s error; the loop uses `f_backward`
-//! instead of tch's `backward_step`, which unwraps).
+//! collective in a sharded layer's hook is `f_call`'s error; `tch_dist::optim::Sgd`'s
+//! `backward_step` returns a failed backward as an error, where tch's unwraps).
 
 use std::time::Instant;
 
-use tch::nn::{self, Module, OptimizerConfig};
+use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tch_dist::sharding::{shard_module, MegatronPlanner, ShardingPlanner};
 use tch_dist::{init_process_group, Backend, Call, Shardable};
@@ -144,7 +144,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "rank {rank}: {local} of {whole} parameters (blocks.0.fc1.weight {:?})",
         model.blocks[0].fc1.ws.size()
     );
-    let mut opt = nn::Sgd {
+    let mut opt = tch_dist::optim::Sgd {
         momentum: 0.9,
         ..Default::default()
     }
@@ -168,9 +168,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             let loss = model
                 .f_call(&x_train.index_select(0, &idx))?
                 .cross_entropy_for_logits(&y_train.index_select(0, &idx));
-            opt.zero_grad();
-            loss.f_backward()?;
-            opt.step();
+            opt.backward_step(&loss)?;
             if let Some(b) = &bar {
                 b.set_message(format!(
                     "epoch {} loss {:.4}",

@@ -13,10 +13,22 @@
 //! - [`fully_shard()`](fully_shard()): fully sharded data parallelism (PyTorch's FSDP2):
 //!   parameters, gradients and optimizer state sharded across ranks, gathered per block
 //!   around forward and backward;
-//! - [`pipelining`]: pipeline parallelism (`PipelineStage`, `ScheduleGPipe`, `Schedule1F1B`,
-//!   `ScheduleInterleaved1F1B`);
-//! - [`sharding`]: tensor parallelism (`ShardingPlan`, sharders, planners, `shard_module`,
-//!   `ShardedTensor`).
+//! - [`device_mesh`]: ranks laid out as a mesh with a group per dim ([`init_device_mesh`]),
+//!   for HSDP (`fully_shard` over a 2-D mesh) and FSDP x TP;
+//! - [`sharding`]: tensor parallelism (`parallelize_module` with PyTorch's styles,
+//!   `ShardingPlan`, sharders, planners, `shard_module`), sequence parallelism included;
+//! - [`pipelining`]: pipeline parallelism (`PipelineStage` and five schedules:
+//!   `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`,
+//!   `ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`);
+//! - [`activation_checkpoint`]: activation checkpointing ([`checkpoint_activations`]:
+//!   a module's activations recomputed in backward instead of kept);
+//! - [`checkpoint`]: distributed checkpoints in PyTorch DCP's safetensors layout (`save`,
+//!   `async_save`, `load` of a [`checkpoint::State`], resharding to any world size), read and
+//!   written by PyTorch's `dcp` too; [`state_dict`]: where each rank's pieces lie;
+//! - [`optim`]: SGD and AdamW over sharded and replicated parameters, with PyTorch's
+//!   settings, whose state a checkpoint carries;
+//! - the launcher, `tch-dist-run` (crate `tch-dist-launcher`): torchrun's command line, across
+//!   hosts and restarts included.
 //!
 //! Data-parallel training is an ordinary tch loop once the model is replicated:
 //!

@@ -14,7 +14,7 @@ tch-dist: libtorch was not found. Set one of:
                                    site-packages/torch (torch 2.11.0, as tch 0.24 expects)
   LIBTORCH_USE_PYTORCH=1           use the torch of the `python3` on PATH
 In a checkout of tch-dist, `make setup` creates .venv with torch 2.11.0:
-  LIBTORCH=<checkout>/.venv/lib/python3.11/site-packages/torch";
+  LIBTORCH=<checkout>/.venv/torch     (a link to its torch, whatever the Python version)";
 
 /// Ok when LIBTORCH or LIBTORCH_USE_PYTORCH is set, libtorch is installed system-wide, or
 /// this is a docs.rs build (which compiles with tch's `doc-only` and links nothing).

@@ -9,9 +9,9 @@
 //! torchrun --standalone --nproc-per-node 2 --no-python target/release/my-trainer
 //! ```
 
-use tch::nn::{self, Module, OptimizerConfig};
+use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
-use tch_dist::{init_process_group, replicate, Backend};
+use tch_dist::{init_process_group, optim, replicate, Backend};
 
 const STEPS: usize = 60;
 
@@ -35,7 +35,9 @@ fn train() -> Result<(), Box<dyn std::error::Error>> {
         .add(nn::linear(vs.root() / "fc2", 16, 1, Default::default()));
     // Rank 0's initial weights on every rank; gradients averaged during backward.
     let model = replicate::wrap(net, &vs, replicate::Options::default())?;
-    let mut opt = nn::Sgd::default().build(&vs, 0.05)?;
+    // tch-dist's optimizers return a failed backward (a peer gone, a desync) as an error;
+    // tch's `nn::Sgd` would panic in `backward_step`.
+    let mut opt = optim::Sgd::default().build(&vs, 0.05)?;
     let truth = Tensor::from_slice(&[1.0f32, -2.0, 0.5, 3.0]).view([4, 1]);
     // Each rank draws batches of its own.
     tch::manual_seed(1 + pg.rank() as i64);
@@ -45,7 +47,7 @@ fn train() -> Result<(), Box<dyn std::error::Error>> {
         let loss = model
             .forward(&x)
             .mse_loss(&x.matmul(&truth), tch::Reduction::Mean);
-        opt.backward_step(&loss);
+        opt.backward_step(&loss)?;
         losses.push(loss.double_value(&[]));
     }
     let params: f64 = vs
