@@ -54,7 +54,7 @@ pub(crate) fn check_step(
         .exchange_values(op, own, &[input_rows, target_rows])
         .map_err(|refusal| PipelineError::refused(rank, op, refusal))?;
     let sum = |i: usize| every_rank.iter().map(|values| values[i]).sum::<i64>();
-    let refuse = |problem| PipelineError::Invalid { rank, op, problem };
+    let refuse = |problem: PipelineProblem| problem.on(rank, op);
     let (batch, target) = (sum(0), sum(1));
     if batch <= 0 || batch % n_microbatches as i64 != 0 {
         return Err(refuse(PipelineProblem::BatchNotDivisible {

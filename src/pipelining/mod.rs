@@ -20,7 +20,7 @@
 //! | `validate.rs` | a rank's own checks of its stages and microbatch count, by what the schedule asks (plain data) | `schedules.py` (the constructors' `ValueError`s, `_validate_schedule`) |
 //! | `order.rs` | each schedule's order of forwards and backwards on one rank | `schedules.py` (`_step_microbatches`, `_get_1f1b_rank_ops`, `_calculate_single_rank_operations`) |
 //! | `microbatch.rs` | splitting a batch along dim 0, the step's batch check on every rank | `microbatch.py` (`split_args_kwargs_into_chunks`, `TensorChunkSpec`) |
-//! | `error.rs`: [`PipelineError`], [`PipelineProblem`], [`Transfer`] | why a schedule refused or a step failed | the `ValueError`s / `RuntimeError`s of `schedules.py` and `stage.py` |
+//! | `error.rs`: [`PipelineError`] ([`OnOp`] of a [`PipelineProblem`], [`OnStage`] of a [`StageProblem`]), [`Transfer`] | why a schedule refused or a step failed, the context (rank, operation or stage) written once | the `ValueError`s / `RuntimeError`s of `schedules.py` and `stage.py` |
 //!
 //! Every check that all ranks make together (a schedule's settings, a step's batch) goes
 //! through the runtime's `ProcessGroup::agree_on_values` / `exchange_values`.
@@ -57,7 +57,7 @@ mod stage;
 mod transport;
 mod validate;
 
-pub use error::{PipelineError, PipelineProblem, Transfer};
+pub use error::{OnOp, OnStage, PipelineError, PipelineProblem, StageProblem, Transfer};
 pub use meta::TensorMeta;
 pub use schedules::{
     Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,

@@ -25,7 +25,7 @@ use tch_dist_core::hooks::ForwardError;
 use tch_dist_core::trace;
 use tch_dist_runtime::ProcessGroup;
 
-use super::error::{PipelineError, PipelineProblem};
+use super::error::{PipelineError, PipelineProblem, StageProblem};
 use super::microbatch::{check_step, split};
 use super::order::{self, Action, Work};
 use super::placement::Placement;
@@ -107,11 +107,8 @@ impl<M: 'static> Runner<M> {
             s.set_placement(rules.placement);
         }
         let Some(first) = stages.first() else {
-            return Err(PipelineError::Invalid {
-                rank: tch_dist_runtime::default_group().map_or(0, |g| g.rank()),
-                op,
-                problem: PipelineProblem::NoStages,
-            });
+            let rank = tch_dist_runtime::default_group().map_or(0, |g| g.rank());
+            return Err(PipelineProblem::NoStages.on(rank, op));
         };
         let group = first.group().clone();
         let (rank, group_size) = (group.rank(), group.world_size());
@@ -257,26 +254,22 @@ impl<M: 'static> Runner<M> {
                             continue;
                         };
                         let loss_fn = &self.loss_fn;
-                        let loss = catch_unwind(AssertUnwindSafe(|| loss_fn(&output, y))).map_err(
-                            |p| PipelineError::Loss {
-                                rank,
-                                stage: a.stage,
+                        let loss_error = |message| {
+                            StageProblem::Loss {
                                 microbatch: mb,
-                                message: panic_text(p),
-                            },
-                        )?;
+                                message,
+                            }
+                            .on(rank, a.stage)
+                        };
+                        let loss = catch_unwind(AssertUnwindSafe(|| loss_fn(&output, y)))
+                            .map_err(|p| loss_error(panic_text(p)))?;
                         if loss.numel() != 1 {
                             // A backward from it would sum it (PyTorch refuses too: "grad can
                             // be implicitly created only for scalar outputs").
-                            return Err(PipelineError::Loss {
-                                rank,
-                                stage: a.stage,
-                                microbatch: mb,
-                                message: format!(
-                                    "the loss must be one number (a mean), not of shape {:?}",
-                                    loss.size()
-                                ),
-                            });
+                            return Err(loss_error(format!(
+                                "the loss must be one number (a mean), not of shape {:?}",
+                                loss.size()
+                            )));
                         }
                         losses[mb] = Some(loss.detach());
                         let root = if self.scale_grads {
@@ -309,12 +302,11 @@ fn forward_catching<M: 'static>(
     let rank = stage.group().rank();
     let index = stage.stage_index();
     catch_unwind(AssertUnwindSafe(|| stage.forward_one_chunk(mb, input))).unwrap_or_else(|p| {
-        Err(PipelineError::Forward {
-            rank,
-            stage: index,
+        Err(StageProblem::Forward {
             microbatch: mb,
             source: ForwardError::new(panic_text(p)),
-        })
+        }
+        .on(rank, index))
     })
 }
 

@@ -12,7 +12,7 @@ use tch_dist_core::hooks::{catch_forward_errors, ForwardError};
 use tch_dist_core::trace;
 use tch_dist_runtime::{backward_input, ProcessGroup, WeightBackward};
 
-use super::error::PipelineError;
+use super::error::{PipelineError, StageProblem};
 use super::meta::TensorMeta;
 use super::placement::Placement;
 use super::transport::{Direction, Expect, Handoff, Outbox, Transport};
@@ -293,12 +293,11 @@ impl<M> PipelineStage<M> {
         input: Tensor,
     ) -> Result<Tensor, PipelineError> {
         let output = (self.forward)(&self.module, &input, true).map_err(|source| {
-            PipelineError::Forward {
-                rank: self.group().rank(),
-                stage: self.stage_index(),
+            StageProblem::Forward {
                 microbatch: mb,
                 source,
             }
+            .on(self.group().rank(), self.stage_index())
         })?;
         let input = (!self.is_first()).then_some(input);
         self.chunks.insert(
@@ -350,11 +349,12 @@ impl<M> PipelineStage<M> {
     ) -> Result<(), PipelineError> {
         let rank = self.group().rank();
         let stage = self.stage_index();
-        let backward_error = |source| PipelineError::Backward {
-            rank,
-            stage,
-            microbatch: mb,
-            source,
+        let backward_error = |source| {
+            StageProblem::Backward {
+                microbatch: mb,
+                source,
+            }
+            .on(rank, stage)
         };
         let Some(chunk) = self.chunks.remove(&mb) else {
             return Err(backward_error(tch::TchError::Kind(format!(
@@ -362,11 +362,12 @@ impl<M> PipelineStage<M> {
             ))));
         };
         if let Some(f) = self.on_backward.as_mut() {
-            f(mb + 1 == n).map_err(|source| PipelineError::GradientSync {
-                rank,
-                stage,
-                microbatch: mb,
-                source,
+            f(mb + 1 == n).map_err(|source| {
+                StageProblem::GradientSync {
+                    microbatch: mb,
+                    source,
+                }
+                .on(rank, stage)
             })?;
         }
         let grad = if self.is_last() {
@@ -404,11 +405,12 @@ impl<M> PipelineStage<M> {
             Some(weights) => {
                 let _span =
                     trace::enabled().then(|| trace::span(format!("weight pass {mb}"), "backward"));
-                weights.run().map_err(|e| PipelineError::Backward {
-                    rank: self.group().rank(),
-                    stage: self.stage_index(),
-                    microbatch: mb,
-                    source: tch::TchError::Kind(e.to_string()),
+                weights.run().map_err(|e| {
+                    StageProblem::Backward {
+                        microbatch: mb,
+                        source: tch::TchError::Kind(e.to_string()),
+                    }
+                    .on(self.group().rank(), self.stage_index())
                 })
             }
             None => Ok(()),

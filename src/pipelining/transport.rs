@@ -31,7 +31,7 @@ use tch::{Device, Tensor};
 use tch_dist_core::trace;
 use tch_dist_runtime::{DistError, Object, ProcessGroup, Work};
 
-use super::error::{PipelineError, Transfer};
+use super::error::{PipelineError, StageProblem, Transfer};
 use super::meta::TensorMeta;
 use super::placement::Placement;
 
@@ -111,14 +111,15 @@ impl PendingSend {
             peer_rank,
             ..
         } = self;
-        work.wait().map_err(|e| PipelineError::Transfer {
-            rank,
-            stage,
-            transfer,
-            microbatch,
-            peer_stage,
-            peer_rank,
-            source: Box::new(e),
+        work.wait().map_err(|e| {
+            StageProblem::Transfer {
+                transfer,
+                microbatch,
+                peer_stage,
+                peer_rank,
+                source: Box::new(e),
+            }
+            .on(rank, stage)
         })
     }
 }
@@ -340,14 +341,13 @@ impl Transport {
         let next = self.stage_index + 1;
         let meta = TensorMeta::of(output);
         match &self.output_meta {
-            Some(expected) if *expected != meta => Err(PipelineError::ShapeMismatch {
-                rank: self.group.rank(),
-                stage: self.stage_index,
+            Some(expected) if *expected != meta => Err(StageProblem::ShapeMismatch {
                 next_stage: next,
                 microbatch: mb,
                 expected: expected.clone(),
                 got: meta,
-            }),
+            }
+            .on(self.group.rank(), self.stage_index)),
             Some(_) => Ok(meta),
             None => {
                 self.group
@@ -375,11 +375,12 @@ impl Transport {
             .recv_object_list(&mut got, peer_rank)
             .map_err(|e| self.transfer_error(Transfer::RecvMetadata, mb, prev, e))?;
         let text = got[0].as_str().unwrap_or_default().to_string();
-        let meta = TensorMeta::decode(&text).ok_or_else(|| PipelineError::Metadata {
-            rank: self.group.rank(),
-            stage: self.stage_index,
-            from_stage: prev,
-            text: text.clone(),
+        let meta = TensorMeta::decode(&text).ok_or_else(|| {
+            StageProblem::Metadata {
+                from_stage: prev,
+                text: text.clone(),
+            }
+            .on(self.group.rank(), self.stage_index)
         })?;
         self.input_meta = Some(meta.clone());
         Ok(meta)
@@ -475,15 +476,14 @@ impl Transport {
         peer_stage: usize,
         e: DistError,
     ) -> PipelineError {
-        PipelineError::Transfer {
-            rank: self.group.rank(),
-            stage: self.stage_index,
+        StageProblem::Transfer {
             transfer,
             microbatch,
             peer_stage,
             peer_rank: self.rank_of(peer_stage),
             source: Box::new(e),
         }
+        .on(self.group.rank(), self.stage_index)
     }
 
     /// Forgets the activation metadata, so that the next step sends (or receives) it again:

@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 use tch::nn::{self, Module};
 use tch::{Device, Tensor};
 use tch_dist::pipelining::{
-    PipelineError, PipelineProblem, PipelineStage, Schedule1F1B, ScheduleGPipe,
-    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, Transfer,
+    OnOp, OnStage, PipelineError, PipelineProblem, PipelineStage, Schedule1F1B, ScheduleGPipe,
+    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, StageProblem,
+    Transfer,
 };
 use tch_dist::testing::{describe, run_ranks, run_ranks_with, worker, Launch};
 use tch_dist::Backend;
@@ -18,15 +19,15 @@ use super::{batch, mse, part, sgd, stages, Part, BATCH, MODEL};
 
 const CUTS: [usize; 3] = [0, 2, 6];
 
-/// The problem of an `Invalid` error from `op` on this rank, and its message.
+/// The problem of an `OnOp` error from `op` on this rank, and its message.
 fn problem(rank: usize, op: &str, e: PipelineError) -> (PipelineProblem, String) {
     let text = e.to_string();
     match e {
-        PipelineError::Invalid {
+        PipelineError::OnOp(OnOp {
             rank: r,
             op: o,
             problem,
-        } if r == rank && o == op => (problem, text),
+        }) if r == rank && o == op => (problem, text),
         e => panic!("{e:?}"),
     }
 }
@@ -403,14 +404,18 @@ fn an_output_that_changes_shape_is_an_error_naming_both_stages() {
             );
         } else {
             match &e {
-                PipelineError::Transfer {
+                PipelineError::OnStage(OnStage {
+                    rank: 1,
                     stage: 1,
-                    transfer: Transfer::RecvActivation,
-                    microbatch: 0,
-                    peer_stage: 0,
-                    peer_rank: 0,
-                    ..
-                } => {}
+                    problem:
+                        StageProblem::Transfer {
+                            transfer: Transfer::RecvActivation,
+                            microbatch: 0,
+                            peer_stage: 0,
+                            peer_rank: 0,
+                            ..
+                        },
+                }) => {}
                 e => panic!("{e:?}"),
             }
             assert_eq!(
@@ -441,7 +446,10 @@ fn a_loss_that_is_not_one_number_is_an_error() {
             .unwrap_err();
         if first {
             assert!(
-                matches!(e, PipelineError::Transfer { stage: 0, .. }),
+                matches!(
+                    (e.stage(), e.stage_problem()),
+                    (Some(0), Some(StageProblem::Transfer { .. }))
+                ),
                 "{e:?}"
             );
         } else {
@@ -503,7 +511,10 @@ fn a_stage_killed_mid_step_fails_every_other_rank_within_the_timeout() {
                 line.starts_with(&format!("rank {rank}: stage {rank}: ")) && !line.contains('\n'),
                 "{line}"
             );
-            assert!(matches!(e, PipelineError::Transfer { .. }), "{e:?}");
+            assert!(
+                matches!(e.stage_problem(), Some(StageProblem::Transfer { .. })),
+                "{e:?}"
+            );
             println!("pipeline-error: {line}");
             // The group is unusable with rank 2 gone: end here.
             println!("tch-dist-test: rank body finished: {KILLED} {rank}");
