@@ -20,6 +20,28 @@
 //! seen before any pass-sized collective is sent. Once the headers agree, both ranks run
 //! the same pass of the same program, whose collectives have the same sizes.
 //!
+//! Why not the runtime's helper for "ranks agree on these settings"
+//! ([`ProcessGroup::agree_on_values`] / [`ProcessGroup::exchange_values`], which the
+//! pipeline's checks use): the step check is no like-for-like case of it, and issue 42's
+//! step 3 left it out on purpose.
+//! - It overlaps the pass. replicate's backward starts the header's all-gather in its first
+//!   gradient hook and waits for it only before its first bucket ([`begin`], then
+//!   [`PendingCheck::finish`]), so backward computes meanwhile; the helper is one blocking
+//!   all-reduce, which would put the whole exchange on every backward's critical path.
+//! - It compares whole values, not named settings. [`Mismatch::Step`] and
+//!   [`Mismatch::Program`] name the lowest rank whose position (then program) differs from
+//!   this rank's, with that rank's whole [`StepPosition`] and [`PassProgram`];
+//!   `agree_on_values`' `Refusal::Differs` names the first setting that differs, the lowest
+//!   rank differing in that one setting and its one `i64`, from which neither the same rank
+//!   nor its position can be rebuilt (the texts the tests pin would change).
+//! - Nothing refuses: no rank has a problem of its own to report, so the helper's refusal
+//!   half (`Refusal::Own`, `Refusal::Peer`) has nothing to carry.
+//! - The encoding stays either way: the helper exchanges `i64`s, and a position and a
+//!   program become `i64`s only through [`Header::encode`] (phase codes, the signature's op
+//!   and dtype codes, dims folded into [`DIMS`]). `exchange_values` could replace only the
+//!   all-gather's few lines, at the cost of the overlap above and a row per rank
+//!   all-reduced by every rank (world × 16 `i64`s instead of 15 each).
+//!
 //! The header (int64): a tag, the pass, the forward passes begun, the backward passes begun,
 //! the caller's own step number ([`set_step`], -1 without one), then the pass's program:
 //! the tensor-parallel collectives the forward passes recorded for this backward, and the
