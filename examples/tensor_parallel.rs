@@ -164,6 +164,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         tch::manual_seed(1000 + epoch as i64); // the same batches on every rank
         let order = Tensor::randperm(n_train, (Kind::Int64, Device::Cpu));
         for step in 0..steps {
+            // The same on every rank: a rank off by a step fails every rank (the step check).
+            tch_dist::set_step((epoch as i64 * steps + step) as u64);
             let idx = order.narrow(0, step * batch, batch.min(n_train - step * batch));
             let loss = model
                 .f_call(&x_train.index_select(0, &idx))?

@@ -258,6 +258,9 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
             if global >= total {
                 break 'epochs;
             }
+            // The loop's step number, the same on every rank: a rank that skips or repeats a
+            // step fails every rank at its next pass, naming both steps (the step check).
+            tch_dist::set_step(global);
             let lo = step * per;
             let mine = order.narrow(0, lo, per.min(sampler.len() as i64 - lo));
             let len = mine.size()[0] * world;

@@ -404,6 +404,8 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         let (mut own_loss_sum, mut own_tokens) = (0f64, 0i64);
         for step in 0..steps as i64 {
             let step_start = Instant::now();
+            // The same on every rank: a rank off by a step fails every rank (the step check).
+            tch_dist::set_step(global);
             let lo = step * per;
             let mine = order.narrow(0, lo, per.min(sampler.len() as i64 - lo));
             let (inputs, targets) = (

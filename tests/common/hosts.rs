@@ -261,6 +261,32 @@ impl Drop for Hosts {
     }
 }
 
+/// The launch variables a job must not inherit from the test's own environment (a test run
+/// under a launcher, or as another test's rank): each job's launcher, or the job's command
+/// line, sets its own.
+pub const INHERITED_LAUNCH_VARS: &[&str] = &[
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GLOO_SOCKET_IFNAME",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TCH_DIST_RDZV_ROUND",
+    "TCH_DIST_DEBUG",
+    "TCH_DIST_TEST_WORKER",
+    "TCH_DIST_TEST_KILL_AT_STEP",
+];
+
+/// `cmd` without [`INHERITED_LAUNCH_VARS`]; call it before setting any of them.
+pub fn without_launch_vars(cmd: &mut Command) -> &mut Command {
+    for var in INHERITED_LAUNCH_VARS {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
 /// `tch-dist-run`, built once in this test binary's profile.
 pub fn launcher() -> &'static Path {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use super::hosts::{describe, example, launcher, Ended, Hosts, Job};
+use super::hosts::{describe, example, launcher, without_launch_vars, Ended, Hosts, Job};
 use super::{run_on_hosts, PORT};
 use tch_dist::device_mesh::init_device_mesh;
 use tch_dist::testing::worker;
@@ -48,39 +48,22 @@ fn train_lm_across_hosts_equals_one_host(name: &str, layout: &[&str]) {
             .collect()
     };
     let mut one_host = Command::new(launcher());
-    one_host
+    without_launch_vars(&mut one_host)
         .args(["--nproc-per-node", "4", "--"])
         .arg(&exe)
         .args(args("one_host.jsonl"))
         .env("OMP_NUM_THREADS", "1");
-    for var in [
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ] {
-        one_host.env_remove(var);
-    }
     let hosts = Hosts::new(2);
     let jobs: Vec<Job> = (0..2)
         .map(|node| {
             let mut cmd = hosts.command(node, launcher());
-            cmd.args(["--nnodes", "2", "--node-rank", &node.to_string()])
+            without_launch_vars(&mut cmd)
+                .args(["--nnodes", "2", "--node-rank", &node.to_string()])
                 .args(["--nproc-per-node", "2", "--master-addr", &hosts.addr(0)])
                 .args(["--master-port", PORT, "--"])
                 .arg(&exe)
                 .args(args("hosts.jsonl"))
                 .env("OMP_NUM_THREADS", "1");
-            for var in [
-                "RANK",
-                "LOCAL_RANK",
-                "WORLD_SIZE",
-                "MASTER_ADDR",
-                "MASTER_PORT",
-            ] {
-                cmd.env_remove(var);
-            }
             Job::start(node, cmd)
         })
         .chain([Job::start(9, one_host)])

@@ -19,7 +19,7 @@ mod restarts;
 use std::process::Command;
 use std::time::Duration;
 
-use hosts::{describe, launcher, Ended, Hosts, Job};
+use hosts::{describe, launcher, without_launch_vars, Ended, Hosts, Job};
 use tch::Tensor;
 use tch_dist::testing::{worker, WORKER_ENV};
 use tch_dist::{init_process_group, Backend, ReduceOp};
@@ -32,7 +32,8 @@ const PORT: &str = "29500";
 fn job(hosts: &Hosts, node: usize, nproc: usize, test: &str) -> Command {
     let exe = std::env::current_exe().expect("the test binary's path");
     let mut cmd = hosts.command(node, launcher());
-    cmd.args(["--nnodes", &hosts.count().to_string()])
+    without_launch_vars(&mut cmd)
+        .args(["--nnodes", &hosts.count().to_string()])
         .args(["--node-rank", &node.to_string()])
         .args(["--nproc-per-node", &nproc.to_string()])
         .args(["--master-addr", &hosts.addr(0), "--master-port", PORT, "--"])
@@ -41,18 +42,6 @@ fn job(hosts: &Hosts, node: usize, nproc: usize, test: &str) -> Command {
         .env(WORKER_ENV, test)
         .env("OMP_NUM_THREADS", "1")
         .env("TCH_DIST_TIMEOUT_SECS", "20");
-    for var in [
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "GLOO_SOCKET_IFNAME",
-        "TORCHELASTIC_RUN_ID",
-        "TCH_DIST_DEBUG",
-    ] {
-        cmd.env_remove(var);
-    }
     cmd
 }
 

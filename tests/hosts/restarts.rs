@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::hosts::{describe, example, launcher, Ended, Hosts, Job, Link};
+use super::hosts::{describe, example, launcher, without_launch_vars, Ended, Hosts, Job, Link};
 use tch::Tensor;
 use tch_dist::testing::{worker, WORKER_ENV};
 use tch_dist::{init_process_group, Backend, ReduceOp};
@@ -30,7 +30,8 @@ const CONF: &str =
 /// `HOST_INDEX` tells a shell rank which host it is on.
 fn c10d(hosts: &Hosts, node: usize, nnodes: &str, nproc: usize, restarts: u32) -> Command {
     let mut cmd = hosts.command(node, launcher());
-    cmd.args(["--nnodes", nnodes, "--nproc-per-node", &nproc.to_string()])
+    without_launch_vars(&mut cmd)
+        .args(["--nnodes", nnodes, "--nproc-per-node", &nproc.to_string()])
         .args(["--rdzv-backend", "c10d", "--rdzv-conf", CONF])
         .args(["--rdzv-endpoint", &format!("{}:{PORT}", hosts.addr(0))])
         .args(["--max-restarts", &restarts.to_string(), "--"])
@@ -38,20 +39,6 @@ fn c10d(hosts: &Hosts, node: usize, nnodes: &str, nproc: usize, restarts: u32) -
         .env("OMP_NUM_THREADS", "1")
         .env("TCH_DIST_TIMEOUT_SECS", "20")
         .env("HOST_INDEX", node.to_string());
-    for var in [
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RUN_ID",
-        "TORCHELASTIC_RESTART_COUNT",
-        "TCH_DIST_RDZV_ROUND",
-        "TCH_DIST_DEBUG",
-        WORKER_ENV,
-    ] {
-        cmd.env_remove(var);
-    }
     cmd
 }
 
@@ -350,26 +337,12 @@ fn kill_and_resume(
     let kill_at = every + 1 + nanos % (steps - every - 1);
     let victim = 2 * nproc - 1;
     let mut reference = Command::new(launcher());
-    reference
+    without_launch_vars(&mut reference)
         .args(["--nproc-per-node", &(2 * nproc).to_string(), "--"])
         .arg(&exe)
         .args(args(&dir.join("reference")))
         .env("OMP_NUM_THREADS", "1")
         .env("TCH_DIST_TIMEOUT_SECS", "60");
-    for var in [
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RUN_ID",
-        "TORCHELASTIC_RESTART_COUNT",
-        "TCH_DIST_RDZV_ROUND",
-        "TCH_DIST_TEST_KILL_AT_STEP",
-        WORKER_ENV,
-    ] {
-        reference.env_remove(var);
-    }
     let reference = Job::start(9, reference);
     let hosts = Hosts::new(2);
     let start = Instant::now();
@@ -551,33 +524,27 @@ fn the_same_command_lines_run_under_torchrun() {
                     CONF.to_string()
                 };
                 let mut cmd = hosts.command(i, &program);
-                cmd.args([
-                    "--nnodes",
-                    "2",
-                    "--nproc-per-node",
-                    "1",
-                    "--max-restarts",
-                    "1",
-                ])
-                .args(["--rdzv-backend", "c10d", "--rdzv-conf", &conf])
-                .args(["--rdzv-endpoint", &format!("{}:{PORT}", hosts.addr(0))])
-                .args([
-                    "--local-addr",
-                    &hosts.addr(i),
-                    separator,
-                    "sh",
-                    "-c",
-                    &script,
-                ])
-                .env("HOST_INDEX", i.to_string())
-                .env("GLOO_SOCKET_IFNAME", "eth0");
-                for var in [
-                    "TORCHELASTIC_RUN_ID",
-                    "TORCHELASTIC_RESTART_COUNT",
-                    "MASTER_PORT",
-                ] {
-                    cmd.env_remove(var);
-                }
+                without_launch_vars(&mut cmd)
+                    .args([
+                        "--nnodes",
+                        "2",
+                        "--nproc-per-node",
+                        "1",
+                        "--max-restarts",
+                        "1",
+                    ])
+                    .args(["--rdzv-backend", "c10d", "--rdzv-conf", &conf])
+                    .args(["--rdzv-endpoint", &format!("{}:{PORT}", hosts.addr(0))])
+                    .args([
+                        "--local-addr",
+                        &hosts.addr(i),
+                        separator,
+                        "sh",
+                        "-c",
+                        &script,
+                    ])
+                    .env("HOST_INDEX", i.to_string())
+                    .env("GLOO_SOCKET_IFNAME", "eth0");
                 Job::start(i, cmd)
             })
             .collect();
