@@ -517,14 +517,7 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
     'epochs: for epoch in start_at.epoch..args.epochs as u64 {
         sampler.set_epoch(epoch);
         let order = Tensor::from_slice(&sampler.indices()?);
-        // A resumed epoch skips the batches done before the checkpoint: the same data order
-        // as an uninterrupted run.
-        let first = if epoch == start_at.epoch {
-            start_at.batch as i64
-        } else {
-            0
-        };
-        for step in first..steps_per_epoch {
+        for step in start_at.first_batch(epoch)..steps_per_epoch {
             if global >= total {
                 break 'epochs;
             }

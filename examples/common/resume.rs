@@ -95,6 +95,17 @@ impl Position {
         }
     }
 
+    /// The first batch to train in epoch `epoch` of a run that starts here: in the epoch it
+    /// resumes, the batch after the checkpoint's (the batches done before are skipped, so the
+    /// data order is an uninterrupted run's); in every later epoch, 0.
+    pub fn first_batch(self, epoch: u64) -> i64 {
+        if epoch == self.epoch {
+            self.batch as i64
+        } else {
+            0
+        }
+    }
+
     pub fn to_json(self) -> serde_json::Value {
         serde_json::json!({ "step": self.step, "epoch": self.epoch, "batch": self.batch })
     }

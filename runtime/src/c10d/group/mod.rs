@@ -86,23 +86,12 @@ struct World {
     _heartbeat: Heartbeat,
 }
 
+/// A group's state: its handle, its [`Shape`] (read through `Deref`: `inner.rank`), and
+/// what changes while it lives.
 struct GroupInner {
     handle: GroupHandle,
     world: Arc<World>,
-    /// PyTorch's group name: "0" for the default group, the group count or a hash for
-    /// subgroups.
-    name: String,
-    rank: usize,
-    world_size: usize,
-    backend: Backend,
-    timeout: Duration,
-    global_ranks: Vec<usize>,
-    master: (String, u16),
-    /// The bound CUDA device.
-    device: Option<usize>,
-    shortcuts: bool,
-    cuda_via_gloo: bool,
-    debug: DebugLevel,
+    shape: Shape,
     /// Set by `shutdown`: every later operation fails with `DistError::ShutDown`.
     shut_down: AtomicBool,
     /// Collectives and transfers launched so far.
@@ -117,8 +106,18 @@ struct GroupInner {
     exchanges: AtomicU64,
 }
 
-/// What a new group's `GroupInner` takes beyond its handle.
+impl std::ops::Deref for GroupInner {
+    type Target = Shape;
+
+    fn deref(&self) -> &Shape {
+        &self.shape
+    }
+}
+
+/// What a group is, fixed when it is made.
 struct Shape {
+    /// PyTorch's group name: "0" for the default group, the group count or a hash for
+    /// subgroups.
     name: String,
     rank: usize,
     world_size: usize,
@@ -126,6 +125,7 @@ struct Shape {
     timeout: Duration,
     global_ranks: Vec<usize>,
     master: (String, u16),
+    /// The bound CUDA device.
     device: Option<usize>,
     shortcuts: bool,
     cuda_via_gloo: bool,
@@ -133,21 +133,11 @@ struct Shape {
 }
 
 impl GroupInner {
-    fn new(handle: GroupHandle, world: Arc<World>, s: Shape) -> GroupInner {
+    fn new(handle: GroupHandle, world: Arc<World>, shape: Shape) -> GroupInner {
         GroupInner {
             handle,
             world,
-            name: s.name,
-            rank: s.rank,
-            world_size: s.world_size,
-            backend: s.backend,
-            timeout: s.timeout,
-            global_ranks: s.global_ranks,
-            master: s.master,
-            device: s.device,
-            shortcuts: s.shortcuts,
-            cuda_via_gloo: s.cuda_via_gloo,
-            debug: s.debug,
+            shape,
             shut_down: AtomicBool::new(false),
             launched: AtomicU64::new(0),
             children: Mutex::new(Vec::new()),
