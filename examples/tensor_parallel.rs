@@ -106,15 +106,11 @@ fn main() {
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let Args { epochs, batch, lr } = parse_args()?;
-    // One intra-op thread per rank: the benchmarks and CI run both ranks on one 2-core
-    // machine. A benchmark setting, not advice: on your machine give each rank its share of
-    // the cores (or leave libtorch's default).
-    tch::set_num_threads(1);
+    cli::one_thread_per_rank();
     let pg = init_process_group(Backend::Gloo)?;
     let rank = pg.rank();
 
-    let (x, y) = digits::load_digits(&digits::default_path())?;
-    let (x_train, y_train, x_test, y_test) = digits::train_test_split(&x, &y);
+    let (x_train, y_train, x_test, y_test) = digits::load_split(&digits::default_path())?;
     let n_train = x_train.size()[0];
 
     // The same initialisation everywhere: replicated parameters (embed, norms, head) start

@@ -47,7 +47,6 @@ use tch_dist::{init_process_group, replicate, Backend, Call, Shardable};
 mod checkpoint;
 #[path = "common/digits.rs"]
 mod digits;
-use digits::load_digits;
 
 #[path = "common/cli.rs"]
 mod cli;
@@ -161,15 +160,11 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
     if let Some(dir) = &args.verify {
         return Ok(cli::verify_checkpoint(dir)?);
     }
-    // One intra-op thread per rank: the benchmarks and CI run both ranks on one 2-core
-    // machine. A benchmark setting, not advice: on your machine give each rank its share of
-    // the cores (or leave libtorch's default).
-    tch::set_num_threads(1);
+    cli::one_thread_per_rank();
     let pg = init_process_group(Backend::Gloo)?;
     let (rank, world) = (pg.rank() as i64, pg.world_size() as i64);
 
-    let (x, y) = load_digits(&args.data)?;
-    let (x_train, y_train, x_test, y_test) = digits::train_test_split(&x, &y);
+    let (x_train, y_train, x_test, y_test) = digits::load_split(&args.data)?;
     let n_train = x_train.size()[0];
 
     tch::manual_seed(42);

@@ -63,7 +63,6 @@ use tch_dist::{
 
 #[path = "common/digits.rs"]
 mod digits;
-use digits::load_digits;
 
 #[path = "common/attention_block.rs"]
 mod attention_block;
@@ -346,15 +345,11 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
     if let Some(dir) = &args.verify {
         return Ok(cli::verify_checkpoint(dir)?);
     }
-    // One intra-op thread per rank: the benchmarks and CI run both ranks on one 2-core
-    // machine. A benchmark setting, not advice: on your machine give each rank its share of
-    // the cores (or leave libtorch's default).
-    tch::set_num_threads(1);
+    cli::one_thread_per_rank();
     let pg = init_process_group(Backend::Gloo)?;
     let (rank, world) = (pg.rank() as i64, pg.world_size() as i64);
 
-    let (x, y) = load_digits(&args.data)?;
-    let (x_train, y_train, x_test, y_test) = digits::train_test_split(&x, &y);
+    let (x_train, y_train, x_test, y_test) = digits::load_split(&args.data)?;
     let n_train = x_train.size()[0];
 
     // With --pp: a pp x dp mesh (PyTorch's order of the dims, as torchtitan's); this rank
@@ -521,9 +516,7 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
             if global >= total {
                 break 'epochs;
             }
-            // The loop's step number, the same on every rank: a rank that skips or repeats a
-            // step fails every rank at its next pass, naming both steps (the step check).
-            tch_dist::set_step(global);
+            tch_dist::set_step(global); // for the step check, as in train_ddp
             let lo = step * per;
             let mine = order.narrow(0, lo, per.min(sampler.len() as i64 - lo));
             let len = mine.size()[0] * dp_size;

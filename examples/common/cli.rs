@@ -7,6 +7,13 @@
 use std::fmt::Display;
 use std::str::FromStr;
 
+/// One intra-op thread per rank: the benchmarks, the demo and CI run several ranks on one
+/// 2-core machine. A setting for that machine, not advice: on your machine give each rank
+/// its share of the cores (or leave libtorch's default).
+pub fn one_thread_per_rank() {
+    tch::set_num_threads(1);
+}
+
 /// Runs `run`; then, whatever happened, shuts the default group's backends down (NCCL's
 /// threads must not outlive CUDA's teardown); a failure ends the process with one line,
 /// `error: ` and the error's composed message ([`tch_dist::report`]: its own context, then

@@ -49,6 +49,13 @@ pub fn load_digits(path: &Path) -> Result<(Tensor, Tensor), String> {
 }
 
 /// The same shuffle and 80/20 split on every rank: (x_train, y_train, x_test, y_test).
+/// The dataset at `path`, split as [`train_test_split`] does: `(x_train, y_train, x_test,
+/// y_test)`.
+pub fn load_split(path: &Path) -> Result<(Tensor, Tensor, Tensor, Tensor), String> {
+    let (x, y) = load_digits(path)?;
+    Ok(train_test_split(&x, &y))
+}
+
 pub fn train_test_split(x: &Tensor, y: &Tensor) -> (Tensor, Tensor, Tensor, Tensor) {
     tch::manual_seed(0);
     let perm = Tensor::randperm(x.size()[0], (Kind::Int64, Device::Cpu));

@@ -238,10 +238,7 @@ struct EpochFigures {
 }
 
 fn run(args: &Args) -> Result<(), Box<dyn Error>> {
-    // One intra-op thread per rank: the demo and the tests run 4 ranks on a 2-core machine.
-    // A setting for that machine, not advice: elsewhere give each rank its share of the
-    // cores (or leave libtorch's default).
-    tch::set_num_threads(1);
+    cli::one_thread_per_rank();
     let pg = init_process_group(Backend::Gloo)?;
     let (rank, world) = (pg.rank(), pg.world_size());
     // Every rank sees the same sizes and refuses alike, before any collective that a
