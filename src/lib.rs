@@ -182,7 +182,10 @@ pub mod utils;
 pub use activation_checkpoint::{checkpoint_activations, CheckpointOptions};
 pub use device_mesh::{init_device_mesh, DeviceMesh};
 /// [`nn::sync_batch_norm`] at its path before `tch_dist::nn` held it.
-pub use nn::sync_batch_norm;
+#[deprecated(note = "use tch_dist::nn::sync_batch_norm (the same items)")]
+pub mod sync_batch_norm {
+    pub use crate::nn::sync_batch_norm::*;
+}
 
 pub use fully_shard::{fully_shard, FsdpOptions};
 

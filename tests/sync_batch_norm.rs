@@ -4,7 +4,7 @@
 
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
-use tch_dist::sync_batch_norm::{sync_batch_norm, SyncBatchNorm, SyncBatchNormError};
+use tch_dist::nn::sync_batch_norm::{sync_batch_norm, SyncBatchNorm, SyncBatchNormError};
 use tch_dist::testing::run_ranks;
 use tch_dist::{ProcessGroup, ReduceOp, Shardable};
 

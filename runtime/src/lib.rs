@@ -15,7 +15,7 @@
 //! | `reducer/` | the gradient [`Reducer`] beneath `replicate` (its own table) | DDP's `reducer.cpp` |
 //! | `fsdp/` | the engine side of `fully_shard` (its own table) | `torch/distributed/fsdp/_fully_shard/` |
 //! | `sharding/` | [`ShardedTensor`](sharding::ShardedTensor) and tensor parallelism's differentiable collectives (its own table) | `torch.distributed._shard`, `torch.distributed.tensor.parallel`'s collectives |
-//! | `kernels.rs` | libtorch kernels tch does not expose: the fused optimizers (also at [`fused`]), a seeded `randperm` | `torch._fused_adamw_`, `torch._fused_sgd_`, `torch.randperm(generator=)` |
+//! | `kernels.rs` | libtorch kernels tch does not expose: the fused optimizers (also at the deprecated `fused`), a seeded `randperm` | `torch._fused_adamw_`, `torch._fused_sgd_`, `torch.randperm(generator=)` |
 //! | `testing.rs` | running ranks as real processes, for tests | `MultiProcessTestCase` |
 //! | `rules.rs` | (tests) rules of the source tree the compiler does not see: `error/` imports no engine, no `pub fn` returns `Result<_, String>`, callbacks only through `autograd/callback.rs` | — |
 
@@ -34,7 +34,8 @@ pub mod sharding;
 pub mod testing;
 
 /// The fused optimizers under their first path (`tch_dist_runtime::fused::adamw`); they live in
-/// [`kernels`].
+/// [`kernels`], which is the path to use.
+#[deprecated(note = "use tch_dist_runtime::kernels (the same items)")]
 pub mod fused {
     pub use crate::kernels::{adamw, sgd, AdamWHyper, KernelError, SgdHyper};
 }

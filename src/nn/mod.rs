@@ -7,7 +7,8 @@
 //! | `tch_dist_core::nn` (re-exported) | `Shardable` for tch's layers with PyTorch's names, [`lstm`], [`gru`], the layers' typed paths | `torch/nn/modules/*` (the names of their tensors) |
 //! | `sync_batch_norm.rs` | [`SyncBatchNorm`]: batch normalisation over every rank's batch | `torch/nn/modules/batchnorm.py` (`SyncBatchNorm`), `torch/nn/modules/_functions.py` (`SyncBatchNorm`'s autograd function) |
 //!
-//! [`sync_batch_norm`] is also at `tch_dist::sync_batch_norm`, its path before this folder.
+//! [`sync_batch_norm`] is also at the deprecated `tch_dist::sync_batch_norm`, its path before
+//! this folder.
 
 pub use tch_dist_core::nn::*;
 

@@ -28,7 +28,7 @@ use tch_dist_runtime::{default_group, DistError, ProcessGroup};
 /// Why a [`SyncBatchNorm`] forward failed.
 ///
 /// ```
-/// use tch_dist::sync_batch_norm::SyncBatchNormError;
+/// use tch_dist::nn::sync_batch_norm::SyncBatchNormError;
 /// let e = SyncBatchNormError::TooFewValues { rank: 0, count: 1 };
 /// assert_eq!(e.to_string(), "rank 0: SyncBatchNorm: expected more than 1 value per channel when training, got 1 over all ranks");
 /// ```
@@ -63,7 +63,7 @@ pub enum SyncBatchNormError {
 ///
 /// ```no_run
 /// use tch::nn::{self, ModuleT};
-/// use tch_dist::sync_batch_norm::sync_batch_norm;
+/// use tch_dist::nn::sync_batch_norm::sync_batch_norm;
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
 /// let vs = nn::VarStore::new(tch::Device::Cpu);
@@ -120,7 +120,7 @@ impl SyncBatchNorm {
     ///
     /// ```
     /// use tch::nn;
-    /// use tch_dist::sync_batch_norm::SyncBatchNorm;
+    /// use tch_dist::nn::sync_batch_norm::SyncBatchNorm;
     /// let vs = nn::VarStore::new(tch::Device::Cpu);
     /// let bn = nn::batch_norm1d(vs.root() / "bn", 8, Default::default());
     /// let sync = SyncBatchNorm::from_batch_norm(bn, 1e-5, 0.1);

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use tch::{Kind, Tensor};
-use tch_dist_runtime::fused::{self, AdamWHyper};
+use tch_dist_runtime::kernels::{self as fused, AdamWHyper};
 
 use super::{OptimError, Optimizer, ParamState};
 

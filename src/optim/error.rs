@@ -1,7 +1,7 @@
 //! [`OptimError`]: a refused hyperparameter (PyTorch's checks and messages), or a step that
 //! could not run, naming the parameter's FQN.
 
-use tch_dist_runtime::fused::KernelError;
+use tch_dist_runtime::kernels::KernelError;
 
 /// Why an optimizer could not be built or could not step. A failed `step` changed no
 /// parameter and no state.

@@ -1,7 +1,7 @@
 //! Optimizers whose state is reachable, so that checkpoints can save it: [`Sgd`] and
 //! [`AdamW`], torch.optim's settings, defaults and checks, built in tch's style, stepping
 //! with libtorch's own fused kernels (`at::_fused_sgd_`, `at::_fused_adamw_`, through the
-//! runtime's [`fused`](tch_dist_runtime::fused) functions).
+//! runtime's [`kernels`](tch_dist_runtime::kernels) functions).
 //!
 //! An [`Optimizer`] works on whatever tensors its `VarStore` holds: a parameter that
 //! [`shard_module`](crate::sharding::shard_module) sharded (its data replaced in place by its

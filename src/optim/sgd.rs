@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use tch::Tensor;
-use tch_dist_runtime::fused::{self, SgdHyper};
+use tch_dist_runtime::kernels::{self as fused, SgdHyper};
 
 use super::{OptimError, Optimizer, ParamState};
 
