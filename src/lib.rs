@@ -149,6 +149,20 @@
 //! See docs/FROM_PYTORCH.md for each `torch.distributed` call and its tch-dist line,
 //! docs/ARCHITECTURE.md for how the crates fit together and docs/PERFORMANCE.md for the
 //! benchmarks against PyTorch DDP.
+//!
+//! **What else is public at the root, and why.** Some items a training loop never names
+//! are public on purpose:
+//! - [`Reducer`] is the engine under [`replicate`], for a data-parallel wrapper of one's own.
+//! - [`Store`] is the job's key-value store ([`ProcessGroup::store`], PyTorch's `Store`), for
+//!   a rendezvous of one's own.
+//! - [`CallTensor`] and [`CollectiveCall`] are the data of a [`Desync`] error, which callers
+//!   read.
+//! - The `*_ENV` constants are the names of the variables tch-dist reads, for programs that
+//!   set them for the ranks they start.
+//! - [`testing`] holds the multi-process harness this crate's own tests use, for tests of
+//!   distributed code of one's own.
+//!
+//! The old paths `tch_dist::sync_batch_norm` and `tch_dist_runtime::fused` are deprecated.
 
 #![warn(missing_docs)]
 
