@@ -37,8 +37,8 @@ use std::time::Instant;
 
 use tch::nn::{self, Module};
 use tch::{Device, Tensor};
+use tch_dist::checkpoint::State;
 use tch_dist::checkpoint::{self as dcp, SaveOptions};
-use tch_dist::checkpoint::{LoadOptions, State};
 use tch_dist::data::{DistributedSampler, SamplerOptions};
 use tch_dist::optim::{self, Optimizer};
 use tch_dist::{init_process_group, replicate, Backend, Call, Shardable};
@@ -183,16 +183,9 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
             // Every rank sees the same folder: nothing writes there while the ranks start.
             // A damaged newest checkpoint (a changed byte, a missing file) is skipped for the
             // newest one that verifies on every rank.
-            if let Some(last) = resume::newest_valid(dir, &pg)? {
-                let mut state = State::new(&model).with_optimizer(&mut opt);
-                dcp::load(&last, &mut state, &pg, &LoadOptions::default())?;
-                let train_state = state
-                    .train_state()
-                    .ok_or_else(|| format!("{}: no train state", last.display()))?;
-                start_at = Position::from_json(train_state)?;
-                if rank == 0 {
-                    println!("resumed from {} at step {}", last.display(), start_at.step);
-                }
+            let mut state = State::new(&model).with_optimizer(&mut opt);
+            if let Some(at) = resume::load_newest(dir, &mut state, &pg)? {
+                start_at = at;
             }
         }
         None if args.resume => checkpoint::load_exact(&vs, &args.checkpoint)?,

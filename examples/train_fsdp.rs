@@ -52,7 +52,7 @@ use std::time::Instant;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tch_dist::checkpoint;
-use tch_dist::checkpoint::{LoadOptions, SaveOptions, State};
+use tch_dist::checkpoint::{SaveOptions, State};
 use tch_dist::data::{DistributedSampler, SamplerOptions};
 use tch_dist::device_mesh::init_device_mesh;
 use tch_dist::optim::{self, Optimizer};
@@ -440,16 +440,9 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
     let mut start_at = Position::default();
     if let Some(dir) = &args.checkpoint_dir {
         if resume::should_resume(&pg, args.resume)? {
-            if let Some(last) = resume::newest_valid(dir, &pg)? {
-                let mut state = State::new(trainer.model()).with_optimizer(&mut opt);
-                checkpoint::load(&last, &mut state, &pg, &LoadOptions::default())?;
-                let train_state = state
-                    .train_state()
-                    .ok_or_else(|| format!("{}: no train state", last.display()))?;
-                start_at = Position::from_json(train_state)?;
-                if rank == 0 {
-                    println!("resumed from {} at step {}", last.display(), start_at.step);
-                }
+            let mut state = State::new(trainer.model()).with_optimizer(&mut opt);
+            if let Some(at) = resume::load_newest(dir, &mut state, &pg)? {
+                start_at = at;
             }
         }
     }

@@ -67,6 +67,28 @@ pub fn newest_valid(dir: &Path, pg: &ProcessGroup) -> Result<Option<PathBuf>, Bo
     Ok(found.dir)
 }
 
+/// Loads the newest checkpoint of `dir` that verifies on every rank ([`newest_valid`]) into
+/// `state` and returns where training continues, rank 0 saying so; `None` (and `state`
+/// untouched) when the folder has no checkpoint yet.
+pub fn load_newest<M: tch_dist::Shardable + ?Sized>(
+    dir: &Path,
+    state: &mut dcp::State<'_, M>,
+    pg: &ProcessGroup,
+) -> Result<Option<Position>, Box<dyn Error>> {
+    let Some(last) = newest_valid(dir, pg)? else {
+        return Ok(None);
+    };
+    dcp::load(&last, state, pg, &dcp::LoadOptions::default())?;
+    let train_state = state
+        .train_state()
+        .ok_or_else(|| format!("{}: no train state", last.display()))?;
+    let at = Position::from_json(train_state)?;
+    if pg.rank() == 0 {
+        println!("resumed from {} at step {}", last.display(), at.step);
+    }
+    Ok(Some(at))
+}
+
 /// Where training continues: the global step, the epoch and the batches done in it (the
 /// checkpoint's train state).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
