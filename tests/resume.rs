@@ -10,6 +10,9 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+#[path = "common/build.rs"]
+mod build;
+
 use tch::Tensor;
 
 /// 30 steps cross an epoch's end (23 steps per epoch at 2 ranks, global batch 64).
@@ -17,33 +20,8 @@ const STEPS: u64 = 30;
 const EVERY: u64 = 5;
 
 /// (train_ddp_crash, tch-dist-run), built once in this test binary's profile.
-fn binaries() -> &'static (PathBuf, PathBuf) {
-    static BUILT: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let exe = std::env::current_exe().unwrap();
-        let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
-        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
-        for args in [
-            &["-p", "tch-dist", "--example", "train_ddp_crash"][..],
-            &["-p", "tch-dist-launcher", "--bin", "tch-dist-run"][..],
-        ] {
-            let mut cmd = Command::new(env!("CARGO"));
-            cmd.args(["build", "--quiet", "--manifest-path"])
-                .arg(&manifest)
-                .args(args);
-            if profile_dir.ends_with("release") {
-                cmd.arg("--release");
-            }
-            assert!(
-                cmd.status().unwrap().success(),
-                "cargo build {args:?} failed"
-            );
-        }
-        (
-            profile_dir.join("examples/train_ddp_crash"),
-            profile_dir.join("tch-dist-run"),
-        )
-    })
+fn binaries() -> (PathBuf, &'static Path) {
+    (build::example("train_ddp_crash"), build::launcher())
 }
 
 fn scratch(name: &str) -> PathBuf {

@@ -10,6 +10,8 @@
 //! | `lost.rs` | a cut link and a frozen host noticed on every other host in bounded time; a slow step no alarm | (none: PyTorch's ranks wait out the timeout) |
 //! | `restarts.rs` | `--rdzv-backend c10d` across hosts: every host restarted together (train_ddp resumes to an uninterrupted run's parameters), a killed or cut-off host left behind, a host out of restarts ending every host, each round's workers in a store of their own, the same command lines under torchrun | `test/distributed/elastic/rendezvous/dynamic_rendezvous_test.py`, `test/distributed/launcher/api_test.py` (one machine, no real hosts) |
 
+#[path = "../common/build.rs"]
+mod build;
 #[path = "../common/hosts.rs"]
 mod hosts;
 mod layouts;
