@@ -72,9 +72,14 @@ lint: setup
 	$(PYTHON) docs/check_blocks.py
 	# Every source folder's table of files matches the folder; ARCHITECTURE.md's paths exist.
 	$(PYTHON) docs/check_tables.py
+	# The figures README.md and docs/PERFORMANCE.md quote are docs/bench_latest.json's.
+	$(PYTHON) bench/summary.py check
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps
+	# The API reference as docs.rs builds it: no libtorch (tch's doc-only), its own target dir.
+	DOCS_RS=1 LIBTORCH=/nonexistent CARGO_TARGET_DIR=target/doc-only RUSTDOCFLAGS="-D warnings" \
+	  $(CARGO) doc -p tch-dist --no-deps --features doc-only
 
 doc: setup
 	$(CARGO) doc --workspace --no-deps
@@ -96,10 +101,16 @@ doc: setup
 # loads at 2 and 4 ranks of a 403 MB fully_shard model against PyTorch's DCP; its goal lines
 # start with ckpt_); BENCH_CHECKPOINT=0 leaves it out.
 BENCH_CHECKPOINT ?= 1
+# Each part's summary line is then recorded in docs/bench_latest.json (bench/summary.py),
+# which README.md and docs/PERFORMANCE.md quote: the quotes are rewritten from it.
 bench: setup
 	$(CARGO) build --release --bin tch-dist-run --example bench_ddp --example bench_checkpoint
-	if [ "$(BENCH_CHECKPOINT)" != 0 ]; then $(PY) bench/checkpoint.py; fi
-	$(PY) bench/driver.py $(BENCH_ARGS)
+	mkdir -p target/bench
+	set -o pipefail; if [ "$(BENCH_CHECKPOINT)" != 0 ]; then \
+	  PYTHONUNBUFFERED=1 $(PY) bench/checkpoint.py | tee target/bench/checkpoint.log; \
+	  $(PYTHON) bench/summary.py record target/bench/checkpoint.log; fi
+	set -o pipefail; PYTHONUNBUFFERED=1 $(PY) bench/driver.py $(BENCH_ARGS) | tee target/bench/driver.log
+	$(PYTHON) bench/summary.py record target/bench/driver.log
 
 # GPU: builds here and stages into target/gpu-check/ what the GPU machine (torch, no cargo)
 # runs in one go: `bash target/gpu-check/run.sh` (carry target/gpu-check).

@@ -1,5 +1,5 @@
-"""Draws docs/img's two layout diagrams as SVG: fully_shard's padded shards and gather buffer,
-and a column/row-parallel MLP with every rank's shapes.
+"""Draws docs/img's diagrams as SVG: what runs where (README's picture), fully_shard's padded
+shards and gather buffer, and a column/row-parallel MLP with every rank's shapes.
 
     python bench/diagrams.py docs/img
 
@@ -119,9 +119,56 @@ def tp_mlp():
     return svg(720, y + len(stages) * 52 + 36, body + body_w)
 
 
+def what_runs_where():
+    """README's picture: two hosts, a launcher each, ranks as processes, and what each holds."""
+    hosts, per_host, w_rank, gap = 2, 2, 250, 14
+    w_host = per_host * w_rank + (per_host + 1) * gap
+    body = [
+        '<text x="10" y="22" class="h">what runs where: 2 hosts x 2 ranks, one process per rank</text>'
+    ]
+    y_host, h_host = 40, 300
+    for h in range(hosts):
+        x = 10 + h * (w_host + 20)
+        body.append(f'<rect x="{x}" y="{y_host}" width="{w_host}" height="{h_host}" fill="#f4f4f4" stroke="#999"/>')
+        body.append(f'<text x="{x + 8}" y="{y_host + 18}" class="t">host {h} (--node-rank {h})</text>')
+        body += rect(x + gap, y_host + 28, w_host - 2 * gap, 26, "#7f7f7f",
+                     "tch-dist-run (or torchrun / srun): starts, watches, stops the ranks")
+        for l in range(per_host):
+            rank = h * per_host + l
+            rx, ry = x + gap + l * (w_rank + gap), y_host + 66
+            color = RANK_COLORS[rank]
+            body.append(f'<rect x="{rx}" y="{ry}" width="{w_rank}" height="176" fill="#fff" stroke="{color}" stroke-width="2"/>')
+            body.append(f'<text x="{rx + 6}" y="{ry + 16}" class="t">rank {rank} (LOCAL_RANK {l}): a process</text>')
+            body += rect(rx + 6, ry + 24, w_rank - 12, 40, color)
+            body.append(f'<text x="{rx + 12}" y="{ry + 40}" class="w">your program: a tch model</text>')
+            body.append(f'<text x="{rx + 12}" y="{ry + 56}" class="w">and an ordinary training loop</text>')
+            body += rect(rx + 6, ry + 68, w_rank - 12, 40, color)
+            body.append(f'<text x="{rx + 12}" y="{ry + 84}" class="w">tch-dist: replicate, fully_shard,</text>')
+            body.append(f'<text x="{rx + 12}" y="{ry + 100}" class="w">TP, pipelining, checkpoints</text>')
+            body += rect(rx + 6, ry + 112, w_rank - 12, 40, "#555")
+            body.append(f'<text x="{rx + 12}" y="{ry + 128}" class="w">libtorch: autograd, kernels,</text>')
+            body.append(f'<text x="{rx + 12}" y="{ry + 144}" class="w">c10d (Gloo: CPU, NCCL: GPU)</text>')
+            body.append(f'<text x="{rx + 6}" y="{ry + 168}" class="s">{"CPU cores or GPU " + str(l)}</text>')
+        if h == 0:
+            body.append(f'<text x="{x + 8}" y="{y_host + h_host - 30}" class="s">rank 0 also hosts the store '
+                        "(MASTER_ADDR:MASTER_PORT):</text>")
+            body.append(f'<text x="{x + 8}" y="{y_host + h_host - 14}" class="s">rendezvous, heartbeats, '
+                        "agreement checks</text>")
+    y_net = y_host + h_host + 20
+    total_w = hosts * w_host + (hosts - 1) * 20
+    body += rect(10, y_net, total_w, 28, "#4e4e4e",
+                 "collectives between all ranks: Gloo over TCP, NCCL over NVLink / the network")
+    body.append(f'<text x="10" y="{y_net + 50}" class="s">every rank runs the same binary; '
+                "a checkpoint is one folder every rank writes its own pieces into, "
+                "in PyTorch's distributed layout</text>")
+    return svg(total_w + 20, y_net + 64, body)
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "docs/img"
     os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "what_runs_where.svg"), "w") as f:
+        f.write(what_runs_where())
     with open(os.path.join(out, "fsdp_shard_layout.svg"), "w") as f:
         f.write(shard_layout())
     with open(os.path.join(out, "tp_mlp.svg"), "w") as f:

@@ -73,6 +73,26 @@
 //! Start it with the launcher: `tch-dist-run --nproc-per-node 2 -- target/release/my_program`
 //! (or under `torchrun --no-python`, or `srun`).
 //!
+//! **Where it lives, and how to depend on it.** The repository is
+//! <https://github.com/tch-dist/tch-dist>; its README has a quickstart per API, and
+//! `examples/own-crate/` is a crate to copy. tch-dist is not on crates.io yet: depend on it
+//! by git (or by path, from a checkout), with tch 0.24 beside it and `tch-dist-build` for a
+//! one-line `build.rs` that gives your binaries an rpath to libtorch:
+//!
+//! ```toml
+//! [dependencies]
+//! tch-dist = { git = "https://github.com/tch-dist/tch-dist" }
+//! tch = "0.24"
+//!
+//! [build-dependencies]
+//! tch-dist-build = { git = "https://github.com/tch-dist/tch-dist" }
+//! ```
+//!
+//! The build needs the libtorch of torch 2.11.0 (`LIBTORCH=/path/to/site-packages/torch`, or
+//! `LIBTORCH_USE_PYTORCH=1` with that torch on the `python3` of `PATH`). These API docs also
+//! build without it, as docs.rs builds them: `cargo doc -p tch-dist --features doc-only`
+//! (tch's `doc-only`: nothing compiled against libtorch, nothing linked).
+//!
 //! **Optimizers.** [`optim`]'s `Sgd` and `AdamW` are torch.optim's; their state is
 //! reachable, so [`checkpoint::save`] saves it (`State::with_optimizer`), and `backward_step` returns
 //! an error. tch's `nn::Sgd`/`nn::AdamW` train these models too, but their state cannot be
