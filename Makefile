@@ -70,7 +70,10 @@ lint: setup
 	# README.md's and docs/FROM_PYTORCH.md's Rust blocks compile as copied (no hidden lines).
 	$(PYTHON) docs/check_blocks.py --self-test
 	$(PYTHON) docs/check_blocks.py
-	# Every source folder's table of files matches the folder; ARCHITECTURE.md's paths exist.
+	# Every source folder's table of files (and ffi.rs's of runtime/csrc) matches the folder,
+	# and no Markdown page lists files in a table of its own; ARCHITECTURE.md is a map of at
+	# most 600 lines; its and docs/design/'s paths and links exist.
+	$(PYTHON) docs/check_tables.py --self-test
 	$(PYTHON) docs/check_tables.py
 	# The figures README.md and docs/PERFORMANCE.md quote are docs/bench_latest.json's.
 	$(PYTHON) bench/summary.py check

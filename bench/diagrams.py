@@ -3,7 +3,8 @@ shards and gather buffer, and a column/row-parallel MLP with every rank's shapes
 
     python bench/diagrams.py docs/img
 
-The numbers are those of the diagrams' captions in docs/ARCHITECTURE.md; the arithmetic is
+The numbers are those of the diagrams' captions in docs/design/fully-shard.md and
+docs/design/tensor-parallel.md; the arithmetic is
 runtime/src/fsdp/layout.rs's (torch.chunk rows, every shard padded to the first's rows).
 """
 

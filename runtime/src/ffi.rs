@@ -9,6 +9,28 @@
 //! reads shim.h and fails when a prototype or an enum code here differs from it;
 //! `tests::unsafe_files_are_listed` fails when docs/ARCHITECTURE.md's list of the files
 //! with `unsafe` code differs from the tree.
+//!
+//! The shim's files, `runtime/csrc/` (`docs/check_tables.py` checks that this table names every
+//! one of them, and nothing else):
+//!
+//! | file | what it does | what it wraps (c10d / ATen / autograd) |
+//! |---|---|---|
+//! | `shim.h` | the contract: prototypes, opaque handles, enums, the boundary's rules | (mirrored by `runtime/src/ffi.rs`) |
+//! | `internal.h` | `TDR_TRY`/`TDR_CATCH`, the error-kind thread-local's declaration, the handles' definitions (`TdrStore`, `TdrGroup` and its `Backends`, `TdrWork`), routing (`Route`), DETAIL's `Call` and `checked` | `c10::Error`, `c10d::Backend`, `c10d::Store`, `c10d::Work` |
+//! | `errors.cpp` | the kind of the thread's last failure (`tdr_last_error_kind`), messages for Rust (`tdr_string_free`), backtrace-free logging | `c10::Error::what_without_backtrace`, `c10::SetStackTraceFetcher` |
+//! | `store.cpp` | `tdr_store_*`: a TCP store, prefixes, set/get/add/compare-set/check, the workers' check-in | `c10d::TCPStore` (`waitForWorkers`), `c10d::PrefixStore` |
+//! | `devices.cpp` | `tdr_cuda_set_device`, `tdr_cuda_device_uuid` (refused without CUDA) | `c10::cuda::set_device`, `at::cuda::getDeviceProperties` |
+//! | `group.cpp` | `tdr_group_*`: a group's Gloo and NCCL backends over prefixed stores, Gloo's devices, eager connect, foreign peers, shutdown | `c10d::ProcessGroupGloo`, `c10d::ProcessGroupNCCL`, as `_new_process_group_helper` makes them |
+//! | `detail.cpp` | `TCH_DIST_DEBUG=DETAIL`: the broadcast root check (`RootCheck`), the desync report's calls (`encode_call`, `gather_calls`) | `c10d::ProcessGroupWrapper` (`TORCH_DISTRIBUTED_DEBUG=DETAIL`) |
+//! | `collectives.cpp` | routing a tensor to a backend, the collectives and point-to-point ops, staging through host memory, `tdr_work_*` | `c10d::Backend`'s collectives, `c10d::Work::wait` |
+//! | `autograd_hooks.cpp` | gradient-ready hooks, end-of-backward callbacks, `tdr_set_grad` (the reducer's triggers) | `AccumulateGrad` post hooks, `Engine::queue_callback` |
+//! | `checkpoint.cpp` | activation checkpointing's custom function (the reentrant style: its forward keeps only the inputs, its backward runs the forward again and differentiates it) and the tensor lists that carry a forward's outputs (`tdr_tensor_list_*`) | `torch::autograd::Function`, `torch::autograd::grad` |
+//! | `fsdp.cpp` | gradient interceptors, output-gradient hooks, storage release and restore, `set_data` keeping the accumulator, a tensor's version and identity (fully_shard's) | `AccumulateGrad` pre hooks, `Tensor::register_hook`, `c10::StorageImpl`, `TensorImpl::shallow_copy_from` |
+//! | `use_guard.cpp` | use guards: claim markers and the check once per graph task | autograd `Node` pre hooks, `get_current_graph_task_nodes_in_graph` |
+//! | `fence.cpp` | shard fences: a boxed fallback on the `DeferredInit` key (`runtime/src/autograd/shard_fence.rs`) | `c10::Dispatcher`, `torch::Library::fallback` |
+//! | `parallel.cpp` | `tdr_parallel_op`: the differentiable tensor-parallel collectives | a custom `torch::autograd::Node` (Megatron's conjugate pairs) |
+//! | `kernels.cpp` | `tdr_randperm` (DistributedSampler's shuffle), `tdr_fused_adamw`, `tdr_fused_sgd` | `at::randperm` with a seeded `CPUGeneratorImpl`, `at::_fused_adamw_`, `at::_fused_sgd_` |
+//! | `split_backward.cpp` | pipelining's split backward: the input pass (`tdr_backward_input`), then the weight pass (`tdr_backward_weight`) | `torch::autograd::grad`, autograd `Node` pre hooks, `Engine::execute` |
 
 use std::ffi::{c_char, c_int, CStr};
 

@@ -54,8 +54,8 @@
 //! (every file's length and SHA-256 and its digests, the sidecars' too, every tensor's
 //! global shape and dtype), fsyncs the folder and puts it in place as `DIR`: a rename, or an atomic swap
 //! with an older `DIR`, so that a crash at any point leaves `DIR` with the old complete
-//! checkpoint or the new one (`protocol.rs`; docs/ARCHITECTURE.md, "Checkpoint commit
-//! protocol"). `load` refuses a folder of tch-dist files without a manifest (an interrupted save is
+//! checkpoint or the new one (`protocol.rs`; docs/design/checkpoints.md, "Checkpoint
+//! commit protocol"). `load` refuses a folder of tch-dist files without a manifest (an interrupted save is
 //! never loaded) and every file whose length, header or read bytes differ, sidecars included, and checks
 //! the key set, global shapes and dtypes against the model before changing anything, each a
 //! [`CheckpointError`] naming the FQN, on every rank. All ranks must see the same folder (one
@@ -233,7 +233,7 @@ impl<'a, M: Shardable + ?Sized> Parts<'a, M> {
     }
 }
 
-/// [`save`]'s steps (`protocol.rs`; docs/ARCHITECTURE.md, "Checkpoint commit protocol").
+/// [`save`]'s steps (`protocol.rs`; docs/design/checkpoints.md, "Checkpoint commit protocol").
 fn save_parts<M: Shardable + ?Sized>(
     dir: &Path,
     parts: &Parts<'_, M>,

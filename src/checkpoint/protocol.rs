@@ -1,7 +1,7 @@
 //! The commit protocol of a save: the ranks' steps ([`Save`], in the order they run) and
 //! the file-system moves under them, so that a crash at any point leaves a checkpoint's
 //! name with the previous complete checkpoint or the new one, never with nothing, and never
-//! a half-written folder where [`latest`](super::latest) looks (docs/ARCHITECTURE.md,
+//! a half-written folder where [`latest`](super::latest) looks (docs/design/checkpoints.md,
 //! "Checkpoint commit protocol", says what each crash point leaves). DCP's
 //! `state_dict_saver.py` (`_save_state_dict`: local plan, global plan, write, finish) and
 //! `filesystem.py` (its writes and the rename of `.metadata` into place).

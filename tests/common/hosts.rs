@@ -4,8 +4,8 @@
 //! namespaces (killing whatever still runs in them) when dropped, a failing test's too, and
 //! sweeps away those a killed test run left behind. [`Job`] starts a process on a host and
 //! collects its output, bounded in time. Root only (CI and `make test` run as root);
-//! ../shared/MULTIHOST.md has the commands and the facts, docs/ARCHITECTURE.md ("The
-//! multi-host tier") how to add a case.
+//! ../shared/MULTIHOST.md has the commands and the facts, docs/design/tests-and-benchmarks.md
+//! ("The multi-host tier") how to add a case.
 
 #![allow(dead_code)] // each includer uses part of it
 

@@ -32,7 +32,7 @@ impl ProcessGroup {
     /// every rank to check in, every rank connects to it, then the backends connect to each
     /// other under PyTorch's default group's prefixes (`default_pg/0//cpu//` for Gloo,
     /// `default_pg/0//cuda//` for NCCL), so that PyTorch ranks may be ranks of the same
-    /// group (docs/ARCHITECTURE.md, "Rendezvous and naming").
+    /// group (docs/design/rendezvous-and-interop.md).
     ///
     /// An NCCL group binds its CUDA device ([`InitOptions::cuda_device`]) before anything
     /// else, checks with every rank that no two ranks share a GPU (every rank fails with
@@ -470,8 +470,8 @@ fn subgroup_never_joined(
 }
 
 /// DETAIL in a job with ranks that wrote no join key (PyTorch's): the group makes c10d's
-/// checks only, which those ranks make too (see docs/ARCHITECTURE.md, "Rendezvous and
-/// naming").
+/// checks only, which those ranks make too (see docs/design/rendezvous-and-interop.md,
+/// "DETAIL").
 fn detail_with_foreign_ranks(
     handle: &GroupHandle,
     root: &Store,
