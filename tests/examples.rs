@@ -892,6 +892,7 @@ fn train_lm_losses(name: &str, extra: &[&str]) -> (String, Vec<f64>) {
 /// gathering the sequence) only moves where the activations live: 10 steps give the plain
 /// tensor-parallel run's losses (1e-4; the sums run in another order) and its test loss;
 /// its checkpoint (the norms whole over tp, as without) loads into PyTorch's plain model.
+/// `--loss-parallel` (the output's logits left local, `loss_parallel`) gives the same losses.
 #[test]
 fn train_lm_with_sequence_parallel_trains_as_without() {
     let ckpt = Path::new(env!("CARGO_TARGET_TMPDIR")).join("train_lm_sp");
@@ -923,4 +924,24 @@ fn train_lm_with_sequence_parallel_trains_as_without() {
     );
     assert!((a - b).abs() < 1e-3, "test_loss {a} vs {b} with SP");
     pytorch_agrees(&ckpt.join("step-00000010"), b);
+    // --loss-parallel: the loss from each tp rank's columns of the logits, never gathered
+    // (loss_parallel): the same losses.
+    let (lp_out, lp) = train_lm_losses("train-lm-lp", &["--loss-parallel"]);
+    assert!(
+        lp_out.contains("dp 2 x tp 2 with loss parallelism (4 ranks)"),
+        "{lp_out}"
+    );
+    assert_eq!(lp.len(), 10);
+    for (step, (a, b)) in plain.iter().zip(&lp).enumerate() {
+        assert!(
+            (a - b).abs() < 1e-4,
+            "step {}: loss {a} vs {b} with loss parallelism",
+            step + 1
+        );
+    }
+    let c = figure(&lp_out, "test_loss");
+    assert!(
+        (a - c).abs() < 1e-3,
+        "test_loss {a} vs {c} with loss parallelism"
+    );
 }

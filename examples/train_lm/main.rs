@@ -25,6 +25,11 @@
 //! `tp_plan`): the same values, each tp rank holding its chunk of every sequence between
 //! the tensor-parallel regions.
 //!
+//! With `--loss-parallel`, torchtitan's loss under tensor parallelism (PyTorch's
+//! `loss_parallel()`): the output layer leaves each tp rank its columns of the logits and
+//! `tch_dist::sharding::loss_parallel` computes the cross-entropy from them, so the whole
+//! logits `[batch, seq, vocab]` are never gathered; the same values.
+//!
 //! Each dp rank trains on its `DistributedSampler` share of the sequences (the tp ranks of
 //! one dp group see the same batch), with `tch_dist::optim::AdamW` and gradients clipped to
 //! norm 1 (`utils::clip_grad_norm`: the norm of the whole model, summed over both mesh
@@ -65,8 +70,10 @@ use tch_dist::checkpoint::{SaveOptions, State};
 use tch_dist::data::{DistributedSampler, SamplerOptions};
 use tch_dist::device_mesh::init_device_mesh;
 use tch_dist::optim::AdamW;
-use tch_dist::sharding::parallelize_module;
-use tch_dist::{fully_shard, init_process_group, Backend, Call, FsdpOptions, ReduceOp};
+use tch_dist::sharding::{loss_parallel, parallelize_module, LossParallelOptions};
+use tch_dist::{
+    fully_shard, init_process_group, Backend, Call, FsdpOptions, ProcessGroup, ReduceOp,
+};
 
 #[path = "../common/cli.rs"]
 mod cli;
@@ -103,6 +110,8 @@ struct Args {
     checkpoint_dir: Option<PathBuf>,
     /// torchtitan's sequence parallelism on top of the tensor parallelism.
     sequence_parallel: bool,
+    /// The loss from each tp rank's columns of the logits (`loss_parallel`).
+    loss_parallel: bool,
 }
 
 /// A command line that cannot run: exit status 2, as for a flag that does not parse.
@@ -131,6 +140,7 @@ fn parse_args() -> Result<Args, String> {
         metrics: PathBuf::from("target/train_lm/metrics.jsonl"),
         checkpoint_dir: None,
         sequence_parallel: false,
+        loss_parallel: false,
     };
     let mut flags = cli::Flags::from_env();
     while let Some(flag) = flags.next_flag() {
@@ -147,6 +157,7 @@ fn parse_args() -> Result<Args, String> {
             "--metrics" => a.metrics = flags.value(&flag)?.into(),
             "--checkpoint-dir" => a.checkpoint_dir = Some(flags.value(&flag)?.into()),
             "--sequence-parallel" => a.sequence_parallel = true,
+            "--loss-parallel" => a.loss_parallel = true,
             other => return Err(cli::unknown(other)),
         }
     }
@@ -156,9 +167,17 @@ fn parse_args() -> Result<Args, String> {
     // fully_shard's HSDP takes a 2-D mesh of the whole world: no third, tensor-parallel dim.
     if a.dp_replicate > 1 && a.tp > 1 {
         return Err(format!(
-            "--dp-replicate {} (HSDP) with --tp {}: HSDP here is data parallel only; give              --tp 1, or --dp-replicate 1 for FSDP x TP",
+            "--dp-replicate {} (HSDP) with --tp {}: HSDP here is data parallel only; give \
+             --tp 1, or --dp-replicate 1 for FSDP x TP",
             a.dp_replicate, a.tp
         ));
+    }
+    if a.loss_parallel && a.dp_replicate > 1 {
+        return Err(
+            "--loss-parallel splits the logits over the tp ranks: it needs FSDP x TP, \
+             not --dp-replicate"
+                .into(),
+        );
     }
     if a.epochs == 0 {
         return Err("--epochs must be at least 1".into());
@@ -213,17 +232,39 @@ fn backward(model: &Transformer, loss: &Tensor) -> Result<(), Box<dyn Error>> {
     Ok(())
 }
 
-/// The mean next-token cross-entropy of `logits` `[batch, seq, vocab]` against `targets`
-/// `[batch, seq]` (`reduction`: mean, or the sum for the test loss's running total).
-fn cross_entropy(logits: &Tensor, targets: &Tensor, reduction: Reduction) -> Tensor {
-    let vocab = logits.size()[2];
-    logits.view([-1, vocab]).cross_entropy_loss::<Tensor>(
-        &targets.reshape([-1]),
-        None,
-        reduction,
-        -100,
-        0.0,
-    )
+/// How the loss is computed from the model's logits.
+enum Loss {
+    /// From the whole logits, on every tp rank.
+    Whole,
+    /// From this tp rank's columns of the logits (`loss_parallel` over the tp group).
+    Parallel(ProcessGroup),
+}
+
+impl Loss {
+    /// The next-token cross-entropy of `logits` `[batch, seq, vocab or this rank's part]`
+    /// against `targets` `[batch, seq]` (`reduction`: mean, or the sum for the test loss's
+    /// running total).
+    fn of(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        reduction: Reduction,
+    ) -> Result<Tensor, Box<dyn Error>> {
+        let classes = logits.size()[2];
+        let (logits, targets) = (logits.reshape([-1, classes]), targets.reshape([-1]));
+        Ok(match self {
+            Loss::Whole => {
+                logits.cross_entropy_loss::<Tensor>(&targets, None, reduction, -100, 0.0)
+            }
+            Loss::Parallel(tp_group) => {
+                let opts = LossParallelOptions {
+                    reduction,
+                    ..Default::default()
+                };
+                loss_parallel(&logits, &targets, tp_group, &opts)?
+            }
+        })
+    }
 }
 
 /// A rank's figures for one epoch.
@@ -312,7 +353,11 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             .sum()
     };
     let full_params = numel(&vs);
-    let plan = model::tp_plan(config.n_layers, args.sequence_parallel);
+    let plan = model::tp_plan(config.n_layers, args.sequence_parallel, args.loss_parallel);
+    let loss_of = match &tp_mesh {
+        Some(tp_mesh) if args.loss_parallel => Loss::Parallel(tp_mesh.get_group("tp")?.clone()),
+        _ => Loss::Whole,
+    };
     if let Some(tp_mesh) = &tp_mesh {
         parallelize_module(&mut model, tp_mesh, &plan)?;
     }
@@ -374,10 +419,11 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                 format!("dp {}", args.dp)
             },
             args.tp,
-            if args.sequence_parallel {
-                " with sequence parallelism"
-            } else {
-                ""
+            match (args.sequence_parallel, args.loss_parallel) {
+                (true, true) => " with sequence and loss parallelism",
+                (true, false) => " with sequence parallelism",
+                (false, true) => " with loss parallelism",
+                (false, false) => "",
             },
             args.seq_len,
             per * dp as i64,
@@ -411,7 +457,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             );
             opt.set_lr(args.lr * lr_factor(global, total_steps))?;
             opt.zero_grad();
-            let loss = cross_entropy(&model.f_call(&inputs)?, &targets, Reduction::Mean);
+            let loss = loss_of.of(&model.f_call(&inputs)?, &targets, Reduction::Mean)?;
             backward(&model, &loss)?;
             tch_dist::utils::clip_grad_norm(&model, 1.0, 2.0)?;
             opt.step()?;
@@ -485,7 +531,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         let (xs, ys) = (x_test.split(EVAL_BATCH, 0), y_test.split(EVAL_BATCH, 0));
         for (x, y) in xs.iter().zip(&ys) {
             let logits = model.f_call(x)?;
-            sum += cross_entropy(&logits, y, Reduction::Sum).double_value(&[]);
+            sum += loss_of.of(&logits, y, Reduction::Sum)?.double_value(&[]);
             count += y.numel() as i64;
         }
         sum / count as f64

@@ -270,11 +270,11 @@ impl Module for Transformer {
     }
 }
 
-/// torchtitan's tensor-parallel plan for Llama (`parallelize_llama`'s `apply_tp`, without
-/// loss parallelism), keyed by typed paths: the embedding vocab-parallel, q/k/v and w1/w3
-/// column-parallel (each rank its heads and its hidden features, the outputs left local),
-/// wo and w2 row-parallel, the output column-parallel and gathered, so that every tp rank
-/// holds the whole logits.
+/// torchtitan's tensor-parallel plan for Llama (`parallelize_llama`'s `apply_tp`), keyed by
+/// typed paths: the embedding vocab-parallel, q/k/v and w1/w3 column-parallel (each rank its
+/// heads and its hidden features, the outputs left local), wo and w2 row-parallel, the
+/// output column-parallel and gathered, so that every tp rank holds the whole logits
+/// (without `loss_parallel`).
 ///
 /// Without sequence parallelism the activations between the tensor-parallel regions are
 /// whole on every tp rank (the row-parallel partial sums all-reduced: two all-reduces per
@@ -284,7 +284,11 @@ impl Module for Transformer {
 /// weights' gradients summed over tp), attention and the feed-forward all-gather their
 /// input first (`PrepareModuleInput`), and the output layer gathers its input: the same
 /// values, the activations between the regions and the norms' work divided by tp.
-pub fn tp_plan(n_layers: usize, sequence_parallel: bool) -> ParallelizePlan {
+///
+/// With `loss_parallel` the output layer leaves its logits local (each tp rank its columns
+/// of the vocabulary), for `tch_dist::sharding::loss_parallel`: the whole logits, the
+/// largest activation, are never gathered.
+pub fn tp_plan(n_layers: usize, sequence_parallel: bool, loss_parallel: bool) -> ParallelizePlan {
     let p = Transformer::path();
     let (local, replicate, seq) = (Layout::Shard(-1), Layout::Replicate, Layout::Shard(1));
     // Where a row-parallel layer's partial sums go: summed whole, or reduce-scattered
@@ -323,7 +327,7 @@ pub fn tp_plan(n_layers: usize, sequence_parallel: bool) -> ParallelizePlan {
         p.output(),
         ColwiseParallel {
             input_layouts: between,
-            output_layouts: replicate,
+            output_layouts: if loss_parallel { local } else { replicate },
             ..Default::default()
         },
     )

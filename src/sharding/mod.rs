@@ -59,6 +59,7 @@
 //! | `sequence.rs` | [`SequenceParallel`]'s norm sharder and its gradient sums | `tensor/parallel/style.py` (`SequenceParallel`) |
 //! | `error.rs` | [`ShardError`] and its contexts: [`ShardProblem`] on a rank, [`EngineFailure`] | the errors `shard_module` and `parallelize_module` raise |
 //! | `error/` | the problems by job, a table of its own in `error.rs` | (as `error.rs`) |
+//! | `loss.rs` | [`loss_parallel`]: cross-entropy over a column-parallel head's local logits, the full logits never built | `torch/distributed/tensor/parallel/loss.py` (`loss_parallel`) |
 //!
 //! ```no_run
 //! use tch::nn;
@@ -94,6 +95,7 @@
 mod embedding;
 mod error;
 mod guard;
+mod loss;
 mod output;
 mod parallel;
 mod plan;
@@ -116,6 +118,7 @@ pub use error::{
     EngineFailure, EngineProblem, ForwardProblem, HookSite, OnHook, PlanProblem, ShardError,
     ShardProblem, SharderError, StyleProblem,
 };
+pub use loss::{loss_parallel, LossParallelError, LossParallelOptions, LossProblem};
 pub use output::OutputLayout;
 pub use parallel::{
     parallelize_module, ColwiseParallel, Layout, ParallelStyle, ParallelizePlan,

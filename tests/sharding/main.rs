@@ -6,6 +6,7 @@
 //! | --- | --- | --- |
 //! | `main.rs` | the fixtures; a column/row-sharded MLP and a Megatron-planned transformer block against the unsharded model | `test_tp_examples.py` |
 //! | `plans.rs` | plan errors, plans through JSON and TOML, `ShardedTensor` | `test_parallelize_api.py`, `test_sharded_tensor.py` |
+//! | `loss.rs` | `loss_parallel` against cross-entropy on the whole logits (value, gradient slices) at 2 and 3 ranks; misuse refused on every rank | `loss_parallel()` with `F.cross_entropy` (DTensor's loss tests) |
 //! | `hooks.rs` | the sharders' hooks under `replicate`, removed, bypassed; `clip_grad_norm` over shards | `test_tp_style.py`, `test_2d_parallel.py` |
 //! | `sequence.rs` | sequence parallelism: a Llama block under torchtitan's plan against one process, bypasses, refusals | `test_tp_style.py` (`test_sequence_parallel_style`, `test_prepare_module_input`), `test_tp_examples.py` (`test_transformer_training`) |
 
@@ -28,6 +29,7 @@ use tch_dist::testing::run_ranks;
 use tch_dist::{registry, replicate, Call, Composition, OnRank, ProcessGroup, Shardable};
 
 mod hooks;
+mod loss;
 mod plans;
 mod sequence;
 

@@ -1,0 +1,396 @@
+//! [`loss_parallel`]: cross-entropy over the logits of a column-parallel head, each rank
+//! holding its slice of the classes (PyTorch's `loss_parallel()` context with
+//! `F.cross_entropy`; torchtitan's loss under tensor parallelism).
+//!
+//! A language model's head is its largest activation: `[tokens, vocabulary]`. Column-parallel
+//! with a local output, each rank holds `[tokens, vocabulary / tp]`, and the loss is computed
+//! from those slices without gathering them:
+//!
+//! 1. one small all-reduce agrees on the layout: each rank's class count (its offset is the sum
+//!    of the counts before it), row count, a checksum of its targets, whether it refused its
+//!    input and the length of its class weights, so that a rank whose input is wrong makes
+//!    every rank fail instead of reading garbage or waiting;
+//! 2. the rows' maxima, all-reduced (MAX), shift the logits for a stable exponential;
+//! 3. the shifted logits' sums of exponentials and the target classes' shifted logits (the
+//!    rank holding a row's target class contributes it, the others zero) are summed over the
+//!    ranks in one all-reduce whose backward is the identity
+//!    ([`functional::all_reduce`](tch_dist_runtime::sharding::functional::all_reduce));
+//! 4. each row's loss is `ln(Σ exp) − target logit`, reduced as `F.cross_entropy` reduces it.
+//!
+//! The backward pass needs no collective: the gradient of this rank's slice is its slice of
+//! `softmax − one_hot`, computed from what this rank holds.
+
+use tch::{Kind, Reduction, Tensor};
+use tch_dist_runtime::sharding::functional;
+use tch_dist_runtime::{DistError, ProcessGroup, ReduceOp};
+
+use crate::OnRank;
+
+/// `F.cross_entropy`'s arguments besides the input and the target, as [`loss_parallel`]
+/// takes them (PyTorch's defaults: the mean over the rows whose target is not
+/// `ignore_index`, -100, without class weights).
+///
+/// ```
+/// use tch_dist::sharding::LossParallelOptions;
+/// let opts = LossParallelOptions { reduction: tch::Reduction::Sum, ..Default::default() };
+/// assert_eq!(opts.ignore_index, -100);
+/// ```
+#[derive(Debug)]
+pub struct LossParallelOptions {
+    /// `reduction`: `Mean` (the default: weighted by the class weights, over the rows not
+    /// ignored), `Sum`, or `None` (one loss per row, 0 for an ignored row).
+    pub reduction: Reduction,
+    /// `ignore_index`: rows whose target is this value add nothing to the loss.
+    pub ignore_index: i64,
+    /// `weight`: one weight per class of the whole vocabulary, the same on every rank
+    /// (PyTorch: replicated).
+    pub weight: Option<Tensor>,
+}
+
+impl Default for LossParallelOptions {
+    fn default() -> Self {
+        LossParallelOptions {
+            reduction: Reduction::Mean,
+            ignore_index: -100,
+            weight: None,
+        }
+    }
+}
+
+/// Why [`loss_parallel`] refused; every rank refuses together (the ranks compare their
+/// inputs before they compute anything), and nothing is changed.
+///
+/// ```
+/// use tch_dist::sharding::LossProblem;
+/// let e = LossProblem::TargetsDiffer.on(1);
+/// assert_eq!(
+///     e.to_string(),
+///     "rank 1: loss_parallel: the ranks' targets differ: every rank must pass the same targets"
+/// );
+/// ```
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LossProblem {
+    /// The logits are not `[rows, this rank's classes]` or the targets not `[rows]` of
+    /// integers.
+    #[error(
+        "loss_parallel: expects logits [rows, this rank's classes] and integer targets [rows], \
+         got logits {logits:?} and {kind:?} targets {targets:?}"
+    )]
+    Shapes {
+        /// The logits' shape.
+        logits: Vec<i64>,
+        /// The targets' shape.
+        targets: Vec<i64>,
+        /// The targets' kind.
+        kind: Kind,
+    },
+    /// A reduction `F.cross_entropy` does not have.
+    #[error("loss_parallel: reduction {0:?} is not one of Mean, Sum or None")]
+    Reduction(Reduction),
+    /// Other ranks refused their input (their errors say why).
+    #[error("loss_parallel: ranks {0:?} refused their input")]
+    PeerRefused(Vec<usize>),
+    /// The ranks' row counts differ.
+    #[error("loss_parallel: the ranks' logits have different row counts: {0:?}")]
+    RowsDiffer(Vec<i64>),
+    /// The ranks' targets differ (PyTorch assumes them replicated, and a rank's own target
+    /// would pick another rank's class).
+    #[error("loss_parallel: the ranks' targets differ: every rank must pass the same targets")]
+    TargetsDiffer,
+    /// A target is neither `ignore_index` nor a class of the vocabulary.
+    #[error("loss_parallel: target {target} of row {row} is out of bounds: {classes} classes")]
+    TargetOutOfBounds {
+        /// The row.
+        row: i64,
+        /// Its target.
+        target: i64,
+        /// The classes of all ranks together.
+        classes: i64,
+    },
+    /// The class weights are not one per class of the whole vocabulary on every rank.
+    #[error(
+        "loss_parallel: the class weights must be [{classes}] on every rank; the ranks' \
+         lengths: {lengths:?} (None: no weights)"
+    )]
+    Weight {
+        /// The classes of all ranks together.
+        classes: i64,
+        /// Each rank's weight length.
+        lengths: Vec<Option<i64>>,
+    },
+}
+
+impl LossProblem {
+    /// This problem on `rank`.
+    pub fn on(self, rank: usize) -> OnRank<LossProblem> {
+        OnRank::new(rank, self)
+    }
+}
+
+/// The errors of [`loss_parallel`]: a refusal on this rank (every rank refuses together), or
+/// a failed collective.
+///
+/// ```
+/// use tch_dist::sharding::{LossParallelError, LossProblem};
+/// let e: LossParallelError = LossProblem::RowsDiffer(vec![4, 3]).on(0).into();
+/// assert_eq!(e.to_string(), "rank 0: loss_parallel: the ranks' logits have different row counts: [4, 3]");
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LossParallelError {
+    /// This rank's refusal.
+    #[error(transparent)]
+    OnRank(#[from] OnRank<LossProblem>),
+    /// A collective failed (the [`DistError`] names the rank and the operation).
+    #[error("loss_parallel")]
+    Collective(#[source] DistError),
+}
+
+impl From<DistError> for LossParallelError {
+    fn from(e: DistError) -> Self {
+        LossParallelError::Collective(e)
+    }
+}
+
+/// What each rank tells the others before anything is computed: one slot per rank for its
+/// class count, row count, refusal and weight length, and its targets' checksum twice (as
+/// `c` and `-c`, so that one MAX all-reduce yields both the largest and the smallest).
+struct Header {
+    world: usize,
+    values: Vec<f64>,
+}
+
+/// The layout all ranks agreed on.
+struct Agreed {
+    classes: Vec<i64>,
+    rows: Vec<i64>,
+    refused: Vec<usize>,
+    weight_lengths: Vec<Option<i64>>,
+    targets_agree: bool,
+}
+
+impl Header {
+    const FIELDS: usize = 4;
+
+    fn new(world: usize) -> Self {
+        Header {
+            world,
+            values: vec![0.0; Self::FIELDS * world + 2],
+        }
+    }
+
+    fn set(&mut self, field: usize, rank: usize, value: f64) {
+        self.values[field * self.world + rank] = value;
+    }
+
+    fn set_checksum(&mut self, c: f64) {
+        let n = self.values.len();
+        self.values[n - 2] = c;
+        self.values[n - 1] = -c;
+    }
+
+    /// Every rank's header, combined (each slot is written by one rank only).
+    fn exchange(self, group: &ProcessGroup, device: tch::Device) -> Result<Agreed, DistError> {
+        let t = Tensor::from_slice(&self.values).to_device(device);
+        group.all_reduce(&t, ReduceOp::Max)?;
+        let v: Vec<f64> = (0..self.values.len())
+            .map(|i| t.double_value(&[i as i64]))
+            .collect();
+        let w = self.world;
+        let field = |f: usize| v[f * w..(f + 1) * w].to_vec();
+        let n = v.len();
+        Ok(Agreed {
+            classes: field(0).iter().map(|&x| x as i64).collect(),
+            rows: field(1).iter().map(|&x| x as i64).collect(),
+            refused: field(2)
+                .iter()
+                .enumerate()
+                .filter(|(_, &x)| x > 0.0)
+                .map(|(r, _)| r)
+                .collect(),
+            weight_lengths: field(3)
+                .iter()
+                .map(|&x| (x > 0.0).then(|| x as i64 - 1))
+                .collect(),
+            targets_agree: v[n - 2] == -v[n - 1],
+        })
+    }
+}
+
+/// A checksum of the targets that equal targets give on every rank (exact in f64 for up to
+/// 2^26 rows); differing targets give another value but for a collision.
+fn checksum(targets: &Tensor) -> f64 {
+    let n = targets.size()[0];
+    let position = Tensor::arange(n, (Kind::Int64, targets.device())).remainder(1021) + 1;
+    let t = targets.to_kind(Kind::Int64).remainder(65521) + 1;
+    (t * position).sum(Kind::Int64).double_value(&[])
+}
+
+/// Cross-entropy of logits split by class across `group`'s ranks, each passing its slice
+/// `[rows, its classes]` (a column-parallel head's local output: torch.chunk's slices of the
+/// vocabulary, in rank order, uneven and empty slices allowed) and the same integer targets
+/// `[rows]`. Returns what `F.cross_entropy` returns on the whole logits, on every rank, with
+/// its gradient flowing back into each rank's slice (PyTorch's `loss_parallel()`).
+///
+/// The full logits are never built: forward runs three all-reduces (the layout, the rows'
+/// maxima, and the sums of exponentials with the target logits), backward none. Every rank
+/// must call it, in the same order; a rank's bad input (shapes, its targets, the class
+/// weights, a target out of bounds) is an error on every rank. Second derivatives are not
+/// supported.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
+/// use tch_dist::sharding::{loss_parallel, LossParallelOptions};
+/// // 2 ranks, a vocabulary of 7: rank 0 holds classes 0..4, rank 1 classes 4..7.
+/// let classes = if pg.rank() == 0 { 4 } else { 3 };
+/// let local = tch::Tensor::randn([5, classes], tch::kind::FLOAT_CPU).set_requires_grad(true);
+/// let targets = tch::Tensor::from_slice(&[0i64, 6, 3, -100, 4]); // the same on every rank
+/// let loss = loss_parallel(&local, &targets, &pg, &LossParallelOptions::default())?;
+/// loss.backward(); // local.grad(): this rank's columns of softmax - one_hot, over 4 rows
+/// # Ok(()) }
+/// ```
+pub fn loss_parallel(
+    local_logits: &Tensor,
+    targets: &Tensor,
+    group: &ProcessGroup,
+    opts: &LossParallelOptions,
+) -> Result<Tensor, LossParallelError> {
+    let rank = group.rank();
+    let world = group.world_size();
+    let shapes_ok = local_logits.dim() == 2
+        && targets.dim() == 1
+        && local_logits.size()[0] == targets.size()[0]
+        && matches!(
+            targets.kind(),
+            Kind::Int64 | Kind::Int | Kind::Int16 | Kind::Int8 | Kind::Uint8
+        );
+    let refusal = if !shapes_ok {
+        Some(LossProblem::Shapes {
+            logits: local_logits.size(),
+            targets: targets.size(),
+            kind: targets.kind(),
+        })
+    } else if !matches!(
+        opts.reduction,
+        Reduction::Mean | Reduction::Sum | Reduction::None
+    ) {
+        Some(LossProblem::Reduction(opts.reduction))
+    } else {
+        None
+    };
+    // 1. The layout, and every rank's verdict on its own input, before anything else.
+    let mut header = Header::new(world);
+    let weight_len = opts
+        .weight
+        .as_ref()
+        .map(|w| if w.dim() == 1 { w.size()[0] } else { -1 });
+    header.set(3, rank, weight_len.map_or(0.0, |l| (l + 1) as f64));
+    if refusal.is_some() {
+        header.set(2, rank, 1.0);
+    } else {
+        header.set(0, rank, local_logits.size()[1] as f64);
+        header.set(1, rank, local_logits.size()[0] as f64);
+        header.set_checksum(checksum(targets));
+    }
+    let agreed = header.exchange(group, local_logits.device())?;
+    if let Some(problem) = refusal {
+        return Err(problem.on(rank).into());
+    }
+    if !agreed.refused.is_empty() {
+        return Err(LossProblem::PeerRefused(agreed.refused).on(rank).into());
+    }
+    if agreed.rows.iter().any(|&r| r != agreed.rows[0]) {
+        return Err(LossProblem::RowsDiffer(agreed.rows).on(rank).into());
+    }
+    if !agreed.targets_agree {
+        return Err(LossProblem::TargetsDiffer.on(rank).into());
+    }
+    let classes: i64 = agreed.classes.iter().sum();
+    if agreed
+        .weight_lengths
+        .iter()
+        .any(|&l| l.is_some_and(|l| l != classes))
+        || agreed
+            .weight_lengths
+            .iter()
+            .any(|l| l.is_some() != agreed.weight_lengths[0].is_some())
+    {
+        return Err(LossProblem::Weight {
+            classes,
+            lengths: agreed.weight_lengths,
+        }
+        .on(rank)
+        .into());
+    }
+    // The targets are the same on every rank now, so each finds the same bad one.
+    let targets = targets.to_kind(Kind::Int64);
+    let kept = targets.ne(opts.ignore_index);
+    let out_of_bounds = kept.logical_and(&targets.lt(0).logical_or(&targets.ge(classes)));
+    if let Some(row) = Vec::<i64>::try_from(out_of_bounds.nonzero().view([-1]))
+        .ok()
+        .and_then(|r| r.first().copied())
+    {
+        let target = targets.int64_value(&[row]);
+        return Err(LossProblem::TargetOutOfBounds {
+            row,
+            target,
+            classes,
+        }
+        .on(rank)
+        .into());
+    }
+    let offset: i64 = agreed.classes[..rank].iter().sum();
+    let width = agreed.classes[rank];
+    // 2. The rows' maxima over every rank's classes (an empty slice adds nothing).
+    let maxima = if width > 0 {
+        local_logits.detach().amax([1], false)
+    } else {
+        Tensor::full(
+            [agreed.rows[0]],
+            f64::NEG_INFINITY,
+            (local_logits.kind(), local_logits.device()),
+        )
+    };
+    group.all_reduce(&maxima, ReduceOp::Max)?;
+    // 3. Sums of exponentials and the target logits, summed over the ranks in one
+    // all-reduce whose backward is the identity.
+    let shifted = local_logits - maxima.unsqueeze(1);
+    let sum_exp = shifted
+        .exp()
+        .sum_dim_intlist([1].as_slice(), false, shifted.kind());
+    let local_index = &targets - offset;
+    let here = kept
+        .logical_and(&local_index.ge(0))
+        .logical_and(&local_index.lt(width));
+    let target_logit = if width > 0 {
+        let index = local_index.clamp(0, width - 1).unsqueeze(1);
+        shifted
+            .gather(1, &index, false)
+            .squeeze_dim(1)
+            .where_self(&here, &sum_exp.zeros_like())
+    } else {
+        sum_exp.zeros_like()
+    };
+    let both = functional::all_reduce(&Tensor::cat(&[&sum_exp, &target_logit], 0), group)?;
+    let rows = agreed.rows[0];
+    let (sum_exp, target_logit) = (both.narrow(0, 0, rows), both.narrow(0, rows, rows));
+    // 4. Each row's loss, reduced as F.cross_entropy reduces it.
+    let row_weight = match &opts.weight {
+        Some(w) => w
+            .to_kind(shifted.kind())
+            .index_select(0, &targets.where_self(&kept, &targets.zeros_like())),
+        None => Tensor::ones([rows], (shifted.kind(), shifted.device())),
+    }
+    .where_self(
+        &kept,
+        &Tensor::zeros([rows], (shifted.kind(), shifted.device())),
+    );
+    let loss = (sum_exp.log() - target_logit) * &row_weight;
+    Ok(match opts.reduction {
+        Reduction::Sum => loss.sum(loss.kind()),
+        Reduction::None => loss,
+        _ => loss.sum(loss.kind()) / row_weight.sum(row_weight.kind()),
+    })
+}
