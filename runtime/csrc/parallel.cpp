@@ -5,7 +5,10 @@
 //   gather:         forward all-gather along `dim`,             backward own slice
 //   split:          forward own slice along `dim`,              backward all-gather
 //   reduce_scatter: forward sum then own slice along `dim`,     backward all-gather
-// Slices along `dim` follow `sizes` (one per rank, uneven allowed, zeros allowed).
+//   all_to_all:     forward rows exchanged along dim 0,          backward the reverse exchange
+// Slices along `dim` follow `sizes` (one per rank, uneven allowed, zeros allowed); an
+// all-to-all's `sizes` are the rows this rank sends to each rank, then the rows it receives
+// from each (PyTorch's `all_to_all_single` input and output splits).
 // The backward node holds the group's backends, so a graph may outlive the Rust handle, and
 // the Rust context of its callbacks: the step check before its collective, and the text of
 // the collective's failure (a DETAIL desync decoded, the peer named) as Rust writes every
@@ -95,6 +98,45 @@ at::Tensor all_gather_uneven(const TdrGroup& g, const at::Tensor& x, int64_t dim
   return whole.device() == x.device() ? whole : whole.to(x.device());
 }
 
+// Rank i's rows `send[j]` land on rank j, after the rows of ranks below i; this rank receives
+// `recv[i]` rows from each rank i, in rank order (alltoall_base with split sizes).
+at::Tensor all_to_all_uneven(const TdrGroup& g, const at::Tensor& x,
+                             const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
+  int64_t sent = slice_offset(send, g.size);
+  if (x.size(0) != sent) {
+    throw std::runtime_error("expected " + std::to_string(sent) +
+                             " rows (the sum of the rows sent to each rank), got " +
+                             c10::str(x.sizes()));
+  }
+  auto shape = x.sizes().vec();
+  shape[0] = slice_offset(recv, g.size);
+  at::Tensor in = x.contiguous();
+  at::Tensor received;
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    Route r = route(g, in);
+    at::Tensor buf_in = r.staged ? host_copy(in) : in;
+    received = at::empty(shape, buf_in.options());
+    c10d::AllToAllOptions o;
+    o.timeout = g.timeout;
+    // The backend's signature takes the splits by mutable reference.
+    std::vector<int64_t> out_splits = recv;
+    std::vector<int64_t> in_splits = send;
+    // The ranks' shapes differ by design: the DETAIL check compares the op alone.
+    work = checked(g, r, {"all_to_all", {}}, [&]() {
+      return r.backend->alltoall_base(received, buf_in, out_splits, in_splits, o);
+    });
+  }
+  work->wait();
+  return received.device() == x.device() ? received : received.to(x.device());
+}
+
+// An all-to-all's sizes: the first half sent, the second received.
+std::vector<int64_t> split_half(const std::vector<int64_t>& sizes, int which) {
+  size_t n = sizes.size() / 2;
+  return std::vector<int64_t>(sizes.begin() + which * n, sizes.begin() + (which + 1) * n);
+}
+
 at::Tensor parallel_forward(const TdrGroup& g, const at::Tensor& x, int mode, int64_t dim,
                             const std::vector<int64_t>& sizes) {
   switch (mode) {
@@ -108,6 +150,8 @@ at::Tensor parallel_forward(const TdrGroup& g, const at::Tensor& x, int mode, in
       return own_slice(g, x, dim, sizes);
     case TDR_PARALLEL_REDUCE_SCATTER:
       return own_slice(g, all_reduce_sum(g, x), dim, sizes);
+    case TDR_PARALLEL_ALL_TO_ALL:
+      return all_to_all_uneven(g, x, split_half(sizes, 0), split_half(sizes, 1));
     default:
       throw std::runtime_error("unknown parallel op " + std::to_string(mode));
   }
@@ -186,6 +230,9 @@ struct TdrParallelBackward : public torch::autograd::Node {
       case TDR_PARALLEL_SPLIT:
       case TDR_PARALLEL_REDUCE_SCATTER:
         return {communicate([&]() { return all_gather_uneven(group, g.contiguous(), dim, sizes); })};
+      case TDR_PARALLEL_ALL_TO_ALL:
+        // The rows go back where they came from: the splits swapped.
+        return {communicate([&]() { return all_to_all_uneven(group, g, split_half(sizes, 1), split_half(sizes, 0)); })};
       default:
         throw std::runtime_error("unknown parallel op " + std::to_string(mode));
     }
@@ -205,9 +252,16 @@ char* tdr_parallel_op(TdrGroup* g, at::Tensor* input, int mode, int64_t dim,
   const at::Tensor& x = *input;
   std::vector<int64_t> slices;
   if (mode != TDR_PARALLEL_REDUCE && mode != TDR_PARALLEL_COPY) {
-    if (static_cast<int>(n) != g->size) {
-      throw std::runtime_error("expected one slice size per rank (" + std::to_string(g->size) +
-                               "), got " + std::to_string(n));
+    // An all-to-all takes the rows sent to each rank, then those received from each.
+    size_t per_rank = mode == TDR_PARALLEL_ALL_TO_ALL ? 2 : 1;
+    if (n != per_rank * static_cast<size_t>(g->size)) {
+      throw std::runtime_error("expected " + std::to_string(per_rank) +
+                               " slice size(s) per rank (" + std::to_string(g->size) +
+                               " ranks), got " + std::to_string(n));
+    }
+    if (mode == TDR_PARALLEL_ALL_TO_ALL && dim != 0) {
+      throw std::runtime_error("an all-to-all exchanges rows: dim must be 0, got " +
+                               std::to_string(dim));
     }
     if (x.dim() == 0) {
       throw std::runtime_error("a scalar cannot be split or gathered along a dimension");

@@ -43,6 +43,7 @@ enum TdrParallelMode {
   TDR_PARALLEL_GATHER = 2,
   TDR_PARALLEL_SPLIT = 3,
   TDR_PARALLEL_REDUCE_SCATTER = 4,
+  TDR_PARALLEL_ALL_TO_ALL = 5,
 };
 
 // What failed, for the message an entry point returned (tdr_last_error_kind).

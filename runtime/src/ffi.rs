@@ -115,6 +115,7 @@ pub const TDR_PARALLEL_COPY: c_int = 1;
 pub const TDR_PARALLEL_GATHER: c_int = 2;
 pub const TDR_PARALLEL_SPLIT: c_int = 3;
 pub const TDR_PARALLEL_REDUCE_SCATTER: c_int = 4;
+pub const TDR_PARALLEL_ALL_TO_ALL: c_int = 5;
 
 /// A callback the shim calls from libtorch's autograd threads with an opaque context; it
 /// returns null or a malloc'ed error message (which fails the backward pass).
@@ -732,6 +733,7 @@ mod tests {
                 "TDR_PARALLEL_REDUCE_SCATTER",
                 super::TDR_PARALLEL_REDUCE_SCATTER,
             ),
+            ("TDR_PARALLEL_ALL_TO_ALL", super::TDR_PARALLEL_ALL_TO_ALL),
         ];
         assert_eq!(codes, BTreeMap::from(rust), "the enum codes");
     }

@@ -342,3 +342,64 @@ fn slurm_variables() {
         assert_values(&x, &[3.0], "slurm all_reduce");
     });
 }
+
+/// The differentiable all-to-all with uneven (and empty) splits at 3 ranks: rank i sends
+/// `S[i][j]` rows to rank j, each row naming its source, destination and position; rank j
+/// receives them in rank order and learns the counts; backward sends each row's gradient
+/// back to where it came from. Bad splits or rows of another width on one rank are an
+/// error on every rank, and the ranks stay in step.
+#[test]
+fn differentiable_all_to_all_with_uneven_splits() {
+    use tch_dist_runtime::sharding::functional::all_to_all_single;
+    use tch_dist_runtime::DistError;
+    const S: [[i64; 3]; 3] = [[1, 2, 0], [0, 1, 3], [2, 0, 1]];
+    run_ranks("differentiable_all_to_all_with_uneven_splits", 3, |pg| {
+        let me = pg.rank();
+        let row = |src: usize, dst: usize, k: i64| (100 * src + 10 * dst) as f64 + k as f64;
+        let rows: Vec<f64> = (0..3)
+            .flat_map(|j| (0..S[me][j]).flat_map(move |k| [row(me, j, k), -row(me, j, k)]))
+            .collect();
+        let n = rows.len() as i64 / 2;
+        let x = Tensor::from_slice(&rows)
+            .reshape([n, 2])
+            .set_requires_grad(true);
+        let (got, from_each) = all_to_all_single(&x, &S[me], &pg).unwrap();
+        assert_eq!(from_each, (0..3).map(|i| S[i][me]).collect::<Vec<_>>());
+        let expected: Vec<f64> = (0..3)
+            .flat_map(|i| (0..S[i][me]).flat_map(move |k| [row(i, me, k), -row(i, me, k)]))
+            .collect();
+        assert_values(&got, &expected, "received rows");
+        // d(sum(got * got.detach())) / dx: every row's gradient is the row itself, sent back.
+        (&got * got.detach()).sum(Kind::Double).backward();
+        assert_values(&x.grad(), &rows, "gradients sent back");
+        // Under no_grad: the same rows, no graph.
+        let (plain, _) = tch::no_grad(|| all_to_all_single(&x, &S[me], &pg)).unwrap();
+        assert!(!plain.requires_grad());
+        assert_values(&plain, &expected, "no_grad");
+        // Rank 1's splits do not add up to its rows: every rank refuses, nothing moves.
+        let bad = if me == 1 { [1, 1, 1] } else { S[me] };
+        let cause = |r: Result<(Tensor, Vec<i64>), DistError>| match r {
+            Err(DistError::Collective { cause, .. }) => cause,
+            other => panic!("expected a refusal, got {other:?}"),
+        };
+        let c = cause(all_to_all_single(&x, &bad, &pg));
+        match me {
+            1 => assert_eq!(
+                c,
+                "input splits [1, 1, 1] add up to 3 rows; the input has 4"
+            ),
+            _ => assert_eq!(c, "ranks [1] refused their arguments"),
+        }
+        // Rank 2's rows are wider.
+        let wide = if me == 2 {
+            Tensor::zeros([n, 3], (Kind::Double, tch::Device::Cpu))
+        } else {
+            x.detach()
+        };
+        let c = cause(all_to_all_single(&wide, &S[me], &pg));
+        assert!(c.starts_with("rows of "), "{c}");
+        // Still in step.
+        let (again, _) = all_to_all_single(&x.detach(), &S[me], &pg).unwrap();
+        assert_values(&again, &expected, "after the refusals");
+    });
+}

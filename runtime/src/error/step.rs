@@ -77,13 +77,15 @@ impl fmt::Display for CollectiveSignature {
 
 /// The operations a signature names; the step check's header carries an op as its position
 /// here plus one (0: none).
-pub(crate) const SIGNATURE_OPS: [&str; 6] = [
+pub(crate) const SIGNATURE_OPS: [&str; 8] = [
     "all_reduce (tensor-parallel forward)",
     "all_gather (tensor-parallel forward)",
     "reduce_scatter (tensor-parallel forward)",
     "all_reduce (tensor-parallel backward)",
     "all_gather (tensor-parallel backward)",
     "all_reduce (sequence-parallel gradient)",
+    "all_to_all (differentiable forward)",
+    "all_to_all (differentiable backward)",
 ];
 
 impl CollectiveSignature {

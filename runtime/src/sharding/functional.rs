@@ -11,6 +11,7 @@
 //! | [`all_gather`]     | concatenation of the ranks' slices | own slice          |
 //! | [`split`]          | own slice                        | concatenation        |
 //! | [`reduce_scatter`] | own slice of the sum             | concatenation        |
+//! | [`all_to_all_single`] | rows exchanged by split sizes | the reverse exchange |
 //!
 //! Slices follow `sizes` (one entry per rank, uneven and empty slices allowed, as
 //! `torch.chunk` produces). Every rank must call the same functions in the same order, in
@@ -36,6 +37,7 @@ enum Mode {
     Gather = ffi::TDR_PARALLEL_GATHER as isize,
     Split = ffi::TDR_PARALLEL_SPLIT as isize,
     ReduceScatter = ffi::TDR_PARALLEL_REDUCE_SCATTER as isize,
+    AllToAll = ffi::TDR_PARALLEL_ALL_TO_ALL as isize,
 }
 
 impl Mode {
@@ -45,6 +47,7 @@ impl Mode {
             Mode::Reduce => Some("all_reduce (tensor-parallel forward)"),
             Mode::Gather => Some("all_gather (tensor-parallel forward)"),
             Mode::ReduceScatter => Some("reduce_scatter (tensor-parallel forward)"),
+            Mode::AllToAll => Some("all_to_all (differentiable forward)"),
             Mode::Copy | Mode::Split => None,
         }
     }
@@ -54,20 +57,30 @@ impl Mode {
         match self {
             Mode::Copy => Some("all_reduce (tensor-parallel backward)"),
             Mode::Split | Mode::ReduceScatter => Some("all_gather (tensor-parallel backward)"),
+            Mode::AllToAll => Some("all_to_all (differentiable backward)"),
             Mode::Reduce | Mode::Gather => None,
         }
     }
 }
 
 /// The whole tensor a collective of `mode` on `x` moves (the ranks compare it): `x` itself,
-/// but for an all-gather, whose slices may differ, the gathered tensor.
+/// but for an all-gather, whose slices may differ, the gathered tensor, and for an
+/// all-to-all, whose row counts differ by design, its rows as -1.
 fn whole_shape(x: &Tensor, mode: Mode, dim: i64, sizes: &[i64]) -> Vec<i64> {
     let mut shape = x.size();
-    if let Mode::Gather = mode {
-        let ndim = shape.len() as i64;
-        if (-ndim..ndim).contains(&dim) {
-            shape[dim.rem_euclid(ndim) as usize] = sizes.iter().sum();
+    match mode {
+        Mode::Gather => {
+            let ndim = shape.len() as i64;
+            if (-ndim..ndim).contains(&dim) {
+                shape[dim.rem_euclid(ndim) as usize] = sizes.iter().sum();
+            }
         }
+        Mode::AllToAll => {
+            if let Some(rows) = shape.first_mut() {
+                *rows = -1;
+            }
+        }
+        Mode::Reduce | Mode::Copy | Mode::Split | Mode::ReduceScatter => {}
     }
     shape
 }
@@ -265,4 +278,112 @@ pub fn reduce_scatter(x: &Tensor, dim: i64, sizes: &[i64], group: &ProcessGroup)
         dim,
         sizes,
     )
+}
+
+/// What a rank tells each other rank before an all-to-all's rows: how many rows it sends
+/// that rank, the width of a row, and whether it refused its own arguments.
+const EXCHANGE_HEADER: usize = 3;
+
+/// Exchanges rows with every rank (`all_to_all_single` with split sizes, differentiable):
+/// this rank sends its first `input_splits[0]` rows to rank 0, the next `input_splits[1]`
+/// to rank 1, and so on, and receives every rank's rows for it, in rank order. Returns them
+/// with the row count from each rank (PyTorch's `output_split_sizes`), which the ranks
+/// exchange first, so that no rank has to know them. Backward sends each row's gradient
+/// back where the row came from (the splits swapped).
+///
+/// Every rank calls it, in the same order; splits that are not one per rank, negative or do
+/// not add up to this rank's rows, or rows of another width than a peer's, are an error on
+/// every rank before any row moves (empty splits are fine). Mixture-of-experts dispatch and
+/// combine, and Ulysses-style context parallelism, are made of it.
+///
+/// ```no_run
+/// # let pg = tch_dist_runtime::default_group()?;
+/// use tch_dist_runtime::sharding::functional;
+/// // 2 ranks: rank 0 keeps 1 row and sends 2 to rank 1; rank 1 sends 1 row to each.
+/// let splits: &[i64] = if pg.rank() == 0 { &[1, 2] } else { &[1, 1] };
+/// let rows = splits.iter().sum::<i64>();
+/// let x = tch::Tensor::ones([rows, 4], (tch::Kind::Float, tch::Device::Cpu));
+/// let (received, from_each) = functional::all_to_all_single(&x, splits, &pg)?;
+/// assert_eq!(from_each, if pg.rank() == 0 { vec![1, 1] } else { vec![2, 1] });
+/// assert_eq!(received.size()[0], from_each.iter().sum::<i64>());
+/// # Ok::<(), tch_dist_runtime::DistError>(())
+/// ```
+pub fn all_to_all_single(
+    x: &Tensor,
+    input_splits: &[i64],
+    group: &ProcessGroup,
+) -> Result<(Tensor, Vec<i64>)> {
+    const OP: &str = "all_to_all_single (differentiable)";
+    let (rank, world) = (group.rank(), group.world_size());
+    let problem = if !x.defined() {
+        Some("the input tensor is undefined".to_string())
+    } else if x.dim() == 0 {
+        Some("a scalar has no rows to exchange".to_string())
+    } else if input_splits.len() != world {
+        Some(format!(
+            "{} input splits for {world} ranks",
+            input_splits.len()
+        ))
+    } else if input_splits.iter().any(|&s| s < 0) {
+        Some(format!("negative input splits {input_splits:?}"))
+    } else if input_splits.iter().sum::<i64>() != x.size()[0] {
+        Some(format!(
+            "input splits {input_splits:?} add up to {} rows; the input has {}",
+            input_splits.iter().sum::<i64>(),
+            x.size()[0]
+        ))
+    } else {
+        None
+    };
+    let width = if problem.is_none() {
+        x.size()[1..].iter().product::<i64>()
+    } else {
+        0
+    };
+    let header: Vec<i64> = (0..world)
+        .flat_map(|j| {
+            let rows = if problem.is_none() {
+                input_splits[j]
+            } else {
+                0
+            };
+            [rows, width, i64::from(problem.is_some())]
+        })
+        .collect();
+    let device = if x.defined() {
+        x.device()
+    } else {
+        tch::Device::Cpu
+    };
+    let sent = Tensor::from_slice(&header).to_device(device);
+    let got = sent.zeros_like();
+    group.all_to_all_single(&got, &sent)?;
+    let got: Vec<i64> = (0..(EXCHANGE_HEADER * world) as i64)
+        .map(|i| got.int64_value(&[i]))
+        .collect();
+    let refusal = |cause: String| DistError::Collective {
+        rank,
+        op: OP,
+        cause,
+    };
+    if let Some(cause) = problem {
+        return Err(refusal(cause));
+    }
+    let from = |i: usize, field: usize| got[EXCHANGE_HEADER * i + field];
+    let refused: Vec<usize> = (0..world).filter(|&i| from(i, 2) != 0).collect();
+    if !refused.is_empty() {
+        return Err(refusal(format!(
+            "ranks {refused:?} refused their arguments"
+        )));
+    }
+    if let Some(i) = (0..world).find(|&i| from(i, 1) != width) {
+        return Err(refusal(format!(
+            "rows of {width} elements here and of {} on rank {i}",
+            from(i, 1)
+        )));
+    }
+    let output_splits: Vec<i64> = (0..world).map(|i| from(i, 0)).collect();
+    let sizes: Vec<i64> = input_splits.iter().chain(&output_splits).copied().collect();
+    let received = run(group, OP, x, Mode::AllToAll, 0, &sizes)?;
+    Ok((received, output_splits))
 }
