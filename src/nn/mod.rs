@@ -5,6 +5,7 @@
 //! | file | what it does | PyTorch's counterpart |
 //! | --- | --- | --- |
 //! | `tch_dist_core::nn` (re-exported) | `Shardable` for tch's layers with PyTorch's names, [`lstm`], [`gru`], the layers' typed paths | `torch/nn/modules/*` (the names of their tensors) |
+//! | `moe/` | [`moe::MoE`]: a mixture-of-experts feed-forward (router, grouped experts, shared expert, load balancing), a table of its own | torchtitan's `models/common/moe.py` |
 //! | `sync_batch_norm.rs` | [`SyncBatchNorm`]: batch normalisation over every rank's batch | `torch/nn/modules/batchnorm.py` (`SyncBatchNorm`), `torch/nn/modules/_functions.py` (`SyncBatchNorm`'s autograd function) |
 //!
 //! [`sync_batch_norm`] is also at the deprecated `tch_dist::sync_batch_norm`, its path before
@@ -12,6 +13,7 @@
 
 pub use tch_dist_core::nn::*;
 
+pub mod moe;
 pub mod sync_batch_norm;
 
 pub use sync_batch_norm::{SyncBatchNorm, SyncBatchNormError};

@@ -1,0 +1,272 @@
+//! The mixture-of-experts layer (`tch_dist::nn::moe`) against PyTorch: the same layer written
+//! token by token in Python (reference.py, from the `.venv`) gives the same output, auxiliary
+//! loss and gradients (float64); ties route to the lower expert; the load-balancing bias
+//! moves alike on every rank from the global counts; HF's names round-trip; a configuration
+//! that cannot run is refused.
+//!
+//! | file | what it tests | PyTorch's counterpart |
+//! | --- | --- | --- |
+//! | `main.rs` | the tests | torchtitan's `tests/unit_tests/test_moe.py`, `test_expert_parallel.py` (one process) |
+//! | `reference.py` | the oracle: torchtitan's MoE token by token | torchtitan's `models/common/moe.py` |
+
+#[path = "../common/python.rs"]
+#[allow(dead_code)] // `bounded` is for the interop tests
+mod python;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+use tch_dist::nn::moe::{MoE, MoeConfig, MoeError, ScoreFunction};
+use tch_dist::testing::run_ranks;
+
+const DIM: i64 = 8;
+
+/// A float64 layer with weights large enough that routing depends on them.
+fn layer(config: MoeConfig, seed: i64) -> (nn::VarStore, MoE) {
+    tch::manual_seed(seed);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let moe = MoE::new(vs.root() / "moe", config).expect("a valid config");
+    vs.double();
+    tch::no_grad(|| {
+        // In name order: the same values in every process (a HashMap's order is not).
+        let mut named: Vec<_> = vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        for (_, mut t) in named {
+            let fresh = Tensor::randn(t.size(), (Kind::Double, Device::Cpu)) * 0.5;
+            t.copy_(&fresh);
+        }
+    });
+    (vs, moe)
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    (a - b).abs().max().double_value(&[])
+}
+
+/// The layer, its input and upstream gradient through reference.py: its results by name.
+fn pytorch(moe: &MoE, x: &Tensor, g: &Tensor, dir: &Path) -> HashMap<String, Tensor> {
+    let c = moe.config();
+    let mut named: Vec<(&str, Tensor)> = vec![
+        ("x", x.detach()),
+        ("g", g.shallow_clone()),
+        ("gate", moe.router.gate.ws.detach()),
+        ("bias", moe.router.expert_bias.detach()),
+        ("w1", moe.experts.w1.detach()),
+        ("w2", moe.experts.w2.detach()),
+        ("w3", moe.experts.w3.detach()),
+    ];
+    if let Some(s) = &moe.shared_experts {
+        named.extend([
+            ("s1", s.w1.ws.detach()),
+            ("s2", s.w2.ws.detach()),
+            ("s3", s.w3.ws.detach()),
+        ]);
+    }
+    let (input, output) = (dir.join("in.safetensors"), dir.join("out.safetensors"));
+    Tensor::write_safetensors(&named, &input).unwrap();
+    let config = serde_json::json!({
+        "dim": c.dim, "experts": c.experts, "top_k": c.top_k,
+        "softmax": c.score_function == ScoreFunction::Softmax, "route_norm": c.route_norm,
+        "route_scale": c.route_scale, "load_balance": c.load_balance_coeff.is_some(),
+        "aux_alpha": c.aux_loss_alpha,
+    });
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/moe/reference.py");
+    let status = python::clean(python::python().join("python"))
+        .arg(script)
+        .arg(&input)
+        .arg(&output)
+        .arg(config.to_string())
+        .status()
+        .expect("the .venv's python");
+    assert!(status.success(), "reference.py failed");
+    Tensor::read_safetensors(&output)
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+/// One configuration against PyTorch: the output, the auxiliary loss, the counts and every
+/// gradient, to 1e-10.
+fn equals_pytorch(name: &str, config: MoeConfig) {
+    let (_vs, moe) = layer(config, 3);
+    // A non-zero bias, so that selecting and weighing differ.
+    tch::no_grad(|| {
+        let mut b = moe.router.expert_bias.shallow_clone();
+        b.copy_(&(Tensor::arange(moe.config().experts, (Kind::Double, Device::Cpu)) * 0.1));
+    });
+    let x = (Tensor::randn([3, 4, DIM], (Kind::Double, Device::Cpu))).set_requires_grad(true);
+    let g = Tensor::randn([3, 4, DIM], (Kind::Double, Device::Cpu));
+    let y = moe.forward(&x);
+    let aux = moe.take_aux_loss();
+    let loss = (&y * &g).sum(Kind::Double);
+    let loss = match &aux {
+        Some(a) => loss + a,
+        None => loss,
+    };
+    loss.backward();
+    let dir = std::env::temp_dir().join(format!("tch-dist-moe-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let want = pytorch(&moe, &x, &g, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(max_diff(&y, &want["out"]) < 1e-10, "{name}: output");
+    let aux = aux.map_or(0.0, |a| a.double_value(&[]));
+    assert!(
+        (aux - want["aux"].double_value(&[0])).abs() < 1e-10,
+        "{name}: aux loss"
+    );
+    assert!(
+        max_diff(
+            &moe.tokens_per_expert().to_kind(Kind::Double),
+            &want["counts"]
+        ) == 0.0,
+        "{name}: counts"
+    );
+    let mut grads = vec![
+        ("x", x.grad()),
+        ("gate", moe.router.gate.ws.grad()),
+        ("w1", moe.experts.w1.grad()),
+        ("w2", moe.experts.w2.grad()),
+        ("w3", moe.experts.w3.grad()),
+    ];
+    if let Some(s) = &moe.shared_experts {
+        grads.extend([
+            ("s1", s.w1.ws.grad()),
+            ("s2", s.w2.ws.grad()),
+            ("s3", s.w3.ws.grad()),
+        ]);
+    }
+    for (n, got) in grads {
+        assert!(
+            max_diff(&got, &want[&format!("grad_{n}")]) < 1e-10,
+            "{name}: the gradient of {n}"
+        );
+    }
+}
+
+#[test]
+fn moe_equals_pytorch_token_by_token() {
+    // DeepSeek-V3's routing (sigmoid, normalised, scaled, a shared expert, the bias), with
+    // more experts than a few tokens fill (empty groups).
+    let deepseek = MoeConfig {
+        route_norm: true,
+        route_scale: 2.5,
+        shared_hidden: Some(12),
+        aux_loss_alpha: 0.01,
+        ..MoeConfig::new(DIM, 16, 16, 3)
+    };
+    equals_pytorch("deepseek", deepseek);
+    // Qwen3-MoE's (softmax, normalised, no shared expert), without the bias.
+    let qwen = MoeConfig {
+        score_function: ScoreFunction::Softmax,
+        route_norm: true,
+        load_balance_coeff: None,
+        ..MoeConfig::new(DIM, 16, 6, 2)
+    };
+    equals_pytorch("qwen", qwen);
+}
+
+#[test]
+fn equal_scores_route_to_the_lower_experts_and_bad_configs_are_refused() {
+    let (_vs, moe) = layer(MoeConfig::new(DIM, 16, 5, 2), 1);
+    tch::no_grad(|| {
+        let _ = moe.router.gate.ws.shallow_clone().zero_();
+        let _ = moe.router.expert_bias.shallow_clone().zero_();
+    });
+    let routes = moe
+        .router
+        .route(&Tensor::randn([7, DIM], (Kind::Double, Device::Cpu)));
+    let expected = Tensor::from_slice(&[0i64, 1]).expand([7, 2], false);
+    assert_eq!(routes.experts, expected, "ties go to the lower experts");
+    let vs = nn::VarStore::new(Device::Cpu);
+    for (config, text) in [
+        (
+            MoeConfig::new(DIM, 16, 4, 0),
+            "moe: top_k 0 must be between 1 and the 4 experts",
+        ),
+        (
+            MoeConfig::new(DIM, 16, 4, 5),
+            "moe: top_k 5 must be between 1 and the 4 experts",
+        ),
+        (
+            MoeConfig {
+                route_scale: f64::NAN,
+                ..MoeConfig::new(DIM, 16, 4, 2)
+            },
+            "moe: route_scale NaN must be a positive number",
+        ),
+    ] {
+        match MoE::new(vs.root() / "m", config) {
+            Err(e @ MoeError::Config(_)) => assert_eq!(e.to_string(), text),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn hf_names_round_trip_and_a_missing_one_changes_nothing() {
+    let config = MoeConfig {
+        shared_hidden: Some(12),
+        ..MoeConfig::new(DIM, 16, 4, 2)
+    };
+    let (_a, from) = layer(config.clone(), 5);
+    let (_b, to) = layer(config, 6);
+    let prefix = "model.layers.3.mlp";
+    let tensors: HashMap<String, Tensor> = from
+        .hf_state_dict(prefix)
+        .into_iter()
+        .map(|(n, t)| (n, t.detach().copy()))
+        .collect();
+    assert_eq!(
+        tensors["model.layers.3.mlp.experts.2.down_proj.weight"].size(),
+        [DIM, 16]
+    );
+    assert_eq!(tensors["model.layers.3.mlp.gate.weight"].size(), [4, DIM]);
+    assert!(tensors.contains_key("model.layers.3.mlp.shared_experts.up_proj.weight"));
+    assert!(tensors.contains_key("model.layers.3.mlp.gate.e_score_correction_bias"));
+    let mut partial: HashMap<String, Tensor> = tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
+    partial.remove("model.layers.3.mlp.experts.3.up_proj.weight");
+    let before = to.experts.w1.copy();
+    assert!(matches!(
+        to.load_hf_state_dict(prefix, &partial),
+        Err(MoeError::Missing(_))
+    ));
+    assert_eq!(to.experts.w1, before, "a refused load changes nothing");
+    to.load_hf_state_dict(prefix, &tensors).unwrap();
+    let x = Tensor::randn([5, DIM], (Kind::Double, Device::Cpu));
+    assert!(max_diff(&to.forward(&x), &from.forward(&x)) == 0.0);
+}
+
+/// Each rank routes its own tokens; the bias moves by the global counts, alike everywhere.
+#[test]
+fn expert_bias_moves_alike_on_every_rank_from_the_global_counts() {
+    run_ranks(
+        "expert_bias_moves_alike_on_every_rank_from_the_global_counts",
+        2,
+        |pg| {
+            let (_vs, moe) = layer(MoeConfig::new(DIM, 16, 4, 2), 9);
+            tch::manual_seed(100 + pg.rank() as i64);
+            let _ = moe.forward(&Tensor::randn([6, DIM], (Kind::Double, Device::Cpu)));
+            let mine = moe.tokens_per_expert();
+            let global = mine.copy();
+            pg.all_reduce(&global, tch_dist::ReduceOp::Sum).unwrap();
+            let delta = (global.mean(Kind::Float) - &global).sign() * 1e-3;
+            let expected = moe.router.expert_bias.copy()
+                + (&delta - delta.mean(Kind::Float)).to_kind(Kind::Double);
+            moe.update_expert_bias(Some(&pg)).unwrap();
+            assert!(max_diff(&moe.router.expert_bias, &expected) < 1e-12);
+            assert_eq!(
+                moe.tokens_per_expert().sum(Kind::Float).double_value(&[]),
+                0.0
+            );
+            let other = moe.router.expert_bias.copy();
+            pg.broadcast(&other, 0).unwrap();
+            assert_eq!(other, moe.router.expert_bias, "the same bias on every rank");
+        },
+    );
+}
