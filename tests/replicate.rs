@@ -500,10 +500,10 @@ fn skip_all_reduce_unused_params_skips_buckets_no_rank_used() {
                 let net = nn::func(move |x| {
                     let mut loss = (x * &fa).sum(Kind::Float);
                     if r == 0 {
-                        loss = loss + (x * &fb * 2.0).sum(Kind::Float);
+                        loss += (x * &fb * 2.0).sum(Kind::Float);
                     }
                     if r == 1 && flag.load(Ordering::SeqCst) {
-                        loss = loss + (x * &fc * 4.0).sum(Kind::Float);
+                        loss += (x * &fc * 4.0).sum(Kind::Float);
                     }
                     loss
                 });
