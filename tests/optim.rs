@@ -1,8 +1,9 @@
 //! `tch_dist::optim` against the `.venv`'s torch.optim: SGD (plain, momentum with dampening,
-//! Nesterov with weight decay) and AdamW (defaults, amsgrad with weight decay) over 12 steps
-//! from the same values and gradients, with a learning-rate change, a parameter that gets
-//! its first gradient at step 3 and one that never gets one: every parameter and every state
-//! tensor within 1e-6 of PyTorch's. Then the settings PyTorch refuses, refused with its
+//! Nesterov with weight decay) and AdamW (defaults, amsgrad with weight decay), and each
+//! with `maximize` (SGD plain, with momentum, dampening and weight decay, Nesterov; AdamW
+//! with weight decay, with amsgrad), over 12 steps from the same values and gradients, with a
+//! learning-rate change, a parameter that gets its first gradient at step 3 and one that
+//! never gets one: every parameter and every state tensor within 1e-6 of PyTorch's. Then the settings PyTorch refuses, refused with its
 //! messages.
 
 use std::collections::BTreeMap;
@@ -179,6 +180,72 @@ fn sgd_and_adamw_match_torch_optim() {
                     eps: 1e-6,
                     weight_decay: 0.1,
                     amsgrad: true,
+                    maximize: false,
+                }
+                .build(vs, 0.01)
+                .unwrap()
+            }),
+        ),
+        // maximize: the gradient negated for the update (through momentum, dampening and
+        // weight decay for SGD; through both moments and amsgrad's maximum for AdamW).
+        (
+            serde_json::json!({"opt": "SGD", "kwargs": {"lr": 0.1, "maximize": true}, "lr_at": lr_at}),
+            Box::new(|vs| {
+                Sgd {
+                    maximize: true,
+                    ..Default::default()
+                }
+                .build(vs, 0.1)
+                .unwrap()
+            }),
+        ),
+        (
+            serde_json::json!({"opt": "SGD", "kwargs": {"lr": 0.05, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01, "maximize": true}, "lr_at": lr_at}),
+            Box::new(|vs| {
+                Sgd {
+                    momentum: 0.9,
+                    dampening: 0.1,
+                    weight_decay: 0.01,
+                    maximize: true,
+                    ..Default::default()
+                }
+                .build(vs, 0.05)
+                .unwrap()
+            }),
+        ),
+        (
+            serde_json::json!({"opt": "SGD", "kwargs": {"lr": 0.05, "momentum": 0.8, "nesterov": true, "maximize": true}, "lr_at": lr_at}),
+            Box::new(|vs| {
+                Sgd {
+                    momentum: 0.8,
+                    nesterov: true,
+                    maximize: true,
+                    ..Default::default()
+                }
+                .build(vs, 0.05)
+                .unwrap()
+            }),
+        ),
+        (
+            serde_json::json!({"opt": "AdamW", "kwargs": {"lr": 0.01, "weight_decay": 0.1, "maximize": true}, "lr_at": lr_at}),
+            Box::new(|vs| {
+                AdamW {
+                    weight_decay: 0.1,
+                    maximize: true,
+                    ..Default::default()
+                }
+                .build(vs, 0.01)
+                .unwrap()
+            }),
+        ),
+        (
+            serde_json::json!({"opt": "AdamW", "kwargs": {"lr": 0.01, "betas": [0.8, 0.99], "amsgrad": true, "maximize": true}, "lr_at": lr_at}),
+            Box::new(|vs| {
+                AdamW {
+                    betas: (0.8, 0.99),
+                    amsgrad: true,
+                    maximize: true,
+                    ..Default::default()
                 }
                 .build(vs, 0.01)
                 .unwrap()

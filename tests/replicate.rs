@@ -387,3 +387,268 @@ fn world_size_one_without_shortcuts_communicates_and_matches() {
         assert_eq!(collectives_per_step(&pg, per_param(), 3), vec![4, 4]);
     });
 }
+
+/// `init_sync`: with false each rank keeps its own initial parameters and buffers (seeded
+/// per rank here, so they differ); with true (the default) every rank holds rank 0's.
+#[test]
+fn init_sync_broadcasts_rank_0s_values_or_keeps_each_ranks() {
+    run_ranks(
+        "init_sync_broadcasts_rank_0s_values_or_keeps_each_ranks",
+        2,
+        |pg| {
+            use tch::Tensor;
+            let r = pg.rank();
+            // The model as rank `seed` builds it: a linear layer and a batch norm whose running
+            // mean is the rank's own.
+            let build = |vs: &nn::VarStore, seed: usize| {
+                tch::manual_seed(seed as i64);
+                let net = nn::seq_t()
+                    .add(nn::linear(vs.root() / "fc", 3, 2, Default::default()))
+                    .add(nn::batch_norm1d(vs.root() / "bn", 2, Default::default()));
+                tch::no_grad(|| {
+                    let _ = vs.variables()["bn.running_mean"]
+                        .shallow_clone()
+                        .fill_(seed as f64 + 1.0);
+                });
+                net
+            };
+            let values = |vs: &nn::VarStore| -> Vec<(String, Tensor)> {
+                let mut v: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+                v.sort_by(|a, b| a.0.cmp(&b.0));
+                v.into_iter().map(|(n, t)| (n, t.detach().copy())).collect()
+            };
+            let rank_0s = {
+                let vs = nn::VarStore::new(Device::Cpu);
+                let _ = build(&vs, 0);
+                values(&vs)
+            };
+            for init_sync in [false, true] {
+                let vs = nn::VarStore::new(Device::Cpu);
+                let net = build(&vs, r);
+                let own = values(&vs);
+                let opts = replicate::Options {
+                    init_sync,
+                    ..Default::default()
+                };
+                let model = replicate::wrap_t(net, &vs, opts).unwrap();
+                let expected = if init_sync { &rank_0s } else { &own };
+                for ((name, now), (_, want)) in values(&vs).iter().zip(expected) {
+                    assert!(now.equal(want), "init_sync {init_sync}: {name}");
+                }
+                // The ranks' values differ without the broadcast and are equal with it.
+                for name in ["fc.weight", "bn.running_mean"] {
+                    let t = vs.variables()[name].detach().copy();
+                    let sum = t.copy();
+                    pg.all_reduce(&sum, tch_dist::ReduceOp::Sum).unwrap();
+                    let same = sum.allclose(&(&t * 2.0), 0.0, 0.0, false);
+                    assert_eq!(same, init_sync, "init_sync {init_sync}: {name}");
+                }
+                drop(model);
+            }
+            // The ranks must agree on it.
+            let vs = nn::VarStore::new(Device::Cpu);
+            let net = build(&vs, r);
+            let opts = replicate::Options {
+                init_sync: r == 0,
+                ..Default::default()
+            };
+            let err = replicate::wrap_t(net, &vs, opts).unwrap_err().to_string();
+            assert_eq!(
+                err,
+                format!(
+                "rank {r}: replicate: option `init_sync` differs across ranks: rank 0 has true, \
+                 rank 1 has false"
+            )
+            );
+        },
+    );
+}
+
+/// `skip_all_reduce_unused_params` with `find_unused_parameters`, a bucket per parameter:
+/// `a` is used on both ranks, `b` on rank 0 only, `c` on neither (until the fourth pass,
+/// where rank 1 uses it). The gradients are DDP's every pass (`a`: the mean of the ranks'
+/// inputs; `b`: rank 0's gradient halved; `c`: none until it is used); with the option,
+/// the passes after the first do not communicate `c`'s bucket, and the pass in which `c`
+/// is used after all still averages it.
+#[test]
+fn skip_all_reduce_unused_params_skips_buckets_no_rank_used() {
+    run_ranks(
+        "skip_all_reduce_unused_params_skips_buckets_no_rank_used",
+        2,
+        |pg| {
+            use std::sync::atomic::{AtomicBool, Ordering};
+            use std::sync::Arc;
+            use tch::{Kind, Tensor};
+            let r = pg.rank();
+            // Collectives launched per pass, without and with the option.
+            let mut launched_per_pass: Vec<Vec<u64>> = Vec::new();
+            for skip in [false, true] {
+                let vs = nn::VarStore::new(Device::Cpu);
+                let root = vs.root();
+                let a = root.var("a", &[3], nn::Init::Const(0.5));
+                let b = root.var("b", &[3], nn::Init::Const(0.5));
+                let c = root.var("c", &[3], nn::Init::Const(0.5));
+                let use_c = Arc::new(AtomicBool::new(false));
+                let (fa, fb, fc, flag) = (
+                    a.shallow_clone(),
+                    b.shallow_clone(),
+                    c.shallow_clone(),
+                    use_c.clone(),
+                );
+                // Rank r's input is all r + 1; rank 0 also uses b (times 2); rank 1 uses c
+                // (times 4) when the flag is set.
+                let net = nn::func(move |x| {
+                    let mut loss = (x * &fa).sum(Kind::Float);
+                    if r == 0 {
+                        loss += (x * &fb * 2.0).sum(Kind::Float);
+                    }
+                    if r == 1 && flag.load(Ordering::SeqCst) {
+                        loss += (x * &fc * 4.0).sum(Kind::Float);
+                    }
+                    loss
+                });
+                let opts = replicate::Options {
+                    bucket_cap_mb: 1e-9,
+                    find_unused_parameters: true,
+                    skip_all_reduce_unused_params: skip,
+                    ..Default::default()
+                };
+                let model = replicate::wrap(net, &vs, opts).unwrap();
+                assert_eq!(model.state().buckets().len(), 3);
+                let x = Tensor::full([3], (r + 1) as f64, (Kind::Float, Device::Cpu));
+                let mut launched_here = Vec::new();
+                for pass in 0..5 {
+                    use_c.store(pass == 3, Ordering::SeqCst);
+                    for t in [&a, &b, &c] {
+                        let g = t.grad();
+                        if g.defined() {
+                            let _ = g.shallow_clone().zero_();
+                        }
+                    }
+                    let before = pg.launched_collectives();
+                    model.f_forward(&x).unwrap().backward();
+                    launched_here.push(pg.launched_collectives() - before);
+                    let what = format!("skip {skip}, pass {pass}");
+                    let full = |v: f64| Tensor::full([3], v, (Kind::Float, Device::Cpu));
+                    // a: mean of 1 and 2; b: rank 0's 2 * 1, halved.
+                    assert!(
+                        a.grad().allclose(&full(1.5), 1e-6, 1e-6, false),
+                        "{what}: a"
+                    );
+                    assert!(
+                        b.grad().allclose(&full(1.0), 1e-6, 1e-6, false),
+                        "{what}: b"
+                    );
+                    if pass < 3 {
+                        assert!(!c.grad().defined(), "{what}: c has a gradient");
+                    } else if pass == 3 {
+                        // rank 1's 4 * 2, halved, on both ranks.
+                        assert!(
+                            c.grad().allclose(&full(4.0), 1e-6, 1e-6, false),
+                            "{what}: c"
+                        );
+                    } else {
+                        // Unused everywhere again: `.grad` left as it was (zeroed above).
+                        assert!(c.grad().allclose(&full(0.0), 0.0, 0.0, false), "{what}: c");
+                    }
+                    let stats = model.state().stats();
+                    // Skipped: c's bucket, after the first pass, except in the pass that used it
+                    // (all-reduced at the end of backward then). Pass 4 follows a pass that used
+                    // c, so it skips nothing.
+                    let skipped = skip && matches!(pass, 1 | 2);
+                    let reduced = if skipped { 2 } else { 3 };
+                    assert_eq!(stats.buckets_reduced, reduced, "{what}: buckets reduced");
+                }
+                launched_per_pass.push(launched_here);
+            }
+            // The skipped bucket's all-reduce is the one collective saved.
+            let (without, with) = (&launched_per_pass[0], &launched_per_pass[1]);
+            let saved: Vec<u64> = without.iter().zip(with).map(|(a, b)| a - b).collect();
+            assert_eq!(saved, [0, 1, 1, 0, 0], "launched {without:?} and {with:?}");
+        },
+    );
+}
+
+/// `bucket_cap_mb_list`: the k-th bucket (in launch order) closes at the k-th cap, the last
+/// cap repeating, at construction and after the rebuild; the gradients are still the
+/// average; an entry that is not positive is refused on every rank.
+#[test]
+fn bucket_cap_mb_list_sets_each_buckets_cap() {
+    run_ranks("bucket_cap_mb_list_sets_each_buckets_cap", 2, |pg| {
+        use tch::{Kind, Tensor};
+        let r = pg.rank();
+        const KIB: f64 = 1.0 / 1024.0;
+        // float32: w0, w1, w3 1 KiB each, w2 2 KiB.
+        let sizes = [("w0", 256), ("w1", 256), ("w2", 512), ("w3", 256)];
+        let build = |opts: replicate::Options| {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let vars: Vec<Tensor> = sizes
+                .iter()
+                .map(|(n, k)| vs.root().var(n, &[*k], nn::Init::Const(1.0)))
+                .collect();
+            let used = vars.iter().map(|v| v.shallow_clone()).collect::<Vec<_>>();
+            // A chain, so that gradients become ready w3, w2, w1, w0.
+            let net = nn::func(move |x| {
+                let mut h = x.shallow_clone();
+                for v in &used {
+                    h = (&h * v.sum(Kind::Float)).tanh();
+                }
+                h.sum(Kind::Float)
+            });
+            let model = replicate::wrap(net, &vs, opts).unwrap();
+            (vs, vars, model)
+        };
+        let caps = vec![KIB, 3.0 * KIB];
+        let opts = replicate::Options {
+            bucket_cap_mb_list: caps.clone(),
+            ..Default::default()
+        };
+        let (_vs, vars, model) = build(opts);
+        // Reverse registration order: w3 (1 KiB >= 1 KiB) closes the first bucket; w2 + w1
+        // (3 KiB >= 3 KiB) the second; w0 is the rest.
+        let expected = vec![vec!["w3"], vec!["w2", "w1"], vec!["w0"]];
+        assert_eq!(model.state().buckets(), expected);
+        // Without the list: one bucket (4 KiB, under the 1 MiB first cap).
+        let (_, _, plain) = build(replicate::Options::default());
+        assert_eq!(plain.state().buckets(), vec![vec!["w3", "w2", "w1", "w0"]]);
+        // Two steps (the first rebuilds from the gradient-ready order): averaged gradients,
+        // and the rebuilt layout follows the list too.
+        for step in 0..2 {
+            for v in &vars {
+                let g = v.grad();
+                if g.defined() {
+                    let _ = g.shallow_clone().zero_();
+                }
+            }
+            let x = Tensor::full([2], 0.1 * (r + 1) as f64, (Kind::Float, Device::Cpu));
+            model.f_forward(&x).unwrap().backward();
+            for v in &vars {
+                let g = v.grad();
+                let sum = g.copy();
+                pg.all_reduce(&sum, tch_dist::ReduceOp::Sum).unwrap();
+                assert!(
+                    sum.allclose(&(&g * 2.0), 1e-6, 1e-7, false),
+                    "step {step}: not averaged"
+                );
+            }
+        }
+        assert!(model.state().stats().rebuilt);
+        assert_eq!(model.state().buckets(), expected);
+        // A cap that is not positive, on one rank: refused on both.
+        let bad = replicate::Options {
+            bucket_cap_mb_list: if r == 1 { vec![1.0, 0.0] } else { vec![1.0] },
+            ..Default::default()
+        };
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _ = vs.root().var("w", &[2], nn::Init::Const(1.0));
+        let err = replicate::wrap(nn::func(|x| x.shallow_clone()), &vs, bad)
+            .unwrap_err()
+            .to_string();
+        let expected = if r == 1 {
+            "rank 1: invalid argument to replicate: bucket_cap_mb_list must be positive, got 0"
+        } else {
+            "rank 0: replicate: rank 1 failed its own check (see its error); nothing was changed"
+        };
+        assert_eq!(err, expected);
+    });
+}

@@ -8,7 +8,7 @@ use tch_dist_runtime::kernels::{self as fused, AdamWHyper};
 use super::{OptimError, Optimizer, ParamState};
 
 /// AdamW (decoupled weight decay): torch.optim.AdamW's settings and defaults
-/// (`betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False`; lr 1e-3 is given to
+/// (`betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False`; lr 1e-3 is given to
 /// `build`), built in tch's style. Its state per parameter is `step` (a float32 scalar
 /// tensor, as PyTorch's), `exp_avg`, `exp_avg_sq` and, with amsgrad, `max_exp_avg_sq`.
 ///
@@ -28,6 +28,17 @@ pub struct AdamW {
     pub weight_decay: f64,
     /// Keep the running maximum of the second moment.
     pub amsgrad: bool,
+    /// Maximize the objective: the moments are taken of `-grad` (the update then moves the
+    /// parameters along +grad; the decoupled weight decay still shrinks them), as
+    /// torch.optim.AdamW's `maximize=True`; `.grad` itself is left as it is.
+    ///
+    /// ```no_run
+    /// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let opt = tch_dist::optim::AdamW { maximize: true, ..Default::default() }.build(&vs, 1e-3)?;
+    /// # let _ = opt;
+    /// # Ok::<(), tch_dist::optim::OptimError>(())
+    /// ```
+    pub maximize: bool,
 }
 
 impl Default for AdamW {
@@ -37,6 +48,7 @@ impl Default for AdamW {
             eps: 1e-8,
             weight_decay: 1e-2,
             amsgrad: false,
+            maximize: false,
         }
     }
 }
@@ -149,7 +161,7 @@ impl AdamW {
                 weight_decay: self.weight_decay,
                 eps: self.eps,
                 amsgrad: self.amsgrad,
-                maximize: false,
+                maximize: self.maximize,
             },
         )?;
         // Only a step that ran keeps the new parameters' state.

@@ -7,8 +7,9 @@ use tch_dist_runtime::kernels::{self as fused, SgdHyper};
 
 use super::{OptimError, Optimizer, ParamState};
 
-/// SGD with momentum, dampening, Nesterov momentum and weight decay: torch.optim.SGD's
-/// settings and defaults (`momentum=0, dampening=0, weight_decay=0, nesterov=False`), built
+/// SGD with momentum, dampening, Nesterov momentum, weight decay and `maximize`:
+/// torch.optim.SGD's settings and defaults (`momentum=0, dampening=0, weight_decay=0,
+/// nesterov=False, maximize=False`), built
 /// in tch's style. Its state per parameter is `momentum_buffer` (none without momentum).
 ///
 /// ```no_run
@@ -27,6 +28,18 @@ pub struct Sgd {
     pub weight_decay: f64,
     /// Nesterov momentum (needs a momentum and no dampening).
     pub nesterov: bool,
+    /// Maximize the objective: the gradient is negated for the update (weight decay and
+    /// momentum then apply to `-grad`), as torch.optim.SGD's `maximize=True`; `.grad` itself
+    /// is left as it is.
+    ///
+    /// ```no_run
+    /// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// // Gradient ascent: each step moves the parameters along +grad.
+    /// let opt = tch_dist::optim::Sgd { maximize: true, ..Default::default() }.build(&vs, 0.1)?;
+    /// # let _ = opt;
+    /// # Ok::<(), tch_dist::optim::OptimError>(())
+    /// ```
+    pub maximize: bool,
 }
 
 impl Sgd {
@@ -91,7 +104,7 @@ impl Sgd {
             dampening: self.dampening,
             weight_decay: self.weight_decay,
             nesterov: self.nesterov,
-            maximize: false,
+            maximize: self.maximize,
         };
         let params: Vec<&Tensor> = ready.iter().map(|r| r.1).collect();
         let grads: Vec<&Tensor> = ready.iter().map(|r| &r.2).collect();

@@ -85,7 +85,7 @@ pub(crate) fn of(optimizer: &Optimizer) -> OptimizerSidecar {
                 dampening: s.dampening,
                 weight_decay: s.weight_decay,
                 nesterov: s.nesterov,
-                maximize: false,
+                maximize: s.maximize,
                 foreach: None,
                 differentiable: false,
                 fused: Some(true),
@@ -100,7 +100,7 @@ pub(crate) fn of(optimizer: &Optimizer) -> OptimizerSidecar {
                 eps: a.eps,
                 weight_decay: a.weight_decay,
                 amsgrad: a.amsgrad,
-                maximize: false,
+                maximize: a.maximize,
                 foreach: None,
                 capturable: false,
                 differentiable: false,
@@ -133,20 +133,17 @@ fn one<G>(groups: Vec<G>) -> Result<G, String> {
 
 /// The algorithm and learning rate a sidecar describes, or what is wrong with it.
 pub(crate) fn settings_of(bytes: &[u8]) -> Result<(Algorithm, f64), String> {
-    let unsupported_maximize = || Err("`maximize` is not supported".to_string());
     match class_of(bytes)?.as_str() {
         "SGD" => {
             let sidecar: Sidecar<SgdGroup> =
                 serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
             let g = one(sidecar.param_groups)?;
-            if g.maximize {
-                return unsupported_maximize();
-            }
             let sgd = Sgd {
                 momentum: g.momentum,
                 dampening: g.dampening,
                 weight_decay: g.weight_decay,
                 nesterov: g.nesterov,
+                maximize: g.maximize,
             };
             Ok((Algorithm::Sgd(sgd), g.lr))
         }
@@ -154,19 +151,53 @@ pub(crate) fn settings_of(bytes: &[u8]) -> Result<(Algorithm, f64), String> {
             let sidecar: Sidecar<AdamWGroup> =
                 serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
             let g = one(sidecar.param_groups)?;
-            if g.maximize {
-                return unsupported_maximize();
-            }
             let adamw = AdamW {
                 betas: g.betas,
                 eps: g.eps,
                 weight_decay: g.weight_decay,
                 amsgrad: g.amsgrad,
+                maximize: g.maximize,
             };
             Ok((Algorithm::AdamW(adamw), g.lr))
         }
         other => Err(format!(
             "an optimizer `{other}`, which tch-dist does not have"
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `param_groups` as torch 2.11 writes them for `maximize=True` (printed from the
+    /// `.venv`'s `SGD(..., momentum=0.9, maximize=True, fused=True).state_dict()` and
+    /// `AdamW(..., lr=0.01, maximize=True, fused=True)`, the params by FQN) are read with
+    /// `maximize`, and what tch-dist writes reads back the same.
+    #[test]
+    fn pytorch_maximize_groups_load() {
+        let sgd = br#"{"optimizer": "SGD", "param_groups": [{"lr": 0.1, "momentum": 0.9, "dampening": 0, "weight_decay": 0, "nesterov": false, "maximize": true, "foreach": null, "differentiable": false, "fused": true, "params": ["w"]}]}"#;
+        let adamw = br#"{"optimizer": "AdamW", "param_groups": [{"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-08, "weight_decay": 0.01, "amsgrad": false, "maximize": true, "foreach": null, "capturable": false, "differentiable": false, "fused": true, "decoupled_weight_decay": true, "params": ["w"]}]}"#;
+        let expected_sgd = Algorithm::Sgd(Sgd {
+            momentum: 0.9,
+            maximize: true,
+            ..Default::default()
+        });
+        let expected_adamw = Algorithm::AdamW(AdamW {
+            maximize: true,
+            ..Default::default()
+        });
+        assert_eq!(settings_of(sgd).unwrap(), (expected_sgd, 0.1));
+        assert_eq!(settings_of(adamw).unwrap(), (expected_adamw, 0.01));
+        // tch-dist's own sidecar of such an optimizer says `"maximize": true` and reads back.
+        for (algorithm, lr) in [(expected_sgd, 0.1), (expected_adamw, 0.01)] {
+            let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+            let _ = vs.root().var("w", &[2], tch::nn::Init::Const(0.0));
+            let opt = Optimizer::new(&vs, lr, algorithm).unwrap();
+            let json = serde_json::to_vec(&of(&opt)).unwrap();
+            let value: serde_json::Value = serde_json::from_slice(&json).unwrap();
+            assert_eq!(value["param_groups"][0]["maximize"], true);
+            assert_eq!(settings_of(&json).unwrap(), (algorithm, lr));
+        }
     }
 }

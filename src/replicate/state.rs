@@ -204,8 +204,9 @@ fn default_device(group: &ProcessGroup, params: &[(String, Tensor)]) -> Option<D
 
 /// The one implementation behind both forms, from the tensors a form found: every check
 /// (on every rank together, before anything is sent or changed), the start-up broadcast of
-/// rank 0's parameters and buffers, and the [`Reducer`]. The derive form adds its forward
-/// pre-hook; the wrapper calls [`ReplicateState::pre_forward`] from its `forward`.
+/// rank 0's parameters and buffers (unless `init_sync` is off), and the [`Reducer`]. The
+/// derive form adds its forward pre-hook; the wrapper calls
+/// [`ReplicateState::pre_forward`] from its `forward`.
 pub(super) fn set_up(
     group: ProcessGroup,
     found: Found,
@@ -219,7 +220,9 @@ pub(super) fn set_up(
     // Every option is checked before anything is sent or changed.
     let reducer_opts = ReducerOptions {
         bucket_cap_mb: opts.bucket_cap_mb,
+        bucket_cap_mb_list: opts.bucket_cap_mb_list.clone(),
         find_unused_parameters: opts.find_unused_parameters,
+        skip_all_reduce_unused_params: opts.skip_all_reduce_unused_params,
         gradient_as_bucket_view: opts.gradient_as_bucket_view,
         static_graph: opts.static_graph,
         comm_hook: opts.comm_hook,
@@ -269,6 +272,15 @@ pub(super) fn set_up(
     let options = [
         ("bucket_cap_mb", opts.bucket_cap_mb.to_string()),
         (
+            "bucket_cap_mb_list",
+            format!("{:?}", opts.bucket_cap_mb_list),
+        ),
+        ("init_sync", opts.init_sync.to_string()),
+        (
+            "skip_all_reduce_unused_params",
+            opts.skip_all_reduce_unused_params.to_string(),
+        ),
+        (
             "find_unused_parameters",
             opts.find_unused_parameters.to_string(),
         ),
@@ -293,12 +305,14 @@ pub(super) fn set_up(
     // every rank, or the broadcast would fail without a name (or mix values up).
     let named: Vec<(&str, &Tensor)> = buffers.iter().map(|(n, t)| (n.as_str(), t)).collect();
     group.verify_same_tensors("replicate", "buffers", 0, &named)?;
-    let states: Vec<&Tensor> = params
-        .iter()
-        .chain(buffers.iter())
-        .map(|(_, t)| t)
-        .collect();
-    group.broadcast_coalesced(&states, 0, BROADCAST_BUCKET_BYTES)?;
+    if opts.init_sync {
+        let states: Vec<&Tensor> = params
+            .iter()
+            .chain(buffers.iter())
+            .map(|(_, t)| t)
+            .collect();
+        group.broadcast_coalesced(&states, 0, BROADCAST_BUCKET_BYTES)?;
+    }
 
     let param_fqns: Vec<String> = params.iter().map(|(n, _)| n.clone()).collect();
     let buffer_fqns: Vec<String> = buffers.iter().map(|(n, _)| n.clone()).collect();

@@ -57,6 +57,7 @@ impl ReducerInner {
             fresh_grads,
             ready_order,
             static_graph,
+            skip_unused,
             forwards,
             backwards,
             ..
@@ -122,21 +123,36 @@ impl ReducerInner {
             }
         }
         pass.pending[layout.params[index].bucket] -= 1;
-        self.launch_ready(layout, hook.as_mut(), pass, static_graph)
+        self.launch_ready(
+            layout,
+            hook.as_mut(),
+            pass,
+            static_graph,
+            skip_unused.as_deref(),
+        )
     }
 
     /// Launches in order while the next one is ready: bucket by bucket, its in-place
     /// gradients one by one, then its flat buffer (through the hook) once every member is
-    /// ready.
+    /// ready. A bucket `skip_unused` skips (`skip_all_reduce_unused_params`: its parameters
+    /// got no gradient on any rank in the previous pass) is passed over at once, on every
+    /// rank alike.
     fn launch_ready(
         &self,
         layout: &Layout,
         hook: &mut dyn BucketHook,
         pass: &mut Pass,
         static_graph: Option<&StaticGraphUse>,
+        skip_unused: Option<&[bool]>,
     ) -> Result<()> {
         while pass.next_bucket < layout.buckets.len() {
             let b = pass.next_bucket;
+            if unused::skips_bucket(layout, b, skip_unused) {
+                pass.skipped[b] = true;
+                pass.next_bucket += 1;
+                pass.next_in_place = 0;
+                continue;
+            }
             while let Some(&i) = layout.buckets[b].in_place.get(pass.next_in_place) {
                 if !pass.params[i].ready
                     && !pass.flushing
@@ -154,9 +170,33 @@ impl ReducerInner {
                 pass.note_launch()?;
                 pass.in_flight[b] = Some(hook.launch(&self.group, &grad_bucket(layout, b))?);
             }
+            pass.buckets_reduced += 1;
             pass.next_bucket += 1;
             pass.next_in_place = 0;
         }
+        Ok(())
+    }
+
+    /// At the end of backward, after the used map: a skipped bucket one of whose parameters
+    /// got a gradient on some rank after all is communicated now (every rank knows it from
+    /// the same map, and launches such buckets in bucket order), its members without a
+    /// gradient as zeros.
+    fn launch_skipped(
+        &self,
+        layout: &Layout,
+        hook: &mut dyn BucketHook,
+        pass: &mut Pass,
+        b: usize,
+    ) -> Result<()> {
+        for &i in &layout.buckets[b].in_place {
+            self.launch_in_place(layout, pass, i)?;
+        }
+        if layout.buckets[b].flat.numel() > 0 {
+            pass.note_launch()?;
+            pass.in_flight[b] = Some(hook.launch(&self.group, &grad_bucket(layout, b))?);
+        }
+        pass.skipped[b] = false;
+        pass.buckets_reduced += 1;
         Ok(())
     }
 
@@ -249,8 +289,15 @@ impl ReducerInner {
             unused::count_as_zero(&st.layout, &mut pass, &unready);
             // In-place parameters without a gradient are launched as zeros.
             pass.flushing = true;
-            self.launch_ready(&st.layout, st.hook.as_mut(), &mut pass, static_graph)?;
-            globally_used = Some(match &st.static_graph {
+            let skip_unused = st.skip_unused.as_deref();
+            self.launch_ready(
+                &st.layout,
+                st.hook.as_mut(),
+                &mut pass,
+                static_graph,
+                skip_unused,
+            )?;
+            let used = match &st.static_graph {
                 // A static graph: the first pass's answer holds.
                 Some(seen) => seen.global.clone(),
                 None => {
@@ -263,7 +310,17 @@ impl ReducerInner {
                     }
                     used
                 }
-            });
+            };
+            for b in 0..st.layout.buckets.len() {
+                if pass.skipped[b] && st.layout.buckets[b].params.iter().any(|&i| used[i]) {
+                    self.launch_skipped(&st.layout, st.hook.as_mut(), &mut pass, b)?;
+                }
+            }
+            if self.opts.skip_all_reduce_unused_params {
+                // The next pass skips what no rank used in this one.
+                st.skip_unused = Some(used.iter().map(|u| !u).collect());
+            }
+            globally_used = Some(used);
         }
         if pass.next_bucket != st.layout.buckets.len() {
             return Err(DistError::Internal {
@@ -298,6 +355,7 @@ impl ReducerInner {
         }
         let first = pass.first_launch.unwrap_or(done);
         st.stats.steps += 1;
+        st.stats.buckets_reduced = pass.buckets_reduced;
         st.stats.comm_time = done.saturating_duration_since(first);
         st.stats.overlapped_time = backward_end.min(done).saturating_duration_since(first);
         st.hook.step_done();
@@ -353,10 +411,7 @@ impl ReducerInner {
             });
         }
         st.stats.rebuilt = true;
-        if st
-            .layout
-            .rebuild(&order, self.opts.first_cap_bytes(), self.opts.cap_bytes())
-        {
+        if st.layout.rebuild(&order, &self.opts.bucket_limits()) {
             st.hook.buckets_rebuilt();
             st.stats.buckets = st.layout.buckets.len();
             if self.opts.gradient_as_bucket_view {

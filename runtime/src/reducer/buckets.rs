@@ -58,18 +58,18 @@ pub(crate) struct Layout {
 impl Layout {
     /// Buckets `params` in `order` (PyTorch's: reverse registration order at first, the
     /// gradient-ready order after the rebuild). Parameters of at least `in_place_min_bytes`
-    /// (`None`: none) take no room in their bucket's flat buffer.
+    /// (`None`: none) take no room in their bucket's flat buffer. `limits`: the caps in
+    /// bytes of the buckets of one dtype and device, in order (the last repeats).
     pub fn new(
         mut params: Vec<Param>,
         order: &[usize],
-        first_cap: usize,
-        cap: usize,
+        limits: &[usize],
         in_place_min_bytes: Option<usize>,
     ) -> Layout {
         for p in params.iter_mut() {
             p.in_place = in_place_min_bytes.is_some_and(|min| p.bytes() >= min);
         }
-        let members = assign_buckets(&sizes(&params), order, first_cap, cap);
+        let members = assign_buckets(&sizes(&params), order, limits);
         let buckets = build_buckets(&mut params, &members);
         Layout { params, buckets }
     }
@@ -88,8 +88,8 @@ impl Layout {
     }
 
     /// Re-buckets by `order` (the rebuild); returns whether the layout changed.
-    pub fn rebuild(&mut self, order: &[usize], first_cap: usize, cap: usize) -> bool {
-        let members = assign_buckets(&sizes(&self.params), order, first_cap, cap);
+    pub fn rebuild(&mut self, order: &[usize], limits: &[usize]) -> bool {
+        let members = assign_buckets(&sizes(&self.params), order, limits);
         if members.iter().eq(self.buckets.iter().map(|b| &b.params)) {
             return false;
         }
@@ -112,13 +112,13 @@ fn sizes(params: &[Param]) -> Vec<(usize, Kind, Device)> {
 }
 
 /// PyTorch's `compute_bucket_assignment_by_size`: walks `order`, fills one open bucket per
-/// (dtype, device) up to its current cap (the first cap, then `cap`), never splitting a
-/// tensor; buckets are then sorted by their earliest position in `order`.
+/// (dtype, device) up to its current cap (the k-th bucket of a dtype and device closes at
+/// `limits[k]`, the last limit for every bucket after), never splitting a tensor; buckets
+/// are then sorted by their earliest position in `order`.
 pub(crate) fn assign_buckets(
     sizes: &[(usize, Kind, Device)],
     order: &[usize],
-    first_cap: usize,
-    cap: usize,
+    limits: &[usize],
 ) -> Vec<Vec<usize>> {
     struct Open {
         key: (Kind, Device),
@@ -146,7 +146,11 @@ pub(crate) fn assign_buckets(
         let o = &mut open[pos];
         o.members.push(i);
         o.bytes += numel * kind.elt_size_in_bytes();
-        let limit = if o.closed_before == 0 { first_cap } else { cap };
+        let limit = limits
+            .get(o.closed_before)
+            .or(limits.last())
+            .copied()
+            .unwrap_or(usize::MAX);
         if o.bytes >= limit {
             done.push(std::mem::take(&mut o.members));
             o.bytes = 0;
@@ -246,19 +250,25 @@ mod tests {
             f(50),
         ];
         let order: Vec<usize> = (0..sizes.len()).rev().collect(); // 5,4,3,2,1,0
-        let b = assign_buckets(&sizes, &order, 1000, 2000);
+        let b = assign_buckets(&sizes, &order, &[1000, 2000]);
         // float: 5 (200B) + 3 (1600B) -> closes the first (>=1000); 2 (1200B) + 1 (800B) -> 2000
         // closes; 0 stays open. double: 4 alone.
         assert_eq!(b, vec![vec![5, 3], vec![4], vec![2, 1], vec![0]]);
         // One bucket for all when the caps are huge (per dtype).
-        let b = assign_buckets(&sizes, &order, usize::MAX, usize::MAX);
+        let b = assign_buckets(&sizes, &order, &[usize::MAX]);
         assert_eq!(b, vec![vec![5, 3, 2, 1, 0], vec![4]]);
         // A tiny cap: one bucket per parameter.
-        let b = assign_buckets(&sizes, &order, 1, 1);
+        let b = assign_buckets(&sizes, &order, &[1]);
         assert_eq!(
             b,
             vec![vec![5], vec![4], vec![3], vec![2], vec![1], vec![0]]
         );
+        // A list of caps (`bucket_cap_mb_list`): per dtype, the k-th bucket closes at the k-th
+        // cap, the last one repeating. float: 5 (200B) >= 100 closes; 3 (1600B) >= 1000
+        // closes; 2 (1200B) + 1 (800B) = 2000 >= 1500 closes; 0 stays open. double: 4
+        // (80B) < 100 stays open.
+        let b = assign_buckets(&sizes, &order, &[100, 1000, 1500]);
+        assert_eq!(b, vec![vec![5], vec![4], vec![3], vec![2, 1], vec![0]]);
     }
 
     #[test]
@@ -276,8 +286,7 @@ mod tests {
         let layout = Layout::new(
             vec![p("a", 10), p("b", 100), p("c", 20)],
             &[2, 1, 0],
-            usize::MAX,
-            usize::MAX,
+            &[usize::MAX],
             Some(256),
         );
         assert_eq!(layout.bucket_fqns(), vec![vec!["c", "b", "a"]]);

@@ -21,9 +21,10 @@
 //! - **Hooks.** A post hook on each parameter's gradient accumulator tells the reducer that
 //!   the parameter's gradient is final for this backward pass.
 //! - **Buckets.** Parameters are grouped into flat buckets (reverse registration order, per
-//!   dtype and device, the first capped at 1 MiB and the rest at `bucket_cap_mb`, a
-//!   parameter never split). A ready gradient is copied into its bucket slice — or, with
-//!   `gradient_as_bucket_view`, *is* its bucket slice.
+//!   dtype and device, the first capped at 1 MiB and the rest at `bucket_cap_mb`, or each
+//!   at its entry of `bucket_cap_mb_list`, a parameter never split). A ready gradient is
+//!   copied into its bucket slice — or, with `gradient_as_bucket_view`, *is* its bucket
+//!   slice.
 //! - **In place.** With the default hook, a gradient of at least `in_place_min_bytes`
 //!   (1 MiB) is not copied at all: its `.grad` is all-reduced in place, as its own collective,
 //!   as soon as it is ready and everything before it in bucket order has been launched. Only
@@ -37,6 +38,11 @@
 //!   callback that the autograd engine runs before `backward()` returns: it launches what is
 //!   left (unused parameters count as zero with `find_unused_parameters`), waits for every
 //!   bucket, and writes the averaged gradients back into `.grad`.
+//! - **Skipping unused buckets.** With `skip_all_reduce_unused_params`, a bucket whose
+//!   parameters no rank used in the previous synchronised pass (the all-reduced used map of
+//!   `find_unused_parameters`) is passed over in launch order on every rank alike; should
+//!   some rank use one of them after all, the bucket is all-reduced once this pass's used
+//!   map says so, at the end of backward.
 //! - **Step check.** A synchronised pass's first hook starts the step check
 //!   (`c10d/step_check/`: every rank's forward and backward counts, all-gathered in a header of
 //!   fixed size), and its first launch waits for it, so that a rank in another pass or step
@@ -87,6 +93,9 @@ pub struct ReducerStats {
     pub overlapped_time: Duration,
     /// Whether the buckets were rebuilt from the observed gradient order.
     pub rebuilt: bool,
+    /// Buckets communicated in the last synchronised step (PyTorch's `num_buckets_reduced`
+    /// logging figure): `buckets`, less those `skip_all_reduce_unused_params` skipped.
+    pub buckets_reduced: usize,
 }
 
 /// The reducer's state across passes.
@@ -103,6 +112,10 @@ pub(crate) struct State {
     ready_order: Option<Vec<usize>>,
     /// `static_graph`, after the first synchronised pass: what it saw.
     static_graph: Option<StaticGraphUse>,
+    /// `skip_all_reduce_unused_params`, after a synchronised pass that found unused
+    /// parameters: per parameter, whether no rank used it in that pass (the same on every
+    /// rank: from the all-reduced used map).
+    skip_unused: Option<Vec<bool>>,
     /// The last pass left parameters without a gradient: the next forward fails with this.
     unfinished: Option<DistError>,
     /// An engine failure, a changed static graph or a failed step check; every later pass
@@ -198,13 +211,7 @@ impl Reducer {
             .map(|(fqn, tensor)| Param::new(fqn, tensor))
             .collect();
         let reverse: Vec<usize> = (0..params.len()).rev().collect();
-        let layout = Layout::new(
-            params,
-            &reverse,
-            opts.first_cap_bytes(),
-            opts.cap_bytes(),
-            in_place_min_bytes,
-        );
+        let layout = Layout::new(params, &reverse, &opts.bucket_limits(), in_place_min_bytes);
         let stats = ReducerStats {
             buckets: layout.buckets.len(),
             bytes: layout.params.iter().map(Param::bytes).sum(),
@@ -217,6 +224,7 @@ impl Reducer {
             fresh_grads: Vec::new(),
             ready_order: Some(Vec::new()),
             static_graph: None,
+            skip_unused: None,
             unfinished: None,
             failed: None,
             forwards: 0,

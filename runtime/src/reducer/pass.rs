@@ -53,6 +53,10 @@ pub(crate) struct Pass {
     pub in_place_flight: Vec<InPlaceFlight>,
     /// End of backward: parameters without a gradient are launched as zeros.
     pub flushing: bool,
+    /// Per bucket: passed over (`skip_all_reduce_unused_params`), not communicated.
+    pub skipped: Vec<bool>,
+    /// Buckets communicated so far (PyTorch's `num_buckets_reduced`).
+    pub buckets_reduced: usize,
     /// When the first collective of the pass was launched.
     pub first_launch: Option<Instant>,
     /// With `TCH_DIST_TRACE`: when the pass began (its first gradient), on the trace's clock.
@@ -80,6 +84,8 @@ impl Pass {
             in_flight: layout.buckets.iter().map(|_| None).collect(),
             in_place_flight: Vec::new(),
             flushing: false,
+            skipped: vec![false; layout.buckets.len()],
+            buckets_reduced: 0,
             first_launch: None,
             started_us: tch_dist_core::trace::enabled().then(tch_dist_core::trace::now_us),
             step_check: Some(step_check),

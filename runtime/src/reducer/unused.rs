@@ -25,6 +25,13 @@ pub(crate) fn presumed_unused(static_graph: Option<&StaticGraphUse>, i: usize) -
     static_graph.is_some_and(|s| !s.local[i])
 }
 
+/// `skip_all_reduce_unused_params`: bucket `b` is not communicated in this pass, every one
+/// of its parameters having got no gradient on any rank in the previous synchronised pass
+/// (`skip_unused[i]`; `None` before the first pass, or without the option).
+pub(crate) fn skips_bucket(layout: &Layout, b: usize, skip_unused: Option<&[bool]>) -> bool {
+    skip_unused.is_some_and(|skip| layout.buckets[b].params.iter().all(|&i| skip[i]))
+}
+
 /// Parameters without a gradient in this pass count as zero: a copied member's slice is
 /// zeroed (an in-place member is reduced from a zero buffer when launched) and its bucket
 /// stops waiting for it.
