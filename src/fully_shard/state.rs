@@ -110,7 +110,7 @@ impl FsdpState {
     /// wrongly and fail (seen at 2 ranks: an all-gather running to the group's timeout).
     ///
     /// ```no_run
-    /// # fn demo<M: tch_dist::Shardable + tch::nn::Module>(model: &M, micro: &[tch::Tensor]) -> Result<(), tch_dist::fully_shard::FsdpError> {
+    /// # fn demo<M: tch_dist::Shardable + tch::nn::Module + 'static>(model: &M, micro: &[tch::Tensor]) -> Result<(), tch_dist::fully_shard::FsdpError> {
     /// use tch_dist::Call;
     /// let root = tch_dist::fully_shard::state(model).ok_or(tch_dist::fully_shard::FsdpError::NotFullyShard)?;
     /// let losses: Vec<_> = micro.iter().map(|x| model.call(x).sum(tch::Kind::Float)).collect();
@@ -126,7 +126,9 @@ impl FsdpState {
 
     /// Whether backward reduce-scatters gradients (the default) or accumulates them locally
     /// for a later synchronised backward (gradient accumulation without communication);
-    /// applies to the nested calls too, as PyTorch's `recurse=True`.
+    /// applies to the nested calls too, as PyTorch's `recurse=True`. Under HSDP it sets the
+    /// all-reduce over the replicate dim alike
+    /// ([`set_requires_all_reduce`](Self::set_requires_all_reduce)), as PyTorch's does.
     pub fn set_requires_gradient_sync(&self, sync: bool) {
         self.group.set_requires_gradient_sync(sync);
         for n in &self.nested {
@@ -149,7 +151,7 @@ impl FsdpState {
     /// group) instead of pairing its all-reduce with the replica's next one.
     ///
     /// ```no_run
-    /// # fn demo<M: tch_dist::Shardable + tch::nn::Module>(model: &M, micro: &[tch::Tensor]) -> Result<(), tch_dist::fully_shard::FsdpError> {
+    /// # fn demo<M: tch_dist::Shardable + tch::nn::Module + 'static>(model: &M, micro: &[tch::Tensor]) -> Result<(), tch_dist::fully_shard::FsdpError> {
     /// use tch_dist::Call;
     /// let root = tch_dist::fully_shard::state(model).ok_or(tch_dist::fully_shard::FsdpError::NotFullyShard)?;
     /// for (i, x) in micro.iter().enumerate() {

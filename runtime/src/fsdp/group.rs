@@ -122,6 +122,14 @@ pub(crate) struct ParamGroup {
 /// this rank's padded shards in the reduce dtype, before it is installed into `.grad`;
 /// divided as PyTorch's is at that point (f32, bf16: fully; f16: by its pre-factor only).
 /// It may change the tensor in place; an `Err` fails the backward pass with its text.
+///
+/// ```no_run
+/// use tch_dist_runtime::fsdp::AllReduceHook;
+/// let hook: AllReduceHook = Box::new(|reduced: &mut tch::Tensor| {
+///     let _ = reduced.f_mul_scalar_(0.5).map_err(|e| e.to_string())?;
+///     Ok(())
+/// });
+/// ```
 pub type AllReduceHook = Box<dyn FnMut(&mut Tensor) -> std::result::Result<(), String> + Send>;
 
 impl ParamGroup {
