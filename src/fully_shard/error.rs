@@ -199,6 +199,21 @@ pub enum FsdpProblem {
     /// `process_group` were given, or a 2-D mesh does not span the default group.
     #[error("fully_shard: {0}")]
     Mesh(MeshUse),
+    /// [`set_gradient_divide_factor`](super::FsdpState::set_gradient_divide_factor) got a
+    /// factor that is not a finite number greater than 0 (the factor as written by `{:?}`:
+    /// `NaN`, `inf`, `-2.0`).
+    #[error(
+        "fully_shard: set_gradient_divide_factor({factor}) on {}: the factor must be a \
+         finite number greater than 0",
+        Key(module)
+    )]
+    GradientDivideFactor {
+        /// The managed module's FQN (within the outermost enclosing fully_shard call's
+        /// module; `""` for that module itself).
+        module: String,
+        /// The factor given.
+        factor: String,
+    },
     /// An entry of `ignored_params` names no parameter of the module and no module prefix
     /// of one.
     #[error(

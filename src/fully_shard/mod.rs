@@ -51,7 +51,7 @@
 //! | `mod.rs` | the API: [`fully_shard`] (a sequence of `init.rs`'s steps), [`full_state_dict`] (the state dict's, with this API's error) | `_fully_shard.py` (`fully_shard`) |
 //! | `init.rs` | the steps of one call: process group, checks on every rank, rank 0's values, bypass guard, parameter group and fence, nested calls adopted, forward hooks, the managed parameters entered with their layers and the call's holder (the placement record's) | `_fsdp_init.py` |
 //! | `options.rs` | [`FsdpOptions`] and its parts | `fully_shard`'s keyword arguments, `MixedPrecisionPolicy` |
-//! | `state.rs` | [`FsdpState`] | `FSDPModule` methods, `_fsdp_state.py` |
+//! | `state.rs` | [`FsdpState`], [`UnshardHandle`] | `FSDPModule` methods, `UnshardHandle`, `_fsdp_state.py` |
 //! | `collect.rs` | what a call manages, and why it refuses | `_fsdp_init.py` (`_get_managed_modules`) |
 //! | `hooks.rs` | the call scope per managed module, the call guard | `FSDPState._pre_forward` / `_post_forward` |
 //! | `error.rs` | [`FsdpError`], [`FsdpProblem`] | (the errors of `_fsdp_init.py`) |
@@ -72,7 +72,7 @@ mod state;
 
 pub use error::{FsdpError, FsdpProblem, MeshUse};
 pub use options::{FsdpOptions, MixedPrecisionPolicy, ReshardAfterForward, ShardPlacementFn};
-pub use state::FsdpState;
+pub use state::{FsdpState, UnshardHandle};
 
 use collect::collect;
 use tch_dist_core::path::is_within;

@@ -9,6 +9,7 @@
 //! | `main.rs` | the model and fixtures; training parity, accumulation, frozen and ignored parameters | `test_fully_shard_training.py` |
 //! | `errors.rs` | bypasses (memory, `unshard`, every grad mode), refusals, errors naming the FQN | `test_fully_shard_init.py`'s refusals |
 //! | `composition.rs` | with `replicate` and `shard_module`, mixed precision, resharding to fewer ranks, the optimizer checkpoint, a frozen weight | `test_fully_shard_mixed_precision.py`, `test_fully_shard_state_dict.py` |
+//! | `api.rs` | the rest of `FSDPModule`'s methods: `set_is_last_backward`, `set_requires_all_reduce` (HSDP), `set_gradient_divide_factor`, `set_all_reduce_hook`, `set_unshard_in_backward`, `unshard_async` | `test_fully_shard_training.py`'s gradient accumulation and `set_*` cases, `test_fully_shard_comm.py`'s explicit unshard |
 //! | `two_d.rs` | FSDP x TP on a `dp` x `tp` mesh: training, the placement record, `clip_grad_norm` | `test_fully_shard_training.py`'s `TestFullyShard2DTraining` |
 
 #[path = "../common/panic_text.rs"]
@@ -29,6 +30,7 @@ use tch_dist::fully_shard::{full_state_dict, FsdpError, FsdpProblem};
 use tch_dist::testing::run_ranks;
 use tch_dist::{fully_shard, Call, FsdpOptions, ProcessGroup, Shardable};
 
+mod api;
 mod composition;
 mod errors;
 mod two_d;

@@ -38,6 +38,16 @@ pub enum MisuseProblem {
         /// The index given.
         index: usize,
     },
+    /// fully_shard's all-reduce hook (`set_all_reduce_hook`) returned an error, panicked,
+    /// or replaced the reduced gradients by a tensor of another shape or dtype.
+    #[error("the all-reduce hook of {} failed: {cause}", ModuleName(module))]
+    AllReduceHook {
+        /// The managed module's FQN within the outermost enclosing fully_shard call's
+        /// module (`""`: that module).
+        module: String,
+        /// What the hook said, or what went wrong with it.
+        cause: String,
+    },
     /// Rank 0's gradient order (static_graph's rebuilt buckets) is not a permutation of this
     /// rank's parameters: the ranks replicate different models.
     #[error("rank 0's gradient order is not an order of this rank's parameters")]
@@ -52,6 +62,19 @@ impl std::fmt::Display for Sender {
         match self.0 {
             Some(r) => write!(f, "rank {r}"),
             None => f.write_str("a rank"),
+        }
+    }
+}
+
+/// A module's FQN in backquotes, or `the root module` for `""`.
+struct ModuleName<'a>(&'a str);
+
+impl std::fmt::Display for ModuleName<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_empty() {
+            f.write_str("the root module")
+        } else {
+            write!(f, "module `{}`", self.0)
         }
     }
 }

@@ -14,6 +14,7 @@
 //! every rank), so the collectives of groups autograd never reached are issued alike
 //! everywhere.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use tch::Tensor;
@@ -33,9 +34,11 @@ struct Pass {
 }
 
 /// One root's backward pass.
-#[derive(Default)]
 pub(crate) struct PassContext {
     pass: Mutex<Pass>,
+    /// PyTorch's `is_last_backward` (default `true`): the end of a pass that is not the
+    /// last keeps the join order (the default backward prefetch's) for the next pass.
+    is_last_backward: AtomicBool,
     /// Set when the context first queues its callback: libtorch holds a plain pointer to it
     /// until the callback runs, so from then on the context keeps itself alive (a few bytes
     /// per root that trained; the groups it lists are let go at the end of every pass).
@@ -44,7 +47,15 @@ pub(crate) struct PassContext {
 
 impl PassContext {
     pub(crate) fn new() -> Arc<PassContext> {
-        Arc::new(PassContext::default())
+        Arc::new(PassContext {
+            pass: Mutex::new(Pass::default()),
+            is_last_backward: AtomicBool::new(true),
+            pinned: OnceLock::new(),
+        })
+    }
+
+    pub(crate) fn set_is_last_backward(&self, last: bool) {
+        self.is_last_backward.store(last, Ordering::SeqCst);
     }
 
     fn pass(&self) -> MutexGuard<'_, Pass> {
@@ -96,15 +107,24 @@ impl PassContext {
         Ok(())
     }
 
-    /// Finishes every joined group; the first error fails the backward pass.
+    /// Finishes every joined group (each waits for its reductions and installs `.grad`)
+    /// and waits out the prefetches nobody used; the first error fails the backward pass.
+    /// The last backward pass (PyTorch's `is_last_backward`, the default) also forgets the
+    /// join order; another keeps it for the next pass, whose default backward prefetch then
+    /// follows the forward order (a later micro-batch's backward after several forwards).
+    /// Unused prefetches are not kept (PyTorch keeps them): the shards may change before
+    /// a next use (tch's optimizers write through `.data`, which no version check sees).
     fn finish_all(&self) -> Result<()> {
+        let last = self.is_last_backward.load(Ordering::SeqCst);
         let (groups, prefetching) = {
             let mut p = self.pass();
             p.queued = false;
-            (
-                std::mem::take(&mut p.groups),
-                std::mem::take(&mut p.prefetching),
-            )
+            let groups = if last {
+                std::mem::take(&mut p.groups)
+            } else {
+                p.groups.clone()
+            };
+            (groups, std::mem::take(&mut p.prefetching))
         };
         let mut first = None;
         for g in groups {

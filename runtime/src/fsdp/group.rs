@@ -61,6 +61,18 @@ pub(crate) struct State {
     pub options: FsdpGroupOptions,
     pub reshard_after_backward: bool,
     pub requires_gradient_sync: bool,
+    /// HSDP: whether a synchronised backward all-reduces the reduce-scattered gradients
+    /// over the replicate group (PyTorch's `all_reduce_grads`); plain FSDP ignores it.
+    pub all_reduce_grads: bool,
+    /// Reduced gradients are the sum over the ranks divided by this (PyTorch's
+    /// `gradient_divide_factor`); `None`: the mean.
+    pub gradient_divide_factor: Option<f64>,
+    /// Whether the pre-backward hook gathers the parameters (PyTorch's
+    /// `unshard_in_backward`).
+    pub unshard_in_backward: bool,
+    /// HSDP without all-reduce: per bucket, the reduce-scattered gradients summed over the
+    /// backward passes since the last all-reduce (PyTorch's `_partial_reduce_output`).
+    pub partial: Vec<Option<Tensor>>,
     /// Full gradients received in this backward pass.
     pub grads: Vec<Option<Tensor>>,
     /// Full gradients accumulated by backward passes without gradient sync.
@@ -100,7 +112,25 @@ pub(crate) struct ParamGroup {
     /// The typed error of a hook that failed the last backward pass (libtorch carries only
     /// its message); the next forward returns it.
     pub failure: Mutex<Option<DistError>>,
+    /// The user's hook on each bucket's reduced gradients (PyTorch's `_all_reduce_hook`),
+    /// called at the end of the backward pass while `state` is locked.
+    pub all_reduce_hook: Mutex<Option<AllReduceHook>>,
 }
+
+/// A hook on the reduced gradients of one bucket (PyTorch's `set_all_reduce_hook`): called
+/// with the reduce-scatter's output (plain FSDP) or the all-reduce's (HSDP), a flat tensor of
+/// this rank's padded shards in the reduce dtype, before it is installed into `.grad`;
+/// divided as PyTorch's is at that point (f32, bf16: fully; f16: by its pre-factor only).
+/// It may change the tensor in place; an `Err` fails the backward pass with its text.
+///
+/// ```no_run
+/// use tch_dist_runtime::fsdp::AllReduceHook;
+/// let hook: AllReduceHook = Box::new(|reduced: &mut tch::Tensor| {
+///     let _ = reduced.f_mul_scalar_(0.5).map_err(|e| e.to_string())?;
+///     Ok(())
+/// });
+/// ```
+pub type AllReduceHook = Box<dyn FnMut(&mut Tensor) -> std::result::Result<(), String> + Send>;
 
 impl ParamGroup {
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
@@ -149,9 +179,9 @@ impl ParamGroup {
             Some(g) => {
                 // Gathered before its shards changed: wait it out, gather again.
                 g.wait()?;
-                self.begin_gather(st)?
+                self.begin_gather(st, false)?
             }
-            None => self.begin_gather(st)?,
+            None => self.begin_gather(st, false)?,
         };
         let gathered = gather.wait()?;
         let world = self.group.world_size() as i64;
@@ -182,8 +212,10 @@ impl ParamGroup {
         Ok(())
     }
 
-    fn begin_gather(&self, st: &State) -> Result<Gather> {
-        collectives::all_gather(&self.group, &self.buckets, &st.flats, &st.tensors)
+    /// `copy_in`: gather a copy of the flat shards (PyTorch's copy-in), so that the gather
+    /// holds their values now whatever changes them before it is waited for.
+    fn begin_gather(&self, st: &State, copy_in: bool) -> Result<Gather> {
+        collectives::all_gather(&self.group, &self.buckets, &st.flats, &st.tensors, copy_in)
     }
 
     /// Gathers the parameters within the post-forward group, from `flats`.
@@ -201,11 +233,13 @@ impl ParamGroup {
     }
 
     /// Starts gathering the group's parameters ahead of their use (nothing to do when they
-    /// are gathered or being gathered, or held over the post-forward group).
-    pub(crate) fn prefetch(&self) -> Result<()> {
+    /// are gathered or being gathered, or held over the post-forward group); `copy_in` as
+    /// [`begin_gather`](Self::begin_gather)'s (an explicit `unshard_async`, which the user
+    /// may wait for after changing the shards).
+    pub(crate) fn prefetch(&self, copy_in: bool) -> Result<()> {
         let mut st = self.lock();
         if matches!(st.sharded, ShardedState::Sharded { prefetch: None }) {
-            let g = self.begin_gather(&st)?;
+            let g = self.begin_gather(&st, copy_in)?;
             st.sharded = ShardedState::Sharded { prefetch: Some(g) };
         }
         Ok(())
@@ -296,8 +330,9 @@ impl ParamGroup {
         context
     }
 
-    /// The pre-backward hook: gathers the parameters for the module's backward, then starts
-    /// gathering the group whose backward comes next.
+    /// The pre-backward hook: gathers the parameters for the module's backward (unless
+    /// `unshard_in_backward` is off), then starts gathering the group whose backward comes
+    /// next (unless that group's is off).
     pub(crate) fn pre_backward(&self) -> Result<()> {
         let context = self.enter_backward(&mut self.lock());
         context.queue_finish(self.group.rank())?;
@@ -306,7 +341,9 @@ impl ParamGroup {
             if st.backward_started_us.is_none() && trace::enabled() {
                 st.backward_started_us = Some(trace::now_us());
             }
-            self.unshard_locked(&mut st)?;
+            if st.unshard_in_backward {
+                self.unshard_locked(&mut st)?;
+            }
             st.backward_prefetch.clone()
         };
         let next: Vec<Arc<ParamGroup>> = if explicit.is_empty() {
@@ -315,8 +352,12 @@ impl ParamGroup {
             explicit.iter().filter_map(Weak::upgrade).collect()
         };
         for g in next {
-            g.prefetch()?;
-            context.note_prefetch(&g);
+            // A group that does not unshard in backward is not prefetched for it either
+            // (PyTorch's `unshard` returns early in its pre-backward state).
+            if g.lock().unshard_in_backward {
+                g.prefetch(false)?;
+                context.note_prefetch(&g);
+            }
         }
         Ok(())
     }
@@ -375,12 +416,22 @@ impl ParamGroup {
             return Ok(());
         }
         st.backward = BackwardState::HandedOver(None);
+        let settings = collectives::ReduceSettings {
+            factor: st.gradient_divide_factor,
+            replicas: st
+                .options
+                .replicate_group
+                .as_ref()
+                .map(ProcessGroup::world_size),
+            all_reduce: st.all_reduce_grads,
+        };
         let reduction = collectives::reduce_scatter(
             &self.group,
             &self.meta,
             &self.buckets,
             &mut grads,
             &mut st.stash,
+            &settings,
         )?;
         st.backward = BackwardState::HandedOver(Some(reduction));
         self.reshard_after_grads_locked(st, at_end)
@@ -428,10 +479,26 @@ impl ParamGroup {
         let Some(reduction) = reduction.take() else {
             return Ok(());
         };
+        let module_fqn = self
+            .module_fqn
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let mut hook = self
+            .all_reduce_hook
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let st = &mut *st;
+        let with = collectives::FinishWith {
+            replicas: st.options.replicate_group.as_ref(),
+            partial: &mut st.partial,
+            hook: hook.as_mut(),
+            module: &self.module,
+            module_fqn: &module_fqn,
+        };
         reduction.finish(
             &self.group,
-            st.options.replicate_group.as_ref(),
-            &self.module,
+            with,
             &self.meta,
             &self.buckets,
             &st.tensors,

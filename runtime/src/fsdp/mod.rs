@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | `layout.rs` ([`ShardLayout`]) | where each rank's rows of a parameter sit (`torch.chunk`, padded; core's chunk arithmetic) and the copies in and out of the collectives' rank-major buffers | `FSDPParam._init_sharded_param`'s arithmetic |
 //! | `param.rs` ([`ManagedParam`], [`ShardInfo`]) | one parameter: its place in its bucket's flat shard, its three tensors (handle, rows, full) and the moves between them | `_fsdp_param.py` (`FSDPParam`, `to_sharded`, `to_unsharded`) |
-//! | `collectives.rs` | the all-gathers and their copy-out, the reduce-scatters with their copy-in and the averaged shards' copy-out into `.grad` | `_fsdp_collectives.py` (`foreach_all_gather`, `foreach_all_gather_copy_out`, `foreach_reduce`) |
+//! | `collectives.rs` | the all-gathers and their copy-out, the reduce-scatters with their copy-in, the divisions (`Divide`), the HSDP all-reduce or partial sum, the all-reduce hook, and the reduced shards' copy-out into `.grad` | `_fsdp_collectives.py` (`foreach_all_gather`, `foreach_all_gather_copy_out`, `foreach_reduce`, `_get_gradient_divide_factors`) |
 //! | `group.rs` | one call's `ParamGroup` (what its hooks share) and its state machine: `ShardedState` (sharded, sharded over the post-forward group, unsharded) and `BackwardState` (idle, expected, handed over), the moves forward and backward drive | `_fsdp_param_group.py` (`FSDPParamGroup`, `ShardedState`, `TrainingState`) |
 //! | `module.rs` ([`FsdpGroup`], [`FsdpGroupOptions`]) | the handle the facade holds: pre/post-forward, unshard/reshard, setters, full values | `_fully_shard.py` (`FSDPModule`'s methods) |
 //! | `context.rs` | one root's backward pass, handed down to the groups under it: join order, prefetches, the end-of-backward callback | `_fsdp_state.py` (`_state_ctx`, `_root_post_backward_final_callback`) |
@@ -24,6 +24,7 @@ mod module;
 mod param;
 
 pub use crate::autograd::{is_float, storage_nbytes, tensor_identity};
+pub use group::AllReduceHook;
 pub use layout::ShardLayout;
 pub use module::{FsdpGroup, FsdpGroupOptions};
 pub use param::{ManagedParam, ShardInfo};

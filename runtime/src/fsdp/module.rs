@@ -9,7 +9,7 @@ use tch::{Kind, Tensor};
 
 use super::collectives;
 use super::context::PassContext;
-use super::group::{BackwardState, ParamGroup, ShardedState, State};
+use super::group::{AllReduceHook, BackwardState, ParamGroup, ShardedState, State};
 use super::hooks;
 use super::param::{self, engine, ManagedParam, ParamMeta, ShardInfo};
 use crate::autograd::{self, Interceptor};
@@ -73,6 +73,7 @@ impl FsdpGroup {
         let expected = meta.iter().filter(|m| m.requires_grad).count();
         let (flats, tensors) = param::shard_in(&meta, &buckets, &params);
         let n = params.len();
+        let n_buckets = buckets.len();
         let inner = Arc::new_cyclic(|me| ParamGroup {
             me: me.clone(),
             module: module.to_string(),
@@ -82,6 +83,7 @@ impl FsdpGroup {
             buckets,
             expected,
             failure: Mutex::new(None),
+            all_reduce_hook: Mutex::new(None),
             context: Mutex::new(PassContext::new()),
             state: Mutex::new(State {
                 tensors,
@@ -92,6 +94,10 @@ impl FsdpGroup {
                 options,
                 reshard_after_backward: true,
                 requires_gradient_sync: true,
+                all_reduce_grads: true,
+                gradient_divide_factor: None,
+                unshard_in_backward: true,
+                partial: (0..n_buckets).map(|_| None).collect(),
                 grads: (0..n).map(|_| None).collect(),
                 stash: (0..n).map(|_| None).collect(),
                 forward_prefetch: Vec::new(),
@@ -179,7 +185,7 @@ impl FsdpGroup {
         };
         let context = self.inner.context();
         for g in next.iter().filter_map(Weak::upgrade) {
-            g.prefetch()?;
+            g.prefetch(false)?;
             context.note_prefetch(&g);
         }
         Ok(())
@@ -226,8 +232,64 @@ impl FsdpGroup {
 
     /// Whether backward reduce-scatters gradients (`true`, the default) or accumulates the
     /// full gradients locally for a later synchronised backward (gradient accumulation).
+    /// Sets the HSDP all-reduce alike, as PyTorch's `set_requires_gradient_sync` sets both
+    /// `reduce_grads` and `all_reduce_grads`.
     pub fn set_requires_gradient_sync(&self, sync: bool) {
-        self.inner.lock().requires_gradient_sync = sync;
+        let mut st = self.inner.lock();
+        st.requires_gradient_sync = sync;
+        st.all_reduce_grads = sync;
+    }
+
+    /// HSDP: whether a synchronised backward all-reduces the reduce-scattered gradients
+    /// over the replicas (`true`, the default). Off, each backward adds its reduce-scattered
+    /// (and divided) output to a partial sum kept by the group and leaves `.grad` as it was;
+    /// the next backward with it on adds that sum before its all-reduce, then installs
+    /// (PyTorch's `all_reduce_grads` and `_partial_reduce_output`). Plain FSDP ignores it.
+    pub fn set_requires_all_reduce(&self, all_reduce: bool) {
+        self.inner.lock().all_reduce_grads = all_reduce;
+    }
+
+    /// Reduced gradients become the sum over the ranks divided by `factor` rather than
+    /// their mean (PyTorch's `gradient_divide_factor`; `None`: the mean). The caller
+    /// checked that it is finite and positive.
+    pub fn set_gradient_divide_factor(&self, factor: Option<f64>) {
+        self.inner.lock().gradient_divide_factor = factor;
+    }
+
+    /// The hook run on each bucket's reduced gradients before they are installed (PyTorch's
+    /// `set_all_reduce_hook`); see [`AllReduceHook`]. `None` removes it.
+    pub fn set_all_reduce_hook(&self, hook: Option<AllReduceHook>) {
+        *self
+            .inner
+            .all_reduce_hook
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = hook;
+    }
+
+    /// Whether the pre-backward hook gathers the parameters (`true`, the default). Off for
+    /// a group whose backward needs no parameter value (an embedding's: its gradient needs
+    /// only the indices); the gradients are reduce-scattered all the same (PyTorch's
+    /// `unshard_in_backward`).
+    pub fn set_unshard_in_backward(&self, unshard: bool) {
+        self.inner.lock().unshard_in_backward = unshard;
+    }
+
+    /// Whether the next backward pass of this group's root is the last before the
+    /// optimizer step (`true`, the default; PyTorch's `is_last_backward`, shared by every
+    /// group of the root). Every pass waits for its reductions, installs `.grad` and waits
+    /// out unused prefetches; the last also forgets the forward order its default backward
+    /// prefetch follows, which another keeps for the next pass.
+    pub fn set_is_last_backward(&self, last: bool) {
+        self.inner.context().set_is_last_backward(last);
+    }
+
+    /// Starts gathering the full parameters and returns at once (PyTorch's
+    /// `unshard(async_op=True)`); [`unshard`](Self::unshard) (or the next forward) waits for
+    /// the gather and installs the full parameters. The gather takes a copy of the shards
+    /// (PyTorch's copy-in): it holds their values at this call. Nothing to do when they are
+    /// gathered or being gathered.
+    pub fn unshard_async(&self) -> Result<()> {
+        self.inner.prefetch(true)
     }
 
     /// Whether a backward pass without gradient sync frees the gathered parameters (the
