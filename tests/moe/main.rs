@@ -270,3 +270,71 @@ fn expert_bias_moves_alike_on_every_rank_from_the_global_counts() {
         },
     );
 }
+
+/// Expert parallelism at 2 ranks (3 experts each) equals one process running every expert
+/// on all the ranks' tokens: each rank's output and input gradient are its slice of the
+/// reference's, its experts' gradients the reference's for those experts, and the router's
+/// and shared expert's gradients summed over the ranks the reference's. Experts the ranks
+/// do not divide are refused, nothing changed.
+#[test]
+fn expert_parallel_equals_one_process_at_2_ranks() {
+    run_ranks("expert_parallel_equals_one_process_at_2_ranks", 2, |pg| {
+        let rank = pg.rank() as i64;
+        let config = MoeConfig {
+            shared_hidden: Some(12),
+            route_norm: true,
+            ..MoeConfig::new(DIM, 16, 6, 2)
+        };
+        let (_r, reference) = layer(config.clone(), 4);
+        let (_v, mut moe) = layer(config, 4);
+        moe.parallelize_experts(&pg).unwrap();
+        assert_eq!(moe.local_experts(), 3 * rank..3 * rank + 3);
+        tch::manual_seed(11);
+        let all = Tensor::randn([2, 5, DIM], (Kind::Double, Device::Cpu));
+        let g = Tensor::randn([2, 5, DIM], (Kind::Double, Device::Cpu));
+        let x = all.get(rank).copy().set_requires_grad(true);
+        let y = moe.f_forward(&x).unwrap();
+        (&y * g.get(rank)).sum(Kind::Double).backward();
+        let whole = all.copy().set_requires_grad(true);
+        let expected = reference.forward(&whole);
+        (&expected * &g).sum(Kind::Double).backward();
+        assert!(max_diff(&y, &expected.get(rank)) < 1e-10, "the output");
+        assert!(
+            max_diff(&x.grad(), &whole.grad().get(rank)) < 1e-10,
+            "the input's gradient"
+        );
+        let mine = moe.local_experts();
+        for (w, r) in [
+            (&moe.experts.w1, &reference.experts.w1),
+            (&moe.experts.w2, &reference.experts.w2),
+            (&moe.experts.w3, &reference.experts.w3),
+        ] {
+            let slice = r.grad().narrow(0, mine.start, mine.end - mine.start);
+            assert!(
+                max_diff(&w.grad(), &slice) < 1e-10,
+                "the local experts' gradients"
+            );
+        }
+        let shared = |m: &MoE| m.shared_experts.as_ref().unwrap().w2.ws.grad();
+        for (got, want) in [
+            (moe.router.gate.ws.grad(), reference.router.gate.ws.grad()),
+            (shared(&moe), shared(&reference)),
+        ] {
+            pg.all_reduce(&got, tch_dist::ReduceOp::Sum).unwrap();
+            assert!(
+                max_diff(&got, &want) < 1e-10,
+                "the replicated parts' gradients"
+            );
+        }
+        // 5 experts over 2 ranks: refused on both, the weights whole.
+        let (_o, mut odd) = layer(MoeConfig::new(DIM, 16, 5, 2), 4);
+        match odd.parallelize_experts(&pg) {
+            Err(MoeError::Config(t)) => assert_eq!(
+                t,
+                "5 experts cannot be split evenly over the 2 ranks of expert parallelism"
+            ),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        assert_eq!(odd.experts.w1.size()[0], 5);
+    });
+}

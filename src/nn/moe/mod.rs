@@ -7,11 +7,12 @@
 //! | --- | --- | --- |
 //! | `mod.rs` | [`MoeConfig`], [`MoE`]: dispatch to the experts and combine, the bias update, the auxiliary loss, HF's names | torchtitan's `models/common/moe.py` (`MoE`), `token_dispatcher.py` (`LocalTokenDispatcher`), `components/optimizer/optimizer.py` (`_update_expert_bias`), `state_dict_adapter.py` |
 //! | `router.rs` | [`Router`]: scores, top-k with deterministic ties, weights | `moe.py` (`TokenChoiceTopKRouter`) |
+//! | `expert_parallel.rs` | the experts split over the ranks of a group, tokens sent to their experts' ranks and back | torchtitan's `ExpertParallel`, `token_dispatcher.py` (`AllToAllTokenDispatcher`) |
 //! | `experts.rs` | [`GroupedExperts`] (the routed experts over grouped tokens), [`FeedForward`] (the shared expert) | `moe.py` (`GroupedExperts`, `FeedForward`) |
 //!
-//! One process runs every expert; expert parallelism (the experts split over ranks, tokens
-//! exchanged with [`functional::all_to_all_single`](crate::sharding::functional::all_to_all_single))
-//! is not there yet.
+//! By default one process runs every expert; [`MoE::parallelize_experts`] splits them over the
+//! ranks of a group (expert parallelism), the tokens exchanged with
+//! [`functional::all_to_all_single`](crate::sharding::functional::all_to_all_single).
 //!
 //! ```no_run
 //! use tch::nn::Module;
@@ -25,6 +26,7 @@
 //! # Ok(()) }
 //! ```
 
+mod expert_parallel;
 mod experts;
 mod router;
 
@@ -162,8 +164,9 @@ pub enum MoeError {
         /// The shape given.
         got: Vec<i64>,
     },
-    /// The all-reduce of the expert counts failed.
-    #[error("moe: the expert counts' all-reduce")]
+    /// A collective failed: the expert counts' all-reduce, or expert parallelism's
+    /// exchanges.
+    #[error("moe: a collective failed")]
     Collective(#[source] DistError),
 }
 
@@ -184,6 +187,8 @@ pub struct MoE {
     config: MoeConfig,
     #[shardable(skip)]
     aux_loss: Mutex<Option<Tensor>>,
+    #[shardable(skip)]
+    expert_parallel: Option<expert_parallel::ExpertParallel>,
 }
 
 impl MoE {
@@ -203,12 +208,54 @@ impl MoE {
                 .map(|h| FeedForward::new(&path / "shared_experts", config.dim, h)),
             config,
             aux_loss: Mutex::new(None),
+            expert_parallel: None,
         })
     }
 
     /// The configuration.
     pub fn config(&self) -> &MoeConfig {
         &self.config
+    }
+
+    /// Expert parallelism over `group` (torchtitan's `ExpertParallel`): this rank keeps
+    /// `experts / ranks` of the routed experts (rank `r` experts `r·E/ranks ..`; their 3-D
+    /// weights narrowed in place, so build the optimizer afterwards), and each forward sends
+    /// every token to the rank holding its expert and back with
+    /// [`functional::all_to_all_single`](crate::sharding::functional::all_to_all_single)
+    /// (the counts first, then the tokens; backward the reverse). The router and the shared
+    /// expert stay whole on every rank; each rank routes its own tokens. Every rank of
+    /// `group` must call it and then run each forward; ranks that do not divide the experts
+    /// are refused on every rank, nothing changed.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tch_dist::nn::moe::{MoE, MoeConfig};
+    /// let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?; // 2 ranks
+    /// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let mut moe = MoE::new(&vs.root() / "moe", MoeConfig::new(16, 32, 8, 2))?;
+    /// moe.parallelize_experts(&pg)?; // 4 experts on each rank
+    /// let y = moe.f_forward(&tch::Tensor::randn([10, 16], tch::kind::FLOAT_CPU))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn parallelize_experts(&mut self, group: &ProcessGroup) -> Result<(), MoeError> {
+        if self.expert_parallel.is_some() {
+            return Err(MoeError::Config(
+                "the experts are already expert-parallel".into(),
+            ));
+        }
+        let ep =
+            expert_parallel::ExpertParallel::shard(&mut self.experts, self.config.experts, group)?;
+        self.expert_parallel = Some(ep);
+        Ok(())
+    }
+
+    /// This rank's routed experts: `first .. first + count` of the layer's (all of them
+    /// without expert parallelism).
+    pub fn local_experts(&self) -> std::ops::Range<i64> {
+        match &self.expert_parallel {
+            Some(ep) => ep.first..ep.first + ep.local,
+            None => 0..self.config.experts,
+        }
     }
 
     /// The auxiliary load-balancing loss of the last forward (`aux_loss_alpha > 0`), taken:
@@ -256,7 +303,8 @@ impl MoE {
         Ok(())
     }
 
-    /// This layer's tensors under HF's names below `prefix` (`model.layers.L.mlp`): the gate
+    /// This layer's tensors under HF's names below `prefix` (`model.layers.L.mlp`; with
+    /// expert parallelism, this rank's experts under their global numbers): the gate
     /// (`gate.weight`), the bias (`gate.e_score_correction_bias`, with load balancing), each
     /// expert's `experts.E.{gate,up,down}_proj.weight` (slices of the 3-D weights), the
     /// shared expert's `shared_experts.{gate,up,down}_proj.weight`.
@@ -271,9 +319,13 @@ impl MoE {
                 self.router.expert_bias.shallow_clone(),
             ));
         }
-        for e in 0..self.config.experts {
-            let ex =
-                |w: &Tensor, name: &str| (format!("{prefix}.experts.{e}.{name}.weight"), w.get(e));
+        for (i, e) in self.local_experts().enumerate() {
+            let ex = |w: &Tensor, name: &str| {
+                (
+                    format!("{prefix}.experts.{e}.{name}.weight"),
+                    w.get(i as i64),
+                )
+            };
             out.push(ex(&self.experts.w1, "gate_proj"));
             out.push(ex(&self.experts.w3, "up_proj"));
             out.push(ex(&self.experts.w2, "down_proj"));
@@ -342,8 +394,18 @@ impl MoE {
 }
 
 impl Module for MoE {
-    /// `x` `[..., dim]`: every token through its experts and the shared expert.
+    /// [`f_forward`](MoE::f_forward), panicking with its error (expert parallelism's
+    /// exchanges can fail), as PyTorch's module call raises.
     fn forward(&self, x: &Tensor) -> Tensor {
+        self.f_forward(x)
+            .unwrap_or_else(|e| panic!("{}", crate::report(&e)))
+    }
+}
+
+impl MoE {
+    /// `x` `[..., dim]`: every token through its experts (on their ranks, with expert
+    /// parallelism) and the shared expert.
+    pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, MoeError> {
         let shape = x.size();
         let x = x.reshape([-1, self.config.dim]);
         let tokens = x.size()[0];
@@ -356,9 +418,13 @@ impl Module for MoE {
         let per_expert: Vec<i64> = (0..self.config.experts)
             .map(|e| counts.int64_value(&[e]))
             .collect();
-        let out = self
-            .experts
-            .forward_grouped(&x.index_select(0, &token), &per_expert);
+        let rows = x.index_select(0, &token);
+        let out = match &self.expert_parallel {
+            Some(ep) => ep
+                .run(&self.experts, &rows, &per_expert)
+                .map_err(MoeError::Collective)?,
+            None => self.experts.forward_grouped(&rows, &per_expert),
+        };
         // Weighted in the scores' precision (float32 at least), then summed per token.
         let weights = routes.weights.reshape([-1]).index_select(0, &order);
         let weighted = out.to_kind(weights.kind()) * weights.unsqueeze(1);
@@ -370,6 +436,6 @@ impl Module for MoE {
             None => routed,
         };
         self.record_aux_loss(&routes, &counts, tokens);
-        y.reshape(shape)
+        Ok(y.reshape(shape))
     }
 }

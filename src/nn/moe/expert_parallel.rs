@@ -1,0 +1,93 @@
+//! Expert parallelism: each rank of a group keeps `experts / ranks` of the routed experts,
+//! and every MoE forward sends each token to the rank holding its expert and back (torchtitan's
+//! `ExpertParallel` with its `AllToAllTokenDispatcher`), through
+//! [`functional::all_to_all_single`], whose backward sends the gradients back the same way.
+
+use tch::Tensor;
+use tch_dist_runtime::sharding::functional;
+use tch_dist_runtime::{DistError, ProcessGroup};
+
+use super::{GroupedExperts, MoeError};
+
+/// Where a layer's experts live: over `group`, this rank's `local` experts from `first`.
+#[derive(Debug)]
+pub(super) struct ExpertParallel {
+    pub(super) group: ProcessGroup,
+    pub(super) first: i64,
+    pub(super) local: i64,
+}
+
+impl ExpertParallel {
+    /// Keeps this rank's experts of `experts` (their weights narrowed in place, so that the
+    /// `VarStore` and an optimizer built afterwards see them): `experts / ranks` each, in
+    /// rank order. Refused on every rank when the ranks do not divide the experts.
+    pub(super) fn shard(
+        experts: &mut GroupedExperts,
+        count: i64,
+        group: &ProcessGroup,
+    ) -> Result<Self, MoeError> {
+        let ranks = group.world_size() as i64;
+        if count % ranks != 0 {
+            return Err(MoeError::Config(format!(
+                "{count} experts cannot be split evenly over the {ranks} ranks of expert parallelism"
+            )));
+        }
+        let local = count / ranks;
+        let first = group.rank() as i64 * local;
+        tch::no_grad(|| {
+            for w in [&mut experts.w1, &mut experts.w2, &mut experts.w3] {
+                let mine = w.narrow(0, first, local).contiguous();
+                w.set_data(&mine);
+            }
+        });
+        Ok(ExpertParallel {
+            group: group.clone(),
+            first,
+            local,
+        })
+    }
+
+    /// Runs `rows`, grouped by global expert (`counts[e]` rows for expert `e`), through the
+    /// experts wherever they live, and returns their outputs in the same order: the counts
+    /// exchanged first, then the rows, regrouped by local expert, run, ungrouped and sent back.
+    pub(super) fn run(
+        &self,
+        experts: &GroupedExperts,
+        rows: &Tensor,
+        counts: &[i64],
+    ) -> Result<Tensor, DistError> {
+        let ranks = self.group.world_size();
+        let local = self.local as usize;
+        let to_rank: Vec<i64> = counts.chunks(local).map(|c| c.iter().sum()).collect();
+        // Each rank's counts for my experts: [ranks, local], source-major.
+        let mine = Tensor::from_slice(counts).view([-1, 1]);
+        let (theirs, _) =
+            functional::all_to_all_single(&mine, &vec![self.local; ranks], &self.group)?;
+        let theirs: Vec<i64> = (0..(ranks * local) as i64)
+            .map(|i| theirs.int64_value(&[i, 0]))
+            .collect();
+        let (received, from_rank) = functional::all_to_all_single(rows, &to_rank, &self.group)?;
+        // Source-major to expert-major, so that each local expert's rows are contiguous.
+        let mut source_start = vec![0i64; ranks];
+        for s in 1..ranks {
+            source_start[s] = source_start[s - 1] + from_rank[s - 1];
+        }
+        let mut order = Vec::with_capacity(from_rank.iter().sum::<i64>() as usize);
+        let mut per_expert = vec![0i64; local];
+        for (e, n) in per_expert.iter_mut().enumerate() {
+            for s in 0..ranks {
+                let before: i64 = theirs[s * local..s * local + e].iter().sum();
+                let count = theirs[s * local + e];
+                order.extend(source_start[s] + before..source_start[s] + before + count);
+                *n += count;
+            }
+        }
+        let order = Tensor::from_slice(&order).to_device(rows.device());
+        let out = experts.forward_grouped(&received.index_select(0, &order), &per_expert);
+        // Back to source-major, then to the ranks the rows came from.
+        let inverse = order.argsort(0, false);
+        let (returned, _) =
+            functional::all_to_all_single(&out.index_select(0, &inverse), &from_rank, &self.group)?;
+        Ok(returned)
+    }
+}
