@@ -219,7 +219,7 @@ fn a_rank_that_skips_a_training_step() {
                 format!(
                     "rank {}: {op}: the ranks called different collectives (TCH_DIST_DEBUG=DETAIL \
                      checks each one before it runs): rank 0 called all_gather_into_tensor of \
-                     [15] (Int64) on Cpu as its collective {n}, rank 1 called barrier as its \
+                     [16] (Int64) on Cpu as its collective {n}, rank 1 called barrier as its \
                      collective {n}; nothing was sent",
                     pg.rank()
                 )

@@ -104,10 +104,9 @@ impl FsdpState {
     /// the default backward prefetch follows, so that the second of two forwards run
     /// before their backwards still prefetches in that order; the last pass forgets it.
     ///
-    /// Set it alike on every rank. A rank that keeps the order while another forgets it
-    /// prefetches in another order in the next backward (after several forwards), which
-    /// the step check does not see (both ranks are in the same pass): the collectives pair
-    /// wrongly and fail (seen at 2 ranks: an all-gather running to the group's timeout).
+    /// Set it alike on every rank: a rank that sets it while another does not (or to
+    /// another value) fails the next pass on every rank before it sends anything (the step
+    /// check compares it), where its prefetches would pair wrongly with the others'.
     ///
     /// ```no_run
     /// # fn demo<M: tch_dist::Shardable + tch::nn::Module + 'static>(model: &M, micro: &[tch::Tensor]) -> Result<(), tch_dist::fully_shard::FsdpError> {
@@ -176,9 +175,9 @@ impl FsdpState {
     ///
     /// A factor that is not finite or not greater than 0 is refused
     /// ([`FsdpProblem::GradientDivideFactor`]) and the previous one kept. Set it alike on
-    /// every rank: each rank divides its own shard of the gradients, and a factor set on one
-    /// rank only is not detected (no collective differs): that rank's shard comes out
-    /// scaled differently.
+    /// every rank: each rank divides its own shard of the gradients, so a factor set on one
+    /// rank only would scale that shard differently; the step check compares it, and the
+    /// next pass fails on every rank instead.
     ///
     /// ```no_run
     /// # fn demo(state: &tch_dist::fully_shard::FsdpState) -> Result<(), tch_dist::fully_shard::FsdpError> {
@@ -240,9 +239,9 @@ impl FsdpState {
     /// a full tensor). A group that does not unshard in backward is not prefetched for it
     /// either, as in PyTorch.
     ///
-    /// Set it alike on every rank: a rank skipping the gather another runs is not caught by
-    /// the step check (both are in the same pass), and the collectives that follow pair
-    /// wrongly (seen at 2 ranks: gloo aborting the process on the size mismatch).
+    /// Set it alike on every rank: a rank that skips the gather while another runs it would
+    /// pair their collectives wrongly (Gloo aborts the process on the size mismatch); the
+    /// step check compares the setting, and the next pass fails on every rank instead.
     ///
     /// ```no_run
     /// # fn demo(embedding: &tch::nn::Embedding) -> Result<(), tch_dist::fully_shard::FsdpError> {

@@ -494,3 +494,69 @@ fn unshard_async_at_2_ranks() {
         assert!(diff < 1e-5, "unshard_async vs one process: {diff}");
     });
 }
+
+/// A setter that changes what a pass computes or sends, called on rank 1 only (or with
+/// another value), fails the next pass on both ranks, before it sends anything: the step
+/// check compares the groups' settings. Without it the divide factor gave other numbers
+/// silently, a skipped backward gather aborted the peer, and `is_last_backward` waited out
+/// the timeout. Called alike on every rank, the same setters train on.
+#[test]
+fn a_setter_on_one_rank_only_fails_every_rank_at_2_ranks() {
+    run_ranks(
+        "api::a_setter_on_one_rank_only_fails_every_rank_at_2_ranks",
+        2,
+        |pg| {
+            type Setter = fn(&tch_dist::fully_shard::FsdpState, bool);
+            let setters: [(&str, Setter); 4] = [
+                ("set_gradient_divide_factor", |s, on| {
+                    s.set_gradient_divide_factor(if on { 0.5 } else { 2.0 })
+                        .unwrap()
+                }),
+                ("set_unshard_in_backward", |s, on| {
+                    s.set_unshard_in_backward(!on)
+                }),
+                ("set_is_last_backward", |s, on| s.set_is_last_backward(!on)),
+                ("set_all_reduce_hook", |s, on| {
+                    if on {
+                        s.set_all_reduce_hook(|_: &mut Tensor| Ok(()));
+                    }
+                }),
+            ];
+            for (name, set) in setters {
+                // A group of its own per setter: a failed step check fails every later
+                // pass over its group (so that no rank goes on alone).
+                let group = pg
+                    .new_group(&[0, 1], tch_dist::Backend::Gloo)
+                    .unwrap()
+                    .unwrap();
+                let over = || FsdpOptions {
+                    process_group: Some(group.clone()),
+                    ..Default::default()
+                };
+                let vs = nn::VarStore::new(Device::Cpu);
+                let m = model(&vs);
+                for b in &m.blocks {
+                    fully_shard(b, over()).unwrap();
+                }
+                fully_shard(&m, over()).unwrap();
+                let block = fully_shard::state(&m.blocks[1]).unwrap();
+                // Alike on both ranks: a step runs.
+                set(&block, false);
+                rank_loss(&m, 0, &pg).backward();
+                // On rank 1 only: the next forward fails on both ranks.
+                set(&block, pg.rank() == 1);
+                let (x, _) = batch(1);
+                let err = match m.f_call(&slice(&x, &pg)) {
+                    Ok(y) => y.sum(Kind::Float).f_backward().map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                }
+                .expect_err(name);
+                assert!(
+                    err.contains("runs this pass with other settings than this rank"),
+                    "{name} on rank 1 only, rank {}: {err}",
+                    pg.rank()
+                );
+            }
+        },
+    );
+}

@@ -168,6 +168,15 @@ impl fmt::Display for ProgramText<'_> {
                 other.recorded, this.recorded
             );
         }
+        if other.settings != this.settings {
+            return write!(
+                f,
+                "rank {other_rank} runs this pass with other settings than this rank, {position} \
+                 (a fully_shard setter, set_gradient_divide_factor, set_unshard_in_backward, \
+                 set_is_last_backward or set_all_reduce_hook, was called on some ranks only or \
+                 with other values: call it on every rank alike)"
+            );
+        }
         let first = |s: &Option<CollectiveSignature>| {
             s.as_ref()
                 .map_or("no tensor-parallel collective".to_string(), |s| {

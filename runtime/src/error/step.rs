@@ -109,4 +109,10 @@ pub struct PassProgram {
     pub recorded: u64,
     /// The pass's first collective, where the API names it (tensor parallelism).
     pub first: Option<CollectiveSignature>,
+    /// A fingerprint of the settings that change what the group's passes send or compute
+    /// without changing their collectives' sizes (fully_shard's gradient divide factor,
+    /// `unshard_in_backward`, `is_last_backward`, an all-reduce hook): 0 while none was set.
+    /// Ranks that differ here would compute other numbers, or send mismatched collectives,
+    /// from the same step.
+    pub settings: u64,
 }

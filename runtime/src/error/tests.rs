@@ -700,7 +700,8 @@ fn mismatch_texts() {
         fqn: fqn.into(),
         signature: sig(shape),
     };
-    let cases: Vec<(Mismatch, &str)> = vec![
+    let cases: Vec<(Mismatch, &str)> =
+        vec![
         (
             Mismatch::List {
                 what: "parameters",
@@ -748,10 +749,12 @@ fn mismatch_texts() {
                 other: PassProgram {
                     recorded: 0,
                     first: None,
+                    settings: 0,
                 },
                 this: PassProgram {
                     recorded: 1,
                     first: None,
+                    settings: 0,
                 },
             },
             "rank 1's forward recorded 0 tensor-parallel collectives for its backward while \
@@ -770,6 +773,7 @@ fn mismatch_texts() {
                         vec![2, 6, 8],
                         Kind::Float,
                     )),
+                    settings: 0,
                 },
                 this: PassProgram::default(),
             },
@@ -778,6 +782,18 @@ fn mismatch_texts() {
              forward of step 1 (1 forward and 0 backward passes) (the ranks' inputs differ: \
              every rank of a tensor-parallel group must get inputs of the same shapes, and run \
              the same layers)",
+        ),
+        (
+            Mismatch::Program {
+                other_rank: 1,
+                position: position(Phase::Forward, 2, 1),
+                other: PassProgram { settings: 7, ..Default::default() },
+                this: PassProgram::default(),
+            },
+            "rank 1 runs this pass with other settings than this rank, in the forward of step 2 \
+             (2 forward and 1 backward passes) (a fully_shard setter, set_gradient_divide_factor, \
+             set_unshard_in_backward, set_is_last_backward or set_all_reduce_hook, was called on \
+             some ranks only or with other values: call it on every rank alike)",
         ),
     ];
     for (m, text) in cases {

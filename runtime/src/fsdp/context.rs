@@ -35,6 +35,9 @@ struct Pass {
 
 /// One root's backward pass.
 pub(crate) struct PassContext {
+    /// Whose settings the step check compares for this root (`is_last_backward`): a number
+    /// taken in creation order, the same on every rank that builds the same model.
+    pub(crate) settings_owner: u64,
     pass: Mutex<Pass>,
     /// PyTorch's `is_last_backward` (default `true`): the end of a pass that is not the
     /// last keeps the join order (the default backward prefetch's) for the next pass.
@@ -48,6 +51,7 @@ pub(crate) struct PassContext {
 impl PassContext {
     pub(crate) fn new() -> Arc<PassContext> {
         Arc::new(PassContext {
+            settings_owner: super::module::next_settings_owner(),
             pass: Mutex::new(Pass::default()),
             is_last_backward: AtomicBool::new(true),
             pinned: OnceLock::new(),

@@ -48,6 +48,28 @@ pub struct FsdpGroupOptions {
 pub struct FsdpGroup {
     inner: Arc<ParamGroup>,
     _interceptors: Vec<Interceptor>,
+    /// Whose settings the step check compares for this group, and for the context it was
+    /// built with (its root's, if it is a root): numbers taken in creation order.
+    settings_owner: u64,
+    own_context_owner: u64,
+}
+
+/// The next number [`FsdpGroup`]s and their contexts take for their settings (in creation
+/// order, so the same on every rank that builds the same models).
+static NEXT_SETTINGS_OWNER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+pub(crate) fn next_settings_owner() -> u64 {
+    NEXT_SETTINGS_OWNER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+impl Drop for FsdpGroup {
+    /// Its settings leave the step check's comparison with it.
+    fn drop(&mut self) {
+        for group in self.process_groups() {
+            steps::forget_settings(&group, self.settings_owner);
+            steps::forget_settings(&group, self.own_context_owner);
+        }
+    }
 }
 
 impl std::fmt::Debug for FsdpGroup {
@@ -120,9 +142,18 @@ impl FsdpGroup {
             let mut st = inner.lock();
             inner.reshard_locked(&mut st)?;
         }
+        let own_context_owner = inner.context().settings_owner;
+        // A model is being built over these groups: what was set before (for another
+        // model's groups, alike or not on every rank) is no longer compared.
+        steps::forget_all_settings(&group);
+        if let Some(replicas) = &inner.lock().options.replicate_group {
+            steps::forget_all_settings(replicas);
+        }
         Ok(FsdpGroup {
             inner,
             _interceptors: interceptors,
+            settings_owner: next_settings_owner(),
+            own_context_owner,
         })
     }
 
@@ -253,12 +284,18 @@ impl FsdpGroup {
     /// their mean (PyTorch's `gradient_divide_factor`; `None`: the mean). The caller
     /// checked that it is finite and positive.
     pub fn set_gradient_divide_factor(&self, factor: Option<f64>) {
+        self.note_setting(
+            "gradient_divide_factor",
+            factor.map_or(-1, |f| f.to_bits() as i64),
+        );
         self.inner.lock().gradient_divide_factor = factor;
     }
 
     /// The hook run on each bucket's reduced gradients before they are installed (PyTorch's
     /// `set_all_reduce_hook`); see [`AllReduceHook`]. `None` removes it.
     pub fn set_all_reduce_hook(&self, hook: Option<AllReduceHook>) {
+        // What a hook does cannot be compared; whether there is one can.
+        self.note_setting("all_reduce_hook", i64::from(hook.is_some()));
         *self
             .inner
             .all_reduce_hook
@@ -271,6 +308,7 @@ impl FsdpGroup {
     /// only the indices); the gradients are reduce-scattered all the same (PyTorch's
     /// `unshard_in_backward`).
     pub fn set_unshard_in_backward(&self, unshard: bool) {
+        self.note_setting("unshard_in_backward", i64::from(unshard));
         self.inner.lock().unshard_in_backward = unshard;
     }
 
@@ -280,7 +318,34 @@ impl FsdpGroup {
     /// out unused prefetches; the last also forgets the forward order its default backward
     /// prefetch follows, which another keeps for the next pass.
     pub fn set_is_last_backward(&self, last: bool) {
+        // The root's flag, whichever of its groups sets it: the context's, not this module's.
+        self.note_setting_as(
+            self.inner.context().settings_owner,
+            "is_last_backward",
+            i64::from(last),
+        );
         self.inner.context().set_is_last_backward(last);
+    }
+
+    /// Notes a setting of this group's module for the step check over its groups (the
+    /// shard group, and the replicas' under HSDP), so that ranks that set it differently
+    /// fail the next pass's check on every rank instead of computing other numbers.
+    fn note_setting(&self, name: &'static str, value: i64) {
+        self.note_setting_as(self.settings_owner, name, value);
+    }
+
+    fn note_setting_as(&self, owner: u64, name: &'static str, value: i64) {
+        for group in self.process_groups() {
+            steps::note_setting(&group, owner, name, value);
+        }
+    }
+
+    /// The shard group, and the replicas' under HSDP.
+    fn process_groups(&self) -> Vec<ProcessGroup> {
+        let replicas = self.inner.lock().options.replicate_group.clone();
+        std::iter::once(self.inner.group.clone())
+            .chain(replicas)
+            .collect()
     }
 
     /// Starts gathering the full parameters and returns at once (PyTorch's

@@ -40,11 +40,13 @@
 //!   program become `i64`s only through [`Header::encode`] (phase codes, the signature's op
 //!   and dtype codes, dims folded into [`DIMS`]). `exchange_values` could replace only the
 //!   all-gather's few lines, at the cost of the overlap above and a row per rank
-//!   all-reduced by every rank (world × 16 `i64`s instead of 15 each).
+//!   all-reduced by every rank (world × 17 `i64`s instead of 16 each).
 //!
 //! The header (int64): a tag, the pass, the forward passes begun, the backward passes begun,
 //! the caller's own step number ([`set_step`], -1 without one), then the pass's program:
-//! the tensor-parallel collectives the forward passes recorded for this backward, and the
+//! the tensor-parallel collectives the forward passes recorded for this backward, a
+//! fingerprint of the group's settings ([`passes::note_setting`]: fully_shard's setters that
+//! change what a pass sends or computes but not its collectives' sizes), and the
 //! signature of the pass's first collective (an op code, a dtype code, the rank count and
 //! up to [`DIMS`] dims of its whole tensor). A whole step left out on one rank leaves no
 //! trace in that rank's counters (its next step is simply its step `k`); only [`set_step`]
@@ -72,9 +74,9 @@ pub(crate) mod passes;
 const TAG: i64 = 0x7464_735f_7374_6570; // "tds_step"
 /// The dims of a first collective's tensor a header carries (more are folded into the last).
 pub const DIMS: usize = 6;
-/// Elements of a header: the tag, the position (4), the recorded count, the signature's op,
-/// dtype and rank count, and its dims.
-const LEN: usize = 9 + DIMS;
+/// Elements of a header: the tag, the position (4), the recorded count, the settings'
+/// fingerprint, the signature's op, dtype and rank count, and its dims.
+const LEN: usize = 10 + DIMS;
 
 /// The caller's step number ([`set_step`]); -1 when never set.
 static USER_STEP: AtomicI64 = AtomicI64::new(-1);
@@ -211,8 +213,9 @@ impl Header {
             p.step.map_or(-1, count),
             count(self.program.recorded),
         ]);
+        out[6] = self.program.settings as i64; // the bits, not the number
         if let Some(first) = &self.program.first {
-            out[6..].copy_from_slice(&first.encode());
+            out[7..].copy_from_slice(&first.encode());
         }
         out
     }
@@ -221,7 +224,7 @@ impl Header {
         if row.len() != LEN || row[0] != TAG {
             return None;
         }
-        let [_, phase, forwards, backwards, step, recorded] = row[..6] else {
+        let [_, phase, forwards, backwards, step, recorded, settings] = row[..7] else {
             return None;
         };
         Some(Header {
@@ -233,7 +236,8 @@ impl Header {
             },
             program: PassProgram {
                 recorded: u64::try_from(recorded).ok()?,
-                first: CollectiveSignature::decode(&row[6..])?,
+                first: CollectiveSignature::decode(&row[7..])?,
+                settings: settings as u64,
             },
         })
     }
@@ -425,6 +429,7 @@ mod tests {
                     vec![4, 128, 16],
                     Kind::BFloat16,
                 )),
+                settings: u64::MAX - 3,
             },
         );
         assert_eq!(Header::decode(&programmed.encode()), Some(programmed));
@@ -449,7 +454,7 @@ mod tests {
         assert_eq!(Header::decode(&bad), None);
         assert_eq!(Header::decode(&h.encode()[..4]), None);
         let mut bad = h.encode();
-        bad[6] = 99;
+        bad[7] = 99;
         assert_eq!(Header::decode(&bad), None);
     }
 }

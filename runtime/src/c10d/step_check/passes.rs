@@ -18,6 +18,7 @@
 //! A forward that runs during a backward pass is a recomputation (activation checkpointing):
 //! it belongs to the backward pass, and what it records is not counted for the next one.
 
+use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 
 use tch::Tensor;
@@ -43,7 +44,32 @@ struct GroupPasses {
     /// Tensor-parallel collectives recorded for a backward since the last backward pass
     /// began over this group.
     recorded: u64,
+    /// The settings noted for this group ([`note_setting`]), by owner and name.
+    settings: BTreeMap<(u64, &'static str), i64>,
     failed: Option<DistError>,
+}
+
+impl GroupPasses {
+    /// FNV-1a over the noted settings in key order: equal settings give equal fingerprints
+    /// on every rank; 0 while none was noted.
+    fn settings_fingerprint(&self) -> u64 {
+        if self.settings.is_empty() {
+            return 0;
+        }
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut mix = |bytes: &[u8]| {
+            for b in bytes {
+                h ^= u64::from(*b);
+                h = h.wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        };
+        for ((owner, name), value) in &self.settings {
+            mix(&owner.to_le_bytes());
+            mix(name.as_bytes());
+            mix(&value.to_le_bytes());
+        }
+        h
+    }
 }
 
 struct Tracker {
@@ -89,6 +115,7 @@ impl Tracker {
                     counted: 0,
                     checked: 0,
                     recorded: 0,
+                    settings: BTreeMap::new(),
                     failed: None,
                 });
                 self.groups.len() - 1
@@ -232,6 +259,33 @@ pub(crate) fn note_recorded(group: &ProcessGroup) {
     }
 }
 
+/// Notes a setting of `owner` (a number a managed module's group, or a root's context for
+/// a setting its groups share, takes in creation order) that changes what `group`'s passes send or compute without changing
+/// their collectives' sizes, so that the step check before the next pass over `group`
+/// compares it across the ranks: a rank that set it alone (or to another value) fails that
+/// check on every rank, before the pass sends anything, rather than computing other numbers
+/// (a gradient divide factor) or sending mismatched collectives (a gather skipped).
+pub(crate) fn note_setting(group: &ProcessGroup, owner: u64, name: &'static str, value: i64) {
+    tracker().group(group).settings.insert((owner, name), value);
+}
+
+/// Forgets the settings `owner` noted for `group` (its module was dropped: another built
+/// later starts from the defaults).
+pub(crate) fn forget_settings(group: &ProcessGroup, owner: u64) {
+    tracker()
+        .group(group)
+        .settings
+        .retain(|(o, _), _| *o != owner);
+}
+
+/// Forgets every setting noted for `group`: a model is being built over it (its groups'
+/// settings start from the defaults; the instance table keeps a dropped model's groups
+/// alive, so a model built after another whose settings differed across ranks would
+/// otherwise inherit that difference).
+pub(crate) fn forget_all_settings(group: &ProcessGroup) {
+    tracker().group(group).settings.clear();
+}
+
 /// An operation of `api` over `group` that communicates nothing (a tensor-parallel copy or
 /// split, the backward of an all-reduce): this pass is counted for the group, or the
 /// group's kept failure returned.
@@ -265,7 +319,11 @@ pub(crate) fn before_collective(
         Phase::Forward | Phase::Between => 0,
     };
     let me = StepPosition::now(phase, g.forwards, g.backwards);
-    let program = PassProgram { recorded, first };
+    let program = PassProgram {
+        recorded,
+        first,
+        settings: g.settings_fingerprint(),
+    };
     // The lock stays held: no collective of this pass may start before the check is done.
     super::check(group, api.op(), me, program).inspect_err(|e| g.failed = Some(e.clone()))
 }
