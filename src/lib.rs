@@ -202,6 +202,7 @@ pub use tch_dist_runtime::{
 
 pub mod activation_checkpoint;
 pub mod checkpoint;
+pub mod context_parallel;
 pub mod data;
 pub mod device_mesh;
 pub mod fully_shard;
