@@ -40,7 +40,10 @@
 //!    chain;
 //! 10. (before 6.) device meshes: FSDP x TP (`parallelize_module` over `tp`, `fully_shard`
 //!     over `dp`) on a 1x1 mesh over NCCL, and on a 2x1 mesh of two ranks on `cuda:0`
-//!     through Gloo, each against one process.
+//!     through Gloo, each against one process;
+//! 11. (before 6.) the differentiable `all_to_all_single` over NCCL, `loss_parallel`, a MoE
+//!     layer with expert parallelism and Ulysses attention, at world size 1 on the device,
+//!     each against its one-device reference.
 //!
 //! It ends with `gpu_check: N passed, M failed, K skipped (T s)`, exits 1 on any failure (or
 //! after 300 s) and 2 when CUDA is not available. The ranks of 4., 5., 9. and 10. are this
@@ -57,6 +60,7 @@
 //! | `shutdown.rs` | 6. the NCCL-only backend, shutdown with clones alive | `destroy_process_group` |
 //! | `activation_checkpoint.rs` | 8. activation checkpointing with dropout on the device | `test_checkpoint.py` (composable) |
 //! | `pipeline.rs` | 9. a 2-stage pipeline of two ranks on one GPU through Gloo | `test_schedule_multiproc.py` |
+//! | `new_layers.rs` | 11. `all_to_all_single`, `loss_parallel`, MoE expert parallelism, Ulysses attention on the device | `test_c10d_nccl.py`'s all-to-all, torchtitan's MoE and loss tests |
 //! | `mesh.rs` | 10. FSDP x TP on a 1x1 mesh (NCCL) and a 2x1 mesh (two ranks through Gloo) | `test_fully_shard_training.py`'s `TestFullyShard2DTraining` |
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -83,6 +87,7 @@ mod activation_checkpoint;
 mod child_ranks;
 mod default_group;
 mod mesh;
+mod new_layers;
 mod pipeline;
 mod shutdown;
 mod wait_probe;
@@ -91,6 +96,7 @@ use activation_checkpoint::*;
 use child_ranks::*;
 use default_group::*;
 use mesh::*;
+use new_layers::*;
 use pipeline::*;
 use shutdown::*;
 use wait_probe::*;
@@ -338,6 +344,10 @@ fn main() {
         check_mesh_pair,
     );
     // 6.
+    tally.run(
+        "all_to_all_single, loss_parallel, MoE expert parallelism and Ulysses attention over the device's group equal their references",
+        || check_new_layers(&pg),
+    );
     tally.run("shutdown with clones alive; destroy_process_group", || {
         check_shutdown(&pg, &alone)
     });
