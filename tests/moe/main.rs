@@ -273,9 +273,12 @@ fn expert_bias_moves_alike_on_every_rank_from_the_global_counts() {
 
 /// Expert parallelism at 2 ranks (3 experts each) equals one process running every expert
 /// on all the ranks' tokens: each rank's output and input gradient are its slice of the
-/// reference's, its experts' gradients the reference's for those experts, and the router's
-/// and shared expert's gradients summed over the ranks the reference's. Experts the ranks
-/// do not divide are refused, nothing changed.
+/// reference's; its experts' gradients are the reference's for those experts over the 2
+/// ranks (the gradient of the mean of the ranks' losses, as data parallelism averages the
+/// rest), and the router's and shared expert's gradients summed over the ranks the
+/// reference's. `replicate` over the same ranks leaves the experts alone (no broadcast of
+/// rank 0's), and the full state dict gathers them whole. Experts the ranks do not divide
+/// are refused, nothing changed.
 #[test]
 fn expert_parallel_equals_one_process_at_2_ranks() {
     run_ranks("expert_parallel_equals_one_process_at_2_ranks", 2, |pg| {
@@ -309,7 +312,7 @@ fn expert_parallel_equals_one_process_at_2_ranks() {
             (&moe.experts.w2, &reference.experts.w2),
             (&moe.experts.w3, &reference.experts.w3),
         ] {
-            let slice = r.grad().narrow(0, mine.start, mine.end - mine.start);
+            let slice = r.grad().narrow(0, mine.start, mine.end - mine.start) / 2.0;
             assert!(
                 max_diff(&w.grad(), &slice) < 1e-10,
                 "the local experts' gradients"
@@ -326,6 +329,20 @@ fn expert_parallel_equals_one_process_at_2_ranks() {
                 "the replicated parts' gradients"
             );
         }
+        // replicate over the same ranks: rank 0's experts are not broadcast; the state dict
+        // gathers every expert.
+        let before = moe.experts.w1.copy();
+        tch_dist::replicate::apply(&moe, tch_dist::replicate::Options::default()).unwrap();
+        assert_eq!(moe.experts.w1, before, "replicate leaves the experts alone");
+        let full = tch_dist::state_dict::full_state_dict(&moe).unwrap();
+        let whole = full
+            .iter()
+            .find(|(n, _)| n == "experts.w1")
+            .expect("experts.w1");
+        assert!(
+            max_diff(&whole.1, &reference.experts.w1) == 0.0,
+            "the experts gathered whole"
+        );
         // 5 experts over 2 ranks: refused on both, the weights whole.
         let (_o, mut odd) = layer(MoeConfig::new(DIM, 16, 5, 2), 4);
         match odd.parallelize_experts(&pg) {

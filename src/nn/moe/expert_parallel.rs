@@ -3,18 +3,58 @@
 //! `ExpertParallel` with its `AllToAllTokenDispatcher`), through
 //! [`functional::all_to_all_single`], whose backward sends the gradients back the same way.
 
+use std::sync::Arc;
+
 use tch::Tensor;
 use tch_dist_runtime::sharding::functional;
 use tch_dist_runtime::{DistError, ProcessGroup};
 
 use super::{GroupedExperts, MoeError};
+use crate::state_dict::managed::{register, Layer, ManagingApi, Registration, ShardHolder};
+use crate::state_dict::{MeshDimPlacement, Placement};
+use tch_dist_runtime::fsdp::tensor_identity;
 
 /// Where a layer's experts live: over `group`, this rank's `local` experts from `first`.
-#[derive(Debug)]
 pub(super) struct ExpertParallel {
     pub(super) group: ProcessGroup,
     pub(super) first: i64,
     pub(super) local: i64,
+    /// The experts' weights in the registry of managed parameters, split along dim 0 over
+    /// `group` as tensor parallelism splits its own: `replicate` and `fully_shard` over the
+    /// same ranks leave them alone (no broadcast of rank 0's experts, no averaging of other
+    /// experts' gradients), the state dict and checkpoints gather and place them.
+    _registration: Registration,
+}
+
+impl std::fmt::Debug for ExpertParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertParallel")
+            .field("first", &self.first)
+            .field("local", &self.local)
+            .finish()
+    }
+}
+
+/// Gathers an expert weight's whole from every rank's experts (equal pieces along dim 0).
+struct Holder {
+    group: ProcessGroup,
+}
+
+impl ShardHolder for Holder {
+    fn gather(&self, _index: usize, piece: &Tensor) -> Result<Tensor, DistError> {
+        let ranks = self.group.world_size() as i64;
+        let mut shape = piece.size();
+        shape[0] *= ranks;
+        let whole = Tensor::zeros(shape, (piece.kind(), piece.device()));
+        self.group
+            .all_gather_into_tensor(&whole, &piece.contiguous())?;
+        Ok(whole)
+    }
+
+    /// The experts always hold this rank's.
+    fn reshard(&self) -> Result<(), DistError> {
+        Ok(())
+    }
 }
 
 impl ExpertParallel {
@@ -34,16 +74,43 @@ impl ExpertParallel {
         }
         let local = count / ranks;
         let first = group.rank() as i64 * local;
+        let holder: Arc<dyn ShardHolder> = Arc::new(Holder {
+            group: group.clone(),
+        });
+        let mut entries = Vec::new();
+        let weights = [
+            ("experts.w1", &mut experts.w1),
+            ("experts.w2", &mut experts.w2),
+            ("experts.w3", &mut experts.w3),
+        ];
         tch::no_grad(|| {
-            for w in [&mut experts.w1, &mut experts.w2, &mut experts.w3] {
+            for (index, (name, w)) in weights.into_iter().enumerate() {
+                let whole = w.size();
                 let mine = w.narrow(0, first, local).contiguous();
                 w.set_data(&mine);
+                let mut offsets = vec![0; whole.len()];
+                offsets[0] = first;
+                let layer = Layer {
+                    dims: vec![MeshDimPlacement {
+                        placement: Placement::Shard(0),
+                        group: group.clone(),
+                    }],
+                    whole,
+                    offsets,
+                    local: w.size(),
+                    blocks: 1,
+                    holder: Arc::clone(&holder),
+                    index,
+                };
+                entries.push((tensor_identity(w), name.to_string(), Some(layer)));
             }
         });
+        let registration = register(ManagingApi::ShardModule, group.global_ranks(), entries);
         Ok(ExpertParallel {
             group: group.clone(),
             first,
             local,
+            _registration: registration,
         })
     }
 
@@ -83,7 +150,15 @@ impl ExpertParallel {
             }
         }
         let order = Tensor::from_slice(&order).to_device(rows.device());
-        let out = experts.forward_grouped(&received.index_select(0, &order), &per_expert);
+        // The experts' gradients gather every rank's tokens (the exchange's backward): scaled
+        // by 1 / ranks, they are the gradients of the mean of the ranks' losses, as data
+        // parallelism over these ranks averages every other parameter's.
+        let grad_scale = 1.0 / ranks as f64;
+        let out = experts.forward_grouped_scaled(
+            &received.index_select(0, &order),
+            &per_expert,
+            grad_scale,
+        );
         // Back to source-major, then to the ranks the rows came from.
         let inverse = order.argsort(0, false);
         let (returned, _) =

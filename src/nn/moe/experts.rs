@@ -53,6 +53,26 @@ impl GroupedExperts {
     /// over the non-empty groups: `_grouped_mm` without its CUDA kernel). Empty groups are
     /// fine; `counts` must add up to the rows.
     pub fn forward_grouped(&self, x: &Tensor, counts: &[i64]) -> Tensor {
+        self.forward_grouped_scaled(x, counts, 1.0)
+    }
+
+    /// [`forward_grouped`](Self::forward_grouped) with the weights' gradients scaled by
+    /// `grad_scale` (the values are exactly the weights': `w + (w − w) · s` with the
+    /// difference detached).
+    pub(super) fn forward_grouped_scaled(
+        &self,
+        x: &Tensor,
+        counts: &[i64],
+        grad_scale: f64,
+    ) -> Tensor {
+        let scaled = |w: &Tensor| {
+            if grad_scale == 1.0 {
+                w.shallow_clone()
+            } else {
+                w.detach() + (w - w.detach()) * grad_scale
+            }
+        };
+        let (w1_all, w2_all, w3_all) = (scaled(&self.w1), scaled(&self.w2), scaled(&self.w3));
         let mut outs = Vec::with_capacity(counts.len());
         let mut start = 0;
         for (e, &n) in counts.iter().enumerate() {
@@ -61,9 +81,9 @@ impl GroupedExperts {
             }
             let rows = x.narrow(0, start, n);
             let (w1, w2, w3) = (
-                self.w1.get(e as i64),
-                self.w2.get(e as i64),
-                self.w3.get(e as i64),
+                w1_all.get(e as i64),
+                w2_all.get(e as i64),
+                w3_all.get(e as i64),
             );
             let h = rows.matmul(&w1.tr()).silu() * rows.matmul(&w3.tr());
             outs.push(h.matmul(&w2.tr()));

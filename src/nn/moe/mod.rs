@@ -223,9 +223,15 @@ impl MoE {
     /// every token to the rank holding its expert and back with
     /// [`functional::all_to_all_single`](crate::sharding::functional::all_to_all_single)
     /// (the counts first, then the tokens; backward the reverse). The router and the shared
-    /// expert stay whole on every rank; each rank routes its own tokens. Every rank of
-    /// `group` must call it and then run each forward; ranks that do not divide the experts
-    /// are refused on every rank, nothing changed.
+    /// expert stay whole on every rank; each rank routes its own tokens. The experts'
+    /// gradients gather every rank's tokens and are divided by the ranks: the gradients of
+    /// the mean of the ranks' losses, as `replicate` or `fully_shard` over the same ranks
+    /// average every other parameter's. The experts enter the registry of managed parameters
+    /// split along dim 0 over `group` (as tensor parallelism's pieces): `replicate` and
+    /// `fully_shard` over the same ranks leave them alone (apply them after this), over
+    /// other ranks they refuse; the state dict and checkpoints gather and place them.
+    /// Every rank of `group` must call it and then run each forward; ranks that do not
+    /// divide the experts are refused on every rank, nothing changed.
     ///
     /// ```no_run
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
