@@ -83,6 +83,10 @@ lint: setup
 	# The API reference as docs.rs builds it: no libtorch (tch's doc-only), its own target dir.
 	DOCS_RS=1 LIBTORCH=/nonexistent CARGO_TARGET_DIR=target/doc-only RUSTDOCFLAGS="-D warnings" \
 	  $(CARGO) doc -p tch-dist --no-deps --features doc-only
+	# Every tch-dist item that rustdoc's coverage expects an example on has one (nightly's
+	# --show-coverage, its own target dir; skipped, saying so, without a nightly toolchain).
+	$(PYTHON) docs/check_examples.py --self-test
+	$(PYTHON) docs/check_examples.py
 
 doc: setup
 	$(CARGO) doc --workspace --no-deps

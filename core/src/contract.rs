@@ -20,6 +20,20 @@ use crate::key::{identify, ModuleKey};
 use crate::walk::{FqnSnapshot, Shardable};
 
 /// A composable API declared with `#[contract]`: an entry of the [`catalogue`].
+///
+/// ```
+/// # extern crate tch_dist_core as tch_dist;
+/// # mod ddp {
+/// #     use tch_dist::{contract, ContractError, Shardable};
+/// #     #[contract(conflicts(fsdp))]
+/// #     pub fn apply<M: Shardable + ?Sized>(module: &M) -> Result<(), ContractError> {
+/// #         Ok(())
+/// #     }
+/// # }
+/// // `ddp::apply` is declared with `#[contract(conflicts(fsdp))]` in module `ddp`.
+/// let api = tch_dist::contract::find_api("ddp")[0];
+/// assert_eq!((api.name, api.conflicts), ("ddp", &["fsdp"][..]));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ContractApi {
     /// The API's name: the last segment of its function's module path (`replicate` for
@@ -34,6 +48,19 @@ pub struct ContractApi {
 
 impl ContractApi {
     /// Whether this API declares a conflict with `other`.
+    ///
+    /// ```
+    /// # extern crate tch_dist_core as tch_dist;
+    /// # mod ddp {
+    /// #     use tch_dist::{contract, ContractError, Shardable};
+    /// #     #[contract(conflicts(fsdp))]
+    /// #     pub fn apply<M: Shardable + ?Sized>(module: &M) -> Result<(), ContractError> {
+    /// #         Ok(())
+    /// #     }
+    /// # }
+    /// let ddp = tch_dist::contract::find_api("ddp")[0]; // #[contract(conflicts(fsdp))]
+    /// assert!(ddp.conflicts_with("fsdp") && !ddp.conflicts_with("checkpoint"));
+    /// ```
     pub fn conflicts_with(&self, other: &str) -> bool {
         self.conflicts.contains(&other)
     }
@@ -42,6 +69,13 @@ impl ContractApi {
 inventory::collect!(ContractApi);
 
 /// Every composable API declared with `#[contract]` in the program, sorted by name.
+///
+/// ```
+/// # extern crate tch_dist_core as tch_dist;
+/// for api in tch_dist::contract::catalogue() {
+///     println!("{} ({}): conflicts with {:?}", api.name, api.module_path, api.conflicts);
+/// }
+/// ```
 pub fn catalogue() -> Vec<&'static ContractApi> {
     let mut all: Vec<&'static ContractApi> = inventory::iter::<ContractApi>.into_iter().collect();
     all.sort_by(|a, b| (a.name, a.module_path).cmp(&(b.name, b.module_path)));
@@ -49,6 +83,20 @@ pub fn catalogue() -> Vec<&'static ContractApi> {
 }
 
 /// The catalogue entries called `name` (normally at most one).
+///
+/// ```
+/// # extern crate tch_dist_core as tch_dist;
+/// # mod ddp {
+/// #     use tch_dist::{contract, ContractError, Shardable};
+/// #     #[contract(conflicts(fsdp))]
+/// #     pub fn apply<M: Shardable + ?Sized>(module: &M) -> Result<(), ContractError> {
+/// #         Ok(())
+/// #     }
+/// # }
+/// use tch_dist::contract::find_api;
+/// assert_eq!(find_api("ddp").len(), 1);
+/// assert!(find_api("no_such_api").is_empty());
+/// ```
 pub fn find_api(name: &str) -> Vec<&'static ContractApi> {
     inventory::iter::<ContractApi>
         .into_iter()
@@ -57,6 +105,20 @@ pub fn find_api(name: &str) -> Vec<&'static ContractApi> {
 }
 
 /// Whether the APIs `a` and `b` conflict: either declares the other in its catalogue entry.
+///
+/// ```
+/// # extern crate tch_dist_core as tch_dist;
+/// # mod ddp {
+/// #     use tch_dist::{contract, ContractError, Shardable};
+/// #     #[contract(conflicts(fsdp))]
+/// #     pub fn apply<M: Shardable + ?Sized>(module: &M) -> Result<(), ContractError> {
+/// #         Ok(())
+/// #     }
+/// # }
+/// use tch_dist::contract::apis_conflict;
+/// // `ddp` declares conflicts(fsdp); `fsdp` need not even exist.
+/// assert!(apis_conflict("ddp", "fsdp") && apis_conflict("fsdp", "ddp"));
+/// ```
 pub fn apis_conflict(a: &str, b: &str) -> bool {
     find_api(a).iter().any(|api| api.conflicts_with(b))
         || find_api(b).iter().any(|api| api.conflicts_with(a))
@@ -64,6 +126,23 @@ pub fn apis_conflict(a: &str, b: &str) -> bool {
 
 /// The names of the composable APIs applied to `module`, in the order they were applied
 /// (PyTorch's `_get_registry(module)`). Empty for a module with no parameters or buffers.
+///
+/// ```
+/// # extern crate tch_dist_core as tch_dist;
+/// # mod ddp {
+/// #     use tch_dist::{contract, ContractError, Shardable};
+/// #     #[contract(conflicts(fsdp))]
+/// #     pub fn apply<M: Shardable + ?Sized>(module: &M) -> Result<(), ContractError> {
+/// #         Ok(())
+/// #     }
+/// # }
+/// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// let fc = tch::nn::linear(vs.root() / "fc", 2, 2, Default::default());
+/// assert!(tch_dist::registry(&fc).is_empty());
+/// ddp::apply(&fc)?;
+/// assert_eq!(tch_dist::registry(&fc), ["ddp"]);
+/// # Ok::<(), tch_dist::ContractError>(())
+/// ```
 pub fn registry<M: Shardable + ?Sized>(module: &M) -> Vec<&'static str> {
     let Some((key, first)) = identify(module.as_dyn_shardable()) else {
         return Vec::new();
@@ -77,6 +156,23 @@ pub fn registry<M: Shardable + ?Sized>(module: &M) -> Vec<&'static str> {
 
 /// The state that API `api` stored for `module`, if it was applied to it and its state
 /// has type `S`. `#[contract]` generates a typed accessor around it.
+///
+/// ```
+/// # extern crate tch_dist_core as tch_dist;
+/// # mod ddp {
+/// #     use tch_dist::{contract, ContractError, Shardable};
+/// #     #[contract(conflicts(fsdp))]
+/// #     pub fn apply<M: Shardable + ?Sized>(module: &M) -> Result<(), ContractError> {
+/// #         Ok(())
+/// #     }
+/// # }
+/// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// # let fc = tch::nn::linear(vs.root() / "fc", 2, 2, Default::default());
+/// ddp::apply(&fc)?;
+/// let state: Option<std::sync::Arc<()>> = tch_dist::contract::contract_state("ddp", &fc);
+/// assert!(state.is_some()); // as `ddp::state(&fc)`
+/// # Ok::<(), tch_dist::ContractError>(())
+/// ```
 pub fn contract_state<S, M>(api: &str, module: &M) -> Option<Arc<S>>
 where
     S: Any + Send + Sync,
@@ -99,6 +195,23 @@ where
 /// those of its children). Returns whether there was anything. Useful before dropping a
 /// module in a long-running process: entries of dropped modules are otherwise only
 /// reclaimed lazily.
+///
+/// ```
+/// # extern crate tch_dist_core as tch_dist;
+/// # mod ddp {
+/// #     use tch_dist::{contract, ContractError, Shardable};
+/// #     #[contract(conflicts(fsdp))]
+/// #     pub fn apply<M: Shardable + ?Sized>(module: &M) -> Result<(), ContractError> {
+/// #         Ok(())
+/// #     }
+/// # }
+/// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// # let fc = tch::nn::linear(vs.root() / "fc", 2, 2, Default::default());
+/// ddp::apply(&fc)?;
+/// assert!(tch_dist::contract::release(&fc)); // its registry, states and hooks dropped
+/// assert!(tch_dist::registry(&fc).is_empty());
+/// # Ok::<(), tch_dist::ContractError>(())
+/// ```
 pub fn release<M: Shardable + ?Sized>(module: &M) -> bool {
     match identify(module.as_dyn_shardable()) {
         Some((key, first)) => InstanceTable::lock().release(&key, first),
@@ -107,6 +220,11 @@ pub fn release<M: Shardable + ?Sized>(module: &M) -> bool {
 }
 
 /// Which FQN list a contract check is about.
+///
+/// ```
+/// use tch_dist_core::contract::FqnKind;
+/// assert_eq!(FqnKind::Parameters.to_string(), "Check parameters, "); // PyTorch's prefix
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FqnKind {
     /// `named_parameters()`.
@@ -132,6 +250,23 @@ impl fmt::Display for FqnKind {
 ///
 /// An API's own error type converts from it (`impl From<ContractError> for MyError`);
 /// `#[contract]` uses that conversion.
+///
+/// ```
+/// # extern crate tch_dist_core as tch_dist;
+/// # mod ddp {
+/// #     use tch_dist::{contract, ContractError, Shardable};
+/// #     #[contract(conflicts(fsdp))]
+/// #     pub fn apply<M: Shardable + ?Sized>(module: &M) -> Result<(), ContractError> {
+/// #         Ok(())
+/// #     }
+/// # }
+/// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// # let fc = tch::nn::linear(vs.root() / "fc", 2, 2, Default::default());
+/// ddp::apply(&fc)?;
+/// let err = ddp::apply(&fc).unwrap_err();
+/// assert!(matches!(err, tch_dist::ContractError::AlreadyApplied { api: "ddp", .. }));
+/// # Ok::<(), tch_dist::ContractError>(())
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ContractError {
     /// The API was already applied to this module instance.
@@ -277,6 +412,7 @@ pub struct ContractGuard {
     keys: Vec<Option<ModuleKey>>,
 }
 
+#[doc(hidden)]
 impl ContractGuard {
     /// Before the body: the module must have an identity, must not have this API applied
     /// yet and must not be managed by a conflicting API. Snapshots the FQNs.

@@ -202,7 +202,10 @@ fn flatten_for_cudnn(
 /// A recurrent layer `$name` whose cells have `$gates` gate blocks (LSTM 4, GRU 3), run by
 /// cuDNN in mode `$cudnn_mode` (`CUDNN_LSTM` 2, `CUDNN_GRU` 3).
 macro_rules! rnn_layer {
-    ($(#[$doc:meta])* $name:ident, gates: $gates:literal, cudnn_mode: $cudnn_mode:literal) => {
+    (
+        $(#[$doc:meta])* $name:ident, build: $build:ident, gates: $gates:literal,
+        cudnn_mode: $cudnn_mode:literal
+    ) => {
         $(#[$doc])*
         #[allow(clippy::upper_case_acronyms)]
         #[derive(Debug)]
@@ -231,10 +234,28 @@ macro_rules! rnn_layer {
             }
 
             /// The flat weights, in the order `Tensor::lstm`/`Tensor::gru` expect.
+            ///
+            /// ```
+            /// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+            #[doc = concat!(
+                "let layer = tch_dist_core::nn::", stringify!($build), "(vs.root(), 4, 8, Default::default());"
+            )]
+            /// // weight_ih_l0, weight_hh_l0, bias_ih_l0, bias_hh_l0:
+            /// assert_eq!(layer.flat_weights().len(), 4);
+            /// ```
             pub fn flat_weights(&self) -> &[Tensor] {
                 &self.flat_weights
             }
             /// The configuration the layer was built with.
+            ///
+            /// ```
+            /// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+            /// let c = tch::nn::RNNConfig { num_layers: 2, ..Default::default() };
+            #[doc = concat!(
+                "let layer = tch_dist_core::nn::", stringify!($build), "(vs.root(), 4, 8, c);"
+            )]
+            /// assert_eq!(layer.config().num_layers, 2);
+            /// ```
             pub fn config(&self) -> &RNNConfig {
                 &self.config
             }
@@ -258,24 +279,56 @@ macro_rules! rnn_layer {
 rnn_layer!(
     /// A Long Short-Term Memory layer, walkable: the drop-in for `tch::nn::LSTM`. Build it
     /// with [`lstm`].
+    ///
+    /// ```
+    /// use tch::nn::RNN;
+    /// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let lstm = tch_dist_core::nn::lstm(vs.root() / "lstm", 4, 8, Default::default());
+    /// let (out, _state) = lstm.seq(&tch::Tensor::zeros([2, 5, 4], tch::kind::FLOAT_CPU));
+    /// assert_eq!(out.size(), [2, 5, 8]); // batch first, as tch's default
+    /// ```
     LSTM,
+    build: lstm,
     gates: 4,
     cudnn_mode: 2
 );
 rnn_layer!(
     /// A Gated Recurrent Unit layer, walkable: the drop-in for `tch::nn::GRU`. Build it with
     /// [`gru`].
+    ///
+    /// ```
+    /// use tch::nn::RNN;
+    /// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let gru = tch_dist_core::nn::gru(vs.root() / "gru", 4, 8, Default::default());
+    /// let (out, _state) = gru.seq(&tch::Tensor::zeros([2, 5, 4], tch::kind::FLOAT_CPU));
+    /// assert_eq!(out.size(), [2, 5, 8]);
+    /// ```
     GRU,
+    build: gru,
     gates: 3,
     cudnn_mode: 3
 );
 
 /// Creates an [`LSTM`] layer: the same variables, names and behaviour as `tch::nn::lstm`.
+///
+/// ```
+/// use tch_dist_core::Shardable;
+/// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// let lstm = tch_dist_core::nn::lstm(vs.root() / "lstm", 4, 8, Default::default());
+/// let names: Vec<String> = lstm.named_parameters().into_iter().map(|(n, _)| n).collect();
+/// assert_eq!(names, ["weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0"]);
+/// ```
 pub fn lstm<'a, T: Borrow<Path<'a>>>(vs: T, in_dim: i64, hidden_dim: i64, c: RNNConfig) -> LSTM {
     LSTM::new(vs.borrow(), in_dim, hidden_dim, c)
 }
 
 /// Creates a [`GRU`] layer: the same variables, names and behaviour as `tch::nn::gru`.
+///
+/// ```
+/// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// let gru = tch_dist_core::nn::gru(vs.root() / "gru", 4, 8, Default::default());
+/// assert_eq!(gru.flat_weights()[0].size(), [3 * 8, 4]); // weight_ih_l0: 3 gates
+/// ```
 pub fn gru<'a, T: Borrow<Path<'a>>>(vs: T, in_dim: i64, hidden_dim: i64, c: RNNConfig) -> GRU {
     GRU::new(vs.borrow(), in_dim, hidden_dim, c)
 }
@@ -371,12 +424,32 @@ macro_rules! layer_path {
             $path {
                 $(
                     #[doc = concat!("The parameter `", stringify!($p), "`.")]
+                    ///
+                    /// ```
+                    /// use tch_dist_core::path::PathNode;
+                    #[doc = concat!(
+                        "let layer = tch_dist_core::nn::", stringify!($path), "::at_prefix(\"blocks.0\".into());"
+                    )]
+                    #[doc = concat!(
+                        "assert_eq!(layer.", stringify!($p), "(), \"blocks.0.", stringify!($p), "\");"
+                    )]
+                    /// ```
                     pub fn $p(&self) -> ParamPath {
                         ParamPath::in_module(self, stringify!($p))
                     }
                 )*
                 $(
                     #[doc = concat!("The buffer `", stringify!($b), "`.")]
+                    ///
+                    /// ```
+                    /// use tch_dist_core::path::PathNode;
+                    #[doc = concat!(
+                        "let layer = tch_dist_core::nn::", stringify!($path), "::at_prefix(\"blocks.0\".into());"
+                    )]
+                    #[doc = concat!(
+                        "assert_eq!(layer.", stringify!($b), "(), \"blocks.0.", stringify!($b), "\");"
+                    )]
+                    /// ```
                     pub fn $b(&self) -> BufferPath {
                         BufferPath::in_module(self, stringify!($b))
                     }
@@ -393,27 +466,63 @@ macro_rules! layer_path {
 
 layer_path!(
     /// The path of a `tch::nn::Linear`: `weight`, `bias`.
+    ///
+    /// ```
+    /// use tch_dist_core::path::HasPath;
+    /// let p: tch_dist_core::nn::LinearPath = <tch::nn::Linear>::path();
+    /// assert_eq!(p.weight(), "weight"); // the layer as the root module
+    /// ```
     LinearPath for [] nn::Linear { params: [weight, bias], buffers: [] }
 );
 layer_path!(
     /// The path of a `tch::nn::Conv1D/2D/3D`: `weight`, `bias`.
+    ///
+    /// ```
+    /// use tch_dist_core::path::HasPath;
+    /// let p: tch_dist_core::nn::ConvPath = <tch::nn::Conv2D>::path();
+    /// assert_eq!(p.weight(), "weight"); // the layer as the root module
+    /// ```
     ConvPath for [ND] nn::Conv<ND> { params: [weight, bias], buffers: [] }
 );
 layer_path!(
     /// The path of a `tch::nn::ConvTranspose1D/2D/3D`: `weight`, `bias`.
+    ///
+    /// ```
+    /// use tch_dist_core::path::HasPath;
+    /// let p: tch_dist_core::nn::ConvTransposePath = <tch::nn::ConvTranspose2D>::path();
+    /// assert_eq!(p.bias(), "bias"); // the layer as the root module
+    /// ```
     ConvTransposePath for [ND] nn::ConvTransposeND<ND> { params: [weight, bias], buffers: [] }
 );
 layer_path!(
     /// The path of a `tch::nn::LayerNorm`: `weight`, `bias`.
+    ///
+    /// ```
+    /// use tch_dist_core::path::HasPath;
+    /// let p: tch_dist_core::nn::LayerNormPath = <tch::nn::LayerNorm>::path();
+    /// assert_eq!(p.weight(), "weight"); // the layer as the root module
+    /// ```
     LayerNormPath for [] nn::LayerNorm { params: [weight, bias], buffers: [] }
 );
 layer_path!(
     /// The path of a `tch::nn::GroupNorm`: `weight`, `bias`.
+    ///
+    /// ```
+    /// use tch_dist_core::path::HasPath;
+    /// let p: tch_dist_core::nn::GroupNormPath = <tch::nn::GroupNorm>::path();
+    /// assert_eq!(p.bias(), "bias"); // the layer as the root module
+    /// ```
     GroupNormPath for [] nn::GroupNorm { params: [weight, bias], buffers: [] }
 );
 layer_path!(
     /// The path of a `tch::nn::BatchNorm`: parameters `weight`, `bias`, buffers
     /// `running_mean`, `running_var`.
+    ///
+    /// ```
+    /// use tch_dist_core::path::HasPath;
+    /// let p: tch_dist_core::nn::BatchNormPath = <tch::nn::BatchNorm>::path();
+    /// assert_eq!(p.running_var(), "running_var"); // the layer as the root module
+    /// ```
     BatchNormPath for [] nn::BatchNorm {
         params: [weight, bias],
         buffers: [running_mean, running_var]
@@ -421,6 +530,12 @@ layer_path!(
 );
 layer_path!(
     /// The path of a `tch::nn::Embedding`: `weight`.
+    ///
+    /// ```
+    /// use tch_dist_core::path::HasPath;
+    /// let p: tch_dist_core::nn::EmbeddingPath = <tch::nn::Embedding>::path();
+    /// assert_eq!(p.weight(), "weight"); // the layer as the root module
+    /// ```
     EmbeddingPath for [] nn::Embedding { params: [weight], buffers: [] }
 );
 
@@ -428,36 +543,82 @@ module_path_struct!(
     /// The path of an [`LSTM`] or a [`GRU`]: per layer `k`, `weight_ih_l{k}`,
     /// `weight_hh_l{k}`, `bias_ih_l{k}`, `bias_hh_l{k}`, and the same with `_reverse` for the
     /// second direction of a bidirectional layer.
+    ///
+    /// ```
+    /// use tch_dist_core::path::HasPath;
+    /// let p = tch_dist_core::nn::LSTM::path();
+    /// assert_eq!(p.weight_hh_reverse(1), "weight_hh_l1_reverse");
+    /// ```
     RnnPath {
         /// `weight_ih_l{layer}`.
+        ///
+        /// ```
+        /// use tch_dist_core::path::HasPath;
+        /// assert_eq!(tch_dist_core::nn::GRU::path().weight_ih(0), "weight_ih_l0");
+        /// ```
         pub fn weight_ih(&self, layer: usize) -> ParamPath {
             self.weight("weight_ih", layer, "")
         }
         /// `weight_hh_l{layer}`.
+        ///
+        /// ```
+        /// use tch_dist_core::path::HasPath;
+        /// assert_eq!(tch_dist_core::nn::GRU::path().weight_hh(0), "weight_hh_l0");
+        /// ```
         pub fn weight_hh(&self, layer: usize) -> ParamPath {
             self.weight("weight_hh", layer, "")
         }
         /// `bias_ih_l{layer}`.
+        ///
+        /// ```
+        /// use tch_dist_core::path::HasPath;
+        /// assert_eq!(tch_dist_core::nn::GRU::path().bias_ih(0), "bias_ih_l0");
+        /// ```
         pub fn bias_ih(&self, layer: usize) -> ParamPath {
             self.weight("bias_ih", layer, "")
         }
         /// `bias_hh_l{layer}`.
+        ///
+        /// ```
+        /// use tch_dist_core::path::HasPath;
+        /// assert_eq!(tch_dist_core::nn::GRU::path().bias_hh(0), "bias_hh_l0");
+        /// ```
         pub fn bias_hh(&self, layer: usize) -> ParamPath {
             self.weight("bias_hh", layer, "")
         }
         /// `weight_ih_l{layer}_reverse`.
+        ///
+        /// ```
+        /// use tch_dist_core::path::HasPath;
+        /// assert_eq!(tch_dist_core::nn::GRU::path().weight_ih_reverse(1), "weight_ih_l1_reverse");
+        /// ```
         pub fn weight_ih_reverse(&self, layer: usize) -> ParamPath {
             self.weight("weight_ih", layer, "_reverse")
         }
         /// `weight_hh_l{layer}_reverse`.
+        ///
+        /// ```
+        /// use tch_dist_core::path::HasPath;
+        /// assert_eq!(tch_dist_core::nn::GRU::path().weight_hh_reverse(1), "weight_hh_l1_reverse");
+        /// ```
         pub fn weight_hh_reverse(&self, layer: usize) -> ParamPath {
             self.weight("weight_hh", layer, "_reverse")
         }
         /// `bias_ih_l{layer}_reverse`.
+        ///
+        /// ```
+        /// use tch_dist_core::path::HasPath;
+        /// assert_eq!(tch_dist_core::nn::GRU::path().bias_ih_reverse(1), "bias_ih_l1_reverse");
+        /// ```
         pub fn bias_ih_reverse(&self, layer: usize) -> ParamPath {
             self.weight("bias_ih", layer, "_reverse")
         }
         /// `bias_hh_l{layer}_reverse`.
+        ///
+        /// ```
+        /// use tch_dist_core::path::HasPath;
+        /// assert_eq!(tch_dist_core::nn::GRU::path().bias_hh_reverse(1), "bias_hh_l1_reverse");
+        /// ```
         pub fn bias_hh_reverse(&self, layer: usize) -> ParamPath {
             self.weight("bias_hh", layer, "_reverse")
         }

@@ -51,6 +51,12 @@ use crate::walk::Shardable;
 
 /// Joins a module's FQN and a local name: `join_fqn("blocks.0", "fc1") == "blocks.0.fc1"`,
 /// and the root's FQN `""` adds nothing: `join_fqn("", "fc1") == "fc1"`.
+///
+/// ```
+/// use tch_dist_core::path::join_fqn;
+/// assert_eq!(join_fqn("blocks.0", "fc1"), "blocks.0.fc1");
+/// assert_eq!(join_fqn("", "fc1"), "fc1");
+/// ```
 pub fn join_fqn(prefix: &str, name: &str) -> String {
     if prefix.is_empty() {
         name.to_owned()
@@ -81,7 +87,7 @@ pub fn is_within(fqn: &str, prefix: &str) -> bool {
 }
 
 macro_rules! tensor_path {
-    ($(#[$doc:meta])* $name:ident, $what:literal) => {
+    ($(#[$doc:meta])* $name:ident, $what:literal, $module:literal, $leaf:literal) => {
         $(#[$doc])*
         #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
         pub struct $name {
@@ -91,21 +97,50 @@ macro_rules! tensor_path {
         impl $name {
             #[doc = concat!("A ", $what, " path from its FQN, unchecked (the string form, for ")]
             /// plans read from files); the module it is applied to validates it.
+            ///
+            /// ```
+            #[doc = concat!(
+                "let p = tch_dist_core::path::", stringify!($name), "::new(\"", $module, ".", $leaf, "\");"
+            )]
+            #[doc = concat!("assert_eq!(p.fqn(), \"", $module, ".", $leaf, "\");")]
+            /// ```
             pub fn new(fqn: impl Into<String>) -> Self {
                 $name { fqn: fqn.into() }
             }
 
             #[doc = concat!("The ", $what, " `name` of the module at `module`.")]
+            ///
+            /// ```
+            #[doc = concat!("use tch_dist_core::path::", stringify!($name), ";")]
+            #[doc = concat!(
+                "let p = ", stringify!($name), "::in_module(\"", $module, "\", \"", $leaf, "\");"
+            )]
+            #[doc = concat!("assert_eq!(p, \"", $module, ".", $leaf, "\");")]
+            /// ```
             pub fn in_module(module: &(impl ModulePath + ?Sized), name: &str) -> Self {
                 $name::new(join_fqn(module.fqn(), name))
             }
 
             #[doc = concat!("The fully qualified name of the ", $what, ".")]
+            ///
+            /// ```
+            #[doc = concat!(
+                "let p = tch_dist_core::path::", stringify!($name), "::from(\"", $module, ".", $leaf, "\");"
+            )]
+            #[doc = concat!("assert_eq!(p.fqn(), \"", $module, ".", $leaf, "\");")]
+            /// ```
             pub fn fqn(&self) -> &str {
                 &self.fqn
             }
 
             /// The FQN as an owned string.
+            ///
+            /// ```
+            #[doc = concat!(
+                "let p = tch_dist_core::path::", stringify!($name), "::from(\"", $module, ".", $leaf, "\");"
+            )]
+            #[doc = concat!("let key: String = p.into_string(); // \"", $module, ".", $leaf, "\"")]
+            /// ```
             pub fn into_string(self) -> String {
                 self.fqn
             }
@@ -193,8 +228,19 @@ tensor_path!(
     /// `ParamPath::from("blocks.0.fc1.weight")`. It does not implement [`ModulePath`], and
     /// module paths do not convert into it, so an API taking `impl Into<ParamPath>` rejects a
     /// module path at compile time.
+    ///
+    /// ```
+    /// # extern crate tch_dist_core as tch_dist;
+    /// use tch::nn;
+    /// use tch_dist::path::ParamPath;
+    /// #[derive(tch_dist::Shardable)]
+    /// struct Net { blocks: Vec<nn::Linear> }
+    /// assert_eq!(Net::path().blocks().at(0).weight(), ParamPath::from("blocks.0.weight"));
+    /// ```
     ParamPath,
-    "parameter"
+    "parameter",
+    "blocks.0.fc1",
+    "weight"
 );
 
 tensor_path!(
@@ -202,8 +248,19 @@ tensor_path!(
     ///
     /// Like [`ParamPath`], for buffers (`#[shardable(buffer)]` fields, running statistics).
     /// Parameter paths, buffer paths and module paths do not convert into each other.
+    ///
+    /// ```
+    /// # extern crate tch_dist_core as tch_dist;
+    /// use tch::nn;
+    /// use tch_dist::path::BufferPath;
+    /// #[derive(tch_dist::Shardable)]
+    /// struct Net { norm: nn::BatchNorm }
+    /// assert_eq!(Net::path().norm().running_mean(), BufferPath::from("norm.running_mean"));
+    /// ```
     BufferPath,
-    "buffer"
+    "buffer",
+    "norm",
+    "running_mean"
 );
 
 from_strings!(ParamPath);
@@ -211,6 +268,14 @@ from_strings!(BufferPath);
 
 impl ParamPath {
     /// The parameter in `module`, if `module` reports one under this FQN.
+    ///
+    /// ```
+    /// use tch_dist_core::path::ParamPath;
+    /// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let fc = tch::nn::linear(vs.root() / "fc", 4, 2, Default::default());
+    /// assert_eq!(ParamPath::from("weight").find(&fc).map(|w| w.size()), Some(vec![2, 4]));
+    /// assert!(ParamPath::from("fc.weight").find(&fc).is_none()); // FQNs within `fc`
+    /// ```
     pub fn find<'a>(&self, module: &'a dyn Shardable) -> Option<&'a tch::Tensor> {
         module
             .named_parameters()
@@ -221,6 +286,13 @@ impl ParamPath {
 
 impl BufferPath {
     /// The buffer in `module`, if `module` reports one under this FQN.
+    ///
+    /// ```
+    /// use tch_dist_core::path::BufferPath;
+    /// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let bn = tch::nn::batch_norm1d(vs.root() / "bn", 8, Default::default());
+    /// assert!(BufferPath::from("running_mean").find(&bn).is_some());
+    /// ```
     pub fn find<'a>(&self, module: &'a dyn Shardable) -> Option<&'a tch::Tensor> {
         module
             .named_buffers()
@@ -235,6 +307,14 @@ impl BufferPath {
 /// layer paths of [`crate::nn`], and by `str`/`String` (the unchecked string form) and
 /// references to any of them. Not implemented by [`ParamPath`] or [`BufferPath`], so an API
 /// taking `impl ModulePath` rejects a tensor path at compile time.
+///
+/// ```
+/// use tch_dist_core::path::ModulePath;
+/// fn hook_name(module: impl ModulePath) -> String {
+///     format!("hook of {:?}", module.fqn())
+/// }
+/// assert_eq!(hook_name("blocks.0"), "hook of \"blocks.0\"");
+/// ```
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a module path",
     label = "expected a module path",
@@ -243,9 +323,21 @@ impl BufferPath {
 )]
 pub trait ModulePath {
     /// The module's fully qualified name (`""` for the root).
+    ///
+    /// ```
+    /// use tch_dist_core::path::{HasPath, ModulePath};
+    /// assert_eq!(ModulePath::fqn("blocks.0"), "blocks.0");
+    /// assert_eq!(ModulePath::fqn(&tch::nn::Linear::path()), ""); // the root
+    /// ```
     fn fqn(&self) -> &str;
 
     /// The same module as an [`AnyModulePath`], navigated by name from there.
+    ///
+    /// ```
+    /// use tch_dist_core::path::ModulePath;
+    /// let extra = "blocks.0".to_untyped().param("scale"); // a parameter the type does not name
+    /// assert_eq!(extra, "blocks.0.scale");
+    /// ```
     fn to_untyped(&self) -> AnyModulePath {
         AnyModulePath::at_prefix(self.fqn().to_owned())
     }
@@ -272,8 +364,20 @@ impl<T: ModulePath + ?Sized> ModulePath for &T {
 /// A typed module path that can be built at any FQN: how a parent's path hands a child its
 /// prefix (`PathNode::at_prefix(join_fqn(parent, "fc1"))`), and how a model's paths are
 /// mounted under another module (`NetPath::at_prefix("encoder".into())`).
+///
+/// ```
+/// use tch_dist_core::nn::LinearPath;
+/// use tch_dist_core::path::PathNode;
+/// let head = LinearPath::at_prefix("decoder.head".into()); // a Linear mounted there
+/// assert_eq!(head.weight(), "decoder.head.weight");
+/// ```
 pub trait PathNode: ModulePath + Sized {
     /// The path of the module whose FQN is `fqn` (`""` for the root).
+    ///
+    /// ```
+    /// use tch_dist_core::path::{AnyModulePath, PathNode};
+    /// assert_eq!(AnyModulePath::at_prefix("encoder".into()).child("fc1").fqn(), "encoder.fc1");
+    /// ```
     fn at_prefix(fqn: String) -> Self;
 }
 
@@ -283,6 +387,12 @@ pub trait PathNode: ModulePath + Sized {
 /// `#[derive(Shardable)]` implements it (and adds the inherent `Net::path()`); core
 /// implements it for tch's layers, containers and `dyn Shardable`. A hand-written
 /// `Shardable` impl can use `type Path = AnyModulePath;`.
+///
+/// ```
+/// use tch_dist_core::path::HasPath;
+/// // tch's layers have paths; so do `#[derive(Shardable)]` types (`Net::path()`).
+/// assert_eq!(<tch::nn::Embedding as HasPath>::path().weight(), "weight");
+/// ```
 #[diagnostic::on_unimplemented(
     message = "`{Self}` has no typed path",
     label = "`{Self}` does not implement `HasPath`",
@@ -296,6 +406,12 @@ pub trait HasPath {
     type Path: PathNode;
 
     /// The path of this type used as the root module (FQN `""`).
+    ///
+    /// ```
+    /// use tch_dist_core::path::HasPath;
+    /// let keys: Vec<_> = <Vec<tch::nn::Linear>>::path().elements(2).map(|l| l.bias()).collect();
+    /// assert_eq!(keys, ["0.bias", "1.bias"]);
+    /// ```
     fn path() -> Self::Path {
         Self::Path::at_prefix(String::new())
     }
@@ -313,6 +429,14 @@ macro_rules! module_path_struct {
 
         impl $name {
             /// The fully qualified name of this module.
+            ///
+            /// ```
+            /// use tch_dist_core::path::PathNode;
+            #[doc = concat!(
+                "let p = ", module_path!(), "::", stringify!($name), "::at_prefix(\"blocks.0\".into());"
+            )]
+            /// assert_eq!(p.fqn(), "blocks.0");
+            /// ```
             pub fn fqn(&self) -> &str {
                 &self.fqn
             }
@@ -345,23 +469,50 @@ module_path_struct!(
     /// A module path navigated by name, without checks: the path type of hand-written
     /// [`Shardable`] impls, `dyn Shardable` and `PhantomData`, and an escape hatch from any
     /// typed path ([`ModulePath::to_untyped`]).
+    ///
+    /// ```
+    /// use tch_dist_core::path::{AnyModulePath, HasPath};
+    /// let root = <dyn tch_dist_core::Shardable>::path(); // a trait object's: by name
+    /// assert_eq!(root.child("blocks").at(0).param("weight"), "blocks.0.weight");
+    /// # let _: AnyModulePath = root;
+    /// ```
     AnyModulePath {
         /// The child module `name`.
+        ///
+        /// ```
+        /// use tch_dist_core::path::ModulePath;
+        /// assert_eq!("encoder".to_untyped().child("fc1").fqn(), "encoder.fc1");
+        /// ```
         pub fn child(&self, name: &str) -> AnyModulePath {
             AnyModulePath { fqn: join_fqn(&self.fqn, name) }
         }
 
         /// The child module `i` (an element of a `Vec` or an array).
+        ///
+        /// ```
+        /// use tch_dist_core::path::ModulePath;
+        /// assert_eq!("blocks".to_untyped().at(3).fqn(), "blocks.3");
+        /// ```
         pub fn at(&self, i: usize) -> AnyModulePath {
             self.child(&i.to_string())
         }
 
         /// The parameter `name` of this module.
+        ///
+        /// ```
+        /// use tch_dist_core::path::ModulePath;
+        /// assert_eq!("blocks.0".to_untyped().param("weight"), "blocks.0.weight");
+        /// ```
         pub fn param(&self, name: &str) -> ParamPath {
             ParamPath::in_module(self, name)
         }
 
         /// The buffer `name` of this module.
+        ///
+        /// ```
+        /// use tch_dist_core::path::ModulePath;
+        /// assert_eq!("norm".to_untyped().buffer("running_var"), "norm.running_var");
+        /// ```
         pub fn buffer(&self, name: &str) -> BufferPath {
             BufferPath::in_module(self, name)
         }
@@ -370,6 +521,14 @@ module_path_struct!(
 
 /// The path of a `Vec<T>` or `[T; N]` field, a module like PyTorch's `nn.ModuleList`:
 /// element `i` is the child `"i"` (`.at(i)`), with `T`'s path type `P`.
+///
+/// ```
+/// # extern crate tch_dist_core as tch_dist;
+/// #[derive(tch_dist::Shardable)]
+/// struct Net { blocks: Vec<tch::nn::Linear> }
+/// let blocks: tch_dist::path::VecPath<_> = Net::path().blocks();
+/// assert_eq!(blocks.at(1).weight(), "blocks.1.weight");
+/// ```
 pub struct VecPath<P> {
     fqn: String,
     elem: PhantomData<fn() -> P>,
@@ -377,6 +536,11 @@ pub struct VecPath<P> {
 
 impl<P> VecPath<P> {
     /// The fully qualified name of the list module.
+    ///
+    /// ```
+    /// use tch_dist_core::path::HasPath;
+    /// assert_eq!(<Vec<tch::nn::Linear>>::path().fqn(), ""); // a list at the root
+    /// ```
     pub fn fqn(&self) -> &str {
         &self.fqn
     }
@@ -384,11 +548,22 @@ impl<P> VecPath<P> {
 
 impl<P: PathNode> VecPath<P> {
     /// The path of element `i`: FQN `"<list>.i"`.
+    ///
+    /// ```
+    /// use tch_dist_core::path::HasPath;
+    /// assert_eq!(<Vec<tch::nn::Linear>>::path().at(2).weight(), "2.weight");
+    /// ```
     pub fn at(&self, i: usize) -> P {
         P::at_prefix(join_fqn(&self.fqn, &i.to_string()))
     }
 
     /// The paths of elements `0..len`, for keys that repeat over every block.
+    ///
+    /// ```
+    /// use tch_dist_core::path::HasPath;
+    /// let blocks = <[tch::nn::Linear; 3]>::path();
+    /// assert_eq!(blocks.elements(3).map(|b| b.weight()).last().unwrap(), "2.weight");
+    /// ```
     pub fn elements(&self, len: usize) -> impl Iterator<Item = P> + '_ {
         (0..len).map(move |i| self.at(i))
     }

@@ -61,6 +61,14 @@ thread_local! {
 }
 
 /// Whether traces are being written (`TCH_DIST_TRACE` names a folder that could be opened).
+///
+/// ```
+/// use tch_dist_core::trace;
+/// // An event's arguments are worth formatting only when they are written.
+/// if trace::enabled() {
+///     println!("tracing into {:?}", std::env::var_os(trace::TRACE_ENV));
+/// }
+/// ```
 pub fn enabled() -> bool {
     match STATE.load(Ordering::Relaxed) {
         1 => true,
@@ -78,6 +86,11 @@ fn start() -> bool {
 }
 
 /// Microseconds on this rank's wall clock: the timestamps of every event.
+///
+/// ```
+/// let start = tch_dist_core::trace::now_us();
+/// assert!(tch_dist_core::trace::now_us() >= start);
+/// ```
 pub fn now_us() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -85,6 +98,12 @@ pub fn now_us() -> f64 {
 }
 
 /// A new id for an async event (a collective in flight), unique in this process.
+///
+/// ```
+/// use tch_dist_core::trace;
+/// let (a, b) = (trace::next_id(), trace::next_id());
+/// assert_ne!(a, b);
+/// ```
 pub fn next_id() -> u64 {
     NEXT_ID.fetch_add(1, Ordering::Relaxed)
 }
@@ -109,6 +128,11 @@ pub fn span(name: impl Into<Cow<'static, str>>, category: &'static str) -> Optio
 }
 
 /// A span that [`span`] started; recorded as a complete event when dropped.
+///
+/// ```
+/// let span: Option<tch_dist_core::trace::Span> = tch_dist_core::trace::span("step", "optimizer");
+/// drop(span); // recorded now, when tracing is on
+/// ```
 #[derive(Debug)]
 pub struct Span {
     name: Cow<'static, str>,
@@ -124,6 +148,13 @@ impl Drop for Span {
 
 /// Records a complete event on the calling thread, from `start` to `end` (from [`now_us`]),
 /// with `args` shown beside it.
+///
+/// ```
+/// use tch_dist_core::trace;
+/// let start = trace::now_us();
+/// // ... the work ...
+/// trace::complete("load batch", "data", start, trace::now_us(), &[("rows", "64".into())]);
+/// ```
 pub fn complete(name: &str, category: &str, start: f64, end: f64, args: &[(&str, String)]) {
     if !enabled() {
         return;
@@ -138,6 +169,13 @@ pub fn complete(name: &str, category: &str, start: f64, end: f64, args: &[(&str,
 /// Records an operation in flight from `start` to `end` (a collective from its launch to the
 /// return of its wait) as an async event pair with id `id` (from [`next_id`]), which the
 /// viewers draw on a track of its own beside the calling thread's.
+///
+/// ```
+/// use tch_dist_core::trace;
+/// let (id, start) = (trace::next_id(), trace::now_us());
+/// // ... launch the operation, then wait for it ...
+/// trace::collective("all_reduce", id, start, trace::now_us(), &[("bytes", "4096".into())]);
+/// ```
 pub fn collective(name: &str, id: u64, start: f64, end: f64, args: &[(&str, String)]) {
     if !enabled() {
         return;
@@ -153,6 +191,10 @@ pub fn collective(name: &str, id: u64, start: f64, end: f64, args: &[(&str, Stri
 }
 
 /// Writes what is buffered, so that the file holds every event recorded so far.
+///
+/// ```
+/// tch_dist_core::trace::flush(); // the file now holds every event recorded so far
+/// ```
 pub fn flush() {
     if STATE.load(Ordering::Relaxed) != 1 {
         return;

@@ -34,6 +34,13 @@ pub const DEFAULT_TEST_TIMEOUT: Duration = Duration::from_secs(120);
 const DEFAULT_GROUP_TIMEOUT_SECS: &str = "60";
 
 /// What one rank did.
+///
+/// ```no_run
+/// let outputs = tch_dist_runtime::testing::Launch::new("tests::two_ranks", 2).run();
+/// for o in &outputs {
+///     println!("rank {}: {:?}\n{}", o.rank, o.status, o.stderr);
+/// }
+/// ```
 #[derive(Debug)]
 pub struct RankOutput {
     /// The rank.
@@ -48,12 +55,24 @@ pub struct RankOutput {
 
 impl RankOutput {
     /// Whether the rank exited with status 0.
+    ///
+    /// ```no_run
+    /// use tch_dist_runtime::testing::{describe, Launch};
+    /// let outputs = Launch::new("tests::two_ranks", 2).run();
+    /// assert!(outputs.iter().all(|o| o.success()), "{}", describe(&outputs));
+    /// ```
     pub fn success(&self) -> bool {
         self.status.is_some_and(|s| s.success())
     }
 }
 
 /// Formats every rank's output for a failure message.
+///
+/// ```no_run
+/// use tch_dist_runtime::testing::{describe, Launch};
+/// let outputs = Launch::new("tests::two_ranks", 2).run();
+/// eprintln!("{}", describe(&outputs)); // each rank's status, stdout and stderr
+/// ```
 pub fn describe(outputs: &[RankOutput]) -> String {
     let mut s = String::new();
     for o in outputs {
@@ -79,6 +98,11 @@ pub fn describe(outputs: &[RankOutput]) -> String {
 /// record keeps concurrent tests of one binary from drawing the same port; a start that
 /// depends on the process id and the clock keeps separate binaries apart. Falls back to a
 /// kernel-chosen port when every candidate is taken.
+///
+/// ```no_run
+/// // A one-rank group of this test process's own, on a port no other test of it takes.
+/// std::env::set_var("MASTER_PORT", tch_dist_runtime::testing::free_port().to_string());
+/// ```
 pub fn free_port() -> u16 {
     use std::collections::HashSet;
     use std::sync::Mutex;
@@ -123,11 +147,24 @@ fn ports_below_ephemeral() -> (u16, u16) {
 }
 
 /// The test this process is a rank of, if it is a child.
+///
+/// ```no_run
+/// match tch_dist_runtime::testing::worker() {
+///     Some(test) => println!("a rank of {test}"),
+///     None => println!("the parent, which spawns the ranks"),
+/// }
+/// ```
 pub fn worker() -> Option<String> {
     std::env::var(WORKER_ENV).ok()
 }
 
 /// How to start the ranks of a test.
+///
+/// ```
+/// use tch_dist_runtime::testing::Launch;
+/// let launch = Launch::new("tests::two_ranks", 2).env("RUST_BACKTRACE", "1");
+/// assert_eq!(launch.world_size, 2);
+/// ```
 #[derive(Debug, Clone)]
 pub struct Launch {
     /// The test's exact name (its path in the test binary).
@@ -149,6 +186,11 @@ pub struct Launch {
 
 impl Launch {
     /// `world_size` ranks of `test` with the default limits.
+    ///
+    /// ```
+    /// let launch = tch_dist_runtime::testing::Launch::new("tests::four_ranks", 4);
+    /// assert_eq!(launch.timeout, tch_dist_runtime::testing::DEFAULT_TEST_TIMEOUT);
+    /// ```
     pub fn new(test: &str, world_size: usize) -> Self {
         Self {
             test: test.to_string(),
@@ -177,12 +219,22 @@ impl Launch {
     }
 
     /// Adds a variable for every rank.
+    ///
+    /// ```
+    /// use tch_dist_runtime::testing::Launch;
+    /// let launch = Launch::new("tests::two_ranks", 2).env("RUST_BACKTRACE", "1");
+    /// ```
     pub fn env(mut self, key: &str, value: impl Into<String>) -> Self {
         self.env.push((key.to_string(), value.into()));
         self
     }
 
     /// Adds a variable for one rank.
+    ///
+    /// ```
+    /// use tch_dist_runtime::testing::Launch;
+    /// let launch = Launch::new("tests::two_ranks", 2).rank_env(1, "CUDA_VISIBLE_DEVICES", "1");
+    /// ```
     pub fn rank_env(mut self, rank: usize, key: &str, value: impl Into<String>) -> Self {
         if let Some(vars) = self.rank_env.get_mut(rank) {
             vars.push((key.to_string(), value.into()));
@@ -191,12 +243,23 @@ impl Launch {
     }
 
     /// Describes the ranks with Slurm's variables instead of torchrun's.
+    ///
+    /// ```
+    /// use tch_dist_runtime::testing::Launch;
+    /// let launch = Launch::new("tests::under_slurm", 2).slurm(); // SLURM_PROCID, ...
+    /// assert!(launch.slurm);
+    /// ```
     pub fn slurm(mut self) -> Self {
         self.slurm = true;
         self
     }
 
     /// Sets the wall-clock limit.
+    ///
+    /// ```
+    /// use tch_dist_runtime::testing::Launch;
+    /// let launch = Launch::new("tests::slow", 2).timeout(std::time::Duration::from_secs(300));
+    /// ```
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -204,6 +267,12 @@ impl Launch {
 
     /// Starts the ranks, waits for all of them (killing every one at the deadline) and
     /// returns what each did.
+    ///
+    /// ```no_run
+    /// use tch_dist_runtime::testing::Launch;
+    /// let outputs = Launch::new("tests::two_ranks", 2).run(); // one per rank, in rank order
+    /// assert!(outputs.iter().all(|o| o.success()));
+    /// ```
     pub fn run(&self) -> Vec<RankOutput> {
         let exe = std::env::current_exe().expect("the test binary's path");
         let port = free_port().to_string();
@@ -323,11 +392,31 @@ const RAN_MARKER: &str = "tch-dist-test: rank body finished:";
 /// In the parent (a normal `cargo test` run) this spawns the ranks and panics, with every
 /// rank's output, unless all of them run the body and pass within [`DEFAULT_TEST_TIMEOUT`].
 /// `test` must be the test's exact name; a child that ran no test fails the parent.
+///
+/// ```no_run
+/// #[test]
+/// fn world_of_two() {
+///     tch_dist_runtime::testing::run_ranks("world_of_two", 2, |pg| {
+///         assert_eq!(pg.world_size(), 2);
+///     });
+/// }
+/// ```
 pub fn run_ranks(test: &str, world_size: usize, body: impl FnOnce(ProcessGroup)) {
     run_ranks_with(&Launch::new(test, world_size), Backend::Gloo, body)
 }
 
 /// [`run_ranks`] with explicit launch settings and backend.
+///
+/// ```no_run
+/// use tch_dist_runtime::testing::{run_ranks_with, Launch};
+/// #[test]
+/// fn under_slurm() {
+///     let launch = Launch::new("under_slurm", 2).slurm();
+///     run_ranks_with(&launch, tch_dist_runtime::Backend::Gloo, |pg| {
+///         assert_eq!(pg.world_size(), 2);
+///     });
+/// }
+/// ```
 pub fn run_ranks_with(launch: &Launch, backend: Backend, body: impl FnOnce(ProcessGroup)) {
     match worker() {
         Some(w) if w == launch.test => {

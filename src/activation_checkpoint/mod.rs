@@ -74,6 +74,15 @@ pub use error::{ActivationCheckpointError, ActivationCheckpointProblem};
 pub use options::{CheckpointOptions, DeterminismCheck};
 
 /// What [`checkpoint_activations`] keeps for a module (PyTorch's `_CheckpointState`).
+///
+/// ```
+/// use tch_dist::activation_checkpoint::{checkpoint_activations, CheckpointOptions};
+/// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// # let fc = tch::nn::linear(vs.root() / "fc", 4, 4, Default::default());
+/// let state = checkpoint_activations(&fc, CheckpointOptions::default())?;
+/// assert_eq!(state.options(), CheckpointOptions::default());
+/// # Ok::<(), tch_dist::activation_checkpoint::ActivationCheckpointError>(())
+/// ```
 #[derive(Debug)]
 pub struct CheckpointState {
     options: CheckpointOptions,
@@ -85,6 +94,15 @@ pub struct CheckpointState {
 
 impl CheckpointState {
     /// The options it was applied with.
+    ///
+    /// ```
+    /// use tch_dist::activation_checkpoint::{checkpoint_activations, CheckpointOptions};
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// # let fc = tch::nn::linear(vs.root() / "fc", 4, 4, Default::default());
+    /// let opts = CheckpointOptions { preserve_rng_state: false, ..Default::default() };
+    /// assert!(!checkpoint_activations(&fc, opts)?.options().preserve_rng_state);
+    /// # Ok::<(), tch_dist::activation_checkpoint::ActivationCheckpointError>(())
+    /// ```
     pub fn options(&self) -> CheckpointOptions {
         self.options
     }
@@ -101,11 +119,37 @@ impl CheckpointState {
 /// block's type must be [`ShallowClone`] (`#[derive(ShallowClone)]`): the recomputation runs
 /// on a second handle of the block taken at the call.
 ///
+/// ```
+/// use tch_dist::activation_checkpoint::{checkpoint_activations, CheckpointOptions};
+/// use tch_dist::Call;
+/// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// let fc = tch::nn::linear(vs.root() / "fc", 4, 4, Default::default());
+/// checkpoint_activations(&fc, CheckpointOptions::default())?;
+/// let y = fc.call(&tch::Tensor::ones([2, 4], tch::kind::FLOAT_CPU)); // keeps only its input
+/// y.sum(tch::Kind::Float).backward(); // runs `fc` again, then differentiates it
+/// # Ok::<(), tch_dist::activation_checkpoint::ActivationCheckpointError>(())
+/// ```
+///
 /// # Errors
 ///
 /// Applied twice ([`ActivationCheckpointError::Contract`]), or on a module whose forward
 /// another API wraps ([`ActivationCheckpointError::Hook`]); nothing changes then.
-#[contract(crate = "crate", name = "checkpoint", state = state)]
+#[contract(
+    crate = "crate",
+    name = "checkpoint",
+    state = state,
+    state_doc = r#"
+```
+use tch_dist::activation_checkpoint::{self, checkpoint_activations, CheckpointOptions};
+let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+let fc = tch::nn::linear(vs.root() / "fc", 4, 4, Default::default());
+assert!(activation_checkpoint::state(&fc).is_none());
+checkpoint_activations(&fc, CheckpointOptions::default())?;
+assert!(activation_checkpoint::state(&fc).is_some());
+# Ok::<(), tch_dist::activation_checkpoint::ActivationCheckpointError>(())
+```
+"#
+)]
 pub fn checkpoint_activations<M>(
     module: &M,
     options: CheckpointOptions,

@@ -364,37 +364,83 @@ impl DeviceMesh {
     }
 
     /// The device type the mesh was made for (`"cpu"`, `"cuda"`).
+    ///
+    /// ```no_run
+    /// let mesh = tch_dist::init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+    /// assert_eq!(mesh.device_type(), "cpu");
+    /// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+    /// ```
     pub fn device_type(&self) -> &str {
         &self.root.device_type
     }
 
     /// The number of dims.
+    ///
+    /// ```no_run
+    /// let mesh = tch_dist::init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+    /// assert_eq!(mesh.ndim(), 2);
+    /// assert_eq!(mesh.dim("tp")?.ndim(), 1);
+    /// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+    /// ```
     pub fn ndim(&self) -> usize {
         self.dims.len()
     }
 
     /// The size of each dim.
+    ///
+    /// ```no_run
+    /// let mesh = tch_dist::init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+    /// assert_eq!(mesh.shape(), [2, 2]);
+    /// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+    /// ```
     pub fn shape(&self) -> Vec<usize> {
         self.dims.iter().map(|d| d.size).collect()
     }
 
     /// The dims' names, in order.
+    ///
+    /// ```no_run
+    /// let mesh = tch_dist::init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+    /// assert_eq!(mesh.dim_names(), ["dp", "tp"]);
+    /// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+    /// ```
     pub fn dim_names(&self) -> Vec<&str> {
         self.dims.iter().map(|d| d.name.as_str()).collect()
     }
 
     /// The number of ranks in the mesh.
+    ///
+    /// ```no_run
+    /// let mesh = tch_dist::init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+    /// assert_eq!(mesh.numel(), 4);
+    /// assert_eq!(mesh.dim("tp")?.numel(), 2);
+    /// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+    /// ```
     pub fn numel(&self) -> usize {
         self.dims.iter().map(|d| d.size).product()
     }
 
     /// This rank's coordinate along each dim (its rank in each dim's group).
+    ///
+    /// ```no_run
+    /// let mesh = tch_dist::init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+    /// let rank = tch_dist::default_group()?.rank();
+    /// assert_eq!(mesh.get_coordinate(), [rank / 2, rank % 2]); // rank 3: [1, 1]
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn get_coordinate(&self) -> Vec<usize> {
         self.dims.iter().map(|d| d.group.rank()).collect()
     }
 
     /// The global ranks of this rank's (sub)mesh, row-major over its dims: for a slice, the
     /// ranks that share this rank's coordinates along the root's other dims.
+    ///
+    /// ```no_run
+    /// let mesh = tch_dist::init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+    /// assert_eq!(mesh.ranks(), [0, 1, 2, 3]);
+    /// let tp = mesh.dim("tp")?.ranks(); // [0, 1] on ranks 0 and 1, [2, 3] on ranks 2 and 3
+    /// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+    /// ```
     pub fn ranks(&self) -> Vec<usize> {
         let root_dims: Vec<usize> = self
             .dims
@@ -429,6 +475,13 @@ impl DeviceMesh {
     }
 
     /// The process group of dim `name` that holds this rank (PyTorch's `get_group`).
+    ///
+    /// ```no_run
+    /// let mesh = tch_dist::init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+    /// let tp = mesh.get_group("tp")?; // rank 0's: ranks [0, 1]
+    /// assert_eq!(tp.world_size(), 2);
+    /// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+    /// ```
     pub fn get_group(&self, name: &str) -> Result<&ProcessGroup, MeshError> {
         Ok(&self.find("DeviceMesh::get_group", name)?.group)
     }
@@ -449,23 +502,49 @@ impl DeviceMesh {
     }
 
     /// This rank's rank along dim `name` (PyTorch's `get_local_rank`).
+    ///
+    /// ```no_run
+    /// let mesh = tch_dist::init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+    /// assert_eq!(mesh.get_local_rank("tp")?, mesh.get_coordinate()[1]);
+    /// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+    /// ```
     pub fn get_local_rank(&self, name: &str) -> Result<usize, MeshError> {
         Ok(self.find("DeviceMesh::get_local_rank", name)?.group.rank())
     }
 
     /// The size of dim `name` (PyTorch's `size(mesh_dim)`).
+    ///
+    /// ```no_run
+    /// let mesh = tch_dist::init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+    /// assert_eq!(mesh.size("dp")?, 2);
+    /// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+    /// ```
     pub fn size(&self, name: &str) -> Result<usize, MeshError> {
         Ok(self.find("DeviceMesh::size", name)?.size)
     }
 
     /// The 1-D mesh of dim `name` (PyTorch's `mesh["tp"]`), creating no group; a flattened
     /// dim of the root is found by its name too.
+    ///
+    /// ```no_run
+    /// let mesh = tch_dist::init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+    /// let tp = mesh.dim("tp")?; // shares `mesh`'s group of dim "tp"
+    /// assert_eq!(tp.shape(), [2]);
+    /// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+    /// ```
     pub fn dim(&self, name: &str) -> Result<DeviceMesh, MeshError> {
         self.slice(&[name])
     }
 
     /// The sub-mesh of dims `names`, given in the mesh's order (PyTorch's
     /// `mesh["dp", "cp"]`), creating no group.
+    ///
+    /// ```no_run
+    /// let mesh = tch_dist::init_device_mesh("cpu", &[2, 2, 2], &["dp", "cp", "tp"])?;
+    /// let dp_cp = mesh.slice(&["dp", "cp"])?; // the names in the mesh's order
+    /// assert_eq!(dp_cp.dim_names(), ["dp", "cp"]);
+    /// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+    /// ```
     pub fn slice(&self, names: &[&str]) -> Result<DeviceMesh, MeshError> {
         const OP: &str = "DeviceMesh::slice";
         if !self.root.named {

@@ -96,7 +96,29 @@ fn short_type(module: &dyn Shardable) -> String {
 /// a parameter tied to one another call manages, an unknown `ignored_params` entry. A
 /// module whose parameters nested calls took entirely manages nothing, which is fine. See
 /// the [module docs](self) for an example.
-#[contract(crate = "crate", conflicts(replicate))]
+///
+/// ```no_run
+/// use tch_dist::{fully_shard, Call, FsdpOptions};
+/// tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
+/// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// let fc = tch::nn::linear(vs.root() / "fc", 8, 8, Default::default());
+/// fully_shard(&fc, FsdpOptions::default())?; // `fc.ws`: this rank's shard of the weight
+/// let y = fc.f_call(&tch::Tensor::ones([2, 8], tch::kind::FLOAT_CPU))?; // the full layer's output
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[contract(
+    crate = "crate",
+    conflicts(replicate),
+    state_doc = r#"
+```no_run
+# fn demo(model: &impl tch_dist::Shardable) -> Result<(), tch_dist::fully_shard::FsdpError> {
+if let Some(state) = tch_dist::fully_shard::state(model) {
+    state.unshard()?; // the full parameters, for a method other than `forward`
+}
+# Ok(()) }
+```
+"#
+)]
 pub fn fully_shard<M: Shardable + ?Sized>(
     module: &M,
     opts: FsdpOptions,

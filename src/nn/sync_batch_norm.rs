@@ -103,6 +103,16 @@ pub struct SyncBatchNorm {
 /// A [`SyncBatchNorm`] of `num_features` channels with the variables `nn::batch_norm2d`
 /// creates under `vs` (`weight`, `bias`, `running_mean`, `running_var`), over the default
 /// group (looked up at each forward; [`SyncBatchNorm::with_group`] picks another).
+///
+/// ```no_run
+/// use tch::nn::ModuleT;
+/// use tch_dist::nn::sync_batch_norm::sync_batch_norm;
+/// tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
+/// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// let bn = sync_batch_norm(vs.root() / "bn", 3, Default::default()); // as nn::batch_norm2d
+/// let y = bn.forward_t(&tch::Tensor::randn([4, 3, 8, 8], tch::kind::FLOAT_CPU), true);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn sync_batch_norm<'a, T: Borrow<Path<'a>>>(
     vs: T,
     num_features: i64,
@@ -140,6 +150,15 @@ impl SyncBatchNorm {
 
     /// The same layer synchronising over `group` instead of the default group (PyTorch's
     /// `process_group`).
+    ///
+    /// ```no_run
+    /// use tch_dist::nn::sync_batch_norm::sync_batch_norm;
+    /// let mesh = tch_dist::init_device_mesh("cpu", &[2, 2], &["dp", "tp"])?;
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let bn = sync_batch_norm(vs.root() / "bn", 16, Default::default())
+    ///     .with_group(mesh.get_group("dp")?.clone()); // the statistics of the `dp` ranks' batches
+    /// # Ok::<(), tch_dist::device_mesh::MeshError>(())
+    /// ```
     pub fn with_group(mut self, group: ProcessGroup) -> SyncBatchNorm {
         self.group = Some(group);
         self
@@ -151,6 +170,15 @@ impl SyncBatchNorm {
 
     /// The forward, returning a failed collective or a bad input as an error (`forward_t`
     /// panics with its message instead).
+    ///
+    /// ```
+    /// use tch_dist::nn::sync_batch_norm::{sync_batch_norm, SyncBatchNormError};
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let bn = sync_batch_norm(vs.root() / "bn", 3, Default::default());
+    /// let x = tch::Tensor::zeros([4, 5], tch::kind::FLOAT_CPU); // 5 channels, not 3
+    /// let err = bn.f_forward_t(&x, true).unwrap_err();
+    /// assert!(matches!(err, SyncBatchNormError::BadInput { features: 3, .. }));
+    /// ```
     pub fn f_forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor, SyncBatchNormError> {
         let c = self.features();
         let shape = xs.size();

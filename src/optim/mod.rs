@@ -58,6 +58,14 @@ pub use error::OptimError;
 pub use sgd::Sgd;
 
 /// Which algorithm an [`Optimizer`] runs, with its settings.
+///
+/// ```
+/// use tch_dist::optim::{Algorithm, Sgd};
+/// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// let opt = Sgd { momentum: 0.9, ..Default::default() }.build(&vs, 0.1)?;
+/// assert!(matches!(opt.algorithm(), Algorithm::Sgd(s) if s.momentum == 0.9));
+/// # Ok::<(), tch_dist::optim::OptimError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub enum Algorithm {
@@ -134,11 +142,23 @@ impl ParamState {
     }
 
     /// The state tensor `name` (the optimizer's own tensor: changing it changes the state).
+    ///
+    /// ```no_run
+    /// # fn demo(opt: &tch_dist::optim::Optimizer) {
+    /// let exp_avg = opt.state("fc.weight").and_then(|s| s.get("exp_avg")); // AdamW's first moment
+    /// # }
+    /// ```
     pub fn get(&self, name: &str) -> Option<&Tensor> {
         self.entries.get(name)
     }
 
     /// Every state tensor, by name (sorted).
+    ///
+    /// ```no_run
+    /// # fn demo(state: &tch_dist::optim::ParamState) {
+    /// let names: Vec<&str> = state.iter().map(|(name, _)| name).collect(); // AdamW: exp_avg, ...
+    /// # }
+    /// ```
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Tensor)> {
         self.entries.iter().map(|(k, v)| (k.as_str(), v))
     }
@@ -157,6 +177,16 @@ impl ParamState {
 
 /// An optimizer over a `VarStore`'s parameters, built by [`Sgd::build`] or
 /// [`AdamW::build`] (see the [module docs](self)).
+///
+/// ```
+/// # use tch::nn::Module;
+/// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// # let fc = tch::nn::linear(vs.root() / "fc", 4, 2, Default::default());
+/// # let x = tch::Tensor::ones([8, 4], tch::kind::FLOAT_CPU);
+/// let mut opt = tch_dist::optim::Sgd { momentum: 0.9, ..Default::default() }.build(&vs, 0.1)?;
+/// opt.backward_step(&fc.forward(&x).mean(None))?;
+/// # Ok::<(), tch_dist::optim::OptimError>(())
+/// ```
 #[derive(Debug)]
 pub struct Optimizer {
     algorithm: Algorithm,
@@ -226,11 +256,25 @@ impl Optimizer {
     }
 
     /// The algorithm and its settings.
+    ///
+    /// ```
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let opt = tch_dist::optim::AdamW::default().build(&vs, 1e-3)?;
+    /// assert_eq!(opt.algorithm().name(), "AdamW");
+    /// # Ok::<(), tch_dist::optim::OptimError>(())
+    /// ```
     pub fn algorithm(&self) -> &Algorithm {
         &self.algorithm
     }
 
     /// The learning rate.
+    ///
+    /// ```
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let opt = tch_dist::optim::Sgd::default().build(&vs, 0.1)?;
+    /// assert_eq!(opt.lr(), 0.1);
+    /// # Ok::<(), tch_dist::optim::OptimError>(())
+    /// ```
     pub fn lr(&self) -> f64 {
         self.lr
     }
@@ -249,22 +293,62 @@ impl Optimizer {
     }
 
     /// The parameters' FQNs (sorted).
+    ///
+    /// ```
+    /// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let fc = tch::nn::linear(vs.root() / "fc", 4, 2, Default::default());
+    /// let opt = tch_dist::optim::Sgd::default().build(&vs, 0.1)?;
+    /// assert_eq!(opt.param_names().collect::<Vec<_>>(), ["fc.bias", "fc.weight"]);
+    /// # Ok::<(), tch_dist::optim::OptimError>(())
+    /// ```
     pub fn param_names(&self) -> impl Iterator<Item = &str> {
         self.params.iter().map(|(n, _)| n.as_str())
     }
 
     /// The state of the parameter `fqn` (`None` before its first gradient, or for SGD
     /// without momentum).
+    ///
+    /// ```
+    /// # use tch::nn::Module;
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// # let fc = tch::nn::linear(vs.root() / "fc", 4, 2, Default::default());
+    /// # let x = tch::Tensor::ones([8, 4], tch::kind::FLOAT_CPU);
+    /// let mut opt = tch_dist::optim::AdamW::default().build(&vs, 1e-3)?;
+    /// assert!(opt.state("fc.weight").is_none()); // before its first gradient
+    /// opt.backward_step(&fc.forward(&x).mean(None))?;
+    /// assert!(opt.state("fc.weight").unwrap().get("exp_avg").is_some());
+    /// # Ok::<(), tch_dist::optim::OptimError>(())
+    /// ```
     pub fn state(&self, fqn: &str) -> Option<&ParamState> {
         self.state.get(fqn)
     }
 
     /// Every parameter's state, by FQN.
+    ///
+    /// ```no_run
+    /// # fn demo(opt: &tch_dist::optim::Optimizer) {
+    /// for (fqn, state) in opt.states() {
+    ///     println!("{fqn}: {} tensors", state.iter().count());
+    /// }
+    /// # }
+    /// ```
     pub fn states(&self) -> impl Iterator<Item = (&str, &ParamState)> {
         self.state.iter().map(|(k, v)| (k.as_str(), v))
     }
 
     /// Zeroes every gradient in place (see the module docs).
+    ///
+    /// ```
+    /// # use tch::nn::Module;
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// # let fc = tch::nn::linear(vs.root() / "fc", 4, 2, Default::default());
+    /// # let x = tch::Tensor::ones([8, 4], tch::kind::FLOAT_CPU);
+    /// let mut opt = tch_dist::optim::Sgd::default().build(&vs, 0.1)?;
+    /// opt.zero_grad();
+    /// fc.forward(&x).mean(None).backward();
+    /// opt.step()?;
+    /// # Ok::<(), tch_dist::optim::OptimError>(())
+    /// ```
     pub fn zero_grad(&mut self) {
         for (_, p) in &self.params {
             let mut g = p.grad();
@@ -275,6 +359,17 @@ impl Optimizer {
     }
 
     /// One step over the parameters that have a gradient. On an error nothing changed.
+    ///
+    /// ```
+    /// # use tch::nn::Module;
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// # let fc = tch::nn::linear(vs.root() / "fc", 4, 2, Default::default());
+    /// # let x = tch::Tensor::ones([8, 4], tch::kind::FLOAT_CPU);
+    /// # let mut opt = tch_dist::optim::Sgd::default().build(&vs, 0.1)?;
+    /// fc.forward(&x).mean(None).backward();
+    /// opt.step()?; // then zero_grad before the next backward
+    /// # Ok::<(), tch_dist::optim::OptimError>(())
+    /// ```
     pub fn step(&mut self) -> Result<(), OptimError> {
         let _span = tch_dist_core::trace::span(self.algorithm.name(), "optimizer");
         let mut ready = Vec::new();
@@ -306,6 +401,17 @@ impl Optimizer {
 
     /// `zero_grad`, `loss.backward()`, `step`, with a failing backward pass (a collective of
     /// `replicate` that failed) as an error instead of tch's panic.
+    ///
+    /// ```
+    /// # use tch::nn::Module;
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// # let fc = tch::nn::linear(vs.root() / "fc", 4, 2, Default::default());
+    /// # let x = tch::Tensor::ones([8, 4], tch::kind::FLOAT_CPU);
+    /// let mut opt = tch_dist::optim::AdamW::default().build(&vs, 1e-3)?;
+    /// let loss = fc.forward(&x).mean(None);
+    /// opt.backward_step(&loss)?;
+    /// # Ok::<(), tch_dist::optim::OptimError>(())
+    /// ```
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<(), OptimError> {
         self.zero_grad();
         loss.f_backward().map_err(|e| OptimError::Backward {

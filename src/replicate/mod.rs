@@ -71,7 +71,29 @@ use state::{move_inputs, set_up};
 /// installs the gradient reducer and forward hook. See the module docs for an example; for
 /// a model that is not `Shardable` (`nn::seq()`, `nn::func`, any `impl Module`), see
 /// [`wrap`].
-#[contract(crate = "crate", conflicts(fully_shard))]
+///
+/// ```no_run
+/// use tch_dist::{replicate, Call};
+/// tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
+/// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// let fc = tch::nn::linear(vs.root() / "fc", 4, 2, Default::default());
+/// replicate::apply(&fc, replicate::Options::default())?; // rank 0's parameters everywhere
+/// let loss = fc.f_call(&tch::Tensor::ones([8, 4], tch::kind::FLOAT_CPU))?.sum(tch::Kind::Float);
+/// loss.backward(); // gradients averaged over the ranks
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[contract(
+    crate = "crate",
+    conflicts(fully_shard),
+    state_doc = r#"
+```no_run
+# fn demo(model: &impl tch_dist::Shardable) {
+let state = tch_dist::replicate::state(model).expect("replicate::apply(model, ..) was called");
+println!("gradient buckets: {:?}", state.buckets());
+# }
+```
+"#
+)]
 pub fn apply<M: Shardable + ?Sized>(
     module: &M,
     opts: Options,

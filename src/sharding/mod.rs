@@ -174,7 +174,33 @@ fn broadcast_the_rest<M: Shardable + ?Sized>(
 /// spec on a module or a sharder on a parameter, a dim out of range, placements that do not
 /// match the group, an entry inside a sharder's subtree — each is a [`ShardProblem::Plan`]
 /// naming it, with the model unchanged. See the [module docs](self) for an example.
-#[contract(crate = "crate")]
+///
+/// ```no_run
+/// use tch::nn;
+/// use tch_dist::sharding::{shard_module, ColwiseLinear, ShardingPlan};
+/// #[derive(Debug, tch_dist::Shardable)]
+/// struct Net { fc: nn::Linear }
+/// let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
+/// let vs = nn::VarStore::new(tch::Device::Cpu);
+/// let mut net = Net { fc: nn::linear(vs.root() / "fc", 16, 64, Default::default()) };
+/// let plan = ShardingPlan::builder()
+///     .shard_module(Net::path().fc(), ColwiseLinear::default())
+///     .build();
+/// shard_module(&mut net, &plan, 0, &pg)?; // `net.fc.ws`: this rank's rows of the weight
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[contract(
+    crate = "crate",
+    state_doc = r#"
+```no_run
+# fn demo(model: &impl tch_dist::Shardable) {
+if let Some(state) = tch_dist::sharding::shard_module_state(model) {
+    let sharded: Vec<&str> = state.sharded_params().collect(); // FQNs
+}
+# }
+```
+"#
+)]
 pub fn shard_module<M: Shardable + ?Sized>(
     module: &mut M,
     plan: &ShardingPlan,

@@ -20,6 +20,9 @@ pub(crate) struct Args {
     pub krate: Option<syn::Path>,
     /// `state = ident`: the name of the generated state accessor (default `state`).
     pub state: Option<Ident>,
+    /// `state_doc = "..."` (or `include_str!(...)`): more documentation for the state
+    /// accessor, after the generated sentence (an example, say).
+    pub state_doc: Option<syn::Expr>,
 }
 
 pub(crate) fn parse_args(cx: &Ctxt, args: TokenStream) -> Args {
@@ -60,12 +63,15 @@ pub(crate) fn parse_args(cx: &Ctxt, args: TokenStream) -> Args {
             "state" => {
                 out.state = Some(meta.value()?.parse()?);
             }
+            "state_doc" => {
+                out.state_doc = Some(meta.value()?.parse()?);
+            }
             _ => {
                 cx.error_spanned_by(
                     &meta.path,
                     format!(
                         "unknown contract attribute `{key}`; expected one of `name`, `conflicts`, \
-                         `crate`, `state`"
+                         `crate`, `state`, `state_doc`"
                     ),
                 );
                 skip_meta_value(&meta)?;
