@@ -71,6 +71,11 @@ pub enum CpProblem {
 
 impl CpProblem {
     /// This problem on `rank`.
+    ///
+    /// ```
+    /// let e = tch_dist::context_parallel::CpProblem::Heads { heads: 6, ranks: 4 }.on(1);
+    /// assert_eq!(e.rank, 1);
+    /// ```
     pub fn on(self, rank: usize) -> OnRank<CpProblem> {
         OnRank::new(rank, self)
     }

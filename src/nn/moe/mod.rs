@@ -43,6 +43,11 @@ pub use router::{Router, Routes};
 
 /// How a router turns a token's gate logits into scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// ```
+/// use tch_dist::nn::moe::{MoeConfig, ScoreFunction};
+/// let qwen = MoeConfig { score_function: ScoreFunction::Softmax, ..MoeConfig::new(16, 32, 8, 2) };
+/// ```
 pub enum ScoreFunction {
     /// Softmax over the experts (Qwen3-MoE).
     Softmax,
@@ -84,6 +89,11 @@ pub struct MoeConfig {
 impl MoeConfig {
     /// `experts` experts of `dim` -> `hidden` -> `dim`, `top_k` per token, torchtitan's
     /// defaults otherwise.
+    ///
+    /// ```
+    /// let config = tch_dist::nn::moe::MoeConfig::new(16, 32, 8, 2); // 8 experts, top-2
+    /// assert_eq!((config.experts, config.top_k), (8, 2));
+    /// ```
     pub fn new(dim: i64, hidden: i64, experts: i64, top_k: i64) -> MoeConfig {
         MoeConfig {
             dim,
@@ -176,6 +186,14 @@ pub enum MoeError {
 /// and thus the result, is the same however the tokens are split.
 #[derive(Debug, Shardable)]
 #[shardable(crate = "crate")]
+///
+/// ```no_run
+/// use tch::nn::Module;
+/// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// let moe = tch_dist::nn::moe::MoE::new(&vs.root() / "moe", tch_dist::nn::moe::MoeConfig::new(16, 32, 8, 2))?;
+/// let y = moe.forward(&tch::Tensor::randn([4, 16], tch::kind::FLOAT_CPU)); // [4, 16]
+/// # Ok::<(), tch_dist::nn::moe::MoeError>(())
+/// ```
 pub struct MoE {
     /// The router (`router.gate.weight`, buffer `router.expert_bias`).
     pub router: Router,
@@ -193,6 +211,13 @@ pub struct MoE {
 
 impl MoE {
     /// A layer of `config` at `path`; refuses a configuration that cannot run.
+    ///
+    /// ```no_run
+    /// use tch_dist::nn::moe::{MoE, MoeConfig};
+    /// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let moe = MoE::new(&vs.root() / "mlp", MoeConfig::new(16, 32, 8, 2))?; // `mlp.router.gate.weight`, ...
+    /// # Ok::<(), tch_dist::nn::moe::MoeError>(())
+    /// ```
     pub fn new(path: nn::Path, config: MoeConfig) -> Result<MoE, MoeError> {
         config.check()?;
         Ok(MoE {
@@ -213,6 +238,13 @@ impl MoE {
     }
 
     /// The configuration.
+    ///
+    /// ```no_run
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// # let moe = tch_dist::nn::moe::MoE::new(&vs.root() / "moe", tch_dist::nn::moe::MoeConfig::new(16, 32, 8, 2))?;
+    /// assert_eq!(moe.config().experts, 8);
+    /// # Ok::<(), tch_dist::nn::moe::MoeError>(())
+    /// ```
     pub fn config(&self) -> &MoeConfig {
         &self.config
     }
@@ -257,6 +289,13 @@ impl MoE {
 
     /// This rank's routed experts: `first .. first + count` of the layer's (all of them
     /// without expert parallelism).
+    ///
+    /// ```no_run
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// # let moe = tch_dist::nn::moe::MoE::new(&vs.root() / "moe", tch_dist::nn::moe::MoeConfig::new(16, 32, 8, 2))?;
+    /// assert_eq!(moe.local_experts(), 0..8); // all of them without expert parallelism
+    /// # Ok::<(), tch_dist::nn::moe::MoeError>(())
+    /// ```
     pub fn local_experts(&self) -> std::ops::Range<i64> {
         match &self.expert_parallel {
             Some(ep) => ep.first..ep.first + ep.local,
@@ -268,11 +307,26 @@ impl MoE {
     /// `alpha · Σ_e f_e · P_e` over the batch, with `f_e` the share of routed slots expert
     /// `e` took times `experts / k` and `P_e` its mean normalised score (DeepSeek-V3's
     /// balance loss over the batch); add it to the loss.
+    ///
+    /// ```no_run
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// # let moe = tch_dist::nn::moe::MoE::new(&vs.root() / "moe", tch_dist::nn::moe::MoeConfig::new(16, 32, 8, 2))?;
+    /// # let loss = tch::Tensor::zeros([], tch::kind::FLOAT_CPU);
+    /// let total = match moe.take_aux_loss() { Some(aux) => loss + aux, None => loss };
+    /// # Ok::<(), tch_dist::nn::moe::MoeError>(())
+    /// ```
     pub fn take_aux_loss(&self) -> Option<Tensor> {
         self.aux_loss.lock().ok().and_then(|mut a| a.take())
     }
 
     /// Tokens each expert took since the last [`update_expert_bias`](Self::update_expert_bias).
+    ///
+    /// ```no_run
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// # let moe = tch_dist::nn::moe::MoE::new(&vs.root() / "moe", tch_dist::nn::moe::MoeConfig::new(16, 32, 8, 2))?;
+    /// let counts = moe.tokens_per_expert(); // [8], zeros before the first forward
+    /// # Ok::<(), tch_dist::nn::moe::MoeError>(())
+    /// ```
     pub fn tokens_per_expert(&self) -> Tensor {
         self.router
             .tokens_per_expert
@@ -286,6 +340,14 @@ impl MoE {
     /// over `group` (the data-parallel ranks, so that every rank moves its bias alike), then
     /// `bias += coeff · sign(mean − count)`, centred; the counts restart from zero. Without
     /// `load_balance_coeff` it only clears the counts.
+    ///
+    /// ```no_run
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// # let moe = tch_dist::nn::moe::MoE::new(&vs.root() / "moe", tch_dist::nn::moe::MoeConfig::new(16, 32, 8, 2))?;
+    /// let dp = tch_dist::default_group().ok();
+    /// moe.update_expert_bias(dp.as_ref())?; // before opt.step()
+    /// # Ok::<(), tch_dist::nn::moe::MoeError>(())
+    /// ```
     pub fn update_expert_bias(&self, group: Option<&ProcessGroup>) -> Result<(), MoeError> {
         let mut counts = self
             .router
@@ -314,6 +376,14 @@ impl MoE {
     /// (`gate.weight`), the bias (`gate.e_score_correction_bias`, with load balancing), each
     /// expert's `experts.E.{gate,up,down}_proj.weight` (slices of the 3-D weights), the
     /// shared expert's `shared_experts.{gate,up,down}_proj.weight`.
+    ///
+    /// ```no_run
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// # let moe = tch_dist::nn::moe::MoE::new(&vs.root() / "moe", tch_dist::nn::moe::MoeConfig::new(16, 32, 8, 2))?;
+    /// let hf = moe.hf_state_dict("model.layers.0.mlp");
+    /// assert!(hf.iter().any(|(n, _)| n == "model.layers.0.mlp.experts.7.down_proj.weight"));
+    /// # Ok::<(), tch_dist::nn::moe::MoeError>(())
+    /// ```
     pub fn hf_state_dict(&self, prefix: &str) -> Vec<(String, Tensor)> {
         let mut out = vec![(
             format!("{prefix}.gate.weight"),
@@ -354,6 +424,15 @@ impl MoE {
     /// Copies the tensors [`hf_state_dict`](Self::hf_state_dict) names from `tensors` (HF's
     /// per-expert 2-D weights stacked into the 3-D ones); checks every name and shape first,
     /// so that a refusal changes nothing.
+    ///
+    /// ```no_run
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// # let moe = tch_dist::nn::moe::MoE::new(&vs.root() / "moe", tch_dist::nn::moe::MoeConfig::new(16, 32, 8, 2))?;
+    /// let tensors: std::collections::HashMap<String, tch::Tensor> = moe.hf_state_dict("model.layers.0.mlp")
+    ///     .into_iter().map(|(n, t)| (n, t.copy())).collect();
+    /// moe.load_hf_state_dict("model.layers.0.mlp", &tensors)?;
+    /// # Ok::<(), tch_dist::nn::moe::MoeError>(())
+    /// ```
     pub fn load_hf_state_dict(
         &self,
         prefix: &str,
@@ -411,6 +490,13 @@ impl Module for MoE {
 impl MoE {
     /// `x` `[..., dim]`: every token through its experts (on their ranks, with expert
     /// parallelism) and the shared expert.
+    ///
+    /// ```no_run
+    /// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// # let moe = tch_dist::nn::moe::MoE::new(&vs.root() / "moe", tch_dist::nn::moe::MoeConfig::new(16, 32, 8, 2))?;
+    /// let y = moe.f_forward(&tch::Tensor::randn([2, 5, 16], tch::kind::FLOAT_CPU))?; // [2, 5, 16]
+    /// # Ok::<(), tch_dist::nn::moe::MoeError>(())
+    /// ```
     pub fn f_forward(&self, x: &Tensor) -> Result<Tensor, MoeError> {
         let shape = x.size();
         let x = x.reshape([-1, self.config.dim]);
