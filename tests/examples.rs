@@ -945,3 +945,90 @@ fn train_lm_with_sequence_parallel_trains_as_without() {
         "test_loss {a} vs {c} with loss parallelism"
     );
 }
+
+/// `train_lm --moe` at 4 ranks (MoE blocks, 8 experts split 2 per dp rank, tokens exchanged
+/// with an all-to-all, fully_shard over the same ranks on the rest) trains as one process
+/// on the same global batches (16 sequences per rank against 64 on one): the same losses for
+/// 9 steps (1e-4; the epoch's 10th is a short batch, which the samplers pad differently) and
+/// test loss (1e-3), and each epoch line reports the experts' load. A tensor-parallel mesh
+/// with `--moe` is refused.
+#[test]
+fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
+    let dir = temp_dir("train-lm-moe");
+    let losses = |path: &Path| -> Vec<f64> {
+        std::fs::read_to_string(path)
+            .expect("rank 0's metrics file")
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let (four_m, one_m) = (dir.join("four.jsonl"), dir.join("one.jsonl"));
+    let four_args = [
+        "--moe",
+        "--dp",
+        "4",
+        "--tp",
+        "1",
+        "--max-steps",
+        "9",
+        "--metrics",
+        four_m.to_str().unwrap(),
+    ];
+    let ends = train_lm_at_4(&four_args);
+    for (r, (status, out, err)) in ends.iter().enumerate() {
+        assert!(status.success(), "rank {r}:\n{out}\n{err}");
+    }
+    let one_args = [
+        "--moe",
+        "--dp",
+        "1",
+        "--tp",
+        "1",
+        "--max-steps",
+        "9",
+        "--local-batch-size",
+        "64",
+        "--metrics",
+        one_m.to_str().unwrap(),
+    ];
+    let (status, one_out, err) = finish(
+        start_rank(&example("train_lm"), 0, 1, free_port(), &one_args),
+        Duration::from_secs(240),
+    );
+    assert!(status.success(), "{one_out}\n{err}");
+    let four_out = &ends[0].1;
+    assert!(four_out.contains("with mixture of experts"), "{four_out}");
+    assert!(four_out.contains("expert_load="), "{four_out}");
+    let (four, one) = (losses(&four_m), losses(&one_m));
+    assert_eq!((four.len(), one.len()), (9, 9));
+    for (step, (a, b)) in four.iter().zip(&one).enumerate() {
+        assert!(
+            (a - b).abs() < 1e-4,
+            "step {}: loss {a} at 4 ranks vs {b} in one process",
+            step + 1
+        );
+    }
+    let (a, b) = (figure(four_out, "test_loss"), figure(&one_out, "test_loss"));
+    assert!(
+        (a - b).abs() < 1e-3,
+        "test_loss {a} at 4 ranks vs {b} in one process"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+    let alone = start_rank(
+        &example("train_lm"),
+        0,
+        1,
+        free_port(),
+        &["--moe", "--dp", "1", "--tp", "2"],
+    );
+    let (status, _, err) = finish(alone, Duration::from_secs(60));
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--moe splits the experts over the dp ranks and needs --tp 1"),
+        "{err}"
+    );
+}

@@ -25,6 +25,14 @@
 //! `tp_plan`): the same values, each tp rank holding its chunk of every sequence between
 //! the tensor-parallel regions.
 //!
+//! With `--moe`, mixture-of-experts blocks in place of the dense feed-forward (8 experts
+//! of width 64, top-2, one shared expert: `tch_dist::nn::moe`), the experts split over the
+//! dp ranks (expert parallelism, tokens exchanged with an all-to-all) and left out of
+//! fully_shard, which shards the rest over the same ranks; the load-balancing bias moves
+//! before each optimizer step, and each epoch line adds the experts' load (the busiest
+//! expert's tokens over the mean). It needs `--tp 1` (expert x tensor parallelism is not
+//! there yet).
+//!
 //! With `--loss-parallel`, torchtitan's loss under tensor parallelism (PyTorch's
 //! `loss_parallel()`): the output layer leaves each tp rank its columns of the logits and
 //! `tch_dist::sharding::loss_parallel` computes the cross-entropy from them, so the whole
@@ -112,6 +120,8 @@ struct Args {
     sequence_parallel: bool,
     /// The loss from each tp rank's columns of the logits (`loss_parallel`).
     loss_parallel: bool,
+    /// Mixture-of-experts blocks, the experts split over the dp ranks.
+    moe: bool,
 }
 
 /// A command line that cannot run: exit status 2, as for a flag that does not parse.
@@ -141,6 +151,7 @@ fn parse_args() -> Result<Args, String> {
         checkpoint_dir: None,
         sequence_parallel: false,
         loss_parallel: false,
+        moe: false,
     };
     let mut flags = cli::Flags::from_env();
     while let Some(flag) = flags.next_flag() {
@@ -158,6 +169,7 @@ fn parse_args() -> Result<Args, String> {
             "--checkpoint-dir" => a.checkpoint_dir = Some(flags.value(&flag)?.into()),
             "--sequence-parallel" => a.sequence_parallel = true,
             "--loss-parallel" => a.loss_parallel = true,
+            "--moe" => a.moe = true,
             other => return Err(cli::unknown(other)),
         }
     }
@@ -178,6 +190,14 @@ fn parse_args() -> Result<Args, String> {
              not --dp-replicate"
                 .into(),
         );
+    }
+    if a.moe && (a.tp > 1 || a.dp_replicate > 1) {
+        return Err(format!(
+            "--moe splits the experts over the dp ranks and needs --tp 1 and --dp-replicate 1 \
+             (got --tp {} --dp-replicate {}): expert x tensor parallelism and HSDP with \
+             experts are not there yet",
+            a.tp, a.dp_replicate
+        ));
     }
     if a.epochs == 0 {
         return Err("--epochs must be at least 1".into());
@@ -306,6 +326,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
 
     let corpus = data::load(&args.data)?;
     let config = Config::tiny(corpus.vocab.len() as i64, args.seq_len);
+    let config = if args.moe { config.with_moe() } else { config };
     if config.n_heads % args.tp as i64 != 0 {
         return Err(Usage(format!(
             "--tp {} does not divide the model's {} attention heads",
@@ -344,7 +365,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     // start from the same model.
     tch::manual_seed(42);
     let vs = nn::VarStore::new(Device::Cpu);
-    let mut model = Transformer::new(&vs.root(), &config);
+    let mut model = Transformer::new(&vs.root(), &config)?;
     tch_dist::check_against_var_store(&model, &vs)?;
     let numel = |vs: &nn::VarStore| -> i64 {
         vs.trainable_variables()
@@ -358,7 +379,15 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         Some(tp_mesh) if args.loss_parallel => Loss::Parallel(tp_mesh.get_group("tp")?.clone()),
         _ => Loss::Whole,
     };
-    if let Some(tp_mesh) = &tp_mesh {
+    if args.moe {
+        // Each dp rank keeps its experts (built from the same seed everywhere, then
+        // narrowed); fully_shard, over the same ranks, leaves them to expert parallelism.
+        for layer in &mut model.layers {
+            if let Some(moe) = layer.moe.as_mut() {
+                moe.parallelize_experts(&dp_group)?;
+            }
+        }
+    } else if let Some(tp_mesh) = &tp_mesh {
         parallelize_module(&mut model, tp_mesh, &plan)?;
     }
     let over_dp = || FsdpOptions {
@@ -419,11 +448,12 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                 format!("dp {}", args.dp)
             },
             args.tp,
-            match (args.sequence_parallel, args.loss_parallel) {
-                (true, true) => " with sequence and loss parallelism",
-                (true, false) => " with sequence parallelism",
-                (false, true) => " with loss parallelism",
-                (false, false) => "",
+            match (args.sequence_parallel, args.loss_parallel, args.moe) {
+                (_, _, true) => " with mixture of experts (8 experts, top-2, one shared; expert-parallel over dp)",
+                (true, true, _) => " with sequence and loss parallelism",
+                (true, false, _) => " with sequence parallelism",
+                (false, true, _) => " with loss parallelism",
+                (false, false, _) => "",
             },
             args.seq_len,
             per * dp as i64,
@@ -445,6 +475,9 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             (rank == 0).then(|| progress_bar(steps, format!("{}/{}", epoch + 1, args.epochs)));
         let epoch_start = Instant::now();
         let (mut own_loss_sum, mut own_tokens) = (0f64, 0i64);
+        // Tokens each expert took this epoch on this rank (all MoE blocks summed).
+        let experts = config.moe.as_ref().map_or(1, |m| m.experts);
+        let mut expert_tokens = Tensor::zeros([experts], (Kind::Float, Device::Cpu));
         for step in 0..steps as i64 {
             let step_start = Instant::now();
             // The same on every rank: a rank off by a step fails every rank (the step check).
@@ -460,6 +493,12 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             let loss = loss_of.of(&model.f_call(&inputs)?, &targets, Reduction::Mean)?;
             backward(&model, &loss)?;
             tch_dist::utils::clip_grad_norm(&model, 1.0, 2.0)?;
+            // torchtitan's optimizer pre-hook: each MoE block's bias from the step's counts,
+            // summed over the dp ranks (the load figure keeps this rank's own).
+            for moe in model.layers.iter().filter_map(|l| l.moe.as_ref()) {
+                expert_tokens += moe.tokens_per_expert();
+                moe.update_expert_bias(Some(&dp_group))?;
+            }
             opt.step()?;
             // The step's loss over the whole batch: the mean of the dp groups' (Gloo has no
             // average: a sum, divided).
@@ -499,6 +538,17 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             peak_mem_mib: memory::rss_mib().0,
         };
         let all = gather_figures(&pg, mine)?;
+        // The experts' load: the busiest expert's tokens over the mean (1: balanced).
+        let load = if args.moe {
+            dp_group.all_reduce(&expert_tokens, ReduceOp::Sum)?;
+            let mean = expert_tokens.mean(Kind::Float).double_value(&[]);
+            format!(
+                " expert_load={:.3}",
+                expert_tokens.max().double_value(&[]) / mean.max(1e-9)
+            )
+        } else {
+            String::new()
+        };
         if rank == 0 {
             // The job's figures: every dp group's tokens (the tp ranks of a group share
             // theirs), the mean of the groups' losses, the largest peak.
@@ -506,7 +556,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             let loss = (0..dp).map(|d| all[d * args.tp].loss).sum::<f64>() / dp as f64;
             let peak = all.iter().map(|f| f.peak_mem_mib).fold(0.0, f64::max);
             println!(
-                "epoch {} loss={loss:.4} tokens/s={job_tokens:.0} peak_mem_mib={peak:.1}",
+                "epoch {} loss={loss:.4} tokens/s={job_tokens:.0} peak_mem_mib={peak:.1}{load}",
                 epoch + 1
             );
             for (r, f) in all.iter().enumerate() {

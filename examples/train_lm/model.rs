@@ -12,6 +12,7 @@
 use serde::Serialize;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
+use tch_dist::nn::moe::{MoE, MoeConfig, MoeError};
 use tch_dist::sharding::{
     ColwiseParallel, Layout, ParallelizePlan, PrepareModuleInput, RowwiseParallel, SequenceParallel,
 };
@@ -30,6 +31,17 @@ pub struct Config {
     pub max_seq_len: i64,
     pub norm_eps: f64,
     pub rope_theta: f64,
+    /// Mixture-of-experts blocks in place of the dense feed-forward (`--moe`).
+    pub moe: Option<MoeShape>,
+}
+
+/// The experts of a MoE block: each `dim -> expert_hidden -> dim`, `top_k` per token, and
+/// one shared expert of the same width (DeepSeek-V3's shape, at toy size).
+#[derive(Debug, Clone, Serialize)]
+pub struct MoeShape {
+    pub experts: i64,
+    pub top_k: i64,
+    pub expert_hidden: i64,
 }
 
 impl Config {
@@ -49,6 +61,20 @@ impl Config {
             max_seq_len,
             norm_eps: 1e-5,
             rope_theta: 10000.0,
+            moe: None,
+        }
+    }
+
+    /// The same model with MoE blocks: 8 experts of width `dim`, top-2, one shared expert.
+    pub fn with_moe(self) -> Config {
+        let expert_hidden = self.dim;
+        Config {
+            moe: Some(MoeShape {
+                experts: 8,
+                top_k: 2,
+                expert_hidden,
+            }),
+            ..self
         }
     }
 
@@ -178,19 +204,29 @@ impl Module for FeedForward {
     }
 }
 
-/// A pre-norm block: `h = x + attention(attention_norm(x))`, `h + feed_forward(ffn_norm(h))`.
+/// A pre-norm block: `h = x + attention(attention_norm(x))`, `h + feed_forward(ffn_norm(h))`
+/// (torchtitan's names: `feed_forward` in a dense block, `moe` in a MoE block).
 #[derive(Debug, Shardable)]
 pub struct TransformerBlock {
     pub attention_norm: RmsNorm,
     pub attention: Attention,
     pub ffn_norm: RmsNorm,
-    pub feed_forward: FeedForward,
+    /// The dense feed-forward (`None` in a MoE block).
+    pub feed_forward: Option<FeedForward>,
+    /// The mixture of experts in place of the feed-forward (`--moe`).
+    pub moe: Option<MoE>,
 }
 
 impl Module for TransformerBlock {
     fn forward(&self, x: &Tensor) -> Tensor {
         let h = x + self.attention.call(&self.attention_norm.call(x));
-        &h + self.feed_forward.call(&self.ffn_norm.call(&h))
+        let n = self.ffn_norm.call(&h);
+        let f = match (&self.moe, &self.feed_forward) {
+            (Some(moe), _) => moe.call(&n),
+            (None, Some(ffn)) => ffn.call(&n),
+            (None, None) => n.zeros_like(),
+        };
+        &h + f
     }
 }
 
@@ -208,7 +244,7 @@ impl Transformer {
     /// wq/wk/wv/w1 N(0, 0.02), wo/w2/w3 N(0, 0.02 / sqrt(2 * (layer + 1))), the output
     /// N(0, dim^-0.5), norms 1 (normal rather than torchtitan's truncated normal: tch has
     /// no truncated initializer, and at 3 sigma the two barely differ).
-    pub fn new(p: &nn::Path, c: &Config) -> Transformer {
+    pub fn new(p: &nn::Path, c: &Config) -> Result<Transformer, MoeError> {
         let linear = |p: nn::Path, i: i64, o: i64, std: f64| {
             let config = nn::LinearConfig {
                 ws_init: nn::Init::Randn {
@@ -221,11 +257,28 @@ impl Transformer {
             nn::linear(p, i, o, config)
         };
         let layers = (0..c.n_layers)
-            .map(|i| {
+            .map(|i| -> Result<TransformerBlock, MoeError> {
                 let l = p / "layers" / i;
                 let deep = 0.02 / (2.0 * (i as f64 + 1.0)).sqrt();
                 let (a, f) = (&l / "attention", &l / "feed_forward");
-                TransformerBlock {
+                let (feed_forward, moe) = match &c.moe {
+                    None => (
+                        Some(FeedForward {
+                            w1: linear(&f / "w1", c.dim, c.hidden_dim, 0.02),
+                            w2: linear(&f / "w2", c.hidden_dim, c.dim, deep),
+                            w3: linear(&f / "w3", c.dim, c.hidden_dim, deep),
+                        }),
+                        None,
+                    ),
+                    Some(s) => {
+                        let config = MoeConfig {
+                            shared_hidden: Some(s.expert_hidden),
+                            ..MoeConfig::new(c.dim, s.expert_hidden, s.experts, s.top_k)
+                        };
+                        (None, Some(MoE::new(&l / "moe", config)?))
+                    }
+                };
+                Ok(TransformerBlock {
                     attention_norm: RmsNorm::new(&l / "attention_norm", c.dim, c.norm_eps),
                     attention: Attention {
                         wq: linear(&a / "wq", c.dim, c.dim, 0.02),
@@ -236,14 +289,11 @@ impl Transformer {
                         rope: Rope::new(c.head_dim(), c.max_seq_len, c.rope_theta),
                     },
                     ffn_norm: RmsNorm::new(&l / "ffn_norm", c.dim, c.norm_eps),
-                    feed_forward: FeedForward {
-                        w1: linear(&f / "w1", c.dim, c.hidden_dim, 0.02),
-                        w2: linear(&f / "w2", c.hidden_dim, c.dim, deep),
-                        w3: linear(&f / "w3", c.dim, c.hidden_dim, deep),
-                    },
-                }
+                    feed_forward,
+                    moe,
+                })
             })
-            .collect();
+            .collect::<Result<Vec<_>, _>>()?;
         let embedding = nn::EmbeddingConfig {
             ws_init: nn::Init::Randn {
                 mean: 0.0,
@@ -251,12 +301,12 @@ impl Transformer {
             },
             ..Default::default()
         };
-        Transformer {
+        Ok(Transformer {
             tok_embeddings: nn::embedding(p / "tok_embeddings", c.vocab_size, c.dim, embedding),
             layers,
             norm: RmsNorm::new(p / "norm", c.dim, c.norm_eps),
             output: linear(p / "output", c.dim, c.vocab_size, (c.dim as f64).powf(-0.5)),
-        }
+        })
     }
 }
 
