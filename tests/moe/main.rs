@@ -355,3 +355,43 @@ fn expert_parallel_equals_one_process_at_2_ranks() {
         assert_eq!(odd.experts.w1.size()[0], 5);
     });
 }
+
+/// A checkpoint of an expert-parallel layer (each rank writes its experts) loads at the same
+/// 2 ranks into a plain layer, every rank reading all the experts: equal to the layer the
+/// experts were split from.
+#[test]
+fn an_expert_parallel_checkpoint_loads_into_a_plain_layer_at_2_ranks() {
+    use tch_dist::checkpoint::{self, LoadOptions, SaveOptions, State};
+    run_ranks(
+        "an_expert_parallel_checkpoint_loads_into_a_plain_layer_at_2_ranks",
+        2,
+        |pg| {
+            let config = MoeConfig::new(DIM, 16, 4, 2);
+            let (_r, reference) = layer(config.clone(), 8);
+            let (_v, mut ep) = layer(config.clone(), 8);
+            ep.parallelize_experts(&pg).unwrap();
+            // One folder for both ranks: rank 0's pid names it.
+            let name = Tensor::from_slice(&[std::process::id() as i64]);
+            pg.broadcast(&name, 0).unwrap();
+            let dir =
+                std::env::temp_dir().join(format!("tch-dist-moe-ckpt-{}", name.int64_value(&[0])));
+            checkpoint::save(&dir, &State::new(&ep), &pg, &SaveOptions::default()).unwrap();
+            let (_p, plain) = layer(config, 9); // other values, all the experts
+            checkpoint::load(&dir, &mut State::new(&plain), &pg, &LoadOptions::default()).unwrap();
+            for (got, want) in [
+                (&plain.experts.w1, &reference.experts.w1),
+                (&plain.experts.w2, &reference.experts.w2),
+                (&plain.router.gate.ws, &reference.router.gate.ws),
+            ] {
+                assert!(
+                    max_diff(got, want) == 0.0,
+                    "a plain layer loads the experts whole"
+                );
+            }
+            pg.barrier().unwrap();
+            if pg.rank() == 0 {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        },
+    );
+}
