@@ -22,7 +22,7 @@
 
 use tch::{Kind, Reduction, Tensor};
 use tch_dist_runtime::sharding::functional;
-use tch_dist_runtime::{DistError, ProcessGroup, ReduceOp};
+use tch_dist_runtime::{DistError, ProcessGroup, ReduceOp, Refusal};
 
 use crate::OnRank;
 
@@ -88,9 +88,12 @@ pub enum LossProblem {
     /// A reduction `F.cross_entropy` does not have.
     #[error("loss_parallel: reduction {0:?} is not one of Mean, Sum or None")]
     Reduction(Reduction),
-    /// Other ranks refused their input (their errors say why).
-    #[error("loss_parallel: ranks {0:?} refused their input")]
-    PeerRefused(Vec<usize>),
+    /// Another rank refused its input (its own error says why).
+    #[error("loss_parallel: rank {peer} refused its input")]
+    PeerRefused {
+        /// The lowest such rank.
+        peer: usize,
+    },
     /// The ranks' row counts differ.
     #[error("loss_parallel: the ranks' logits have different row counts: {0:?}")]
     RowsDiffer(Vec<i64>),
@@ -116,7 +119,7 @@ pub enum LossProblem {
     Weight {
         /// The classes of all ranks together.
         classes: i64,
-        /// Each rank's weight length.
+        /// Each rank's weight length (`None`: no weights; -1: not 1-D).
         lengths: Vec<Option<i64>>,
     },
 }
@@ -153,78 +156,80 @@ impl From<DistError> for LossParallelError {
     }
 }
 
-/// What each rank tells the others before anything is computed: one slot per rank for its
-/// class count, row count, refusal and weight length, and its targets' checksum twice (as
-/// `c` and `-c`, so that one MAX all-reduce yields both the largest and the smallest).
-struct Header {
-    world: usize,
-    values: Vec<f64>,
-}
-
-/// The layout all ranks agreed on.
-struct Agreed {
+/// What every rank passed, as `ProcessGroup::exchange_values` gathers it before anything is
+/// computed (a rank that refused its own input is named to the others there): per rank, its
+/// class count, row count, class weights' length and targets' checksum.
+struct Layout {
     classes: Vec<i64>,
     rows: Vec<i64>,
-    refused: Vec<usize>,
     weight_lengths: Vec<Option<i64>>,
-    targets_agree: bool,
+    checksums: Vec<i64>,
 }
 
-impl Header {
-    const FIELDS: usize = 4;
-
-    fn new(world: usize) -> Self {
-        Header {
-            world,
-            values: vec![0.0; Self::FIELDS * world + 2],
-        }
-    }
-
-    fn set(&mut self, field: usize, rank: usize, value: f64) {
-        self.values[field * self.world + rank] = value;
-    }
-
-    fn set_checksum(&mut self, c: f64) {
-        let n = self.values.len();
-        self.values[n - 2] = c;
-        self.values[n - 1] = -c;
-    }
-
-    /// Every rank's header, combined (each slot is written by one rank only).
-    fn exchange(self, group: &ProcessGroup, device: tch::Device) -> Result<Agreed, DistError> {
-        let t = Tensor::from_slice(&self.values).to_device(device);
-        group.all_reduce(&t, ReduceOp::Max)?;
-        let v: Vec<f64> = (0..self.values.len())
-            .map(|i| t.double_value(&[i as i64]))
-            .collect();
-        let w = self.world;
-        let field = |f: usize| v[f * w..(f + 1) * w].to_vec();
-        let n = v.len();
-        Ok(Agreed {
-            classes: field(0).iter().map(|&x| x as i64).collect(),
-            rows: field(1).iter().map(|&x| x as i64).collect(),
-            refused: field(2)
-                .iter()
-                .enumerate()
-                .filter(|(_, &x)| x > 0.0)
-                .map(|(r, _)| r)
+impl Layout {
+    /// Exchanges this rank's `refusal`, or its layout, with every rank of `group`.
+    fn exchange(
+        group: &ProcessGroup,
+        refusal: Option<LossProblem>,
+        logits: &Tensor,
+        targets: &Tensor,
+        weight: Option<&Tensor>,
+    ) -> Result<Layout, LossParallelError> {
+        let rank = group.rank();
+        // The weights' length + 1; 0: none; -1: not 1-D (which matches no vocabulary).
+        let weight = match weight {
+            None => 0,
+            Some(w) if w.dim() == 1 => w.size()[0] + 1,
+            Some(_) => -1,
+        };
+        let values = match refusal {
+            Some(_) => [0; 4],
+            None => [
+                logits.size()[1],
+                logits.size()[0],
+                weight,
+                checksum(targets),
+            ],
+        };
+        let every_rank = group
+            .exchange_values("loss_parallel", refusal, &values)
+            .map_err(|refusal| -> LossParallelError {
+                match refusal {
+                    Refusal::Own(problem) => problem.on(rank).into(),
+                    Refusal::Peer { rank: peer } => {
+                        LossProblem::PeerRefused { peer }.on(rank).into()
+                    }
+                    Refusal::Exchange(source) => LossParallelError::Collective(*source),
+                    // exchange_values compares nothing, so it never refuses for a difference.
+                    Refusal::Differs { setting, .. } => {
+                        LossParallelError::Collective(DistError::Internal {
+                            rank,
+                            op: "loss_parallel",
+                            what: setting,
+                        })
+                    }
+                }
+            })?;
+        let field = |i: usize| every_rank.iter().map(|v| v[i]).collect::<Vec<i64>>();
+        Ok(Layout {
+            classes: field(0),
+            rows: field(1),
+            weight_lengths: field(2)
+                .into_iter()
+                .map(|l| (l != 0).then_some(if l < 0 { -1 } else { l - 1 }))
                 .collect(),
-            weight_lengths: field(3)
-                .iter()
-                .map(|&x| (x > 0.0).then(|| x as i64 - 1))
-                .collect(),
-            targets_agree: v[n - 2] == -v[n - 1],
+            checksums: field(3),
         })
     }
 }
 
-/// A checksum of the targets that equal targets give on every rank (exact in f64 for up to
-/// 2^26 rows); differing targets give another value but for a collision.
-fn checksum(targets: &Tensor) -> f64 {
+/// A checksum of the targets that equal targets give on every rank; differing targets give
+/// another value but for a collision.
+fn checksum(targets: &Tensor) -> i64 {
     let n = targets.size()[0];
     let position = Tensor::arange(n, (Kind::Int64, targets.device())).remainder(1021) + 1;
     let t = targets.to_kind(Kind::Int64).remainder(65521) + 1;
-    (t * position).sum(Kind::Int64).double_value(&[])
+    (t * position).sum(Kind::Int64).int64_value(&[])
 }
 
 /// Cross-entropy of logits split by class across `group`'s ranks, each passing its slice
@@ -258,7 +263,6 @@ pub fn loss_parallel(
     opts: &LossParallelOptions,
 ) -> Result<Tensor, LossParallelError> {
     let rank = group.rank();
-    let world = group.world_size();
     let shapes_ok = local_logits.dim() == 2
         && targets.dim() == 1
         && local_logits.size()[0] == targets.size()[0]
@@ -281,30 +285,11 @@ pub fn loss_parallel(
         None
     };
     // 1. The layout, and every rank's verdict on its own input, before anything else.
-    let mut header = Header::new(world);
-    let weight_len = opts
-        .weight
-        .as_ref()
-        .map(|w| if w.dim() == 1 { w.size()[0] } else { -1 });
-    header.set(3, rank, weight_len.map_or(0.0, |l| (l + 1) as f64));
-    if refusal.is_some() {
-        header.set(2, rank, 1.0);
-    } else {
-        header.set(0, rank, local_logits.size()[1] as f64);
-        header.set(1, rank, local_logits.size()[0] as f64);
-        header.set_checksum(checksum(targets));
-    }
-    let agreed = header.exchange(group, local_logits.device())?;
-    if let Some(problem) = refusal {
-        return Err(problem.on(rank).into());
-    }
-    if !agreed.refused.is_empty() {
-        return Err(LossProblem::PeerRefused(agreed.refused).on(rank).into());
-    }
+    let agreed = Layout::exchange(group, refusal, local_logits, targets, opts.weight.as_ref())?;
     if agreed.rows.iter().any(|&r| r != agreed.rows[0]) {
         return Err(LossProblem::RowsDiffer(agreed.rows).on(rank).into());
     }
-    if !agreed.targets_agree {
+    if agreed.checksums.iter().any(|&c| c != agreed.checksums[0]) {
         return Err(LossProblem::TargetsDiffer.on(rank).into());
     }
     let classes: i64 = agreed.classes.iter().sum();

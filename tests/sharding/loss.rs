@@ -108,7 +108,7 @@ fn loss_parallel_equals_cross_entropy_and_refuses_misuse_on_every_rank_at_2_rank
             };
             let e = refused(loss_parallel(&bad, &targets, &pg, &opts));
             match rank {
-                0 => assert_eq!(e, LossProblem::PeerRefused(vec![1])),
+                0 => assert_eq!(e, LossProblem::PeerRefused { peer: 1 }),
                 _ => assert!(matches!(e, LossProblem::Shapes { .. }), "{e}"),
             }
             // Rank 1 has fewer rows (and targets).
@@ -145,6 +145,20 @@ fn loss_parallel_equals_cross_entropy_and_refuses_misuse_on_every_rank_at_2_rank
                 LossProblem::Weight {
                     classes: 7,
                     lengths: vec![Some(7), None]
+                }
+            );
+            // Class weights that are not 1-D, on every rank: refused, not taken as none.
+            let flat = Tensor::ones([1, 7], (Kind::Double, Device::Cpu));
+            let not_1d = LossParallelOptions {
+                weight: Some(flat),
+                ..Default::default()
+            };
+            let e = refused(loss_parallel(&local, &targets, &pg, &not_1d));
+            assert_eq!(
+                e,
+                LossProblem::Weight {
+                    classes: 7,
+                    lengths: vec![Some(-1), Some(-1)]
                 }
             );
             // The ranks are still in step: a good call after the refusals.
