@@ -23,10 +23,6 @@
 #include <set>
 #include <utility>
 
-struct TdrTensorList {
-  std::vector<at::Tensor> tensors;
-};
-
 namespace tdr_checkpoint {
 
 using torch::autograd::AutogradContext;
@@ -118,7 +114,10 @@ struct Shared : torch::CustomClassHolder {
   }
 };
 
-std::vector<at::Tensor> call(TdrForwardCallback cb, void* ctx, std::vector<at::Tensor> inputs) {
+}  // namespace tdr_checkpoint
+
+std::vector<at::Tensor> tdr::call_forward(TdrForwardCallback cb, void* ctx,
+                                          std::vector<at::Tensor> inputs) {
   std::vector<at::Tensor*> ptrs;
   ptrs.reserve(inputs.size());
   for (auto& t : inputs) {
@@ -133,6 +132,8 @@ std::vector<at::Tensor> call(TdrForwardCallback cb, void* ctx, std::vector<at::T
   }
   return std::move(out.tensors);
 }
+
+namespace tdr_checkpoint {
 
 // Puts the RNG states back however the recomputation ends.
 struct RestoreOnExit {
@@ -183,7 +184,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       shared->rng = capture(inputs);
     }
     shared->autocast = autocast_now();
-    auto outputs = call(first, first_ctx, inputs);
+    auto outputs = tdr::call_forward(first, first_ctx, inputs);
     std::vector<at::Tensor> integral;
     for (const auto& out : outputs) {
       if (!out.defined()) {
@@ -228,7 +229,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       AutocastOnExit autocast_back{autocast_now()};
       set_autocast(shared->autocast);
       at::AutoGradMode grad(true);
-      outputs = call(shared->again, shared->again_ctx, inputs);
+      outputs = tdr::call_forward(shared->again, shared->again_ctx, inputs);
     }
     if (outputs.size() != grad_outputs.size()) {
       throw std::runtime_error("the recomputation returned " + std::to_string(outputs.size()) +

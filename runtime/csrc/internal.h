@@ -29,6 +29,8 @@
 //   torch::autograd::Node (Megatron's conjugate pairs).
 // - checkpoint.cpp: activation checkpointing (a forward run again in backward); a custom
 //   torch::autograd::Function, torch::autograd::grad, the default generators' states.
+// - function.cpp: custom autograd functions whose forward and backward are Rust callbacks;
+//   a custom torch::autograd::Function.
 // - split_backward.cpp: pipelining's split backward (the input's gradient first, the
 //   parameters' later); torch::autograd::grad, Node pre hooks, Engine::execute from edges.
 // - kernels.cpp: a seeded randperm (DistributedSampler's shuffle), fused AdamW and SGD;
@@ -184,6 +186,11 @@ struct TdrWork {
   bool finished = false;
 };
 
+// The tensors a forward callback hands to the shim (checkpoint.cpp, function.cpp).
+struct TdrTensorList {
+  std::vector<at::Tensor> tensors;
+};
+
 namespace tdr {
 
 // Routing (collectives.cpp).
@@ -272,6 +279,14 @@ c10::intrusive_ptr<c10d::Work> checked(const TdrGroup& g, const Route& r, const 
     throw;
   }
 }
+
+// The tensors a forward callback pushes (checkpoint.cpp, function.cpp).
+std::vector<at::Tensor> call_forward(TdrForwardCallback cb, void* ctx,
+                                     std::vector<at::Tensor> inputs);
+
+// Whether `node` is a function whose backward is a Rust callback (function.cpp): a split
+// backward would run it twice too.
+bool is_rust_function_node(const torch::autograd::Node* node);
 
 // Whether `node` is activation checkpointing's function (checkpoint.cpp), whose backward
 // runs its forward again: a split backward (split_backward.cpp) would run it twice.

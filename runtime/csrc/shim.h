@@ -239,6 +239,16 @@ char* tdr_checkpoint_apply(TdrTensor** inputs, size_t num_inputs, TdrTensor** pa
                            void* first_ctx, TdrForwardCallback again, void* again_ctx,
                            TdrRelease release, TdrTensorList** out);
 
+// Custom autograd functions (src/autograd/function.rs): runs forward(forward_ctx, inputs)
+// with grad disabled inside a custom autograd function over the inputs; its outputs are the
+// function's (integral ones not differentiable). Its backward runs backward(backward_ctx,
+// the outputs' gradients, zeros where an output got none), which pushes one gradient per
+// input (undefined for none). `backward_ctx` is released (release) when the function's
+// graph is gone, or at once on failure. *out: the outputs.
+char* tdr_function_apply(TdrTensor** inputs, size_t num_inputs, TdrForwardCallback forward,
+                         void* forward_ctx, TdrForwardCallback backward, void* backward_ctx,
+                         TdrRelease release, TdrTensorList** out);
+
 // Pipelining's split backward (src/autograd/split_backward.rs): tdr_backward_input
 // differentiates the n `roots` (with `grads`, their gradients) with respect to `input` (a
 // leaf that requires grad; null on a first stage) only, keeping what the parameters' gradients

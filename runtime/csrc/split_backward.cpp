@@ -153,7 +153,7 @@ char* tdr_backward_input(TdrTensor** roots, TdrTensor** grads, size_t n, TdrTens
         if (!off_path) {
           continue;
         }
-        if (tdr::is_checkpoint_node(node)) {
+        if (tdr::is_checkpoint_node(node) || tdr::is_rust_function_node(node)) {
           split = false;
           break;
         }

@@ -25,6 +25,7 @@
 //! | `collectives.cpp` | routing a tensor to a backend, the collectives and point-to-point ops, staging through host memory, `tdr_work_*` | `c10d::Backend`'s collectives, `c10d::Work::wait` |
 //! | `autograd_hooks.cpp` | gradient-ready hooks, end-of-backward callbacks, `tdr_set_grad` (the reducer's triggers) | `AccumulateGrad` post hooks, `Engine::queue_callback` |
 //! | `checkpoint.cpp` | activation checkpointing's custom function (the reentrant style: its forward keeps only the inputs, its backward runs the forward again and differentiates it) and the tensor lists that carry a forward's outputs (`tdr_tensor_list_*`) | `torch::autograd::Function`, `torch::autograd::grad` |
+//! | `function.cpp` | custom autograd functions whose forward and backward are Rust callbacks (`tdr_function_apply`; ring attention's) | `torch::autograd::Function` |
 //! | `fsdp.cpp` | gradient interceptors, output-gradient hooks, storage release and restore, `set_data` keeping the accumulator, a tensor's version and identity (fully_shard's) | `AccumulateGrad` pre hooks, `Tensor::register_hook`, `c10::StorageImpl`, `TensorImpl::shallow_copy_from` |
 //! | `use_guard.cpp` | use guards: claim markers and the check once per graph task | autograd `Node` pre hooks, `get_current_graph_task_nodes_in_graph` |
 //! | `fence.cpp` | shard fences: a boxed fallback on the `DeferredInit` key (`runtime/src/autograd/shard_fence.rs`) | `c10::Dispatcher`, `torch::Library::fallback` |
@@ -351,6 +352,17 @@ extern "C" {
         first_ctx: *mut std::ffi::c_void,
         again: TdrForwardCallback,
         again_ctx: *mut std::ffi::c_void,
+        release: TdrRelease,
+        out: *mut *mut TdrTensorList,
+    ) -> ShimStatus;
+
+    pub fn tdr_function_apply(
+        inputs: *mut *mut C_tensor,
+        num_inputs: usize,
+        forward: TdrForwardCallback,
+        forward_ctx: *mut std::ffi::c_void,
+        backward: TdrForwardCallback,
+        backward_ctx: *mut std::ffi::c_void,
         release: TdrRelease,
         out: *mut *mut TdrTensorList,
     ) -> ShimStatus;

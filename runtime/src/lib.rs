@@ -43,8 +43,9 @@ pub mod fused {
 #[allow(deprecated)]
 pub use autograd::checkpointed;
 pub use autograd::{
-    autograd_mark, backward_input, check_enter, check_exit, recomputed, take_fence_hit, unfenced,
-    FenceOwner, Recomputation, ShardFence, UseGuard, WeightBackward,
+    apply_function, autograd_mark, backward_input, check_enter, check_exit, recomputed,
+    take_fence_hit, unfenced, Backward, FenceOwner, FunctionForward, Recomputation, ShardFence,
+    UseGuard, WeightBackward,
 };
 pub use c10d::coalesced::BROADCAST_BUCKET_BYTES;
 pub use c10d::collectives::{ReduceOp, Work};

@@ -4,24 +4,37 @@
 //!
 //! | file | what it does | PyTorch's counterpart |
 //! | --- | --- | --- |
-//! | `mod.rs` | [`AttentionOptions`], the errors ([`CpError`], [`CpProblem`]) | `torch/distributed/tensor/experimental/_attention.py` (its options) |
-//! | `ulysses.rs` | [`ulysses_attention`]: heads exchanged for sequence with two all-to-alls | DeepSpeed-Ulysses; torchtitan's all-to-all context parallelism |
+//! | `mod.rs` | [`AttentionOptions`], the errors ([`CpError`], [`CpProblem`]) | `torch/distributed/tensor/experimental/_context_parallel/_attention.py` (its options) |
+//! | `layout.rs` | [`SeqLayout`]: which positions each rank holds, contiguous or head-tail, and the permutations | `_context_parallel/_load_balancer.py` (`_HeadTailLoadBalancer`) |
+//! | `block.rs` | one block's attention with its log-sum-exp, its backward, the merge | the SDPA kernels `_templated_ring_attention` calls, and its merge |
+//! | `ring.rs` | [`ring_attention`]: keys and values passed around the ranks, the backward replaying the ring | `_attention.py` (`_templated_ring_attention`, `_templated_ring_attention_backward`) |
+//! | `ulysses.rs` | [`ulysses_attention`]: heads exchanged for sequence with two all-to-alls | DeepSpeed-Ulysses |
+//! | `context.rs` | [`context_parallel`]: a step's buffers split in place and attention routed while a guard lives; [`context_parallel_unshard`] | `_attention.py` (`context_parallel`, `context_parallel_unshard`) |
 //!
-//! There so far: the all-to-all strategy (Ulysses), for heads that the ranks divide. Not
-//! there yet: ring attention (keys and values passed around the ranks, partial results
-//! merged by their log-sum-exp, with head-tail load balancing for causal attention),
-//! `context_parallel(mesh, buffers, seq_dims)` splitting a step's buffers, and the `cp` mesh
-//! dimension composed with FSDP and tensor parallelism (`train_lm --cp`).
+//! A model's blocks call [`crate::nn::scaled_dot_product_attention`]; inside a
+//! [`context_parallel`] region it runs over the region's group. Not there yet: the `cp` mesh
+//! dimension composed with tensor and pipeline parallelism.
 
+mod block;
+pub(crate) mod context;
+mod layout;
+mod ring;
 mod ulysses;
 
-use tch_dist_runtime::DistError;
+use tch::Kind;
+use tch_dist_runtime::{AutogradError, DistError, Refusal};
 
 use crate::OnRank;
 
+pub use context::{
+    context_parallel, context_parallel_unshard, ContextParallel, CpOptions, CpStrategy,
+};
+pub use layout::SeqLayout;
+pub use ring::ring_attention;
 pub use ulysses::ulysses_attention;
 
-/// The attention to compute (PyTorch's `scaled_dot_product_attention` arguments).
+/// The attention to compute (PyTorch's `scaled_dot_product_attention` arguments) and how the
+/// sequence is split.
 ///
 /// ```
 /// let opts = tch_dist::context_parallel::AttentionOptions { causal: true, ..Default::default() };
@@ -33,6 +46,8 @@ pub struct AttentionOptions {
     pub causal: bool,
     /// The softmax scale (`None`: 1 / sqrt(head dim)).
     pub scale: Option<f64>,
+    /// Which positions each rank holds.
+    pub layout: SeqLayout,
 }
 
 /// Why a context-parallel operation refused on this rank (every rank refuses alike: the
@@ -67,6 +82,100 @@ pub enum CpProblem {
         /// The ranks of the group.
         ranks: i64,
     },
+    /// `q`, `k` and `v` are not of one floating kind.
+    #[error(
+        "context parallelism: q, k and v must be of one floating kind, got {q:?}, {k:?} and {v:?}"
+    )]
+    Kind {
+        /// The queries' kind.
+        q: Kind,
+        /// The keys'.
+        k: Kind,
+        /// The values'.
+        v: Kind,
+    },
+    /// This rank holds no positions.
+    #[error("context parallelism: this rank holds no positions of the sequence")]
+    NoPositions,
+    /// Head-tail chunks need an even number of local positions.
+    #[error("context parallelism: the head-tail layout holds two equal chunks per rank, but this rank holds {positions} positions")]
+    OddHeadTail {
+        /// The local positions.
+        positions: i64,
+    },
+    /// A mask or dropout inside a context-parallel region.
+    #[error("context parallelism: attention inside context_parallel takes no mask and no dropout (as PyTorch's ring)")]
+    MaskOrDropout,
+    /// `buffers` and `buffer_seq_dims` differ in length.
+    #[error("context parallelism: {buffers} buffers but {dims} sequence dims")]
+    BufferDims {
+        /// The buffers.
+        buffers: usize,
+        /// The dims given.
+        dims: usize,
+    },
+    /// A buffer's sequence dim is out of range.
+    #[error("context parallelism: buffer {index} has {ndim} dims; its sequence dim {dim} is out of range")]
+    BufferDim {
+        /// The buffer's position in `buffers`.
+        index: usize,
+        /// Its dim.
+        dim: i64,
+        /// Its number of dims.
+        ndim: i64,
+    },
+    /// A buffer that requires grad (a parameter, or a tensor of the graph).
+    #[error("context parallelism: buffer {index} requires grad: parameters and activations are not buffers")]
+    BufferRequiresGrad {
+        /// The buffer's position.
+        index: usize,
+    },
+    /// A buffer listed twice.
+    #[error("context parallelism: buffer {index} is listed twice")]
+    BufferTwice {
+        /// Its second position.
+        index: usize,
+    },
+    /// A buffer's sequence length does not split.
+    #[error("context parallelism: buffer {index}'s sequence length {length} does not divide by {divisor} (the layout's chunks over the ranks)")]
+    SeqLen {
+        /// The buffer's position.
+        index: usize,
+        /// Its sequence length.
+        length: i64,
+        /// What it must divide by.
+        divisor: i64,
+    },
+    /// A no-restore buffer that is not among the buffers.
+    #[error("context parallelism: no-restore buffer {index} is not one of the buffers")]
+    NoRestoreNotABuffer {
+        /// Its position in `no_restore_buffers`.
+        index: usize,
+    },
+    /// Another rank refused (its own error says why).
+    #[error("context parallelism: rank {peer} refused its arguments")]
+    PeerRefused {
+        /// The lowest such rank.
+        peer: usize,
+    },
+    /// The ranks passed other shapes or options.
+    #[error("context parallelism: {setting} is {this} here but {other} on rank {other_rank}")]
+    Disagree {
+        /// The first setting that differs.
+        setting: &'static str,
+        /// This rank's value.
+        this: i64,
+        /// The lowest rank with another value.
+        other_rank: usize,
+        /// Its value.
+        other: i64,
+    },
+    /// libtorch's attention kernel failed on a block.
+    #[error("context parallelism: the attention kernel failed: {message}")]
+    Kernel {
+        /// libtorch's message.
+        message: String,
+    },
 }
 
 impl CpProblem {
@@ -98,4 +207,33 @@ pub enum CpError {
     /// chunk of another length is refused there, on every rank).
     #[error(transparent)]
     Collective(#[from] DistError),
+    /// The autograd engine failed the ring's function.
+    #[error(transparent)]
+    Engine(#[from] AutogradError),
+    /// Attention outside a context-parallel region failed (libtorch's kernel).
+    #[error(transparent)]
+    Attention(#[from] tch::TchError),
+}
+
+impl CpError {
+    /// The error of a check every rank made together (`ProcessGroup::agree_on_values`).
+    pub(crate) fn refused(rank: usize, refusal: Refusal<CpProblem>) -> CpError {
+        let problem = match refusal {
+            Refusal::Own(problem) => problem,
+            Refusal::Peer { rank: peer } => CpProblem::PeerRefused { peer },
+            Refusal::Differs {
+                setting,
+                this,
+                other_rank,
+                other,
+            } => CpProblem::Disagree {
+                setting,
+                this,
+                other_rank,
+                other,
+            },
+            Refusal::Exchange(source) => return CpError::Collective(*source),
+        };
+        problem.on(rank).into()
+    }
 }

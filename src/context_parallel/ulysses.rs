@@ -1,18 +1,18 @@
 //! [`ulysses_attention`]: attention over a sequence split across ranks, by exchanging
 //! heads for sequence (DeepSpeed-Ulysses): an all-to-all gives each rank every position of
 //! `heads / ranks` heads, attention runs on the whole sequence, and a second all-to-all gives
-//! each rank its positions of every head back.
+//! each rank its positions of every head back. With the head-tail layout the gathered
+//! sequence is put in order before attention and back after.
 
 use tch::Tensor;
 use tch_dist_runtime::sharding::functional;
 use tch_dist_runtime::ProcessGroup;
 
-use super::{AttentionOptions, CpError, CpProblem};
+use super::{AttentionOptions, CpError, CpProblem, SeqLayout};
 
 /// Scaled-dot-product attention of `q`, `k`, `v` `[batch, heads, local positions, head dim]`,
-/// each rank holding its contiguous chunk of the sequence (rank `r` positions
-/// `r·S/ranks ..`), equal to the attention of the whole sequence, this rank's positions of
-/// it: the heads are exchanged for the sequence with [`functional::all_to_all_single`]
+/// split along the sequence as `opts.layout` says, equal to the attention of the whole
+/// sequence, this rank's positions of it: the heads are exchanged for the sequence with [`functional::all_to_all_single`]
 /// (differentiable, so backward runs the exchanges in reverse), attention runs on every
 /// position of `heads / ranks` heads, and the outputs go back. Causal attention masks by the
 /// global positions.
@@ -54,6 +54,24 @@ pub fn ulysses_attention(
     if heads % ranks != 0 {
         return Err(CpProblem::Heads { heads, ranks }.on(rank).into());
     }
+    if opts.layout == SeqLayout::HeadTail && local % 2 != 0 {
+        return Err(CpProblem::OddHeadTail { positions: local }.on(rank).into());
+    }
+    // The gathered sequence is the ranks' chunks in rank order: in position order for the
+    // contiguous layout, permuted for head-tail.
+    let permutation = match opts.layout {
+        SeqLayout::Contiguous => None,
+        SeqLayout::HeadTail => {
+            let len = ranks * local;
+            let device = q.device();
+            Some((
+                opts.layout
+                    .restore_order(len, ranks as usize)
+                    .to_device(device),
+                opts.layout.order(len, ranks as usize).to_device(device),
+            ))
+        }
+    };
     let group_heads = heads / ranks;
     let one_each = vec![1i64; ranks as usize];
     // [batch, heads, local, dim] -> one row per destination rank (its heads), then every
@@ -69,7 +87,15 @@ pub fn ulysses_attention(
             .permute([1, 2, 0, 3, 4])
             .reshape([batch, group_heads, ranks * local, dim]))
     };
-    let (q, k, v) = (scatter_heads(q)?, scatter_heads(k)?, scatter_heads(v)?);
+    let in_order = |x: Tensor| match &permutation {
+        Some((restore, _)) => x.index_select(2, restore),
+        None => x,
+    };
+    let (q, k, v) = (
+        in_order(scatter_heads(q)?),
+        in_order(scatter_heads(k)?),
+        in_order(scatter_heads(v)?),
+    );
     let out = Tensor::scaled_dot_product_attention::<Tensor>(
         &q,
         &k,
@@ -80,6 +106,10 @@ pub fn ulysses_attention(
         opts.scale,
         false,
     );
+    let out = match &permutation {
+        Some((_, order)) => out.index_select(2, order),
+        None => out,
+    };
     // Back: this rank's heads at every position -> every head at this rank's positions.
     let rows = out
         .reshape([batch, group_heads, ranks, local, dim])

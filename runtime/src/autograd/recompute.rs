@@ -144,7 +144,7 @@ pub fn checkpointed(
 }
 
 /// The tensors of a list the shim made, which is freed.
-fn take_list(list: *mut ffi::TdrTensorList) -> Vec<Tensor> {
+pub(super) fn take_list(list: *mut ffi::TdrTensorList) -> Vec<Tensor> {
     if list.is_null() {
         return Vec::new();
     }
