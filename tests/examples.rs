@@ -1032,3 +1032,89 @@ fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
         "{err}"
     );
 }
+
+/// `train_lm --cp` (each sequence split head-tail over the cp ranks, ring attention, the
+/// RoPE tables split with the tokens, fully_shard over dp x cp) trains as one process on the
+/// same global batches: dp 2 x cp 2 (16 sequences per dp rank against 32 on one) and dp 1 x
+/// cp 4 (16 against 16) give the same losses for 9 steps (1e-4) and test loss (1e-3); a
+/// sequence length that 2·cp does not divide is refused before the process group.
+#[test]
+fn train_lm_with_context_parallel_trains_as_one_process() {
+    let dir = temp_dir("train-lm-cp");
+    let losses = |path: &Path| -> Vec<f64> {
+        std::fs::read_to_string(path)
+            .expect("rank 0's metrics file")
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    for (dp, cp, one_batch) in [("2", "2", "32"), ("1", "4", "16")] {
+        let (four_m, one_m) = (dir.join("four.jsonl"), dir.join("one.jsonl"));
+        let four_args = [
+            "--dp",
+            dp,
+            "--cp",
+            cp,
+            "--tp",
+            "1",
+            "--max-steps",
+            "9",
+            "--metrics",
+            four_m.to_str().unwrap(),
+        ];
+        let ends = train_lm_at_4(&four_args);
+        for (r, (status, out, err)) in ends.iter().enumerate() {
+            assert!(status.success(), "dp {dp} cp {cp}: rank {r}:\n{out}\n{err}");
+        }
+        let one_args = [
+            "--dp",
+            "1",
+            "--tp",
+            "1",
+            "--max-steps",
+            "9",
+            "--local-batch-size",
+            one_batch,
+            "--metrics",
+            one_m.to_str().unwrap(),
+        ];
+        let (status, one_out, err) = finish(
+            start_rank(&example("train_lm"), 0, 1, free_port(), &one_args),
+            Duration::from_secs(240),
+        );
+        assert!(status.success(), "{one_out}\n{err}");
+        let four_out = &ends[0].1;
+        assert!(
+            four_out.contains(&format!("dp {dp} x cp {cp} (4 ranks)")),
+            "{four_out}"
+        );
+        let (four, one) = (losses(&four_m), losses(&one_m));
+        assert_eq!((four.len(), one.len()), (9, 9));
+        for (step, (a, b)) in four.iter().zip(&one).enumerate() {
+            assert!(
+                (a - b).abs() < 1e-4,
+                "dp {dp} cp {cp}: step {}: loss {a} vs {b} in one process",
+                step + 1
+            );
+        }
+        let (a, b) = (figure(four_out, "test_loss"), figure(&one_out, "test_loss"));
+        assert!(
+            (a - b).abs() < 1e-3,
+            "dp {dp} cp {cp}: test_loss {a} vs {b}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+    let args = ["--cp", "2", "--tp", "1", "--dp", "1", "--seq-len", "62"];
+    let alone = start_rank(&example("train_lm"), 0, 1, free_port(), &args);
+    let (status, _, err) = finish(alone, Duration::from_secs(60));
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert_eq!(
+        err,
+        "error: --cp 2 splits each sequence into 4 chunks (head-tail): --seq-len 62 must be a \
+         multiple of 4\n"
+    );
+}

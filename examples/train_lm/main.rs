@@ -33,6 +33,14 @@
 //! expert's tokens over the mean). It needs `--tp 1` (expert x tensor parallelism is not
 //! there yet).
 //!
+//! With `--cp N`, context parallelism (torchtitan's `cp` dim): each sequence split over N
+//! ranks (head-tail, so that causal attention's work is even), attention by ring attention
+//! over them (`tch_dist::context_parallel`), the mesh `[dp, cp]` and fully_shard over both
+//! dims flattened (`dp_cp`: the cp ranks hold the same weights but see other tokens), as
+//! torchtitan's `dp_shard_cp`. The token ids, the targets and the RoPE tables are split
+//! alike for each step and put back after it; the same values as without. It needs `--tp 1`
+//! and a `--seq-len` that `2·N` divides.
+//!
 //! With `--loss-parallel`, torchtitan's loss under tensor parallelism (PyTorch's
 //! `loss_parallel()`): the output layer leaves each tp rank its columns of the logits and
 //! `tch_dist::sharding::loss_parallel` computes the cross-entropy from them, so the whole
@@ -59,7 +67,7 @@
 //! ```text
 //! target/release/tch-dist-run --nproc-per-node 4 -- target/release/examples/train_lm \
 //!     [--dp 2 --tp 2 | --dp-replicate 2 --dp-shard 2 --tp 1] [--epochs N] [--max-steps N] [--local-batch-size N] [--seq-len N] [--lr LR] \
-//!     [--data PATH] [--metrics PATH] [--checkpoint-dir DIR] [--sequence-parallel]
+//!     [--data PATH] [--metrics PATH] [--checkpoint-dir DIR] [--sequence-parallel] [--cp N]
 //! ```
 //!
 //! `--dp-replicate` x `--dp` x `--tp` must be the number of ranks. A bad argument ends every rank with one
@@ -75,6 +83,7 @@ use std::time::Instant;
 use tch::{nn, Device, Kind, Reduction, Tensor};
 use tch_dist::checkpoint;
 use tch_dist::checkpoint::{SaveOptions, State};
+use tch_dist::context_parallel::{context_parallel, CpOptions};
 use tch_dist::data::{DistributedSampler, SamplerOptions};
 use tch_dist::device_mesh::init_device_mesh;
 use tch_dist::optim::AdamW;
@@ -122,6 +131,8 @@ struct Args {
     loss_parallel: bool,
     /// Mixture-of-experts blocks, the experts split over the dp ranks.
     moe: bool,
+    /// Context-parallel ranks per sequence (torchtitan's `cp`).
+    cp: usize,
 }
 
 /// A command line that cannot run: exit status 2, as for a flag that does not parse.
@@ -152,6 +163,7 @@ fn parse_args() -> Result<Args, String> {
         sequence_parallel: false,
         loss_parallel: false,
         moe: false,
+        cp: 1,
     };
     let mut flags = cli::Flags::from_env();
     while let Some(flag) = flags.next_flag() {
@@ -170,11 +182,20 @@ fn parse_args() -> Result<Args, String> {
             "--sequence-parallel" => a.sequence_parallel = true,
             "--loss-parallel" => a.loss_parallel = true,
             "--moe" => a.moe = true,
+            "--cp" => a.cp = flags.parsed(&flag)?,
             other => return Err(cli::unknown(other)),
         }
     }
-    if a.dp == 0 || a.tp == 0 || a.dp_replicate == 0 {
-        return Err("--dp-replicate, --dp and --tp must be at least 1".into());
+    if a.dp == 0 || a.tp == 0 || a.dp_replicate == 0 || a.cp == 0 {
+        return Err("--dp-replicate, --dp, --tp and --cp must be at least 1".into());
+    }
+    if a.cp > 1 && (a.tp > 1 || a.dp_replicate > 1 || a.moe || a.loss_parallel) {
+        return Err(format!(
+            "--cp {} splits each sequence over a mesh of dp x cp: it needs --tp 1 and none of \
+             --dp-replicate, --moe, --loss-parallel (cp with tensor parallelism and HSDP is \
+             not there yet)",
+            a.cp
+        ));
     }
     // fully_shard's HSDP takes a 2-D mesh of the whole world: no third, tensor-parallel dim.
     if a.dp_replicate > 1 && a.tp > 1 {
@@ -215,6 +236,17 @@ fn parse_args() -> Result<Args, String> {
             "--sequence-parallel splits each sequence over the {} tp ranks: --seq-len {} \
              must be a multiple of --tp",
             a.tp, a.seq_len
+        ));
+    }
+    // Head-tail load balancing: 2·cp equal chunks per sequence.
+    if a.cp > 1 && a.seq_len % (2 * a.cp as i64) != 0 {
+        return Err(format!(
+            "--cp {} splits each sequence into {} chunks (head-tail): --seq-len {} must be a \
+             multiple of {}",
+            a.cp,
+            2 * a.cp,
+            a.seq_len,
+            2 * a.cp
         ));
     }
     if !(a.lr.is_finite() && a.lr > 0.0) {
@@ -306,7 +338,17 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     // mismatched mesh would leave waiting.
     // The data-parallel ranks: replicas times shards.
     let dp = args.dp_replicate * args.dp;
-    if dp * args.tp != world {
+    if dp * args.tp * args.cp != world && args.cp > 1 {
+        return Err(Usage(format!(
+            "--dp {} x --cp {} is {} ranks, but this job has {world} (WORLD_SIZE); pick --dp \
+             and --cp whose product is {world}",
+            args.dp,
+            args.cp,
+            dp * args.cp
+        ))
+        .into());
+    }
+    if dp * args.tp != world && args.cp == 1 {
         let (replicas, and) = match args.dp_replicate {
             1 => (String::new(), "--dp and --tp"),
             r => (
@@ -347,7 +389,13 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
 
     // fully_shard's mesh (1-D, or HSDP's 2-D), the tensor-parallel one (None for HSDP), and
     // every data-parallel rank as one dim (the sampler's replicas, the loss's mean).
-    let (fsdp_mesh, tp_mesh, dp_mesh) = if args.dp_replicate > 1 {
+    let mut cp_group = None;
+    let (fsdp_mesh, tp_mesh, dp_mesh) = if args.cp > 1 {
+        // torchtitan's dp_shard_cp: fully_shard over both dims, the batch over dp only.
+        let mesh = init_device_mesh("cpu", &[args.dp, args.cp], &["dp", "cp"])?;
+        cp_group = Some(mesh.dim("cp")?.get_group("cp")?.clone());
+        (mesh.flatten(Some("dp_cp"))?, None, mesh.dim("dp")?)
+    } else if args.dp_replicate > 1 {
         let dims = ["dp_replicate", "dp_shard"];
         let mesh = init_device_mesh("cpu", &[args.dp_replicate, args.dp], &dims)?;
         let flat = mesh.flatten(Some("dp"))?;
@@ -358,6 +406,12 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         (dp_mesh.clone(), Some(mesh.dim("tp")?), dp_mesh)
     };
     let dp_group = dp_mesh.get_group("dp")?.clone();
+    // The step's loss is the mean over these ranks (with cp, each holds a part of every
+    // sequence; the tp ranks of a dp group hold the same loss).
+    let (loss_group, loss_ranks) = match &cp_group {
+        Some(_) => (fsdp_mesh.get_group("dp_cp")?.clone(), dp * args.cp),
+        None => (dp_group.clone(), dp),
+    };
     let dp_rank = dp_mesh.get_local_rank("dp")?;
 
     // The same seed on every rank: parallelize_module scatters each tp group's rank 0's
@@ -439,7 +493,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             corpus.train.size()[0],
         );
         println!(
-            "{} x tp {}{} ({world} ranks), {local_params} parameters on this rank; {n_train} \
+            "{} x {} {}{} ({world} ranks), {local_params} parameters on this rank; {n_train} \
              sequences of {} tokens, {per} per dp rank and step ({} per step), \
              {steps_per_epoch} steps per epoch, {total_steps} in all",
             if args.dp_replicate > 1 {
@@ -447,7 +501,8 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             } else {
                 format!("dp {}", args.dp)
             },
-            args.tp,
+            if args.cp > 1 { "cp" } else { "tp" },
+            args.tp.max(args.cp),
             match (args.sequence_parallel, args.loss_parallel, args.moe) {
                 (_, _, true) => " with mixture of experts (8 experts, top-2, one shared; expert-parallel over dp)",
                 (true, true, _) => " with sequence and loss parallelism",
@@ -490,8 +545,27 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             );
             opt.set_lr(args.lr * lr_factor(global, total_steps))?;
             opt.zero_grad();
+            // With --cp, this rank's part of each sequence (head-tail) until the end of the
+            // backward: the tokens, their targets and the positions' RoPE angles alike.
+            let cp_region = match &cp_group {
+                Some(cp) => {
+                    let mut buffers = vec![&inputs, &targets];
+                    buffers.extend(model.rope_tables());
+                    // The tokens and targets along dim 1, the tables along dim 0.
+                    let dims: Vec<i64> = (0..buffers.len()).map(|i| i64::from(i < 2)).collect();
+                    Some(context_parallel(
+                        cp,
+                        &buffers,
+                        &dims,
+                        &[],
+                        CpOptions::default(),
+                    )?)
+                }
+                None => None,
+            };
             let loss = loss_of.of(&model.f_call(&inputs)?, &targets, Reduction::Mean)?;
             backward(&model, &loss)?;
+            drop(cp_region);
             tch_dist::utils::clip_grad_norm(&model, 1.0, 2.0)?;
             // torchtitan's optimizer pre-hook: each MoE block's bias from the step's counts,
             // summed over the dp ranks (the load figure keeps this rank's own).
@@ -504,8 +578,8 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             // average: a sum, divided).
             let own = loss.double_value(&[]);
             let mean = loss.detach().reshape([1]);
-            dp_group.all_reduce(&mean, ReduceOp::Sum)?;
-            let loss = mean.double_value(&[0]) / dp as f64;
+            loss_group.all_reduce(&mean, ReduceOp::Sum)?;
+            let loss = mean.double_value(&[0]) / loss_ranks as f64;
             global += 1;
             own_loss_sum += own;
             own_tokens += inputs.numel() as i64;
@@ -552,8 +626,11 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         if rank == 0 {
             // The job's figures: every dp group's tokens (the tp ranks of a group share
             // theirs), the mean of the groups' losses, the largest peak.
-            let job_tokens: f64 = (0..dp).map(|d| all[d * args.tp].tokens_per_s).sum();
-            let loss = (0..dp).map(|d| all[d * args.tp].loss).sum::<f64>() / dp as f64;
+            // A dp group's ranks (tp or cp) are consecutive; with cp, each holds the loss
+            // of its part of the tokens, alike in size: the mean over every rank is the job's.
+            let per_dp = args.tp * args.cp;
+            let job_tokens: f64 = (0..dp).map(|d| all[d * per_dp].tokens_per_s).sum();
+            let loss = all.iter().map(|f| f.loss).sum::<f64>() / all.len() as f64;
             let peak = all.iter().map(|f| f.peak_mem_mib).fold(0.0, f64::max);
             println!(
                 "epoch {} loss={loss:.4} tokens/s={job_tokens:.0} peak_mem_mib={peak:.1}{load}",
@@ -561,9 +638,10 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             );
             for (r, f) in all.iter().enumerate() {
                 println!(
-                    "  rank {r} (dp {}, tp {}): loss={:.4} tokens/s={:.0} peak_mem_mib={:.1}",
-                    r / args.tp,
-                    r % args.tp,
+                    "  rank {r} (dp {}, {} {}): loss={:.4} tokens/s={:.0} peak_mem_mib={:.1}",
+                    r / per_dp,
+                    if args.cp > 1 { "cp" } else { "tp" },
+                    r % per_dp,
                     f.loss,
                     f.tokens_per_s,
                     f.peak_mem_mib

@@ -174,16 +174,16 @@ impl Module for Attention {
         let k = self.rope.apply(&heads(self.wk.call(x)));
         let v = heads(self.wv.call(x));
         // PyTorch's F.scaled_dot_product_attention(q, k, v, is_causal=True) over
-        // [batch, heads, seq, head_dim].
-        let y = Tensor::scaled_dot_product_attention(
+        // [batch, heads, seq, head_dim], through tch-dist's: inside a context_parallel
+        // region (`--cp`), ring attention over the cp ranks' parts of the sequence.
+        let y = tch_dist::nn::scaled_dot_product_attention(
             &q.transpose(1, 2),
             &k.transpose(1, 2),
             &v.transpose(1, 2),
-            None::<Tensor>,
+            None,
             0.0,
             true,
             None,
-            false,
         );
         self.wo
             .call(&y.transpose(1, 2).contiguous().view([b, t, -1]))
@@ -240,6 +240,16 @@ pub struct Transformer {
 }
 
 impl Transformer {
+    /// Every layer's RoPE tables (`[max_seq_len, head_dim / 2]`, indexed by position):
+    /// buffers that context parallelism splits with the tokens, so that each rank rotates
+    /// its positions by their own angles (as PyTorch's `freqs_cis` buffer).
+    pub fn rope_tables(&self) -> Vec<&Tensor> {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.attention.rope.cos, &l.attention.rope.sin])
+            .collect()
+    }
+
     /// torchtitan's initialization (`init_weights`, depth-scaled): the embedding N(0, 1),
     /// wq/wk/wv/w1 N(0, 0.02), wo/w2/w3 N(0, 0.02 / sqrt(2 * (layer + 1))), the output
     /// N(0, dim^-0.5), norms 1 (normal rather than torchtitan's truncated normal: tch has
