@@ -69,6 +69,16 @@ table and, per layout L (`hsdp`, `fsdp_tp`),
     L_vs_pytorch=R       (median step, tch-dist / PyTorch; goal <= 0.9)
     L_rss_vs_pytorch=R   (peak RSS of the largest rank, tch-dist / PyTorch; goal <= 1.0)
 
+Context parallelism (`cp` in --models, after the 2-D part, with its own budget, --cp-budget):
+a GPT-2-style transformer (2 blocks of width 256, 4 heads) on one sequence of 2048 tokens,
+whole on 1 rank and split over 2 and 4 ranks by `context_parallel` (head-tail, ring attention;
+examples/bench_ddp/context.rs), alternating. PyTorch's `context_parallel` does not run on CPU
+(its ring calls only CUDA's attention kernels): no PyTorch side. Prints a table and, per N,
+
+    cpN_kept_vs_unsplit=R  (activations the forward keeps for backward, per rank, / one
+                            rank's on the whole sequence; goal <= 1.1 / N)
+    cpN_step_vs_unsplit=R  (median step / the whole sequence's on one rank)
+
 Across hosts (`hosts` in --models, last, with its own budget, --hosts-budget; bench/hosts.py):
 2 hosts (network namespaces, root only; skipped with a printed line elsewhere) x 2 ranks, each
 host's eth0 shaped to 1 Gbit/s by tc's tbf; the transformer under replicate, fully_shard and
@@ -95,7 +105,7 @@ Every run reports its own CPU time and the machine's busy time over its timed wi
 during which other programs used more than --max-foreign of the CPUs is repeated (this machine
 is shared), up to --retries times, and the table shows what remained.
 
-    python3 bench/driver.py [--models mlp,transformer,convnet,fsdp,ac,pp,two_d,hosts] [--rounds N] [--steps N]
+    python3 bench/driver.py [--models mlp,transformer,convnet,fsdp,ac,pp,two_d,cp,hosts] [--rounds N] [--steps N]
                             [--warmup N] [--budget SECONDS] [--fsdp-budget SECONDS] [-v]
     python3 bench/driver.py --gpu --bin-dir DIR --script DIR/pytorch_ddp.py --python python3
 
@@ -626,7 +636,69 @@ TWO_D_DESC = {
 
 
 # The parts that follow the model suite, in the order they run.
-PARTS = ("fsdp", "ac", "pp", "two_d", "hosts")
+PARTS = ("fsdp", "ac", "pp", "two_d", "cp", "hosts")
+
+CP = dict(ranks=(1, 2, 4), rounds=3, steps=5, warmup=2, seq_len=2048)
+
+
+def cp_part(a, r):
+    """Context parallelism: one long sequence whole on 1 rank, split over 2 and 4 ranks (ring
+    attention); returns the summary ratios."""
+    rounds = CP["rounds"] if a.cp_rounds is None else a.cp_rounds
+    r.model, r.steps, r.warmup = None, CP["steps"], CP["warmup"]
+    r.results = {}
+    nproc = r.nproc
+    print(
+        f"bench cp: GPT-2-style transformer, 2 blocks d=256, 4 heads, one sequence of "
+        f"{CP['seq_len']} tokens, causal attention through tch_dist::nn (ring attention over the "
+        f"ranks, head-tail load balancing), SGD, replicate over the ranks; whole on 1 rank, "
+        f"split over 2 and 4 (4 ranks share this machine's {r.ncpu} cores); {rounds} rounds x "
+        f"{r.steps} timed steps (+{r.warmup} warm-up). PyTorch's context_parallel is not run: "
+        f"its ring dispatches only CUDA's flash, efficient and cuDNN attention kernels, none of "
+        f"which runs on a CPU",
+        flush=True,
+    )
+    for i in range(rounds):
+        if i >= 1 and r.slack() < 0:
+            r.planned -= len(CP["ranks"]) * (rounds - i)
+            print(f"  cp: stopped after {i} of {rounds} rounds for lack of time", flush=True)
+            r.cut_rounds += rounds - i
+            break
+        order = list(CP["ranks"]) if i % 2 == 0 else list(reversed(CP["ranks"]))
+        for n in order:
+            r.nproc = n
+            r.tch(f"cp{n}", "cp", "--seq-len", str(CP["seq_len"]), launch=True)
+    r.nproc = nproc
+    res = r.results
+    med = {k: pooled_median(v) for k, v in res.items()}
+    kept = {k: statistics.median(x["forward_kept_bytes"] for x in v) for k, v in res.items()}
+    peak = {k: max(x["peak_rss_mib_max"] for x in v) for k, v in res.items()}
+    print(f"\n== cp: one sequence of {CP['seq_len']} tokens\n")
+    print(f"{'ranks':<6} {'step ms':>8} {'fwd':>7} {'bwd':>7} {'kept MB/rank':>12} {'peak RSS MiB':>12}  runs")
+    for n in CP["ranks"]:
+        k = f"cp{n}"
+        v = res[k]
+        fwd = statistics.median(x["fwd_ms"] for x in v)
+        bwd = statistics.median(x["bwd_ms"] for x in v)
+        print(f"{n:<6} {med[k]:8.1f} {fwd:7.1f} {bwd:7.1f} {kept[k] / 1e6:12.2f} {peak[k]:12.1f}  {len(v)}")
+    out = {}
+    print()
+    for n in CP["ranks"][1:]:
+        k = f"cp{n}"
+        out[f"cp{n}_kept_vs_unsplit"] = kept[k] / kept["cp1"]
+        out[f"cp{n}_step_vs_unsplit"] = med[k] / med["cp1"]
+        print(
+            f"cp{n}_kept_vs_unsplit={out[f'cp{n}_kept_vs_unsplit']:.3f}  (activations the "
+            f"forward keeps for backward per rank, {kept[k] / 1e6:.1f} / {kept['cp1'] / 1e6:.1f} MB; "
+            f"goal <= {1.1 / n:.3f}, 1/{n} + 10%)"
+        )
+        print(
+            f"cp{n}_step_vs_unsplit={out[f'cp{n}_step_vs_unsplit']:.3f}  (median step, "
+            f"{med[k]:.1f} / {med['cp1']:.1f} ms; paired over rounds "
+            f"{paired_ratio(res[k], res['cp1']):.3f}; {n} ranks on {r.ncpu} cores)"
+        )
+    print(flush=True)
+    return out
 
 
 def two_d_part(a, r):
@@ -722,6 +794,7 @@ def cpu_bench(a, r):
     ac = "ac" in models
     pp = "pp" in models
     two_d = "two_d" in models
+    cp = "cp" in models
     hosts = "hosts" in models
     models = [m for m in models if m not in PARTS]
     # Each model gets the share of what is left of the budget that its runs are of the runs
@@ -767,6 +840,14 @@ def cpu_bench(a, r):
         r.deadline = start + a.two_d_budget if a.two_d_budget else float("inf")
         two_d_summary = two_d_part(a, r)
         print(f"bench two_d took {time.time() - start:.0f} s", flush=True)
+    cp_summary = None
+    if cp:
+        start = time.time()
+        rounds = CP["rounds"] if a.cp_rounds is None else a.cp_rounds
+        r.planned, r.done = len(CP["ranks"]) * rounds, 0
+        r.deadline = start + a.cp_budget if a.cp_budget else float("inf")
+        cp_summary = cp_part(a, r)
+        print(f"bench cp took {time.time() - start:.0f} s", flush=True)
     hosts_summary = None
     if hosts:
         hosts_summary = hosts_part(a)
@@ -780,6 +861,8 @@ def cpu_bench(a, r):
         print("pp " + " ".join(f"{k}={v:.3f}" for k, v in pp_summary.items()))
     if two_d_summary:
         print("two_d " + " ".join(f"{k}={v:.3f}" for k, v in two_d_summary.items()))
+    if cp_summary:
+        print("cp " + " ".join(f"{k}={v:.3f}" for k, v in cp_summary.items()))
     if hosts_summary:
         print("hosts " + " ".join(f"{k}={v:.3f}" for k, v in hosts_summary.items()))
     # The same figures as pictures (docs/PERFORMANCE.md shows a run's charts).
@@ -845,7 +928,7 @@ def main():
         default=",".join(list(MODELS) + list(PARTS)),
         help="the CPU suite's models, in order, `fsdp` for the FSDP part, `ac` for the "
         "activation-checkpointing part, `pp` for the pipeline part, `two_d` for the 2-D "
-        "part (HSDP, FSDP x TP; 4 ranks) and `hosts` for the across-hosts part (2 network "
+        "part (HSDP, FSDP x TP; 4 ranks), `cp` for the context-parallel part (1, 2, 4 ranks) and `hosts` for the across-hosts part (2 network "
         "namespaces x 2 ranks, a 1 Gbit/s link; root), which run after them (default: %(default)s); the "
         "last line is the first model's tch_dist_vs_pytorch_ddp",
     )
@@ -855,6 +938,13 @@ def main():
         type=float,
         default=420.0,
         help="seconds for the across-hosts part (0: none; default %(default)s)",
+    )
+    p.add_argument("--cp-rounds", type=int, default=None, help=f"default {CP['rounds']}")
+    p.add_argument(
+        "--cp-budget",
+        type=float,
+        default=90.0,
+        help="seconds for the context-parallel part (0: none; default %(default)s)",
     )
     p.add_argument("--two-d-rounds", type=int, default=None, help=f"default {TWO_D['rounds']}")
     p.add_argument(

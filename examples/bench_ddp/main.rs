@@ -7,6 +7,7 @@
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode fully_shard [--model NAME] [--optim adamw] [--activation-checkpointing]
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode pipeline --model transformer [--microbatches 4] [--schedule 1f1b|zb|zbv]
 //! tch-dist-run --nproc-per-node 4 -- bench_ddp --mode hsdp|fsdp_tp
+//! tch-dist-run --nproc-per-node 1|2|4 -- bench_ddp --mode cp [--seq-len 2048]
 //! ```
 //!
 //! - `plain`: one process trains the model (no process group);
@@ -20,7 +21,9 @@
 //!   `--microbatches` (default 4) microbatches of a batch of 8 sequences (pipeline.rs;
 //!   `--schedule zb` zero bubble, `zbv` ZB-V on 4 stages, two per rank);
 //! - `hsdp`, `fsdp_tp`: the transformer (with separate q, k, v) on a 2x2 mesh of 4 ranks,
-//!   HSDP or FSDP x tensor parallelism, AdamW (two_d.rs).
+//!   HSDP or FSDP x tensor parallelism, AdamW (two_d.rs);
+//! - `cp`: a transformer on one long sequence, whole on one rank or split over the ranks by
+//!   context parallelism (ring attention), SGD (context.rs).
 //!
 //! `--comm-hook` (replicate): how buckets are communicated: `allreduce` (the default, mean),
 //! `fp16` or `bf16` (`CommHook::Fp16Compress`, `Bf16Compress`: PyTorch's
@@ -72,6 +75,7 @@ mod attention_block;
 mod cli;
 use attention_block::{attention, Block};
 
+mod context;
 mod measure;
 mod models;
 mod pipeline;
@@ -84,6 +88,8 @@ struct Args {
     device: Device,
     model: String,
     batch: i64,
+    /// `--mode cp`: the sequence's length.
+    seq_len: i64,
     warmup: usize,
     steps: usize,
     threads: i32,
@@ -112,6 +118,7 @@ fn parse_args() -> Result<Args, String> {
         device: Device::Cpu,
         model: String::new(),
         batch: 0,
+        seq_len: 2048,
         warmup: 5,
         steps: 30,
         threads: 1,
@@ -146,6 +153,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "--model" => a.model = value()?,
             "--batch" => a.batch = num(value()?, "--batch")? as i64,
+            "--seq-len" => a.seq_len = num(value()?, "--seq-len")? as i64,
             "--warmup" => a.warmup = num(value()?, "--warmup")? as usize,
             "--steps" => a.steps = num(value()?, "--steps")? as usize,
             "--threads" => a.threads = num(value()?, "--threads")? as i32,
@@ -232,7 +240,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             }
             None
         }
-        "replicate" | "allreduce" | "fully_shard" | "pipeline" | "hsdp" | "fsdp_tp" => {
+        "replicate" | "allreduce" | "fully_shard" | "pipeline" | "hsdp" | "fsdp_tp" | "cp" => {
             let backend = if args.device.is_cuda() {
                 Backend::Nccl
             } else {
@@ -247,7 +255,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         other => {
             return Err(format!(
-                "unknown --mode {other} (plain, replicate, fully_shard, pipeline, hsdp, fsdp_tp or allreduce)"
+                "unknown --mode {other} (plain, replicate, fully_shard, pipeline, hsdp, fsdp_tp, cp or allreduce)"
             )
             .into())
         }
@@ -255,6 +263,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if let ("hsdp" | "fsdp_tp", Some(pg)) = (args.mode.as_str(), &pg) {
         // Its own model and mesh: --model does not apply.
         return two_d::two_d(&args, pg);
+    }
+    if let ("cp", Some(pg)) = (args.mode.as_str(), &pg) {
+        return context::cp(&args, pg);
     }
     match args.model.as_str() {
         "mlp" | "gpu" => dispatch::<Mlp>(&args, pg),

@@ -34,7 +34,7 @@ pub(crate) struct TpBlock {
 }
 
 impl TpBlock {
-    fn new(p: nn::Path) -> TpBlock {
+    pub(crate) fn new(p: nn::Path) -> TpBlock {
         let d = T_DIM;
         let linear = |name: &str, i, o| nn::linear(&p / name, i, o, Default::default());
         TpBlock {
