@@ -1035,9 +1035,10 @@ fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
 
 /// `train_lm --cp` (each sequence split head-tail over the cp ranks, ring attention, the
 /// RoPE tables split with the tokens, fully_shard over dp x cp) trains as one process on the
-/// same global batches: dp 2 x cp 2 (16 sequences per dp rank against 32 on one) and dp 1 x
-/// cp 4 (16 against 16) give the same losses for 9 steps (1e-4) and test loss (1e-3); a
-/// sequence length that 2·cp does not divide is refused before the process group.
+/// same global batches: dp 2 x cp 2 (16 sequences per dp rank against 32 on one), dp 1 x
+/// cp 4 and dp 1 x cp 2 x tp 2 (heads over tp, 16 against 16) give the same losses for 9
+/// steps (1e-4) and test loss (1e-3); a sequence length that 2·cp does not divide is
+/// refused before the process group.
 #[test]
 fn train_lm_with_context_parallel_trains_as_one_process() {
     let dir = temp_dir("train-lm-cp");
@@ -1052,7 +1053,11 @@ fn train_lm_with_context_parallel_trains_as_one_process() {
             })
             .collect()
     };
-    for (dp, cp, one_batch) in [("2", "2", "32"), ("1", "4", "16")] {
+    for (dp, cp, tp, one_batch) in [
+        ("2", "2", "1", "32"),
+        ("1", "4", "1", "16"),
+        ("1", "2", "2", "16"),
+    ] {
         let (four_m, one_m) = (dir.join("four.jsonl"), dir.join("one.jsonl"));
         let four_args = [
             "--dp",
@@ -1060,7 +1065,7 @@ fn train_lm_with_context_parallel_trains_as_one_process() {
             "--cp",
             cp,
             "--tp",
-            "1",
+            tp,
             "--max-steps",
             "9",
             "--metrics",
@@ -1068,7 +1073,10 @@ fn train_lm_with_context_parallel_trains_as_one_process() {
         ];
         let ends = train_lm_at_4(&four_args);
         for (r, (status, out, err)) in ends.iter().enumerate() {
-            assert!(status.success(), "dp {dp} cp {cp}: rank {r}:\n{out}\n{err}");
+            assert!(
+                status.success(),
+                "dp {dp} cp {cp} tp {tp}: rank {r}:\n{out}\n{err}"
+            );
         }
         let one_args = [
             "--dp",
@@ -1088,10 +1096,11 @@ fn train_lm_with_context_parallel_trains_as_one_process() {
         );
         assert!(status.success(), "{one_out}\n{err}");
         let four_out = &ends[0].1;
-        assert!(
-            four_out.contains(&format!("dp {dp} x cp {cp} (4 ranks)")),
-            "{four_out}"
-        );
+        let mesh = match tp {
+            "1" => format!("dp {dp} x cp {cp} (4 ranks)"),
+            _ => format!("dp {dp} x cp {cp} x tp {tp} (4 ranks)"),
+        };
+        assert!(four_out.contains(&mesh), "{four_out}");
         let (four, one) = (losses(&four_m), losses(&one_m));
         assert_eq!((four.len(), one.len()), (9, 9));
         for (step, (a, b)) in four.iter().zip(&one).enumerate() {

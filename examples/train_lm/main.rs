@@ -35,11 +35,13 @@
 //!
 //! With `--cp N`, context parallelism (torchtitan's `cp` dim): each sequence split over N
 //! ranks (head-tail, so that causal attention's work is even), attention by ring attention
-//! over them (`tch_dist::context_parallel`), the mesh `[dp, cp]` and fully_shard over both
-//! dims flattened (`dp_cp`: the cp ranks hold the same weights but see other tokens), as
-//! torchtitan's `dp_shard_cp`. The token ids, the targets and the RoPE tables are split
-//! alike for each step and put back after it; the same values as without. It needs `--tp 1`
-//! and a `--seq-len` that `2·N` divides.
+//! over them (`tch_dist::context_parallel`), the mesh `[dp, cp, tp]` in torchtitan's order,
+//! tensor parallelism over `tp` as without, and fully_shard over `dp` and `cp` flattened
+//! (`dp_cp`: the cp ranks hold the same weights but see other tokens), as torchtitan's
+//! `dp_shard_cp`. The token ids, the targets and the RoPE tables are split alike for each
+//! step and put back after it; the same values as without. It needs a `--seq-len` that
+//! `2·N` divides, and none of `--dp-replicate`, `--moe`, `--loss-parallel`,
+//! `--sequence-parallel`.
 //!
 //! With `--loss-parallel`, torchtitan's loss under tensor parallelism (PyTorch's
 //! `loss_parallel()`): the output layer leaves each tp rank its columns of the logits and
@@ -189,11 +191,10 @@ fn parse_args() -> Result<Args, String> {
     if a.dp == 0 || a.tp == 0 || a.dp_replicate == 0 || a.cp == 0 {
         return Err("--dp-replicate, --dp, --tp and --cp must be at least 1".into());
     }
-    if a.cp > 1 && (a.tp > 1 || a.dp_replicate > 1 || a.moe || a.loss_parallel) {
+    if a.cp > 1 && (a.dp_replicate > 1 || a.moe || a.loss_parallel || a.sequence_parallel) {
         return Err(format!(
-            "--cp {} splits each sequence over a mesh of dp x cp: it needs --tp 1 and none of \
-             --dp-replicate, --moe, --loss-parallel (cp with tensor parallelism and HSDP is \
-             not there yet)",
+            "--cp {} splits each sequence over a mesh of dp x cp x tp: it takes none of \
+             --dp-replicate, --moe, --loss-parallel, --sequence-parallel (not there yet)",
             a.cp
         ));
     }
@@ -340,11 +341,12 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     let dp = args.dp_replicate * args.dp;
     if dp * args.tp * args.cp != world && args.cp > 1 {
         return Err(Usage(format!(
-            "--dp {} x --cp {} is {} ranks, but this job has {world} (WORLD_SIZE); pick --dp \
-             and --cp whose product is {world}",
+            "--dp {} x --cp {} x --tp {} is {} ranks, but this job has {world} (WORLD_SIZE); \
+             pick --dp, --cp and --tp whose product is {world}",
             args.dp,
             args.cp,
-            dp * args.cp
+            args.tp,
+            dp * args.cp * args.tp
         ))
         .into());
     }
@@ -391,10 +393,17 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     // every data-parallel rank as one dim (the sampler's replicas, the loss's mean).
     let mut cp_group = None;
     let (fsdp_mesh, tp_mesh, dp_mesh) = if args.cp > 1 {
-        // torchtitan's dp_shard_cp: fully_shard over both dims, the batch over dp only.
-        let mesh = init_device_mesh("cpu", &[args.dp, args.cp], &["dp", "cp"])?;
+        // torchtitan's order and its dp_shard_cp: fully_shard over dp and cp, the batch over
+        // dp only, heads over tp.
+        let mesh = init_device_mesh("cpu", &[args.dp, args.cp, args.tp], &["dp", "cp", "tp"])?;
         cp_group = Some(mesh.dim("cp")?.get_group("cp")?.clone());
-        (mesh.flatten(Some("dp_cp"))?, None, mesh.dim("dp")?)
+        let tp_mesh = if args.tp > 1 {
+            Some(mesh.dim("tp")?)
+        } else {
+            None
+        };
+        let dp_cp = mesh.slice(&["dp", "cp"])?.flatten(Some("dp_cp"))?;
+        (dp_cp, tp_mesh, mesh.dim("dp")?)
     } else if args.dp_replicate > 1 {
         let dims = ["dp_replicate", "dp_shard"];
         let mesh = init_device_mesh("cpu", &[args.dp_replicate, args.dp], &dims)?;
@@ -493,7 +502,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             corpus.train.size()[0],
         );
         println!(
-            "{} x {} {}{} ({world} ranks), {local_params} parameters on this rank; {n_train} \
+            "{} x {}{} ({world} ranks), {local_params} parameters on this rank; {n_train} \
              sequences of {} tokens, {per} per dp rank and step ({} per step), \
              {steps_per_epoch} steps per epoch, {total_steps} in all",
             if args.dp_replicate > 1 {
@@ -501,8 +510,11 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             } else {
                 format!("dp {}", args.dp)
             },
-            if args.cp > 1 { "cp" } else { "tp" },
-            args.tp.max(args.cp),
+            match (args.cp, args.tp) {
+                (1, tp) => format!("tp {tp}"),
+                (cp, 1) => format!("cp {cp}"),
+                (cp, tp) => format!("cp {cp} x tp {tp}"),
+            },
             match (args.sequence_parallel, args.loss_parallel, args.moe) {
                 (_, _, true) => " with mixture of experts (8 experts, top-2, one shared; expert-parallel over dp)",
                 (true, true, _) => " with sequence and loss parallelism",
@@ -637,11 +649,14 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                 epoch + 1
             );
             for (r, f) in all.iter().enumerate() {
+                let within = match (args.cp, args.tp) {
+                    (1, tp) => format!("tp {}", r % tp),
+                    (cp, 1) => format!("cp {}", r % cp),
+                    (_, tp) => format!("cp {}, tp {}", r % per_dp / tp, r % tp),
+                };
                 println!(
-                    "  rank {r} (dp {}, {} {}): loss={:.4} tokens/s={:.0} peak_mem_mib={:.1}",
+                    "  rank {r} (dp {}, {within}): loss={:.4} tokens/s={:.0} peak_mem_mib={:.1}",
                     r / per_dp,
-                    if args.cp > 1 { "cp" } else { "tp" },
-                    r % per_dp,
                     f.loss,
                     f.tokens_per_s,
                     f.peak_mem_mib
