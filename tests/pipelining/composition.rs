@@ -4,7 +4,8 @@
 //! `PipelineStage::on_backward`), equal to one process training the whole model on both
 //! replicas' rows; its checkpoint (each stage's part under the whole model's FQNs) loads
 //! into the unsplit model and back into the stages. And pp × tp: each stage's block
-//! tensor-parallel over its `tp` dim.
+//! tensor-parallel over its `tp` dim; pp × cp: each stage's attention a ring over its `cp`
+//! dim.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -473,6 +474,135 @@ fn pp_2_x_dp_2_with_replicate_equals_one_process() {
                     synced, 3,
                     "one synchronised backward per step, not per microbatch"
                 );
+            }
+        },
+    );
+}
+
+/// An attention block: `x + o(attention(q(x), k(x), v(x)))`, causal, two heads, its
+/// attention through `tch_dist::nn` (ring attention inside a `context_parallel` region).
+#[derive(Debug, Shardable)]
+struct AttnBlock {
+    q: nn::Linear,
+    k: nn::Linear,
+    v: nn::Linear,
+    o: nn::Linear,
+}
+
+/// The whole model's attention blocks `blocks.<i>`; a stage's part holds its own.
+#[derive(Debug, Shardable)]
+struct AttnChain {
+    blocks: Vec<Option<AttnBlock>>,
+}
+
+impl Module for AttnChain {
+    /// `xs` `[batch, seq, WIDTH]`.
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        let (b, t) = (xs.size()[0], xs.size()[1]);
+        let heads = |z: Tensor| z.view([b, t, 2, WIDTH / 2]).transpose(1, 2);
+        self.blocks
+            .iter()
+            .flatten()
+            .fold(xs.shallow_clone(), |x, blk| {
+                let (q, k, v) = (
+                    heads(blk.q.call(&x)),
+                    heads(blk.k.call(&x)),
+                    heads(blk.v.call(&x)),
+                );
+                let y =
+                    tch_dist::nn::scaled_dot_product_attention(&q, &k, &v, None, 0.0, true, None);
+                &x + blk
+                    .o
+                    .call(&y.transpose(1, 2).contiguous().view([b, t, WIDTH]))
+            })
+    }
+}
+
+fn attn_chain(vs: &nn::VarStore, stages: Range<usize>) -> AttnChain {
+    let root = vs.root() / "blocks";
+    let linear =
+        |i: usize, name: &str| nn::linear(&root / i / name, WIDTH, WIDTH, Default::default());
+    AttnChain {
+        blocks: (0..2)
+            .map(|i| {
+                stages.contains(&i).then(|| AttnBlock {
+                    q: linear(i, "q"),
+                    k: linear(i, "k"),
+                    v: linear(i, "v"),
+                    o: linear(i, "o"),
+                })
+            })
+            .collect(),
+    }
+}
+
+/// pp 2 x cp 2 on a mesh (torchtitan's order): 1F1B across the stages, each step's inputs
+/// and targets split head-tail along the sequence over the `cp` ranks by `context_parallel`
+/// around the schedule's step, so that each stage's attention runs the ring over its cp
+/// group; the cp ranks' gradients averaged. Training equals one process on the whole
+/// sequences.
+#[test]
+fn pp_2_x_cp_2_with_context_parallel_equals_one_process() {
+    use tch_dist::context_parallel::{context_parallel, CpOptions};
+    run_ranks(
+        "composition::pp_2_x_cp_2_with_context_parallel_equals_one_process",
+        4,
+        |_pg| {
+            let mesh = init_device_mesh("cpu", &[2, 2], &["pp", "cp"]).unwrap();
+            let pp = mesh.get_group("pp").unwrap().clone();
+            let cp = mesh.get_group("cp").unwrap().clone();
+            let stage_index = mesh.get_local_rank("pp").unwrap();
+            tch::manual_seed(0);
+            let init_vs = nn::VarStore::new(Device::Cpu);
+            let _ = attn_chain(&init_vs, 0..2);
+            let mut ref_vs = nn::VarStore::new(Device::Cpu);
+            let reference = attn_chain(&ref_vs, 0..2);
+            ref_vs.copy(&init_vs).unwrap();
+            let mut ref_opt = sgd(&ref_vs);
+
+            let mut vs = nn::VarStore::new(Device::Cpu);
+            let part = attn_chain(&vs, stage_index..stage_index + 1);
+            vs.copy(&init_vs).unwrap();
+            let mut opt = sgd(&vs);
+            let stage = PipelineStage::with_forward(
+                part,
+                |m: &AttnChain, x: &Tensor, _train| m.f_call(x),
+                stage_index,
+                2,
+                Device::Cpu,
+                &pp,
+            );
+            let mut schedule = Schedule1F1B::new(stage, 4, mse).unwrap();
+            let (first, last) = (stage_index == 0, stage_index == 1);
+            for step in 0..3 {
+                tch::manual_seed(300 + step);
+                let x = Tensor::randn([8, 12, WIDTH], (Kind::Float, Device::Cpu));
+                let y = Tensor::randn([8, 12, WIDTH], (Kind::Float, Device::Cpu));
+                ref_opt
+                    .backward_step(&mse(&reference.forward(&x), &y))
+                    .unwrap();
+                let mut losses = Vec::new();
+                {
+                    let _cp = context_parallel(&cp, &[&x, &y], &[1, 1], &[], CpOptions::default())
+                        .unwrap();
+                    assert_eq!(x.size(), [8, 6, WIDTH]);
+                    schedule
+                        .step(first.then_some(&x), last.then_some(&y), &mut losses)
+                        .unwrap();
+                }
+                // The cp ranks hold the same weights and saw other tokens: the mean of their
+                // gradients is the whole sequences' (each loss is its tokens' mean).
+                for g in vs.trainable_variables().iter().map(Tensor::grad) {
+                    cp.all_reduce(&g, tch_dist::ReduceOp::Sum).unwrap();
+                    let _ = g.shallow_clone().g_div_scalar_(2.0);
+                }
+                opt.step().unwrap();
+                opt.zero_grad();
+                let ref_vars = ref_vs.variables();
+                for (fqn, t) in vs.variables() {
+                    let d = (&t - &ref_vars[&fqn]).abs().max().double_value(&[]);
+                    assert!(d < 1e-5, "step {step}: {fqn} differs by {d}");
+                }
             }
         },
     );
