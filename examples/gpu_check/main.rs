@@ -345,7 +345,7 @@ fn main() {
     );
     // 6.
     tally.run(
-        "all_to_all_single, loss_parallel, MoE expert parallelism and Ulysses attention over the device's group equal their references",
+        "all_to_all_single, loss_parallel, MoE expert parallelism, Ulysses and ring attention over the device's group equal their references",
         || check_new_layers(&pg),
     );
     tally.run("shutdown with clones alive; destroy_process_group", || {

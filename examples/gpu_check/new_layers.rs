@@ -1,11 +1,12 @@
 //! Check 11, the layers of issues 44 and 46 on the device over the default group (NCCL on
 //! `cuda:0`, world size 1): the differentiable `all_to_all_single` (NCCL's all-to-all),
 //! `loss_parallel` against `cross_entropy`, a MoE layer with expert parallelism against
-//! the same layer without, and Ulysses attention against the whole attention.
+//! the same layer without, and Ulysses and ring attention against the whole attention (the
+//! ring's blocks by plain ops on the device, its backward a custom autograd function).
 
 use super::*;
 use tch::nn::Module;
-use tch_dist::context_parallel::{ulysses_attention, AttentionOptions};
+use tch_dist::context_parallel::{ring_attention, ulysses_attention, AttentionOptions, SeqLayout};
 use tch_dist::nn::moe::{MoE, MoeConfig};
 use tch_dist::sharding::{functional, loss_parallel, LossParallelOptions};
 
@@ -64,8 +65,33 @@ pub(crate) fn check_new_layers(pg: &ProcessGroup) -> Outcome {
         Tensor::scaled_dot_product_attention::<Tensor>(&q, &k, &v, None, 0.0, true, None, false);
     let att_diff = max_diff(&att, &whole);
     assert!(att_diff < 1e-5, "Ulysses differs by {att_diff}");
+    // Ring attention at world size 1 (head-tail, causal): its output and the gradients of
+    // q, k and v against the whole attention's.
+    let leaf = |t: &Tensor| t.detach().copy().set_requires_grad(true);
+    let (rq, rk, rv) = (leaf(&q), leaf(&k), leaf(&v));
+    let opts = AttentionOptions {
+        causal: true,
+        layout: SeqLayout::HeadTail,
+        ..Default::default()
+    };
+    let ring = ring_attention(&rq, &rk, &rv, pg, &opts).expect("ring_attention");
+    let (wq, wk, wv) = (leaf(&q), leaf(&k), leaf(&v));
+    let whole =
+        Tensor::scaled_dot_product_attention::<Tensor>(&wq, &wk, &wv, None, 0.0, true, None, false);
+    let g = whole.randn_like();
+    (&ring * &g).sum(Kind::Float).backward();
+    (&whole * &g).sum(Kind::Float).backward();
+    let ring_diff = [
+        max_diff(&ring, &whole),
+        max_diff(&rq.grad(), &wq.grad()),
+        max_diff(&rk.grad(), &wk.grad()),
+        max_diff(&rv.grad(), &wv.grad()),
+    ]
+    .into_iter()
+    .fold(0.0, f64::max);
+    assert!(ring_diff < 1e-4, "ring attention differs by {ring_diff}");
     println!(
-        "        on {:?} ({:?}): loss_parallel {loss_diff:.1e}, MoE EP {moe_diff:.1e}, Ulysses {att_diff:.1e} from their references ({:.1} ms)",
+        "        on {:?} ({:?}): loss_parallel {loss_diff:.1e}, MoE EP {moe_diff:.1e}, Ulysses {att_diff:.1e}, ring {ring_diff:.1e} from their references ({:.1} ms)",
         dev(),
         pg.backend(),
         ms(start.elapsed())

@@ -17,7 +17,8 @@
 // use's share once.
 //
 // An activation-checkpointed function on the path is never split (its backward, a forward
-// run again, would run twice): there, as where the outputs do not depend on the input or the
+// run again, would run twice), nor a function with a Rust backward (ring attention's, which
+// communicates): there, as where the outputs do not depend on the input or the
 // caller does not allow a split, the input pass is the whole backward and there is no weight
 // pass.
 

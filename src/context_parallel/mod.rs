@@ -12,8 +12,8 @@
 //! | `context.rs` | [`context_parallel`]: a step's buffers split in place and attention routed while a guard lives; [`context_parallel_unshard`] | `_attention.py` (`context_parallel`, `context_parallel_unshard`) |
 //!
 //! A model's blocks call [`crate::nn::scaled_dot_product_attention`]; inside a
-//! [`context_parallel`] region it runs over the region's group. Not there yet: the `cp` mesh
-//! dimension composed with tensor and pipeline parallelism.
+//! [`context_parallel`] region it runs over the region's group. docs/design/context-parallelism.md
+//! says how.
 
 mod block;
 pub(crate) mod context;
