@@ -260,11 +260,28 @@ fn context_parallel_splits_buffers_routes_attention_and_puts_them_back() {
                 let d = max_diff(&grad, &table_grad);
                 assert!(d < 1e-10, "{strategy:?}: the table's gradient: {d}");
                 let _ = table.grad().zero_();
+                // labels is still split and held: attention outside the region is refused
+                // (the model would attend within this rank's part).
+                let x = Tensor::zeros([1, 2, 4, 4], (Kind::Double, Device::Cpu));
+                match tch_dist::nn::f_scaled_dot_product_attention(
+                    &x, &x, &x, None, 0.0, true, None,
+                ) {
+                    Err(CpError::OnRank(OnRank { problem, .. })) => {
+                        assert_eq!(problem, CpProblem::SplitOutsideRegion { shape: vec![1, 4] })
+                    }
+                    other => panic!("expected a refusal, got {other:?}"),
+                }
                 let back = context_parallel_unshard(&pg, &[&out.detach()], &[2], layout).unwrap();
                 assert!(max_diff(&back[0], &whole.detach()) < 1e-10);
                 let labels_back = context_parallel_unshard(&pg, &[&labels], &[1], layout).unwrap();
                 let mut handle = labels.shallow_clone();
                 let _ = handle.set_source_tensor_(&labels_back[0]);
+            }
+            // A buffer left split and then dropped is forgotten.
+            {
+                let tmp = Tensor::zeros([1, 8], (Kind::Int64, Device::Cpu));
+                let _cp =
+                    context_parallel(&pg, &[&tmp], &[1], &[&tmp], CpOptions::default()).unwrap();
             }
             // Outside the region attention is plain again (and local).
             let plain = toy_attention(&ids, &table);

@@ -161,4 +161,6 @@ uint64_t tdr_tensor_identity(at::Tensor* t) {
   return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(t->unsafeGetTensorImpl()));
 }
 
+size_t tdr_tensor_use_count(at::Tensor* t) { return t->defined() ? t->use_count() : 0; }
+
 }  // extern "C"

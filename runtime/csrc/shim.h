@@ -194,6 +194,8 @@ char* tdr_set_data_keep_accumulator(TdrTensor* param, TdrTensor* data);
 // The identity of the tensor object behind a handle (its TensorImpl): shallow clones share
 // it, and `set_data` keeps it.
 uint64_t tdr_tensor_identity(TdrTensor* t);
+// How many handles hold the tensor object behind `t` (its own included; 0 when undefined).
+size_t tdr_tensor_use_count(TdrTensor* t);
 // The version counter of the tensor behind a handle (bumped by every in-place change made
 // through it): a prefetched gather of shards changed since is stale.
 uint64_t tdr_tensor_version(TdrTensor* t);

@@ -334,6 +334,7 @@ extern "C" {
     pub fn tdr_storage_nbytes(t: *mut C_tensor) -> usize;
     pub fn tdr_set_data_keep_accumulator(param: *mut C_tensor, data: *mut C_tensor) -> ShimStatus;
     pub fn tdr_tensor_identity(t: *mut C_tensor) -> u64;
+    pub fn tdr_tensor_use_count(t: *mut C_tensor) -> usize;
     pub fn tdr_tensor_version(t: *mut C_tensor) -> u64;
 
     pub fn tdr_tensor_list_push(list: *mut TdrTensorList, t: *mut C_tensor) -> ShimStatus;

@@ -11,7 +11,7 @@ use std::marker::PhantomData;
 use tch::Tensor;
 use tch_dist_runtime::ProcessGroup;
 
-use tch_dist_runtime::fsdp::tensor_identity;
+use tch_dist_runtime::fsdp::{tensor_identity, tensor_use_count};
 
 use super::{CpError, CpProblem, SeqLayout};
 
@@ -60,14 +60,45 @@ pub(crate) struct Active {
     pub(crate) options: CpOptions,
 }
 
+/// A buffer a region left split (`no_restore_buffers`), on the rank `rank`.
+struct LeftSplit {
+    buffer: Tensor,
+    dim: usize,
+    part: i64,
+    rank: usize,
+}
+
 thread_local! {
     /// The contexts entered on this thread, innermost last.
     static ACTIVE: RefCell<Vec<Active>> = const { RefCell::new(Vec::new()) };
+    /// The buffers the last region on this thread left split.
+    static LEFT_SPLIT: RefCell<Vec<LeftSplit>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The innermost context of this thread, if any.
 pub(crate) fn active() -> Option<Active> {
     ACTIVE.with(|a| a.borrow().last().cloned())
+}
+
+/// Outside every region: the refusal of attention while a buffer a region left split is
+/// still held by its caller at its part's length (a model run on it would attend within this
+/// rank's part only). Buffers dropped since, or put back, are forgotten.
+pub(crate) fn check_no_split_buffer() -> Result<(), CpError> {
+    LEFT_SPLIT.with(|left| {
+        let mut left = left.borrow_mut();
+        // Ours is one handle: a count of 1 means the caller dropped it.
+        left.retain(|l| {
+            tensor_use_count(&l.buffer) > 1 && l.buffer.size().get(l.dim) == Some(&l.part)
+        });
+        match left.first() {
+            Some(l) => Err(CpProblem::SplitOutsideRegion {
+                shape: l.buffer.size(),
+            }
+            .on(l.rank)
+            .into()),
+            None => Ok(()),
+        }
+    })
 }
 
 /// A live context-parallel region: its buffers hold this rank's part of their sequence, and
@@ -78,6 +109,9 @@ pub(crate) fn active() -> Option<Active> {
 pub struct ContextParallel {
     /// Each buffer to put back, and its whole tensor.
     restore: Vec<(Tensor, Tensor)>,
+    /// The buffers left split, their sequence dims and part lengths.
+    left: Vec<(Tensor, usize, i64)>,
+    rank: usize,
     /// A context belongs to the thread whose attention it routes.
     _thread: PhantomData<*const ()>,
 }
@@ -91,6 +125,16 @@ impl Drop for ContextParallel {
         }
         ACTIVE.with(|a| {
             a.borrow_mut().pop();
+        });
+        let rank = self.rank;
+        LEFT_SPLIT.with(|l| {
+            l.borrow_mut()
+                .extend(self.left.drain(..).map(|(buffer, dim, part)| LeftSplit {
+                    buffer,
+                    dim,
+                    part,
+                    rank,
+                }))
         });
     }
 }
@@ -147,8 +191,10 @@ pub fn context_parallel(
     group
         .agree_on_values("context_parallel", own, &settings)
         .map_err(|refusal| CpError::refused(rank, refusal))?;
+    // A new region splits its buffers anew: what an earlier one left split is its caller's.
+    LEFT_SPLIT.with(|l| l.borrow_mut().clear());
     let _no_grad = tch::no_grad_guard();
-    let mut restore = Vec::new();
+    let (mut restore, mut left) = (Vec::new(), Vec::new());
     for (buffer, &dim) in buffers.iter().zip(buffer_seq_dims) {
         let dim = dim as usize;
         let part = options.layout.shard(buffer, dim as i64, ranks, rank);
@@ -162,7 +208,10 @@ pub fn context_parallel(
                 .on(rank),
             )
         })?;
-        if !no_restore_buffers.iter().any(|n| same(n, buffer)) {
+        if no_restore_buffers.iter().any(|n| same(n, buffer)) {
+            let part = handle.size()[dim];
+            left.push((handle, dim, part));
+        } else {
             restore.push((handle, whole));
         }
     }
@@ -174,6 +223,8 @@ pub fn context_parallel(
     });
     Ok(ContextParallel {
         restore,
+        left,
+        rank,
         _thread: PhantomData,
     })
 }

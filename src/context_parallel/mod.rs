@@ -170,6 +170,12 @@ pub enum CpProblem {
         /// Its value.
         other: i64,
     },
+    /// Attention outside every region while a buffer a region left split is still held.
+    #[error("context parallelism: attention outside a context_parallel region while a buffer it left split (no_restore_buffers, now {shape:?}) is still held: a model run on it would attend within this rank's part only; run it inside the region, or put the buffer back (context_parallel_unshard) or drop it")]
+    SplitOutsideRegion {
+        /// The buffer's shape now.
+        shape: Vec<i64>,
+    },
     /// libtorch's attention kernel failed on a block.
     #[error("context parallelism: the attention kernel failed: {message}")]
     Kernel {

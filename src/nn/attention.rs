@@ -13,7 +13,9 @@ use crate::context_parallel::{
 /// [`context_parallel`](crate::context_parallel::context_parallel) region, libtorch's own;
 /// inside one, attention over the whole sequence split across the context's group (its
 /// strategy and layout), this rank's positions of it. A mask or dropout inside the region is
-/// refused (PyTorch's ring refuses them too).
+/// refused (PyTorch's ring refuses them too), and so is attention outside every region while
+/// a buffer a region left split (its `no_restore_buffers`) is still held at its part's
+/// length: the model would attend within this rank's part only.
 ///
 /// ```
 /// let q = tch::Tensor::randn([1, 2, 4, 8], tch::kind::FLOAT_CPU);
@@ -31,6 +33,7 @@ pub fn f_scaled_dot_product_attention(
     scale: Option<f64>,
 ) -> Result<Tensor, CpError> {
     let Some(active) = context::active() else {
+        context::check_no_split_buffer()?;
         return Tensor::f_scaled_dot_product_attention(
             q, k, v, attn_mask, dropout_p, is_causal, scale, false,
         )

@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | `callback.rs` | every libtorch callback's trampoline (a hook's `Callback`, a recomputation's `Forward`): context back to its Rust value, `catch_unwind`, the reply (null or a message) to the shim | pybind11's exception translation around Python hooks |
 //! | `hooks.rs` | grad-ready hook, gradient interceptor, output-grad hook, end-of-backward callback, assigning `.grad` | `AccumulateGrad` post hooks, `register_post_accumulate_grad_hook`, `Tensor.register_hook`, `Variable._execution_engine.queue_callback` |
-//! | `tensor.rs` | storage release/restore, `set_data` keeping the accumulator, identity, version, `is_float` | `_free_storage` / `_alloc_storage`, `Tensor.data =`, `_version`, `torch.is_floating_point` |
+//! | `tensor.rs` | storage release/restore, `set_data` keeping the accumulator, identity, use count, version, `is_float` | `_free_storage` / `_alloc_storage`, `Tensor.data =`, `_version`, `torch.is_floating_point` |
 //! | `function.rs` | custom autograd functions with both passes in Rust: a forward returning its outputs and its backward (a closure owning what it saved) | `torch.autograd.Function` |
 //! | `recompute.rs` | activation recomputation (the facade's `checkpoint_activations`): a forward run without keeping activations, run again and differentiated in backward | `torch.utils.checkpoint` (`use_reentrant=True`'s `CheckpointFunction`) |
 //! | `split_backward.rs` | a backward in two passes, the input's gradient first and the parameters' later (zero-bubble pipeline schedules) | `torch.distributed.pipelining._backward` (`stage_backward_input`, `stage_backward_weight`) |
@@ -35,6 +35,6 @@ pub use recompute::checkpointed;
 pub use recompute::{recomputed, Recomputation};
 pub use shard_fence::{check_enter, check_exit, take_fence_hit, unfenced, FenceOwner, ShardFence};
 pub use split_backward::{backward_input, WeightBackward};
-pub use tensor::{is_float, storage_nbytes, tensor_identity};
+pub use tensor::{is_float, storage_nbytes, tensor_identity, tensor_use_count};
 pub(crate) use tensor::{release_storage, restore_storage, set_data, tensor_version};
 pub use use_guard::{autograd_mark, UseGuard};

@@ -50,6 +50,21 @@ pub fn tensor_identity(t: &Tensor) -> u64 {
     unsafe { ffi::tdr_tensor_identity(t.as_ptr() as *mut _) }
 }
 
+/// How many handles hold the tensor object behind `t`, `t` included (its shallow clones,
+/// the autograd graph's saved references): 1 when `t` is the last.
+///
+/// ```
+/// let t = tch::Tensor::zeros([2], tch::kind::FLOAT_CPU);
+/// let n = tch_dist_runtime::fsdp::tensor_use_count(&t);
+/// let alias = t.shallow_clone();
+/// assert_eq!(tch_dist_runtime::fsdp::tensor_use_count(&t), n + 1);
+/// # drop(alias);
+/// ```
+pub fn tensor_use_count(t: &Tensor) -> usize {
+    // SAFETY: a live tensor; reads a reference count.
+    unsafe { ffi::tdr_tensor_use_count(t.as_ptr() as *mut _) }
+}
+
 /// The version counter of the tensor behind `t` (every in-place change through it bumps it).
 pub(crate) fn tensor_version(t: &Tensor) -> u64 {
     // SAFETY: a live tensor; the shim catches everything.

@@ -23,7 +23,7 @@ mod layout;
 mod module;
 mod param;
 
-pub use crate::autograd::{is_float, storage_nbytes, tensor_identity};
+pub use crate::autograd::{is_float, storage_nbytes, tensor_identity, tensor_use_count};
 pub use group::AllReduceHook;
 pub use layout::ShardLayout;
 pub use module::{FsdpGroup, FsdpGroupOptions};
