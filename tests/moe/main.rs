@@ -395,3 +395,50 @@ fn an_expert_parallel_checkpoint_loads_into_a_plain_layer_at_2_ranks() {
         },
     );
 }
+
+/// A checkpoint of an expert-parallel layer saved at 2 ranks (4 experts each, ranks 0 and 1
+/// over their own group) loads at 4 ranks into a layer split 2 experts each: every rank
+/// reads its experts' rows, equal to the layer the experts were split from (the placement
+/// record's `Shard(0)` over the expert group, resharded on load).
+#[test]
+fn an_expert_parallel_checkpoint_saved_at_2_ranks_loads_at_4() {
+    use tch_dist::checkpoint::{self, LoadOptions, SaveOptions, State};
+    run_ranks(
+        "an_expert_parallel_checkpoint_saved_at_2_ranks_loads_at_4",
+        4,
+        |pg| {
+            let config = MoeConfig::new(DIM, 16, 8, 2);
+            let name = Tensor::from_slice(&[std::process::id() as i64]);
+            pg.broadcast(&name, 0).unwrap();
+            let dir =
+                std::env::temp_dir().join(format!("tch-dist-moe-ep2-{}", name.int64_value(&[0])));
+            let pair = pg.new_group(&[0, 1], tch_dist::Backend::Gloo).unwrap();
+            if let Some(pair) = &pair {
+                let (_v, mut ep) = layer(config.clone(), 8);
+                ep.parallelize_experts(pair).unwrap();
+                assert_eq!(ep.experts.w1.size()[0], 4);
+                checkpoint::save(&dir, &State::new(&ep), pair, &SaveOptions::default()).unwrap();
+            }
+            pg.barrier().unwrap();
+            let (_r, reference) = layer(config.clone(), 8);
+            let (_v, mut ep) = layer(config, 9); // other values
+            ep.parallelize_experts(&pg).unwrap();
+            let mine = ep.local_experts();
+            assert_eq!(mine.end - mine.start, 2);
+            checkpoint::load(&dir, &mut State::new(&ep), &pg, &LoadOptions::default()).unwrap();
+            for (got, want) in [
+                (&ep.experts.w1, &reference.experts.w1),
+                (&ep.experts.w2, &reference.experts.w2),
+                (&ep.experts.w3, &reference.experts.w3),
+            ] {
+                let slice = want.narrow(0, mine.start, 2);
+                assert!(max_diff(got, &slice) == 0.0, "this rank's experts");
+            }
+            assert!(max_diff(&ep.router.gate.ws, &reference.router.gate.ws) == 0.0);
+            pg.barrier().unwrap();
+            if pg.rank() == 0 {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        },
+    );
+}
