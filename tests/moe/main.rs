@@ -16,7 +16,7 @@ mod python;
 use std::collections::HashMap;
 use std::path::Path;
 
-use tch::nn::{self, Module};
+use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::nn::moe::{MoE, MoeConfig, MoeError, ScoreFunction};
 use tch_dist::testing::run_ranks;
@@ -438,6 +438,71 @@ fn an_expert_parallel_checkpoint_saved_at_2_ranks_loads_at_4() {
             pg.barrier().unwrap();
             if pg.rank() == 0 {
                 let _ = std::fs::remove_dir_all(&dir);
+            }
+        },
+    );
+}
+
+/// torchtitan's expert data parallelism at 4 ranks: experts split over `ep` (2 ranks, 4
+/// experts each), then `fully_shard` on the experts over the ranks that hold the same ones
+/// (`efsdp`, the other mesh dim) and on the layer over all 4 (router and shared expert): 2
+/// SGD steps equal one process training on every rank's tokens (the mean of the ranks'
+/// losses), the experts gathered whole through both placements.
+#[test]
+fn expert_parallel_with_fully_shard_on_an_expert_mesh_equals_one_process() {
+    use tch_dist::device_mesh::init_device_mesh;
+    use tch_dist::{fully_shard, Call, FsdpOptions};
+    run_ranks(
+        "expert_parallel_with_fully_shard_on_an_expert_mesh_equals_one_process",
+        4,
+        |pg| {
+            let rank = pg.rank() as i64;
+            let config = MoeConfig {
+                shared_hidden: Some(12),
+                ..MoeConfig::new(DIM, 16, 8, 2)
+            };
+            let (ref_vs, reference) = layer(config.clone(), 4);
+            let (vs, mut moe) = layer(config, 4);
+            let mesh = init_device_mesh("cpu", &[2, 2], &["efsdp", "ep"]).unwrap();
+            moe.parallelize_experts(mesh.get_group("ep").unwrap())
+                .unwrap();
+            let efsdp = FsdpOptions {
+                mesh: Some(mesh.dim("efsdp").unwrap()),
+                ..Default::default()
+            };
+            fully_shard(&moe.experts, efsdp).unwrap();
+            // 8 experts: 4 on each ep rank, sharded over the 2 efsdp ranks.
+            assert_eq!(moe.experts.w1.size()[0], 2);
+            let world = FsdpOptions {
+                mesh: Some(mesh.flatten(Some("dp")).unwrap()),
+                ..Default::default()
+            };
+            fully_shard(&moe, world).unwrap();
+            let sgd = |vs: &nn::VarStore| {
+                nn::Sgd {
+                    momentum: 0.9,
+                    ..Default::default()
+                }
+                .build(vs, 0.1)
+                .unwrap()
+            };
+            let (mut ref_opt, mut opt) = (sgd(&ref_vs), sgd(&vs));
+            for step in 0..2 {
+                tch::manual_seed(20 + step);
+                let all = Tensor::randn([4, 5, DIM], (Kind::Double, Device::Cpu));
+                let target = Tensor::randn([4, 5, DIM], (Kind::Double, Device::Cpu));
+                let y = moe.f_call(&all.get(rank)).unwrap();
+                opt.backward_step(&y.mse_loss(&target.get(rank), tch::Reduction::Mean));
+                // The mean over the ranks of each rank's loss.
+                let ys = reference.forward(&all.view([-1, DIM])).view([4, 5, DIM]);
+                ref_opt.backward_step(&ys.mse_loss(&target, tch::Reduction::Mean));
+            }
+            let full = tch_dist::state_dict::full_state_dict(&moe).unwrap();
+            let want = ref_vs.variables();
+            assert_eq!(full.len(), want.len());
+            for (name, t) in full {
+                let d = max_diff(&t, &want[&format!("moe.{name}")]);
+                assert!(d < 1e-10, "{name} differs by {d}");
             }
         },
     );

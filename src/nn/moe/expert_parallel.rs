@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use tch::Tensor;
+use tch_dist_core::hooks::CallWith;
 use tch_dist_runtime::sharding::functional;
 use tch_dist_runtime::{DistError, ProcessGroup};
 
@@ -122,18 +123,20 @@ impl ExpertParallel {
         experts: &GroupedExperts,
         rows: &Tensor,
         counts: &[i64],
-    ) -> Result<Tensor, DistError> {
+    ) -> Result<Tensor, MoeError> {
         let ranks = self.group.world_size();
         let local = self.local as usize;
         let to_rank: Vec<i64> = counts.chunks(local).map(|c| c.iter().sum()).collect();
         // Each rank's counts for my experts: [ranks, local], source-major.
         let mine = Tensor::from_slice(counts).view([-1, 1]);
         let (theirs, _) =
-            functional::all_to_all_single(&mine, &vec![self.local; ranks], &self.group)?;
+            functional::all_to_all_single(&mine, &vec![self.local; ranks], &self.group)
+                .map_err(MoeError::Collective)?;
         let theirs: Vec<i64> = (0..(ranks * local) as i64)
             .map(|i| theirs.int64_value(&[i, 0]))
             .collect();
-        let (received, from_rank) = functional::all_to_all_single(rows, &to_rank, &self.group)?;
+        let (received, from_rank) = functional::all_to_all_single(rows, &to_rank, &self.group)
+            .map_err(MoeError::Collective)?;
         // Source-major to expert-major, so that each local expert's rows are contiguous.
         let mut source_start = vec![0i64; ranks];
         for s in 1..ranks {
@@ -154,15 +157,18 @@ impl ExpertParallel {
         // by 1 / ranks, they are the gradients of the mean of the ranks' losses, as data
         // parallelism over these ranks averages every other parameter's.
         let grad_scale = 1.0 / ranks as f64;
-        let out = experts.forward_grouped_scaled(
-            &received.index_select(0, &order),
-            &per_expert,
-            grad_scale,
-        );
+        // A hooked call: the experts may be fully_shard's module of their own, over the
+        // ranks that hold the same experts (torchtitan's expert data parallelism).
+        let out = experts
+            .f_call_with([&received.index_select(0, &order)], move |e, [rows]| {
+                e.forward_grouped_scaled(rows, &per_expert, grad_scale)
+            })
+            .map_err(MoeError::Experts)?;
         // Back to source-major, then to the ranks the rows came from.
         let inverse = order.argsort(0, false);
         let (returned, _) =
-            functional::all_to_all_single(&out.index_select(0, &inverse), &from_rank, &self.group)?;
+            functional::all_to_all_single(&out.index_select(0, &inverse), &from_rank, &self.group)
+                .map_err(MoeError::Collective)?;
         Ok(returned)
     }
 }

@@ -35,6 +35,7 @@ use std::sync::Mutex;
 
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
+use tch_dist_core::hooks::{CallWith, ForwardError};
 use tch_dist_core::Shardable;
 use tch_dist_runtime::{DistError, ProcessGroup, ReduceOp};
 
@@ -178,6 +179,10 @@ pub enum MoeError {
     /// exchanges.
     #[error("moe: a collective failed")]
     Collective(#[source] DistError),
+    /// A hook of the routed experts' call failed (fully_shard's gather of the experts, when
+    /// they are sharded on their own mesh).
+    #[error("moe: the routed experts' call failed")]
+    Experts(#[source] ForwardError),
 }
 
 /// A mixture-of-experts feed-forward: each token through its top `k` routed experts,
@@ -512,10 +517,15 @@ impl MoE {
             .collect();
         let rows = x.index_select(0, &token);
         let out = match &self.expert_parallel {
-            Some(ep) => ep
-                .run(&self.experts, &rows, &per_expert)
-                .map_err(MoeError::Collective)?,
-            None => self.experts.forward_grouped(&rows, &per_expert),
+            Some(ep) => ep.run(&self.experts, &rows, &per_expert)?,
+            // A hooked call: the experts may be an API's module of their own (fully_shard
+            // over the expert data-parallel ranks, as torchtitan shards `moe.experts`).
+            None => self
+                .experts
+                .f_call_with([&rows], move |e, [rows]| {
+                    e.forward_grouped(rows, &per_expert)
+                })
+                .map_err(MoeError::Experts)?,
         };
         // Weighted in the scores' precision (float32 at least), then summed per token.
         let weights = routes.weights.reshape([-1]).index_select(0, &order);
