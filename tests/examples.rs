@@ -946,12 +946,15 @@ fn train_lm_with_sequence_parallel_trains_as_without() {
     );
 }
 
-/// `train_lm --moe` at 4 ranks (MoE blocks, 8 experts split 2 per dp rank, tokens exchanged
-/// with an all-to-all, fully_shard over the same ranks on the rest) trains as one process
-/// on the same global batches (16 sequences per rank against 64 on one): the same losses for
-/// 9 steps (1e-4; the epoch's 10th is a short batch, which the samplers pad differently) and
-/// test loss (1e-3), and each epoch line reports the experts' load. A tensor-parallel mesh
-/// with `--moe` is refused.
+/// `train_lm --moe` at 4 ranks trains as one process on the same global batches, in three
+/// layouts: dp 4 (8 experts split 2 per rank, tokens exchanged with an all-to-all,
+/// fully_shard over the same ranks on the rest; 16 sequences per rank against 64 on one),
+/// dp 4 with `--ep 2` (4 experts per ep rank, fully_shard on them over the 2 efsdp ranks that
+/// hold the same ones, torchtitan's mesh `[efsdp, ep, tp]`) and dp 2 x tp 2 with
+/// `--loss-parallel` (attention and output tensor-parallel, the experts whole on each tp
+/// rank; 16 per dp rank against 32): the same losses for 9 steps (1e-4; an epoch's 10th is
+/// a short batch, which the samplers pad differently) and test loss (1e-3), and each epoch
+/// line reports the experts' load. An `--ep` that does not divide `--dp` is refused.
 #[test]
 fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
     let dir = temp_dir("train-lm-moe");
@@ -966,70 +969,86 @@ fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
             })
             .collect()
     };
-    let (four_m, one_m) = (dir.join("four.jsonl"), dir.join("one.jsonl"));
-    let four_args = [
-        "--moe",
-        "--dp",
-        "4",
-        "--tp",
-        "1",
-        "--max-steps",
-        "9",
-        "--metrics",
-        four_m.to_str().unwrap(),
+    let layouts: [(&[&str], &str, &str); 3] = [
+        (
+            &["--dp", "4", "--tp", "1"],
+            "64",
+            "expert-parallel over ep 4)",
+        ),
+        (
+            &["--dp", "4", "--ep", "2", "--tp", "1"],
+            "64",
+            "expert-parallel over ep 2, sharded over efsdp 2)",
+        ),
+        (
+            &["--dp", "2", "--tp", "2", "--loss-parallel"],
+            "32",
+            "expert-parallel over ep 2) and loss parallelism",
+        ),
     ];
-    let ends = train_lm_at_4(&four_args);
-    for (r, (status, out, err)) in ends.iter().enumerate() {
-        assert!(status.success(), "rank {r}:\n{out}\n{err}");
-    }
-    let one_args = [
-        "--moe",
-        "--dp",
-        "1",
-        "--tp",
-        "1",
-        "--max-steps",
-        "9",
-        "--local-batch-size",
-        "64",
-        "--metrics",
-        one_m.to_str().unwrap(),
-    ];
-    let (status, one_out, err) = finish(
-        start_rank(&example("train_lm"), 0, 1, free_port(), &one_args),
-        Duration::from_secs(240),
-    );
-    assert!(status.success(), "{one_out}\n{err}");
-    let four_out = &ends[0].1;
-    assert!(four_out.contains("with mixture of experts"), "{four_out}");
-    assert!(four_out.contains("expert_load="), "{four_out}");
-    let (four, one) = (losses(&four_m), losses(&one_m));
-    assert_eq!((four.len(), one.len()), (9, 9));
-    for (step, (a, b)) in four.iter().zip(&one).enumerate() {
+    for (layout, one_batch, says) in layouts {
+        let (four_m, one_m) = (dir.join("four.jsonl"), dir.join("one.jsonl"));
+        let mut four_args = vec![
+            "--moe",
+            "--max-steps",
+            "9",
+            "--metrics",
+            four_m.to_str().unwrap(),
+        ];
+        four_args.extend_from_slice(layout);
+        let ends = train_lm_at_4(&four_args);
+        for (r, (status, out, err)) in ends.iter().enumerate() {
+            assert!(status.success(), "{layout:?}: rank {r}:\n{out}\n{err}");
+        }
+        let one_args = [
+            "--moe",
+            "--dp",
+            "1",
+            "--tp",
+            "1",
+            "--max-steps",
+            "9",
+            "--local-batch-size",
+            one_batch,
+            "--metrics",
+            one_m.to_str().unwrap(),
+        ];
+        let (status, one_out, err) = finish(
+            start_rank(&example("train_lm"), 0, 1, free_port(), &one_args),
+            Duration::from_secs(240),
+        );
+        assert!(status.success(), "{one_out}\n{err}");
+        let four_out = &ends[0].1;
+        assert!(four_out.contains(says), "{layout:?}: {four_out}");
+        assert!(four_out.contains("expert_load="), "{four_out}");
+        let (four, one) = (losses(&four_m), losses(&one_m));
+        assert_eq!((four.len(), one.len()), (9, 9));
+        for (step, (a, b)) in four.iter().zip(&one).enumerate() {
+            assert!(
+                (a - b).abs() < 1e-4,
+                "{layout:?}: step {}: loss {a} at 4 ranks vs {b} in one process",
+                step + 1
+            );
+        }
+        let (a, b) = (figure(four_out, "test_loss"), figure(&one_out, "test_loss"));
         assert!(
-            (a - b).abs() < 1e-4,
-            "step {}: loss {a} at 4 ranks vs {b} in one process",
-            step + 1
+            (a - b).abs() < 1e-3,
+            "{layout:?}: test_loss {a} at 4 ranks vs {b} in one process"
         );
     }
-    let (a, b) = (figure(four_out, "test_loss"), figure(&one_out, "test_loss"));
-    assert!(
-        (a - b).abs() < 1e-3,
-        "test_loss {a} at 4 ranks vs {b} in one process"
-    );
     let _ = std::fs::remove_dir_all(dir);
     let alone = start_rank(
         &example("train_lm"),
         0,
         1,
         free_port(),
-        &["--moe", "--dp", "1", "--tp", "2"],
+        &["--moe", "--dp", "4", "--ep", "3"],
     );
     let (status, _, err) = finish(alone, Duration::from_secs(60));
     assert_eq!(status.code(), Some(2), "{err}");
-    assert!(
-        err.contains("--moe splits the experts over the dp ranks and needs --tp 1"),
-        "{err}"
+    assert_eq!(
+        err,
+        "error: --ep 3 must divide --dp 4 (expert parallelism borrows its ranks from dp)\n"
     );
 }
 

@@ -26,12 +26,15 @@
 //! the tensor-parallel regions.
 //!
 //! With `--moe`, mixture-of-experts blocks in place of the dense feed-forward (8 experts
-//! of width 64, top-2, one shared expert: `tch_dist::nn::moe`), the experts split over the
-//! dp ranks (expert parallelism, tokens exchanged with an all-to-all) and left out of
-//! fully_shard, which shards the rest over the same ranks; the load-balancing bias moves
-//! before each optimizer step, and each epoch line adds the experts' load (the busiest
-//! expert's tokens over the mean). It needs `--tp 1` (expert x tensor parallelism is not
-//! there yet).
+//! of width 64, top-2, one shared expert: `tch_dist::nn::moe`), the experts split over
+//! `--ep N` of the dp ranks (default: all of them; expert parallelism, tokens exchanged
+//! with an all-to-all), on torchtitan's mesh `[efsdp, ep, tp]` (dp = efsdp x ep): with ep
+//! below dp, `fully_shard` shards each layer's experts over the efsdp ranks that hold the
+//! same ones, and the rest of the model over all dp ranks, as torchtitan does. With `--tp`,
+//! attention and the output layer are tensor-parallel as without (`--loss-parallel` too)
+//! and every tp rank runs the experts whole (no expert x tensor parallelism). The
+//! load-balancing bias moves before each optimizer step, and each epoch line adds the
+//! experts' load (the busiest expert's tokens over the mean).
 //!
 //! With `--cp N`, context parallelism (torchtitan's `cp` dim): each sequence split over N
 //! ranks (head-tail, so that causal attention's work is even), attention by ring attention
@@ -87,7 +90,7 @@ use tch_dist::checkpoint;
 use tch_dist::checkpoint::{SaveOptions, State};
 use tch_dist::context_parallel::{context_parallel, CpOptions};
 use tch_dist::data::{DistributedSampler, SamplerOptions};
-use tch_dist::device_mesh::init_device_mesh;
+use tch_dist::device_mesh::{init_device_mesh, DeviceMesh};
 use tch_dist::optim::AdamW;
 use tch_dist::sharding::{loss_parallel, parallelize_module, LossParallelOptions};
 use tch_dist::{
@@ -133,6 +136,8 @@ struct Args {
     loss_parallel: bool,
     /// Mixture-of-experts blocks, the experts split over the dp ranks.
     moe: bool,
+    /// The ranks that split the experts (`None`: every dp rank).
+    ep: Option<usize>,
     /// Context-parallel ranks per sequence (torchtitan's `cp`).
     cp: usize,
 }
@@ -165,6 +170,7 @@ fn parse_args() -> Result<Args, String> {
         sequence_parallel: false,
         loss_parallel: false,
         moe: false,
+        ep: None,
         cp: 1,
     };
     let mut flags = cli::Flags::from_env();
@@ -184,6 +190,7 @@ fn parse_args() -> Result<Args, String> {
             "--sequence-parallel" => a.sequence_parallel = true,
             "--loss-parallel" => a.loss_parallel = true,
             "--moe" => a.moe = true,
+            "--ep" => a.ep = Some(flags.parsed(&flag)?),
             "--cp" => a.cp = flags.parsed(&flag)?,
             other => return Err(cli::unknown(other)),
         }
@@ -213,13 +220,22 @@ fn parse_args() -> Result<Args, String> {
                 .into(),
         );
     }
-    if a.moe && (a.tp > 1 || a.dp_replicate > 1) {
-        return Err(format!(
-            "--moe splits the experts over the dp ranks and needs --tp 1 and --dp-replicate 1 \
-             (got --tp {} --dp-replicate {}): expert x tensor parallelism and HSDP with \
-             experts are not there yet",
-            a.tp, a.dp_replicate
-        ));
+    if a.moe && (a.dp_replicate > 1 || a.sequence_parallel) {
+        return Err(
+            "--moe splits the experts over dp ranks and takes neither --dp-replicate nor \
+             --sequence-parallel (HSDP and sequence parallelism with experts are not there yet)"
+                .into(),
+        );
+    }
+    match (a.ep, a.moe) {
+        (Some(_), false) => return Err("--ep splits the experts: it needs --moe".into()),
+        (Some(ep), true) if ep == 0 || a.dp % ep != 0 => {
+            return Err(format!(
+                "--ep {ep} must divide --dp {} (expert parallelism borrows its ranks from dp)",
+                a.dp
+            ))
+        }
+        _ => {}
     }
     if a.epochs == 0 {
         return Err("--epochs must be at least 1".into());
@@ -283,6 +299,13 @@ fn backward(model: &Transformer, loss: &Tensor) -> Result<(), Box<dyn Error>> {
         });
     }
     Ok(())
+}
+
+/// Where a MoE model's experts live: the ranks that split them, and the ones that hold the
+/// same experts and shard them (when ep is below dp).
+struct ExpertMeshes {
+    ep: ProcessGroup,
+    efsdp: Option<DeviceMesh>,
 }
 
 /// How the loss is computed from the model's logits.
@@ -392,6 +415,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     // fully_shard's mesh (1-D, or HSDP's 2-D), the tensor-parallel one (None for HSDP), and
     // every data-parallel rank as one dim (the sampler's replicas, the loss's mean).
     let mut cp_group = None;
+    let mut expert_meshes = None;
     let (fsdp_mesh, tp_mesh, dp_mesh) = if args.cp > 1 {
         // torchtitan's order and its dp_shard_cp: fully_shard over dp and cp, the batch over
         // dp only, heads over tp.
@@ -404,6 +428,21 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         };
         let dp_cp = mesh.slice(&["dp", "cp"])?.flatten(Some("dp_cp"))?;
         (dp_cp, tp_mesh, mesh.dim("dp")?)
+    } else if args.moe {
+        // torchtitan's expert parallelism borrows its ranks from dp: dp = efsdp x ep.
+        let ep = args.ep.unwrap_or(args.dp);
+        let shape = [args.dp / ep, ep, args.tp];
+        let mesh = init_device_mesh("cpu", &shape, &["efsdp", "ep", "tp"])?;
+        expert_meshes = Some(ExpertMeshes {
+            ep: mesh.get_group("ep")?.clone(),
+            efsdp: if args.dp > ep {
+                Some(mesh.dim("efsdp")?)
+            } else {
+                None
+            },
+        });
+        let dp_mesh = mesh.slice(&["efsdp", "ep"])?.flatten(Some("dp"))?;
+        (dp_mesh.clone(), Some(mesh.dim("tp")?), dp_mesh)
     } else if args.dp_replicate > 1 {
         let dims = ["dp_replicate", "dp_shard"];
         let mesh = init_device_mesh("cpu", &[args.dp_replicate, args.dp], &dims)?;
@@ -437,21 +476,35 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             .sum()
     };
     let full_params = numel(&vs);
-    let plan = model::tp_plan(config.n_layers, args.sequence_parallel, args.loss_parallel);
+    let plan = model::tp_plan(&model::PlanFor {
+        n_layers: config.n_layers as usize,
+        sequence_parallel: args.sequence_parallel,
+        loss_parallel: args.loss_parallel,
+        moe: args.moe,
+    });
     let loss_of = match &tp_mesh {
         Some(tp_mesh) if args.loss_parallel => Loss::Parallel(tp_mesh.get_group("tp")?.clone()),
         _ => Loss::Whole,
     };
-    if args.moe {
-        // Each dp rank keeps its experts (built from the same seed everywhere, then
-        // narrowed); fully_shard, over the same ranks, leaves them to expert parallelism.
+    if let (Some(tp_mesh), false) = (&tp_mesh, args.moe && args.tp == 1) {
+        parallelize_module(&mut model, tp_mesh, &plan)?;
+    }
+    if let Some(experts) = &expert_meshes {
+        // Each ep rank keeps its experts (built from the same seed everywhere, then
+        // narrowed); with ep below dp, fully_shard shards them over the ranks that hold the
+        // same ones (torchtitan's efsdp); the layers' fully_shard over dp leaves them be.
         for layer in &mut model.layers {
             if let Some(moe) = layer.moe.as_mut() {
-                moe.parallelize_experts(&dp_group)?;
+                moe.parallelize_experts(&experts.ep)?;
+                if let Some(efsdp) = &experts.efsdp {
+                    let options = FsdpOptions {
+                        mesh: Some(efsdp.clone()),
+                        ..Default::default()
+                    };
+                    fully_shard(&moe.experts, options)?;
+                }
             }
         }
-    } else if let Some(tp_mesh) = &tp_mesh {
-        parallelize_module(&mut model, tp_mesh, &plan)?;
     }
     let over_dp = || FsdpOptions {
         mesh: Some(fsdp_mesh.clone()),
@@ -516,11 +569,20 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
                 (cp, tp) => format!("cp {cp} x tp {tp}"),
             },
             match (args.sequence_parallel, args.loss_parallel, args.moe) {
-                (_, _, true) => " with mixture of experts (8 experts, top-2, one shared; expert-parallel over dp)",
-                (true, true, _) => " with sequence and loss parallelism",
-                (true, false, _) => " with sequence parallelism",
-                (false, true, _) => " with loss parallelism",
-                (false, false, _) => "",
+                (_, lp, true) => format!(
+                    " with mixture of experts (8 experts, top-2, one shared; expert-parallel \
+                     over ep {}{}){}",
+                    args.ep.unwrap_or(args.dp),
+                    match args.dp / args.ep.unwrap_or(args.dp) {
+                        1 => String::new(),
+                        efsdp => format!(", sharded over efsdp {efsdp}"),
+                    },
+                    if lp { " and loss parallelism" } else { "" }
+                ),
+                (true, true, _) => " with sequence and loss parallelism".into(),
+                (true, false, _) => " with sequence parallelism".into(),
+                (false, true, _) => " with loss parallelism".into(),
+                (false, false, _) => String::new(),
             },
             args.seq_len,
             per * dp as i64,

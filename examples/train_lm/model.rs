@@ -330,6 +330,18 @@ impl Module for Transformer {
     }
 }
 
+/// What [`tp_plan`] plans for.
+#[derive(Debug, Clone, Copy)]
+pub struct PlanFor {
+    pub n_layers: usize,
+    /// torchtitan's sequence parallelism too.
+    pub sequence_parallel: bool,
+    /// The output layer's logits left local (`loss_parallel`).
+    pub loss_parallel: bool,
+    /// MoE blocks: their feed-forwards are experts, left out of the plan.
+    pub moe: bool,
+}
+
 /// torchtitan's tensor-parallel plan for Llama (`parallelize_llama`'s `apply_tp`), keyed by
 /// typed paths: the embedding vocab-parallel, q/k/v and w1/w3 column-parallel (each rank its
 /// heads and its hidden features, the outputs left local), wo and w2 row-parallel, the
@@ -348,7 +360,13 @@ impl Module for Transformer {
 /// With `loss_parallel` the output layer leaves its logits local (each tp rank its columns
 /// of the vocabulary), for `tch_dist::sharding::loss_parallel`: the whole logits, the
 /// largest activation, are never gathered.
-pub fn tp_plan(n_layers: usize, sequence_parallel: bool, loss_parallel: bool) -> ParallelizePlan {
+pub fn tp_plan(what: &PlanFor) -> ParallelizePlan {
+    let PlanFor {
+        n_layers,
+        sequence_parallel,
+        loss_parallel,
+        moe,
+    } = *what;
     let p = Transformer::path();
     let (local, replicate, seq) = (Layout::Shard(-1), Layout::Replicate, Layout::Shard(1));
     // Where a row-parallel layer's partial sums go: summed whole, or reduce-scattered
@@ -375,10 +393,15 @@ pub fn tp_plan(n_layers: usize, sequence_parallel: bool, loss_parallel: bool) ->
             .style(a.wq(), ColwiseParallel::default())
             .style(a.wk(), ColwiseParallel::default())
             .style(a.wv(), ColwiseParallel::default())
-            .style(a.wo(), rowwise(local))
-            .style(f.w1(), ColwiseParallel::default())
-            .style(f.w2(), rowwise(local))
-            .style(f.w3(), ColwiseParallel::default());
+            .style(a.wo(), rowwise(local));
+        // A MoE block's experts are not tensor-parallel (no expert x tensor parallelism):
+        // every tp rank runs them whole on the same tokens.
+        if !moe {
+            plan = plan
+                .style(f.w1(), ColwiseParallel::default())
+                .style(f.w2(), rowwise(local))
+                .style(f.w3(), ColwiseParallel::default());
+        }
     }
     if sequence_parallel {
         plan = plan.style(p.norm(), SequenceParallel::default());

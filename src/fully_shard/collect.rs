@@ -105,12 +105,18 @@ pub(super) fn collect(module: &dyn Shardable, ignored_params: &[String], at: Ran
             continue;
         }
         let id = tensor_identity(t);
-        // Split by a shard_module call on this module or one enclosing it.
-        if let Some(tp) = managed_by(id, ManagingApi::ShardModule) {
+        // Split by a shard_module call on this module or one enclosing it, or by a MoE
+        // layer's expert parallelism.
+        let split = managed_by(id, ManagingApi::ShardModule)
+            .map(|m| (m, false))
+            .or_else(|| managed_by(id, ManagingApi::ExpertParallel).map(|m| (m, true)));
+        if let Some((tp, experts)) = split {
             let tp_ranks = &*tp.ranks;
             match tensor_parallel(tp_ranks, ranks, global) {
-                // Beside tensor parallelism on one group of every rank: left to it.
-                TensorParallel::SameRanks if ranks.len() == world => continue,
+                // Beside tensor parallelism on one group of every rank, or experts split
+                // over these very ranks (each rank's own experts, trained on every rank's
+                // tokens): left to it.
+                TensorParallel::SameRanks if experts || ranks.len() == world => continue,
                 TensorParallel::SameRanks => {
                     problem.get_or_insert(FsdpError::from(OnRank::new(
                         rank,

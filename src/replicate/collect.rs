@@ -151,7 +151,14 @@ pub(super) fn in_module<M: Shardable + ?Sized>(module: &M, opts: &Options, rank:
 /// Whether a `shard_module` call (on this module or one enclosing it) split `t`: replicate
 /// leaves tensor-parallel parameters out of its buckets.
 fn tensor_parallel(t: &Tensor) -> bool {
-    managed_by(tensor_identity(t), ManagingApi::ShardModule).is_some()
+    split_by(t).is_some()
+}
+
+/// Who split `t` along a group: tensor parallelism, or a MoE layer's expert parallelism
+/// (both leave a piece per rank whose gradient is that rank's own).
+fn split_by(t: &Tensor) -> Option<crate::state_dict::managed::Managed> {
+    let id = tensor_identity(t);
+    managed_by(id, ManagingApi::ShardModule).or_else(|| managed_by(id, ManagingApi::ExpertParallel))
 }
 
 /// Refuses a parameter `shard_module` sharded over other ranks than `group`, by its FQN
@@ -163,7 +170,7 @@ pub(super) fn tensor_parallel_elsewhere<M: Shardable + ?Sized>(
 ) -> Result<(), ReplicateError> {
     let ranks = group.global_ranks();
     for (fqn, t) in module.named_parameters() {
-        if let Some(tp) = managed_by(tensor_identity(t), ManagingApi::ShardModule) {
+        if let Some(tp) = split_by(&t) {
             if &*tp.ranks != ranks {
                 return Err(ReplicateError::from(OnRank::new(
                     group.rank(),

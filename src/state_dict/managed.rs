@@ -32,6 +32,9 @@ pub enum ManagingApi {
     FullyShard,
     /// `shard_module` / `parallelize_module` (tensor parallelism).
     ShardModule,
+    /// A MoE layer's expert parallelism (`MoE::parallelize_experts`): its experts split
+    /// along dim 0 over the expert-parallel ranks.
+    ExpertParallel,
 }
 
 impl ManagingApi {
@@ -41,6 +44,7 @@ impl ManagingApi {
             ManagingApi::Replicate => "replicate",
             ManagingApi::FullyShard => "fully_shard",
             ManagingApi::ShardModule => "shard_module",
+            ManagingApi::ExpertParallel => "expert_parallel",
         }
     }
 }

@@ -106,7 +106,7 @@ impl ExpertParallel {
                 entries.push((tensor_identity(w), name.to_string(), Some(layer)));
             }
         });
-        let registration = register(ManagingApi::ShardModule, group.global_ranks(), entries);
+        let registration = register(ManagingApi::ExpertParallel, group.global_ranks(), entries);
         Ok(ExpertParallel {
             group: group.clone(),
             first,
