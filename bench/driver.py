@@ -79,6 +79,15 @@ examples/bench_ddp/context.rs), alternating. PyTorch's `context_parallel` does n
                             rank's on the whole sequence; goal <= 1.1 / N)
     cpN_step_vs_unsplit=R  (median step / the whole sequence's on one rank)
 
+Mixture of experts (`moe` in --models, after the cp part, with its own budget, --moe-budget):
+2 MoE layers (dim 128, 8 SwiGLU experts of width 256, top-2, a shared expert) on 1024 tokens
+per rank at 4 ranks, the experts split over the ranks (all-to-all dispatch) and fully_shard on
+the rest: tch-dist (`bench_ddp --mode moe`, examples/bench_ddp/moe.rs) against PyTorch in
+torchtitan's approach (bench/pytorch_moe.py), alternating. Prints a table and
+
+    moe_vs_pytorch=R      (median step, tch-dist / PyTorch; goal <= 0.9)
+    moe_rss_vs_pytorch=R  (peak RSS of the largest rank, tch-dist / PyTorch; goal <= 1.0)
+
 Across hosts (`hosts` in --models, last, with its own budget, --hosts-budget; bench/hosts.py):
 2 hosts (network namespaces, root only; skipped with a printed line elsewhere) x 2 ranks, each
 host's eth0 shaped to 1 Gbit/s by tc's tbf; the transformer under replicate, fully_shard and
@@ -105,7 +114,7 @@ Every run reports its own CPU time and the machine's busy time over its timed wi
 during which other programs used more than --max-foreign of the CPUs is repeated (this machine
 is shared), up to --retries times, and the table shows what remained.
 
-    python3 bench/driver.py [--models mlp,transformer,convnet,fsdp,ac,pp,two_d,cp,hosts] [--rounds N] [--steps N]
+    python3 bench/driver.py [--models mlp,transformer,convnet,fsdp,ac,pp,two_d,cp,moe,hosts] [--rounds N] [--steps N]
                             [--warmup N] [--budget SECONDS] [--fsdp-budget SECONDS] [-v]
     python3 bench/driver.py --gpu --bin-dir DIR --script DIR/pytorch_ddp.py --python python3
 
@@ -636,7 +645,77 @@ TWO_D_DESC = {
 
 
 # The parts that follow the model suite, in the order they run.
-PARTS = ("fsdp", "ac", "pp", "two_d", "cp", "hosts")
+PARTS = ("fsdp", "ac", "pp", "two_d", "cp", "moe", "hosts")
+
+MOE = dict(ranks=4, rounds=3, steps=8, warmup=2)
+
+
+def moe_part(a, r):
+    """tch-dist's expert parallelism with fully_shard against PyTorch's, torchtitan's way, 4
+    ranks; returns the summary ratios."""
+    rounds = MOE["rounds"] if a.moe_rounds is None else a.moe_rounds
+    r.model, r.steps, r.warmup = None, MOE["steps"], MOE["warmup"]
+    r.results = {}
+    nproc, r.nproc = r.nproc, MOE["ranks"]
+    script = os.path.join(ROOT, "bench", "pytorch_moe.py")
+    print(
+        f"bench moe: 2 MoE layers (dim 128, 8 SwiGLU experts of width 256, top-2 by sigmoid "
+        f"scores, a shared expert of width 256) on 1024 tokens per rank, the experts split over "
+        f"the {MOE['ranks']} ranks (all-to-all dispatch), fully_shard on the rest, SGD; tch-dist "
+        f"(bench_ddp --mode moe) against PyTorch in torchtitan's approach (bench/pytorch_moe.py), "
+        f"Gloo, 1 torch thread/rank; {rounds} rounds x {r.steps} timed steps (+{r.warmup} warm-up)",
+        flush=True,
+    )
+    for i in range(rounds):
+        if i >= 1 and r.slack() < 0:
+            r.planned -= 2 * (rounds - i)
+            print(f"  moe: stopped after {i} of {rounds} rounds for lack of time", flush=True)
+            r.cut_rounds += rounds - i
+            break
+        pair = [
+            lambda: r.tch("tch_dist_moe", "moe"),
+            lambda: r.torch("pytorch_moe", "moe", script=script),
+        ]
+        if i % 2:
+            pair.reverse()
+        for f in pair:
+            f()
+    r.nproc = nproc
+    res = r.results
+    med = {k: pooled_median(v) for k, v in res.items()}
+    peak = {k: max(x["peak_rss_mib_max"] for x in v) for k, v in res.items()}
+    print("\n== moe: 4 ranks, expert parallelism + fully_shard\n")
+    print(f"{'configuration':<14} {'step ms':>8} {'fwd':>7} {'bwd':>7} {'peak RSS MiB':>12}  runs")
+    for k in ("tch_dist_moe", "pytorch_moe"):
+        v = res[k]
+        fwd = statistics.median(x["fwd_ms"] for x in v)
+        bwd = statistics.median(x["bwd_ms"] for x in v)
+        print(f"{k:<14} {med[k]:8.1f} {fwd:7.1f} {bwd:7.1f} {peak[k]:12.1f}  {len(v)}")
+    t, p = "tch_dist_moe", "pytorch_moe"
+    out = {"moe_vs_pytorch": med[t] / med[p], "moe_rss_vs_pytorch": peak[t] / peak[p]}
+    # loss_parallel against the gathered head, 2 ranks, one run (bytes, not time).
+    r.nproc = 2
+    lp = r.tch("loss_parallel", "loss_parallel")
+    r.nproc = nproc
+    out["loss_parallel_kept_vs_gathered"] = lp["kept_local_bytes"] / lp["kept_gathered_bytes"]
+    print()
+    print(
+        f"moe_vs_pytorch={out['moe_vs_pytorch']:.3f}  (median step, {med[t]:.1f} / {med[p]:.1f} "
+        f"ms; paired over rounds {paired_ratio(res[t], res[p]):.3f}; goal <= 0.9)"
+    )
+    print(
+        f"moe_rss_vs_pytorch={out['moe_rss_vs_pytorch']:.3f}  (peak RSS of the largest rank, "
+        f"{peak[t]:.1f} / {peak[p]:.1f} MiB; goal <= 1.0)"
+    )
+    print(
+        f"loss_parallel_kept_vs_gathered={out['loss_parallel_kept_vs_gathered']:.3f}  (what a "
+        f"column-parallel head's loss keeps for backward at 2 ranks, local logits with "
+        f"loss_parallel / gathered, {lp['kept_local_bytes'] / 1e6:.1f} / "
+        f"{lp['kept_gathered_bytes'] / 1e6:.1f} MB; goal <= 0.5, 1/tp)"
+    )
+    print(flush=True)
+    return out
+
 
 CP = dict(ranks=(1, 2, 4), rounds=3, steps=5, warmup=2, seq_len=2048)
 
@@ -795,6 +874,7 @@ def cpu_bench(a, r):
     pp = "pp" in models
     two_d = "two_d" in models
     cp = "cp" in models
+    moe = "moe" in models
     hosts = "hosts" in models
     models = [m for m in models if m not in PARTS]
     # Each model gets the share of what is left of the budget that its runs are of the runs
@@ -848,6 +928,14 @@ def cpu_bench(a, r):
         r.deadline = start + a.cp_budget if a.cp_budget else float("inf")
         cp_summary = cp_part(a, r)
         print(f"bench cp took {time.time() - start:.0f} s", flush=True)
+    moe_summary = None
+    if moe:
+        start = time.time()
+        rounds = MOE["rounds"] if a.moe_rounds is None else a.moe_rounds
+        r.planned, r.done = 2 * rounds + 1, 0
+        r.deadline = start + a.moe_budget if a.moe_budget else float("inf")
+        moe_summary = moe_part(a, r)
+        print(f"bench moe took {time.time() - start:.0f} s", flush=True)
     hosts_summary = None
     if hosts:
         hosts_summary = hosts_part(a)
@@ -863,6 +951,8 @@ def cpu_bench(a, r):
         print("two_d " + " ".join(f"{k}={v:.3f}" for k, v in two_d_summary.items()))
     if cp_summary:
         print("cp " + " ".join(f"{k}={v:.3f}" for k, v in cp_summary.items()))
+    if moe_summary:
+        print("moe " + " ".join(f"{k}={v:.3f}" for k, v in moe_summary.items()))
     if hosts_summary:
         print("hosts " + " ".join(f"{k}={v:.3f}" for k, v in hosts_summary.items()))
     # The same figures as pictures (docs/PERFORMANCE.md shows a run's charts).
@@ -928,7 +1018,7 @@ def main():
         default=",".join(list(MODELS) + list(PARTS)),
         help="the CPU suite's models, in order, `fsdp` for the FSDP part, `ac` for the "
         "activation-checkpointing part, `pp` for the pipeline part, `two_d` for the 2-D "
-        "part (HSDP, FSDP x TP; 4 ranks), `cp` for the context-parallel part (1, 2, 4 ranks) and `hosts` for the across-hosts part (2 network "
+        "part (HSDP, FSDP x TP; 4 ranks), `cp` for the context-parallel part (1, 2, 4 ranks), `moe` for the mixture-of-experts part (4 ranks) and `hosts` for the across-hosts part (2 network "
         "namespaces x 2 ranks, a 1 Gbit/s link; root), which run after them (default: %(default)s); the "
         "last line is the first model's tch_dist_vs_pytorch_ddp",
     )
@@ -938,6 +1028,13 @@ def main():
         type=float,
         default=420.0,
         help="seconds for the across-hosts part (0: none; default %(default)s)",
+    )
+    p.add_argument("--moe-rounds", type=int, default=None, help=f"default {MOE['rounds']}")
+    p.add_argument(
+        "--moe-budget",
+        type=float,
+        default=90.0,
+        help="seconds for the mixture-of-experts part (0: none; default %(default)s)",
     )
     p.add_argument("--cp-rounds", type=int, default=None, help=f"default {CP['rounds']}")
     p.add_argument(

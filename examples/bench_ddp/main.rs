@@ -8,6 +8,8 @@
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode pipeline --model transformer [--microbatches 4] [--schedule 1f1b|zb|zbv]
 //! tch-dist-run --nproc-per-node 4 -- bench_ddp --mode hsdp|fsdp_tp
 //! tch-dist-run --nproc-per-node 1|2|4 -- bench_ddp --mode cp [--seq-len 2048]
+//! tch-dist-run --nproc-per-node 4 -- bench_ddp --mode moe
+//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode loss_parallel
 //! ```
 //!
 //! - `plain`: one process trains the model (no process group);
@@ -23,7 +25,11 @@
 //! - `hsdp`, `fsdp_tp`: the transformer (with separate q, k, v) on a 2x2 mesh of 4 ranks,
 //!   HSDP or FSDP x tensor parallelism, AdamW (two_d.rs);
 //! - `cp`: a transformer on one long sequence, whole on one rank or split over the ranks by
-//!   context parallelism (ring attention), SGD (context.rs).
+//!   context parallelism (ring attention), SGD (context.rs);
+//! - `moe`: a stack of MoE layers, the experts split over the ranks (expert parallelism),
+//!   fully_shard on the rest, SGD (moe.rs);
+//! - `loss_parallel`: what a column-parallel head's loss keeps for backward, local logits
+//!   with `loss_parallel` against gathered ones (loss.rs).
 //!
 //! `--comm-hook` (replicate): how buckets are communicated: `allreduce` (the default, mean),
 //! `fp16` or `bf16` (`CommHook::Fp16Compress`, `Bf16Compress`: PyTorch's
@@ -76,8 +82,10 @@ mod cli;
 use attention_block::{attention, Block};
 
 mod context;
+mod loss;
 mod measure;
 mod models;
+mod moe;
 mod pipeline;
 mod two_d;
 use measure::*;
@@ -240,7 +248,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             }
             None
         }
-        "replicate" | "allreduce" | "fully_shard" | "pipeline" | "hsdp" | "fsdp_tp" | "cp" => {
+        "replicate" | "allreduce" | "fully_shard" | "pipeline" | "hsdp" | "fsdp_tp" | "cp" | "moe" | "loss_parallel" => {
             let backend = if args.device.is_cuda() {
                 Backend::Nccl
             } else {
@@ -255,7 +263,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         other => {
             return Err(format!(
-                "unknown --mode {other} (plain, replicate, fully_shard, pipeline, hsdp, fsdp_tp, cp or allreduce)"
+                "unknown --mode {other} (plain, replicate, fully_shard, pipeline, hsdp, fsdp_tp, cp, moe, loss_parallel or allreduce)"
             )
             .into())
         }
@@ -266,6 +274,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     if let ("cp", Some(pg)) = (args.mode.as_str(), &pg) {
         return context::cp(&args, pg);
+    }
+    if let ("moe", Some(pg)) = (args.mode.as_str(), &pg) {
+        return moe::moe(&args, pg);
+    }
+    if let ("loss_parallel", Some(pg)) = (args.mode.as_str(), &pg) {
+        return loss::loss_parallel_memory(&args, pg);
     }
     match args.model.as_str() {
         "mlp" | "gpu" => dispatch::<Mlp>(&args, pg),

@@ -355,10 +355,25 @@ impl Job {
     /// Waits for every job until `timeout`, killing those still running then; returns how
     /// each ended, in `jobs`' order.
     pub fn wait_all(jobs: Vec<Job>, timeout: Duration) -> Vec<Ended> {
+        Job::wait_until(jobs, timeout, |ended| ended.iter().all(Option::is_some))
+    }
+
+    /// Waits until job `i` has ended (at most `timeout`), then kills the others still
+    /// running: for a test that judges one host while another is frozen (which would never
+    /// end by itself).
+    pub fn wait_for(jobs: Vec<Job>, i: usize, timeout: Duration) -> Vec<Ended> {
+        Job::wait_until(jobs, timeout, |ended| ended[i].is_some())
+    }
+
+    fn wait_until(
+        jobs: Vec<Job>,
+        timeout: Duration,
+        done: impl Fn(&[Option<(ExitStatus, Duration)>]) -> bool,
+    ) -> Vec<Ended> {
         let start = Instant::now();
         let mut ended: Vec<Option<(ExitStatus, Duration)>> = vec![None; jobs.len()];
         let mut jobs = jobs;
-        while ended.iter().any(Option::is_none) && start.elapsed() < timeout {
+        while !done(&ended) && start.elapsed() < timeout {
             for (job, end) in jobs.iter_mut().zip(ended.iter_mut()) {
                 if end.is_none() {
                     *end = job
