@@ -3,8 +3,9 @@
 //! (`Linear(256, 8192)` over the ranks) on 2048 tokens: once with its logits left local and
 //! `sharding::loss_parallel`, once gathered whole (`output_layouts: Replicate`) and
 //! `cross_entropy`. `BENCH`'s `kept_local_bytes` and `kept_gathered_bytes` are what malloc
-//! holds after each forward beyond before it (the logits and the loss's own activations; the
-//! input is made before).
+//! holds after each forward beyond before it (the input is made before), and
+//! `kept_head_bytes` what the head alone keeps (its output summed, which keeps nothing of
+//! it): the difference is what the loss keeps.
 
 use super::*;
 use tch_dist::device_mesh::init_device_mesh;
@@ -21,6 +22,12 @@ const LP_TOKENS: i64 = 2048;
 #[derive(Debug, Shardable)]
 struct Head {
     output: nn::Linear,
+}
+
+impl Module for Head {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        self.output.call(x)
+    }
 }
 
 fn head(vs: &nn::VarStore, output_layouts: Layout) -> Result<Head, Box<dyn std::error::Error>> {
@@ -59,7 +66,7 @@ pub(crate) fn loss_parallel_memory(
     let targets = Tensor::randint(LP_VOCAB, [LP_TOKENS], (Kind::Int64, Device::Cpu));
     pg.broadcast(&targets, 0)?;
     let opts = LossParallelOptions::default();
-    let mut kept = [0.0; 2];
+    let mut kept = [0.0; 3];
     let mut losses = [0.0; 2];
     // Twice each, the second measured (the first warms the allocator).
     for _ in 0..2 {
@@ -73,6 +80,10 @@ pub(crate) fn loss_parallel_memory(
         kept[1] = malloc_in_use() - before;
         loss.f_backward()?;
         losses[1] = loss.double_value(&[]);
+        let before = malloc_in_use();
+        let sum = local.f_call(&x)?.sum(Kind::Float);
+        kept[2] = malloc_in_use() - before;
+        sum.f_backward()?;
     }
     let out = serde_json::json!({
         "impl": "tch-dist",
@@ -81,6 +92,7 @@ pub(crate) fn loss_parallel_memory(
         "world": pg.world_size(),
         "kept_local_bytes": kept[0],
         "kept_gathered_bytes": kept[1],
+        "kept_head_bytes": kept[2],
         "losses": losses,
         "median_ms": 0.0,
         "peak_rss_mib": rss_mib().0,

@@ -13,16 +13,19 @@
 //! 2. the rows' maxima, all-reduced (MAX), shift the logits for a stable exponential;
 //! 3. the shifted logits' sums of exponentials and the target classes' shifted logits (the
 //!    rank holding a row's target class contributes it, the others zero) are summed over the
-//!    ranks in one all-reduce whose backward is the identity
-//!    ([`functional::all_reduce`](tch_dist_runtime::sharding::functional::all_reduce));
+//!    ranks in one all-reduce;
 //! 4. each row's loss is `ln(Σ exp) − target logit`, reduced as `F.cross_entropy` reduces it.
 //!
-//! The backward pass needs no collective: the gradient of this rank's slice is its slice of
+//! Steps 2 and 3 are one custom autograd function of this rank's slice (`apply_function`),
+//! which keeps the slice and two numbers per row, no copy of the slice's size beside it (so
+//! the loss keeps `1 / tp` of what the gathered head's `cross_entropy` keeps); its backward
+//! needs no collective: the gradient of this rank's slice is its slice of
 //! `softmax − one_hot`, computed from what this rank holds.
 
 use tch::{Kind, Reduction, Tensor};
-use tch_dist_runtime::sharding::functional;
-use tch_dist_runtime::{DistError, ProcessGroup, ReduceOp, Refusal};
+use tch_dist_runtime::{
+    apply_function, AutogradError, Backward, DistError, ProcessGroup, ReduceOp, Refusal,
+};
 
 use crate::OnRank;
 
@@ -148,6 +151,9 @@ pub enum LossParallelError {
     /// A collective failed (the [`DistError`] names the rank and the operation).
     #[error("loss_parallel")]
     Collective(#[source] DistError),
+    /// The autograd engine failed the loss's function.
+    #[error("loss_parallel")]
+    Engine(#[from] AutogradError),
 }
 
 impl From<DistError> for LossParallelError {
@@ -328,54 +334,110 @@ pub fn loss_parallel(
     }
     let offset: i64 = agreed.classes[..rank].iter().sum();
     let width = agreed.classes[rank];
-    // 2. The rows' maxima over every rank's classes (an empty slice adds nothing).
-    let maxima = if width > 0 {
-        local_logits.detach().amax([1], false)
-    } else {
-        Tensor::full(
-            [agreed.rows[0]],
-            f64::NEG_INFINITY,
-            (local_logits.kind(), local_logits.device()),
-        )
-    };
-    group.all_reduce(&maxima, ReduceOp::Max)?;
-    // 3. Sums of exponentials and the target logits, summed over the ranks in one
-    // all-reduce whose backward is the identity.
-    let shifted = local_logits - maxima.unsqueeze(1);
-    let sum_exp = shifted
-        .exp()
-        .sum_dim_intlist([1].as_slice(), false, shifted.kind());
+    // 2-3, a custom autograd function of this rank's slice: it keeps the slice alone (not its
+    // exponentials beside it), and its backward needs no collective.
+    let rows = agreed.rows[0];
     let local_index = &targets - offset;
     let here = kept
         .logical_and(&local_index.ge(0))
         .logical_and(&local_index.lt(width));
-    let target_logit = if width > 0 {
-        let index = local_index.clamp(0, width - 1).unsqueeze(1);
-        shifted
-            .gather(1, &index, false)
-            .squeeze_dim(1)
-            .where_self(&here, &sum_exp.zeros_like())
-    } else {
-        sum_exp.zeros_like()
+    let row_loss = RowLoss {
+        group: group.clone(),
+        width,
+        rows,
+        local_index: local_index.clamp(0, (width - 1).max(0)),
+        here,
     };
-    let both = functional::all_reduce(&Tensor::cat(&[&sum_exp, &target_logit], 0), group)?;
-    let rows = agreed.rows[0];
-    let (sum_exp, target_logit) = (both.narrow(0, 0, rows), both.narrow(0, rows, rows));
+    let outputs =
+        apply_function::<LossParallelError>(&[local_logits.shallow_clone()], &mut |inputs| {
+            row_loss.forward(&inputs[0])
+        })?;
+    let loss = outputs
+        .into_iter()
+        .next()
+        .ok_or_else(|| DistError::Internal {
+            rank,
+            op: "loss_parallel",
+            what: "the custom function returned no output",
+        })?;
     // 4. Each row's loss, reduced as F.cross_entropy reduces it.
+    let (kind, device) = (loss.kind(), loss.device());
     let row_weight = match &opts.weight {
         Some(w) => w
-            .to_kind(shifted.kind())
+            .to_kind(kind)
             .index_select(0, &targets.where_self(&kept, &targets.zeros_like())),
-        None => Tensor::ones([rows], (shifted.kind(), shifted.device())),
+        None => Tensor::ones([rows], (kind, device)),
     }
-    .where_self(
-        &kept,
-        &Tensor::zeros([rows], (shifted.kind(), shifted.device())),
-    );
-    let loss = (sum_exp.log() - target_logit) * &row_weight;
+    .where_self(&kept, &Tensor::zeros([rows], (kind, device)));
+    let loss = loss * &row_weight;
     Ok(match opts.reduction {
         Reduction::Sum => loss.sum(loss.kind()),
         Reduction::None => loss,
         _ => loss.sum(loss.kind()) / row_weight.sum(row_weight.kind()),
     })
+}
+
+/// One row loss per row, `ln(Σ exp) − target logit` over every rank's classes, from this
+/// rank's slice of the logits (steps 2 and 3 of the module's docs).
+struct RowLoss {
+    group: ProcessGroup,
+    /// This rank's classes.
+    width: i64,
+    rows: i64,
+    /// Each row's target among this rank's classes (clamped; meaningful where `here`).
+    local_index: Tensor,
+    /// The rows whose target class this rank holds (and is not ignored).
+    here: Tensor,
+}
+
+impl RowLoss {
+    /// The forward (grad disabled): the row losses and the backward.
+    fn forward(&self, logits: &Tensor) -> Result<(Vec<Tensor>, Backward), LossParallelError> {
+        let (kind, device) = (logits.kind(), logits.device());
+        // The rows' maxima over every rank's classes (an empty slice adds nothing).
+        let maxima = if self.width > 0 {
+            logits.amax([1], false)
+        } else {
+            Tensor::full([self.rows], f64::NEG_INFINITY, (kind, device))
+        };
+        self.group.all_reduce(&maxima, ReduceOp::Max)?;
+        let shifted = logits - maxima.unsqueeze(1);
+        let sum_exp = shifted.exp().sum_dim_intlist([1].as_slice(), false, kind);
+        let target_logit = if self.width > 0 {
+            shifted
+                .gather(1, &self.local_index.unsqueeze(1), false)
+                .squeeze_dim(1)
+                .where_self(&self.here, &sum_exp.zeros_like())
+        } else {
+            sum_exp.zeros_like()
+        };
+        drop(shifted);
+        let both = Tensor::cat(&[&sum_exp, &target_logit], 0);
+        self.group.all_reduce(&both, ReduceOp::Sum)?;
+        let (sum_exp, target_logit) = (
+            both.narrow(0, 0, self.rows),
+            both.narrow(0, self.rows, self.rows),
+        );
+        let loss = sum_exp.log() - target_logit;
+        // d loss_r / d logit_rc = softmax_rc − [c is r's target], on this rank's columns.
+        let saved = (
+            logits.detach(),
+            maxima,
+            sum_exp.copy(),
+            self.local_index.shallow_clone(),
+            self.here.shallow_clone(),
+            self.width,
+        );
+        let backward: Backward = Box::new(move |grads| {
+            let (logits, maxima, sum_exp, local_index, here, width) = &saved;
+            let g = grads[0].unsqueeze(1);
+            let mut d = (logits - maxima.unsqueeze(1)).exp() / sum_exp.unsqueeze(1);
+            if *width > 0 {
+                let minus_one = here.to_kind(d.kind()).neg().unsqueeze(1);
+                d = d.scatter_add(1, &local_index.unsqueeze(1), &minus_one);
+            }
+            Ok(vec![Some(d * g)])
+        });
+        Ok((vec![loss], backward))
+    }
 }
