@@ -12,6 +12,7 @@
 //! | [`split`]          | own slice                        | concatenation        |
 //! | [`reduce_scatter`] | own slice of the sum             | concatenation        |
 //! | [`all_to_all_single`] | rows exchanged by split sizes | the reverse exchange |
+//! | [`all_to_all_single_known`] | the same, the peers' splits known | the reverse exchange |
 //!
 //! Slices follow `sizes` (one entry per rank, uneven and empty slices allowed, as
 //! `torch.chunk` produces). Every rank must call the same functions in the same order, in
@@ -386,4 +387,60 @@ pub fn all_to_all_single(
     let sizes: Vec<i64> = input_splits.iter().chain(&output_splits).copied().collect();
     let received = run(group, OP, x, Mode::AllToAll, 0, &sizes)?;
     Ok((received, output_splits))
+}
+
+/// [`all_to_all_single`] when this rank already knows what each peer sends it
+/// (`output_splits`, from an exchange the ranks made before: a mixture of experts' counts):
+/// the rows move at once, without the header exchange that learns the splits and checks the
+/// row widths. This rank's own arguments are checked (splits for every rank, adding up to
+/// its rows); the caller vouches that its peers send what `output_splits` says, with rows of
+/// this rank's width. Differentiable as [`all_to_all_single`].
+///
+/// ```no_run
+/// # let pg = tch_dist_runtime::default_group()?;
+/// use tch_dist_runtime::sharding::functional;
+/// // 2 ranks that told each other before: 1 row to every rank from every rank.
+/// let x = tch::Tensor::ones([2, 4], (tch::Kind::Float, tch::Device::Cpu));
+/// let received = functional::all_to_all_single_known(&x, &[1, 1], &[1, 1], &pg)?;
+/// assert_eq!(received.size(), [2, 4]);
+/// # Ok::<(), tch_dist_runtime::DistError>(())
+/// ```
+pub fn all_to_all_single_known(
+    x: &Tensor,
+    input_splits: &[i64],
+    output_splits: &[i64],
+    group: &ProcessGroup,
+) -> Result<Tensor> {
+    const OP: &str = "all_to_all_single (differentiable, known splits)";
+    let world = group.world_size();
+    let problem = if !x.defined() || x.dim() == 0 {
+        Some("the input must be a tensor with rows".to_string())
+    } else if input_splits.len() != world || output_splits.len() != world {
+        Some(format!(
+            "{} input and {} output splits for {world} ranks",
+            input_splits.len(),
+            output_splits.len()
+        ))
+    } else if input_splits.iter().chain(output_splits).any(|&s| s < 0) {
+        Some(format!(
+            "negative splits {input_splits:?} / {output_splits:?}"
+        ))
+    } else if input_splits.iter().sum::<i64>() != x.size()[0] {
+        Some(format!(
+            "input splits {input_splits:?} add up to {} rows; the input has {}",
+            input_splits.iter().sum::<i64>(),
+            x.size()[0]
+        ))
+    } else {
+        None
+    };
+    if let Some(cause) = problem {
+        return Err(DistError::Collective {
+            rank: group.rank(),
+            op: OP,
+            cause,
+        });
+    }
+    let sizes: Vec<i64> = input_splits.iter().chain(output_splits).copied().collect();
+    run(group, OP, x, Mode::AllToAll, 0, &sizes)
 }

@@ -127,15 +127,30 @@ impl ExpertParallel {
         let ranks = self.group.world_size();
         let local = self.local as usize;
         let to_rank: Vec<i64> = counts.chunks(local).map(|c| c.iter().sum()).collect();
-        // Each rank's counts for my experts: [ranks, local], source-major.
-        let mine = Tensor::from_slice(counts).view([-1, 1]);
-        let (theirs, _) =
-            functional::all_to_all_single(&mine, &vec![self.local; ranks], &self.group)
-                .map_err(MoeError::Collective)?;
-        let theirs: Vec<i64> = (0..(ranks * local) as i64)
-            .map(|i| theirs.int64_value(&[i, 0]))
-            .collect();
-        let (received, from_rank) = functional::all_to_all_single(rows, &to_rank, &self.group)
+        // Each rank's counts for my experts: [ranks, local], source-major (every rank sends
+        // `local` counts to each: a plain all-to-all of equal chunks, no gradient).
+        let mine = Tensor::from_slice(counts);
+        if mine.size()[0] != (ranks * local) as i64 {
+            return Err(MoeError::Config(format!(
+                "{} expert counts for {ranks} ranks of {local} experts",
+                mine.size()[0]
+            )));
+        }
+        let theirs = mine.empty_like();
+        self.group
+            .all_to_all_single(&theirs, &mine)
+            .map_err(MoeError::Collective)?;
+        let theirs = Vec::<i64>::try_from(&theirs).map_err(|_| {
+            MoeError::Collective(DistError::Internal {
+                rank: self.group.rank(),
+                op: "expert parallelism",
+                what: "the exchanged counts could not be read back",
+            })
+        })?;
+        // What each rank sends this rank: the sum of its counts for my experts.
+        let from_rank: Vec<i64> = theirs.chunks(local).map(|c| c.iter().sum()).collect();
+        // The rows, now that every rank knows what it receives.
+        let received = functional::all_to_all_single_known(rows, &to_rank, &from_rank, &self.group)
             .map_err(MoeError::Collective)?;
         // Source-major to expert-major, so that each local expert's rows are contiguous.
         let mut source_start = vec![0i64; ranks];
@@ -166,9 +181,12 @@ impl ExpertParallel {
             .map_err(MoeError::Experts)?;
         // Back to source-major, then to the ranks the rows came from.
         let inverse = order.argsort(0, false);
-        let (returned, _) =
-            functional::all_to_all_single(&out.index_select(0, &inverse), &from_rank, &self.group)
-                .map_err(MoeError::Collective)?;
-        Ok(returned)
+        functional::all_to_all_single_known(
+            &out.index_select(0, &inverse),
+            &from_rank,
+            &to_rank,
+            &self.group,
+        )
+        .map_err(MoeError::Collective)
     }
 }
