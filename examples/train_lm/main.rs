@@ -229,7 +229,7 @@ fn parse_args() -> Result<Args, String> {
     }
     match (a.ep, a.moe) {
         (Some(_), false) => return Err("--ep splits the experts: it needs --moe".into()),
-        (Some(ep), true) if ep == 0 || a.dp % ep != 0 => {
+        (Some(ep), true) if ep == 0 || !a.dp.is_multiple_of(ep) => {
             return Err(format!(
                 "--ep {ep} must divide --dp {} (expert parallelism borrows its ranks from dp)",
                 a.dp
@@ -477,7 +477,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
     };
     let full_params = numel(&vs);
     let plan = model::tp_plan(&model::PlanFor {
-        n_layers: config.n_layers as usize,
+        n_layers: config.n_layers,
         sequence_parallel: args.sequence_parallel,
         loss_parallel: args.loss_parallel,
         moe: args.moe,

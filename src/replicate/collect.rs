@@ -170,7 +170,7 @@ pub(super) fn tensor_parallel_elsewhere<M: Shardable + ?Sized>(
 ) -> Result<(), ReplicateError> {
     let ranks = group.global_ranks();
     for (fqn, t) in module.named_parameters() {
-        if let Some(tp) = split_by(&t) {
+        if let Some(tp) = split_by(t) {
             if &*tp.ranks != ranks {
                 return Err(ReplicateError::from(OnRank::new(
                     group.rank(),

@@ -352,14 +352,11 @@ pub fn loss_parallel(
         apply_function::<LossParallelError>(&[local_logits.shallow_clone()], &mut |inputs| {
             row_loss.forward(&inputs[0])
         })?;
-    let loss = outputs
-        .into_iter()
-        .next()
-        .ok_or_else(|| DistError::Internal {
-            rank,
-            op: "loss_parallel",
-            what: "the custom function returned no output",
-        })?;
+    let loss = outputs.into_iter().next().ok_or(DistError::Internal {
+        rank,
+        op: "loss_parallel",
+        what: "the custom function returned no output",
+    })?;
     // 4. Each row's loss, reduced as F.cross_entropy reduces it.
     let (kind, device) = (loss.kind(), loss.device());
     let row_weight = match &opts.weight {

@@ -353,6 +353,22 @@ fn expert_parallel_equals_one_process_at_2_ranks() {
             other => panic!("expected a refusal, got {other:?}"),
         }
         assert_eq!(odd.experts.w1.size()[0], 5);
+        // Rank 0's layer has 4 experts, rank 1's 6: refused on both (the exchanges of every
+        // forward rely on alike layers), nothing narrowed.
+        let count = if rank == 0 { 4 } else { 6 };
+        let (_d, mut differs) = layer(MoeConfig::new(DIM, 16, count, 2), 4);
+        match differs.parallelize_experts(&pg) {
+            Err(MoeError::Config(t)) => assert_eq!(
+                t,
+                format!(
+                    "expert parallelism: experts is {count} here but {} on rank {}",
+                    10 - count,
+                    1 - rank
+                )
+            ),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        assert_eq!(differs.experts.w1.size()[0], count);
     });
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use tch::Tensor;
 use tch_dist_core::hooks::CallWith;
 use tch_dist_runtime::sharding::functional;
-use tch_dist_runtime::{DistError, ProcessGroup};
+use tch_dist_runtime::{DistError, ProcessGroup, Refusal};
 
 use super::{GroupedExperts, MoeError};
 use crate::state_dict::managed::{register, Layer, ManagingApi, Registration, ShardHolder};
@@ -61,18 +61,46 @@ impl ShardHolder for Holder {
 impl ExpertParallel {
     /// Keeps this rank's experts of `experts` (their weights narrowed in place, so that the
     /// `VarStore` and an optimizer built afterwards see them): `experts / ranks` each, in
-    /// rank order. Refused on every rank when the ranks do not divide the experts.
+    /// rank order. Refused on every rank, nothing narrowed, when the ranks do not divide the
+    /// experts or their layers differ (the experts' count or shapes, the tokens' top k: the
+    /// exchanges of every forward rely on them being alike, one small all-reduce here).
     pub(super) fn shard(
         experts: &mut GroupedExperts,
         count: i64,
+        top_k: i64,
         group: &ProcessGroup,
     ) -> Result<Self, MoeError> {
         let ranks = group.world_size() as i64;
-        if count % ranks != 0 {
-            return Err(MoeError::Config(format!(
+        let own = (count % ranks != 0).then(|| {
+            format!(
                 "{count} experts cannot be split evenly over the {ranks} ranks of expert parallelism"
-            )));
-        }
+            )
+        });
+        let shape = experts.w1.size();
+        let (hidden, dim) = (shape.get(1).copied(), shape.get(2).copied());
+        let settings = [
+            ("experts", count),
+            ("expert width", hidden.unwrap_or(-1)),
+            ("dim", dim.unwrap_or(-1)),
+            ("top_k", top_k),
+        ];
+        group
+            .agree_on_values("parallelize_experts", own, &settings)
+            .map_err(|refusal| match refusal {
+                Refusal::Own(text) => MoeError::Config(text),
+                Refusal::Peer { rank } => MoeError::Config(format!(
+                    "rank {rank} refused expert parallelism (its own error says why)"
+                )),
+                Refusal::Differs {
+                    setting,
+                    this,
+                    other_rank,
+                    other,
+                } => MoeError::Config(format!(
+                    "expert parallelism: {setting} is {this} here but {other} on rank {other_rank}"
+                )),
+                Refusal::Exchange(e) => MoeError::Collective(*e),
+            })?;
         let local = count / ranks;
         let first = group.rank() as i64 * local;
         let holder: Arc<dyn ShardHolder> = Arc::new(Holder {

@@ -286,8 +286,12 @@ impl MoE {
                 "the experts are already expert-parallel".into(),
             ));
         }
-        let ep =
-            expert_parallel::ExpertParallel::shard(&mut self.experts, self.config.experts, group)?;
+        let ep = expert_parallel::ExpertParallel::shard(
+            &mut self.experts,
+            self.config.experts,
+            self.config.top_k,
+            group,
+        )?;
         self.expert_parallel = Some(ep);
         Ok(())
     }
