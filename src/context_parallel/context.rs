@@ -23,10 +23,10 @@ use super::{CpError, CpProblem, SeqLayout};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum CpStrategy {
-    /// Keys and values passed around the ranks ([`ring_attention`]): any head count.
+    /// Keys and values passed around the ranks ([`ring_attention`](super::ring_attention)): any head count.
     #[default]
     Ring,
-    /// Heads exchanged for the sequence ([`ulysses_attention`]): heads the ranks divide.
+    /// Heads exchanged for the sequence ([`ulysses_attention`](super::ulysses_attention)): heads the ranks divide.
     AllToAll,
 }
 
