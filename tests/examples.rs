@@ -875,14 +875,7 @@ fn train_lm_losses(name: &str, extra: &[&str]) -> (String, Vec<f64>) {
     for (r, (status, out, err)) in ends.iter().enumerate() {
         assert!(status.success(), "rank {r}:\n{out}\n{err}");
     }
-    let losses = std::fs::read_to_string(&metrics)
-        .expect("rank 0's metrics file")
-        .lines()
-        .map(|l| {
-            let m: serde_json::Value = serde_json::from_str(l).unwrap();
-            m["loss"].as_f64().unwrap()
-        })
-        .collect();
+    let losses = metric_losses(&metrics);
     let _ = std::fs::remove_dir_all(dir);
     (ends[0].1.clone(), losses)
 }
@@ -946,6 +939,19 @@ fn train_lm_with_sequence_parallel_trains_as_without() {
     );
 }
 
+/// The per-step losses of a run's metrics file (rank 0's JSON lines).
+fn metric_losses(path: &Path) -> Vec<f64> {
+    std::fs::read_to_string(path)
+        .expect("rank 0's metrics file")
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
 /// `train_lm --moe` at 4 ranks trains as one process on the same global batches, in two
 /// layouts of torchtitan's mesh `[efsdp, ep, tp]`: dp 4 with `--ep 2` (8 experts, 4 per ep
 /// rank, tokens exchanged with an all-to-all, fully_shard on them over the 2 efsdp ranks that
@@ -958,17 +964,6 @@ fn train_lm_with_sequence_parallel_trains_as_without() {
 #[test]
 fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
     let dir = temp_dir("train-lm-moe");
-    let losses = |path: &Path| -> Vec<f64> {
-        std::fs::read_to_string(path)
-            .expect("rank 0's metrics file")
-            .lines()
-            .map(|l| {
-                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                    .as_f64()
-                    .unwrap()
-            })
-            .collect()
-    };
     let layouts: [(&[&str], &str, &str); 2] = [
         (
             &["--dp", "4", "--ep", "2", "--tp", "1"],
@@ -1016,7 +1011,7 @@ fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
         let four_out = &ends[0].1;
         assert!(four_out.contains(says), "{layout:?}: {four_out}");
         assert!(four_out.contains("expert_load="), "{four_out}");
-        let (four, one) = (losses(&four_m), losses(&one_m));
+        let (four, one) = (metric_losses(&four_m), metric_losses(&one_m));
         assert_eq!((four.len(), one.len()), (9, 9));
         for (step, (a, b)) in four.iter().zip(&one).enumerate() {
             assert!(
@@ -1056,17 +1051,6 @@ fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
 #[test]
 fn train_lm_with_context_parallel_trains_as_one_process() {
     let dir = temp_dir("train-lm-cp");
-    let losses = |path: &Path| -> Vec<f64> {
-        std::fs::read_to_string(path)
-            .expect("rank 0's metrics file")
-            .lines()
-            .map(|l| {
-                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                    .as_f64()
-                    .unwrap()
-            })
-            .collect()
-    };
     let mut one_runs: std::collections::HashMap<&str, String> = Default::default();
     for (dp, cp, tp, one_batch) in [
         ("2", "2", "1", "32"),
@@ -1121,7 +1105,7 @@ fn train_lm_with_context_parallel_trains_as_one_process() {
             _ => format!("dp {dp} x cp {cp} x tp {tp} (4 ranks)"),
         };
         assert!(four_out.contains(&mesh), "{four_out}");
-        let (four, one) = (losses(&four_m), losses(&one_m));
+        let (four, one) = (metric_losses(&four_m), metric_losses(&one_m));
         assert_eq!((four.len(), one.len()), (9, 9));
         for (step, (a, b)) in four.iter().zip(&one).enumerate() {
             assert!(

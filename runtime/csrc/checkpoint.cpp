@@ -23,6 +23,22 @@
 #include <set>
 #include <utility>
 
+void tdr::check_forward_outputs(torch::autograd::AutogradContext* ctx,
+                                const std::vector<at::Tensor>& outputs) {
+  std::vector<at::Tensor> integral;
+  for (const auto& out : outputs) {
+    if (!out.defined()) {
+      throw std::runtime_error("the forward returned an undefined tensor");
+    }
+    if (!at::isFloatingType(out.scalar_type()) && !at::isComplexType(out.scalar_type())) {
+      integral.push_back(out);
+    }
+  }
+  if (!integral.empty()) {
+    ctx->mark_non_differentiable(integral);
+  }
+}
+
 namespace tdr_checkpoint {
 
 using torch::autograd::AutogradContext;
@@ -185,18 +201,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     }
     shared->autocast = autocast_now();
     auto outputs = tdr::call_forward(first, first_ctx, inputs);
-    std::vector<at::Tensor> integral;
-    for (const auto& out : outputs) {
-      if (!out.defined()) {
-        throw std::runtime_error("the forward returned an undefined tensor");
-      }
-      if (!at::isFloatingType(out.scalar_type()) && !at::isComplexType(out.scalar_type())) {
-        integral.push_back(out);
-      }
-    }
-    if (!integral.empty()) {
-      ctx->mark_non_differentiable(integral);
-    }
+    tdr::check_forward_outputs(ctx, outputs);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward(inputs);
     ctx->saved_data["shared"] = c10::IValue::make_capsule(shared);

@@ -35,18 +35,7 @@ struct RustFunction : public torch::autograd::Function<RustFunction> {
                                void* first_ctx) {
     auto outputs =
         tdr::call_forward(first, first_ctx, std::vector<at::Tensor>(args.begin(), args.end()));
-    std::vector<at::Tensor> integral;
-    for (const auto& out : outputs) {
-      if (!out.defined()) {
-        throw std::runtime_error("the forward returned an undefined tensor");
-      }
-      if (!at::isFloatingType(out.scalar_type()) && !at::isComplexType(out.scalar_type())) {
-        integral.push_back(out);
-      }
-    }
-    if (!integral.empty()) {
-      ctx->mark_non_differentiable(integral);
-    }
+    tdr::check_forward_outputs(ctx, outputs);
     ctx->saved_data["shared"] = c10::IValue::make_capsule(std::move(shared));
     return outputs;
   }

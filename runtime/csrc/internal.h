@@ -41,6 +41,10 @@
 
 #include "shim.h"
 
+namespace torch::autograd {
+struct AutogradContext;
+}  // namespace torch::autograd
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <gloo/common/error.h>
@@ -283,6 +287,11 @@ c10::intrusive_ptr<c10d::Work> checked(const TdrGroup& g, const Route& r, const 
 // The tensors a forward callback pushes (checkpoint.cpp, function.cpp).
 std::vector<at::Tensor> call_forward(TdrForwardCallback cb, void* ctx,
                                      std::vector<at::Tensor> inputs);
+
+// A custom function's forward outputs, checked (an undefined one throws) and its integral
+// ones marked not differentiable (checkpoint.cpp, function.cpp).
+void check_forward_outputs(torch::autograd::AutogradContext* ctx,
+                           const std::vector<at::Tensor>& outputs);
 
 // Whether `node` is a function whose backward is a Rust callback (function.cpp): a split
 // backward would run it twice too.
