@@ -316,26 +316,7 @@ pub fn all_to_all_single(
 ) -> Result<(Tensor, Vec<i64>)> {
     const OP: &str = "all_to_all_single (differentiable)";
     let (rank, world) = (group.rank(), group.world_size());
-    let problem = if !x.defined() {
-        Some("the input tensor is undefined".to_string())
-    } else if x.dim() == 0 {
-        Some("a scalar has no rows to exchange".to_string())
-    } else if input_splits.len() != world {
-        Some(format!(
-            "{} input splits for {world} ranks",
-            input_splits.len()
-        ))
-    } else if input_splits.iter().any(|&s| s < 0) {
-        Some(format!("negative input splits {input_splits:?}"))
-    } else if input_splits.iter().sum::<i64>() != x.size()[0] {
-        Some(format!(
-            "input splits {input_splits:?} add up to {} rows; the input has {}",
-            input_splits.iter().sum::<i64>(),
-            x.size()[0]
-        ))
-    } else {
-        None
-    };
+    let problem = input_problem(x, input_splits, world);
     let width = if problem.is_none() {
         x.size()[1..].iter().product::<i64>()
     } else {
@@ -413,27 +394,18 @@ pub fn all_to_all_single_known(
 ) -> Result<Tensor> {
     const OP: &str = "all_to_all_single (differentiable, known splits)";
     let world = group.world_size();
-    let problem = if !x.defined() || x.dim() == 0 {
-        Some("the input must be a tensor with rows".to_string())
-    } else if input_splits.len() != world || output_splits.len() != world {
-        Some(format!(
-            "{} input and {} output splits for {world} ranks",
-            input_splits.len(),
-            output_splits.len()
-        ))
-    } else if input_splits.iter().chain(output_splits).any(|&s| s < 0) {
-        Some(format!(
-            "negative splits {input_splits:?} / {output_splits:?}"
-        ))
-    } else if input_splits.iter().sum::<i64>() != x.size()[0] {
-        Some(format!(
-            "input splits {input_splits:?} add up to {} rows; the input has {}",
-            input_splits.iter().sum::<i64>(),
-            x.size()[0]
-        ))
-    } else {
-        None
-    };
+    let problem = input_problem(x, input_splits, world).or_else(|| {
+        if output_splits.len() != world {
+            Some(format!(
+                "{} output splits for {world} ranks",
+                output_splits.len()
+            ))
+        } else if output_splits.iter().any(|&s| s < 0) {
+            Some(format!("negative output splits {output_splits:?}"))
+        } else {
+            None
+        }
+    });
     if let Some(cause) = problem {
         return Err(DistError::Collective {
             rank: group.rank(),
@@ -443,4 +415,29 @@ pub fn all_to_all_single_known(
     }
     let sizes: Vec<i64> = input_splits.iter().chain(output_splits).copied().collect();
     run(group, OP, x, Mode::AllToAll, 0, &sizes)
+}
+
+/// What is wrong with this rank's own arguments of an all-to-all, if anything: `x` must have
+/// rows, and `input_splits` one count per rank, none negative, adding up to them.
+fn input_problem(x: &Tensor, input_splits: &[i64], world: usize) -> Option<String> {
+    if !x.defined() {
+        Some("the input tensor is undefined".to_string())
+    } else if x.dim() == 0 {
+        Some("a scalar has no rows to exchange".to_string())
+    } else if input_splits.len() != world {
+        Some(format!(
+            "{} input splits for {world} ranks",
+            input_splits.len()
+        ))
+    } else if input_splits.iter().any(|&s| s < 0) {
+        Some(format!("negative input splits {input_splits:?}"))
+    } else if input_splits.iter().sum::<i64>() != x.size()[0] {
+        Some(format!(
+            "input splits {input_splits:?} add up to {} rows; the input has {}",
+            input_splits.iter().sum::<i64>(),
+            x.size()[0]
+        ))
+    } else {
+        None
+    }
 }
