@@ -352,9 +352,20 @@ fn context_parallel_splits_buffers_routes_attention_and_puts_them_back() {
                     ndim: 2
                 }
             );
-            // A mask inside the region.
+            // A mask inside the region; a region inside it, refused with nothing split.
             {
                 let _cp = context_parallel(&pg, &[&ids], &[1], &[], CpOptions::default()).unwrap();
+                assert_eq!(
+                    refusal(context_parallel(
+                        &pg,
+                        &[&ids],
+                        &[1],
+                        &[],
+                        CpOptions::default()
+                    )),
+                    CpProblem::Nested
+                );
+                assert_eq!(ids.size(), [1, 4]);
                 let x = Tensor::zeros([1, 2, 4, 4], (Kind::Double, Device::Cpu));
                 let mask = Tensor::ones([4, 4], (Kind::Bool, Device::Cpu));
                 match tch_dist::nn::f_scaled_dot_product_attention(

@@ -69,15 +69,15 @@ struct LeftSplit {
 }
 
 thread_local! {
-    /// The contexts entered on this thread, innermost last.
-    static ACTIVE: RefCell<Vec<Active>> = const { RefCell::new(Vec::new()) };
+    /// The region this thread is in (regions do not nest: see [`context_parallel`]).
+    static ACTIVE: RefCell<Option<Active>> = const { RefCell::new(None) };
     /// The buffers the last region on this thread left split.
     static LEFT_SPLIT: RefCell<Vec<LeftSplit>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The innermost context of this thread, if any.
+/// The region this thread is in, if any.
 pub(crate) fn active() -> Option<Active> {
-    ACTIVE.with(|a| a.borrow().last().cloned())
+    ACTIVE.with(|a| a.borrow().clone())
 }
 
 /// Outside every region: the refusal of attention while a buffer a region left split is
@@ -123,9 +123,7 @@ impl Drop for ContextParallel {
             // Cannot fail: the buffer held this very tensor's storage before.
             let _ = buffer.f_set_source_tensor_(whole);
         }
-        ACTIVE.with(|a| {
-            a.borrow_mut().pop();
-        });
+        ACTIVE.with(|a| a.borrow_mut().take());
         let rank = self.rank;
         LEFT_SPLIT.with(|l| {
             l.borrow_mut()
@@ -148,8 +146,9 @@ impl Drop for ContextParallel {
 ///
 /// Refused on every rank, nothing split, when a sequence length does not divide by the
 /// layout's [`divisor`](SeqLayout::divisor), a dim is out of range, a buffer requires grad
-/// (parameters are not buffers), a no-restore buffer is not among `buffers`, or the ranks
-/// pass other lengths or options.
+/// (parameters are not buffers), a no-restore buffer is not among `buffers`, the ranks
+/// pass other lengths or options, or this thread is already in a region (regions do not
+/// nest: the buffers' parts would be split again).
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -173,7 +172,11 @@ pub fn context_parallel(
 ) -> Result<ContextParallel, CpError> {
     let (rank, ranks) = (group.rank(), group.world_size());
     let divisor = options.layout.divisor(ranks);
-    let own = check_buffers(buffers, buffer_seq_dims, no_restore_buffers, divisor);
+    // A region inside a region would split its buffers' parts again: refused.
+    let own = match active() {
+        Some(_) => Some(CpProblem::Nested),
+        None => check_buffers(buffers, buffer_seq_dims, no_restore_buffers, divisor),
+    };
     let lengths: Vec<i64> = match &own {
         None => buffers
             .iter()
@@ -216,7 +219,7 @@ pub fn context_parallel(
         }
     }
     ACTIVE.with(|a| {
-        a.borrow_mut().push(Active {
+        *a.borrow_mut() = Some(Active {
             group: group.clone(),
             options,
         })

@@ -103,6 +103,9 @@ pub enum CpProblem {
         /// The local positions.
         positions: i64,
     },
+    /// A region entered inside another on the same thread.
+    #[error("context parallelism: context_parallel inside a context_parallel region: regions do not nest (the buffers' parts would be split again)")]
+    Nested,
     /// A mask or dropout inside a context-parallel region.
     #[error("context parallelism: attention inside context_parallel takes no mask and no dropout (as PyTorch's ring)")]
     MaskOrDropout,
