@@ -438,12 +438,12 @@ fn run(mut after_step: impl FnMut(u64)) -> Result<(), Box<dyn Error>> {
     // newest checkpoint that verifies: each rank's shards of the model and of AdamW's state,
     // and where the loop was.
     let mut start_at = Position::default();
-    if let Some(dir) = &args.checkpoint_dir {
-        if resume::should_resume(&pg, args.resume)? {
-            let mut state = State::new(trainer.model()).with_optimizer(&mut opt);
-            if let Some(at) = resume::load_newest(dir, &mut state, &pg)? {
-                start_at = at;
-            }
+    if let Some(dir) = &args.checkpoint_dir
+        && resume::should_resume(&pg, args.resume)?
+    {
+        let mut state = State::new(trainer.model()).with_optimizer(&mut opt);
+        if let Some(at) = resume::load_newest(dir, &mut state, &pg)? {
+            start_at = at;
         }
     }
 

@@ -29,7 +29,7 @@ fn seq_net(vs: &nn::VarStore, hidden: i64, with_head: bool) -> nn::Sequential {
 }
 
 /// The same model as an `impl Module` closure under a prefix: FQNs `body.fc1.weight`, ...
-fn closure_net(p: nn::Path) -> impl Module {
+fn closure_net(p: nn::Path) -> impl Module + use<> {
     let fc1 = nn::linear(&p / "fc1", 4, 8, Default::default());
     let fc2 = nn::linear(&p / "fc2", 8, 3, Default::default());
     nn::func(move |xs| xs.apply(&fc1).tanh().apply(&fc2))

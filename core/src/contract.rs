@@ -21,7 +21,7 @@ use crate::walk::{FqnSnapshot, Shardable};
 
 /// A composable API declared with `#[contract]`: an entry of the [`catalogue`].
 ///
-/// ```
+/// ```standalone_crate
 /// # extern crate tch_dist_core as tch_dist;
 /// # mod ddp {
 /// #     use tch_dist::{contract, ContractError, Shardable};
@@ -49,7 +49,7 @@ pub struct ContractApi {
 impl ContractApi {
     /// Whether this API declares a conflict with `other`.
     ///
-    /// ```
+    /// ```standalone_crate
     /// # extern crate tch_dist_core as tch_dist;
     /// # mod ddp {
     /// #     use tch_dist::{contract, ContractError, Shardable};
@@ -70,7 +70,7 @@ inventory::collect!(ContractApi);
 
 /// Every composable API declared with `#[contract]` in the program, sorted by name.
 ///
-/// ```
+/// ```standalone_crate
 /// # extern crate tch_dist_core as tch_dist;
 /// for api in tch_dist::contract::catalogue() {
 ///     println!("{} ({}): conflicts with {:?}", api.name, api.module_path, api.conflicts);
@@ -84,7 +84,7 @@ pub fn catalogue() -> Vec<&'static ContractApi> {
 
 /// The catalogue entries called `name` (normally at most one).
 ///
-/// ```
+/// ```standalone_crate
 /// # extern crate tch_dist_core as tch_dist;
 /// # mod ddp {
 /// #     use tch_dist::{contract, ContractError, Shardable};
@@ -106,7 +106,7 @@ pub fn find_api(name: &str) -> Vec<&'static ContractApi> {
 
 /// Whether the APIs `a` and `b` conflict: either declares the other in its catalogue entry.
 ///
-/// ```
+/// ```standalone_crate
 /// # extern crate tch_dist_core as tch_dist;
 /// # mod ddp {
 /// #     use tch_dist::{contract, ContractError, Shardable};
@@ -127,7 +127,7 @@ pub fn apis_conflict(a: &str, b: &str) -> bool {
 /// The names of the composable APIs applied to `module`, in the order they were applied
 /// (PyTorch's `_get_registry(module)`). Empty for a module with no parameters or buffers.
 ///
-/// ```
+/// ```standalone_crate
 /// # extern crate tch_dist_core as tch_dist;
 /// # mod ddp {
 /// #     use tch_dist::{contract, ContractError, Shardable};
@@ -157,7 +157,7 @@ pub fn registry<M: Shardable + ?Sized>(module: &M) -> Vec<&'static str> {
 /// The state that API `api` stored for `module`, if it was applied to it and its state
 /// has type `S`. `#[contract]` generates a typed accessor around it.
 ///
-/// ```
+/// ```standalone_crate
 /// # extern crate tch_dist_core as tch_dist;
 /// # mod ddp {
 /// #     use tch_dist::{contract, ContractError, Shardable};
@@ -196,7 +196,7 @@ where
 /// module in a long-running process: entries of dropped modules are otherwise only
 /// reclaimed lazily.
 ///
-/// ```
+/// ```standalone_crate
 /// # extern crate tch_dist_core as tch_dist;
 /// # mod ddp {
 /// #     use tch_dist::{contract, ContractError, Shardable};
@@ -251,7 +251,7 @@ impl fmt::Display for FqnKind {
 /// An API's own error type converts from it (`impl From<ContractError> for MyError`);
 /// `#[contract]` uses that conversion.
 ///
-/// ```
+/// ```standalone_crate
 /// # extern crate tch_dist_core as tch_dist;
 /// # mod ddp {
 /// #     use tch_dist::{contract, ContractError, Shardable};

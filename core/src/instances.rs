@@ -188,10 +188,10 @@ impl InstanceTable {
             e.num_hooks() != before
         }
         let mut found_at = None;
-        if let Some(e) = self.map.get_mut(hint) {
-            if take(e, id) {
-                found_at = Some(hint.clone());
-            }
+        if let Some(e) = self.map.get_mut(hint)
+            && take(e, id)
+        {
+            found_at = Some(hint.clone());
         }
         if found_at.is_none() {
             for (k, e) in self.map.iter_mut() {

@@ -33,7 +33,7 @@
 //! A hand-written [`Shardable`] impl whose type is a field of a derived
 //! struct also needs a [`HasPath`] impl; the one-line form navigates by name:
 //!
-//! ```
+//! ```standalone_crate
 //! # extern crate tch_dist_core as tch_dist;
 //! use tch_dist::path::{AnyModulePath, HasPath};
 //! # struct MyLayer;
@@ -229,7 +229,7 @@ tensor_path!(
     /// module paths do not convert into it, so an API taking `impl Into<ParamPath>` rejects a
     /// module path at compile time.
     ///
-    /// ```
+    /// ```standalone_crate
     /// # extern crate tch_dist_core as tch_dist;
     /// use tch::nn;
     /// use tch_dist::path::ParamPath;
@@ -249,7 +249,7 @@ tensor_path!(
     /// Like [`ParamPath`], for buffers (`#[shardable(buffer)]` fields, running statistics).
     /// Parameter paths, buffer paths and module paths do not convert into each other.
     ///
-    /// ```
+    /// ```standalone_crate
     /// # extern crate tch_dist_core as tch_dist;
     /// use tch::nn;
     /// use tch_dist::path::BufferPath;
@@ -522,7 +522,7 @@ module_path_struct!(
 /// The path of a `Vec<T>` or `[T; N]` field, a module like PyTorch's `nn.ModuleList`:
 /// element `i` is the child `"i"` (`.at(i)`), with `T`'s path type `P`.
 ///
-/// ```
+/// ```standalone_crate
 /// # extern crate tch_dist_core as tch_dist;
 /// #[derive(tch_dist::Shardable)]
 /// struct Net { blocks: Vec<tch::nn::Linear> }

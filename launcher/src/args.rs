@@ -258,14 +258,14 @@ pub fn check_capacity(nproc: usize) -> Result<(), String> {
     // SAFETY: geteuid(2) has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     let procs = soft_limit(|l| unsafe { libc::getrlimit(libc::RLIMIT_NPROC, l) });
-    if let (false, Some(procs)) = (root, procs) {
-        if nproc > procs {
-            return Err(format!(
-                "--nproc-per-node {nproc} is more ranks than the process limit allows: each \
+    if let (false, Some(procs)) = (root, procs)
+        && nproc > procs
+    {
+        return Err(format!(
+            "--nproc-per-node {nproc} is more ranks than the process limit allows: each \
                  rank needs a process, and RLIMIT_NPROC (ulimit -u) is {procs}; raise it or \
                  start fewer ranks"
-            ));
-        }
+        ));
     }
     Ok(())
 }

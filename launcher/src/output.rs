@@ -157,14 +157,14 @@ fn read_loop(epoll: RawFd, new_pipes: &Mutex<HashMap<RawFd, (usize, Stream)>>, o
         }
         for ev in &events[..n as usize] {
             let fd = ev.u64 as RawFd;
-            if let Entry::Vacant(new) = reading.entry(fd) {
-                if let Some((rank, stream)) = lock(new_pipes).remove(&fd) {
-                    new.insert(Reading {
-                        rank,
-                        stream,
-                        partial: Vec::new(),
-                    });
-                }
+            if let Entry::Vacant(new) = reading.entry(fd)
+                && let Some((rank, stream)) = lock(new_pipes).remove(&fd)
+            {
+                new.insert(Reading {
+                    rank,
+                    stream,
+                    partial: Vec::new(),
+                });
             }
             let Some(r) = reading.get_mut(&fd) else {
                 continue;

@@ -148,7 +148,7 @@ pub type TdrForwardCallback = unsafe extern "C" fn(
     out: *mut TdrTensorList,
 ) -> *mut c_char;
 
-extern "C" {
+unsafe extern "C" {
     pub fn tdr_string_free(s: *mut c_char);
     pub fn tdr_last_error_kind() -> c_int;
     pub fn tdr_bytes_free(data: *mut u8);

@@ -100,8 +100,10 @@ pub fn describe(outputs: &[RankOutput]) -> String {
 /// kernel-chosen port when every candidate is taken.
 ///
 /// ```no_run
-/// // A one-rank group of this test process's own, on a port no other test of it takes.
-/// std::env::set_var("MASTER_PORT", tch_dist_runtime::testing::free_port().to_string());
+/// // A rank process of this test's own job, on a port no other test of it takes.
+/// let port = tch_dist_runtime::testing::free_port();
+/// let mut rank = std::process::Command::new("my-rank");
+/// rank.env("MASTER_ADDR", "127.0.0.1").env("MASTER_PORT", port.to_string());
 /// ```
 pub fn free_port() -> u16 {
     use std::collections::HashSet;

@@ -99,10 +99,10 @@ impl ModuleName {
 
     /// Learns the FQN of `module` from the call running now, if it is inside another.
     fn learn(&self, module: &dyn Shardable) {
-        if let Some(fqn) = tch_dist_core::hooks::fqn_in_outermost_call(module) {
-            if !fqn.is_empty() {
-                *self.fqn.lock().unwrap_or_else(PoisonError::into_inner) = Some(fqn);
-            }
+        if let Some(fqn) = tch_dist_core::hooks::fqn_in_outermost_call(module)
+            && !fqn.is_empty()
+        {
+            *self.fqn.lock().unwrap_or_else(PoisonError::into_inner) = Some(fqn);
         }
     }
 }

@@ -31,7 +31,7 @@ pub(super) fn io(
     rank: usize,
     op: &'static str,
     path: &Path,
-) -> impl FnOnce(std::io::Error) -> CheckpointError {
+) -> impl FnOnce(std::io::Error) -> CheckpointError + use<> {
     let path = path.to_path_buf();
     move |source| CheckpointProblem::Io { op, path, source }.on(rank)
 }

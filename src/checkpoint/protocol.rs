@@ -62,7 +62,10 @@ impl<'a> Save<'a> {
 
     /// A collective's failure in `step`, naming the checkpoint and the step; any other
     /// error as it is.
-    pub(super) fn failed(&self, step: &'static str) -> impl Fn(CheckpointError) -> CheckpointError {
+    pub(super) fn failed(
+        &self,
+        step: &'static str,
+    ) -> impl Fn(CheckpointError) -> CheckpointError + use<> {
         let (rank, dir) = (self.rank, self.dir.to_path_buf());
         move |e| match e {
             CheckpointError::Dist(source) => CheckpointProblem::Save {

@@ -90,7 +90,7 @@ impl Reader {
         self.rank
     }
 
-    fn corrupted(&self, file: &Path) -> impl Fn(String) -> CheckpointError {
+    fn corrupted(&self, file: &Path) -> impl Fn(String) -> CheckpointError + use<> {
         let (rank, file) = (self.rank, file.to_path_buf());
         move |cause| {
             CheckpointProblem::Corrupted {
@@ -162,12 +162,12 @@ impl Reader {
         let n = index::header_len(self.rank, path, first, len)?;
         let mut bytes = first.to_vec();
         bytes.extend(self.read_at(&file, path, 8, n - 8)?);
-        if let Some(e) = entry {
-            if e.header_sha256.as_deref() != Some(storage::sha256(&bytes).as_str()) {
-                return Err(corrupted(
-                    "its header's SHA-256 differs from the manifest's".into(),
-                ));
-            }
+        if let Some(e) = entry
+            && e.header_sha256.as_deref() != Some(storage::sha256(&bytes).as_str())
+        {
+            return Err(corrupted(
+                "its header's SHA-256 differs from the manifest's".into(),
+            ));
         }
         let header = index::parse(self.rank, path, &bytes, len)?;
         Ok((file, header))
@@ -488,7 +488,7 @@ impl Reader {
             .ok_or_else(|| format(format!("`{}`: dtype {}", piece.fqn, piece.dtype)))
     }
 
-    fn format(&self, f: &IndexedFile) -> impl Fn(String) -> CheckpointError {
+    fn format(&self, f: &IndexedFile) -> impl Fn(String) -> CheckpointError + use<> {
         let (rank, path) = (self.rank, f.path.clone());
         move |cause| {
             CheckpointProblem::Format {

@@ -88,13 +88,12 @@ pub(super) fn collect(module: &dyn Shardable, ignored_params: &[String], at: Ran
         }
     }
     let all = module.named_parameters();
-    if problem.is_none() {
-        if let Some(name) = ignored_params
+    if problem.is_none()
+        && let Some(name) = ignored_params
             .iter()
             .find(|i| !all.iter().any(|(f, _)| is_within(f, i)))
-        {
-            problem = Some(FsdpProblem::UnknownIgnoredParam { name: name.clone() }.on(rank));
-        }
+    {
+        problem = Some(FsdpProblem::UnknownIgnoredParam { name: name.clone() }.on(rank));
     }
     let mut seen: HashMap<u64, String> = HashMap::new();
     let mut params = Vec::new();

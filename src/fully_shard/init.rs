@@ -102,10 +102,11 @@ fn shard_dims(
         }
         dims.push(dim);
     }
-    if let Some(ReshardAfterForward::ToRanks(n)) = opts.reshard_after_forward {
-        if problem.is_none() && (n == 0 || world % n != 0) {
-            problem = Some(FsdpProblem::ReshardRanks { ranks: n, world }.on(rank));
-        }
+    if let Some(ReshardAfterForward::ToRanks(n)) = opts.reshard_after_forward
+        && problem.is_none()
+        && (n == 0 || world % n != 0)
+    {
+        problem = Some(FsdpProblem::ReshardRanks { ranks: n, world }.on(rank));
     }
     (dims, problem)
 }

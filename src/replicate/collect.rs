@@ -170,18 +170,18 @@ pub(super) fn tensor_parallel_elsewhere<M: Shardable + ?Sized>(
 ) -> Result<(), ReplicateError> {
     let ranks = group.global_ranks();
     for (fqn, t) in module.named_parameters() {
-        if let Some(tp) = split_by(t) {
-            if &*tp.ranks != ranks {
-                return Err(ReplicateError::from(OnRank::new(
-                    group.rank(),
-                    Composition::TensorParallelRanks {
-                        api: Api::Replicate,
-                        fqn,
-                        tp_ranks: tp.ranks.to_vec(),
-                        ranks: ranks.to_vec(),
-                    },
-                )));
-            }
+        if let Some(tp) = split_by(t)
+            && &*tp.ranks != ranks
+        {
+            return Err(ReplicateError::from(OnRank::new(
+                group.rank(),
+                Composition::TensorParallelRanks {
+                    api: Api::Replicate,
+                    fqn,
+                    tp_ranks: tp.ranks.to_vec(),
+                    ranks: ranks.to_vec(),
+                },
+            )));
         }
     }
     Ok(())

@@ -480,10 +480,11 @@ fn style_sharder(
         ParallelStyle::Sequence(s) => {
             // A norm without parameters (no affine) computes per token: nothing to do,
             // once it is known to be a norm (the sharder's check says why not, otherwise).
-            if let Some(m) = m {
-                if m.named_parameters().is_empty() && not_a_norm(m).is_none() {
-                    return Ok(None);
-                }
+            if let Some(m) = m
+                && m.named_parameters().is_empty()
+                && not_a_norm(m).is_none()
+            {
+                return Ok(None);
             }
             Arc::new(SequenceParallelNorm {
                 sequence_dim: s.sequence_dim,

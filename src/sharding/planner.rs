@@ -145,10 +145,10 @@ impl ShardingPlanner for MegatronPlanner {
             } else {
                 continue;
             };
-            if let PlanEntry::Sharder(s) = &entry {
-                if s.name().starts_with("colwise") {
-                    plan.return_local_tensor.push(fqn.clone());
-                }
+            if let PlanEntry::Sharder(s) = &entry
+                && s.name().starts_with("colwise")
+            {
+                plan.return_local_tensor.push(fqn.clone());
             }
             plan.plan.insert(fqn, entry);
         }

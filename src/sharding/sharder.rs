@@ -194,13 +194,13 @@ fn linear_params(module: &dyn Shardable) -> Result<LinearParams, SharderError> {
         let shape = weight.size();
         return Err(SharderError::WeightShape { shape });
     }
-    if let Some(b) = &bias {
-        if b.size() != [weight.size()[0]] {
-            return Err(SharderError::BiasShape {
-                shape: b.size(),
-                weight: weight.size(),
-            });
-        }
+    if let Some(b) = &bias
+        && b.size() != [weight.size()[0]]
+    {
+        return Err(SharderError::BiasShape {
+            shape: b.size(),
+            weight: weight.size(),
+        });
     }
     Ok(LinearParams { weight, bias })
 }

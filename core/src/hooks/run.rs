@@ -138,10 +138,10 @@ fn forward_or_refusal<T>(forward: impl FnOnce() -> T) -> Result<T, ForwardError>
     match std::panic::catch_unwind(AssertUnwindSafe(forward)) {
         Ok(out) => Ok(out),
         Err(payload) => {
-            if !payload.is::<ForwardError>() {
-                if let Some(e) = guard::refusal() {
-                    return Err(e);
-                }
+            if !payload.is::<ForwardError>()
+                && let Some(e) = guard::refusal()
+            {
+                return Err(e);
             }
             std::panic::resume_unwind(payload)
         }

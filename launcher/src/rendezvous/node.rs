@@ -381,13 +381,13 @@ impl Node<'_> {
 
     /// The exit status `code`, once the host (if this is it) has told the others.
     fn exit(&self, code: i32) -> i32 {
-        if let Some(server) = &self.server {
-            if !server.linger(self.cfg.close_timeout, || first_signal().is_some()) {
-                eprintln!(
-                    "tch-dist-run: leaving the rendezvous' host before every node heard that it \
+        if let Some(server) = &self.server
+            && !server.linger(self.cfg.close_timeout, || first_signal().is_some())
+        {
+            eprintln!(
+                "tch-dist-run: leaving the rendezvous' host before every node heard that it \
                      closed"
-                );
-            }
+            );
         }
         code
     }

@@ -239,11 +239,12 @@ impl Rendezvous {
                     // A node of the last round that has not heard its placement yet starts
                     // its ranks even so: a `finished` closure ends the rounds to come, not
                     // this one (its ranks are the job's as much as the closer's).
-                    if c.why == CloseWhy::Finished && !self.delivered.contains(&id) {
-                        if let Some(a) = self.assigned.get(&id).cloned() {
-                            self.delivered.insert(id);
-                            return Reply::Assigned(a);
-                        }
+                    if c.why == CloseWhy::Finished
+                        && !self.delivered.contains(&id)
+                        && let Some(a) = self.assigned.get(&id).cloned()
+                    {
+                        self.delivered.insert(id);
+                        return Reply::Assigned(a);
                     }
                     return self.tell(&id);
                 }
@@ -284,7 +285,7 @@ impl Rendezvous {
         let dead: Vec<NodeId> = self
             .seen
             .iter()
-            .filter(|(_, &at)| now.saturating_duration_since(at) > dead_after)
+            .filter(|&(_, &at)| now.saturating_duration_since(at) > dead_after)
             .map(|(id, _)| id.clone())
             .collect();
         for id in dead {
@@ -455,13 +456,13 @@ impl Rendezvous {
                     why: why.clone(),
                 };
             }
-            if self.participants.len() < self.rules.max_nodes {
-                if let Some(w) = self.waiting.keys().next() {
-                    return Reply::Restart {
-                        round: self.round,
-                        why: format!("node {} (pid {}) is waiting to join", w.addr, w.pid),
-                    };
-                }
+            if self.participants.len() < self.rules.max_nodes
+                && let Some(w) = self.waiting.keys().next()
+            {
+                return Reply::Restart {
+                    round: self.round,
+                    why: format!("node {} (pid {}) is waiting to join", w.addr, w.pid),
+                };
             }
             if let Some(a) = self.assigned.get(id).cloned() {
                 self.delivered.insert(id.clone());

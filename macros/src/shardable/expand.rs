@@ -234,12 +234,11 @@ pub(super) fn mentions_any(ty: &Type, params: &HashSet<Ident>) -> bool {
     }
     impl<'ast> Visit<'ast> for Finder<'_> {
         fn visit_path(&mut self, path: &'ast syn::Path) {
-            if path.leading_colon.is_none() {
-                if let Some(first) = path.segments.first() {
-                    if self.params.contains(&first.ident) {
-                        self.found = true;
-                    }
-                }
+            if path.leading_colon.is_none()
+                && let Some(first) = path.segments.first()
+                && self.params.contains(&first.ident)
+            {
+                self.found = true;
             }
             syn::visit::visit_path(self, path);
         }

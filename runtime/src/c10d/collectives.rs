@@ -231,14 +231,12 @@ impl Work {
         let end = trace::now_us();
         let op = self.context.op;
         trace::complete(&format!("wait {op}"), "wait", wait_start, end, &[]);
-        if done {
-            if let Some(t) = self.traced.take() {
-                let args = [
-                    ("group", t.group.clone()),
-                    ("end", "wait returned".to_string()),
-                ];
-                trace::collective(op, t.id, t.launched_us, end, &args);
-            }
+        if done && let Some(t) = self.traced.take() {
+            let args = [
+                ("group", t.group.clone()),
+                ("end", "wait returned".to_string()),
+            ];
+            trace::collective(op, t.id, t.launched_us, end, &args);
         }
     }
 

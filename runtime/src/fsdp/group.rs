@@ -252,10 +252,10 @@ impl ParamGroup {
     }
 
     fn drop_prefetch_locked(st: &mut State) -> Result<()> {
-        if let ShardedState::Sharded { prefetch } = &mut st.sharded {
-            if let Some(g) = prefetch.take() {
-                g.wait()?;
-            }
+        if let ShardedState::Sharded { prefetch } = &mut st.sharded
+            && let Some(g) = prefetch.take()
+        {
+            g.wait()?;
         }
         Ok(())
     }

@@ -341,17 +341,16 @@ impl ReducerInner {
         st.unfinished = None;
         // After every collective, so that a rank whose graph changed does not leave the
         // others waiting in this pass.
-        if let Some(seen) = &st.static_graph {
-            if let Some(i) = (0..pass.params.len()).find(|&i| seen.local[i] != pass.params[i].ready)
-            {
-                return Err(ReducerError::GraphChanged {
-                    rank: self.rank(),
-                    op: self.opts.api,
-                    fqn: st.layout.params[i].fqn.clone(),
-                    used_in_first_pass: seen.local[i],
-                }
-                .into());
+        if let Some(seen) = &st.static_graph
+            && let Some(i) = (0..pass.params.len()).find(|&i| seen.local[i] != pass.params[i].ready)
+        {
+            return Err(ReducerError::GraphChanged {
+                rank: self.rank(),
+                op: self.opts.api,
+                fqn: st.layout.params[i].fqn.clone(),
+                used_in_first_pass: seen.local[i],
             }
+            .into());
         }
         let first = pass.first_launch.unwrap_or(done);
         st.stats.steps += 1;

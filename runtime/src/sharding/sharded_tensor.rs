@@ -226,16 +226,16 @@ impl ShardedTensor {
                     },
                 ));
             }
-            if let Device::Cuda(_) = m.placement.device() {
-                if !tch::Cuda::is_available() {
-                    return Err(invalid(
-                        group,
-                        op,
-                        ArgumentError::PlacementNeedsCuda {
-                            placement: m.placement,
-                        },
-                    ));
-                }
+            if let Device::Cuda(_) = m.placement.device()
+                && !tch::Cuda::is_available()
+            {
+                return Err(invalid(
+                    group,
+                    op,
+                    ArgumentError::PlacementNeedsCuda {
+                        placement: m.placement,
+                    },
+                ));
             }
         }
         Ok(())
