@@ -143,7 +143,7 @@ fn warnings_are_errors() -> bool {
 /// One file that includes every section of the shim (`OUT_DIR/shim_unity.cpp`): the sections
 /// stay one file each for readers, but libtorch's headers, most of the compile time, are
 /// parsed once instead of once per section (twelve times as much CPU otherwise, paid again by
-/// every build that compiles the runtime: the tests' own-crate, resume and trybuild builds).
+/// every build that compiles the runtime from scratch).
 fn unity_source(sections: &[PathBuf]) -> PathBuf {
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let here = std::env::current_dir().expect("the package folder");

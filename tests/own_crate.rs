@@ -13,23 +13,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-fn checkout() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
+#[path = "common/workspace_crate.rs"]
+mod workspace_crate;
 
-/// The target folder this test binary was built into (`<target>/debug/deps/own_crate-*`).
-fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.ancestors().nth(3).unwrap().to_path_buf()
-}
-
-/// The libtorch folder the workspace build used (LIBTORCH as cargo passed it on, else the
-/// `.venv` that `make setup` creates).
-fn libtorch() -> PathBuf {
-    std::env::var_os("LIBTORCH")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| checkout().join(".venv/torch"))
-}
+use workspace_crate::{
+    cargo, checkout, libtorch, target_dir, workspace_dependencies, workspace_profile,
+};
 
 /// A fresh folder outside the workspace (under the system's temporary folder), removed when
 /// dropped.
@@ -52,28 +41,13 @@ impl Drop for Scratch {
 
 /// Copies the template into `dir` with its dependencies on this checkout by absolute path and
 /// the workspace's lock file. `like_the_workspace` adds what makes its build reuse this
-/// workspace's artifacts: its dev profile, and its dev-dependencies as dependencies (they
-/// change the features of crates that torch-sys's build script is built with, e.g.
-/// flate2's; a different set would build torch-sys, and its C++, again).
+/// workspace's artifacts (tests/common/workspace_crate.rs).
 fn copy_template(dir: &Path, like_the_workspace: bool) {
     let template = checkout().join("examples/own-crate");
     let manifest = std::fs::read_to_string(template.join("Cargo.toml")).unwrap();
     let root = checkout().display().to_string();
     let (extra_dependencies, profile) = if like_the_workspace {
-        // The workspace's profile: its members at opt-level 0, everything else at 1.
-        let members = [
-            "tch-dist",
-            "tch-dist-core",
-            "tch-dist-runtime",
-            "tch-dist-macros",
-        ];
-        let profile = "\n[profile.dev.package.\"*\"]\nopt-level = 1\n".to_string()
-            + &members
-                .iter()
-                .chain(&["tch-dist-build"])
-                .map(|p| format!("[profile.dev.package.{p}]\nopt-level = 0\n"))
-                .collect::<String>();
-        (workspace_dev_dependencies(), profile)
+        (workspace_dependencies(), workspace_profile())
     } else {
         (String::new(), String::new())
     };
@@ -92,40 +66,6 @@ fn copy_template(dir: &Path, like_the_workspace: bool) {
         std::fs::copy(template.join(file), dir.join(file)).unwrap();
     }
     std::fs::copy(checkout().join("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
-}
-
-/// The facade's registry dev-dependencies as dependency lines (`name = { version = .. }`),
-/// their `workspace = true` resolved.
-fn workspace_dev_dependencies() -> String {
-    let text = std::fs::read_to_string(checkout().join("Cargo.toml")).unwrap();
-    let manifest: toml::Table = text.parse().unwrap();
-    let workspace = &manifest["workspace"]["dependencies"];
-    let mut lines = String::new();
-    for (name, spec) in manifest["dev-dependencies"].as_table().unwrap() {
-        let spec = match spec.get("workspace") {
-            Some(_) => &workspace[name],
-            None => spec,
-        };
-        // Path dependencies (tch-dist-build) are the template's own.
-        if spec.get("path").is_none() {
-            lines += &format!("{name} = {spec}\n");
-        }
-    }
-    lines
-}
-
-/// `cargo ARGS` in `dir` into the workspace's target folder, without LD_LIBRARY_PATH and
-/// without the variables that name libtorch (the caller adds what it documents).
-fn cargo(dir: &Path, args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO"));
-    cmd.current_dir(dir)
-        .args(args)
-        .env("CARGO_TARGET_DIR", target_dir())
-        .env_remove("LD_LIBRARY_PATH")
-        .env_remove("LIBTORCH")
-        .env_remove("LIBTORCH_USE_PYTORCH")
-        .env_remove("CARGO_MANIFEST_DIR");
-    cmd
 }
 
 /// Runs `cmd` to its end within `limit` (killed then), with its output.
