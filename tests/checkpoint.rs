@@ -40,7 +40,7 @@ mod refusals;
 
 #[path = "common/python.rs"]
 mod python;
-use python::{bounded, clean, python};
+use python::python_ranks;
 
 #[derive(Debug, Shardable)]
 struct Mlp {
@@ -104,31 +104,23 @@ fn equals_reference(model: &Mlp, reference: &nn::VarStore, what: &str) {
     }
 }
 
-/// PyTorch loads `ckpt` in one process and into a 3-rank fully_shard model.
-fn pytorch_loads(ckpt: &Path, full: &Path) {
+/// PyTorch loads each `(ckpt, full)` in one process and into a 3-rank fully_shard model,
+/// equal to the reference `full` (one job: rank 0 does the one-process loads first).
+fn pytorch_loads(pairs: &[(&Path, &Path)]) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/checkpoint/pytorch_load.py");
-    let mut cmd = clean(python().join("python"));
-    cmd.arg(&script).args([ckpt, full]);
-    let out = bounded(cmd);
+    let args: Vec<&Path> = pairs.iter().flat_map(|(c, f)| [*c, *f]).collect();
+    let out = python_ranks(&script, &args, 3);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("ok 1"),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let mut cmd = clean(python().join("torchrun"));
-    cmd.args(["--standalone", "--nproc-per-node", "3"])
-        .arg(&script)
-        .args([ckpt, full])
-        .env("OMP_NUM_THREADS", "1");
-    let out = bounded(cmd);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    // Each PyTorch rank's own verdict decides, not torchrun's status: a rank that checked
-    // everything and printed its verdict passed, whatever its interpreter did after.
-    for rank in 0..3 {
+    // Each PyTorch rank's own verdict decides, not its interpreter's exit status: a rank that
+    // checked everything and printed its verdict passed, whatever its interpreter did after.
+    let verdicts = pairs
+        .iter()
+        .map(|(ckpt, _)| format!("ok 1 {}", ckpt.display()))
+        .chain((0..3).map(|rank| format!("ok rank {rank} of 3")));
+    for verdict in verdicts {
         assert!(
-            stdout.contains(&format!("ok rank {rank} of 3")),
-            "PyTorch rank {rank} gave no verdict (torchrun: {}):\n{stdout}\n{}",
+            stdout.contains(&verdict),
+            "PyTorch gave no `{verdict}` ({}):\n{stdout}\n{}",
             out.status,
             String::from_utf8_lossy(&out.stderr)
         );
@@ -224,8 +216,7 @@ fn tensor_parallel_checkpoints_reshard_and_load_in_pytorch() {
     if worker().is_none() {
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tp_reshard");
         let full = dir.join("full.safetensors");
-        pytorch_loads(&dir.join("by2"), &full);
-        pytorch_loads(&dir.join("by3"), &full);
+        pytorch_loads(&[(&dir.join("by2"), &full), (&dir.join("by3"), &full)]);
     }
 }
 
@@ -301,8 +292,7 @@ fn fully_shard_checkpoints_reshard_and_load_in_pytorch() {
     if worker().is_none() {
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fsdp_reshard");
         let full = dir.join("full.safetensors");
-        pytorch_loads(&dir.join("by2"), &full);
-        pytorch_loads(&dir.join("by3"), &full);
+        pytorch_loads(&[(&dir.join("by2"), &full), (&dir.join("by3"), &full)]);
     }
 }
 

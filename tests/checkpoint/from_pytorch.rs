@@ -16,40 +16,26 @@ use tch_dist::sharding::shard_module;
 use tch_dist::testing::{run_ranks, worker};
 use tch_dist::{fully_shard, Backend, FsdpOptions};
 
-use super::{bounded, clean, equals_reference, fsdp_equals_reference, mlp, plan, python};
+use super::{equals_reference, fsdp_equals_reference, mlp, plan, python_ranks};
 
 fn folder() -> PathBuf {
     Path::new(env!("CARGO_TARGET_TMPDIR")).join("from_pytorch")
 }
 
-/// Runs tests/checkpoint/pytorch_save.py writing `name` (and `name.safetensors`, the
-/// reference) into [`folder`]: in one process, or under torchrun at `ranks`.
-fn pytorch_saves(name: &str, ranks: Option<usize>) {
+/// Runs tests/checkpoint/pytorch_save.py at 2 ranks, writing into [`folder`] `fsdp2` (and
+/// `fsdp2.safetensors`, the reference) and, on rank 0 in one process first, `plain` (and
+/// `plain.safetensors`).
+fn pytorch_saves() {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/checkpoint/pytorch_save.py");
-    let (ckpt, full) = (
-        folder().join(name),
-        folder().join(format!("{name}.safetensors")),
-    );
-    let mut cmd = match ranks {
-        None => clean(python().join("python")),
-        Some(n) => {
-            let mut cmd = clean(python().join("torchrun"));
-            cmd.args(["--standalone", "--nproc-per-node", &n.to_string()]);
-            cmd
-        }
-    };
-    cmd.arg(&script)
-        .args([&ckpt, &full])
-        .env("OMP_NUM_THREADS", "1");
-    let out = bounded(cmd);
+    let args: Vec<PathBuf> = ["fsdp2", "fsdp2.safetensors", "plain", "plain.safetensors"]
+        .iter()
+        .map(|name| folder().join(name))
+        .collect();
+    let out = python_ranks(&script, &args, 2);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let verdicts: Vec<String> = match ranks {
-        None => vec!["saved 1".into()],
-        Some(n) => (0..n).map(|r| format!("saved rank {r} of {n}")).collect(),
-    };
-    for v in verdicts {
+    for v in ["saved 1", "saved rank 0 of 2", "saved rank 1 of 2"] {
         assert!(
-            stdout.contains(&v),
+            stdout.contains(v),
             "PyTorch: no `{v}` ({}):\n{stdout}\n{}",
             out.status,
             String::from_utf8_lossy(&out.stderr)
@@ -62,8 +48,7 @@ fn pytorch_written_checkpoints_load_at_1_2_and_3_ranks() {
     if worker().is_none() {
         let _ = std::fs::remove_dir_all(folder());
         std::fs::create_dir_all(folder()).unwrap();
-        pytorch_saves("plain", None);
-        pytorch_saves("fsdp2", Some(2));
+        pytorch_saves();
     }
     run_ranks(
         "from_pytorch::pytorch_written_checkpoints_load_at_1_2_and_3_ranks",
@@ -148,9 +133,12 @@ fn pytorch_written_checkpoints_load_at_1_2_and_3_ranks() {
     );
     // The round trip PyTorch -> tch-dist -> PyTorch keeps every value.
     if worker().is_none() {
-        for name in ["plain", "fsdp2"] {
-            let full = folder().join(format!("{name}.safetensors"));
-            super::pytorch_loads(&folder().join(format!("{name}-by-tch-dist")), &full);
-        }
+        let [plain, fsdp2] = ["plain", "fsdp2"].map(|name| {
+            (
+                folder().join(format!("{name}-by-tch-dist")),
+                folder().join(format!("{name}.safetensors")),
+            )
+        });
+        super::pytorch_loads(&[(&plain.0, &plain.1), (&fsdp2.0, &fsdp2.1)]);
     }
 }

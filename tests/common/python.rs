@@ -1,6 +1,8 @@
 //! Running the `.venv`'s Python (PyTorch's side of the interop tests) from a test rank:
 //! the interpreter's folder, a command without the rank's launch variables, and a run
-//! bounded in time. Included with `#[path]` by `checkpoint.rs` and `pipelining/main.rs`.
+//! bounded in time, and a job of Python ranks. Included with `#[path]` by several tests.
+
+#![allow(dead_code)] // each includer uses part of it
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -49,4 +51,44 @@ pub fn bounded(mut cmd: Command) -> std::process::Output {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     child.wait_with_output().unwrap()
+}
+
+/// The `.venv`'s Python running `script ARGS` as `ranks` processes of one job, each started
+/// with torchrun's variables but without torchrun, whose own interpreter would be one more
+/// start of torch (seconds of CPU each). Each rank is bounded as [`bounded`] bounds one
+/// command; the outputs are concatenated in rank order and the status is the first failed
+/// rank's (or rank 0's).
+pub fn python_ranks<S: AsRef<std::ffi::OsStr>>(
+    script: &Path,
+    args: &[S],
+    ranks: usize,
+) -> std::process::Output {
+    let port = tch_dist::testing::free_port().to_string();
+    let children: Vec<_> = (0..ranks)
+        .map(|rank| {
+            let mut cmd = clean(python().join("python"));
+            cmd.arg(script)
+                .args(args)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", ranks.to_string())
+                .env("LOCAL_WORLD_SIZE", ranks.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("OMP_NUM_THREADS", "1");
+            std::thread::spawn(move || bounded(cmd))
+        })
+        .collect();
+    let outputs: Vec<std::process::Output> =
+        children.into_iter().map(|c| c.join().unwrap()).collect();
+    let status = outputs
+        .iter()
+        .map(|o| o.status)
+        .find(|s| !s.success())
+        .unwrap_or(outputs[0].status);
+    std::process::Output {
+        status,
+        stdout: outputs.iter().flat_map(|o| o.stdout.clone()).collect(),
+        stderr: outputs.iter().flat_map(|o| o.stderr.clone()).collect(),
+    }
 }

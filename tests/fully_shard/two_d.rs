@@ -302,41 +302,22 @@ fn fsdp_x_tp_checkpoint_loads_at_other_layouts_and_into_pytorch() {
     );
 }
 
-/// PyTorch's `dcp.load` of `ckpt` (tests/fully_shard/pytorch_load_2d.py) in one process and
-/// at 2x2 under torchrun, each compared with `full`.
+/// PyTorch's `dcp.load` of `ckpt` (tests/fully_shard/pytorch_load_2d.py) at 2x2 and, on
+/// its rank 0 first, in one process, each compared with `full`.
 fn pytorch_loads(ckpt: &std::path::Path, full: &std::path::Path) {
-    use crate::python::{bounded, clean, python};
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fully_shard/pytorch_load_2d.py");
-    for ranks in [1, 4] {
-        let mut cmd = if ranks == 1 {
-            clean(python().join("python"))
-        } else {
-            let mut cmd = clean(python().join("torchrun"));
-            cmd.args(["--standalone", "--nproc-per-node", "4"]);
-            cmd
-        };
-        cmd.arg(&script)
-            .arg(ckpt)
-            .arg(full)
-            .env("OMP_NUM_THREADS", "1");
-        let out = bounded(cmd);
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let verdicts: Vec<String> = if ranks == 1 {
-            vec!["ok 1".into()]
-        } else {
-            (0..ranks)
-                .map(|r| format!("ok rank {r} of {ranks}"))
-                .collect()
-        };
-        for v in verdicts {
-            assert!(
-                stdout.contains(&v),
-                "PyTorch's load at {ranks} gave no `{v}` ({}):\n{stdout}\n{}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
+    let out = crate::python::python_ranks(&script, &[ckpt, full], 4);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let verdicts =
+        std::iter::once("ok 1".to_string()).chain((0..4).map(|r| format!("ok rank {r} of 4")));
+    for v in verdicts {
+        assert!(
+            stdout.contains(&v),
+            "PyTorch's load gave no `{v}` ({}):\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
