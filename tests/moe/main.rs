@@ -10,7 +10,6 @@
 //! | `reference.py` | the oracle: torchtitan's MoE token by token | torchtitan's `models/common/moe.py` |
 
 #[path = "../common/python.rs"]
-#[allow(dead_code)] // `bounded` is for the interop tests
 mod python;
 
 use std::collections::HashMap;
