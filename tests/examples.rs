@@ -960,7 +960,9 @@ fn metric_losses(path: &Path) -> Vec<f64> {
 /// leaves them be; attention and output tensor-parallel, the experts whole on each tp rank;
 /// 16 per dp rank against 32): the same losses for 9 steps (1e-4; an epoch's 10th is a
 /// short batch, which the samplers pad differently) and test loss (1e-3), and each epoch
-/// line reports the experts' load. An `--ep` that does not divide `--dp` is refused.
+/// line reports the experts' load; PyTorch loads each layout's checkpoint into torchtitan's
+/// MoE (tests/examples/pytorch_load_lm.py) and computes the same test loss. An `--ep` that
+/// does not divide `--dp` is refused.
 #[test]
 fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
     let dir = temp_dir("train-lm-moe");
@@ -978,12 +980,15 @@ fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
     ];
     for (layout, one_batch, says) in layouts {
         let (four_m, one_m) = (dir.join("four.jsonl"), dir.join("one.jsonl"));
+        let ckpt = dir.join("ckpt");
         let mut four_args = vec![
             "--moe",
             "--max-steps",
             "9",
             "--metrics",
             four_m.to_str().unwrap(),
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
         ];
         four_args.extend_from_slice(layout);
         let ends = train_lm_at_4(&four_args);
@@ -1025,6 +1030,10 @@ fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
             (a - b).abs() < 1e-3,
             "{layout:?}: test_loss {a} at 4 ranks vs {b} in one process"
         );
+        // PyTorch loads the experts (gathered from their ep and efsdp pieces, or whole on
+        // each tp rank) into torchtitan's MoE and computes the same test loss.
+        pytorch_agrees(&ckpt.join("step-00000009"), a);
+        let _ = std::fs::remove_dir_all(&ckpt);
     }
     let _ = std::fs::remove_dir_all(dir);
     let alone = start_rank(

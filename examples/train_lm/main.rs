@@ -67,7 +67,8 @@
 //! `--checkpoint-dir DIR`: at the end the model is saved by `checkpoint::save` into
 //! `DIR/step-NNNNNNNN`, every rank its own 2-D pieces, with the model's config and vocabulary
 //! in `train_state.json`; PyTorch's `dcp.load(sd, storage_reader=HuggingFaceStorageReader(..))`
-//! reads it into a plain PyTorch model (tests/examples/pytorch_load_lm.py).
+//! reads it into a plain PyTorch model (tests/examples/pytorch_load_lm.py; with `--moe`,
+//! torchtitan's MoE blocks, the experts' 3-D weights whole whatever `--ep` split them).
 //!
 //! ```text
 //! target/release/tch-dist-run --nproc-per-node 4 -- target/release/examples/train_lm \

@@ -9,7 +9,11 @@ TEXT: the text it trained on (data/lm_text.txt). The model is torchtitan's Llama
 (torchtitan/models/llama3/model/model.py) cut down to what train_lm uses, written out here
 so that nothing but torch is needed: the same FQNs and shapes, RMSNorm, rotary embeddings
 in torchtitan's complex form (train_lm computes them in real arithmetic), causal
-`scaled_dot_product_attention`, a SwiGLU feed-forward, no biases.
+`scaled_dot_product_attention`, a SwiGLU feed-forward, no biases. A checkpoint of
+`train_lm --moe` has MoE blocks in place of the feed-forward, as torchtitan's MoE
+(torchtitan/models/common/moe.py) computes them: a sigmoid router choosing the top k experts
+by score plus the load-balancing bias (ties toward the lower expert), the experts' SwiGLU
+with 3-D weights, each weighted by its score, and the shared expert.
 
 `dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(CKPT), no_dist=True)`
 in this one process fills every tensor; the checkpoint must hold exactly the model's keys.
@@ -80,17 +84,58 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class Router(nn.Module):
+    def __init__(self, dim, experts):
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(experts))
+
+
+class MoE(nn.Module):
+    def __init__(self, dim, s):
+        super().__init__()
+        e, h = s["experts"], s["expert_hidden"]
+        self.top_k = s["top_k"]
+        self.router = Router(dim, e)
+        self.experts = nn.Module()
+        self.experts.w1 = nn.Parameter(torch.empty(e, h, dim))
+        self.experts.w2 = nn.Parameter(torch.empty(e, dim, h))
+        self.experts.w3 = nn.Parameter(torch.empty(e, h, dim))
+        self.shared_experts = FeedForward(dim, h)
+
+    def forward(self, x):
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])
+        scores = torch.sigmoid(self.router.gate(x))
+        # Selected by score plus bias, ties toward the lower expert; weighted by score alone.
+        chosen = torch.sort(
+            scores + self.router.expert_bias, dim=-1, descending=True, stable=True
+        ).indices[:, : self.top_k]
+        weights = scores.gather(1, chosen)
+        out = self.shared_experts(x)
+        w1, w2, w3 = self.experts.w1, self.experts.w2, self.experts.w3
+        for e in range(w1.shape[0]):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            rows = x[token]
+            y = (F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T
+            out = out.index_add(0, token, y * weights[token, slot].unsqueeze(1))
+        return out.reshape(shape)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, c):
         super().__init__()
         self.attention = Attention(c)
-        self.feed_forward = FeedForward(c["dim"], c["hidden_dim"])
+        if c.get("moe"):
+            self.moe = MoE(c["dim"], c["moe"])
+        else:
+            self.feed_forward = FeedForward(c["dim"], c["hidden_dim"])
         self.attention_norm = nn.RMSNorm(c["dim"], eps=c["norm_eps"])
         self.ffn_norm = nn.RMSNorm(c["dim"], eps=c["norm_eps"])
 
     def forward(self, x, freqs_cis):
         h = x + self.attention(self.attention_norm(x), freqs_cis)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
