@@ -806,14 +806,15 @@ fn train_lm_at_dp2_tp2_learns_and_pytorch_loads_its_checkpoint() {
             "rank {r}'s file"
         );
     }
-    pytorch_agrees(Path::new(saved), test_loss);
+    pytorch_agrees(Path::new(saved), test_loss, None);
     let _ = std::fs::remove_dir_all(dir);
 }
 
 /// PyTorch's `dcp.load` of train_lm's checkpoint `saved` into a plain PyTorch Llama
 /// (tests/examples/pytorch_load_lm.py, one process), whose test loss must be `test_loss`
-/// (1e-3).
-fn pytorch_agrees(saved: &Path, test_loss: f64) {
+/// (1e-3); with `hf`, train_lm's `--hf-checkpoint` file loaded into a model of HF's names
+/// too, whose test loss must be the same (1e-4).
+fn pytorch_agrees(saved: &Path, test_loss: f64, hf: Option<&Path>) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut cmd = python::clean(python::python().join("python"));
     cmd.arg(root.join("tests/examples/pytorch_load_lm.py"))
@@ -821,6 +822,9 @@ fn pytorch_agrees(saved: &Path, test_loss: f64) {
         .arg(root.join("data/lm_text.txt"))
         .arg(test_loss.to_string())
         .env("OMP_NUM_THREADS", "1");
+    if let Some(hf) = hf {
+        cmd.arg("--hf").arg(hf);
+    }
     let py = python::bounded(cmd);
     let stdout = String::from_utf8_lossy(&py.stdout);
     assert!(
@@ -916,7 +920,7 @@ fn train_lm_with_sequence_parallel_trains_as_without() {
         figure(&sp_out, "test_loss"),
     );
     assert!((a - b).abs() < 1e-3, "test_loss {a} vs {b} with SP");
-    pytorch_agrees(&ckpt.join("step-00000010"), b);
+    pytorch_agrees(&ckpt.join("step-00000010"), b, None);
     // --loss-parallel: the loss from each tp rank's columns of the logits, never gathered
     // (loss_parallel): the same losses.
     let (lp_out, lp) = train_lm_losses("train-lm-lp", &["--loss-parallel"]);
@@ -961,8 +965,9 @@ fn metric_losses(path: &Path) -> Vec<f64> {
 /// 16 per dp rank against 32): the same losses for 9 steps (1e-4; an epoch's 10th is a
 /// short batch, which the samplers pad differently) and test loss (1e-3), and each epoch
 /// line reports the experts' load; PyTorch loads each layout's checkpoint into torchtitan's
-/// MoE (tests/examples/pytorch_load_lm.py) and computes the same test loss. An `--ep` that
-/// does not divide `--dp` is refused.
+/// MoE and its `--hf-checkpoint` file into a model of Hugging Face's names
+/// (tests/examples/pytorch_load_lm.py) and computes the same test loss with each. An `--ep`
+/// that does not divide `--dp` is refused.
 #[test]
 fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
     let dir = temp_dir("train-lm-moe");
@@ -980,7 +985,7 @@ fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
     ];
     for (layout, one_batch, says) in layouts {
         let (four_m, one_m) = (dir.join("four.jsonl"), dir.join("one.jsonl"));
-        let ckpt = dir.join("ckpt");
+        let (ckpt, hf) = (dir.join("ckpt"), dir.join("hf.safetensors"));
         let mut four_args = vec![
             "--moe",
             "--max-steps",
@@ -989,6 +994,8 @@ fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
             four_m.to_str().unwrap(),
             "--checkpoint-dir",
             ckpt.to_str().unwrap(),
+            "--hf-checkpoint",
+            hf.to_str().unwrap(),
         ];
         four_args.extend_from_slice(layout);
         let ends = train_lm_at_4(&four_args);
@@ -1031,8 +1038,9 @@ fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
             "{layout:?}: test_loss {a} at 4 ranks vs {b} in one process"
         );
         // PyTorch loads the experts (gathered from their ep and efsdp pieces, or whole on
-        // each tp rank) into torchtitan's MoE and computes the same test loss.
-        pytorch_agrees(&ckpt.join("step-00000009"), a);
+        // each tp rank) into torchtitan's MoE, and the HF file into a model of HF's names,
+        // and computes the same test loss with each.
+        pytorch_agrees(&ckpt.join("step-00000009"), a, Some(&hf));
         let _ = std::fs::remove_dir_all(&ckpt);
     }
     let _ = std::fs::remove_dir_all(dir);

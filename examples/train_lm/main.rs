@@ -69,11 +69,15 @@
 //! in `train_state.json`; PyTorch's `dcp.load(sd, storage_reader=HuggingFaceStorageReader(..))`
 //! reads it into a plain PyTorch model (tests/examples/pytorch_load_lm.py; with `--moe`,
 //! torchtitan's MoE blocks, the experts' 3-D weights whole whatever `--ep` split them).
+//! `--hf-checkpoint FILE`: at the end rank 0 also writes the whole model as one safetensors
+//! file under Hugging Face's names (Llama's, and DeepSeek-V3's for MoE blocks: each expert's
+//! `gate_proj`, `up_proj`, `down_proj`), as torchtitan's `last_save_in_hf` does; PyTorch
+//! loads it into a model of those names (tests/examples/pytorch_load_lm.py `--hf`).
 //!
 //! ```text
 //! target/release/tch-dist-run --nproc-per-node 4 -- target/release/examples/train_lm \
 //!     [--dp 2 --tp 2 | --dp-replicate 2 --dp-shard 2 --tp 1] [--epochs N] [--max-steps N] [--local-batch-size N] [--seq-len N] [--lr LR] \
-//!     [--data PATH] [--metrics PATH] [--checkpoint-dir DIR] [--sequence-parallel] [--cp N]
+//!     [--data PATH] [--metrics PATH] [--checkpoint-dir DIR] [--hf-checkpoint FILE] [--sequence-parallel] [--cp N]
 //! ```
 //!
 //! `--dp-replicate` x `--dp` x `--tp` must be the number of ranks. A bad argument ends every rank with one
@@ -131,6 +135,8 @@ struct Args {
     data: PathBuf,
     metrics: PathBuf,
     checkpoint_dir: Option<PathBuf>,
+    /// A safetensors file of the whole model under Hugging Face's names.
+    hf_checkpoint: Option<PathBuf>,
     /// torchtitan's sequence parallelism on top of the tensor parallelism.
     sequence_parallel: bool,
     /// The loss from each tp rank's columns of the logits (`loss_parallel`).
@@ -168,6 +174,7 @@ fn parse_args() -> Result<Args, String> {
         data: data::default_path(),
         metrics: PathBuf::from("target/train_lm/metrics.jsonl"),
         checkpoint_dir: None,
+        hf_checkpoint: None,
         sequence_parallel: false,
         loss_parallel: false,
         moe: false,
@@ -188,6 +195,7 @@ fn parse_args() -> Result<Args, String> {
             "--data" => a.data = flags.value(&flag)?.into(),
             "--metrics" => a.metrics = flags.value(&flag)?.into(),
             "--checkpoint-dir" => a.checkpoint_dir = Some(flags.value(&flag)?.into()),
+            "--hf-checkpoint" => a.hf_checkpoint = Some(flags.value(&flag)?.into()),
             "--sequence-parallel" => a.sequence_parallel = true,
             "--loss-parallel" => a.loss_parallel = true,
             "--moe" => a.moe = true,
@@ -766,6 +774,15 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         checkpoint::save(&dir, &state, &pg, &SaveOptions::default())?;
         if rank == 0 {
             println!("saved checkpoint {}", dir.display());
+        }
+    }
+    if let Some(path) = &args.hf_checkpoint {
+        // Every rank gathers (a collective); rank 0 writes.
+        let full = tch_dist::state_dict::full_state_dict(&model)?;
+        if rank == 0 {
+            let hf = model::hf_state_dict(&config, &full)?;
+            Tensor::write_safetensors(&hf, path)?;
+            println!("saved HF checkpoint {}", path.display());
         }
     }
     Ok(())

@@ -415,3 +415,86 @@ pub fn tp_plan(what: &PlanFor) -> ParallelizePlan {
         },
     )
 }
+
+/// The model's tensors under Hugging Face's names, as torchtitan's state-dict adapters write
+/// them (`to_hf`, for `last_save_in_hf`): Llama's for the dense parts
+/// (`model.embed_tokens`, `model.layers.N.self_attn.{q,k,v,o}_proj`,
+/// `model.layers.N.{input,post_attention}_layernorm`, `model.layers.N.mlp.{gate,up,down}_proj`,
+/// `model.norm`, `lm_head`) and DeepSeek-V3's for a MoE block ([`MoE::hf_state_dict`]).
+/// `full` is every tensor whole (`state_dict::full_state_dict`), copied into a plain model
+/// of `c` first (every one of its variables, or an error). `wq` and `wk` are permuted per
+/// head from torchtitan's interleaved rotary pairs to HF's halves (`rotate_half`).
+pub fn hf_state_dict(
+    c: &Config,
+    full: &[(String, Tensor)],
+) -> Result<Vec<(String, Tensor)>, String> {
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let plain = Transformer::new(&vs.root(), c).map_err(|e| e.to_string())?;
+    let mut vars = vs.variables();
+    let full: std::collections::HashMap<&str, &Tensor> =
+        full.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    tch::no_grad(|| {
+        for (name, var) in vars.iter_mut() {
+            let whole = full
+                .get(name.as_str())
+                .ok_or_else(|| format!("no `{name}` in the full state dict"))?;
+            var.copy_(whole);
+        }
+        Ok::<(), String>(())
+    })?;
+    // torchtitan's `_permute`: each head's rows (2i, 2i + 1) become (i, i + head_dim / 2).
+    let rotary = |w: &Tensor| {
+        let (rows, cols) = (w.size()[0], w.size()[1]);
+        w.view([c.n_heads, rows / c.n_heads / 2, 2, cols])
+            .transpose(1, 2)
+            .reshape([rows, cols])
+    };
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        plain.tok_embeddings.ws.shallow_clone(),
+    )];
+    for (i, layer) in plain.layers.iter().enumerate() {
+        let p = format!("model.layers.{i}");
+        let a = &layer.attention;
+        out.extend([
+            (format!("{p}.self_attn.q_proj.weight"), rotary(&a.wq.ws)),
+            (format!("{p}.self_attn.k_proj.weight"), rotary(&a.wk.ws)),
+            (
+                format!("{p}.self_attn.v_proj.weight"),
+                a.wv.ws.shallow_clone(),
+            ),
+            (
+                format!("{p}.self_attn.o_proj.weight"),
+                a.wo.ws.shallow_clone(),
+            ),
+            (
+                format!("{p}.input_layernorm.weight"),
+                layer.attention_norm.weight.shallow_clone(),
+            ),
+            (
+                format!("{p}.post_attention_layernorm.weight"),
+                layer.ffn_norm.weight.shallow_clone(),
+            ),
+        ]);
+        if let Some(moe) = &layer.moe {
+            out.extend(moe.hf_state_dict(&format!("{p}.mlp")));
+        }
+        if let Some(f) = &layer.feed_forward {
+            out.extend([
+                (format!("{p}.mlp.gate_proj.weight"), f.w1.ws.shallow_clone()),
+                (format!("{p}.mlp.up_proj.weight"), f.w3.ws.shallow_clone()),
+                (format!("{p}.mlp.down_proj.weight"), f.w2.ws.shallow_clone()),
+            ]);
+        }
+    }
+    out.push((
+        "model.norm.weight".into(),
+        plain.norm.weight.shallow_clone(),
+    ));
+    out.push(("lm_head.weight".into(), plain.output.ws.shallow_clone()));
+    // Contiguous copies: an expert's slice of the 3-D weights is a view.
+    Ok(out
+        .into_iter()
+        .map(|(n, t)| (n, t.contiguous().copy()))
+        .collect())
+}

@@ -1,7 +1,7 @@
 """Loads train_lm's checkpoint with PyTorch's own reader into a plain PyTorch model and
 evaluates it on the test split.
 
-    python pytorch_load_lm.py CKPT TEXT [EXPECTED_TEST_LOSS]
+    python pytorch_load_lm.py CKPT TEXT [EXPECTED_TEST_LOSS] [--hf HF_FILE]
 
 CKPT: a folder that examples/train_lm saved (`--checkpoint-dir`) from its FSDP x TP model:
 each rank's 2-D pieces, and `train_state.json` with the model's config and vocabulary.
@@ -21,6 +21,13 @@ Then the test loss, computed as train_lm computes it (the last 10% of the text's
 tokens, consecutive sequences of the training length, the mean next-token cross-entropy),
 is printed as `pytorch_test_loss=X.XXXXXX`; with EXPECTED_TEST_LOSS (train_lm's
 `test_loss=`), the two must agree within 1e-3, and the last line is `ok`.
+
+With `--hf HF_FILE` (train_lm's `--hf-checkpoint`), the same model written as Hugging Face
+writes it is loaded too, `load_state_dict(strict=True)` from the file: Llama's names and
+rotary embeddings (`rotate_half`: each head's halves, not interleaved pairs), DeepSeek-V3's
+MoE names (`mlp.gate`, its `e_score_correction_bias`, `mlp.experts.E.{gate,up,down}_proj`,
+`mlp.shared_experts`); its test loss is printed as `hf_test_loss=X.XXXXXX` and must agree
+too.
 """
 
 import json
@@ -158,9 +165,144 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class HfAttention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.n_heads = c["n_heads"]
+        self.head_dim = c["dim"] // c["n_heads"]
+        self.q_proj = nn.Linear(c["dim"], c["dim"], bias=False)
+        self.k_proj = nn.Linear(c["dim"], c["dim"], bias=False)
+        self.v_proj = nn.Linear(c["dim"], c["dim"], bias=False)
+        self.o_proj = nn.Linear(c["dim"], c["dim"], bias=False)
+
+    def forward(self, x, cos, sin):
+        bs, seqlen, _ = x.shape
+        q, k, v = (
+            p(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        cos, sin = cos[:seqlen], sin[:seqlen]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+class HfMlp(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class HfGate(nn.Module):
+    def __init__(self, dim, experts):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, dim))
+        self.register_buffer("e_score_correction_bias", torch.zeros(experts))
+
+
+class HfMoE(nn.Module):
+    def __init__(self, dim, s):
+        super().__init__()
+        self.top_k = s["top_k"]
+        self.gate = HfGate(dim, s["experts"])
+        self.experts = nn.ModuleList(
+            HfMlp(dim, s["expert_hidden"]) for _ in range(s["experts"])
+        )
+        self.shared_experts = HfMlp(dim, s["expert_hidden"])
+
+    def forward(self, x):
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])
+        scores = torch.sigmoid(x @ self.gate.weight.T)
+        chosen = torch.sort(
+            scores + self.gate.e_score_correction_bias, dim=-1, descending=True, stable=True
+        ).indices[:, : self.top_k]
+        weights = scores.gather(1, chosen)
+        out = self.shared_experts(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            y = expert(x[token]) * weights[token, slot].unsqueeze(1)
+            out = out.index_add(0, token, y)
+        return out.reshape(shape)
+
+
+class HfDecoderLayer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.self_attn = HfAttention(c)
+        if c.get("moe"):
+            self.mlp = HfMoE(c["dim"], c["moe"])
+        else:
+            self.mlp = HfMlp(c["dim"], c["hidden_dim"])
+        self.input_layernorm = nn.RMSNorm(c["dim"], eps=c["norm_eps"])
+        self.post_attention_layernorm = nn.RMSNorm(c["dim"], eps=c["norm_eps"])
+
+    def forward(self, x, cos, sin):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class HfModel(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c["vocab_size"], c["dim"])
+        self.layers = nn.ModuleList(HfDecoderLayer(c) for _ in range(c["n_layers"]))
+        self.norm = nn.RMSNorm(c["dim"], eps=c["norm_eps"])
+
+
+class HfForCausalLM(nn.Module):
+    """Hugging Face's layout: `model.*` and `lm_head`, rotary tables as HF's Llama makes
+    them (the frequencies repeated over both halves)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.model = HfModel(c)
+        self.lm_head = nn.Linear(c["dim"], c["vocab_size"], bias=False)
+        head_dim = c["dim"] // c["n_heads"]
+        inv_freq = 1.0 / (c["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        angles = torch.outer(torch.arange(c["max_seq_len"]).float(), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.cos, self.sin = angles.cos(), angles.sin()
+
+    def forward(self, tokens):
+        h = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            h = layer(h, self.cos, self.sin)
+        return self.lm_head(self.model.norm(h))
+
+
+def test_loss(model, inputs, targets):
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in zip(inputs.split(32), targets.split(32)):
+            logits = model(x)
+            total += F.cross_entropy(
+                logits.view(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
+            ).item()
+            count += y.numel()
+    return total / count
+
+
 def main():
-    ckpt, text_path = sys.argv[1], sys.argv[2]
-    expected = float(sys.argv[3]) if len(sys.argv) > 3 else None
+    args = sys.argv[1:]
+    hf_file = None
+    if "--hf" in args:
+        at = args.index("--hf")
+        hf_file = args[at + 1]
+        del args[at : at + 2]
+    ckpt, text_path = args[0], args[1]
+    expected = float(args[2]) if len(args) > 2 else None
     torch.set_num_threads(1)
     with open(os.path.join(ckpt, "train_state.json")) as f:
         state = json.load(f)
@@ -192,20 +334,20 @@ def main():
     for k, t in sd.items():
         assert torch.isfinite(t).all(), f"{k} was not loaded"
 
-    model.eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for x, y in zip(inputs.split(32), targets.split(32)):
-            logits = model(x)
-            total += F.cross_entropy(
-                logits.view(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
-            ).item()
-            count += y.numel()
-    loss = total / count
+    loss = test_loss(model, inputs, targets)
     print(f"loaded {len(sd)} tensors; uniform guess ln({len(vocab)}) = {math.log(len(vocab)):.4f}")
     print(f"pytorch_test_loss={loss:.6f}", flush=True)
     if expected is not None:
         assert abs(loss - expected) < 1e-3, f"PyTorch's test loss {loss} vs train_lm's {expected}"
+    if hf_file is not None:
+        from safetensors.torch import load_file
+
+        hf = HfForCausalLM(c)
+        hf.load_state_dict(load_file(hf_file), strict=True)
+        hf_loss = test_loss(hf, inputs, targets)
+        print(f"hf_test_loss={hf_loss:.6f}", flush=True)
+        assert abs(hf_loss - loss) < 1e-4, f"HF's layout gives {hf_loss}, the checkpoint's {loss}"
+    if expected is not None:
         print("ok", flush=True)
 
 
