@@ -40,7 +40,7 @@ mod refusals;
 
 #[path = "common/python.rs"]
 mod python;
-use python::python_ranks;
+use python::{assert_verdicts, python_ranks};
 
 #[derive(Debug, Shardable)]
 struct Mlp {
@@ -110,21 +110,11 @@ fn pytorch_loads(pairs: &[(&Path, &Path)]) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/checkpoint/pytorch_load.py");
     let args: Vec<&Path> = pairs.iter().flat_map(|(c, f)| [*c, *f]).collect();
     let out = python_ranks(&script, &args, 3);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    // Each PyTorch rank's own verdict decides, not its interpreter's exit status: a rank that
-    // checked everything and printed its verdict passed, whatever its interpreter did after.
     let verdicts = pairs
         .iter()
         .map(|(ckpt, _)| format!("ok 1 {}", ckpt.display()))
         .chain((0..3).map(|rank| format!("ok rank {rank} of 3")));
-    for verdict in verdicts {
-        assert!(
-            stdout.contains(&verdict),
-            "PyTorch gave no `{verdict}` ({}):\n{stdout}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    assert_verdicts(&out, verdicts, "PyTorch's loads");
 }
 
 #[test]

@@ -16,7 +16,7 @@ use tch_dist::sharding::shard_module;
 use tch_dist::testing::{run_ranks, worker};
 use tch_dist::{fully_shard, Backend, FsdpOptions};
 
-use super::{equals_reference, fsdp_equals_reference, mlp, plan, python_ranks};
+use super::{assert_verdicts, equals_reference, fsdp_equals_reference, mlp, plan, python_ranks};
 
 fn folder() -> PathBuf {
     Path::new(env!("CARGO_TARGET_TMPDIR")).join("from_pytorch")
@@ -32,15 +32,8 @@ fn pytorch_saves() {
         .map(|name| folder().join(name))
         .collect();
     let out = python_ranks(&script, &args, 2);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    for v in ["saved 1", "saved rank 0 of 2", "saved rank 1 of 2"] {
-        assert!(
-            stdout.contains(v),
-            "PyTorch: no `{v}` ({}):\n{stdout}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    let verdicts = ["saved 1", "saved rank 0 of 2", "saved rank 1 of 2"];
+    assert_verdicts(&out, verdicts, "PyTorch's saves");
 }
 
 #[test]

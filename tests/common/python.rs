@@ -92,3 +92,24 @@ pub fn python_ranks<S: AsRef<std::ffi::OsStr>>(
         stderr: outputs.iter().flat_map(|o| o.stderr.clone()).collect(),
     }
 }
+
+/// Asserts that the Python ranks' standard output holds each of `verdicts`: each rank's own
+/// verdict decides, not its interpreter's exit status (a rank that checked everything and
+/// printed its verdict passed, whatever its interpreter did after). `what` names the job in
+/// the failure, which shows both outputs.
+pub fn assert_verdicts<V: AsRef<str>>(
+    out: &std::process::Output,
+    verdicts: impl IntoIterator<Item = V>,
+    what: &str,
+) {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for verdict in verdicts {
+        let verdict = verdict.as_ref();
+        assert!(
+            stdout.contains(verdict),
+            "{what}: no `{verdict}` ({}):\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

@@ -91,6 +91,22 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def moe_forward(x, gate, top_k, expert, experts, shared):
+    """torchtitan's MoE forward: sigmoid scores, the top `top_k` experts chosen by score plus
+    the load-balancing bias (ties toward the lower expert), each expert's output (`expert(e,
+    rows)`) weighted by its unbiased score, plus the shared expert."""
+    weight, bias = gate
+    shape, x = x.shape, x.reshape(-1, x.shape[-1])
+    scores = torch.sigmoid(x @ weight.T)
+    chosen = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, chosen)
+    out = shared(x)
+    for e in range(experts):
+        token, slot = (chosen == e).nonzero(as_tuple=True)
+        out = out.index_add(0, token, expert(e, x[token]) * weights[token, slot].unsqueeze(1))
+    return out.reshape(shape)
+
+
 class Router(nn.Module):
     def __init__(self, dim, experts):
         super().__init__()
@@ -111,21 +127,13 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(dim, h)
 
     def forward(self, x):
-        shape, x = x.shape, x.reshape(-1, x.shape[-1])
-        scores = torch.sigmoid(self.router.gate(x))
-        # Selected by score plus bias, ties toward the lower expert; weighted by score alone.
-        chosen = torch.sort(
-            scores + self.router.expert_bias, dim=-1, descending=True, stable=True
-        ).indices[:, : self.top_k]
-        weights = scores.gather(1, chosen)
-        out = self.shared_experts(x)
         w1, w2, w3 = self.experts.w1, self.experts.w2, self.experts.w3
-        for e in range(w1.shape[0]):
-            token, slot = (chosen == e).nonzero(as_tuple=True)
-            rows = x[token]
-            y = (F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T
-            out = out.index_add(0, token, y * weights[token, slot].unsqueeze(1))
-        return out.reshape(shape)
+
+        def expert(e, rows):
+            return (F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T
+
+        gate = (self.router.gate.weight, self.router.expert_bias)
+        return moe_forward(x, gate, self.top_k, expert, w1.shape[0], self.shared_experts)
 
 
 class TransformerBlock(nn.Module):
@@ -222,18 +230,11 @@ class HfMoE(nn.Module):
         self.shared_experts = HfMlp(dim, s["expert_hidden"])
 
     def forward(self, x):
-        shape, x = x.shape, x.reshape(-1, x.shape[-1])
-        scores = torch.sigmoid(x @ self.gate.weight.T)
-        chosen = torch.sort(
-            scores + self.gate.e_score_correction_bias, dim=-1, descending=True, stable=True
-        ).indices[:, : self.top_k]
-        weights = scores.gather(1, chosen)
-        out = self.shared_experts(x)
-        for e, expert in enumerate(self.experts):
-            token, slot = (chosen == e).nonzero(as_tuple=True)
-            y = expert(x[token]) * weights[token, slot].unsqueeze(1)
-            out = out.index_add(0, token, y)
-        return out.reshape(shape)
+        gate = (self.gate.weight, self.gate.e_score_correction_bias)
+        experts = self.experts
+        return moe_forward(
+            x, gate, self.top_k, lambda e, rows: experts[e](rows), len(experts), self.shared_experts
+        )
 
 
 class HfDecoderLayer(nn.Module):

@@ -308,17 +308,9 @@ fn pytorch_loads(ckpt: &std::path::Path, full: &std::path::Path) {
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fully_shard/pytorch_load_2d.py");
     let out = crate::python::python_ranks(&script, &[ckpt, full], 4);
-    let stdout = String::from_utf8_lossy(&out.stdout);
     let verdicts =
         std::iter::once("ok 1".to_string()).chain((0..4).map(|r| format!("ok rank {r} of 4")));
-    for v in verdicts {
-        assert!(
-            stdout.contains(&v),
-            "PyTorch's load gave no `{v}` ({}):\n{stdout}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    crate::python::assert_verdicts(&out, verdicts, "PyTorch's load");
 }
 
 /// The 2-D refusals, on every rank, changing nothing: `fully_shard` given the mesh's `tp`
