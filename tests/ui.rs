@@ -8,8 +8,9 @@
 //! compiled libtorch's C++ bindings and the shim again (minutes on a fresh machine).
 //!
 //! What is pinned is rustc's rendered text with what depends on the machine taken out: the
-//! scratch binary's path is the file's own, other paths are relative to the checkout (their
-//! line numbers, which move with every edit there, dropped), and the count of a list's
+//! scratch binary's path is the file's own, other paths are relative to the checkout or
+//! `$CARGO`/`$RUST` (their line numbers, which move with every edit there, dropped), the
+//! gutter is as wide as the case's own line numbers need, and the count of a list's
 //! unnamed entries is `$N`.
 
 use std::collections::BTreeMap;
@@ -153,6 +154,28 @@ fn build(dir: &Path) -> (BTreeMap<String, Vec<String>>, String) {
     (diagnostics, all)
 }
 
+/// Another file's path without what names this machine: the checkout's files relative to
+/// it (`core/src/path.rs`), a registry crate's as `$CARGO/<crate>-<version>/...`, the
+/// standard library's as `$RUST/library/...`.
+fn machine_free(path: &str, checkout: &str) -> String {
+    if let Some(rest) = path.strip_prefix(checkout) {
+        return rest.to_string();
+    }
+    // `<CARGO_HOME>/registry/src/<index>/tch-0.24.0/src/...`
+    if let Some((_, after)) = path.split_once("/registry/src/")
+        && let Some((_, in_index)) = after.split_once('/')
+    {
+        return format!("$CARGO/{in_index}");
+    }
+    // `/rustc/<commit>/library/...`
+    if let Some(after) = path.strip_prefix("/rustc/")
+        && let Some((_, in_tree)) = after.split_once('/')
+    {
+        return format!("$RUST/{in_tree}");
+    }
+    path.to_string()
+}
+
 /// Takes out of rustc's text what depends on the machine or on unrelated edits.
 fn normalize(rendered: &str, case: &Case) -> String {
     let own = format!("src/bin/{}.rs", case.bin);
@@ -166,10 +189,8 @@ fn normalize(rendered: &str, case: &Case) -> String {
             let path = &line[at + 4..];
             other_file = !path.starts_with(&case.shown());
             if other_file {
-                // `$WORKSPACE/core/src/path.rs:12:5` -> `core/src/path.rs`.
-                let path = path.strip_prefix(&root).unwrap_or(path);
-                let path = path.split(':').next().unwrap_or(path).to_string();
-                line = format!("{}{path}", &line[..at + 4]);
+                let path = path.split(':').next().unwrap_or(path);
+                line = format!("{}{}", &line[..at + 4], machine_free(path, &root));
             }
         } else if other_file {
             // `12 |     code` -> `   |     code`: the number blanked, the gutter kept.
@@ -259,4 +280,25 @@ fn ui() {
         "{}\n\ncargo's output:\n{all}",
         failures.join("\n\n")
     );
+}
+
+#[test]
+fn other_files_paths_name_no_machine() {
+    let root = "/home/me/tch-dist/";
+    assert_eq!(
+        machine_free("/home/me/tch-dist/core/src/path.rs", root),
+        "core/src/path.rs"
+    );
+    assert_eq!(
+        machine_free(
+            "/root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/tch-0.24.0/src/lib.rs",
+            root
+        ),
+        "$CARGO/tch-0.24.0/src/lib.rs"
+    );
+    assert_eq!(
+        machine_free("/rustc/59807616e/library/core/src/ops/mod.rs", root),
+        "$RUST/library/core/src/ops/mod.rs"
+    );
+    assert_eq!(machine_free("src/other.rs", root), "src/other.rs");
 }
