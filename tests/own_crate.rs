@@ -10,14 +10,14 @@
 //! scratch takes minutes).
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
+use std::time::Duration;
 
 #[path = "common/workspace_crate.rs"]
 mod workspace_crate;
 
 use workspace_crate::{
-    cargo, checkout, libtorch, target_dir, workspace_dependencies, workspace_profile,
+    cargo, checkout, libtorch, run_bounded, target_dir, workspace_dependencies, workspace_profile,
 };
 
 /// A fresh folder outside the workspace (under the system's temporary folder), removed when
@@ -66,24 +66,6 @@ fn copy_template(dir: &Path, like_the_workspace: bool) {
         std::fs::copy(template.join(file), dir.join(file)).unwrap();
     }
     std::fs::copy(checkout().join("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
-}
-
-/// Runs `cmd` to its end within `limit` (killed then), with its output.
-fn run_bounded(mut cmd: Command, limit: Duration) -> Output {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let start = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    child.wait_with_output().unwrap()
 }
 
 fn text(out: &Output) -> String {

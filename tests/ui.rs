@@ -15,13 +15,14 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
 #[path = "common/workspace_crate.rs"]
 mod workspace_crate;
 
-use workspace_crate::{cargo, checkout, libtorch, workspace_dependencies, workspace_profile};
+use workspace_crate::{
+    cargo, checkout, libtorch, run_bounded, workspace_dependencies, workspace_profile,
+};
 
 /// The classes of misuse, one folder each.
 const CLASSES: [&str; 9] = [
@@ -111,23 +112,8 @@ fn build(dir: &Path) -> (BTreeMap<String, Vec<String>>, String) {
             "--message-format=json",
         ],
     );
-    cmd.env("LIBTORCH", libtorch())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let child = cmd.spawn().expect("cargo");
-    // A watchdog ends a build that hangs; the output is read meanwhile (cargo would block
-    // on a full pipe).
-    let pid = child.id();
-    let (done, finished) = std::sync::mpsc::channel::<()>();
-    let watchdog = std::thread::spawn(move || {
-        if finished.recv_timeout(Duration::from_secs(900)).is_err() {
-            // SAFETY: `kill` takes plain integers; the pid is our own child's.
-            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-        }
-    });
-    let out = child.wait_with_output().unwrap();
-    let _ = done.send(());
-    watchdog.join().unwrap();
+    cmd.env("LIBTORCH", libtorch());
+    let out = run_bounded(cmd, Duration::from_secs(900));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let mut diagnostics: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for line in stdout.lines() {
@@ -176,6 +162,17 @@ fn machine_free(path: &str, checkout: &str) -> String {
     path.to_string()
 }
 
+/// A line that opens with a line number in rustc's gutter (`  12 |`, `12 +`): the width of
+/// indent and number, and what follows.
+fn numbered(line: &str) -> Option<(usize, &str)> {
+    let indent = line.len() - line.trim_start().len();
+    let digits = line[indent..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .count();
+    (digits > 0).then(|| (indent + digits, &line[indent + digits..]))
+}
+
 /// Takes out of rustc's text what depends on the machine or on unrelated edits.
 fn normalize(rendered: &str, case: &Case) -> String {
     let own = format!("src/bin/{}.rs", case.bin);
@@ -192,20 +189,11 @@ fn normalize(rendered: &str, case: &Case) -> String {
                 let path = path.split(':').next().unwrap_or(path);
                 line = format!("{}{}", &line[..at + 4], machine_free(path, &root));
             }
-        } else if other_file {
+        } else if other_file
+            && let Some((width, rest)) = numbered(&line).filter(|(_, r)| r.starts_with(" |"))
+        {
             // `12 |     code` -> `   |     code`: the number blanked, the gutter kept.
-            let digits = line
-                .trim_start()
-                .chars()
-                .take_while(char::is_ascii_digit)
-                .count();
-            if digits > 0 {
-                let indent = line.len() - line.trim_start().len();
-                let rest = &line[indent + digits..];
-                if rest.starts_with(" |") {
-                    line = format!("{}{rest}", " ".repeat(indent + digits));
-                }
-            }
+            line = format!("{}{rest}", " ".repeat(width));
         }
         // `and 12 others`: the count grows with every impl of the trait.
         if let Some(at) = line.find("and ") {
@@ -219,16 +207,15 @@ fn normalize(rendered: &str, case: &Case) -> String {
     }
     // rustc's gutter is as wide as the longest line number shown, other files' included:
     // narrowed to the case's own numbers, so that it does not move with those files.
-    let gutter = |line: &str| -> Option<usize> {
-        let indent = line.len() - line.trim_start().len();
-        let digits = line[indent..]
-            .chars()
-            .take_while(char::is_ascii_digit)
-            .count();
-        let rest = &line[indent + digits..];
-        (digits > 0 && [" |", " +", " -"].iter().any(|m| rest.starts_with(m))).then_some(digits)
+    let digits = |line: &String| {
+        let (width, rest) = numbered(line)?;
+        let number = width - (line.len() - line.trim_start().len());
+        [" |", " +", " -"]
+            .iter()
+            .any(|m| rest.starts_with(m))
+            .then_some(number)
     };
-    let own = out.iter().filter_map(|l| gutter(l)).max().unwrap_or(1);
+    let own = out.iter().filter_map(digits).max().unwrap_or(1);
     let width = out
         .iter()
         .find_map(|l| l.find("--> ").filter(|&at| l[..at].trim().is_empty()));

@@ -10,7 +10,8 @@
 #![allow(dead_code)] // each includer uses part of it
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
 
 /// This checkout's root.
 pub fn checkout() -> &'static Path {
@@ -85,4 +86,27 @@ pub fn libtorch() -> PathBuf {
     std::env::var_os("LIBTORCH")
         .map(PathBuf::from)
         .unwrap_or_else(|| checkout().join(".venv/torch"))
+}
+
+/// Runs `cmd` to its end with its output, killed after `limit`. The output is read while it
+/// runs (a cargo or a trainer that fills a pipe nobody reads would block forever).
+pub fn run_bounded(mut cmd: Command, limit: Duration) -> Output {
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let pid = child.id();
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if finished.recv_timeout(limit).is_err() {
+            // SAFETY: `kill` takes plain integers; the pid is our own child's, not yet
+            // reaped (wait_with_output has not returned).
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        }
+    });
+    let out = child.wait_with_output().expect("wait");
+    let _ = done.send(());
+    watchdog.join().expect("the watchdog");
+    out
 }
