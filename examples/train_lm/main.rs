@@ -97,7 +97,9 @@ use tch_dist::context_parallel::{context_parallel, CpOptions};
 use tch_dist::data::{DistributedSampler, SamplerOptions};
 use tch_dist::device_mesh::{init_device_mesh, DeviceMesh};
 use tch_dist::optim::AdamW;
-use tch_dist::sharding::{loss_parallel, parallelize_module, LossParallelOptions};
+use tch_dist::sharding::{
+    loss_parallel, parallelize_module, ExpertParallel, LossParallelOptions, ParallelizePlan,
+};
 use tch_dist::{
     fully_shard, init_process_group, Backend, Call, FsdpOptions, ProcessGroup, ReduceOp,
 };
@@ -313,7 +315,7 @@ fn backward(model: &Transformer, loss: &Tensor) -> Result<(), Box<dyn Error>> {
 /// Where a MoE model's experts live: the ranks that split them, and the ones that hold the
 /// same experts and shard them (when ep is below dp).
 struct ExpertMeshes {
-    ep: ProcessGroup,
+    ep: DeviceMesh,
     efsdp: Option<DeviceMesh>,
 }
 
@@ -443,7 +445,7 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         let shape = [args.dp / ep, ep, args.tp];
         let mesh = init_device_mesh("cpu", &shape, &["efsdp", "ep", "tp"])?;
         expert_meshes = Some(ExpertMeshes {
-            ep: mesh.get_group("ep")?.clone(),
+            ep: mesh.dim("ep")?,
             efsdp: if args.dp > ep {
                 Some(mesh.dim("efsdp")?)
             } else {
@@ -499,12 +501,14 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         parallelize_module(&mut model, tp_mesh, &plan)?;
     }
     if let Some(experts) = &expert_meshes {
-        // Each ep rank keeps its experts (built from the same seed everywhere, then
-        // narrowed); with ep below dp, fully_shard shards them over the ranks that hold the
-        // same ones (torchtitan's efsdp); the layers' fully_shard over dp leaves them be.
+        // torchtitan's ExpertParallel style on each layer's experts: each ep rank keeps its
+        // experts (ep rank 0's values, narrowed); with ep below dp, fully_shard shards them
+        // over the ranks that hold the same ones (torchtitan's efsdp); the layers'
+        // fully_shard over dp leaves them be.
+        let experts_plan = ParallelizePlan::new().style("", ExpertParallel);
         for layer in &mut model.layers {
             if let Some(moe) = layer.moe.as_mut() {
-                moe.parallelize_experts(&experts.ep)?;
+                parallelize_module(&mut moe.experts, &experts.ep, &experts_plan)?;
                 if let Some(efsdp) = &experts.efsdp {
                     let options = FsdpOptions {
                         mesh: Some(efsdp.clone()),

@@ -5,23 +5,17 @@
 //! `VocabParallelEmbedding`), every rank looks up the tokens in its rows, zeros the others,
 //! and the partial results are summed over the ranks.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
-use std::thread::ThreadId;
+use std::sync::Arc;
 
 use tch::{Kind, Tensor};
 use tch_dist_core::hooks::{register_fallible_forward_hook, register_fallible_forward_pre_hook};
-use tch_dist_core::path::join_fqn;
 use tch_dist_core::sharding::chunk::{chunk_offsets, chunk_sizes};
-use tch_dist_core::sharding::{
-    EnumerableShardingSpec, Placement, ShardMetadata, ShardingError, ShardingSpec,
-};
 use tch_dist_core::Shardable;
 use tch_dist_runtime::ProcessGroup;
 
 use super::error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError};
 use super::output::OutputLayout;
-use super::sharder::{hook_error, scatter_local, set_local, ShardedModule, Sharder};
+use super::sharder::{hook_error, shard_along, PerCall, ShardedModule, Sharder};
 
 /// Column-parallel embedding (PyTorch's `ColwiseParallel` on an `nn.Embedding`): `weight`
 /// `[num_embeddings, embedding_dim]` split along `embedding_dim`; each rank's output is its
@@ -73,42 +67,6 @@ fn embedding_weight(module: &dyn Shardable) -> Result<Tensor, SharderError> {
     Ok(weight)
 }
 
-/// Splits `weight` along `dim` (0: rows, 1: columns) over `group`, from `src_rank`: this
-/// rank's piece in place, and the global layout.
-fn shard_weight(
-    fqn: &str,
-    weight: &Tensor,
-    dim: usize,
-    src_rank: usize,
-    group: &ProcessGroup,
-) -> Result<Vec<(String, tch_dist_core::sharding::ShardedTensorMetadata)>, ShardError> {
-    let shape = weight.size();
-    let world = group.world_size();
-    let (sizes, offsets) = (
-        chunk_sizes(shape[dim], world),
-        chunk_offsets(shape[dim], world),
-    );
-    let shards = (0..world)
-        .map(|r| {
-            let mut shard_offsets = vec![0, 0];
-            let mut shard_sizes = shape.clone();
-            shard_offsets[dim] = offsets[r];
-            shard_sizes[dim] = sizes[r];
-            ShardMetadata {
-                shard_offsets,
-                shard_sizes,
-                placement: Placement::new(r, weight.device()),
-            }
-        })
-        .collect();
-    let layout =
-        |e: ShardingError| ShardError::plan(group, fqn, PlanProblem::Layout { source: e.into() });
-    let spec = ShardingSpec::Enumerable(EnumerableShardingSpec::new(shards).map_err(layout)?);
-    let (local, meta) = scatter_local(weight, &spec, src_rank, group, &join_fqn(fqn, "weight"))?;
-    set_local(weight, &local);
-    Ok(vec![("weight".to_string(), meta)])
-}
-
 fn checked_weight(
     sharder: &dyn Sharder,
     fqn: &str,
@@ -148,7 +106,10 @@ impl Sharder for ColwiseEmbedding {
     ) -> Result<ShardedModule, ShardError> {
         let weight = checked_weight(self, fqn, module, group)?;
         let dim = weight.size()[1];
-        let params = shard_weight(fqn, &weight, 1, src_rank, group)?;
+        let params = vec![(
+            "weight".to_string(),
+            shard_along(fqn, "weight", &weight, 1, src_rank, group)?,
+        )];
         Ok(ShardedModule {
             params,
             output: OutputLayout::Sharded {
@@ -158,28 +119,6 @@ impl Sharder for ColwiseEmbedding {
             },
             hooks: Vec::new(),
         })
-    }
-}
-
-/// The vocab-parallel lookup's masks between its input hook and its output hook, per thread
-/// (a recomputation in backward runs on the engine's thread), innermost call last.
-#[derive(Default)]
-struct Masks(Mutex<HashMap<ThreadId, Vec<Tensor>>>);
-
-impl Masks {
-    fn push(&self, mask: Tensor) {
-        let mut m = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        m.entry(std::thread::current().id()).or_default().push(mask);
-    }
-
-    fn pop(&self) -> Option<Tensor> {
-        let mut m = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let id = std::thread::current().id();
-        let mask = m.get_mut(&id).and_then(Vec::pop);
-        if m.get(&id).is_some_and(Vec::is_empty) {
-            m.remove(&id);
-        }
-        mask
     }
 }
 
@@ -211,9 +150,12 @@ impl Sharder for RowwiseEmbedding {
             chunk_offsets(vocab, world)[rank],
             chunk_sizes(vocab, world)[rank],
         );
-        let params = shard_weight(fqn, &weight, 0, src_rank, group)?;
+        let params = vec![(
+            "weight".to_string(),
+            shard_along(fqn, "weight", &weight, 0, src_rank, group)?,
+        )];
         let unhookable = |source| ShardError::unhookable(group, fqn, source);
-        let masks = Arc::new(Masks::default());
+        let masks: Arc<PerCall<Tensor>> = Arc::new(PerCall::default());
         let (g, name, inside) = (group.clone(), fqn.to_string(), masks.clone());
         let pre = register_fallible_forward_pre_hook(module, move |_m, ids| {
             if !matches!(ids.kind(), Kind::Int64 | Kind::Int) {

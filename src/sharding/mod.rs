@@ -56,6 +56,7 @@
 //! | `parallel.rs` | [`parallelize_module`] and its styles ([`ColwiseParallel`], [`PrepareModuleInput`], ...) on a 1-D mesh, as a plan of sharders | `tensor/parallel/api.py` (`parallelize_module`), `tensor/parallel/style.py` |
 //! | `redistribute.rs` | changes of layout of plain tensors, each a differentiable collective | DTensor's `redistribute` (`tensor/_redistribute.py`) |
 //! | `prepare.rs` | the sharders that lay out a module's inputs or outputs: `PrepareModuleInput` / `PrepareModuleOutput`'s, and the wrappers that give a linear or embedding sharder sequence-sharded inputs and outputs | `tensor/parallel/style.py` (`PrepareModuleInput`, `PrepareModuleOutput`, `input_layouts` / `output_layouts` of the styles) |
+//! | `expert.rs` | [`ExpertSharder`]: grouped experts split along the experts, the rows sent to their experts' ranks and back | torchtitan's `ExpertParallel` (`distributed/expert_parallel.py`), `AllToAllTokenDispatcher` |
 //! | `sequence.rs` | [`SequenceParallel`]'s norm sharder and its gradient sums | `tensor/parallel/style.py` (`SequenceParallel`) |
 //! | `error.rs` | [`ShardError`] and its contexts: [`ShardProblem`] on a rank, [`EngineFailure`] | the errors `shard_module` and `parallelize_module` raise |
 //! | `error/` | the problems by job, a table of its own in `error.rs` | (as `error.rs`) |
@@ -94,6 +95,7 @@
 
 mod embedding;
 mod error;
+mod expert;
 mod guard;
 mod loss;
 mod output;
@@ -118,10 +120,11 @@ pub use error::{
     EngineFailure, EngineProblem, ForwardProblem, HookSite, OnHook, PlanProblem, ShardError,
     ShardProblem, SharderError, StyleProblem,
 };
+pub use expert::ExpertSharder;
 pub use loss::{loss_parallel, LossParallelError, LossParallelOptions, LossProblem};
 pub use output::OutputLayout;
 pub use parallel::{
-    parallelize_module, ColwiseParallel, Layout, ParallelStyle, ParallelizePlan,
+    parallelize_module, ColwiseParallel, ExpertParallel, Layout, ParallelStyle, ParallelizePlan,
     PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
 };
 pub use plan::{PlanEntry, ShardingPlan, ShardingPlanBuilder};
@@ -239,6 +242,8 @@ pub fn shard_module<M: Shardable + ?Sized>(
     // their inputs or outputs for their submodules.
     let mut unguarded = Vec::new();
     let mut prepared = Vec::new();
+    // The parameters whose pieces train on every rank's inputs (expert parallelism's).
+    let mut every_rank = std::collections::BTreeSet::new();
     for (fqn, target) in targets {
         if !target.needs_hooks() {
             unguarded.push(fqn.clone());
@@ -252,7 +257,11 @@ pub fn shard_module<M: Shardable + ?Sized>(
             Target::Sharder(s) => s.shard(&fqn, m, src_rank, group)?,
         };
         for (name, meta) in done.params {
-            sharded.insert(tch_dist_core::path::join_fqn(&fqn, &name), meta);
+            let param = tch_dist_core::path::join_fqn(&fqn, &name);
+            if target.trained_on_every_rank() {
+                every_rank.insert(param.clone());
+            }
+            sharded.insert(param, meta);
         }
         hooks.extend(done.hooks);
         layouts.insert(fqn, done.output);
@@ -273,9 +282,9 @@ pub fn shard_module<M: Shardable + ?Sized>(
     let root = module.as_dyn_shardable();
     let (scopes, guards) = guard::install(root, &modules, &hooked, &prepared, group)?;
     hooks.extend(scopes);
-    let registration = state::enter_managed(module, &sharded, group);
+    let registrations = state::enter_managed(module, &sharded, &every_rank, group);
     Ok(ShardState {
-        _registration: registration,
+        _registrations: registrations,
         sharded,
         hooks,
         guards: std::sync::Mutex::new(guards),

@@ -24,6 +24,7 @@ use tch_dist_core::Shardable;
 
 use super::embedding::{ColwiseEmbedding, RowwiseEmbedding};
 use super::error::{ShardError, ShardProblem, StyleProblem};
+use super::expert::ExpertSharder;
 use super::plan::{PlanEntry, ShardingPlan};
 use super::prepare::{GatherInput, Prepare, ReshardOutput, Side};
 use super::sequence::{not_a_norm, SequenceParallelNorm};
@@ -213,6 +214,34 @@ impl PrepareModuleOutput {
     }
 }
 
+/// torchtitan's `ExpertParallel` on grouped experts ([`GroupedExperts`](crate::nn::moe::GroupedExperts):
+/// 3-D `w1`, `w2`, `w3`), over the mesh dim `ep`: each rank keeps `experts / ranks` of them
+/// (rank `r` experts `r·E/ranks ..`, rank 0's values), and every call's rows go to the rank
+/// holding their expert and back, by all-to-all of variable sizes (the counts first, then
+/// the rows; backward the reverse). The experts' gradients gather every rank's rows and
+/// are divided by the ranks: the gradients of the mean of the ranks' losses, as
+/// `replicate` or `fully_shard` over the same ranks average every other parameter's, and
+/// those leave the experts alone. The experts must be called with the rows grouped by
+/// expert and the rows per expert, as [`MoE`](crate::nn::moe::MoE) calls them.
+///
+/// ```no_run
+/// use tch_dist::device_mesh::init_device_mesh;
+/// use tch_dist::nn::moe::{MoE, MoeConfig};
+/// use tch_dist::sharding::{parallelize_module, ExpertParallel, ParallelizePlan};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// tch_dist::init_process_group(tch_dist::Backend::Gloo)?; // 2 ranks
+/// let mesh = init_device_mesh("cpu", &[2], &["ep"])?;
+/// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// let mut moe = MoE::new(&vs.root() / "moe", MoeConfig::new(16, 32, 8, 2))?;
+/// let plan = ParallelizePlan::new().style("experts", ExpertParallel);
+/// parallelize_module(&mut moe, &mesh, &plan)?; // 4 experts on each rank
+/// let r = mesh.get_local_rank("ep")? as i64;
+/// assert_eq!(moe.local_experts(), 4 * r..4 * r + 4);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExpertParallel;
+
 /// One entry of a [`ParallelizePlan`] (PyTorch's `ParallelStyle`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ParallelStyle {
@@ -226,6 +255,8 @@ pub enum ParallelStyle {
     PrepareInput(PrepareModuleInput),
     /// [`PrepareModuleOutput`].
     PrepareOutput(PrepareModuleOutput),
+    /// [`ExpertParallel`].
+    Expert(ExpertParallel),
 }
 
 impl ParallelStyle {
@@ -237,6 +268,7 @@ impl ParallelStyle {
             ParallelStyle::Sequence(_) => "SequenceParallel",
             ParallelStyle::PrepareInput(_) => "PrepareModuleInput",
             ParallelStyle::PrepareOutput(_) => "PrepareModuleOutput",
+            ParallelStyle::Expert(_) => "ExpertParallel",
         }
     }
 }
@@ -262,6 +294,12 @@ impl From<SequenceParallel> for ParallelStyle {
 impl From<PrepareModuleInput> for ParallelStyle {
     fn from(p: PrepareModuleInput) -> Self {
         ParallelStyle::PrepareInput(p)
+    }
+}
+
+impl From<ExpertParallel> for ParallelStyle {
+    fn from(e: ExpertParallel) -> Self {
+        ParallelStyle::Expert(e)
     }
 }
 
@@ -328,6 +366,7 @@ impl ParallelizePlan {
 /// | `SequenceParallel()` on a norm (`nn::LayerNorm`, an RMSNorm) | the input and output this rank's chunk of the sequence (`torch.chunk` along `sequence_dim`), the parameters whole, their gradients summed over the ranks before they are accumulated |
 /// | `PrepareModuleInput(input_layouts, desired_input_layouts)` on any module | each positional input changed by a forward pre-hook: `Shard(d)` to `Replicate` all-gathers along `d` (backward: this rank's piece of the gradient), `Replicate` to `Shard(d)` keeps this rank's chunk (backward: all-gather), `None` leaves the input alone |
 /// | `PrepareModuleOutput(output_layouts, desired_output_layouts)` | the same, on the outputs, by a forward hook |
+/// | torchtitan's `ExpertParallel()` on `GroupedExperts` (over the `ep` dim) | [`ExpertSharder`]: the experts split along dim 0, the rows sent to their experts' ranks and back by all-to-all |
 ///
 /// ```no_run
 /// use tch::nn;
@@ -500,5 +539,6 @@ fn style_sharder(
             &p.output_layouts,
             &p.desired_output_layouts,
         )?),
+        ParallelStyle::Expert(ExpertParallel) => Arc::new(ExpertSharder),
     }))
 }

@@ -192,7 +192,7 @@ impl<'de> Deserialize<'de> for ShardingPlan {
                         serde::de::Error::custom(format!(
                             "plan entry `{k}`: unknown sharder `{name}` (known: colwise_linear, \
                              colwise_linear(fused=N), rowwise_linear, colwise_embedding, \
-                             rowwise_embedding)"
+                             rowwise_embedding, expert_parallel)"
                         ))
                     })?)
                 }

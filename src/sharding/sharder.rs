@@ -1,7 +1,9 @@
 //! [`Sharder`]: shards a whole submodule; [`ColwiseLinear`] and [`RowwiseLinear`], the
 //! Megatron-LM pair for linear layers.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::ThreadId;
 
 use tch::{Device, Tensor};
 use tch_dist_core::hooks::{register_fallible_forward_pre_hook, ForwardError, RemovableHandle};
@@ -61,6 +63,15 @@ pub trait Sharder: Send + Sync {
     /// parameters' gradients are summed on the parameters themselves).
     fn needs_hooks(&self) -> bool {
         true
+    }
+
+    /// Whether each rank's piece is trained on the inputs of every rank of the group, its
+    /// gradient already that of the group's data (expert parallelism: rank `r`'s experts
+    /// take the tokens every rank routes to them). `replicate` and `fully_shard` over the
+    /// same ranks then leave such pieces alone, where they refuse tensor-parallel ones; false
+    /// unless a sharder says so.
+    fn trained_on_every_rank(&self) -> bool {
+        false
     }
 
     /// Shards `module` with the values of rank `src_rank` and installs its hooks.
@@ -145,6 +156,9 @@ pub(crate) fn sharder_by_name(name: &str) -> Option<Arc<dyn Sharder>> {
     }
     if name == "rowwise_embedding" {
         return Some(Arc::new(super::RowwiseEmbedding));
+    }
+    if name == "expert_parallel" {
+        return Some(Arc::new(super::ExpertSharder));
     }
     let fused = name
         .strip_prefix("colwise_linear(fused=")?
@@ -436,6 +450,75 @@ pub(super) fn scatter_local(
         many => Tensor::cat(many, 0),
     };
     Ok((local, st.metadata().clone()))
+}
+
+/// Splits parameter `name` (`t`) of module `fqn` along `dim` into even chunks over `group`
+/// (chunk `r` on rank `r`), from `src_rank`'s values: this rank's chunk in place, and the
+/// global layout.
+pub(super) fn shard_along(
+    fqn: &str,
+    name: &str,
+    t: &Tensor,
+    dim: usize,
+    src_rank: usize,
+    group: &ProcessGroup,
+) -> Result<ShardedTensorMetadata, ShardError> {
+    let shape = t.size();
+    let world = group.world_size();
+    let (sizes, offsets) = (
+        chunk_sizes(shape[dim], world),
+        chunk_offsets(shape[dim], world),
+    );
+    let shards = (0..world)
+        .map(|r| {
+            let mut shard_offsets = vec![0; shape.len()];
+            let mut shard_sizes = shape.clone();
+            shard_offsets[dim] = offsets[r];
+            shard_sizes[dim] = sizes[r];
+            ShardMetadata {
+                shard_offsets,
+                shard_sizes,
+                placement: Placement::new(r, t.device()),
+            }
+        })
+        .collect();
+    let layout =
+        |e: ShardingError| ShardError::plan(group, fqn, PlanProblem::Layout { source: e.into() });
+    let spec = ShardingSpec::Enumerable(EnumerableShardingSpec::new(shards).map_err(layout)?);
+    let (local, meta) = scatter_local(t, &spec, src_rank, group, &join_fqn(fqn, name))?;
+    set_local(t, &local);
+    Ok(meta)
+}
+
+/// What a sharder's input hook leaves for its output hook, per call: per thread (a
+/// recomputation in backward runs on the engine's thread), innermost call last.
+pub(super) struct PerCall<T>(Mutex<HashMap<ThreadId, Vec<T>>>);
+
+impl<T> Default for PerCall<T> {
+    fn default() -> Self {
+        PerCall(Mutex::new(HashMap::new()))
+    }
+}
+
+impl<T> PerCall<T> {
+    /// Leaves `value` for this thread's current call.
+    pub(super) fn push(&self, value: T) {
+        let mut m = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        m.entry(std::thread::current().id())
+            .or_default()
+            .push(value);
+    }
+
+    /// Takes what this thread's innermost call left.
+    pub(super) fn pop(&self) -> Option<T> {
+        let mut m = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let id = std::thread::current().id();
+        let value = m.get_mut(&id).and_then(Vec::pop);
+        if m.get(&id).is_some_and(Vec::is_empty) {
+            m.remove(&id);
+        }
+        value
+    }
 }
 
 /// Makes `param` hold `local` (same tensor object, so every handle on it sees the shard).

@@ -1,6 +1,6 @@
 //! [`ShardState`]: what [`shard_module`](super::shard_module) did to a module.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use tch::Tensor;
@@ -25,7 +25,7 @@ pub struct ShardState {
     pub(super) guards: Mutex<Vec<Arc<UseGuard>>>,
     pub(super) group: ProcessGroup,
     /// The sharded parameters in the registry of managed parameters.
-    pub(super) _registration: Registration,
+    pub(super) _registrations: Vec<Registration>,
 }
 
 impl std::fmt::Debug for ShardState {
@@ -153,12 +153,15 @@ fn sharded_tensor(
 /// Enters `module`'s parameters that `sharded` names in the registry of managed parameters,
 /// each with how `shard_module` split it over `group` (the placement record's layer: the one
 /// dim along which this rank's piece differs from the whole, and how many blocks of the
-/// whole it joins); the state removes them on drop.
+/// whole it joins): as tensor parallelism's, or, for those in `every_rank` (a sharder's
+/// [`trained_on_every_rank`](super::Sharder::trained_on_every_rank)), as expert
+/// parallelism's. The state removes them on drop.
 pub(super) fn enter_managed<M: Shardable + ?Sized>(
     module: &M,
     sharded: &BTreeMap<String, ShardedTensorMetadata>,
+    every_rank: &BTreeSet<String>,
     group: &ProcessGroup,
-) -> Registration {
+) -> Vec<Registration> {
     let params: Vec<(String, &Tensor)> = module
         .named_parameters()
         .into_iter()
@@ -168,15 +171,21 @@ pub(super) fn enter_managed<M: Shardable + ?Sized>(
         group: group.clone(),
         metadata: params.iter().map(|(fqn, _)| sharded[fqn].clone()).collect(),
     });
-    let entries = params
-        .into_iter()
-        .enumerate()
-        .map(|(index, (fqn, t))| {
-            let layer = layer(&holder, index);
-            (tensor_identity(t), fqn, layer)
-        })
-        .collect();
-    register(ManagingApi::ShardModule, group.global_ranks(), entries)
+    let (mut tensor_parallel, mut experts) = (Vec::new(), Vec::new());
+    for (index, (fqn, t)) in params.into_iter().enumerate() {
+        let layer = layer(&holder, index);
+        let to = if every_rank.contains(&fqn) {
+            &mut experts
+        } else {
+            &mut tensor_parallel
+        };
+        to.push((tensor_identity(t), fqn, layer));
+    }
+    let ranks = group.global_ranks();
+    vec![
+        register(ManagingApi::ShardModule, ranks, tensor_parallel),
+        register(ManagingApi::ExpertParallel, ranks, experts),
+    ]
 }
 
 /// How `holder`'s tensor `index` lies: `None` when this rank holds no piece of it.

@@ -31,6 +31,14 @@ impl Target {
         }
     }
 
+    /// Whether the pieces train on every rank's inputs ([`Sharder::trained_on_every_rank`]).
+    pub fn trained_on_every_rank(&self) -> bool {
+        match self {
+            Target::Linear(_) => false,
+            Target::Sharder(s) => s.trained_on_every_rank(),
+        }
+    }
+
     /// Whether the module must be called through its hooks ([`Sharder::needs_hooks`]).
     pub fn needs_hooks(&self) -> bool {
         match self {

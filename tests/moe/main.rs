@@ -344,29 +344,31 @@ fn expert_parallel_equals_one_process_at_2_ranks() {
         );
         // 5 experts over 2 ranks: refused on both, the weights whole.
         let (_o, mut odd) = layer(MoeConfig::new(DIM, 16, 5, 2), 4);
-        match odd.parallelize_experts(&pg) {
-            Err(MoeError::Config(t)) => assert_eq!(
-                t,
-                "5 experts cannot be split evenly over the 2 ranks of expert parallelism"
+        let refused = odd
+            .parallelize_experts(&pg)
+            .expect_err("5 experts over 2 ranks");
+        assert_eq!(
+            tch_dist::report(&refused),
+            format!(
+                "moe: expert parallelism refused: rank {rank}: shard_module: `experts`: \
+                 expert_parallel: 5 experts cannot be split evenly over the 2 ranks of expert \
+                 parallelism"
             ),
-            other => panic!("expected a refusal, got {other:?}"),
-        }
+        );
         assert_eq!(odd.experts.w1.size()[0], 5);
         // Rank 0's layer has 4 experts, rank 1's 6: refused on both (the exchanges of every
         // forward rely on alike layers), nothing narrowed.
         let count = if rank == 0 { 4 } else { 6 };
         let (_d, mut differs) = layer(MoeConfig::new(DIM, 16, count, 2), 4);
-        match differs.parallelize_experts(&pg) {
-            Err(MoeError::Config(t)) => assert_eq!(
-                t,
-                format!(
-                    "expert parallelism: experts is {count} here but {} on rank {}",
-                    10 - count,
-                    1 - rank
-                )
-            ),
-            other => panic!("expected a refusal, got {other:?}"),
-        }
+        let refused = differs.parallelize_experts(&pg).expect_err("unlike layers");
+        assert_eq!(
+            tch_dist::report(&refused),
+            format!(
+                "moe: expert parallelism refused: rank {rank}: shard_module: tensors differ \
+                 across ranks: `router.gate.weight` has shape [4, 8] (Double) on rank 0 but \
+                 shape [6, 8] (Double) on rank 1"
+            )
+        );
         assert_eq!(differs.experts.w1.size()[0], count);
     });
 }
@@ -519,6 +521,116 @@ fn expert_parallel_with_fully_shard_on_an_expert_mesh_equals_one_process() {
                 let d = max_diff(&t, &want[&format!("moe.{name}")]);
                 assert!(d < 1e-10, "{name} differs by {d}");
             }
+        },
+    );
+}
+
+/// torchtitan's way at 4 ranks: `parallelize_module` with the `ExpertParallel` style on the
+/// layer's experts over a 4-rank `ep` mesh (2 experts each), `replicate` over the same ranks
+/// for the router and the shared expert: 2 SGD steps with momentum equal one process
+/// training on every rank's tokens. Then the misuse: rows per expert that do not describe a
+/// rank's rows (on rank 1 only) are an error on every rank, no hang, nothing left behind (a
+/// forward after it still equals one process); the style on a layer that is not grouped
+/// experts is refused on every rank.
+#[test]
+fn expert_parallel_style_at_4_ranks_trains_as_one_process() {
+    use tch_dist::device_mesh::init_device_mesh;
+    use tch_dist::sharding::{parallelize_module, ExpertParallel, ParallelizePlan};
+    use tch_dist::CallWith;
+    run_ranks(
+        "expert_parallel_style_at_4_ranks_trains_as_one_process",
+        4,
+        |pg| {
+            let rank = pg.rank() as i64;
+            let config = MoeConfig {
+                shared_hidden: Some(12),
+                ..MoeConfig::new(DIM, 16, 8, 2)
+            };
+            let (ref_vs, reference) = layer(config.clone(), 4);
+            let (vs, mut moe) = layer(config, 4);
+            let mesh = init_device_mesh("cpu", &[4], &["ep"]).unwrap();
+            let plan = ParallelizePlan::new().style("", ExpertParallel);
+            parallelize_module(&mut moe.experts, &mesh, &plan).unwrap();
+            assert_eq!(moe.local_experts(), 2 * rank..2 * rank + 2);
+            assert_eq!(moe.experts.w2.size(), [2, DIM, 16]);
+            tch_dist::replicate::apply(&moe, tch_dist::replicate::Options::default()).unwrap();
+            let sgd = |vs: &nn::VarStore| {
+                nn::Sgd {
+                    momentum: 0.9,
+                    ..Default::default()
+                }
+                .build(vs, 0.1)
+                .unwrap()
+            };
+            let (mut ref_opt, mut opt) = (sgd(&ref_vs), sgd(&vs));
+            let step =
+                |seed: i64, moe: &MoE, opt: &mut nn::Optimizer, ref_opt: &mut nn::Optimizer| {
+                    tch::manual_seed(seed);
+                    let all = Tensor::randn([4, 5, DIM], (Kind::Double, Device::Cpu));
+                    let target = Tensor::randn([4, 5, DIM], (Kind::Double, Device::Cpu));
+                    let y = moe.f_forward(&all.get(rank)).unwrap();
+                    opt.backward_step(&y.mse_loss(&target.get(rank), tch::Reduction::Mean));
+                    let ys = reference.forward(&all.view([-1, DIM])).view([4, 5, DIM]);
+                    ref_opt.backward_step(&ys.mse_loss(&target, tch::Reduction::Mean));
+                    max_diff(&y, &ys.get(rank))
+                };
+            for seed in [20, 21] {
+                assert!(
+                    step(seed, &moe, &mut opt, &mut ref_opt) < 1e-10,
+                    "the outputs"
+                );
+            }
+            let full = tch_dist::state_dict::full_state_dict(&moe).unwrap();
+            let want = ref_vs.variables();
+            assert_eq!(full.len(), want.len());
+            for (name, t) in &full {
+                let d = max_diff(t, &want[&format!("moe.{name}")]);
+                assert!(d < 1e-10, "{name} differs by {d}");
+            }
+
+            // Rank 1's counts add up to 9 for its 10 rows: every rank refuses the call.
+            let rows = Tensor::randn([10, DIM], (Kind::Double, Device::Cpu));
+            let mut counts = vec![1i64, 2, 1, 1, 2, 1, 1, 1];
+            if rank == 1 {
+                counts[0] = 0;
+            }
+            let counts = Tensor::from_slice(&counts);
+            let refused = moe
+                .experts
+                .f_call_with([&rows, &counts], |e, [rows, counts]| {
+                    let n: Vec<i64> = Vec::try_from(counts).unwrap();
+                    e.forward_grouped(rows, &n)
+                })
+                .expect_err("counts that do not add up");
+            let text = if rank == 1 {
+                "8 counts adding up to 9 for 10 rows of 8 experts".to_string()
+            } else {
+                "rank 1's counts of rows per expert do not match its rows".to_string()
+            };
+            assert_eq!(
+                tch_dist::report(&refused),
+                format!("shard_module: expert-parallel the root module on rank {rank}: {text}")
+            );
+            // Nothing left behind: the next step still equals one process.
+            assert!(
+                step(22, &moe, &mut opt, &mut ref_opt) < 1e-10,
+                "after the refusal"
+            );
+
+            // The style on a linear layer: refused on every rank, the weight whole.
+            let lin_vs = nn::VarStore::new(Device::Cpu);
+            let mut lin = nn::linear(lin_vs.root() / "fc", DIM, 4, Default::default());
+            let refused = parallelize_module(&mut lin, &mesh, &plan).expect_err("not experts");
+            assert_eq!(
+                tch_dist::report(&refused),
+                format!(
+                    "rank {rank}: shard_module: the root module: expert_parallel: \
+                     ExpertParallel needs grouped experts (3-D `w1` and `w3` [experts, hidden, \
+                     dim] and `w2` [experts, dim, hidden], nothing else), but this \
+                     `tch::nn::linear::Linear` has a parameter `weight`"
+                )
+            );
+            assert_eq!(lin.ws.size(), [4, DIM]);
         },
     );
 }

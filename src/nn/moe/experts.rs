@@ -6,6 +6,8 @@ use tch::nn::{self, Module};
 use tch::Tensor;
 use tch_dist_core::Shardable;
 
+use super::MoeError;
+
 /// `experts` SwiGLU feed-forwards held as 3-D weights (torchtitan's layout, each expert's
 /// slice in HF's `[out, in]` order): `w1` and `w3` `[experts, hidden, dim]` (HF's
 /// `gate_proj`, `up_proj`), `w2` `[experts, dim, hidden]` (`down_proj`).
@@ -48,31 +50,37 @@ impl GroupedExperts {
         }
     }
 
+    /// [`f_forward_grouped`](Self::f_forward_grouped), panicking with its error.
+    pub fn forward_grouped(&self, x: &Tensor, counts: &[i64]) -> Tensor {
+        self.f_forward_grouped(x, counts)
+            .unwrap_or_else(|e| panic!("{}", crate::report(&e)))
+    }
+
     /// Runs `x` `[rows, dim]`, whose first `counts[0]` rows go to expert 0, the next
     /// `counts[1]` to expert 1 and so on, through their experts (a loop of matrix products
     /// over the non-empty groups: `_grouped_mm` without its CUDA kernel). Empty groups are
-    /// fine; `counts` must add up to the rows.
-    pub fn forward_grouped(&self, x: &Tensor, counts: &[i64]) -> Tensor {
-        self.forward_grouped_scaled(x, counts, 1.0)
-    }
-
-    /// [`forward_grouped`](Self::forward_grouped) with the weights' gradients scaled by
-    /// `grad_scale` (the values are exactly the weights': `w + (w − w) · s` with the
-    /// difference detached).
-    pub(super) fn forward_grouped_scaled(
-        &self,
-        x: &Tensor,
-        counts: &[i64],
-        grad_scale: f64,
-    ) -> Tensor {
-        let scaled = |w: &Tensor| {
-            if grad_scale == 1.0 {
-                w.shallow_clone()
-            } else {
-                w.detach() + (w - w.detach()) * grad_scale
-            }
-        };
-        let (w1_all, w2_all, w3_all) = (scaled(&self.w1), scaled(&self.w2), scaled(&self.w3));
+    /// fine. `counts` must hold one count per expert this module holds, adding up to the
+    /// rows: anything else is refused (expert-parallel experts called without their hooks
+    /// get the layer's global counts, and would otherwise compute with the wrong experts).
+    ///
+    /// ```no_run
+    /// use tch_dist::nn::moe::GroupedExperts;
+    /// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    /// let experts = GroupedExperts::new(&vs.root() / "experts", 4, 16, 32);
+    /// let x = tch::Tensor::randn([5, 16], tch::kind::FLOAT_CPU);
+    /// assert!(experts.f_forward_grouped(&x, &[2, 3]).is_err()); // 2 counts for 4 experts
+    /// ```
+    pub fn f_forward_grouped(&self, x: &Tensor, counts: &[i64]) -> Result<Tensor, MoeError> {
+        let held = self.w1.size().first().copied().unwrap_or(0);
+        let rows = x.size().first().copied().unwrap_or(0);
+        let sum: i64 = counts.iter().sum();
+        if counts.len() as i64 != held || sum != rows || counts.iter().any(|&c| c < 0) {
+            return Err(MoeError::Config(format!(
+                "grouped experts holding {held} experts got {} counts adding up to {sum} for \
+                 {rows} rows",
+                counts.len()
+            )));
+        }
         let mut outs = Vec::with_capacity(counts.len());
         let mut start = 0;
         for (e, &n) in counts.iter().enumerate() {
@@ -81,18 +89,18 @@ impl GroupedExperts {
             }
             let rows = x.narrow(0, start, n);
             let (w1, w2, w3) = (
-                w1_all.get(e as i64),
-                w2_all.get(e as i64),
-                w3_all.get(e as i64),
+                self.w1.get(e as i64),
+                self.w2.get(e as i64),
+                self.w3.get(e as i64),
             );
             let h = rows.matmul(&w1.tr()).silu() * rows.matmul(&w3.tr());
             outs.push(h.matmul(&w2.tr()));
             start += n;
         }
         if outs.is_empty() {
-            return x.zeros_like();
+            return Ok(x.zeros_like());
         }
-        Tensor::cat(&outs, 0)
+        Ok(Tensor::cat(&outs, 0))
     }
 }
 

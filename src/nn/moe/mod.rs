@@ -7,12 +7,13 @@
 //! | --- | --- | --- |
 //! | `mod.rs` | [`MoeConfig`], [`MoE`]: dispatch to the experts and combine, the bias update, the auxiliary loss, HF's names | torchtitan's `models/common/moe.py` (`MoE`), `token_dispatcher.py` (`LocalTokenDispatcher`), `components/optimizer/optimizer.py` (`_update_expert_bias`), `state_dict_adapter.py` |
 //! | `router.rs` | [`Router`]: scores, top-k with deterministic ties, weights | `moe.py` (`TokenChoiceTopKRouter`) |
-//! | `expert_parallel.rs` | the experts split over the ranks of a group, tokens sent to their experts' ranks and back | torchtitan's `ExpertParallel`, `token_dispatcher.py` (`AllToAllTokenDispatcher`) |
 //! | `experts.rs` | [`GroupedExperts`] (the routed experts over grouped tokens), [`FeedForward`] (the shared expert) | `moe.py` (`GroupedExperts`, `FeedForward`) |
 //!
-//! By default one process runs every expert; [`MoE::parallelize_experts`] splits them over the
-//! ranks of a group (expert parallelism), the tokens exchanged with
-//! [`functional::all_to_all_single`](crate::sharding::functional::all_to_all_single).
+//! By default one process runs every expert; the [`ExpertParallel`](crate::sharding::ExpertParallel)
+//! style (or [`MoE::parallelize_experts`] over a group) splits them over the ranks of a mesh
+//! dim, the tokens exchanged by all-to-all: the layer calls its experts with the rows grouped
+//! by expert and the rows per expert, as torchtitan's `GroupedExperts`, and the style's hooks
+//! do the rest.
 //!
 //! ```no_run
 //! use tch::nn::Module;
@@ -26,7 +27,6 @@
 //! # Ok(()) }
 //! ```
 
-mod expert_parallel;
 mod experts;
 mod router;
 
@@ -37,7 +37,11 @@ use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 use tch_dist_core::hooks::{CallWith, ForwardError};
 use tch_dist_core::Shardable;
+use tch_dist_runtime::fsdp::tensor_identity;
 use tch_dist_runtime::{DistError, ProcessGroup, ReduceOp};
+
+use crate::sharding::{shard_module, ExpertSharder, ShardError, ShardState, ShardingPlan};
+use crate::state_dict::managed::{managed_by, ManagingApi};
 
 pub use experts::{FeedForward, GroupedExperts};
 pub use router::{Router, Routes};
@@ -179,10 +183,13 @@ pub enum MoeError {
     /// exchanges.
     #[error("moe: a collective failed")]
     Collective(#[source] DistError),
-    /// A hook of the routed experts' call failed (fully_shard's gather of the experts, when
-    /// they are sharded on their own mesh).
+    /// A hook of the routed experts' call failed (expert parallelism's exchanges,
+    /// fully_shard's gather of the experts when they are sharded on their own mesh).
     #[error("moe: the routed experts' call failed")]
     Experts(#[source] ForwardError),
+    /// [`MoE::parallelize_experts`] refused (on every rank, nothing changed).
+    #[error("moe: expert parallelism refused")]
+    ExpertParallel(#[source] ShardError),
 }
 
 /// A mixture-of-experts feed-forward: each token through its top `k` routed experts,
@@ -211,7 +218,7 @@ pub struct MoE {
     #[shardable(skip)]
     aux_loss: Mutex<Option<Tensor>>,
     #[shardable(skip)]
-    expert_parallel: Option<expert_parallel::ExpertParallel>,
+    expert_parallel: Option<std::sync::Arc<ShardState>>,
 }
 
 impl MoE {
@@ -254,21 +261,18 @@ impl MoE {
         &self.config
     }
 
-    /// Expert parallelism over `group` (torchtitan's `ExpertParallel`): this rank keeps
-    /// `experts / ranks` of the routed experts (rank `r` experts `r·E/ranks ..`; their 3-D
-    /// weights narrowed in place, so build the optimizer afterwards), and each forward sends
-    /// every token to the rank holding its expert and back with
-    /// [`functional::all_to_all_single`](crate::sharding::functional::all_to_all_single)
-    /// (the counts first, then the tokens; backward the reverse). The router and the shared
-    /// expert stay whole on every rank; each rank routes its own tokens. The experts'
-    /// gradients gather every rank's tokens and are divided by the ranks: the gradients of
-    /// the mean of the ranks' losses, as `replicate` or `fully_shard` over the same ranks
-    /// average every other parameter's. The experts enter the registry of managed parameters
-    /// split along dim 0 over `group` (as tensor parallelism's pieces): `replicate` and
-    /// `fully_shard` over the same ranks leave them alone (apply them after this), over
-    /// other ranks they refuse; the state dict and checkpoints gather and place them.
-    /// Every rank of `group` must call it and then run each forward; ranks that do not
-    /// divide the experts are refused on every rank, nothing changed.
+    /// Expert parallelism over `group`: the [`ExpertParallel`](crate::sharding::ExpertParallel)
+    /// style on this layer's experts (what `parallelize_module(&mut moe, &ep_mesh,
+    /// &ParallelizePlan::new().style("experts", ExpertParallel))` does on a mesh dim), rank
+    /// 0's values. This rank keeps `experts / ranks` of the routed experts (rank `r`
+    /// experts `r·E/ranks ..`; their 3-D weights narrowed in place, so build the optimizer
+    /// afterwards), and each forward sends every token to the rank holding its expert and
+    /// back. The router and the shared expert stay whole on every rank, with rank 0's values;
+    /// each rank routes its own tokens. `replicate` and `fully_shard` over the same ranks
+    /// leave the experts alone (apply them after this); the state dict and checkpoints
+    /// gather and place them. Every rank of `group` must call it and then run each forward;
+    /// ranks that do not divide the experts, or layers that differ, are refused on every
+    /// rank, nothing changed.
     ///
     /// ```no_run
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -286,13 +290,11 @@ impl MoE {
                 "the experts are already expert-parallel".into(),
             ));
         }
-        let ep = expert_parallel::ExpertParallel::shard(
-            &mut self.experts,
-            self.config.experts,
-            self.config.top_k,
-            group,
-        )?;
-        self.expert_parallel = Some(ep);
+        let plan = ShardingPlan::builder()
+            .shard_module("experts", ExpertSharder)
+            .build();
+        let state = shard_module(self, &plan, 0, group).map_err(MoeError::ExpertParallel)?;
+        self.expert_parallel = Some(state);
         Ok(())
     }
 
@@ -306,8 +308,9 @@ impl MoE {
     /// # Ok::<(), tch_dist::nn::moe::MoeError>(())
     /// ```
     pub fn local_experts(&self) -> std::ops::Range<i64> {
-        match &self.expert_parallel {
-            Some(ep) => ep.first..ep.first + ep.local,
+        let id = tensor_identity(&self.experts.w1);
+        match managed_by(id, ManagingApi::ExpertParallel).and_then(|m| m.layer) {
+            Some(layer) => layer.offsets[0]..layer.offsets[0] + layer.local[0],
             None => 0..self.config.experts,
         }
     }
@@ -516,21 +519,19 @@ impl MoE {
         let (_, order) = slots.sort_stable(true, 0, false);
         let token = order.floor_divide_scalar(self.config.top_k);
         let counts = slots.bincount::<Tensor>(None, self.config.experts);
-        let per_expert: Vec<i64> = (0..self.config.experts)
-            .map(|e| counts.int64_value(&[e]))
-            .collect();
         let rows = x.index_select(0, &token);
-        let out = match &self.expert_parallel {
-            Some(ep) => ep.run(&self.experts, &rows, &per_expert)?,
-            // A hooked call: the experts may be an API's module of their own (fully_shard
-            // over the expert data-parallel ranks, as torchtitan shards `moe.experts`).
-            None => self
-                .experts
-                .f_call_with([&rows], move |e, [rows]| {
-                    e.forward_grouped(rows, &per_expert)
-                })
-                .map_err(MoeError::Experts)?,
-        };
+        // A hooked call with torchtitan's two inputs: expert parallelism's hooks send the
+        // rows to their experts' ranks (and the counts become this rank's experts'), and
+        // fully_shard may hold the experts over the expert data-parallel ranks.
+        let out = self
+            .experts
+            .f_call_with([&rows, &counts], |e, [rows, counts]| {
+                let per_expert: Vec<i64> = (0..counts.numel() as i64)
+                    .map(|e| counts.int64_value(&[e]))
+                    .collect();
+                e.forward_grouped(rows, &per_expert)
+            })
+            .map_err(MoeError::Experts)?;
         // Weighted in the scores' precision (float32 at least), then summed per token.
         let weights = routes.weights.reshape([-1]).index_select(0, &order);
         let weighted = out.to_kind(weights.kind()) * weights.unsqueeze(1);

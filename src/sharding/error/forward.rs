@@ -77,6 +77,8 @@ pub enum HookSite {
     SequenceParallel,
     /// `PrepareModuleInput`'s hook.
     Input,
+    /// Expert parallelism's hooks (the tokens sent to their experts' ranks and back).
+    ExpertParallel,
 }
 
 impl fmt::Display for HookSite {
@@ -88,6 +90,7 @@ impl fmt::Display for HookSite {
             HookSite::VocabParallel => "vocab-parallel",
             HookSite::SequenceParallel => "sequence-parallel",
             HookSite::Input => "input of",
+            HookSite::ExpertParallel => "expert-parallel",
         })
     }
 }
@@ -179,6 +182,40 @@ pub enum ForwardProblem {
         /// The call's outputs.
         got: usize,
     },
+    /// Expert-parallel experts were called with other inputs than the rows grouped by
+    /// expert and the rows per expert.
+    #[error(
+        "expects 2 inputs, the rows grouped by expert and the count of rows per expert, the \
+         call passed {got}"
+    )]
+    ExpertInputs {
+        /// The call's inputs.
+        got: usize,
+    },
+    /// This rank's rows per expert do not describe its rows: another number of experts,
+    /// or counts that do not add up to the rows (nothing was exchanged with wrong counts;
+    /// every rank refused the call).
+    #[error("{counts} counts adding up to {sum} for {rows} rows of {experts} experts")]
+    DispatchCounts {
+        /// How many counts the call passed.
+        counts: i64,
+        /// Their sum.
+        sum: i64,
+        /// The rows passed.
+        rows: i64,
+        /// The layer's experts over every rank.
+        experts: i64,
+    },
+    /// Another rank's rows per expert did not describe its rows: every rank refused the
+    /// call (that rank's error says why).
+    #[error("rank {rank}'s counts of rows per expert do not match its rows")]
+    PeerDispatchCounts {
+        /// The first such rank in the group.
+        rank: usize,
+    },
+    /// Expert parallelism's output hook ran without its input hook.
+    #[error("the experts ran without the input hook that sent the tokens to them")]
+    CombineWithoutDispatch,
     /// A collective failed (boxed, so that every `Result` stays small).
     #[error(transparent)]
     Collective(Box<DistError>),

@@ -102,6 +102,27 @@ pub enum SharderError {
         /// What it is or has instead (`has a parameter `weight` of shape [4, 8]`).
         found: String,
     },
+    /// `ExpertParallel` on a module that is not grouped experts.
+    #[error(
+        "ExpertParallel needs grouped experts (3-D `w1` and `w3` [experts, hidden, dim] and \
+         `w2` [experts, dim, hidden], nothing else), but this `{kind}` has {found}"
+    )]
+    NotGroupedExperts {
+        /// The module's type.
+        kind: &'static str,
+        /// What it has instead.
+        found: String,
+    },
+    /// `ExpertParallel` over ranks that do not divide the experts.
+    #[error(
+        "{experts} experts cannot be split evenly over the {ranks} ranks of expert parallelism"
+    )]
+    ExpertsNotDivisible {
+        /// The experts.
+        experts: i64,
+        /// The expert-parallel ranks.
+        ranks: usize,
+    },
     /// `ColwiseLinear { fused: 0 }`.
     #[error("fused must be at least 1")]
     ZeroFused,

@@ -65,6 +65,8 @@ fn sharder_name(e: &SharderError) -> &'static str {
         SharderError::NotDivisible { .. } => "NotDivisible",
         SharderError::NotAnEmbedding { .. } => "NotAnEmbedding",
         SharderError::NotANorm { .. } => "NotANorm",
+        SharderError::NotGroupedExperts { .. } => "NotGroupedExperts",
+        SharderError::ExpertsNotDivisible { .. } => "ExpertsNotDivisible",
         SharderError::Custom(_) => "Custom",
     }
 }
@@ -81,6 +83,10 @@ fn forward_name(p: &ForwardProblem) -> &'static str {
         ForwardProblem::LayoutDim { .. } => "LayoutDim",
         ForwardProblem::InputCount { .. } => "InputCount",
         ForwardProblem::OutputCount { .. } => "OutputCount",
+        ForwardProblem::ExpertInputs { .. } => "ExpertInputs",
+        ForwardProblem::DispatchCounts { .. } => "DispatchCounts",
+        ForwardProblem::PeerDispatchCounts { .. } => "PeerDispatchCounts",
+        ForwardProblem::CombineWithoutDispatch => "CombineWithoutDispatch",
         ForwardProblem::Collective(_) => "Collective",
     }
 }
@@ -402,6 +408,22 @@ fn every_sharder_error_has_its_text() {
                  `Linear` has a parameter `weight` of shape [4, 8]",
             ),
             (
+                SharderError::NotGroupedExperts {
+                    kind: "Linear",
+                    found: "a parameter `weight`".into(),
+                },
+                "ExpertParallel needs grouped experts (3-D `w1` and `w3` [experts, hidden, \
+                 dim] and `w2` [experts, dim, hidden], nothing else), but this `Linear` has a \
+                 parameter `weight`",
+            ),
+            (
+                SharderError::ExpertsNotDivisible {
+                    experts: 5,
+                    ranks: 2,
+                },
+                "5 experts cannot be split evenly over the 2 ranks of expert parallelism",
+            ),
+            (
                 SharderError::custom(TooFewRows),
                 "an embedding needs at least 2 rows per rank",
             ),
@@ -418,6 +440,8 @@ fn every_sharder_error_has_its_text() {
             "NotDivisible",
             "NotAnEmbedding",
             "NotANorm",
+            "NotGroupedExperts",
+            "ExpertsNotDivisible",
             "Custom",
         ],
     );
@@ -492,6 +516,28 @@ fn every_forward_problem_has_its_text() {
                 "the plan lays out 1 outputs, the call returned 2",
             ),
             (
+                ForwardProblem::ExpertInputs { got: 1 },
+                "expects 2 inputs, the rows grouped by expert and the count of rows per \
+                 expert, the call passed 1",
+            ),
+            (
+                ForwardProblem::DispatchCounts {
+                    counts: 4,
+                    sum: 9,
+                    rows: 10,
+                    experts: 4,
+                },
+                "4 counts adding up to 9 for 10 rows of 4 experts",
+            ),
+            (
+                ForwardProblem::PeerDispatchCounts { rank: 1 },
+                "rank 1's counts of rows per expert do not match its rows",
+            ),
+            (
+                ForwardProblem::CombineWithoutDispatch,
+                "the experts ran without the input hook that sent the tokens to them",
+            ),
+            (
                 ForwardProblem::collective(dist()),
                 "rank 1: all_gather (differentiable) failed: rank 0 closed the connection",
             ),
@@ -508,6 +554,10 @@ fn every_forward_problem_has_its_text() {
             "LayoutDim",
             "InputCount",
             "OutputCount",
+            "ExpertInputs",
+            "DispatchCounts",
+            "PeerDispatchCounts",
+            "CombineWithoutDispatch",
             "Collective",
         ],
     );
@@ -518,6 +568,7 @@ fn every_forward_problem_has_its_text() {
         (HookSite::VocabParallel, "vocab-parallel"),
         (HookSite::SequenceParallel, "sequence-parallel"),
         (HookSite::Input, "input of"),
+        (HookSite::ExpertParallel, "expert-parallel"),
     ];
     for (site, text) in sites {
         // Exhaustive: a new site fails to compile until it is pinned here.
@@ -527,7 +578,8 @@ fn every_forward_problem_has_its_text() {
             | HookSite::Output
             | HookSite::VocabParallel
             | HookSite::SequenceParallel
-            | HookSite::Input => {}
+            | HookSite::Input
+            | HookSite::ExpertParallel => {}
         }
         assert_eq!(site.to_string(), text);
     }
