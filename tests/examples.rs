@@ -962,7 +962,9 @@ fn metric_losses(path: &Path) -> Vec<f64> {
 /// hold the same ones and on the rest over all 4; 16 sequences per rank against 64 on one)
 /// and dp 2 x tp 2 with `--loss-parallel` (ep = dp: fully_shard over the experts' own ranks
 /// leaves them be; attention and output tensor-parallel, the experts whole on each tp rank;
-/// 16 per dp rank against 32): the same losses for 9 steps (1e-4; an epoch's 10th is a
+/// 16 per dp rank against 32), and dp 2 x tp 2 with `--expert-tp` (torchtitan's
+/// `ExpertTensorParallel`: each expert's hidden width split over tp as well): the same
+/// losses for 9 steps (1e-4; an epoch's 10th is a
 /// short batch, which the samplers pad differently) and test loss (1e-3), and each epoch
 /// line reports the experts' load; PyTorch loads each layout's checkpoint into torchtitan's
 /// MoE and its `--hf-checkpoint` file into a model of Hugging Face's names
@@ -971,7 +973,7 @@ fn metric_losses(path: &Path) -> Vec<f64> {
 #[test]
 fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
     let dir = temp_dir("train-lm-moe");
-    let layouts: [(&[&str], &str, &str); 2] = [
+    let layouts: [(&[&str], &str, &str); 3] = [
         (
             &["--dp", "4", "--ep", "2", "--tp", "1"],
             "64",
@@ -981,6 +983,11 @@ fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
             &["--dp", "2", "--tp", "2", "--loss-parallel"],
             "32",
             "expert-parallel over ep 2) and loss parallelism",
+        ),
+        (
+            &["--dp", "2", "--tp", "2", "--expert-tp"],
+            "32",
+            "expert-parallel over ep 2, each expert's width over tp 2)",
         ),
     ];
     for (layout, one_batch, says) in layouts {

@@ -30,9 +30,11 @@
 //! `--ep N` of the dp ranks (default: all of them; expert parallelism, tokens exchanged
 //! with an all-to-all), on torchtitan's mesh `[efsdp, ep, tp]` (dp = efsdp x ep): with ep
 //! below dp, `fully_shard` shards each layer's experts over the efsdp ranks that hold the
-//! same ones, and the rest of the model over all dp ranks, as torchtitan does. With `--tp`,
+//! same ones (chosen by the layer's `shard_placement_fn`, torchtitan's per-parameter meshes),
+//! and the rest of the model over all dp ranks, as torchtitan does. With `--tp`,
 //! attention and the output layer are tensor-parallel as without (`--loss-parallel` too)
-//! and every tp rank runs the experts whole (no expert x tensor parallelism). The
+//! and every tp rank runs the experts whole, or, with `--expert-tp`, its slice of each
+//! expert's hidden width (torchtitan's `ExpertTensorParallel` over `[ep, tp]`). The
 //! load-balancing bias moves before each optimizer step, and each epoch line adds the
 //! experts' load (the busiest expert's tokens over the mean).
 //!
@@ -96,9 +98,11 @@ use tch_dist::checkpoint::{SaveOptions, State};
 use tch_dist::context_parallel::{context_parallel, CpOptions};
 use tch_dist::data::{DistributedSampler, SamplerOptions};
 use tch_dist::device_mesh::{init_device_mesh, DeviceMesh};
+use tch_dist::fully_shard::{ShardPlacement, ShardPlacementFn};
 use tch_dist::optim::AdamW;
 use tch_dist::sharding::{
-    loss_parallel, parallelize_module, ExpertParallel, LossParallelOptions, ParallelizePlan,
+    loss_parallel, parallelize_module, ExpertParallel, ExpertTensorParallel, LossParallelOptions,
+    ParallelizePlan,
 };
 use tch_dist::{
     fully_shard, init_process_group, Backend, Call, FsdpOptions, ProcessGroup, ReduceOp,
@@ -147,6 +151,8 @@ struct Args {
     moe: bool,
     /// The ranks that split the experts (`None`: every dp rank).
     ep: Option<usize>,
+    /// Each expert's hidden width split over the tp ranks too (`ExpertTensorParallel`).
+    expert_tp: bool,
     /// Context-parallel ranks per sequence (torchtitan's `cp`).
     cp: usize,
 }
@@ -181,6 +187,7 @@ fn parse_args() -> Result<Args, String> {
         loss_parallel: false,
         moe: false,
         ep: None,
+        expert_tp: false,
         cp: 1,
     };
     let mut flags = cli::Flags::from_env();
@@ -202,6 +209,7 @@ fn parse_args() -> Result<Args, String> {
             "--loss-parallel" => a.loss_parallel = true,
             "--moe" => a.moe = true,
             "--ep" => a.ep = Some(flags.parsed(&flag)?),
+            "--expert-tp" => a.expert_tp = true,
             "--cp" => a.cp = flags.parsed(&flag)?,
             other => return Err(cli::unknown(other)),
         }
@@ -236,6 +244,11 @@ fn parse_args() -> Result<Args, String> {
             "--moe splits the experts over dp ranks and takes neither --dp-replicate nor \
              --sequence-parallel (HSDP and sequence parallelism with experts are not there yet)"
                 .into(),
+        );
+    }
+    if a.expert_tp && !(a.moe && a.tp > 1) {
+        return Err(
+            "--expert-tp splits the experts over the tp ranks: it needs --moe and --tp".into(),
         );
     }
     match (a.ep, a.moe) {
@@ -315,7 +328,10 @@ fn backward(model: &Transformer, loss: &Tensor) -> Result<(), Box<dyn Error>> {
 /// Where a MoE model's experts live: the ranks that split them, and the ones that hold the
 /// same experts and shard them (when ep is below dp).
 struct ExpertMeshes {
+    /// `ep`, or `[ep, tp]` with `--expert-tp`.
     ep: DeviceMesh,
+    /// The style on each layer's experts over it.
+    plan: ParallelizePlan,
     efsdp: Option<DeviceMesh>,
 }
 
@@ -445,7 +461,16 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         let shape = [args.dp / ep, ep, args.tp];
         let mesh = init_device_mesh("cpu", &shape, &["efsdp", "ep", "tp"])?;
         expert_meshes = Some(ExpertMeshes {
-            ep: mesh.dim("ep")?,
+            ep: if args.expert_tp {
+                mesh.slice(&["ep", "tp"])?
+            } else {
+                mesh.dim("ep")?
+            },
+            plan: if args.expert_tp {
+                ParallelizePlan::new().style("", ExpertTensorParallel)
+            } else {
+                ParallelizePlan::new().style("", ExpertParallel)
+            },
             efsdp: if args.dp > ep {
                 Some(mesh.dim("efsdp")?)
             } else {
@@ -501,30 +526,36 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
         parallelize_module(&mut model, tp_mesh, &plan)?;
     }
     if let Some(experts) = &expert_meshes {
-        // torchtitan's ExpertParallel style on each layer's experts: each ep rank keeps its
-        // experts (ep rank 0's values, narrowed); with ep below dp, fully_shard shards them
-        // over the ranks that hold the same ones (torchtitan's efsdp); the layers'
-        // fully_shard over dp leaves them be.
-        let experts_plan = ParallelizePlan::new().style("", ExpertParallel);
+        // torchtitan's ExpertParallel (or ExpertTensorParallel) style on each layer's
+        // experts: each ep rank keeps its experts (rank 0's values, narrowed).
         for layer in &mut model.layers {
             if let Some(moe) = layer.moe.as_mut() {
-                parallelize_module(&mut moe.experts, &experts.ep, &experts_plan)?;
-                if let Some(efsdp) = &experts.efsdp {
-                    let options = FsdpOptions {
-                        mesh: Some(efsdp.clone()),
-                        ..Default::default()
-                    };
-                    fully_shard(&moe.experts, options)?;
-                }
+                parallelize_module(&mut moe.experts, &experts.ep, &experts.plan)?;
             }
         }
     }
+    // Each layer over dp; with ep below dp, its experts over the ranks that hold the same
+    // ones (torchtitan's efsdp), chosen by the layer's shard_placement_fn (torchtitan's
+    // per-parameter meshes); with ep = dp the layer's call leaves them to expert parallelism.
+    let efsdp = expert_meshes.as_ref().and_then(|e| e.efsdp.clone());
+    let layer_options = || FsdpOptions {
+        mesh: Some(fsdp_mesh.clone()),
+        shard_placement_fn: efsdp.clone().map(|efsdp| {
+            ShardPlacementFn::with_mesh(move |fqn, _| {
+                fqn.starts_with("moe.experts.").then(|| ShardPlacement {
+                    dim: 0,
+                    mesh: Some(efsdp.clone()),
+                })
+            })
+        }),
+        ..Default::default()
+    };
     let over_dp = || FsdpOptions {
         mesh: Some(fsdp_mesh.clone()),
         ..Default::default()
     };
     for layer in &model.layers {
-        fully_shard(layer, over_dp())?;
+        fully_shard(layer, layer_options())?;
     }
     fully_shard(&model, over_dp())?;
     let local_params = numel(&vs);
@@ -584,8 +615,13 @@ fn run(args: &Args) -> Result<(), Box<dyn Error>> {
             match (args.sequence_parallel, args.loss_parallel, args.moe) {
                 (_, lp, true) => format!(
                     " with mixture of experts (8 experts, top-2, one shared; expert-parallel \
-                     over ep {}{}){}",
+                     over ep {}{}{}){}",
                     args.ep.unwrap_or(args.dp),
+                    if args.expert_tp {
+                        format!(", each expert's width over tp {}", args.tp)
+                    } else {
+                        String::new()
+                    },
                     match args.dp / args.ep.unwrap_or(args.dp) {
                         1 => String::new(),
                         efsdp => format!(", sharded over efsdp {efsdp}"),

@@ -104,18 +104,24 @@ pub(super) fn collect(module: &dyn Shardable, ignored_params: &[String], at: Ran
             continue;
         }
         let id = tensor_identity(t);
-        // Split by a shard_module call on this module or one enclosing it, or by a MoE
-        // layer's expert parallelism.
-        let split = managed_by(id, ManagingApi::ShardModule)
-            .map(|m| (m, false))
-            .or_else(|| managed_by(id, ManagingApi::ExpertParallel).map(|m| (m, true)));
-        if let Some((tp, experts)) = split {
+        // Split by a MoE layer's expert parallelism, or by a shard_module call on this
+        // module or one enclosing it, or both (expert x tensor parallelism): each split
+        // over the same ranks or overlapping ones decides, an orthogonal one lets the
+        // parameter be sharded further.
+        let splits = [
+            (ManagingApi::ExpertParallel, true),
+            (ManagingApi::ShardModule, false),
+        ]
+        .into_iter()
+        .filter_map(|(api, experts)| managed_by(id, api).map(|m| (m, experts)));
+        let mut left = false;
+        for (tp, experts) in splits {
             let tp_ranks = &*tp.ranks;
             match tensor_parallel(tp_ranks, ranks, global) {
                 // Beside tensor parallelism on one group of every rank, or experts split
                 // over these very ranks (each rank's own experts, trained on every rank's
                 // tokens): left to it.
-                TensorParallel::SameRanks if experts || ranks.len() == world => continue,
+                TensorParallel::SameRanks if experts || ranks.len() == world => {}
                 TensorParallel::SameRanks => {
                     problem.get_or_insert(FsdpError::from(OnRank::new(
                         rank,
@@ -125,9 +131,8 @@ pub(super) fn collect(module: &dyn Shardable, ignored_params: &[String], at: Ran
                             ranks: ranks.to_vec(),
                         },
                     )));
-                    continue;
                 }
-                TensorParallel::Orthogonal => {}
+                TensorParallel::Orthogonal => continue,
                 TensorParallel::Overlapping => {
                     problem.get_or_insert(FsdpError::from(OnRank::new(
                         rank,
@@ -138,9 +143,13 @@ pub(super) fn collect(module: &dyn Shardable, ignored_params: &[String], at: Ran
                             ranks: ranks.to_vec(),
                         },
                     )));
-                    continue;
                 }
             }
+            left = true;
+            break;
+        }
+        if left {
+            continue;
         }
         if let Some(other) = managed_by(id, ManagingApi::FullyShard) {
             problem.get_or_insert(

@@ -184,6 +184,19 @@ pub enum FsdpProblem {
         /// The number of ranks.
         world: usize,
     },
+    /// `shard_placement_fn` put a parameter on a mesh of its own but not the rest of the
+    /// module that holds it.
+    #[error(
+        "fully_shard: shard_placement_fn puts `{fqn}` on a mesh of its own but not `{other}` \
+         of the same module: a mesh of its own is for whole submodules (a MoE layer's \
+         experts), each sharded by a fully_shard of its own"
+    )]
+    PartialOwnMesh {
+        /// The parameter given a mesh of its own.
+        fqn: String,
+        /// A parameter of the same module left on another mesh.
+        other: String,
+    },
     /// `reshard_after_forward` names a number of ranks that does not divide the group.
     #[error(
         "fully_shard: reshard_after_forward = {ranks} ranks does not divide the group's \

@@ -52,6 +52,7 @@
 //! | `init.rs` | the steps of one call: process group, checks on every rank, rank 0's values, bypass guard, parameter group and fence, nested calls adopted, forward hooks, the managed parameters entered with their layers and the call's holder (the placement record's) | `_fsdp_init.py` |
 //! | `options.rs` | [`FsdpOptions`] and its parts | `fully_shard`'s keyword arguments, `MixedPrecisionPolicy` |
 //! | `state.rs` | [`FsdpState`], [`UnshardHandle`] | `FSDPModule` methods, `UnshardHandle`, `_fsdp_state.py` |
+//! | `own_mesh.rs` | per-parameter meshes: the submodules `shard_placement_fn` puts on meshes of their own, each a call of its own | `shard_placement_fn`'s `ShardPlacementResult.mesh_info` (pytorch#173509) |
 //! | `collect.rs` | what a call manages, and why it refuses | `_fsdp_init.py` (`_get_managed_modules`) |
 //! | `hooks.rs` | the call scope per managed module, the call guard | `FSDPState._pre_forward` / `_post_forward` |
 //! | `error.rs` | [`FsdpError`], [`FsdpProblem`] | (the errors of `_fsdp_init.py`) |
@@ -68,10 +69,13 @@ mod error;
 mod hooks;
 mod init;
 mod options;
+mod own_mesh;
 mod state;
 
 pub use error::{FsdpError, FsdpProblem, MeshUse};
-pub use options::{FsdpOptions, MixedPrecisionPolicy, ReshardAfterForward, ShardPlacementFn};
+pub use options::{
+    FsdpOptions, MixedPrecisionPolicy, ReshardAfterForward, ShardPlacement, ShardPlacementFn,
+};
 pub use state::{FsdpState, UnshardHandle};
 
 use collect::collect;
@@ -123,6 +127,7 @@ pub fn fully_shard<M: Shardable + ?Sized>(
     module: &M,
     opts: FsdpOptions,
 ) -> Result<FsdpState, FsdpError> {
+    let opts = own_mesh::shard_own_meshes(module, opts)?;
     let groups = init::process_groups(&opts)?;
     let rank = groups.shard.rank();
     let world = default_group()?;

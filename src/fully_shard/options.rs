@@ -41,8 +41,9 @@ pub struct FsdpOptions {
     pub mesh: Option<DeviceMesh>,
     /// Mixed precision (default: none).
     pub mp_policy: MixedPrecisionPolicy,
-    /// Which dimension each parameter is sharded along (PyTorch's `shard_placement_fn`):
-    /// `None`, or the function returning `None` for a parameter, means dim 0.
+    /// Which dimension each parameter is sharded along, and over which mesh (PyTorch's
+    /// `shard_placement_fn`): `None`, or the function returning `None` for a parameter,
+    /// means dim 0 over [`mesh`](Self::mesh).
     pub shard_placement_fn: Option<ShardPlacementFn>,
 }
 
@@ -57,20 +58,68 @@ pub struct FsdpOptions {
 /// let opts = FsdpOptions { shard_placement_fn: Some(by_columns), ..Default::default() };
 /// # let _ = opts;
 /// ```
+///
+/// With [`with_mesh`](Self::with_mesh), a parameter may be sharded over a mesh of its own
+/// (PyTorch's `ShardPlacementResult` with its `mesh_info`, pytorch#173509): torchtitan
+/// shards a MoE block's experts over `efsdp` and the rest over `dp`.
 #[derive(Clone)]
 pub struct ShardPlacementFn(Arc<PlacementFn>);
 
+/// Where one parameter is sharded: along `dim`, over `mesh` (`None`: the call's mesh).
+///
+/// ```
+/// use tch_dist::fully_shard::ShardPlacement;
+/// let p = ShardPlacement { dim: 0, mesh: None };
+/// # let _ = p;
+/// ```
+#[derive(Debug, Clone)]
+pub struct ShardPlacement {
+    /// The dimension (0 unless it divides evenly over the ranks).
+    pub dim: usize,
+    /// A mesh of the parameter's own: a 1-D one, or a dim of a larger one.
+    pub mesh: Option<DeviceMesh>,
+}
+
 /// The function a [`ShardPlacementFn`] wraps.
-type PlacementFn = dyn Fn(&str, &Tensor) -> Option<usize> + Send + Sync;
+type PlacementFn = dyn Fn(&str, &Tensor) -> Option<ShardPlacement> + Send + Sync;
 
 impl ShardPlacementFn {
-    /// Wraps `f`.
+    /// Wraps `f`, which chooses a dimension over the call's mesh.
     pub fn new(f: impl Fn(&str, &Tensor) -> Option<usize> + Send + Sync + 'static) -> Self {
+        ShardPlacementFn(Arc::new(move |fqn, t| {
+            f(fqn, t).map(|dim| ShardPlacement { dim, mesh: None })
+        }))
+    }
+
+    /// Wraps `f`, which may also choose a mesh of the parameter's own. The parameters given
+    /// one mesh must be whole submodules' (a MoE layer's `experts`): each such submodule
+    /// becomes a `fully_shard` of its own over that mesh, before the call's, which then
+    /// leaves it be (torchtitan's separate `fully_shard` on the experts, chosen from here).
+    ///
+    /// ```no_run
+    /// use tch_dist::fully_shard::{FsdpOptions, ShardPlacement, ShardPlacementFn};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let mesh = tch_dist::device_mesh::init_device_mesh("cpu", &[2, 2], &["efsdp", "ep"])?;
+    /// let efsdp = mesh.dim("efsdp")?;
+    /// let experts_on_efsdp = ShardPlacementFn::with_mesh(move |fqn, _| {
+    ///     fqn.contains("experts.").then(|| ShardPlacement { dim: 0, mesh: Some(efsdp.clone()) })
+    /// });
+    /// let opts = FsdpOptions { shard_placement_fn: Some(experts_on_efsdp), ..Default::default() };
+    /// # let _ = opts; Ok(()) }
+    /// ```
+    pub fn with_mesh(
+        f: impl Fn(&str, &Tensor) -> Option<ShardPlacement> + Send + Sync + 'static,
+    ) -> Self {
         ShardPlacementFn(Arc::new(f))
     }
 
     /// The dimension for parameter `fqn`.
     pub fn dim(&self, fqn: &str, t: &Tensor) -> Option<usize> {
+        (self.0)(fqn, t).map(|p| p.dim)
+    }
+
+    /// The placement for parameter `fqn`.
+    pub fn placement(&self, fqn: &str, t: &Tensor) -> Option<ShardPlacement> {
         (self.0)(fqn, t)
     }
 }

@@ -154,11 +154,12 @@ fn tensor_parallel(t: &Tensor) -> bool {
     split_by(t).is_some()
 }
 
-/// Who split `t` along a group: tensor parallelism, or a MoE layer's expert parallelism
-/// (both leave a piece per rank whose gradient is that rank's own).
+/// Who split `t` along a group: a MoE layer's expert parallelism (first: experts also
+/// split over a tensor-parallel group are averaged as their expert-parallel ranks say), or
+/// tensor parallelism (both leave a piece per rank whose gradient is that rank's own).
 fn split_by(t: &Tensor) -> Option<crate::state_dict::managed::Managed> {
     let id = tensor_identity(t);
-    managed_by(id, ManagingApi::ShardModule).or_else(|| managed_by(id, ManagingApi::ExpertParallel))
+    managed_by(id, ManagingApi::ExpertParallel).or_else(|| managed_by(id, ManagingApi::ShardModule))
 }
 
 /// Refuses a parameter `shard_module` sharded over other ranks than `group`, by its FQN

@@ -18,25 +18,40 @@ use tch::{Kind, Tensor};
 use tch_dist_core::hooks::{
     register_fallible_forward_hook_n, register_fallible_forward_pre_hook_n, ForwardError,
 };
+use tch_dist_core::path::join_fqn;
 use tch_dist_core::Shardable;
+use tch_dist_runtime::fsdp::tensor_identity;
 use tch_dist_runtime::sharding::functional;
-use tch_dist_runtime::ProcessGroup;
+use tch_dist_runtime::{DistError, ProcessGroup};
 
 use super::error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError};
 use super::output::OutputLayout;
-use super::sharder::{hook_error, shard_along, PerCall, ShardedModule, Sharder};
+use super::sharder::{hook_error, set_local, shard_along, PerCall, ShardedModule, Sharder};
+use crate::state_dict::managed::{register, Layer, ManagingApi, Registration, ShardHolder};
+use crate::state_dict::{MeshDimPlacement, Placement};
 
-/// The sharder of [`ExpertParallel`](super::ExpertParallel): a grouped-experts module's
-/// `w1`, `w2`, `w3` split along dim 0 (the experts) over the group, `experts / ranks` each
-/// in rank order, with the hooks that send the rows to their experts and back.
+/// The sharder of [`ExpertParallel`](super::ExpertParallel) and
+/// [`ExpertTensorParallel`](super::ExpertTensorParallel): a grouped-experts module's `w1`,
+/// `w2`, `w3` split along dim 0 (the experts) over the group, `experts / ranks` each in
+/// rank order, with the hooks that send the rows to their experts and back; with a
+/// tensor-parallel group, each expert's hidden width split over it as well (`w1`, `w3`
+/// along dim 1, `w2` along dim 2: column- then row-parallel), the rows copied to its ranks
+/// and the results summed over them.
 ///
 /// ```
 /// use tch_dist::sharding::{ExpertSharder, Sharder};
-/// assert_eq!(ExpertSharder.name(), "expert_parallel");
-/// assert!(ExpertSharder.trained_on_every_rank());
+/// assert_eq!(ExpertSharder::default().name(), "expert_parallel");
+/// assert!(ExpertSharder::default().trained_on_every_rank());
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct ExpertSharder;
+#[derive(Debug, Clone, Default)]
+pub struct ExpertSharder {
+    /// The group over which each expert's hidden width is split (expert x tensor
+    /// parallelism), if any.
+    pub tensor_parallel: Option<ProcessGroup>,
+}
+
+/// Which dim of `w1`, `w2`, `w3` holds the hidden width.
+const HIDDEN_DIMS: [usize; 3] = [1, 2, 1];
 
 /// The three weights of grouped experts, or why the module is not grouped experts.
 fn grouped_experts(module: &dyn Shardable) -> Result<[Tensor; 3], SharderError> {
@@ -72,7 +87,10 @@ fn grouped_experts(module: &dyn Shardable) -> Result<[Tensor; 3], SharderError> 
 
 impl Sharder for ExpertSharder {
     fn name(&self) -> String {
-        "expert_parallel".into()
+        match &self.tensor_parallel {
+            None => "expert_parallel".into(),
+            Some(tp) => format!("expert_tensor_parallel(tp={})", tp.world_size()),
+        }
     }
 
     fn check(
@@ -85,6 +103,12 @@ impl Sharder for ExpertSharder {
         let (experts, ranks) = (w1.size()[0], group.world_size());
         if experts % ranks as i64 != 0 {
             return Err(SharderError::ExpertsNotDivisible { experts, ranks });
+        }
+        if let Some(tp) = &self.tensor_parallel {
+            let (hidden, ranks) = (w1.size()[1], tp.world_size());
+            if hidden % ranks as i64 != 0 {
+                return Err(SharderError::ExpertWidthNotDivisible { hidden, ranks });
+            }
         }
         Ok(())
     }
@@ -113,6 +137,13 @@ impl Sharder for ExpertSharder {
             ShardError::plan(group, fqn, PlanProblem::Sharder { sharder, source })
         })?;
         let experts = weights[0].size()[0];
+        // Expert x tensor parallelism: every tp rank first takes tp rank 0's values, then
+        // keeps its slice of each expert's hidden width (a level of the placement record
+        // of its own, over tp, that the split over the experts then divides).
+        let tensor_parallel = match &self.tensor_parallel {
+            Some(tp) => Some(split_hidden(fqn, &weights, tp, group)?),
+            None => None,
+        };
         let mut params = Vec::new();
         for (name, w) in ["w1", "w2", "w3"].into_iter().zip(&weights) {
             params.push((
@@ -125,8 +156,10 @@ impl Sharder for ExpertSharder {
             fqn: fqn.to_string(),
             experts,
             local: experts / group.world_size() as i64,
+            tensor_parallel: self.tensor_parallel.clone(),
             pending: PerCall::default(),
             _weights: std::sync::Mutex::new(weights),
+            _hidden_split: tensor_parallel,
         });
         let unhookable = |source| ShardError::unhookable(group, fqn, source);
         let d = Arc::clone(&dispatcher);
@@ -164,10 +197,14 @@ struct Dispatcher {
     experts: i64,
     /// This rank's: `experts / ranks`.
     local: i64,
+    /// The group each expert's hidden width is split over, if any.
+    tensor_parallel: Option<ProcessGroup>,
     pending: PerCall<Dispatched>,
     /// The experts' weights, held as long as the hooks: the registry of managed parameters
     /// knows them by their tensor objects, which no other tensor may take meanwhile.
     _weights: std::sync::Mutex<[Tensor; 3]>,
+    /// The hidden width's split in the registry of managed parameters, as long as the hooks.
+    _hidden_split: Option<Registration>,
 }
 
 impl Dispatcher {
@@ -269,7 +306,12 @@ impl Dispatcher {
         // output hook, undone here for the rows), they are the gradients of the mean of the
         // ranks' losses, as data parallelism over these ranks averages every other
         // parameter's.
-        let grouped = scale_gradient(&received.index_select(0, &order), ranks as f64);
+        let mut grouped = scale_gradient(&received.index_select(0, &order), ranks as f64);
+        if let Some(tp) = &self.tensor_parallel {
+            // Every tp rank computes its slice of each expert's hidden width from the same
+            // rows: the rows' gradient is the sum of the slices'.
+            grouped = functional::copy_to_ranks(&grouped, tp).map_err(collective)?;
+        }
         Ok(vec![grouped, Tensor::from_slice(&per_expert)])
     }
 
@@ -283,10 +325,86 @@ impl Dispatcher {
         let Some(call) = self.pending.pop() else {
             return Err(self.error(ForwardProblem::CombineWithoutDispatch));
         };
+        let collective = |e| self.error(ForwardProblem::collective(e));
+        // Each tp rank's results are partial sums over its slice of the hidden width.
+        let out = match &self.tensor_parallel {
+            Some(tp) => functional::all_reduce(out, tp).map_err(collective)?,
+            None => out.shallow_clone(),
+        };
         let ranks = self.group.world_size() as f64;
-        let out = scale_gradient(out, 1.0 / ranks).index_select(0, &call.inverse);
+        let out = scale_gradient(&out, 1.0 / ranks).index_select(0, &call.inverse);
         functional::all_to_all_single_known(&out, &call.from_rank, &call.to_rank, &self.group)
-            .map_err(|e| self.error(ForwardProblem::collective(e)))
+            .map_err(collective)
+    }
+}
+
+/// Expert x tensor parallelism's first step: `weights` take tp rank 0's values, then each
+/// keeps this tp rank's slice of the hidden width, in place; entered in the registry of
+/// managed parameters as split over `tp` (as tensor parallelism's pieces are).
+fn split_hidden(
+    fqn: &str,
+    weights: &[Tensor; 3],
+    tp: &ProcessGroup,
+    group: &ProcessGroup,
+) -> Result<Registration, ShardError> {
+    let (rank, ranks) = (tp.rank() as i64, tp.world_size() as i64);
+    let holder: Arc<dyn ShardHolder> = Arc::new(HiddenHolder { tp: tp.clone() });
+    let mut entries = Vec::new();
+    for (index, ((name, w), dim)) in ["w1", "w2", "w3"]
+        .into_iter()
+        .zip(weights)
+        .zip(HIDDEN_DIMS)
+        .enumerate()
+    {
+        tp.broadcast(w, 0)
+            .map_err(|e| ShardError::dist(group, &join_fqn(fqn, name), e))?;
+        let whole = w.size();
+        let width = whole[dim] / ranks;
+        let mine = tch::no_grad(|| w.narrow(dim as i64, rank * width, width).contiguous());
+        set_local(w, &mine);
+        let mut offsets = vec![0; whole.len()];
+        offsets[dim] = rank * width;
+        let layer = Layer {
+            dims: vec![MeshDimPlacement {
+                placement: Placement::Shard(dim),
+                group: tp.clone(),
+            }],
+            whole,
+            offsets,
+            local: w.size(),
+            blocks: 1,
+            holder: Arc::clone(&holder),
+            index,
+        };
+        entries.push((tensor_identity(w), join_fqn(fqn, name), Some(layer)));
+    }
+    Ok(register(
+        ManagingApi::ShardModule,
+        tp.global_ranks(),
+        entries,
+    ))
+}
+
+/// Gathers an expert weight's hidden width from every tp rank's slice (equal slices).
+struct HiddenHolder {
+    tp: ProcessGroup,
+}
+
+impl ShardHolder for HiddenHolder {
+    fn gather(&self, index: usize, piece: &Tensor) -> Result<Tensor, DistError> {
+        let dim = HIDDEN_DIMS[index % 3] as i64;
+        // Gathered along dim 0 with the hidden dim moved there, then moved back.
+        let front = piece.movedim(dim, 0).contiguous();
+        let mut shape = front.size();
+        shape[0] *= self.tp.world_size() as i64;
+        let whole = Tensor::zeros(shape, (piece.kind(), piece.device()));
+        self.tp.all_gather_into_tensor(&whole, &front)?;
+        Ok(whole.movedim(0, dim))
+    }
+
+    /// The weights always hold this rank's slices.
+    fn reshard(&self) -> Result<(), DistError> {
+        Ok(())
     }
 }
 

@@ -124,8 +124,9 @@ pub use expert::ExpertSharder;
 pub use loss::{loss_parallel, LossParallelError, LossParallelOptions, LossProblem};
 pub use output::OutputLayout;
 pub use parallel::{
-    parallelize_module, ColwiseParallel, ExpertParallel, Layout, ParallelStyle, ParallelizePlan,
-    PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+    parallelize_module, ColwiseParallel, ExpertParallel, ExpertTensorParallel, Layout,
+    ParallelStyle, ParallelizePlan, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
+    SequenceParallel,
 };
 pub use plan::{PlanEntry, ShardingPlan, ShardingPlanBuilder};
 pub use planner::{MegatronPlanner, ShardingPlanner};

@@ -31,6 +31,7 @@ use super::sequence::{not_a_norm, SequenceParallelNorm};
 use super::sharder::{ColwiseLinear, RowwiseLinear, Sharder};
 use super::{shard_module, ShardState};
 use crate::device_mesh::DeviceMesh;
+use tch_dist_runtime::ProcessGroup;
 
 /// How a tensor is laid out over the mesh dim (PyTorch's `Placement`s `Replicate()` and
 /// `Shard(dim)`).
@@ -242,6 +243,32 @@ impl PrepareModuleOutput {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ExpertParallel;
 
+/// torchtitan's `ExpertTensorParallel` on grouped experts, over a 2-D mesh `["ep", "tp"]`:
+/// [`ExpertParallel`] over `ep`, and each expert's hidden width split over `tp` (`w1` and
+/// `w3` column-parallel, `w2` row-parallel; tp rank 0's values). The tp ranks of an ep rank
+/// hold the same tokens (a tensor-parallel model's activations): each computes its slice of
+/// every expert's hidden width, the results are summed over `tp` (backward: the rows'
+/// gradient summed over `tp`), and the experts' gradients are each tp rank's slice of the
+/// ep-averaged gradient. The weights' placements are `[Shard(0), Shard(1 or 2)]` on the
+/// mesh, which the state dict and checkpoints gather and place.
+///
+/// ```no_run
+/// use tch_dist::device_mesh::init_device_mesh;
+/// use tch_dist::nn::moe::{MoE, MoeConfig};
+/// use tch_dist::sharding::{parallelize_module, ExpertTensorParallel, ParallelizePlan};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// tch_dist::init_process_group(tch_dist::Backend::Gloo)?; // 4 ranks
+/// let mesh = init_device_mesh("cpu", &[2, 2], &["ep", "tp"])?;
+/// let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// let mut moe = MoE::new(&vs.root() / "moe", MoeConfig::new(16, 32, 8, 2))?;
+/// let plan = ParallelizePlan::new().style("experts", ExpertTensorParallel);
+/// parallelize_module(&mut moe, &mesh, &plan)?; // 4 experts of hidden width 16 on each rank
+/// assert_eq!(moe.experts.w1.size(), [4, 16, 16]);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExpertTensorParallel;
+
 /// One entry of a [`ParallelizePlan`] (PyTorch's `ParallelStyle`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ParallelStyle {
@@ -257,6 +284,8 @@ pub enum ParallelStyle {
     PrepareOutput(PrepareModuleOutput),
     /// [`ExpertParallel`].
     Expert(ExpertParallel),
+    /// [`ExpertTensorParallel`] (on a 2-D mesh `["ep", "tp"]`).
+    ExpertTensor(ExpertTensorParallel),
 }
 
 impl ParallelStyle {
@@ -269,6 +298,7 @@ impl ParallelStyle {
             ParallelStyle::PrepareInput(_) => "PrepareModuleInput",
             ParallelStyle::PrepareOutput(_) => "PrepareModuleOutput",
             ParallelStyle::Expert(_) => "ExpertParallel",
+            ParallelStyle::ExpertTensor(_) => "ExpertTensorParallel",
         }
     }
 }
@@ -300,6 +330,12 @@ impl From<PrepareModuleInput> for ParallelStyle {
 impl From<ExpertParallel> for ParallelStyle {
     fn from(e: ExpertParallel) -> Self {
         ParallelStyle::Expert(e)
+    }
+}
+
+impl From<ExpertTensorParallel> for ParallelStyle {
+    fn from(e: ExpertTensorParallel) -> Self {
+        ParallelStyle::ExpertTensor(e)
     }
 }
 
@@ -367,6 +403,7 @@ impl ParallelizePlan {
 /// | `PrepareModuleInput(input_layouts, desired_input_layouts)` on any module | each positional input changed by a forward pre-hook: `Shard(d)` to `Replicate` all-gathers along `d` (backward: this rank's piece of the gradient), `Replicate` to `Shard(d)` keeps this rank's chunk (backward: all-gather), `None` leaves the input alone |
 /// | `PrepareModuleOutput(output_layouts, desired_output_layouts)` | the same, on the outputs, by a forward hook |
 /// | torchtitan's `ExpertParallel()` on `GroupedExperts` (over the `ep` dim) | [`ExpertSharder`]: the experts split along dim 0, the rows sent to their experts' ranks and back by all-to-all |
+/// | torchtitan's `ExpertTensorParallel()` (over a 2-D `["ep", "tp"]` mesh, the plan's only style) | [`ExpertSharder`] with `tensor_parallel`: as above, each expert's hidden width split over `tp` too, the results summed over it |
 ///
 /// ```no_run
 /// use tch::nn;
@@ -424,8 +461,19 @@ pub fn parallelize_module<M: Shardable + ?Sized>(
         let fqn = fqn.to_string();
         ShardProblem::Parallelize { fqn, problem }.on(rank)
     };
-    let [group] = mesh.get_all_groups()[..] else {
-        return Err(refuse("", StyleProblem::MeshDims { ndim: mesh.ndim() }));
+    // A 1-D mesh, or torchtitan's ["ep", "tp"] for a plan of ExpertTensorParallel only.
+    let expert_tensor = !plan.entries.is_empty()
+        && plan
+            .entries
+            .iter()
+            .all(|(_, s)| matches!(s, ParallelStyle::ExpertTensor(_)));
+    let (group, tp) = match (&mesh.get_all_groups()[..], expert_tensor) {
+        ([group], false) => (*group, None),
+        ([ep, tp], true) => (*ep, Some(*tp)),
+        _ => {
+            let ndim = mesh.ndim();
+            return Err(refuse("", StyleProblem::MeshDims { ndim }));
+        }
     };
     let modules: std::collections::BTreeMap<String, &dyn Shardable> =
         module.named_modules().into_iter().collect();
@@ -440,7 +488,7 @@ pub fn parallelize_module<M: Shardable + ?Sized>(
         // Which planned modules are embedding tables (sharded as PyTorch shards an
         // `nn.Embedding`: colwise on the embedding dim, rowwise on the vocabulary).
         let embedding = m.is_some_and(|m| m.type_name().ends_with("::Embedding"));
-        let sharder = match style_sharder(style, embedding, m) {
+        let sharder = match style_sharder(style, embedding, m, tp) {
             Ok(Some(s)) => s,
             Ok(None) => continue,
             Err(problem) => return Err(refuse(fqn, problem)),
@@ -466,6 +514,7 @@ fn style_sharder(
     style: &ParallelStyle,
     embedding: bool,
     m: Option<&dyn Shardable>,
+    tp: Option<&ProcessGroup>,
 ) -> Result<Option<Arc<dyn Sharder>>, StyleProblem> {
     let unsupported = |style, which, layout| StyleProblem::Layout {
         style,
@@ -539,6 +588,9 @@ fn style_sharder(
             &p.output_layouts,
             &p.desired_output_layouts,
         )?),
-        ParallelStyle::Expert(ExpertParallel) => Arc::new(ExpertSharder),
+        ParallelStyle::Expert(ExpertParallel) => Arc::new(ExpertSharder::default()),
+        ParallelStyle::ExpertTensor(ExpertTensorParallel) => Arc::new(ExpertSharder {
+            tensor_parallel: tp.cloned(),
+        }),
     }))
 }

@@ -158,7 +158,7 @@ pub(crate) fn sharder_by_name(name: &str) -> Option<Arc<dyn Sharder>> {
         return Some(Arc::new(super::RowwiseEmbedding));
     }
     if name == "expert_parallel" {
-        return Some(Arc::new(super::ExpertSharder));
+        return Some(Arc::new(super::ExpertSharder::default()));
     }
     let fused = name
         .strip_prefix("colwise_linear(fused=")?

@@ -460,67 +460,136 @@ fn an_expert_parallel_checkpoint_saved_at_2_ranks_loads_at_4() {
     );
 }
 
+/// How a test shards the experts over `efsdp` and the rest over `dp`.
+#[derive(Clone, Copy)]
+enum ExpertFsdp {
+    /// torchtitan's `fully_shard(moe.experts, mesh=efsdp)` first, then the layer's.
+    OwnCall,
+    /// One call on the layer whose `shard_placement_fn` puts the experts on `efsdp`
+    /// (pytorch#173509).
+    PlacementFn,
+}
+
 /// torchtitan's expert data parallelism at 4 ranks: experts split over `ep` (2 ranks, 4
-/// experts each), then `fully_shard` on the experts over the ranks that hold the same ones
-/// (`efsdp`, the other mesh dim) and on the layer over all 4 (router and shared expert): 2
-/// SGD steps equal one process training on every rank's tokens (the mean of the ranks'
-/// losses), the experts gathered whole through both placements.
+/// experts each), then sharded over the ranks that hold the same ones (`efsdp`, the other
+/// mesh dim) and the layer over all 4 (router and shared expert), as `how` says: 2 SGD
+/// steps equal one process training on every rank's tokens (the mean of the ranks' losses),
+/// the experts gathered whole through both placements.
+fn expert_data_parallel_equals_one_process(pg: tch_dist::ProcessGroup, how: ExpertFsdp) {
+    use tch_dist::device_mesh::init_device_mesh;
+    use tch_dist::fully_shard::{ShardPlacement, ShardPlacementFn};
+    use tch_dist::{fully_shard, Call, FsdpOptions};
+    let rank = pg.rank() as i64;
+    let config = MoeConfig {
+        shared_hidden: Some(12),
+        ..MoeConfig::new(DIM, 16, 8, 2)
+    };
+    let (ref_vs, reference) = layer(config.clone(), 4);
+    let (vs, mut moe) = layer(config, 4);
+    let mesh = init_device_mesh("cpu", &[2, 2], &["efsdp", "ep"]).unwrap();
+    moe.parallelize_experts(mesh.get_group("ep").unwrap())
+        .unwrap();
+    let efsdp = mesh.dim("efsdp").unwrap();
+    let mut world = FsdpOptions {
+        mesh: Some(mesh.flatten(Some("dp")).unwrap()),
+        ..Default::default()
+    };
+    match how {
+        ExpertFsdp::OwnCall => {
+            let on_efsdp = FsdpOptions {
+                mesh: Some(efsdp),
+                ..Default::default()
+            };
+            fully_shard(&moe.experts, on_efsdp).unwrap();
+        }
+        ExpertFsdp::PlacementFn => {
+            world.shard_placement_fn = Some(ShardPlacementFn::with_mesh(move |fqn, _| {
+                fqn.starts_with("experts.").then(|| ShardPlacement {
+                    dim: 0,
+                    mesh: Some(efsdp.clone()),
+                })
+            }));
+        }
+    }
+    fully_shard(&moe, world).unwrap();
+    // 8 experts: 4 on each ep rank, sharded over the 2 efsdp ranks.
+    assert_eq!(moe.experts.w1.size()[0], 2);
+    assert!(tch_dist::fully_shard::state(&moe.experts).is_some());
+    let sgd = |vs: &nn::VarStore| {
+        nn::Sgd {
+            momentum: 0.9,
+            ..Default::default()
+        }
+        .build(vs, 0.1)
+        .unwrap()
+    };
+    let (mut ref_opt, mut opt) = (sgd(&ref_vs), sgd(&vs));
+    for step in 0..2 {
+        tch::manual_seed(20 + step);
+        let all = Tensor::randn([4, 5, DIM], (Kind::Double, Device::Cpu));
+        let target = Tensor::randn([4, 5, DIM], (Kind::Double, Device::Cpu));
+        let y = moe.f_call(&all.get(rank)).unwrap();
+        opt.backward_step(&y.mse_loss(&target.get(rank), tch::Reduction::Mean));
+        // The mean over the ranks of each rank's loss.
+        let ys = reference.forward(&all.view([-1, DIM])).view([4, 5, DIM]);
+        ref_opt.backward_step(&ys.mse_loss(&target, tch::Reduction::Mean));
+    }
+    let full = tch_dist::state_dict::full_state_dict(&moe).unwrap();
+    let want = ref_vs.variables();
+    assert_eq!(full.len(), want.len());
+    for (name, t) in full {
+        let d = max_diff(&t, &want[&format!("moe.{name}")]);
+        assert!(d < 1e-10, "{name} differs by {d}");
+    }
+}
+
 #[test]
 fn expert_parallel_with_fully_shard_on_an_expert_mesh_equals_one_process() {
-    use tch_dist::device_mesh::init_device_mesh;
-    use tch_dist::{fully_shard, Call, FsdpOptions};
     run_ranks(
         "expert_parallel_with_fully_shard_on_an_expert_mesh_equals_one_process",
         4,
+        |pg| expert_data_parallel_equals_one_process(pg, ExpertFsdp::OwnCall),
+    );
+}
+
+/// As above with one `fully_shard` on the layer, its `shard_placement_fn` putting the
+/// experts on `efsdp`; a function that puts part of a module on a mesh of its own (`w1`
+/// alone) is refused on every rank, nothing sharded.
+#[test]
+fn a_shard_placement_fn_with_an_expert_mesh_equals_one_process() {
+    use tch_dist::device_mesh::init_device_mesh;
+    use tch_dist::fully_shard::{ShardPlacement, ShardPlacementFn};
+    use tch_dist::{fully_shard, FsdpOptions};
+    run_ranks(
+        "a_shard_placement_fn_with_an_expert_mesh_equals_one_process",
+        4,
         |pg| {
-            let rank = pg.rank() as i64;
-            let config = MoeConfig {
-                shared_hidden: Some(12),
-                ..MoeConfig::new(DIM, 16, 8, 2)
-            };
-            let (ref_vs, reference) = layer(config.clone(), 4);
-            let (vs, mut moe) = layer(config, 4);
             let mesh = init_device_mesh("cpu", &[2, 2], &["efsdp", "ep"]).unwrap();
-            moe.parallelize_experts(mesh.get_group("ep").unwrap())
-                .unwrap();
-            let efsdp = FsdpOptions {
-                mesh: Some(mesh.dim("efsdp").unwrap()),
+            let efsdp = mesh.dim("efsdp").unwrap();
+            let (_v, moe) = layer(MoeConfig::new(DIM, 16, 8, 2), 4);
+            let w1_only = FsdpOptions {
+                shard_placement_fn: Some(ShardPlacementFn::with_mesh(move |fqn, _| {
+                    (fqn == "experts.w1").then(|| ShardPlacement {
+                        dim: 0,
+                        mesh: Some(efsdp.clone()),
+                    })
+                })),
                 ..Default::default()
             };
-            fully_shard(&moe.experts, efsdp).unwrap();
-            // 8 experts: 4 on each ep rank, sharded over the 2 efsdp ranks.
-            assert_eq!(moe.experts.w1.size()[0], 2);
-            let world = FsdpOptions {
-                mesh: Some(mesh.flatten(Some("dp")).unwrap()),
-                ..Default::default()
-            };
-            fully_shard(&moe, world).unwrap();
-            let sgd = |vs: &nn::VarStore| {
-                nn::Sgd {
-                    momentum: 0.9,
-                    ..Default::default()
-                }
-                .build(vs, 0.1)
-                .unwrap()
-            };
-            let (mut ref_opt, mut opt) = (sgd(&ref_vs), sgd(&vs));
-            for step in 0..2 {
-                tch::manual_seed(20 + step);
-                let all = Tensor::randn([4, 5, DIM], (Kind::Double, Device::Cpu));
-                let target = Tensor::randn([4, 5, DIM], (Kind::Double, Device::Cpu));
-                let y = moe.f_call(&all.get(rank)).unwrap();
-                opt.backward_step(&y.mse_loss(&target.get(rank), tch::Reduction::Mean));
-                // The mean over the ranks of each rank's loss.
-                let ys = reference.forward(&all.view([-1, DIM])).view([4, 5, DIM]);
-                ref_opt.backward_step(&ys.mse_loss(&target, tch::Reduction::Mean));
-            }
-            let full = tch_dist::state_dict::full_state_dict(&moe).unwrap();
-            let want = ref_vs.variables();
-            assert_eq!(full.len(), want.len());
-            for (name, t) in full {
-                let d = max_diff(&t, &want[&format!("moe.{name}")]);
-                assert!(d < 1e-10, "{name} differs by {d}");
-            }
+            let refused = fully_shard(&moe, w1_only).expect_err("part of the experts");
+            assert_eq!(
+                tch_dist::report(&refused),
+                format!(
+                    "rank {}: fully_shard: shard_placement_fn puts `experts.w1` on a mesh of \
+                     its own but not `experts.w2` of the same module: a mesh of its own is for \
+                     whole submodules (a MoE layer's experts), each sharded by a fully_shard of \
+                     its own",
+                    pg.rank()
+                )
+            );
+            assert_eq!(moe.experts.w1.size()[0], 8);
+            assert!(tch_dist::fully_shard::state(&moe).is_none());
+            expert_data_parallel_equals_one_process(pg, ExpertFsdp::PlacementFn);
         },
     );
 }
@@ -631,6 +700,112 @@ fn expert_parallel_style_at_4_ranks_trains_as_one_process() {
                 )
             );
             assert_eq!(lin.ws.size(), [4, DIM]);
+        },
+    );
+}
+
+/// torchtitan's expert x tensor parallelism at 4 ranks: `ExpertTensorParallel` on a 2-D
+/// mesh `["ep", "tp"]` (4 experts per ep rank, each expert's hidden width halved over tp),
+/// the tp ranks of an ep rank holding the same tokens, `replicate` over `ep` for the router
+/// and the shared expert: 2 SGD steps with momentum equal one process training on both ep
+/// ranks' tokens; the placement record says `[Shard(0), Shard(1)]`; a checkpoint of it
+/// loads into a plain layer whole; a hidden width the tp ranks do not divide is refused on
+/// every rank, nothing changed.
+#[test]
+fn expert_tensor_parallel_at_2x2_ranks_trains_as_one_process() {
+    use tch_dist::checkpoint::{self, LoadOptions, SaveOptions, State};
+    use tch_dist::device_mesh::init_device_mesh;
+    use tch_dist::sharding::{parallelize_module, ExpertTensorParallel, ParallelizePlan};
+    use tch_dist::state_dict::Placement;
+    run_ranks(
+        "expert_tensor_parallel_at_2x2_ranks_trains_as_one_process",
+        4,
+        |pg| {
+            let config = MoeConfig {
+                shared_hidden: Some(12),
+                ..MoeConfig::new(DIM, 16, 8, 2)
+            };
+            let (ref_vs, reference) = layer(config.clone(), 4);
+            let (vs, mut moe) = layer(config.clone(), 4);
+            let mesh = init_device_mesh("cpu", &[2, 2], &["ep", "tp"]).unwrap();
+            let (ep, tp) = (
+                mesh.get_local_rank("ep").unwrap() as i64,
+                mesh.get_local_rank("tp").unwrap() as i64,
+            );
+            let plan = ParallelizePlan::new().style("experts", ExpertTensorParallel);
+            parallelize_module(&mut moe, &mesh, &plan).unwrap();
+            assert_eq!(moe.local_experts(), 4 * ep..4 * ep + 4);
+            assert_eq!(moe.experts.w1.size(), [4, 8, DIM]);
+            assert_eq!(moe.experts.w2.size(), [4, DIM, 8]);
+            let record = tch_dist::state_dict::placements(&moe);
+            let w2 = record.get(&moe.experts.w2).expect("a placement");
+            assert_eq!(w2.placements(), [Placement::Shard(0), Placement::Shard(2)]);
+            assert_eq!(w2.offsets, [4 * ep, 0, 8 * tp]);
+            let over_ep = tch_dist::replicate::Options {
+                device_mesh: Some(mesh.dim("ep").unwrap()),
+                ..Default::default()
+            };
+            tch_dist::replicate::apply(&moe, over_ep).unwrap();
+            let sgd = |vs: &nn::VarStore| {
+                nn::Sgd {
+                    momentum: 0.9,
+                    ..Default::default()
+                }
+                .build(vs, 0.1)
+                .unwrap()
+            };
+            let (mut ref_opt, mut opt) = (sgd(&ref_vs), sgd(&vs));
+            for seed in [30, 31] {
+                tch::manual_seed(seed);
+                let all = Tensor::randn([2, 5, DIM], (Kind::Double, Device::Cpu));
+                let target = Tensor::randn([2, 5, DIM], (Kind::Double, Device::Cpu));
+                let y = moe.f_forward(&all.get(ep)).unwrap();
+                opt.backward_step(&y.mse_loss(&target.get(ep), tch::Reduction::Mean));
+                let ys = reference.forward(&all.view([-1, DIM])).view([2, 5, DIM]);
+                ref_opt.backward_step(&ys.mse_loss(&target, tch::Reduction::Mean));
+                assert!(max_diff(&y, &ys.get(ep)) < 1e-10, "the outputs");
+            }
+            let full = tch_dist::state_dict::full_state_dict(&moe).unwrap();
+            let want = ref_vs.variables();
+            assert_eq!(full.len(), want.len());
+            for (name, t) in &full {
+                let d = max_diff(t, &want[&format!("moe.{name}")]);
+                assert!(d < 1e-10, "{name} differs by {d}");
+            }
+
+            // A checkpoint of it loads into a plain layer: every expert whole.
+            let name = Tensor::from_slice(&[std::process::id() as i64]);
+            pg.broadcast(&name, 0).unwrap();
+            let dir =
+                std::env::temp_dir().join(format!("tch-dist-moe-etp-{}", name.int64_value(&[0])));
+            checkpoint::save(&dir, &State::new(&moe), &pg, &SaveOptions::default()).unwrap();
+            let (_p, plain) = layer(config, 9);
+            checkpoint::load(&dir, &mut State::new(&plain), &pg, &LoadOptions::default()).unwrap();
+            for (got, want) in [
+                (&plain.experts.w1, &reference.experts.w1),
+                (&plain.experts.w2, &reference.experts.w2),
+                (&plain.experts.w3, &reference.experts.w3),
+            ] {
+                assert!(max_diff(got, want) < 1e-10, "the experts loaded whole");
+            }
+            pg.barrier().unwrap();
+            if pg.rank() == 0 {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+
+            // Hidden width 5 over 2 tp ranks: refused on every rank, the weights whole.
+            let (_o, mut odd) = layer(MoeConfig::new(DIM, 5, 8, 2), 4);
+            let refused = parallelize_module(&mut odd, &mesh, &plan).expect_err("width 5");
+            // The rank within the ep group, as shard_module's errors name it.
+            assert_eq!(
+                tch_dist::report(&refused),
+                format!(
+                    "rank {ep}: shard_module: `experts`: expert_tensor_parallel(tp=2): the \
+                     experts' hidden width 5 cannot be split evenly over the 2 ranks of tensor \
+                     parallelism"
+                )
+            );
+            assert_eq!(odd.experts.w1.size(), [8, 5, DIM]);
         },
     );
 }

@@ -291,7 +291,7 @@ impl MoE {
             ));
         }
         let plan = ShardingPlan::builder()
-            .shard_module("experts", ExpertSharder)
+            .shard_module("experts", ExpertSharder::default())
             .build();
         let state = shard_module(self, &plan, 0, group).map_err(MoeError::ExpertParallel)?;
         self.expert_parallel = Some(state);

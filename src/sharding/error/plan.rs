@@ -15,10 +15,10 @@ use crate::sharding::Layout;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum StyleProblem {
-    /// The mesh is not 1-D.
+    /// The mesh is not 1-D (nor 2-D for a plan of `ExpertTensorParallel` only).
     #[error(
         "the mesh has {ndim} dims; parallelize_module takes a 1-D mesh (one dim of it: \
-         `mesh.dim(\"tp\")`)"
+         `mesh.dim(\"tp\")`), or a 2-D [\"ep\", \"tp\"] one for ExpertTensorParallel alone"
     )]
     MeshDims {
         /// Its number of dims.

@@ -123,6 +123,18 @@ pub enum SharderError {
         /// The expert-parallel ranks.
         ranks: usize,
     },
+    /// `ExpertTensorParallel` over tensor-parallel ranks that do not divide each expert's
+    /// hidden width.
+    #[error(
+        "the experts' hidden width {hidden} cannot be split evenly over the {ranks} ranks of \
+         tensor parallelism"
+    )]
+    ExpertWidthNotDivisible {
+        /// Each expert's hidden width.
+        hidden: i64,
+        /// The tensor-parallel ranks.
+        ranks: usize,
+    },
     /// `ColwiseLinear { fused: 0 }`.
     #[error("fused must be at least 1")]
     ZeroFused,

@@ -67,6 +67,7 @@ fn sharder_name(e: &SharderError) -> &'static str {
         SharderError::NotANorm { .. } => "NotANorm",
         SharderError::NotGroupedExperts { .. } => "NotGroupedExperts",
         SharderError::ExpertsNotDivisible { .. } => "ExpertsNotDivisible",
+        SharderError::ExpertWidthNotDivisible { .. } => "ExpertWidthNotDivisible",
         SharderError::Custom(_) => "Custom",
     }
 }
@@ -424,6 +425,14 @@ fn every_sharder_error_has_its_text() {
                 "5 experts cannot be split evenly over the 2 ranks of expert parallelism",
             ),
             (
+                SharderError::ExpertWidthNotDivisible {
+                    hidden: 10,
+                    ranks: 4,
+                },
+                "the experts' hidden width 10 cannot be split evenly over the 4 ranks of \
+                 tensor parallelism",
+            ),
+            (
                 SharderError::custom(TooFewRows),
                 "an embedding needs at least 2 rows per rank",
             ),
@@ -442,6 +451,7 @@ fn every_sharder_error_has_its_text() {
             "NotANorm",
             "NotGroupedExperts",
             "ExpertsNotDivisible",
+            "ExpertWidthNotDivisible",
             "Custom",
         ],
     );
@@ -837,7 +847,8 @@ fn every_style_problem_has_its_text() {
             (
                 StyleProblem::MeshDims { ndim: 2 },
                 "the mesh has 2 dims; parallelize_module takes a 1-D mesh (one dim of it: \
-                 `mesh.dim(\"tp\")`)",
+                 `mesh.dim(\"tp\")`), or a 2-D [\"ep\", \"tp\"] one for \
+                 ExpertTensorParallel alone",
             ),
             (
                 StyleProblem::Layout {
