@@ -16,11 +16,12 @@
 //!    ranks in one all-reduce;
 //! 4. each row's loss is `ln(Σ exp) − target logit`, reduced as `F.cross_entropy` reduces it.
 //!
-//! Steps 2 and 3 are one custom autograd function of this rank's slice (`apply_function`),
-//! which keeps the slice and two numbers per row, no copy of the slice's size beside it (so
-//! the loss keeps `1 / tp` of what the gathered head's `cross_entropy` keeps); its backward
-//! needs no collective: the gradient of this rank's slice is its slice of
-//! `softmax − one_hot`, computed from what this rank holds.
+//! Steps 2 to 4 are one custom autograd function of this rank's slice (`apply_function`),
+//! which keeps one tensor of the slice's size and nothing beside it: the slice's gradient per
+//! unit of the loss's, its slice of `(softmax − one_hot) · weight / divisor`, computed in the
+//! forward from what this rank holds (PyTorch's keeps the slice's log-softmax). The loss
+//! thus keeps `1 / tp` of what the gathered head's `cross_entropy` keeps, and the logits
+//! themselves are not kept; its backward needs no collective.
 
 use tch::{Kind, Reduction, Tensor};
 use tch_dist_runtime::{
@@ -334,9 +335,24 @@ pub fn loss_parallel(
     }
     let offset: i64 = agreed.classes[..rank].iter().sum();
     let width = agreed.classes[rank];
-    // 2-3, a custom autograd function of this rank's slice: it keeps the slice alone (not its
-    // exponentials beside it), and its backward needs no collective.
+    // Each row's weight in the reduced loss, as F.cross_entropy weighs it (0 for an ignored
+    // row), and what the reduction divides by.
     let rows = agreed.rows[0];
+    let (kind, device) = (local_logits.kind(), local_logits.device());
+    let row_weight = match &opts.weight {
+        Some(w) => w
+            .to_kind(kind)
+            .index_select(0, &targets.where_self(&kept, &targets.zeros_like())),
+        None => Tensor::ones([rows], (kind, device)),
+    }
+    .where_self(&kept, &Tensor::zeros([rows], (kind, device)));
+    let divisor = match opts.reduction {
+        Reduction::Sum | Reduction::None => None,
+        _ => Some(row_weight.sum(kind)),
+    };
+    // 2-4, a custom autograd function of this rank's slice: it keeps one tensor of the
+    // slice's size (the slice's gradient per unit of the loss's), and its backward needs no
+    // collective.
     let local_index = &targets - offset;
     let here = kept
         .logical_and(&local_index.ge(0))
@@ -347,35 +363,26 @@ pub fn loss_parallel(
         rows,
         local_index: local_index.clamp(0, (width - 1).max(0)),
         here,
+        row_weight,
+        divisor,
+        per_row: matches!(opts.reduction, Reduction::None),
     };
     let outputs =
         apply_function::<LossParallelError>(&[local_logits.shallow_clone()], &mut |inputs| {
             row_loss.forward(&inputs[0])
         })?;
-    let loss = outputs.into_iter().next().ok_or(DistError::Internal {
-        rank,
-        op: "loss_parallel",
-        what: "the custom function returned no output",
-    })?;
-    // 4. Each row's loss, reduced as F.cross_entropy reduces it.
-    let (kind, device) = (loss.kind(), loss.device());
-    let row_weight = match &opts.weight {
-        Some(w) => w
-            .to_kind(kind)
-            .index_select(0, &targets.where_self(&kept, &targets.zeros_like())),
-        None => Tensor::ones([rows], (kind, device)),
-    }
-    .where_self(&kept, &Tensor::zeros([rows], (kind, device)));
-    let loss = loss * &row_weight;
-    Ok(match opts.reduction {
-        Reduction::Sum => loss.sum(loss.kind()),
-        Reduction::None => loss,
-        _ => loss.sum(loss.kind()) / row_weight.sum(row_weight.kind()),
+    outputs.into_iter().next().ok_or_else(|| {
+        DistError::Internal {
+            rank,
+            op: "loss_parallel",
+            what: "the custom function returned no output",
+        }
+        .into()
     })
 }
 
-/// One row loss per row, `ln(Σ exp) − target logit` over every rank's classes, from this
-/// rank's slice of the logits (steps 2 and 3 of the module's docs).
+/// The loss from this rank's slice of the logits: each row's `ln(Σ exp) − target logit`
+/// over every rank's classes, weighted and reduced (steps 2 to 4 of the module's docs).
 struct RowLoss {
     group: ProcessGroup,
     /// This rank's classes.
@@ -385,10 +392,16 @@ struct RowLoss {
     local_index: Tensor,
     /// The rows whose target class this rank holds (and is not ignored).
     here: Tensor,
+    /// Each row's weight (0 for an ignored row).
+    row_weight: Tensor,
+    /// What the weighted sum is divided by (`Mean`: the weights' sum).
+    divisor: Option<Tensor>,
+    /// `Reduction::None`: one loss per row.
+    per_row: bool,
 }
 
 impl RowLoss {
-    /// The forward (grad disabled): the row losses and the backward.
+    /// The forward (grad disabled): the loss and the backward.
     fn forward(&self, logits: &Tensor) -> Result<(Vec<Tensor>, Backward), LossParallelError> {
         let (kind, device) = (logits.kind(), logits.device());
         // The rows' maxima over every rank's classes (an empty slice adds nothing).
@@ -398,42 +411,49 @@ impl RowLoss {
             Tensor::full([self.rows], f64::NEG_INFINITY, (kind, device))
         };
         self.group.all_reduce(&maxima, ReduceOp::Max)?;
-        let shifted = logits - maxima.unsqueeze(1);
-        let sum_exp = shifted.exp().sum_dim_intlist([1].as_slice(), false, kind);
+        // Shifted, then exponentiated in place: the slice's softmax numerators.
+        let mut exp = logits - maxima.unsqueeze(1);
         let target_logit = if self.width > 0 {
-            shifted
-                .gather(1, &self.local_index.unsqueeze(1), false)
+            exp.gather(1, &self.local_index.unsqueeze(1), false)
                 .squeeze_dim(1)
-                .where_self(&self.here, &sum_exp.zeros_like())
+                .where_self(&self.here, &Tensor::zeros([self.rows], (kind, device)))
         } else {
-            sum_exp.zeros_like()
+            Tensor::zeros([self.rows], (kind, device))
         };
-        drop(shifted);
+        let _ = exp.exp_();
+        let sum_exp = exp.sum_dim_intlist([1].as_slice(), false, kind);
         let both = Tensor::cat(&[&sum_exp, &target_logit], 0);
         self.group.all_reduce(&both, ReduceOp::Sum)?;
         let (sum_exp, target_logit) = (
             both.narrow(0, 0, self.rows),
             both.narrow(0, self.rows, self.rows),
         );
-        let loss = sum_exp.log() - target_logit;
-        // d loss_r / d logit_rc = softmax_rc − [c is r's target], on this rank's columns.
-        let saved = (
-            logits.detach(),
-            maxima,
-            sum_exp.copy(),
-            self.local_index.shallow_clone(),
-            self.here.shallow_clone(),
-            self.width,
-        );
+        let weighted = (sum_exp.log() - target_logit) * &self.row_weight;
+        let loss = match (&self.divisor, self.per_row) {
+            (_, true) => weighted,
+            (Some(d), false) => weighted.sum(kind) / d,
+            (None, false) => weighted.sum(kind),
+        };
+        // d loss / d logit_rc = (softmax_rc − [c is r's target]) · w_r / divisor, on this
+        // rank's columns: kept in the numerators' tensor, nothing else beside it.
+        let _ = exp.divide_(&sum_exp.unsqueeze(1));
+        if self.width > 0 {
+            let minus_one = self.here.to_kind(kind).neg().unsqueeze(1);
+            let _ = exp.scatter_add_(1, &self.local_index.unsqueeze(1), &minus_one);
+        }
+        let scale = match &self.divisor {
+            Some(d) => &self.row_weight / d,
+            None => self.row_weight.shallow_clone(),
+        };
+        let _ = exp.g_mul_(&scale.unsqueeze(1));
+        let per_row = self.per_row;
         let backward: Backward = Box::new(move |grads| {
-            let (logits, maxima, sum_exp, local_index, here, width) = &saved;
-            let g = grads[0].unsqueeze(1);
-            let mut d = (logits - maxima.unsqueeze(1)).exp() / sum_exp.unsqueeze(1);
-            if *width > 0 {
-                let minus_one = here.to_kind(d.kind()).neg().unsqueeze(1);
-                d = d.scatter_add(1, &local_index.unsqueeze(1), &minus_one);
-            }
-            Ok(vec![Some(d * g)])
+            let g = if per_row {
+                grads[0].unsqueeze(1)
+            } else {
+                grads[0].shallow_clone()
+            };
+            Ok(vec![Some(&exp * g)])
         });
         Ok((vec![loss], backward))
     }
