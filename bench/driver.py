@@ -697,10 +697,7 @@ def moe_part(a, r):
     r.nproc = 2
     lp = r.tch("loss_parallel", "loss_parallel")
     r.nproc = nproc
-    head = lp["kept_head_bytes"]
-    out["loss_parallel_kept_vs_gathered"] = (lp["kept_local_bytes"] - head) / (
-        lp["kept_gathered_bytes"] - head
-    )
+    out["loss_parallel_kept_vs_gathered"] = lp["kept_local_bytes"] / lp["kept_gathered_bytes"]
     print()
     print(
         f"moe_vs_pytorch={out['moe_vs_pytorch']:.3f}  (median step, {med[t]:.1f} / {med[p]:.1f} "
@@ -712,10 +709,9 @@ def moe_part(a, r):
     )
     print(
         f"loss_parallel_kept_vs_gathered={out['loss_parallel_kept_vs_gathered']:.3f}  (what the "
-        f"loss of a column-parallel head keeps for backward at 2 ranks, local logits with "
-        f"loss_parallel / gathered with cross_entropy, {(lp['kept_local_bytes'] - head) / 1e6:.1f}"
-        f" / {(lp['kept_gathered_bytes'] - head) / 1e6:.1f} MB, beyond the head's own "
-        f"{head / 1e6:.1f} MB; goal <= 0.5, 1/tp)"
+        f"loss keeps for backward at 2 ranks from a column-parallel head's logits, local with "
+        f"loss_parallel / gathered with cross_entropy, {lp['kept_local_bytes'] / 1e6:.1f} / "
+        f"{lp['kept_gathered_bytes'] / 1e6:.1f} MB; goal <= 0.5, 1/tp)"
     )
     print(flush=True)
     return out
