@@ -8,12 +8,12 @@
 //! less each (one row when a row is larger): a rank that needs rows `a..b` of a piece reads
 //! the blocks that hold them (at most one block more at each end) and checks each.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::storage::{self, sha256};
+use super::storage;
 use super::CheckpointError;
 use super::CheckpointProblem;
 
@@ -235,14 +235,16 @@ pub(super) fn parse(
 }
 
 /// The digests of every piece of the safetensors file `bytes` (the whole file, as a save
-/// encoded it), and its header's SHA-256: what the manifest lists for it.
+/// encoded it), and its header's SHA-256: what the manifest lists for it (the oracle of
+/// the save's, computed as it writes).
+#[cfg(test)]
 pub(super) fn digests(
     rank: usize,
     path: &Path,
     bytes: &[u8],
-) -> Result<(String, BTreeMap<String, PieceDigests>), CheckpointError> {
+) -> Result<(String, std::collections::BTreeMap<String, PieceDigests>), CheckpointError> {
     let header = parse(rank, path, bytes, bytes.len() as u64)?;
-    let mut out = BTreeMap::new();
+    let mut out = std::collections::BTreeMap::new();
     for p in &header.pieces {
         let row = p.row_bytes();
         let rows = block_rows(row);
@@ -250,7 +252,9 @@ pub(super) fn digests(
         let sha = if row == 0 {
             Vec::new()
         } else {
-            data.chunks((rows * row) as usize).map(sha256).collect()
+            data.chunks((rows * row) as usize)
+                .map(storage::sha256)
+                .collect()
         };
         out.insert(
             p.fqn.clone(),
@@ -260,12 +264,14 @@ pub(super) fn digests(
             },
         );
     }
-    Ok((sha256(&bytes[..header.len as usize]), out))
+    Ok((storage::sha256(&bytes[..header.len as usize]), out))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
+    use storage::sha256;
 
     /// A tensor to write: FQN, shape, f32 values, saved offsets.
     type Written<'a> = (&'a str, Vec<usize>, Vec<f32>, Vec<i64>);

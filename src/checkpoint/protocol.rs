@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use tch::Tensor;
 use tch_dist_runtime::ProcessGroup;
 
-use super::fs::{finish, io, remove_checkpoint, replace, start, write_durable, PARTIAL};
+use super::fs::{finish, io, remove_checkpoint, replace, start, PARTIAL};
 use super::storage::{self, file_name, FileEntry, Manifest, RankReport, TensorEntry, MANIFEST};
 use super::CheckpointProblem;
 use super::{retention, CheckpointError, OPTIMIZER_SIDECAR, TRAIN_STATE};
@@ -105,10 +105,9 @@ impl<'a> Save<'a> {
                 // Nothing of its own to write (every tensor it holds written by another).
                 return Ok(None);
             }
-            let bytes = storage::encode(rank, &path, &mine)?;
-            full_disk_point(rank, self.dir, &path, &bytes)?;
-            write_durable(rank, &path, &bytes)?;
-            Ok(Some(FileEntry::of_safetensors(rank, &path, &bytes)?))
+            let file = storage::SafetensorsFile::new(rank, &path, &mine)?;
+            full_disk_point(rank, self.dir, &path, file.len())?;
+            Ok(Some(file.write(rank, &path)?))
         });
         self.group
             .agree(OP, local)
@@ -305,15 +304,10 @@ pub(super) fn crash_point(point: &str) {
 pub(super) const FULL_SWITCH: &str = "TCH_DIST_TEST_CHECKPOINT_FULL";
 
 /// Fails like a full disk when the full-disk switch names `dir` (see [`FULL_SWITCH`]).
-fn full_disk_point(
-    rank: usize,
-    dir: &Path,
-    path: &Path,
-    bytes: &[u8],
-) -> Result<(), CheckpointError> {
+fn full_disk_point(rank: usize, dir: &Path, path: &Path, len: u64) -> Result<(), CheckpointError> {
     match std::env::var_os(FULL_SWITCH) {
         Some(name) if dir.file_name() == Some(name.as_os_str()) => {
-            let _ = std::fs::write(path, &bytes[..bytes.len() / 2]);
+            let _ = std::fs::write(path, vec![0u8; (len / 2) as usize]);
             Err(io(rank, "writing", path)(
                 std::io::Error::from_raw_os_error(libc::ENOSPC),
             ))

@@ -11,9 +11,10 @@
 //!   the sidecars.
 
 use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype as StDtype, SafeTensors};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -82,7 +83,9 @@ impl FileEntry {
     }
 
     /// The entry of the safetensors file `bytes` (at `path`): its length and SHA-256, its
-    /// header's and its pieces' digests.
+    /// header's and its pieces' digests, computed from the whole file (the oracle of
+    /// [`SafetensorsFile::write`]'s, which computes them as it writes).
+    #[cfg(test)]
     pub fn of_safetensors(rank: usize, path: &Path, bytes: &[u8]) -> Result<Self, CheckpointError> {
         let (header, pieces) = index::digests(rank, path, bytes)?;
         Ok(FileEntry {
@@ -365,63 +368,174 @@ pub(super) fn dtype_name(kind: Kind) -> String {
 
 /// The SHA-256 of `bytes`, in hex.
 pub(super) fn sha256(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex(&Sha256::digest(bytes))
 }
 
-/// A rank's file as bytes: `tensors` (FQN, values on the CPU, contiguous; offsets in the
-/// global tensor) and their `DCP_SHARDING_INFO`.
-pub(super) fn encode(
-    rank: usize,
-    path: &Path,
-    tensors: &[(String, Tensor, Vec<i64>)],
-) -> Result<Vec<u8>, CheckpointError> {
-    let format = |cause: String| {
-        CheckpointProblem::Format {
-            path: path.to_path_buf(),
-            cause,
-        }
-        .on(rank)
-    };
-    let mut bytes: Vec<(String, Vec<u8>, StDtype, Vec<usize>)> = Vec::new();
-    let mut info = BTreeMap::new();
-    for (fqn, t, offsets) in tensors {
-        let dtype = st_dtype(t.kind()).ok_or_else(|| {
-            format(format!(
-                "`{fqn}` has a dtype safetensors cannot hold ({:?})",
-                t.kind()
-            ))
-        })?;
-        let mut data = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
-        t.f_copy_data_u8(&mut data, t.numel())
-            .map_err(|e| format(format!("`{fqn}`: {e}")))?;
-        let shape = t.size().iter().map(|&d| d as usize).collect();
-        bytes.push((fqn.clone(), data, dtype, shape));
-        info.insert(
-            fqn.clone(),
-            ShardingInfo {
-                saved_offsets: offsets.clone(),
-            },
-        );
+/// `digest` in lowercase hex.
+fn hex(digest: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(digest.len() * 2);
+    for b in digest {
+        out.push(DIGITS[(b >> 4) as usize] as char);
+        out.push(DIGITS[(b & 15) as usize] as char);
     }
-    let views = bytes
-        .iter()
-        .map(|(fqn, data, dtype, shape)| {
-            TensorView::new(*dtype, shape.clone(), data)
-                .map(|v| (fqn.clone(), v))
-                .map_err(|e| format(format!("`{fqn}`: {e:?}")))
+    out
+}
+
+/// A safetensors file ready to be written straight from its tensors' memory (no copy of
+/// the data: DCP's `_write_item` streams each tensor too): its header in safetensors'
+/// layout (8-byte length, JSON padded with spaces to 8 bytes: each tensor's dtype, shape
+/// and byte range, and `__metadata__`'s `DCP_SHARDING_INFO`), its pieces ordered as
+/// safetensors orders them (larger dtypes first, then by name, so that each is aligned to
+/// its dtype), each contiguous on the CPU.
+pub(super) struct SafetensorsFile {
+    /// The header's bytes.
+    header: Vec<u8>,
+    /// The header as a load parses it: every piece's bytes in the file.
+    parsed: index::Header,
+    /// Each piece, by FQN.
+    pieces: HashMap<String, Tensor>,
+    /// The file's length.
+    len: u64,
+}
+
+impl SafetensorsFile {
+    /// The file of `tensors` (FQN, values, offsets in the global tensor) at `path`; refuses
+    /// a dtype safetensors cannot hold.
+    pub fn new(
+        rank: usize,
+        path: &Path,
+        tensors: &[(String, Tensor, Vec<i64>)],
+    ) -> Result<Self, CheckpointError> {
+        let format = |cause: String| {
+            CheckpointProblem::Format {
+                path: path.to_path_buf(),
+                cause,
+            }
+            .on(rank)
+        };
+        let mut order: Vec<&(String, Tensor, Vec<i64>)> = tensors.iter().collect();
+        order.sort_by(|a, b| {
+            let size = |t: &Tensor| t.kind().elt_size_in_bytes();
+            size(&b.1).cmp(&size(&a.1)).then_with(|| a.0.cmp(&b.0))
+        });
+        let mut entries = serde_json::Map::new();
+        let mut info = BTreeMap::new();
+        let mut pieces = HashMap::new();
+        let mut offset = 0u64;
+        for (fqn, t, offsets) in order {
+            let dtype = st_dtype(t.kind()).ok_or_else(|| {
+                format(format!(
+                    "`{fqn}` has a dtype safetensors cannot hold ({:?})",
+                    t.kind()
+                ))
+            })?;
+            // The tensor itself when it is on the CPU and contiguous already.
+            let t = t.to_device(tch::Device::Cpu).contiguous();
+            let bytes = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+            entries.insert(
+                fqn.clone(),
+                serde_json::json!({
+                    "dtype": dtype,
+                    "shape": t.size(),
+                    "data_offsets": [offset, offset + bytes],
+                }),
+            );
+            offset += bytes;
+            info.insert(
+                fqn.clone(),
+                ShardingInfo {
+                    saved_offsets: offsets.clone(),
+                },
+            );
+            pieces.insert(fqn.clone(), t);
+        }
+        let sharding = serde_json::to_string(&info).map_err(|e| format(e.to_string()))?;
+        entries.insert(
+            "__metadata__".to_string(),
+            serde_json::json!({
+                "DCP_SHARDING_INFO": sharding,
+                "DCP_VERSION": "1.0",
+                "format": "pt",
+                index::MARK: FORMAT,
+            }),
+        );
+        let mut json = serde_json::to_vec(&entries).map_err(|e| format(e.to_string()))?;
+        // safetensors pads the JSON with spaces so that the data start 8-byte aligned.
+        json.resize(json.len().next_multiple_of(8), b' ');
+        let mut header = (json.len() as u64).to_le_bytes().to_vec();
+        header.extend_from_slice(&json);
+        let len = header.len() as u64 + offset;
+        let parsed = index::parse(rank, path, &header, len)?;
+        Ok(SafetensorsFile {
+            header,
+            parsed,
+            pieces,
+            len,
         })
-        .collect::<Result<Vec<_>, _>>()?;
-    let sharding = serde_json::to_string(&info).map_err(|e| format(e.to_string()))?;
-    let metadata = HashMap::from([
-        ("DCP_SHARDING_INFO".to_string(), sharding),
-        ("DCP_VERSION".to_string(), "1.0".to_string()),
-        ("format".to_string(), "pt".to_string()),
-        (index::MARK.to_string(), FORMAT.to_string()),
-    ]);
-    safetensors::tensor::serialize(views, &Some(metadata)).map_err(|e| format(format!("{e:?}")))
+    }
+
+    /// The file's length.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Writes the file at `path` and fsyncs it, computing as the bytes go out what the
+    /// manifest lists for it: its length and SHA-256, its header's SHA-256 and its pieces'
+    /// block digests.
+    pub fn write(&self, rank: usize, path: &Path) -> Result<FileEntry, CheckpointError> {
+        let failed = || super::fs::io(rank, "writing", path);
+        let mut file = std::fs::File::create(path).map_err(failed())?;
+        let mut whole = Sha256::new();
+        whole.update(&self.header);
+        file.write_all(&self.header).map_err(failed())?;
+        let mut pieces = BTreeMap::new();
+        for p in &self.parsed.pieces {
+            let bytes = tensor_bytes(&self.pieces[&p.fqn]);
+            let (row, rows) = (p.row_bytes(), index::block_rows(p.row_bytes()));
+            let mut sha = Vec::new();
+            // Whole rows per block (the same blocks as a load checks); one write per block.
+            let block = if row == 0 {
+                bytes.len().max(1)
+            } else {
+                (rows * row) as usize
+            };
+            for chunk in bytes.chunks(block) {
+                whole.update(chunk);
+                if row != 0 {
+                    sha.push(sha256(chunk));
+                }
+                file.write_all(chunk).map_err(failed())?;
+            }
+            pieces.insert(
+                p.fqn.clone(),
+                PieceDigests {
+                    block_rows: rows,
+                    sha256: sha,
+                },
+            );
+        }
+        file.sync_all()
+            .map_err(super::fs::io(rank, "fsyncing", path))?;
+        Ok(FileEntry {
+            bytes: self.len,
+            sha256: hex(&whole.finalize()),
+            header_sha256: Some(sha256(&self.header)),
+            pieces,
+        })
+    }
+}
+
+/// The bytes of `t`, a contiguous CPU tensor, where they lie.
+fn tensor_bytes(t: &Tensor) -> &[u8] {
+    let len = t.numel() * t.kind().elt_size_in_bytes();
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: `t` is contiguous on the CPU (SafetensorsFile::new made it so), so its
+    // `len` bytes start at `data_ptr` and live as long as `t`, which the slice borrows;
+    // nothing writes them meanwhile (the save holds its own handles on the pieces).
+    unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, len) }
 }
 
 /// The pieces of a safetensors file's tensors, by FQN: with `DCP_SHARDING_INFO`, at its
@@ -481,4 +595,61 @@ pub(super) fn sibling(dir: &Path, suffix: &str) -> PathBuf {
         .unwrap_or_default();
     name.push(suffix);
     dir.with_file_name(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file written straight from its tensors holds them (read back by the safetensors
+    /// crate, whatever their dtype, size or order), and its entry is what the whole file's
+    /// bytes give.
+    #[test]
+    fn a_file_written_from_the_tensors_is_safetensors_and_its_entry_is_the_files() {
+        let dir = std::env::temp_dir().join(format!("tch-dist-st-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f.safetensors");
+        let rows = Tensor::arange(3 * 20480, (Kind::Float, tch::Device::Cpu)).view([3, 20480]);
+        let tensors = vec![
+            ("w".to_string(), rows.shallow_clone(), vec![6, 0]),
+            (
+                "a.step".to_string(),
+                Tensor::from_slice(&[7i64, 8]),
+                vec![0],
+            ),
+            (
+                "b".to_string(),
+                Tensor::from_slice(&[1.5f32, -2.0, 3.25]).to_kind(Kind::BFloat16),
+                vec![3],
+            ),
+            (
+                "empty".to_string(),
+                Tensor::zeros([0, 4], (Kind::Float, tch::Device::Cpu)),
+                vec![0, 0],
+            ),
+            // Not contiguous: written in order.
+            ("t".to_string(), rows.narrow(1, 0, 4).tr(), vec![0, 0]),
+        ];
+        let file = SafetensorsFile::new(0, &path, &tensors).unwrap();
+        let entry = file.write(0, &path).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes.len() as u64, file.len());
+        assert_eq!(entry, FileEntry::of_safetensors(0, &path, &bytes).unwrap());
+        assert_eq!(
+            entry.pieces["w"].sha256.len(),
+            3,
+            "one block per 80 KiB row"
+        );
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        for (fqn, t, _) in &tensors {
+            let view = st.tensor(fqn).unwrap();
+            let want = t.contiguous();
+            let mut data = vec![0u8; want.numel() * want.kind().elt_size_in_bytes()];
+            want.f_copy_data_u8(&mut data, want.numel()).unwrap();
+            assert_eq!(view.data(), &data[..], "{fqn}");
+            let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();
+            assert_eq!(view.shape(), &shape[..], "{fqn}");
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
