@@ -21,7 +21,7 @@ use tch_dist_core::hooks::{
 use tch_dist_core::path::join_fqn;
 use tch_dist_core::Shardable;
 use tch_dist_runtime::fsdp::tensor_identity;
-use tch_dist_runtime::sharding::functional;
+use tch_dist_runtime::sharding::{functional, GradientScale};
 use tch_dist_runtime::{DistError, ProcessGroup};
 
 use super::error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError};
@@ -145,11 +145,21 @@ impl Sharder for ExpertSharder {
             None => None,
         };
         let mut params = Vec::new();
+        // The experts' gradients gather every rank's rows: divided by the ranks, they are
+        // the gradients of the mean of the ranks' losses, as data parallelism over these
+        // ranks averages every other parameter's (a hook on each weight: nothing in the
+        // forward).
+        let mean_over_ranks = GradientScale::new(1.0 / group.world_size() as f64);
         for (name, w) in ["w1", "w2", "w3"].into_iter().zip(&weights) {
             params.push((
                 name.to_string(),
                 shard_along(fqn, name, w, 0, src_rank, group)?,
             ));
+            if w.requires_grad() {
+                mean_over_ranks
+                    .register(w, group.rank())
+                    .map_err(|e| ShardError::dist(group, &join_fqn(fqn, name), e))?;
+            }
         }
         let dispatcher = Arc::new(Dispatcher {
             group: group.clone(),
@@ -160,6 +170,7 @@ impl Sharder for ExpertSharder {
             pending: PerCall::default(),
             _weights: std::sync::Mutex::new(weights),
             _hidden_split: tensor_parallel,
+            _mean_over_ranks: mean_over_ranks,
         });
         let unhookable = |source| ShardError::unhookable(group, fqn, source);
         let d = Arc::clone(&dispatcher);
@@ -205,6 +216,8 @@ struct Dispatcher {
     _weights: std::sync::Mutex<[Tensor; 3]>,
     /// The hidden width's split in the registry of managed parameters, as long as the hooks.
     _hidden_split: Option<Registration>,
+    /// The experts' gradients divided by the ranks, as long as the hooks.
+    _mean_over_ranks: Arc<GradientScale>,
 }
 
 impl Dispatcher {
@@ -302,11 +315,7 @@ impl Dispatcher {
             to_rank,
             from_rank,
         });
-        // The experts' gradients gather every rank's rows: scaled by 1 / ranks (in the
-        // output hook, undone here for the rows), they are the gradients of the mean of the
-        // ranks' losses, as data parallelism over these ranks averages every other
-        // parameter's.
-        let mut grouped = scale_gradient(&received.index_select(0, &order), ranks as f64);
+        let mut grouped = received.index_select(0, &order);
         if let Some(tp) = &self.tensor_parallel {
             // Every tp rank computes its slice of each expert's hidden width from the same
             // rows: the rows' gradient is the sum of the slices'.
@@ -331,8 +340,7 @@ impl Dispatcher {
             Some(tp) => functional::all_reduce(out, tp).map_err(collective)?,
             None => out.shallow_clone(),
         };
-        let ranks = self.group.world_size() as f64;
-        let out = scale_gradient(&out, 1.0 / ranks).index_select(0, &call.inverse);
+        let out = out.index_select(0, &call.inverse);
         functional::all_to_all_single_known(&out, &call.from_rank, &call.to_rank, &self.group)
             .map_err(collective)
     }
@@ -406,14 +414,4 @@ impl ShardHolder for HiddenHolder {
     fn reshard(&self) -> Result<(), DistError> {
         Ok(())
     }
-}
-
-/// `x`'s values with its gradient multiplied by `factor` (`x + (x − x) · factor`, the
-/// difference detached: exactly `x`'s values).
-fn scale_gradient(x: &Tensor, factor: f64) -> Tensor {
-    if factor == 1.0 || !x.requires_grad() {
-        return x.shallow_clone();
-    }
-    let fixed = x.detach();
-    &fixed + (x - &fixed) * factor
 }
