@@ -15,7 +15,7 @@ use tch_dist_runtime::ProcessGroup;
 
 use super::error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError};
 use super::output::OutputLayout;
-use super::sharder::{hook_error, shard_along, PerCall, ShardedModule, Sharder};
+use super::sharder::{first_submodule, hook_error, shard_along, PerCall, ShardedModule, Sharder};
 
 /// Column-parallel embedding (PyTorch's `ColwiseParallel` on an `nn.Embedding`): `weight`
 /// `[num_embeddings, embedding_dim]` split along `embedding_dim`; each rank's output is its
@@ -46,11 +46,7 @@ pub struct RowwiseEmbedding;
 fn embedding_weight(module: &dyn Shardable) -> Result<Tensor, SharderError> {
     let kind = module.type_name();
     let not = |found: String| SharderError::NotAnEmbedding { kind, found };
-    if let Some((child, _)) = module
-        .named_modules()
-        .into_iter()
-        .find(|(n, _)| !n.is_empty())
-    {
+    if let Some(child) = first_submodule(module) {
         return Err(not(format!("a submodule `{child}`")));
     }
     let mut weight = None;

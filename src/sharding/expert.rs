@@ -26,7 +26,9 @@ use tch_dist_runtime::{DistError, ProcessGroup};
 
 use super::error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError};
 use super::output::OutputLayout;
-use super::sharder::{hook_error, set_local, shard_along, PerCall, ShardedModule, Sharder};
+use super::sharder::{
+    first_submodule, hook_error, set_local, shard_along, PerCall, ShardedModule, Sharder,
+};
 use crate::state_dict::managed::{register, Layer, ManagingApi, Registration, ShardHolder};
 use crate::state_dict::{MeshDimPlacement, Placement};
 
@@ -57,11 +59,7 @@ const HIDDEN_DIMS: [usize; 3] = [1, 2, 1];
 fn grouped_experts(module: &dyn Shardable) -> Result<[Tensor; 3], SharderError> {
     let kind = module.type_name();
     let not = |found: String| SharderError::NotGroupedExperts { kind, found };
-    if let Some((child, _)) = module
-        .named_modules()
-        .into_iter()
-        .find(|(n, _)| !n.is_empty())
-    {
+    if let Some(child) = first_submodule(module) {
         return Err(not(format!("a submodule `{child}`")));
     }
     let (mut w1, mut w2, mut w3) = (None, None, None);

@@ -26,7 +26,7 @@ use tch_dist_runtime::ProcessGroup;
 use super::error::{
     EngineFailure, EngineProblem, ForwardProblem, HookSite, ShardError, SharderError,
 };
-use super::sharder::{hook_error, ShardedModule, Sharder};
+use super::sharder::{first_submodule, hook_error, ShardedModule, Sharder};
 
 /// PyTorch's `SequenceParallel` on a norm: the input is this rank's chunk along
 /// `sequence_dim`, and so is the output; the parameters stay whole, their gradients summed
@@ -44,11 +44,7 @@ pub(super) fn not_a_norm(module: &dyn Shardable) -> Option<String> {
     if module.type_name().ends_with("::GroupNorm") {
         return Some("normalizes across the sequence (over groups of channels)".into());
     }
-    if let Some((child, _)) = module
-        .named_modules()
-        .into_iter()
-        .find(|(n, _)| !n.is_empty())
-    {
+    if let Some(child) = first_submodule(module) {
         return Some(format!("has a submodule `{child}`"));
     }
     if let Some((name, _)) = module.named_buffers().into_iter().next() {

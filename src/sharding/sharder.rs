@@ -187,11 +187,7 @@ struct LinearParams {
 
 fn linear_params(module: &dyn Shardable) -> Result<LinearParams, SharderError> {
     let kind = module.type_name();
-    if let Some((child, _)) = module
-        .named_modules()
-        .into_iter()
-        .find(|(n, _)| !n.is_empty())
-    {
+    if let Some(child) = first_submodule(module) {
         return Err(SharderError::Submodule { kind, child });
     }
     let mut weight = None;
@@ -488,6 +484,16 @@ pub(super) fn shard_along(
     let (local, meta) = scatter_local(t, &spec, src_rank, group, &join_fqn(fqn, name))?;
     set_local(t, &local);
     Ok(meta)
+}
+
+/// The FQN of `module`'s first submodule, if it has any (a sharder of one layer refuses
+/// a module that holds others).
+pub(super) fn first_submodule(module: &dyn Shardable) -> Option<String> {
+    module
+        .named_modules()
+        .into_iter()
+        .map(|(n, _)| n)
+        .find(|n| !n.is_empty())
 }
 
 /// What a sharder's input hook leaves for its output hook, per call: per thread (a

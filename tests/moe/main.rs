@@ -40,6 +40,16 @@ fn layer(config: MoeConfig, seed: i64) -> (nn::VarStore, MoE) {
     (vs, moe)
 }
 
+/// SGD with momentum (lr 0.1) over `vs`: what the equality-with-one-process tests train with.
+fn sgd(vs: &nn::VarStore) -> nn::Optimizer {
+    nn::Sgd {
+        momentum: 0.9,
+        ..Default::default()
+    }
+    .build(vs, 0.1)
+    .unwrap()
+}
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.size(), b.size());
     (a - b).abs().max().double_value(&[])
@@ -515,14 +525,6 @@ fn expert_data_parallel_equals_one_process(pg: tch_dist::ProcessGroup, how: Expe
     // 8 experts: 4 on each ep rank, sharded over the 2 efsdp ranks.
     assert_eq!(moe.experts.w1.size()[0], 2);
     assert!(tch_dist::fully_shard::state(&moe.experts).is_some());
-    let sgd = |vs: &nn::VarStore| {
-        nn::Sgd {
-            momentum: 0.9,
-            ..Default::default()
-        }
-        .build(vs, 0.1)
-        .unwrap()
-    };
     let (mut ref_opt, mut opt) = (sgd(&ref_vs), sgd(&vs));
     for step in 0..2 {
         tch::manual_seed(20 + step);
@@ -623,14 +625,6 @@ fn expert_parallel_style_at_4_ranks_trains_as_one_process() {
             assert_eq!(moe.local_experts(), 2 * rank..2 * rank + 2);
             assert_eq!(moe.experts.w2.size(), [2, DIM, 16]);
             tch_dist::replicate::apply(&moe, tch_dist::replicate::Options::default()).unwrap();
-            let sgd = |vs: &nn::VarStore| {
-                nn::Sgd {
-                    momentum: 0.9,
-                    ..Default::default()
-                }
-                .build(vs, 0.1)
-                .unwrap()
-            };
             let (mut ref_opt, mut opt) = (sgd(&ref_vs), sgd(&vs));
             let step =
                 |seed: i64, moe: &MoE, opt: &mut nn::Optimizer, ref_opt: &mut nn::Optimizer| {
@@ -746,14 +740,6 @@ fn expert_tensor_parallel_at_2x2_ranks_trains_as_one_process() {
                 ..Default::default()
             };
             tch_dist::replicate::apply(&moe, over_ep).unwrap();
-            let sgd = |vs: &nn::VarStore| {
-                nn::Sgd {
-                    momentum: 0.9,
-                    ..Default::default()
-                }
-                .build(vs, 0.1)
-                .unwrap()
-            };
             let (mut ref_opt, mut opt) = (sgd(&ref_vs), sgd(&vs));
             for seed in [30, 31] {
                 tch::manual_seed(seed);
