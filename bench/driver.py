@@ -692,6 +692,7 @@ def moe_part(a, r):
         bwd = statistics.median(x["bwd_ms"] for x in v)
         print(f"{k:<14} {med[k]:8.1f} {fwd:7.1f} {bwd:7.1f} {peak[k]:12.1f}  {len(v)}")
     t, p = "tch_dist_moe", "pytorch_moe"
+    print_step_check(res[t])
     out = {"moe_vs_pytorch": med[t] / med[p], "moe_rss_vs_pytorch": peak[t] / peak[p]}
     # loss_parallel against the gathered head, 2 ranks, one run (bytes, not time).
     r.nproc = 2
