@@ -15,6 +15,7 @@
 //! | `reducer/` | the gradient [`Reducer`] beneath `replicate` (its own table) | DDP's `reducer.cpp` |
 //! | `fsdp/` | the engine side of `fully_shard` (its own table) | `torch/distributed/fsdp/_fully_shard/` |
 //! | `sharding/` | [`ShardedTensor`](sharding::ShardedTensor) and tensor parallelism's differentiable collectives (its own table) | `torch.distributed._shard`, `torch.distributed.tensor.parallel`'s collectives |
+//! | `fingerprint.rs` | [`Fingerprint`]: FNV-1a, for values the ranks compare as one number | — |
 //! | `kernels.rs` | libtorch kernels tch does not expose: the fused optimizers (also at the deprecated `fused`), a seeded `randperm` | `torch._fused_adamw_`, `torch._fused_sgd_`, `torch.randperm(generator=)` |
 //! | `testing.rs` | running ranks as real processes, for tests | `MultiProcessTestCase` |
 //! | `rules.rs` | (tests) rules of the source tree the compiler does not see: `error/` imports no engine, no `pub fn` returns `Result<_, String>`, callbacks only through `autograd/callback.rs` | — |
@@ -25,6 +26,7 @@ mod autograd;
 mod c10d;
 mod error;
 mod ffi;
+mod fingerprint;
 pub mod fsdp;
 pub mod kernels;
 mod reducer;
@@ -72,6 +74,7 @@ pub use error::{
     Desync, DistError, EnvError, Mismatch, MisuseProblem, NamedSignature, PassProgram, Phase,
     PickleError, ReducerError, RendezvousError, Result, StepPosition, TensorSignature,
 };
+pub use fingerprint::Fingerprint;
 pub use reducer::{
     CommHook, PowerSgdOptions, Reducer, ReducerOptions, ReducerStats, DEFAULT_FIRST_BUCKET_BYTES,
     DEFAULT_IN_PLACE_MIN_BYTES,

@@ -281,14 +281,12 @@ fn check_buffers(
 
 /// FNV-1a over the lengths, for the ranks' agreement in one value.
 fn fingerprint(values: &[i64]) -> i64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    use std::hash::Hasher;
+    let mut h = tch_dist_runtime::Fingerprint::default();
     for v in values {
-        for b in v.to_le_bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
+        h.write_i64(*v);
     }
-    h as i64
+    h.finish() as i64
 }
 
 /// Every rank's parts of `buffers` put back together along `seq_dims`, in the sequence's

@@ -56,19 +56,14 @@ impl GroupPasses {
         if self.settings.is_empty() {
             return 0;
         }
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        let mut mix = |bytes: &[u8]| {
-            for b in bytes {
-                h ^= u64::from(*b);
-                h = h.wrapping_mul(0x0000_0100_0000_01b3);
-            }
-        };
+        use std::hash::Hasher;
+        let mut h = crate::Fingerprint::default();
         for ((owner, name), value) in &self.settings {
-            mix(&owner.to_le_bytes());
-            mix(name.as_bytes());
-            mix(&value.to_le_bytes());
+            h.write(&owner.to_le_bytes());
+            h.write(name.as_bytes());
+            h.write(&value.to_le_bytes());
         }
-        h
+        h.finish()
     }
 }
 
