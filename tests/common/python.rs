@@ -31,26 +31,33 @@ pub fn clean(program: PathBuf) -> Command {
     cmd
 }
 
-/// Runs `cmd` to its end, killing it after 180 s.
+/// Runs `cmd` to its end with its output, killing it (its whole process group: torchrun
+/// and its ranks) after 180 s. The output is read while it runs, so a chatty process
+/// never blocks on a full pipe.
 pub fn bounded(mut cmd: Command) -> std::process::Output {
     use std::process::Stdio;
-    let mut child = cmd
+    let child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
         .spawn()
         .unwrap();
-    let start = std::time::Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > std::time::Duration::from_secs(180) {
-            // The whole group: torchrun and its ranks.
-            // SAFETY: kill(2) on the child's own process group.
-            unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
-            break;
+    let group = child.id() as i32;
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if finished
+            .recv_timeout(std::time::Duration::from_secs(180))
+            .is_err()
+        {
+            // SAFETY: kill(2) on the child's own process group (not yet reaped: the
+            // wait below has not returned).
+            unsafe { libc::kill(-group, libc::SIGKILL) };
         }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    child.wait_with_output().unwrap()
+    });
+    let out = child.wait_with_output().unwrap();
+    let _ = done.send(());
+    watchdog.join().unwrap();
+    out
 }
 
 /// The `.venv`'s Python running `script ARGS` as `ranks` processes of one job, each started
