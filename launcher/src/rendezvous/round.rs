@@ -235,18 +235,8 @@ impl Rendezvous {
         match request {
             Request::Join { id, member, nnodes } => self.join(now, id, member, nnodes),
             Request::Poll { id } => {
-                if let Some(c) = &self.closed {
-                    // A node of the last round that has not heard its placement yet starts
-                    // its ranks even so: a `finished` closure ends the rounds to come, not
-                    // this one (its ranks are the job's as much as the closer's).
-                    if c.why == CloseWhy::Finished
-                        && !self.delivered.contains(&id)
-                        && let Some(a) = self.assigned.get(&id).cloned()
-                    {
-                        self.delivered.insert(id);
-                        return Reply::Assigned(a);
-                    }
-                    return self.tell(&id);
+                if self.closed.is_some() {
+                    return self.after_closure(&id);
                 }
                 if !self.knows(&id) {
                     return Reply::Unknown { round: self.round };
@@ -320,7 +310,9 @@ impl Rendezvous {
             };
         }
         if self.closed.is_some() {
-            return self.tell(&id);
+            // A join as much as a poll: a node that asked again (its reply lost, or a
+            // restart's second join) may be in the last round.
+            return self.after_closure(&id);
         }
         self.seen.insert(id.clone(), now);
         if self.participants.contains_key(&id) {
@@ -478,6 +470,25 @@ impl Rendezvous {
             present: self.participants.len(),
             last_call_left: None,
         }
+    }
+
+    /// What `id` hears once the rendezvous is closed: its placement when it is a node of the
+    /// last round that has not heard it yet and the closure is `finished` (which ends the
+    /// rounds to come, not this one: its ranks are the job's as much as the closer's), the
+    /// closure otherwise.
+    fn after_closure(&mut self, id: &NodeId) -> Reply {
+        let finished = self
+            .closed
+            .as_ref()
+            .is_some_and(|c| c.why == CloseWhy::Finished);
+        if finished
+            && !self.delivered.contains(id)
+            && let Some(a) = self.assigned.get(id).cloned()
+        {
+            self.delivered.insert(id.clone());
+            return Reply::Assigned(a);
+        }
+        self.tell(id)
     }
 
     /// The closure, told to `id`.
@@ -791,7 +802,8 @@ mod tests {
     }
 
     /// A node whose round completed closes it as finished before another node of the round
-    /// heard its placement: that node still starts its ranks (then hears of the closure).
+    /// heard its placement: that node still starts its ranks (then hears of the closure),
+    /// whether its next request is a poll or a join.
     #[test]
     fn a_finished_closure_still_lets_the_rounds_nodes_start() {
         let mut job = Job::new(2, 2);
@@ -810,6 +822,24 @@ mod tests {
         assert!(!job.r.everyone_told());
         assert!(matches!(job.poll(0.4, 1), Reply::Closed(_)));
         assert!(job.r.everyone_told());
+        // The same when its next request is a join (a restart's second join, a lost reply):
+        // the race that once left a restarted node's ranks unstarted.
+        let mut job = Job::new(2, 2);
+        job.join(0.0, 1);
+        assert!(matches!(job.join(0.0, 0), Reply::Assigned(_)));
+        let now = job.at(0.2);
+        job.r.handle(
+            now,
+            Request::Close {
+                id: node(0),
+                why: CloseWhy::Finished,
+            },
+        );
+        let Reply::Assigned(a) = job.join(0.3, 1) else {
+            panic!("node 1 hears its placement");
+        };
+        assert_eq!(a.group_rank, 1);
+        assert!(matches!(job.join(0.4, 1), Reply::Closed(_)));
         // Out of restarts, the round's other nodes do not start.
         let mut job = Job::new(2, 2);
         job.join(0.0, 0);
