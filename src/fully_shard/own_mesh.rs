@@ -33,9 +33,9 @@ pub(super) fn shard_own_meshes<M: Shardable + ?Sized>(
     let Some(f) = opts.shard_placement_fn.clone() else {
         return Ok(opts);
     };
-    let found = own_meshes(module.as_dyn_shardable(), &opts, &f);
-    let group = init::process_groups(&opts)?.all;
-    let own = group.agree("fully_shard", found)?;
+    let groups = init::process_groups(&opts)?;
+    let found = own_meshes(module.as_dyn_shardable(), &opts, &f, groups.shard.rank());
+    let own = groups.all.agree("fully_shard", found)?;
     if own.is_empty() {
         return Ok(opts);
     }
@@ -78,13 +78,14 @@ fn without_meshes(f: &ShardPlacementFn, prefix: &str) -> ShardPlacementFn {
 
 /// The meshes of their own `f` gives `module`'s parameters (those no nested call manages
 /// nor `ignored_params` names), each with the highest submodules whose parameters are all
-/// on it; or the first parameter on one whose module has another parameter elsewhere.
+/// on it; or the first parameter on one whose module has another parameter elsewhere (the
+/// error naming this `rank`).
 fn own_meshes(
     module: &dyn Shardable,
     opts: &FsdpOptions,
     f: &ShardPlacementFn,
+    rank: usize,
 ) -> Result<Vec<OwnMesh>, FsdpError> {
-    let rank = init::process_groups(opts).map_or(0, |g| g.shard.rank());
     let nested: Vec<String> = module
         .named_modules()
         .into_iter()
@@ -130,19 +131,18 @@ fn own_meshes(
             let (fqn, other) = (fqn.clone(), other.clone());
             return Err(FsdpProblem::PartialOwnMesh { fqn, other }.on(rank));
         }
-        let entry = match own.iter_mut().find(|(k, _)| k == key) {
-            Some((_, e)) => e,
-            None => {
-                own.push((
-                    key.clone(),
-                    OwnMesh {
-                        mesh: mesh.clone(),
-                        modules: Vec::new(),
-                    },
-                ));
-                &mut own.last_mut().expect("just pushed").1
-            }
-        };
+        let i = own.iter().position(|(k, _)| k == key).unwrap_or_else(|| {
+            let modules = Vec::new();
+            own.push((
+                key.clone(),
+                OwnMesh {
+                    mesh: mesh.clone(),
+                    modules,
+                },
+            ));
+            own.len() - 1
+        });
+        let entry = &mut own[i].1;
         if !entry.modules.iter().any(|m| is_within(holder, m)) {
             entry.modules.retain(|m| !is_within(m, holder));
             entry.modules.push(holder.to_string());

@@ -13,9 +13,11 @@ use tch_dist_core::sharding::chunk::{chunk_offsets, chunk_sizes};
 use tch_dist_core::Shardable;
 use tch_dist_runtime::ProcessGroup;
 
-use super::error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError};
+use super::error::{ForwardProblem, HookSite, ShardError, SharderError};
 use super::output::OutputLayout;
-use super::sharder::{first_submodule, hook_error, shard_along, PerCall, ShardedModule, Sharder};
+use super::sharder::{
+    first_submodule, hook_error, refused, shard_along, PerCall, ShardedModule, Sharder,
+};
 
 /// Column-parallel embedding (PyTorch's `ColwiseParallel` on an `nn.Embedding`): `weight`
 /// `[num_embeddings, embedding_dim]` split along `embedding_dim`; each rank's output is its
@@ -69,10 +71,7 @@ fn checked_weight(
     module: &dyn Shardable,
     group: &ProcessGroup,
 ) -> Result<Tensor, ShardError> {
-    embedding_weight(module).map_err(|source| {
-        let sharder = sharder.name();
-        ShardError::plan(group, fqn, PlanProblem::Sharder { sharder, source })
-    })
+    embedding_weight(module).map_err(|source| refused(group, fqn, sharder.name(), source))
 }
 
 impl Sharder for ColwiseEmbedding {

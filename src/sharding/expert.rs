@@ -24,10 +24,10 @@ use tch_dist_runtime::fsdp::tensor_identity;
 use tch_dist_runtime::sharding::{functional, GradientScale};
 use tch_dist_runtime::{DistError, ProcessGroup};
 
-use super::error::{ForwardProblem, HookSite, PlanProblem, ShardError, SharderError};
+use super::error::{ForwardProblem, HookSite, ShardError, SharderError};
 use super::output::OutputLayout;
 use super::sharder::{
-    first_submodule, hook_error, set_local, shard_along, PerCall, ShardedModule, Sharder,
+    first_submodule, hook_error, refused, set_local, shard_along, PerCall, ShardedModule, Sharder,
 };
 use crate::state_dict::managed::{register, Layer, ManagingApi, Registration, ShardHolder};
 use crate::state_dict::{MeshDimPlacement, Placement};
@@ -130,10 +130,8 @@ impl Sharder for ExpertSharder {
         src_rank: usize,
         group: &ProcessGroup,
     ) -> Result<ShardedModule, ShardError> {
-        let weights = grouped_experts(module).map_err(|source| {
-            let sharder = self.name();
-            ShardError::plan(group, fqn, PlanProblem::Sharder { sharder, source })
-        })?;
+        let weights =
+            grouped_experts(module).map_err(|source| refused(group, fqn, self.name(), source))?;
         let experts = weights[0].size()[0];
         // Expert x tensor parallelism: every tp rank first takes tp rank 0's values, then
         // keeps its slice of each expert's hidden width (a level of the placement record

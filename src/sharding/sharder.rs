@@ -297,10 +297,7 @@ impl ChunkedLinear {
         src_rank: usize,
         group: &ProcessGroup,
     ) -> Result<ShardedModule, ShardError> {
-        let p = linear_params(module).map_err(|source| {
-            let sharder = self.name();
-            ShardError::plan(group, fqn, PlanProblem::Sharder { sharder, source })
-        })?;
+        let p = linear_params(module).map_err(|source| refused(group, fqn, self.name(), source))?;
         let layout = |e: ShardingError| {
             ShardError::plan(group, fqn, PlanProblem::Layout { source: e.into() })
         };
@@ -416,6 +413,17 @@ impl ChunkedLinear {
             hooks,
         })
     }
+}
+
+/// Sharder `sharder`'s refusal (`source`) of module `fqn`, met while sharding it: the plan
+/// problem its check gives.
+pub(super) fn refused(
+    group: &ProcessGroup,
+    fqn: &str,
+    sharder: String,
+    source: SharderError,
+) -> ShardError {
+    ShardError::plan(group, fqn, PlanProblem::Sharder { sharder, source })
 }
 
 /// A failed hook's error: a typed [`ShardError::Forward`] that `f_call` callers can

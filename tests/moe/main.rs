@@ -40,6 +40,16 @@ fn layer(config: MoeConfig, seed: i64) -> (nn::VarStore, MoE) {
     (vs, moe)
 }
 
+/// Two equal layers (8 experts of width 16, top-2, a shared expert of width 12), seed 4:
+/// the one-process reference, and the one a test parallelizes.
+fn twins() -> ((nn::VarStore, MoE), (nn::VarStore, MoE)) {
+    let config = MoeConfig {
+        shared_hidden: Some(12),
+        ..MoeConfig::new(DIM, 16, 8, 2)
+    };
+    (layer(config.clone(), 4), layer(config, 4))
+}
+
 /// SGD with momentum (lr 0.1) over `vs`: what the equality-with-one-process tests train with.
 fn sgd(vs: &nn::VarStore) -> nn::Optimizer {
     nn::Sgd {
@@ -490,12 +500,7 @@ fn expert_data_parallel_equals_one_process(pg: tch_dist::ProcessGroup, how: Expe
     use tch_dist::fully_shard::{ShardPlacement, ShardPlacementFn};
     use tch_dist::{fully_shard, Call, FsdpOptions};
     let rank = pg.rank() as i64;
-    let config = MoeConfig {
-        shared_hidden: Some(12),
-        ..MoeConfig::new(DIM, 16, 8, 2)
-    };
-    let (ref_vs, reference) = layer(config.clone(), 4);
-    let (vs, mut moe) = layer(config, 4);
+    let ((ref_vs, reference), (vs, mut moe)) = twins();
     let mesh = init_device_mesh("cpu", &[2, 2], &["efsdp", "ep"]).unwrap();
     moe.parallelize_experts(mesh.get_group("ep").unwrap())
         .unwrap();
@@ -613,12 +618,7 @@ fn expert_parallel_style_at_4_ranks_trains_as_one_process() {
         4,
         |pg| {
             let rank = pg.rank() as i64;
-            let config = MoeConfig {
-                shared_hidden: Some(12),
-                ..MoeConfig::new(DIM, 16, 8, 2)
-            };
-            let (ref_vs, reference) = layer(config.clone(), 4);
-            let (vs, mut moe) = layer(config, 4);
+            let ((ref_vs, reference), (vs, mut moe)) = twins();
             let mesh = init_device_mesh("cpu", &[4], &["ep"]).unwrap();
             let plan = ParallelizePlan::new().style("", ExpertParallel);
             parallelize_module(&mut moe.experts, &mesh, &plan).unwrap();
@@ -715,12 +715,7 @@ fn expert_tensor_parallel_at_2x2_ranks_trains_as_one_process() {
         "expert_tensor_parallel_at_2x2_ranks_trains_as_one_process",
         4,
         |pg| {
-            let config = MoeConfig {
-                shared_hidden: Some(12),
-                ..MoeConfig::new(DIM, 16, 8, 2)
-            };
-            let (ref_vs, reference) = layer(config.clone(), 4);
-            let (vs, mut moe) = layer(config.clone(), 4);
+            let ((ref_vs, reference), (vs, mut moe)) = twins();
             let mesh = init_device_mesh("cpu", &[2, 2], &["ep", "tp"]).unwrap();
             let (ep, tp) = (
                 mesh.get_local_rank("ep").unwrap() as i64,
@@ -765,7 +760,7 @@ fn expert_tensor_parallel_at_2x2_ranks_trains_as_one_process() {
             let dir =
                 std::env::temp_dir().join(format!("tch-dist-moe-etp-{}", name.int64_value(&[0])));
             checkpoint::save(&dir, &State::new(&moe), &pg, &SaveOptions::default()).unwrap();
-            let (_p, plain) = layer(config, 9);
+            let (_p, plain) = layer(reference.config().clone(), 9);
             checkpoint::load(&dir, &mut State::new(&plain), &pg, &LoadOptions::default()).unwrap();
             for (got, want) in [
                 (&plain.experts.w1, &reference.experts.w1),

@@ -806,35 +806,30 @@ mod tests {
     /// whether its next request is a poll or a join.
     #[test]
     fn a_finished_closure_still_lets_the_rounds_nodes_start() {
-        let mut job = Job::new(2, 2);
-        // Node 1 waits; node 0 completes the round and hears its placement at once.
-        job.join(0.0, 1);
-        assert!(matches!(job.join(0.0, 0), Reply::Assigned(_)));
-        let now = job.at(0.2);
-        job.r.handle(
-            now,
-            Request::Close {
-                id: node(0),
-                why: CloseWhy::Finished,
-            },
-        );
+        // Node 1 waits; node 0 completes the round, hears its placement at once and closes
+        // the rendezvous as finished.
+        let closed_before_node_1_heard = || {
+            let mut job = Job::new(2, 2);
+            job.join(0.0, 1);
+            assert!(matches!(job.join(0.0, 0), Reply::Assigned(_)));
+            let now = job.at(0.2);
+            job.r.handle(
+                now,
+                Request::Close {
+                    id: node(0),
+                    why: CloseWhy::Finished,
+                },
+            );
+            job
+        };
+        let mut job = closed_before_node_1_heard();
         assert_eq!(job.assigned(0.3, 1).group_rank, 1);
         assert!(!job.r.everyone_told());
         assert!(matches!(job.poll(0.4, 1), Reply::Closed(_)));
         assert!(job.r.everyone_told());
         // The same when its next request is a join (a restart's second join, a lost reply):
         // the race that once left a restarted node's ranks unstarted.
-        let mut job = Job::new(2, 2);
-        job.join(0.0, 1);
-        assert!(matches!(job.join(0.0, 0), Reply::Assigned(_)));
-        let now = job.at(0.2);
-        job.r.handle(
-            now,
-            Request::Close {
-                id: node(0),
-                why: CloseWhy::Finished,
-            },
-        );
+        let mut job = closed_before_node_1_heard();
         let Reply::Assigned(a) = job.join(0.3, 1) else {
             panic!("node 1 hears its placement");
         };
