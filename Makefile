@@ -6,8 +6,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # Bump when the pinned Python packages change, so `make setup` reinstalls.
-SETUP_STAMP := $(VENV)/.tch-dist-setup-2
-PIP_PACKAGES := torch==2.11.0 "nvidia-cuda-crt==13.0.*" "nvidia-cuda-cccl==13.0.*" scikit-learn==1.9.1 safetensors==0.8.0
+SETUP_STAMP := $(VENV)/.tch-dist-setup-3
+# torchft: PyTorch's fault tolerance, whose lighthouse, managers and clients tch-dist-ft's
+# tests run against (its own dependencies: torch, pinned here, and opentelemetry).
+PIP_PACKAGES := torch==2.11.0 "nvidia-cuda-crt==13.0.*" "nvidia-cuda-cccl==13.0.*" scikit-learn==1.9.1 safetensors==0.8.0 torchft==0.2.0
 GLOO_HEADER := /usr/include/gloo/config.h
 CARGO ?= cargo
 NPROC ?= 2

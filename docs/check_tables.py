@@ -25,7 +25,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The crates' source roots: their own lib.rs/main.rs describe them, and docs/ARCHITECTURE.md's
 # "Crates and layers" table lists them; the folders below each must open with a table.
-SOURCE_ROOTS = ["src", "runtime/src", "core/src", "macros/src", "launcher/src"]
+SOURCE_ROOTS = ["src", "runtime/src", "core/src", "macros/src", "launcher/src", "ft/src"]
 # Inline unit tests beside the file they test (`#[cfg(test)] mod tests;`) are not listed.
 UNLISTED = {"tests.rs", "tests"}
 # A table row's first cell: the backquoted names in it (`a.rs`, `b/`, `c.rs` (`Thing`)).
