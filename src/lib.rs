@@ -205,6 +205,7 @@ pub mod checkpoint;
 pub mod context_parallel;
 pub mod data;
 pub mod device_mesh;
+pub mod ft;
 pub mod fully_shard;
 pub mod nn;
 pub mod optim;

@@ -31,6 +31,8 @@ impl Peer {
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
+            // torchft's INFO log of every quorum; the peer reports its errors on stdout.
+            .stderr(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("{PYTHON} {PEER}: {e} (make setup installs the venv)"));
         let stdout = BufReader::new(child.stdout.take().expect("piped"));

@@ -58,8 +58,9 @@ pub use c10d::env::{
 };
 pub use c10d::group::{
     default_group, destroy_process_group, init_process_group, init_process_group_with,
-    is_initialized, Backend, GroupOptions, InitOptions, ProcessGroup, CUDA_VIA_GLOO_ENV,
-    HEARTBEAT_TIMEOUT_ENV, INIT_BARRIER_ENV, NO_SHORTCUTS_ENV, USE_AGENT_STORE_ENV,
+    is_initialized, Backend, GroupOptions, InitOptions, ProcessGroup, QuorumGroupOptions,
+    CUDA_VIA_GLOO_ENV, HEARTBEAT_TIMEOUT_ENV, INIT_BARRIER_ENV, NO_SHORTCUTS_ENV,
+    USE_AGENT_STORE_ENV,
 };
 pub use c10d::heartbeat::DEFAULT_HEARTBEAT_TIMEOUT;
 pub use c10d::objects::Object;

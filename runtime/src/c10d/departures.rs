@@ -19,7 +19,7 @@
 
 use std::time::Duration;
 
-use crate::c10d::group::ProcessGroup;
+use crate::c10d::group::{Membership, ProcessGroup};
 use crate::c10d::heartbeat::Silence;
 use crate::c10d::store::Store;
 use crate::error::{Departure, DistError};
@@ -127,6 +127,10 @@ impl ProcessGroup {
                     return Ok(Some((r, Departure::Failed { error })));
                 }
             }
+        }
+        if self.membership() == Membership::Quorum {
+            // Another job's store: its exits and heartbeats are that job's ranks'.
+            return Ok(None);
         }
         if any_exited(store)? {
             for r in others() {

@@ -20,7 +20,8 @@ use crate::error::{ArgumentError, DistError, EnvError, RendezvousError, Result};
 use crate::ffi;
 
 use super::{
-    Backend, GroupHandle, GroupInner, GroupOptions, InitOptions, ProcessGroup, Shape, World,
+    Backend, GroupHandle, GroupInner, GroupOptions, InitOptions, Membership, ProcessGroup, Shape,
+    World,
 };
 
 /// PyTorch's name of the default group, the first number of its group count.
@@ -118,7 +119,8 @@ impl ProcessGroup {
         let world = Arc::new(World {
             watch: WatchStore::new(master.clone()),
             liveness: Liveness::new(opts.heartbeat_timeout),
-            _heartbeat: Heartbeat::start(master, opts.rank),
+            _heartbeat: Some(Heartbeat::start(master, opts.rank)),
+            membership: Membership::Job,
             root: store,
             default_store,
             group_count: AtomicUsize::new(1),
@@ -496,25 +498,25 @@ fn gloo_lazy_init() -> bool {
 }
 
 /// What the shim needs to create a group's backends (`tdr_group_new`).
-struct NewBackends {
-    name: String,
-    rank: usize,
-    world_size: usize,
+pub(super) struct NewBackends {
+    pub(super) name: String,
+    pub(super) rank: usize,
+    pub(super) world_size: usize,
     /// The collectives' timeout.
-    timeout: Duration,
+    pub(super) timeout: Duration,
     /// What is left of the deadline for the backends' rendezvous.
-    rendezvous: Duration,
+    pub(super) rendezvous: Duration,
     /// The address Gloo binds (`interface.rs`; `""` for Gloo's own pick).
-    gloo_host: String,
-    backend: Backend,
-    device: Option<usize>,
-    cuda_via_gloo: bool,
-    debug: DebugLevel,
+    pub(super) gloo_host: String,
+    pub(super) backend: Backend,
+    pub(super) device: Option<usize>,
+    pub(super) cuda_via_gloo: bool,
+    pub(super) debug: DebugLevel,
 }
 
 impl NewBackends {
     /// The group's backends, rendezvoused over `store`.
-    fn create(&self, store: &Store) -> std::result::Result<GroupHandle, String> {
+    pub(super) fn create(&self, store: &Store) -> std::result::Result<GroupHandle, String> {
         let host = CString::new(self.gloo_host.as_str())
             .map_err(|_| "host contains a NUL byte".to_string())?;
         let name = CString::new(self.name.as_str())

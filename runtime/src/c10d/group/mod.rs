@@ -8,6 +8,7 @@
 //! | `options.rs` | [`InitOptions`], [`GroupOptions`], the environment switches they read | `init_process_group`'s and `new_group`'s arguments |
 //! | `init.rs` | creating the default group and subgroups, step by step; the backends' creation | `init_process_group`, `_new_process_group_helper`, `new_group` |
 //! | `default.rs` | the default group: [`init_process_group`], [`default_group`], [`destroy_process_group`] | `_world.default_pg` |
+//! | `quorum.rs` | a fault-tolerance quorum's group of replica groups, over one of their stores: [`ProcessGroup::for_quorum`] | torchft's `ProcessGroupGloo._create_pg` |
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -27,6 +28,7 @@ mod backend;
 mod default;
 mod init;
 mod options;
+mod quorum;
 
 pub use backend::Backend;
 pub use default::{
@@ -37,6 +39,7 @@ pub use options::{
     GroupOptions, InitOptions, CUDA_VIA_GLOO_ENV, HEARTBEAT_TIMEOUT_ENV, INIT_BARRIER_ENV,
     NO_SHORTCUTS_ENV, USE_AGENT_STORE_ENV,
 };
+pub use quorum::QuorumGroupOptions;
 
 /// A group of processes that run collectives together. Cheap to clone; thread-safe.
 ///
@@ -82,8 +85,24 @@ struct World {
     watch: WatchStore,
     /// What the watches have seen of the members' heartbeats (`heartbeat.rs`).
     liveness: Liveness,
-    /// This rank's heartbeat, stopped with the last group of the rendezvous.
-    _heartbeat: Heartbeat,
+    /// This rank's heartbeat, stopped with the last group of the rendezvous; none for a
+    /// quorum's group, whose store is another job's (its members' liveness is the
+    /// lighthouse's business, and their global ranks would name that job's ranks).
+    _heartbeat: Option<Heartbeat>,
+    /// What the departures watch may read in the store (see [`Membership`]).
+    membership: Membership,
+}
+
+/// Whose store a rendezvous used, which decides what the departures watch reads there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Membership {
+    /// The job's own store: failures the members reported, exits their launchers
+    /// reported, and their heartbeats.
+    Job,
+    /// A quorum's group of replica groups (`quorum.rs`), over one of the replica groups'
+    /// stores: only the failures the members reported under this group's name. That job's
+    /// exits and heartbeats are keyed by its own global ranks, not this group's.
+    Quorum,
 }
 
 /// A group's state: its handle, its [`Shape`] (read through `Deref`: `inner.rank`), and
@@ -216,6 +235,19 @@ impl ProcessGroup {
         &self.inner.world.root
     }
 
+    /// Where this group's store listens (MASTER_ADDR and MASTER_PORT for a job's groups):
+    /// what other jobs reach it at, as fault tolerance's replica groups do each other's.
+    ///
+    /// ```no_run
+    /// let pg = tch_dist_runtime::default_group()?;
+    /// let (host, port) = pg.store_address();
+    /// println!("{host}:{port}");
+    /// # Ok::<(), tch_dist_runtime::DistError>(())
+    /// ```
+    pub fn store_address(&self) -> (&str, u16) {
+        (&self.inner.master.0, self.inner.master.1)
+    }
+
     /// The CUDA device this group is bound to (PyTorch's `bound_device_id`): NCCL groups,
     /// and groups with the test switch `cuda_via_gloo` on a machine with CUDA.
     pub fn bound_device(&self) -> Option<Device> {
@@ -292,6 +324,11 @@ impl ProcessGroup {
             });
         }
         Ok(())
+    }
+
+    /// What the departures watch may read in the group's store.
+    pub(crate) fn membership(&self) -> Membership {
+        self.inner.world.membership
     }
 
     /// The departures watch's connection to the store.

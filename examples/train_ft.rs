@@ -1,0 +1,127 @@
+//! One replica group of a fault-tolerant job (`tch_dist::ft`): a small MLP trained with SGD
+//! and momentum, its gradients averaged with the other groups of each step's quorum.
+//!
+//! ```text
+//! tch-dist-run --nproc-per-node 1 -- target/debug/examples/train_ft \
+//!     --replica-id replica_0 --lighthouse http://127.0.0.1:29510 --steps 40
+//! ```
+//!
+//! Options: `--replica-id NAME`, `--lighthouse URL`, `--steps N` (committed steps to reach),
+//! `--step-ms MS` (a pause per step, so that a test's restarted group catches up),
+//! `--exit-at STEP` (the process exits with status 3 at that step, before its gradients are
+//! averaged: an injected failure), `--timeout-ms MS` (the cross-group group's timeout),
+//! `--min-replica-size N` (the fewest participants a step commits with), `--seed S` (the
+//! initial weights' seed; by default the process id), `--hidden H` (the hidden width, 16).
+//! The batches are keyed by (step, replica rank), and groups start from their own random
+//! weights (`init_sync` makes them alike at step 0; a group that restarts heals). At the end
+//! it prints `FINAL {json}`: the step, the batches committed, and every parameter's and
+//! momentum buffer's values.
+
+use std::time::Duration;
+
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+use tch_dist::ft::{FtOptions, Manager};
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("train_ft: {e}");
+            let mut cause = e.source();
+            while let Some(c) = cause {
+                eprintln!("  caused by: {c}");
+                cause = c.source();
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let replica = arg(&args, "--replica-id").ok_or("--replica-id NAME")?;
+    let lighthouse = arg(&args, "--lighthouse").ok_or("--lighthouse URL")?;
+    let steps: i64 = arg(&args, "--steps").map_or(Ok(20), |s| s.parse())?;
+    let step_ms: u64 = arg(&args, "--step-ms").map_or(Ok(0), |s| s.parse())?;
+    let exit_at: Option<i64> = arg(&args, "--exit-at").map(|s| s.parse()).transpose()?;
+    let timeout_ms: u64 = arg(&args, "--timeout-ms").map_or(Ok(5000), |s| s.parse())?;
+    let min_replica_size: usize = arg(&args, "--min-replica-size").map_or(Ok(1), |s| s.parse())?;
+    let seed: i64 =
+        arg(&args, "--seed").map_or(Ok(i64::from(std::process::id())), |s| s.parse())?;
+    let hidden: i64 = arg(&args, "--hidden").map_or(Ok(16), |s| s.parse())?;
+
+    let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
+    tch::manual_seed(seed);
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let net = nn::seq()
+        .add(nn::linear(vs.root() / "fc1", 6, hidden, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(vs.root() / "fc2", hidden, 3, Default::default()));
+    let mut opt = tch_dist::optim::Sgd {
+        momentum: 0.9,
+        ..Default::default()
+    }
+    .build(&vs, 0.05)?;
+    let opts = FtOptions {
+        timeout: Duration::from_millis(timeout_ms),
+        quorum_timeout: Duration::from_secs(60),
+        connect_timeout: Duration::from_secs(30),
+        min_replica_size,
+        ..FtOptions::new(replica, lighthouse)
+    };
+    let mut ft = Manager::new(&pg, opts)?;
+    while ft.step() < steps {
+        ft.start_quorum(&vs, &mut opt)?;
+        opt.zero_grad();
+        // This step's batch for this group: the same on every run with the same quorums.
+        let index = ft.replica_rank().unwrap_or(0) as i64;
+        tch::manual_seed(1000 * ft.step() + index);
+        let x = Tensor::randn([32, 6], (Kind::Float, tch::Device::Cpu));
+        let y = Tensor::randn([32, 3], (Kind::Float, tch::Device::Cpu));
+        let loss = net.forward(&x).mse_loss(&y, tch::Reduction::Mean);
+        loss.backward();
+        if exit_at == Some(ft.step()) {
+            eprintln!("train_ft: exiting at step {} (injected)", ft.step());
+            std::process::exit(3);
+        }
+        ft.allreduce_gradients(&vs, &opt);
+        if ft.should_commit()? {
+            opt.step()?;
+        } else {
+            eprintln!(
+                "train_ft: step {} not committed: {}",
+                ft.step(),
+                ft.errored().unwrap_or("another member failed")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(step_ms));
+    }
+    let mut names: Vec<String> = opt.param_names().map(str::to_string).collect();
+    names.sort();
+    let variables = vs.variables();
+    let values = |t: &Tensor| Vec::<f64>::try_from(&t.to_kind(Kind::Double).flatten(0, -1));
+    let mut params = serde_json::Map::new();
+    let mut momentum = serde_json::Map::new();
+    for name in &names {
+        params.insert(name.clone(), serde_json::json!(values(&variables[name])?));
+        if let Some(m) = opt.state(name).and_then(|s| s.get("momentum_buffer")) {
+            momentum.insert(name.clone(), serde_json::json!(values(m)?));
+        }
+    }
+    let out = serde_json::json!({
+        "replica_id": ft.replica_id(),
+        "step": ft.step(),
+        "batches_committed": ft.batches_committed(),
+        "params": params,
+        "momentum": momentum,
+    });
+    println!("FINAL {out}");
+    Ok(())
+}

@@ -1,0 +1,549 @@
+//! Per-step fault tolerance, torchft's model: a job runs as several **replica groups** (each
+//! an ordinary job with its own store and launcher), only the replicate dimension crosses
+//! them, and a group that fails is left out of the next step's quorum while the others keep
+//! training; a group that starts (after a crash, or as a new one) heals from a live member
+//! before its first step, with no checkpoint on disk.
+//!
+//! Each step: [`Manager::start_quorum`] (the lighthouse's quorum; a new quorum makes a new
+//! cross-group process group; a group behind heals), the forward and backward,
+//! [`Manager::allreduce_gradients`] (the average over the members at the highest step; a
+//! failure is recorded, not raised), then [`Manager::should_commit`]: the optimizer steps
+//! only when every rank of every member succeeded.
+//!
+//! The control plane (`tch-dist-ft`) speaks torchft's gRPC protocol: a tch-dist replica
+//! group and a PyTorch torchft one can share one lighthouse's quorum. Healing does not cross
+//! languages (torchft's transports carry pickled Python objects).
+//!
+//! | file | what it does | torchft's counterpart |
+//! |---|---|---|
+//! | `mod.rs` | [`Manager`]: the quorum per step, the cross-group group's reconfiguration, the gradient average, the commit | `torchft/manager.py` (`Manager`) |
+//! | `heal.rs` | live recovery: the state a healthy member sends a group that is behind | `torchft/checkpointing/pg_transport.py` |
+//! | `error.rs` | [`FtError`] | (exceptions of `manager.py`) |
+//!
+//! ```no_run
+//! use tch::nn::{self, Module, OptimizerConfig};
+//! use tch_dist::ft::{FtOptions, Manager};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?; // this replica group's own
+//! let vs = nn::VarStore::new(tch::Device::Cpu);
+//! let net = nn::linear(vs.root() / "fc", 4, 2, Default::default());
+//! let mut opt = tch_dist::optim::Sgd { momentum: 0.9, ..Default::default() }.build(&vs, 0.1)?;
+//! let mut ft = Manager::new(&pg, FtOptions::new("replica_0", "http://10.0.0.1:29510"))?;
+//! while ft.step() < 100 {
+//!     ft.start_quorum(&vs, &mut opt)?;
+//!     opt.zero_grad();
+//!     let x = tch::Tensor::randn([8, 4], tch::kind::FLOAT_CPU);
+//!     net.forward(&x).square().mean(None).backward();
+//!     ft.allreduce_gradients(&vs, &opt);
+//!     if ft.should_commit()? {
+//!         opt.step()?;
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+
+mod error;
+mod heal;
+
+use std::hash::Hasher;
+use std::time::Duration;
+
+use tch::{Kind, Tensor};
+use tch_dist_ft::{ManagerClient, ManagerOptions, ManagerQuorumRequest, ManagerServer};
+use tch_dist_runtime::{Fingerprint, ProcessGroup, QuorumGroupOptions, ReduceOp};
+
+pub use error::FtError;
+pub use tch_dist_ft::{LighthouseOptions, LighthouseServer};
+
+use crate::optim::Optimizer;
+
+/// The store key under which a replica group's rank 0 publishes its manager for the group's
+/// other ranks.
+const MANAGER_KEY: &str = "tch_dist/ft/manager";
+
+/// A replica group's settings for fault tolerance (torchft's `Manager` arguments).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FtOptions {
+    /// The group's name; a unique suffix is added per start (`"{name}:{uuid}"`), so a
+    /// restarted group is a new member. torchft's Python groups read an index from the
+    /// digits at its end: name groups `replica_0`, `replica_1`, ... (zero-padded past 9:
+    /// quorums order members by id, as strings).
+    pub replica_id: String,
+    /// The lighthouse, `http://host:port` (torchft's `TORCHFT_LIGHTHOUSE`).
+    pub lighthouse: String,
+    /// The fewest members a step may be committed with (torchft's `min_replica_size`).
+    pub min_replica_size: usize,
+    /// The cross-group group's timeout (joining it, each collective): short, so that a
+    /// member that died mid-step only costs that step (torchtitan: 10 s).
+    pub timeout: Duration,
+    /// How long a quorum or a commit vote may take (torchft: 60 s).
+    pub quorum_timeout: Duration,
+    /// How long connecting to the lighthouse or the manager may take (torchft: 60 s).
+    pub connect_timeout: Duration,
+    /// At step 0 every group takes the first group's parameters (torchft's default): groups
+    /// whose random initialisations differ start alike.
+    pub init_sync: bool,
+    /// The host other groups reach this group's manager at; by default its store's host.
+    pub hostname: Option<String>,
+    /// How often the manager heartbeats to the lighthouse (torchft: 100 ms).
+    pub heartbeat_interval: Duration,
+}
+
+impl FtOptions {
+    /// torchft's defaults: `min_replica_size` 1, a 10 s group timeout, 60 s for quorums and
+    /// connecting, `init_sync`, heartbeats every 100 ms.
+    ///
+    /// ```
+    /// let opts = tch_dist::ft::FtOptions::new("replica_0", "http://127.0.0.1:29510");
+    /// assert!(opts.init_sync);
+    /// ```
+    pub fn new(replica_id: impl Into<String>, lighthouse: impl Into<String>) -> Self {
+        FtOptions {
+            replica_id: replica_id.into(),
+            lighthouse: lighthouse.into(),
+            min_replica_size: 1,
+            timeout: Duration::from_secs(10),
+            quorum_timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(60),
+            init_sync: true,
+            hostname: None,
+            heartbeat_interval: Duration::from_millis(100),
+        }
+    }
+
+    fn check(&self) -> Result<(), FtError> {
+        let refuse = |why: String| Err(FtError::Options(why));
+        if self.replica_id.is_empty() || self.replica_id.contains(':') {
+            return refuse(format!(
+                "replica_id {:?} must be a non-empty name without ':' (a unique suffix follows one)",
+                self.replica_id
+            ));
+        }
+        if self.min_replica_size == 0 {
+            return refuse("min_replica_size must be at least 1".into());
+        }
+        for (name, t) in [
+            ("timeout", self.timeout),
+            ("quorum_timeout", self.quorum_timeout),
+            ("connect_timeout", self.connect_timeout),
+            ("heartbeat_interval", self.heartbeat_interval),
+        ] {
+            if t.is_zero() {
+                return refuse(format!("{name} must be longer than zero"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The quorum this group takes part in now.
+struct Current {
+    id: i64,
+    /// The members' Gloo group, this quorum's only.
+    pg: ProcessGroup,
+    replica_ids: Vec<String>,
+    /// Whether this group contributes gradients (it was at the highest step when the quorum
+    /// formed; one that healed contributes zeros this step, as torchft's).
+    participating: bool,
+    /// The members at the highest step: the divisor of the average.
+    participants: i64,
+}
+
+/// One rank's part in fault-tolerant training (torchft's `Manager`): see the module's docs.
+pub struct Manager {
+    group: ProcessGroup,
+    opts: FtOptions,
+    replica_id: String,
+    _server: Option<ManagerServer>,
+    client: ManagerClient,
+    current: Option<Current>,
+    step: i64,
+    batches_committed: i64,
+    commit_failures: i64,
+    /// The first failure of this step, which makes this group vote against committing it.
+    errored: Option<String>,
+}
+
+impl std::fmt::Debug for Manager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Manager")
+            .field("replica_id", &self.replica_id)
+            .field("group_rank", &self.group.rank())
+            .field("step", &self.step)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A random id for this start of the group (Linux's kernel UUID source; the process id and
+/// time where it is missing).
+fn unique_suffix() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/uuid")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            format!("{}-{nanos}", std::process::id())
+        })
+}
+
+impl Manager {
+    /// Joins fault-tolerant training as this rank of its replica group `group` (the group's
+    /// own process group: its store is where other groups meet this one's ranks). Rank 0
+    /// starts the group's manager server; every rank connects to it.
+    pub fn new(group: &ProcessGroup, opts: FtOptions) -> Result<Manager, FtError> {
+        opts.check()?;
+        let group_rank = group.rank();
+        let (store_host, store_port) = group.store_address();
+        let store_host = store_host.to_string();
+        let collective = |op, source| FtError::Collective {
+            replica: opts.replica_id.clone(),
+            group_rank,
+            op,
+            source: Box::new(source),
+        };
+        let (server, replica_id, address) = if group_rank == 0 {
+            let replica_id = format!("{}:{}", opts.replica_id, unique_suffix());
+            let server = ManagerServer::start(ManagerOptions {
+                replica_id: replica_id.clone(),
+                lighthouse_addr: opts.lighthouse.clone(),
+                hostname: opts.hostname.clone().unwrap_or_else(|| store_host.clone()),
+                bind: "0.0.0.0:0".into(),
+                store_addr: format!("{store_host}:{store_port}"),
+                world_size: group.world_size() as u64,
+                heartbeat_interval: opts.heartbeat_interval,
+                connect_timeout: opts.connect_timeout,
+                quorum_retries: 0,
+            })
+            .map_err(|source| FtError::Control {
+                replica: opts.replica_id.clone(),
+                group_rank,
+                source: Box::new(source),
+            })?;
+            let address = server.address();
+            let published = format!("{replica_id}\n{address}");
+            group
+                .store()
+                .set(MANAGER_KEY, published.as_bytes())
+                .map_err(|e| collective("publishing the manager's address", e))?;
+            (Some(server), replica_id, address)
+        } else {
+            let published = group
+                .store()
+                .get(MANAGER_KEY)
+                .map_err(|e| collective("reading the manager's address", e))?;
+            let published = String::from_utf8_lossy(&published).into_owned();
+            let (id, address) = published.split_once('\n').unwrap_or((&published, ""));
+            (None, id.to_string(), address.to_string())
+        };
+        let client = ManagerClient::connect(&address, opts.connect_timeout).map_err(|source| {
+            FtError::Control {
+                replica: replica_id.clone(),
+                group_rank,
+                source: Box::new(source),
+            }
+        })?;
+        Ok(Manager {
+            group: group.clone(),
+            opts,
+            replica_id,
+            _server: server,
+            client,
+            current: None,
+            step: 0,
+            batches_committed: 0,
+            commit_failures: 0,
+            errored: None,
+        })
+    }
+
+    /// The committed steps so far (a healed group's is its source's).
+    pub fn step(&self) -> i64 {
+        self.step
+    }
+
+    /// Batches committed across all members so far (each committed step adds its
+    /// participants).
+    pub fn batches_committed(&self) -> i64 {
+        self.batches_committed
+    }
+
+    /// This group's id in the quorums (`"{name}:{uuid}"`).
+    pub fn replica_id(&self) -> &str {
+        &self.replica_id
+    }
+
+    /// This group's rank among the current quorum's members, none before the first quorum
+    /// (what data sharding across replica groups keys on).
+    pub fn replica_rank(&self) -> Option<usize> {
+        self.current.as_ref().map(|c| c.pg.rank())
+    }
+
+    /// The members whose gradients the current step averages (the divisor), 0 before the
+    /// first quorum.
+    pub fn participants(&self) -> i64 {
+        self.current.as_ref().map_or(0, |c| c.participants)
+    }
+
+    /// This step's first failure (which makes the group vote against committing it), if any.
+    pub fn errored(&self) -> Option<&str> {
+        self.errored.as_deref()
+    }
+
+    fn control(&self, source: tch_dist_ft::FtError) -> FtError {
+        FtError::Control {
+            replica: self.replica_id.clone(),
+            group_rank: self.group.rank(),
+            source: Box::new(source),
+        }
+    }
+
+    /// Records the step's first failure.
+    fn fail(&mut self, what: String) {
+        self.errored.get_or_insert(what);
+    }
+
+    /// Begins a step: this group's quorum with the others (waiting for the lighthouse). A new
+    /// quorum makes a new cross-group group and checks that every member trains the same
+    /// model ([`FtError::DifferentModel`] on every member otherwise); a group behind then
+    /// receives the live state of `vs` and `opt` from an up-to-date member, and up-to-date
+    /// members send theirs to the groups assigned to them. A collective that fails here is
+    /// recorded: the step will not commit.
+    pub fn start_quorum(
+        &mut self,
+        vs: &tch::nn::VarStore,
+        opt: &mut Optimizer,
+    ) -> Result<(), FtError> {
+        self.errored = None;
+        let group_rank = self.group.rank();
+        let answer = self
+            .client
+            .quorum(
+                ManagerQuorumRequest {
+                    group_rank: group_rank as i64,
+                    step: self.step,
+                    checkpoint_metadata: String::new(),
+                    shrink_only: false,
+                    init_sync: self.opts.init_sync,
+                    commit_failures: self.commit_failures,
+                },
+                self.opts.quorum_timeout,
+            )
+            .map_err(|e| self.control(e))?;
+        if self.current.as_ref().map(|c| c.id) != Some(answer.quorum_id) {
+            if let Some(old) = self.current.take() {
+                old.pg.shutdown();
+            }
+            let Some((host, port)) = answer
+                .store_address
+                .rsplit_once(':')
+                .and_then(|(h, p)| Some((h.trim_matches(['[', ']']), p.parse::<u16>().ok()?)))
+            else {
+                self.fail(format!(
+                    "the quorum's store address {:?}",
+                    answer.store_address
+                ));
+                return Ok(());
+            };
+            let joined = ProcessGroup::for_quorum(&QuorumGroupOptions {
+                name: format!("torchft_quorum_{}_rank_{group_rank}", answer.quorum_id),
+                store_host: host.to_string(),
+                store_port: port,
+                prefix: format!("torchft/{}/{group_rank}", answer.quorum_id),
+                rank: usize::try_from(answer.replica_rank).unwrap_or(0),
+                world_size: usize::try_from(answer.replica_world_size).unwrap_or(0),
+                timeout: self.opts.timeout,
+            });
+            let pg = match joined {
+                Ok(pg) => pg,
+                Err(e) => {
+                    self.fail(format!("joining quorum {}: {e}", answer.quorum_id));
+                    return Ok(());
+                }
+            };
+            let current = Current {
+                id: answer.quorum_id,
+                pg,
+                replica_ids: answer.replica_ids.clone(),
+                participating: false,
+                participants: 0,
+            };
+            match self.same_model(&current, vs, opt) {
+                Ok(()) => {}
+                Err(Some(other)) => {
+                    return Err(FtError::DifferentModel {
+                        replica: self.replica_id.clone(),
+                        group_rank,
+                        other,
+                    })
+                }
+                Err(None) => {
+                    self.fail("comparing the members' models".into());
+                    return Ok(());
+                }
+            }
+            self.current = Some(current);
+        }
+        let Some(current) = self.current.as_mut() else {
+            return Ok(());
+        };
+        current.participating = answer.max_replica_rank.is_some();
+        current.participants = answer.max_world_size;
+        let pg = current.pg.clone();
+        let sources = current.replica_ids.clone();
+        if let Some(src) = answer.recover_src_replica_rank.filter(|_| answer.heal) {
+            let src = usize::try_from(src).unwrap_or(0);
+            match heal::receive(&pg, src, vs, opt) {
+                Ok(healed) => {
+                    self.step = healed.step;
+                    self.batches_committed = healed.batches_committed;
+                }
+                Err(heal::HealFailure::Transfer(e)) => self.fail(format!("healing: {e}")),
+                Err(heal::HealFailure::Misfit(problem)) => {
+                    return Err(FtError::Heal {
+                        replica: self.replica_id.clone(),
+                        group_rank,
+                        from: sources.get(src).cloned().unwrap_or_default(),
+                        problem,
+                    })
+                }
+            }
+        }
+        let healed = heal::Healed {
+            step: self.step,
+            batches_committed: self.batches_committed,
+        };
+        for dst in answer.recover_dst_replica_ranks {
+            let dst = usize::try_from(dst).unwrap_or(0);
+            if let Err(e) = heal::send(&pg, dst, healed, vs, opt) {
+                self.fail(format!("sending the live state to replica rank {dst}: {e}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether every member of `current` trains the model of `vs` (parameter names, shapes
+    /// and dtypes): `Err(Some(id))` names the first member that does not, `Err(None)` is a
+    /// failed exchange.
+    fn same_model(
+        &self,
+        current: &Current,
+        vs: &tch::nn::VarStore,
+        opt: &Optimizer,
+    ) -> Result<(), Option<String>> {
+        let mut h = Fingerprint::default();
+        for (fqn, p) in heal::parameters(opt, vs) {
+            h.write(fqn.as_bytes());
+            for d in p.size() {
+                h.write(&d.to_le_bytes());
+            }
+            h.write(format!("{:?}", p.kind()).as_bytes());
+        }
+        let mine = Tensor::from_slice(&[h.finish() as i64]);
+        let all = Tensor::zeros(
+            [current.pg.world_size() as i64],
+            (Kind::Int64, tch::Device::Cpu),
+        );
+        current
+            .pg
+            .all_gather_into_tensor(&all, &mine)
+            .map_err(|_| None)?;
+        let all = Vec::<i64>::try_from(&all).map_err(|_| None)?;
+        let own = h.finish() as i64;
+        match all.iter().position(|f| *f != own) {
+            None => Ok(()),
+            Some(r) => Err(Some(
+                current.replica_ids.get(r).cloned().unwrap_or_default(),
+            )),
+        }
+    }
+
+    /// Averages the gradients of `opt`'s parameters in `vs` over the quorum's members at the
+    /// highest step (one flattened all-reduce; a group that healed this step contributes
+    /// zeros, and the divisor is the participants, not the members). A failure is recorded
+    /// (see [`errored`](Self::errored)) and the gradients are then left as they are: the
+    /// step will not commit.
+    pub fn allreduce_gradients(&mut self, vs: &tch::nn::VarStore, opt: &Optimizer) {
+        if self.errored.is_some() {
+            return;
+        }
+        let Some(current) = &self.current else {
+            self.fail("no quorum".into());
+            return;
+        };
+        let params = heal::parameters(opt, vs);
+        let grads: Vec<Tensor> = params
+            .iter()
+            .map(|(_, p)| {
+                let g = p.grad();
+                if g.defined() {
+                    g.flatten(0, -1)
+                } else {
+                    Tensor::zeros([p.numel() as i64], (p.kind(), p.device()))
+                }
+            })
+            .collect();
+        if grads.is_empty() {
+            return;
+        }
+        let mut flat = Tensor::cat(&grads, 0);
+        if !current.participating {
+            let _ = flat.zero_();
+        }
+        let participants = current.participants.max(1) as f64;
+        if let Err(e) = current.pg.all_reduce(&flat, ReduceOp::Sum) {
+            let what = format!("averaging the gradients: {e}");
+            self.fail(what);
+            return;
+        }
+        let averaged = flat / participants;
+        let mut offset = 0i64;
+        for (_, p) in &params {
+            let n = p.numel() as i64;
+            let mut g = p.grad();
+            if g.defined() {
+                tch::no_grad(|| g.copy_(&averaged.narrow(0, offset, n).view_as(&g)));
+            }
+            offset += n;
+        }
+    }
+
+    /// Ends the step: this rank's vote (no failure recorded, and at least
+    /// `min_replica_size` participants) and the group's decision, true only when every rank
+    /// of the group voted true. On true the step counts (step the optimizer then); on false
+    /// nothing of the step may be applied, and the next quorum rebuilds the cross-group
+    /// group (a reported commit failure gives it a new id).
+    pub fn should_commit(&mut self) -> Result<bool, FtError> {
+        let enough = self
+            .current
+            .as_ref()
+            .is_some_and(|c| c.participants >= self.opts.min_replica_size as i64);
+        let vote = self.errored.is_none() && enough;
+        let decision = self
+            .client
+            .should_commit(
+                self.group.rank() as i64,
+                self.step,
+                vote,
+                self.opts.quorum_timeout,
+            )
+            .map_err(|e| self.control(e))?;
+        if decision {
+            self.step += 1;
+            self.batches_committed += self.participants();
+            self.commit_failures = 0;
+        } else {
+            self.commit_failures += 1;
+        }
+        Ok(decision)
+    }
+}
+
+impl Drop for Manager {
+    fn drop(&mut self) {
+        if let Some(current) = self.current.take() {
+            current.pg.shutdown();
+        }
+    }
+}
