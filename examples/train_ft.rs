@@ -2,14 +2,16 @@
 //! and momentum, its gradients averaged with the other groups of each step's quorum.
 //!
 //! ```text
-//! tch-dist-run --nproc-per-node 1 -- target/debug/examples/train_ft \
-//!     --replica-id replica_0 --lighthouse http://127.0.0.1:29510 --steps 40
+//! tch-dist-run --replica-groups 2 --start-lighthouse 1 --nproc-per-node 1 --max-restarts 1 \
+//!     -- target/debug/examples/train_ft --steps 40
 //! ```
 //!
-//! Options: `--replica-id NAME`, `--lighthouse URL`, `--steps N` (committed steps to reach),
+//! Options: `--replica-id NAME`, `--lighthouse URL` (by default `replica_{REPLICA_GROUP_ID}`
+//! and `TORCHFT_LIGHTHOUSE`, as `tch-dist-run --replica-groups` sets them), `--steps N` (committed steps to reach),
 //! `--step-ms MS` (a pause per step, so that a test's restarted group catches up),
 //! `--exit-at STEP` (the process exits with status 3 at that step, before its gradients are
-//! averaged: an injected failure), `--timeout-ms MS` (the cross-group group's timeout),
+//! averaged: an injected failure; at the launcher's first start only, and with
+//! `--exit-replica G` in replica group G only), `--timeout-ms MS` (the cross-group group's timeout),
 //! `--min-replica-size N` (the fewest participants a step commits with), `--seed S` (the
 //! initial weights' seed; by default the process id), `--hidden H` (the hidden width, 16).
 //! The batches are keyed by (step, replica rank), and groups start from their own random
@@ -46,11 +48,26 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
-    let replica = arg(&args, "--replica-id").ok_or("--replica-id NAME")?;
-    let lighthouse = arg(&args, "--lighthouse").ok_or("--lighthouse URL")?;
+    // By default what tch-dist-run --replica-groups sets: REPLICA_GROUP_ID, TORCHFT_LIGHTHOUSE.
+    let from_env = || FtOptions::from_env();
+    let replica = match arg(&args, "--replica-id") {
+        Some(r) => r,
+        None => from_env()?.replica_id,
+    };
+    let lighthouse = match arg(&args, "--lighthouse") {
+        Some(l) => l,
+        None => from_env()?.lighthouse,
+    };
+    // The injected failure: at the first start only, and only in group --exit-replica.
+    let first_start = std::env::var("TORCHELASTIC_RESTART_COUNT").map_or(true, |c| c == "0");
+    let exit_replica = arg(&args, "--exit-replica");
+    let this_group = std::env::var("REPLICA_GROUP_ID").ok();
     let steps: i64 = arg(&args, "--steps").map_or(Ok(20), |s| s.parse())?;
     let step_ms: u64 = arg(&args, "--step-ms").map_or(Ok(0), |s| s.parse())?;
-    let exit_at: Option<i64> = arg(&args, "--exit-at").map(|s| s.parse()).transpose()?;
+    let exit_at: Option<i64> = arg(&args, "--exit-at")
+        .map(|s| s.parse())
+        .transpose()?
+        .filter(|_| first_start && (exit_replica.is_none() || exit_replica == this_group));
     let timeout_ms: u64 = arg(&args, "--timeout-ms").map_or(Ok(5000), |s| s.parse())?;
     let min_replica_size: usize = arg(&args, "--min-replica-size").map_or(Ok(1), |s| s.parse())?;
     let seed: i64 =

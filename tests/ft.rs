@@ -235,6 +235,95 @@ fn a_killed_replica_group_rejoins_by_healing_and_ends_as_a_run_without_the_failu
         "group 0 against the run without the failure"
     );
     assert_eq!(final_state(&g1), expected, "the restarted group against it");
+
+    // The same failure under tch-dist-run --replica-groups 2 --start-lighthouse 1: the
+    // launcher restarts group 1 alone (the injected exit is at its first start only).
+    build::lighthouse();
+    let mut cmd = Command::new(build::launcher());
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.args([
+        "--replica-groups",
+        "2",
+        "--start-lighthouse",
+        "1",
+        "--nproc-per-node",
+        "1",
+    ])
+    .args(["--max-restarts", "1", "--"])
+    .arg(build::example("train_ft"))
+    .args([
+        "--steps",
+        STEPS,
+        "--step-ms",
+        "20",
+        "--timeout-ms",
+        "3000",
+        "--seed",
+        "1",
+    ])
+    .args([
+        "--min-replica-size",
+        "2",
+        "--exit-at",
+        "4",
+        "--exit-replica",
+        "1",
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("tch-dist-run");
+    let stdout = child.stdout.take().map(drain);
+    let stderr = child.stderr.take().map(drain);
+    let ended = Group {
+        child,
+        stdout,
+        stderr,
+    }
+    .wait(deadline);
+    assert!(ended.status.is_some_and(|s| s.success()), "{ended:#?}");
+    assert!(
+        ended
+            .stdout
+            .contains("[replica1/rank0]: train_ft: exiting at step 4 (injected)")
+            || ended
+                .stderr
+                .contains("[replica1/rank0]: train_ft: exiting at step 4 (injected)"),
+        "{ended:#?}"
+    );
+    assert!(
+        ended
+            .stderr
+            .contains("starting the ranks again (restart 1 of 1)"),
+        "{ended:#?}"
+    );
+    for g in ["replica0", "replica1"] {
+        let prefix = format!("[{g}/rank0]: ");
+        let only = Ended {
+            status: ended.status,
+            stdout: ended
+                .stdout
+                .lines()
+                .filter_map(|l| l.strip_prefix(prefix.as_str()))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            stderr: String::new(),
+        };
+        assert_eq!(
+            final_state(&only),
+            expected,
+            "{g} under the launcher: {ended:#?}"
+        );
+    }
 }
 
 #[test]

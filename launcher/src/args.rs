@@ -1,6 +1,7 @@
 //! The command line, and how many ranks this machine lets the launcher start.
 
 pub const USAGE: &str = "usage: tch-dist-run --nproc-per-node N [--nnodes K --node-rank R] [--master-addr ADDR] [--master-port PORT] [--max-restarts M] [--rdzv-id ID] -- CMD [ARGS...]
+       tch-dist-run --replica-groups R [--start-lighthouse MIN | --lighthouse URL] --nproc-per-node N [--max-restarts M] -- CMD [ARGS...]
        tch-dist-run --nproc-per-node N --nnodes MIN[:MAX] --rdzv-backend c10d --rdzv-endpoint HOST[:PORT] [--rdzv-conf K=V,...] [--local-addr ADDR] [--max-restarts M] [--rdzv-id ID] -- CMD [ARGS...]";
 
 pub const HELP: &str = "\
@@ -45,7 +46,18 @@ whose ranks all succeed closes it too (nobody restarts any more). --node-rank,
 seconds: join_timeout=600, last_call_timeout=30, close_timeout=30 (how long the host stays
 for the others to hear of a closure), heartbeat=5 (one request), keep_alive_interval=5,
 keep_alive_max_attempt=3, is_host; others (read_timeout, use_libuv) are taken and unused.
-The rendezvous, like PyTorch's TCPStore, is unauthenticated: trusted networks only.";
+The rendezvous, like PyTorch's TCPStore, is unauthenticated: trusted networks only.
+
+Fault tolerance (tch_dist::ft, torchft's model): --replica-groups R runs R replica groups of
+N ranks each on this host, each a job of its own (its own store on a free port, its own
+run id ID-replicaG), restarted alone when one of its ranks fails (up to --max-restarts
+times per group) while the others go on; the launcher exits once every group has ended,
+with the first failed group's status. Ranks get REPLICA_GROUP_ID (G) and
+NUM_REPLICA_GROUPS (R), their lines are prefixed [replicaG/rankR]: , and --replica-group G
+runs one such group alone (another host's, say). --start-lighthouse MIN starts a lighthouse
+(tch-dist-lighthouse --min_replicas MIN, from the launcher's own directory, else PATH) on
+--master-addr and a free port for the job's life; --lighthouse URL names a running one.
+Either way ranks get TORCHFT_LIGHTHOUSE.";
 
 /// The parsed command line.
 pub struct Args {
@@ -59,6 +71,14 @@ pub struct Args {
     pub master_port: Option<u16>,
     pub max_restarts: u32,
     pub rdzv_id: Option<String>,
+    /// `--replica-groups R`: run R replica groups (`replicas.rs`).
+    pub replica_groups: Option<usize>,
+    /// `--replica-group G`: this launcher runs replica group G.
+    pub replica_group: Option<usize>,
+    /// `--lighthouse URL`: the ranks' TORCHFT_LIGHTHOUSE.
+    pub lighthouse: Option<String>,
+    /// `--start-lighthouse MIN`: start a lighthouse with `--min_replicas MIN`.
+    pub start_lighthouse: Option<u64>,
     pub cmd: Vec<String>,
 }
 
@@ -70,6 +90,8 @@ pub fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String
     let (mut nnodes, mut node_rank, mut max_restarts, mut rdzv_id) = ((1, 1), 0, 0, None);
     let (mut backend, mut endpoint, mut local_addr) = (None::<String>, None::<String>, None);
     let mut conf = Vec::new();
+    let (mut replica_groups, mut replica_group, mut lighthouse, mut start_lighthouse) =
+        (None, None, None, None);
     let mut cmd = Vec::new();
     while let Some(a) = args.next() {
         let (flag, inline) = match a.split_once('=') {
@@ -139,6 +161,37 @@ pub fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String
                 }
                 rdzv_id = Some(v);
             }
+            "--replica-groups" | "--replica_groups" => {
+                let v = value("--replica-groups")?;
+                let n = v.parse::<usize>().ok().filter(|n| *n > 0);
+                replica_groups =
+                    Some(n.ok_or_else(|| {
+                        format!("--replica-groups {v:?} is not a positive integer")
+                    })?);
+            }
+            "--replica-group" | "--replica_group" => {
+                let v = value("--replica-group")?;
+                replica_group =
+                    Some(v.parse::<usize>().map_err(|_| {
+                        format!("--replica-group {v:?} is not a non-negative integer")
+                    })?);
+            }
+            "--lighthouse" => {
+                let v = value("--lighthouse")?;
+                if !(v.starts_with("http://") || v.starts_with("https://")) {
+                    return Err(format!(
+                        "--lighthouse {v:?} is not an http:// or https:// URL"
+                    ));
+                }
+                lighthouse = Some(v);
+            }
+            "--start-lighthouse" | "--start_lighthouse" => {
+                let v = value("--start-lighthouse")?;
+                let n = v.parse::<u64>().ok().filter(|n| *n > 0);
+                start_lighthouse = Some(n.ok_or_else(|| {
+                    format!("--start-lighthouse {v:?} is not a positive integer (min_replicas)")
+                })?);
+            }
             "-h" | "--help" => return Err(String::new()),
             "--" => {
                 cmd.extend(args.by_ref());
@@ -192,6 +245,25 @@ pub fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String
             ))
         }
     };
+    if let Some(r) = replica_groups {
+        let refused = [
+            (rdzv.is_some(), "--rdzv-backend c10d"),
+            (max_nodes > 1, "--nnodes above 1"),
+            (
+                master_port.is_some(),
+                "--master-port (each group takes a free port)",
+            ),
+            (replica_group.is_some(), "--replica-group"),
+        ];
+        if let Some((_, what)) = refused.iter().find(|(given, _)| *given) {
+            return Err(format!("--replica-groups {r} does not go with {what}"));
+        }
+    } else if start_lighthouse.is_some() {
+        return Err("--start-lighthouse needs --replica-groups".into());
+    }
+    if start_lighthouse.is_some() && lighthouse.is_some() {
+        return Err("--start-lighthouse and --lighthouse name two lighthouses: give one".into());
+    }
     if rdzv.is_none() {
         if min_nodes != max_nodes {
             return Err(format!(
@@ -226,6 +298,10 @@ pub fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String
         master_port,
         max_restarts,
         rdzv_id,
+        replica_groups,
+        replica_group,
+        lighthouse,
+        start_lighthouse,
         cmd,
     })
 }

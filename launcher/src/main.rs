@@ -75,6 +75,7 @@
 mod args;
 mod output;
 mod rendezvous;
+mod replicas;
 mod store;
 mod supervise;
 
@@ -133,7 +134,10 @@ fn run(args: Args) -> Result<i32, String> {
     // them. Without it (kernels before 3.4) only the ranks' groups are reached.
     // SAFETY: prctl(2) on the launcher itself.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-    let output = Output::start()?;
+    if let Some(groups) = args.replica_groups {
+        return replicas::run(&args, groups);
+    }
+    let output = Output::start(args.replica_group)?;
     if let Some(rdzv) = &args.rdzv {
         // The dynamic rendezvous: each round says where this node's ranks are.
         let run_id = args
@@ -237,6 +241,14 @@ fn rank_command(args: &Args, local: usize, start: &Start) -> Command {
         Some(round) => cmd.env("TCH_DIST_RDZV_ROUND", round.to_string()),
         None => cmd.env_remove("TCH_DIST_RDZV_ROUND"),
     };
+    // Fault tolerance's replica group and lighthouse (`replicas.rs`); without them the
+    // launcher's own environment passes through as it is.
+    if let Some(g) = args.replica_group {
+        cmd.env("REPLICA_GROUP_ID", g.to_string());
+    }
+    if let Some(url) = &args.lighthouse {
+        cmd.env("TORCHFT_LIGHTHOUSE", url);
+    }
     // SAFETY: prctl(2) and getppid(2) in the forked child before exec; both are
     // async-signal-safe, and the error is built without allocating.
     unsafe {

@@ -33,8 +33,9 @@ pub struct Output {
 }
 
 impl Output {
-    /// Creates the epoll set and starts the reader thread.
-    pub fn start() -> Result<Output, String> {
+    /// Creates the epoll set and starts the reader thread; lines are prefixed `[rankR]: `,
+    /// or `[replicaG/rankR]: ` for replica group `G` (`--replica-group`).
+    pub fn start(replica_group: Option<usize>) -> Result<Output, String> {
         // SAFETY: epoll_create1(2); the fd is owned below.
         let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
         if fd < 0 {
@@ -50,7 +51,7 @@ impl Output {
         let (epfd, pipes, count) = (epoll.as_raw_fd(), new_pipes.clone(), open.clone());
         std::thread::Builder::new()
             .name("output".into())
-            .spawn(move || read_loop(epfd, &pipes, &count))
+            .spawn(move || read_loop(epfd, &pipes, &count, replica_group))
             .map_err(|e| format!("cannot start the output thread: {e}"))?;
         Ok(Output {
             epoll,
@@ -94,9 +95,9 @@ impl Output {
     }
 }
 
-/// A pipe being read: its rank, its stream and the start of a line not yet ended.
+/// A pipe being read: its prefix, its stream and the start of a line not yet ended.
 struct Reading {
-    rank: usize,
+    prefix: String,
     stream: Stream,
     partial: Vec<u8>,
 }
@@ -116,7 +117,7 @@ impl Reading {
         if end == 0 {
             return;
         }
-        let prefix = format!("[rank{}]: ", self.rank);
+        let prefix = &self.prefix;
         let mut out = Vec::with_capacity(end + prefix.len() * 4);
         for line in self.partial[..end].split_inclusive(|&b| b == b'\n') {
             out.extend_from_slice(prefix.as_bytes());
@@ -140,7 +141,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn read_loop(epoll: RawFd, new_pipes: &Mutex<HashMap<RawFd, (usize, Stream)>>, open: &AtomicUsize) {
+fn read_loop(
+    epoll: RawFd,
+    new_pipes: &Mutex<HashMap<RawFd, (usize, Stream)>>,
+    open: &AtomicUsize,
+    replica_group: Option<usize>,
+) {
     let mut reading: HashMap<RawFd, Reading> = HashMap::new();
     let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
     let mut buf = vec![0u8; 64 * 1024];
@@ -161,7 +167,10 @@ fn read_loop(epoll: RawFd, new_pipes: &Mutex<HashMap<RawFd, (usize, Stream)>>, o
                 && let Some((rank, stream)) = lock(new_pipes).remove(&fd)
             {
                 new.insert(Reading {
-                    rank,
+                    prefix: match replica_group {
+                        Some(g) => format!("[replica{g}/rank{rank}]: "),
+                        None => format!("[rank{rank}]: "),
+                    },
                     stream,
                     partial: Vec::new(),
                 });

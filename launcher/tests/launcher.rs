@@ -76,6 +76,53 @@ fn launcher_rejects_bad_arguments() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no command given"));
 }
 
+#[test]
+fn replica_group_options_that_do_not_fit_are_refused() {
+    for (args, says) in [
+        (
+            &["--replica-groups", "2", "--master-port", "29500"][..],
+            "--replica-groups 2 does not go with --master-port (each group takes a free port)",
+        ),
+        (
+            &["--replica-groups", "0"][..],
+            "--replica-groups \"0\" is not a positive integer",
+        ),
+        (
+            &["--start-lighthouse", "1"][..],
+            "--start-lighthouse needs --replica-groups",
+        ),
+        (
+            &[
+                "--replica-groups",
+                "2",
+                "--start-lighthouse",
+                "1",
+                "--lighthouse",
+                "http://h:1",
+            ][..],
+            "--start-lighthouse and --lighthouse name two lighthouses: give one",
+        ),
+        (
+            &["--lighthouse", "h:1"][..],
+            "--lighthouse \"h:1\" is not an http:// or https:// URL",
+        ),
+        (
+            &["--replica-groups", "2", "--nnodes", "2", "--node-rank", "0"][..],
+            "--replica-groups 2 does not go with --nnodes above 1",
+        ),
+    ] {
+        let out = Command::new(launcher())
+            .args(["--nproc-per-node", "1"])
+            .args(args)
+            .args(["--", "true"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}
+
 /// The variable that marks the processes of one test's ranks (the launcher passes its
 /// environment on, and every process started below inherits it).
 const MARKER_ENV: &str = "TCH_DIST_TEST_MARKER";

@@ -112,6 +112,35 @@ impl FtOptions {
         }
     }
 
+    /// The options of a rank that `tch-dist-run --replica-groups` (or torchft's tooling)
+    /// started: `replica_{REPLICA_GROUP_ID}` at `TORCHFT_LIGHTHOUSE`, torchft's defaults
+    /// otherwise.
+    ///
+    /// ```no_run
+    /// let opts = tch_dist::ft::FtOptions::from_env()?;
+    /// # Ok::<(), tch_dist::ft::FtError>(())
+    /// ```
+    pub fn from_env() -> Result<Self, FtError> {
+        let var = |name: &str| {
+            std::env::var(name)
+                .ok()
+                .filter(|v| !v.trim().is_empty())
+                .ok_or_else(|| {
+                    FtError::Options(format!(
+                        "{name} is not set (tch-dist-run --replica-groups sets it)"
+                    ))
+                })
+        };
+        let group = var("REPLICA_GROUP_ID")?;
+        let index: usize = group.trim().parse().map_err(|_| {
+            FtError::Options(format!("REPLICA_GROUP_ID {group:?} is not a group index"))
+        })?;
+        Ok(FtOptions::new(
+            format!("replica_{index}"),
+            var("TORCHFT_LIGHTHOUSE")?,
+        ))
+    }
+
     fn check(&self) -> Result<(), FtError> {
         let refuse = |why: String| Err(FtError::Options(why));
         if self.replica_id.is_empty() || self.replica_id.contains(':') {

@@ -16,6 +16,16 @@ pub fn launcher() -> &'static Path {
     })
 }
 
+/// `tch-dist-lighthouse` (fault tolerance's lighthouse), built once in this test binary's
+/// profile, beside `tch-dist-run` (whose `--start-lighthouse` runs it from there).
+pub fn lighthouse() -> &'static Path {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        cargo_build(&["-p", "tch-dist-ft", "--bin", "tch-dist-lighthouse"])
+            .join("tch-dist-lighthouse")
+    })
+}
+
 /// The example `name` of the facade crate (`train_lm`, `train_ddp_crash`, ...), built once
 /// per name in this test binary's profile.
 pub fn example(name: &str) -> PathBuf {
