@@ -11,7 +11,9 @@
 //! `--step-ms MS` (a pause per step, so that a test's restarted group catches up),
 //! `--exit-at STEP` (the process exits with status 3 at that step, before its gradients are
 //! averaged: an injected failure; at the launcher's first start only, and with
-//! `--exit-replica G` in replica group G only), `--timeout-ms MS` (the cross-group group's timeout),
+//! `--exit-replica G` in replica group G only; so are the next two), `--fail-at STEP` (the
+//! step reports an error: `Manager::report_error`), `--stop-at STEP` (the process stops
+//! itself with SIGSTOP: a hung group, until a SIGCONT), `--timeout-ms MS` (the cross-group group's timeout),
 //! `--min-replica-size N` (the fewest participants a step commits with), `--seed S` (the
 //! initial weights' seed; by default the process id), `--hidden H` (the hidden width, 16).
 //! The batches are keyed by (step, replica rank), and groups start from their own random
@@ -64,10 +66,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let this_group = std::env::var("REPLICA_GROUP_ID").ok();
     let steps: i64 = arg(&args, "--steps").map_or(Ok(20), |s| s.parse())?;
     let step_ms: u64 = arg(&args, "--step-ms").map_or(Ok(0), |s| s.parse())?;
-    let exit_at: Option<i64> = arg(&args, "--exit-at")
-        .map(|s| s.parse())
-        .transpose()?
-        .filter(|_| first_start && (exit_replica.is_none() || exit_replica == this_group));
+    // An injected fault's step: at the first start only, in group --exit-replica only.
+    let injected = |name: &str| -> Result<Option<i64>, std::num::ParseIntError> {
+        Ok(arg(&args, name)
+            .map(|s| s.parse())
+            .transpose()?
+            .filter(|_| first_start && (exit_replica.is_none() || exit_replica == this_group)))
+    };
+    let exit_at = injected("--exit-at")?;
+    let fail_at = injected("--fail-at")?;
+    let stop_at = injected("--stop-at")?;
     let timeout_ms: u64 = arg(&args, "--timeout-ms").map_or(Ok(5000), |s| s.parse())?;
     let min_replica_size: usize = arg(&args, "--min-replica-size").map_or(Ok(1), |s| s.parse())?;
     let seed: i64 =
@@ -94,6 +102,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ..FtOptions::new(replica, lighthouse)
     };
     let mut ft = Manager::new(&pg, opts)?;
+    let (mut failed_once, mut stopped_once) = (false, false);
     while ft.step() < steps {
         ft.start_quorum(&vs, &mut opt)?;
         opt.zero_grad();
@@ -108,9 +117,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             eprintln!("train_ft: exiting at step {} (injected)", ft.step());
             std::process::exit(3);
         }
+        // Each injected fault fires once: the retried step is a step like any other.
+        if fail_at == Some(ft.step()) && !std::mem::replace(&mut failed_once, true) {
+            eprintln!("train_ft: failing step {} (injected)", ft.step());
+            ft.report_error("an injected failure");
+        }
+        if stop_at == Some(ft.step()) && !std::mem::replace(&mut stopped_once, true) {
+            eprintln!(
+                "train_ft: stopping at step {} (injected; SIGCONT goes on)",
+                ft.step()
+            );
+            // SAFETY: raise(3) on this process: it stops until a SIGCONT, a hung group.
+            unsafe { libc::raise(libc::SIGSTOP) };
+        }
         ft.allreduce_gradients(&vs, &opt);
         if ft.should_commit()? {
             opt.step()?;
+            println!("committed step {}", ft.step() - 1);
         } else {
             eprintln!(
                 "train_ft: step {} not committed: {}",

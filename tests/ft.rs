@@ -1,17 +1,20 @@
 //! Fault-tolerant training (`tch_dist::ft`) as torchft tests it: replica groups as separate
-//! jobs (`examples/train_ft.rs`, one rank each, each with its own store), a failure injected
-//! at a chosen (group, step), the failed group restarted alone. The oracle: every group ends
-//! with the same parameters and momentum, equal to a run without the failure (data keyed by
-//! step and replica rank; with `min_replica_size` 2 a step commits only with both groups, so
-//! the steps committed are the same). The run without the failure uses torchft's own
-//! lighthouse (the `torchft` wheel), the run with it tch-dist's. Every process is killed when
-//! its test ends.
+//! jobs (`examples/train_ft.rs`, one rank each, each with its own store), a fault injected
+//! at a chosen (group, step). The oracle: every group ends with the same parameters and
+//! momentum, equal to a run without the fault (data keyed by step and replica rank; with
+//! `min_replica_size` 2 a step commits only with both groups, so the steps committed are the
+//! same). The run without the fault uses torchft's own lighthouse (the `torchft` wheel), the
+//! runs with one tch-dist's. The faults: a group killed (restarted by hand, and by
+//! `tch-dist-run --replica-groups`), a step that fails in one group (`report_error`), a
+//! group that hangs (SIGSTOP, then SIGCONT), and the lighthouse restarting. Every process is
+//! killed when its test ends.
 
 #[path = "common/build.rs"]
 mod build;
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -21,14 +24,51 @@ use tch_dist::testing::free_port;
 
 const STEPS: &str = "12";
 
-/// A replica group's process, its output collected as it runs; killed on drop.
-struct Group {
-    child: Child,
-    stdout: Option<JoinHandle<String>>,
-    stderr: Option<JoinHandle<String>>,
+/// Options every group of these tests runs with: the cross-group group's timeout is 3 s (a
+/// hung peer costs that much), and steps commit only with both groups.
+const COMMON: [&str; 8] = [
+    "--steps",
+    STEPS,
+    "--step-ms",
+    "20",
+    "--timeout-ms",
+    "3000",
+    "--min-replica-size",
+    "2",
+];
+
+/// Output collected as it arrives, readable meanwhile.
+#[derive(Clone, Default)]
+struct Collected(Arc<Mutex<String>>);
+
+impl Collected {
+    fn text(&self) -> String {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
 }
 
-/// How a group ended.
+fn drain(from: impl Read + Send + 'static) -> (Collected, JoinHandle<()>) {
+    let out = Collected::default();
+    let filling = out.clone();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(from).lines().map_while(Result::ok) {
+            let mut text = filling.0.lock().unwrap_or_else(|e| e.into_inner());
+            text.push_str(&line);
+            text.push('\n');
+        }
+    });
+    (out, reader)
+}
+
+/// A process (a group's, or the launcher's), its output collected as it runs; killed on
+/// drop.
+struct Proc {
+    child: Child,
+    stdout: (Collected, Option<JoinHandle<()>>),
+    stderr: (Collected, Option<JoinHandle<()>>),
+}
+
+/// How a process ended.
 #[derive(Debug)]
 struct Ended {
     status: Option<ExitStatus>,
@@ -36,58 +76,75 @@ struct Ended {
     stderr: String,
 }
 
-fn drain(from: impl Read + Send + 'static) -> JoinHandle<String> {
-    std::thread::spawn(move || {
-        let mut out = String::new();
-        let _ = BufReader::new(from).read_to_string(&mut out);
-        out
-    })
+impl Ended {
+    fn success(&self) -> bool {
+        self.status.is_some_and(|s| s.success())
+    }
 }
 
-impl Group {
-    /// `train_ft` as replica group `name` at `lighthouse`, a job of one rank with its own
-    /// store, with `extra` options.
-    fn start(name: &str, lighthouse: &str, extra: &[&str]) -> Group {
-        let mut cmd = Command::new(build::example("train_ft"));
-        for var in [
-            "RANK",
-            "WORLD_SIZE",
-            "LOCAL_RANK",
-            "LOCAL_WORLD_SIZE",
-            "GROUP_RANK",
-            "TORCHELASTIC_RUN_ID",
-        ] {
-            cmd.env_remove(var);
+/// `cmd` without the launch variables of the test's own environment.
+fn clean(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut cmd = Command::new(program);
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT",
+        "REPLICA_GROUP_ID",
+        "TORCHFT_LIGHTHOUSE",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+impl Proc {
+    fn spawn(mut cmd: Command) -> Proc {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("starting a process");
+        let (out, out_reader) = drain(child.stdout.take().expect("piped"));
+        let (err, err_reader) = drain(child.stderr.take().expect("piped"));
+        Proc {
+            child,
+            stdout: (out, Some(out_reader)),
+            stderr: (err, Some(err_reader)),
         }
+    }
+
+    /// `train_ft` as replica group `name` at `lighthouse`, a job of one rank with its own
+    /// store, with [`COMMON`] and `extra` options.
+    fn group(name: &str, lighthouse: &str, extra: &[&str]) -> Proc {
+        let mut cmd = clean(build::example("train_ft"));
         cmd.env("RANK", "0")
             .env("WORLD_SIZE", "1")
             .env("LOCAL_RANK", "0")
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", free_port().to_string())
-            .args([
-                "--replica-id",
-                name,
-                "--lighthouse",
-                lighthouse,
-                "--steps",
-                STEPS,
-            ])
-            .args(["--step-ms", "20", "--timeout-ms", "3000"])
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = cmd.spawn().expect("starting train_ft");
-        let stdout = Some(drain(child.stdout.take().expect("piped")));
-        let stderr = Some(drain(child.stderr.take().expect("piped")));
-        Group {
-            child,
-            stdout,
-            stderr,
-        }
+            .args(["--replica-id", name, "--lighthouse", lighthouse])
+            .args(COMMON)
+            .args(extra);
+        Proc::spawn(cmd)
     }
 
-    /// Waits until the group ends, killing it at `deadline`.
+    /// Waits until `text` is in the process's stdout (false at `deadline`).
+    fn printed(&self, text: &str, deadline: Instant) -> bool {
+        while Instant::now() < deadline {
+            if self.stdout.0.text().contains(text) || self.stderr.0.text().contains(text) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    /// Waits until the process ends, killing it at `deadline`.
     fn wait(mut self, deadline: Instant) -> Ended {
         let status = loop {
             match self.child.try_wait() {
@@ -102,36 +159,33 @@ impl Group {
                 }
             }
         };
+        for reader in [self.stdout.1.take(), self.stderr.1.take()]
+            .into_iter()
+            .flatten()
+        {
+            let _ = reader.join();
+        }
         Ended {
             status,
-            stdout: self
-                .stdout
-                .take()
-                .and_then(|h| h.join().ok())
-                .unwrap_or_default(),
-            stderr: self
-                .stderr
-                .take()
-                .and_then(|h| h.join().ok())
-                .unwrap_or_default(),
+            stdout: self.stdout.0.text(),
+            stderr: self.stderr.0.text(),
         }
     }
 }
 
-impl Drop for Group {
+impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
 }
 
-/// The group's final state (its `FINAL` line without its id), or a failure naming its output.
-fn final_state(e: &Ended) -> Value {
-    let line = e
-        .stdout
+/// The `FINAL` state in `stdout` (without the group's id), or a failure naming `whole`.
+fn final_state(stdout: &str, whole: &dyn std::fmt::Debug) -> Value {
+    let line = stdout
         .lines()
         .find_map(|l| l.strip_prefix("FINAL "))
-        .unwrap_or_else(|| panic!("no FINAL line: {e:#?}"));
+        .unwrap_or_else(|| panic!("no FINAL line: {whole:#?}"));
     let mut v: Value = serde_json::from_str(line).expect("FINAL json");
     v.as_object_mut().expect("an object").remove("replica_id");
     v
@@ -178,151 +232,173 @@ impl Drop for TorchftLighthouse {
     }
 }
 
-#[test]
-fn a_killed_replica_group_rejoins_by_healing_and_ends_as_a_run_without_the_failure() {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let both = ["--min-replica-size", "2"];
-    let seeded = |seed: &'static str| [both[0], both[1], "--seed", seed];
+/// A tch-dist lighthouse for these tests: a group is dead 500 ms after its last heartbeat.
+fn lighthouse_at(bind: &str) -> LighthouseServer {
+    LighthouseServer::start(LighthouseOptions {
+        bind: bind.into(),
+        heartbeat_timeout: Duration::from_millis(500),
+        join_timeout: Duration::from_millis(200),
+        ..LighthouseOptions::new(1)
+    })
+    .expect("a lighthouse")
+}
 
-    // Without the failure, at torchft's lighthouse: group 1 starts from other weights than
-    // group 0's and takes them at step 0 (init_sync).
-    let reference = {
-        let torchft = TorchftLighthouse::start(2);
-        let g0 = Group::start("replica_0", &torchft.address, &seeded("1"));
-        let g1 = Group::start("replica_1", &torchft.address, &seeded("2"));
-        [g0.wait(deadline), g1.wait(deadline)]
-    };
-    for e in &reference {
-        assert!(e.status.is_some_and(|s| s.success()), "{e:#?}");
+/// Both groups' final states, each checked to have succeeded.
+fn both_final(g0: &Ended, g1: &Ended) -> [Value; 2] {
+    for e in [g0, g1] {
+        assert!(e.success(), "{e:#?}");
     }
-    let expected = final_state(&reference[0]);
-    assert_eq!(final_state(&reference[1]), expected);
+    [final_state(&g0.stdout, g0), final_state(&g1.stdout, g1)]
+}
+
+#[test]
+fn faults_of_every_kind_end_as_the_run_without_them() {
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let seed = |s: &'static str| ["--seed", s];
+
+    // Without a fault, at torchft's lighthouse: group 1 starts from other weights than group
+    // 0's and takes them at step 0 (init_sync).
+    let expected = {
+        let torchft = TorchftLighthouse::start(2);
+        let g0 = Proc::group("replica_0", &torchft.address, &seed("1"));
+        let g1 = Proc::group("replica_1", &torchft.address, &seed("2"));
+        let [s0, s1] = both_final(&g0.wait(deadline), &g1.wait(deadline));
+        assert_eq!(s1, s0);
+        s0
+    };
     assert_eq!(expected["step"], 12);
     assert_eq!(
         expected["batches_committed"], 24,
         "two participants in every committed step"
     );
 
-    // With it, at tch-dist's lighthouse: group 1 exits at step 4, before its gradients are
-    // averaged; group 0's step fails and does not commit, and it waits alone (min 2) until
-    // group 1, restarted from yet other weights, heals from it and the two go on.
-    let lighthouse = LighthouseServer::start(LighthouseOptions {
-        bind: "127.0.0.1:0".into(),
-        heartbeat_timeout: Duration::from_millis(500),
-        join_timeout: Duration::from_millis(200),
-        ..LighthouseOptions::new(1)
-    })
-    .expect("a lighthouse");
-    let address = lighthouse.address();
-    let g0 = Group::start("replica_0", &address, &seeded("1"));
-    let mut exiting = seeded("2").to_vec();
-    exiting.extend(["--exit-at", "4"]);
-    let failed = Group::start("replica_1", &address, &exiting).wait(deadline);
-    assert_eq!(failed.status.and_then(|s| s.code()), Some(3), "{failed:#?}");
-    let restarted = Group::start("replica_1", &address, &seeded("3"));
-    let (g0, g1) = (g0.wait(deadline), restarted.wait(deadline));
-    for e in [&g0, &g1] {
-        assert!(e.status.is_some_and(|s| s.success()), "{e:#?}");
+    // Killed: group 1 exits at step 4, before its gradients are averaged; group 0's step
+    // fails and does not commit, and it waits alone (min 2) until group 1, restarted from
+    // yet other weights, heals from it and the two go on.
+    {
+        let lighthouse = lighthouse_at("127.0.0.1:0");
+        let at = lighthouse.address();
+        let g0 = Proc::group("replica_0", &at, &seed("1"));
+        let failed =
+            Proc::group("replica_1", &at, &["--seed", "2", "--exit-at", "4"]).wait(deadline);
+        assert_eq!(failed.status.and_then(|s| s.code()), Some(3), "{failed:#?}");
+        let restarted = Proc::group("replica_1", &at, &seed("3"));
+        let (g0, g1) = (g0.wait(deadline), restarted.wait(deadline));
+        assert_eq!(both_final(&g0, &g1), [expected.clone(), expected.clone()]);
+        assert!(
+            g0.stderr.contains(
+                "step 4 not committed: averaging the gradients: rank 0: all_reduce failed"
+            ),
+            "{g0:#?}"
+        );
     }
-    assert!(
-        g0.stderr
-            .contains("step 4 not committed: averaging the gradients: rank 0: all_reduce failed"),
-        "{g0:#?}"
-    );
-    assert_eq!(
-        final_state(&g0),
-        expected,
-        "group 0 against the run without the failure"
-    );
-    assert_eq!(final_state(&g1), expected, "the restarted group against it");
 
-    // The same failure under tch-dist-run --replica-groups 2 --start-lighthouse 1: the
-    // launcher restarts group 1 alone (the injected exit is at its first start only).
-    build::lighthouse();
-    let mut cmd = Command::new(build::launcher());
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RUN_ID",
-    ] {
-        cmd.env_remove(var);
-    }
-    cmd.args([
-        "--replica-groups",
-        "2",
-        "--start-lighthouse",
-        "1",
-        "--nproc-per-node",
-        "1",
-    ])
-    .args(["--max-restarts", "1", "--"])
-    .arg(build::example("train_ft"))
-    .args([
-        "--steps",
-        STEPS,
-        "--step-ms",
-        "20",
-        "--timeout-ms",
-        "3000",
-        "--seed",
-        "1",
-    ])
-    .args([
-        "--min-replica-size",
-        "2",
-        "--exit-at",
-        "4",
-        "--exit-replica",
-        "1",
-    ])
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
-    let mut child = cmd.spawn().expect("tch-dist-run");
-    let stdout = child.stdout.take().map(drain);
-    let stderr = child.stderr.take().map(drain);
-    let ended = Group {
-        child,
-        stdout,
-        stderr,
-    }
-    .wait(deadline);
-    assert!(ended.status.is_some_and(|s| s.success()), "{ended:#?}");
-    assert!(
-        ended
-            .stdout
-            .contains("[replica1/rank0]: train_ft: exiting at step 4 (injected)")
-            || ended
+    // The same under tch-dist-run --replica-groups 2 --start-lighthouse 1: the launcher
+    // restarts group 1 alone (the injected exit is at its first start only).
+    {
+        build::lighthouse();
+        let mut cmd = clean(build::launcher());
+        cmd.args(["--replica-groups", "2", "--start-lighthouse", "1"])
+            .args(["--nproc-per-node", "1", "--max-restarts", "1", "--"])
+            .arg(build::example("train_ft"))
+            .args(COMMON)
+            .args(["--seed", "1", "--exit-at", "4", "--exit-replica", "1"]);
+        let ended = Proc::spawn(cmd).wait(deadline);
+        assert!(ended.success(), "{ended:#?}");
+        assert!(
+            ended
                 .stderr
-                .contains("[replica1/rank0]: train_ft: exiting at step 4 (injected)"),
-        "{ended:#?}"
-    );
-    assert!(
-        ended
-            .stderr
-            .contains("starting the ranks again (restart 1 of 1)"),
-        "{ended:#?}"
-    );
-    for g in ["replica0", "replica1"] {
-        let prefix = format!("[{g}/rank0]: ");
-        let only = Ended {
-            status: ended.status,
-            stdout: ended
+                .contains("[replica1/rank0]: train_ft: exiting at step 4 (injected)")
+                && ended
+                    .stderr
+                    .contains("starting the ranks again (restart 1 of 1)"),
+            "{ended:#?}"
+        );
+        for g in ["replica0", "replica1"] {
+            let prefix = format!("[{g}/rank0]: ");
+            let own: Vec<&str> = ended
                 .stdout
                 .lines()
                 .filter_map(|l| l.strip_prefix(prefix.as_str()))
-                .collect::<Vec<_>>()
-                .join("\n"),
-            stderr: String::new(),
-        };
-        assert_eq!(
-            final_state(&only),
-            expected,
-            "{g} under the launcher: {ended:#?}"
+                .collect();
+            assert_eq!(final_state(&own.join("\n"), &ended), expected, "{g}");
+        }
+    }
+
+    // A step that fails in group 1 (report_error): it commits nowhere, and group 0 learns
+    // of it from the average itself, not from a timeout (the group's timeout is 30 s here).
+    {
+        let lighthouse = lighthouse_at("127.0.0.1:0");
+        let at = lighthouse.address();
+        let slow = ["--timeout-ms", "30000"];
+        let g0 = Proc::group("replica_0", &at, &[&seed("1")[..], &slow].concat());
+        let g1 = Proc::group(
+            "replica_1",
+            &at,
+            &[&seed("2")[..], &slow, &["--fail-at", "3"]].concat(),
         );
+        let start = Instant::now();
+        let (g0, g1) = (g0.wait(deadline), g1.wait(deadline));
+        assert_eq!(both_final(&g0, &g1), [expected.clone(), expected.clone()]);
+        assert!(
+            start.elapsed() < Duration::from_secs(25),
+            "{:?}",
+            start.elapsed()
+        );
+        assert!(
+            g0.stderr
+                .contains("step 3 not committed: 1 member(s) of quorum"),
+            "{g0:#?}"
+        );
+        assert!(
+            g1.stderr
+                .contains("step 3 not committed: an injected failure"),
+            "{g1:#?}"
+        );
+    }
+
+    // A hung group: group 1 stops itself (SIGSTOP) at step 4 for 4 s. Group 0's average
+    // fails at the 3 s timeout, the lighthouse drops group 1 when its heartbeats stop, and
+    // group 0 waits alone; group 1 goes on after SIGCONT, its step fails on the quorum's
+    // group that group 0 left, and the two meet again.
+    {
+        let lighthouse = lighthouse_at("127.0.0.1:0");
+        let at = lighthouse.address();
+        let g0 = Proc::group("replica_0", &at, &seed("1"));
+        let g1 = Proc::group("replica_1", &at, &["--seed", "2", "--stop-at", "4"]);
+        assert!(
+            g1.printed("stopping at step 4", deadline),
+            "group 1 never stopped"
+        );
+        // Longer than the group's timeout (3 s).
+        std::thread::sleep(Duration::from_secs(4));
+        let _ = Command::new("kill")
+            .args(["-CONT", &g1.child.id().to_string()])
+            .status();
+        let (g0, g1) = (g0.wait(deadline), g1.wait(deadline));
+        assert_eq!(both_final(&g0, &g1), [expected.clone(), expected.clone()]);
+        assert!(
+            g0.stderr
+                .contains("step 4 not committed: averaging the gradients"),
+            "{g0:#?}"
+        );
+    }
+
+    // The lighthouse restarts (on the same address) once both groups have committed step 2:
+    // the steps that meet the gap do not commit, and the groups go on with the new one.
+    {
+        let bind = format!("127.0.0.1:{}", free_port());
+        let first = lighthouse_at(&bind);
+        let at = first.address();
+        let slower = ["--step-ms", "100"];
+        let g0 = Proc::group("replica_0", &at, &[&seed("1")[..], &slower].concat());
+        let g1 = Proc::group("replica_1", &at, &[&seed("2")[..], &slower].concat());
+        assert!(g0.printed("committed step 2", deadline), "no step 2");
+        drop(first);
+        std::thread::sleep(Duration::from_millis(500));
+        let _second = lighthouse_at(&bind);
+        let (g0, g1) = (g0.wait(deadline), g1.wait(deadline));
+        assert_eq!(both_final(&g0, &g1), [expected.clone(), expected.clone()]);
     }
 }
 
@@ -335,8 +411,8 @@ fn a_replica_group_with_another_model_is_named_on_every_member() {
     })
     .expect("a lighthouse");
     let address = lighthouse.address();
-    let g0 = Group::start("replica_0", &address, &["--hidden", "16"]);
-    let g1 = Group::start("replica_1", &address, &["--hidden", "8"]);
+    let g0 = Proc::group("replica_0", &address, &["--hidden", "16"]);
+    let g1 = Proc::group("replica_1", &address, &["--hidden", "8"]);
     let (g0, g1) = (g0.wait(deadline), g1.wait(deadline));
     for (e, other) in [(&g0, "replica_1:"), (&g1, "replica_0:")] {
         assert_eq!(e.status.and_then(|s| s.code()), Some(1), "{e:#?}");

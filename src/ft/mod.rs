@@ -346,20 +346,26 @@ impl Manager {
     ) -> Result<(), FtError> {
         self.errored = None;
         let group_rank = self.group.rank();
-        let answer = self
-            .client
-            .quorum(
-                ManagerQuorumRequest {
-                    group_rank: group_rank as i64,
-                    step: self.step,
-                    checkpoint_metadata: String::new(),
-                    shrink_only: false,
-                    init_sync: self.opts.init_sync,
-                    commit_failures: self.commit_failures,
-                },
-                self.opts.quorum_timeout,
-            )
-            .map_err(|e| self.control(e))?;
+        let asked = self.client.quorum(
+            ManagerQuorumRequest {
+                group_rank: group_rank as i64,
+                step: self.step,
+                checkpoint_metadata: String::new(),
+                shrink_only: false,
+                init_sync: self.opts.init_sync,
+                commit_failures: self.commit_failures,
+            },
+            self.opts.quorum_timeout,
+        );
+        let answer = match asked {
+            Ok(a) => a,
+            // The lighthouse restarting, say: this step does not commit, the next asks again.
+            // (A manager that is gone fails `should_commit`, which is an error.)
+            Err(e) => {
+                self.fail(format!("the quorum: {e}"));
+                return Ok(());
+            }
+        };
         if self.current.as_ref().map(|c| c.id) != Some(answer.quorum_id) {
             if let Some(old) = self.current.take() {
                 old.pg.shutdown();
@@ -488,19 +494,35 @@ impl Manager {
         }
     }
 
+    /// Records a failure of this rank's step (torchft's `report_error`): an error inside
+    /// the forward or backward, a bad batch. The step will not commit anywhere: this group
+    /// votes against it, and its part of the gradient average tells every other member
+    /// (which then vote against it too, without waiting for a timeout).
+    ///
+    /// ```no_run
+    /// # fn demo(ft: &mut tch_dist::ft::Manager, loss: &tch::Tensor) {
+    /// if loss.isnan().any().int64_value(&[]) != 0 {
+    ///     ft.report_error("the loss is NaN");
+    /// }
+    /// # }
+    /// ```
+    pub fn report_error(&mut self, what: impl Into<String>) {
+        self.fail(what.into());
+    }
+
     /// Averages the gradients of `opt`'s parameters in `vs` over the quorum's members at the
     /// highest step (one flattened all-reduce; a group that healed this step contributes
-    /// zeros, and the divisor is the participants, not the members). A failure is recorded
-    /// (see [`errored`](Self::errored)) and the gradients are then left as they are: the
-    /// step will not commit.
+    /// zeros, and the divisor is the participants, not the members). One more element
+    /// carries whether each member's step failed so far ([`report_error`](Self::report_error),
+    /// a failed heal): a member that failed takes part with zeros, and every member learns
+    /// of it. A failure is recorded (see [`errored`](Self::errored)) and the gradients are
+    /// then left as they are: the step will not commit.
     pub fn allreduce_gradients(&mut self, vs: &tch::nn::VarStore, opt: &Optimizer) {
-        if self.errored.is_some() {
-            return;
-        }
         let Some(current) = &self.current else {
             self.fail("no quorum".into());
             return;
         };
+        let failed_here = self.errored.is_some();
         let params = heal::parameters(opt, vs);
         let grads: Vec<Tensor> = params
             .iter()
@@ -517,22 +539,40 @@ impl Manager {
             return;
         }
         let mut flat = Tensor::cat(&grads, 0);
-        if !current.participating {
+        if !current.participating || failed_here {
             let _ = flat.zero_();
         }
+        // The failure flag, after the gradients.
+        let flag =
+            Tensor::from_slice(&[if failed_here { 1.0f32 } else { 0.0 }]).to_kind(flat.kind());
+        let flat = Tensor::cat(&[flat, flag], 0);
         let participants = current.participants.max(1) as f64;
         if let Err(e) = current.pg.all_reduce(&flat, ReduceOp::Sum) {
             let what = format!("averaging the gradients: {e}");
             self.fail(what);
             return;
         }
-        let averaged = flat / participants;
+        let total = flat.numel() as i64;
+        let failed = flat.double_value(&[total - 1]);
+        if failed > 0.0 {
+            self.fail(format!(
+                "{failed} member(s) of quorum {} failed this step",
+                current.id
+            ));
+            return;
+        }
+        if failed_here {
+            return;
+        }
+        let averaged = flat.narrow(0, 0, total - 1) / participants;
         let mut offset = 0i64;
         for (_, p) in &params {
             let n = p.numel() as i64;
             let mut g = p.grad();
             if g.defined() {
-                tch::no_grad(|| g.copy_(&averaged.narrow(0, offset, n).view_as(&g)));
+                tch::no_grad(|| {
+                    g.copy_(&averaged.narrow(0, offset, n).view_as(&g).to_kind(g.kind()))
+                });
             }
             offset += n;
         }

@@ -7,7 +7,8 @@
 //! | `mod.rs` | the gRPC server: a long-polled `Quorum` (also a heartbeat), `Heartbeat`, the tick | `Lighthouse::{new, run, quorum, heartbeat}` |
 //!
 //! torchft's lighthouse also serves an HTTP dashboard on the same port (`/status`, a kill
-//! button per group); this one serves gRPC only.
+//! button per group); this one serves gRPC only. Its quorum ids start above the time of its
+//! start in milliseconds, where torchft's start at 1 (see `first_id_base`).
 
 mod quorum;
 
@@ -125,7 +126,7 @@ impl LighthouseServer {
     pub fn start(opts: LighthouseOptions) -> Result<Self> {
         let tick = opts.quorum_tick;
         let shared = Arc::new(Shared {
-            membership: Mutex::new(Membership::default()),
+            membership: Mutex::new(Membership::starting_after(first_id_base())),
             issued: broadcast::channel(16).0,
             opts,
         });
@@ -152,6 +153,18 @@ impl LighthouseServer {
 
     /// Stops serving (also on drop).
     pub fn shutdown(self) {}
+}
+
+/// The id before a lighthouse's first quorum: the milliseconds since the Unix epoch at its
+/// start. torchft's lighthouse starts from 0, so after a restart it issues ids it issued
+/// before, and a quorum's group (keyed in its store by id) can meet the keys of the earlier
+/// quorum with the same id, addresses of processes long gone; a restarted tch-dist lighthouse
+/// issues ids above every one it issued before (ids grow by at most one per quorum, and
+/// quorums take longer than a millisecond each).
+fn first_id_base() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(0))
 }
 
 /// `http://ip:port` for a specific IP, `http://hostname:port` for an unspecified one.

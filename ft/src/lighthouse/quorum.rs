@@ -115,6 +115,14 @@ impl Decision {
 }
 
 impl Membership {
+    /// A lighthouse's first state, whose first quorum gets id `last_id + 1`.
+    pub(crate) fn starting_after(last_id: i64) -> Self {
+        Membership {
+            quorum_id: last_id,
+            ..Membership::default()
+        }
+    }
+
     /// A heartbeat from `replica_id` at `now`.
     pub(crate) fn heartbeat(&mut self, replica_id: &str, now: Instant) {
         self.heartbeats.insert(replica_id.to_string(), now);
