@@ -21,6 +21,7 @@
 //! it prints `FINAL {json}`: the step, the batches committed, and every parameter's and
 //! momentum buffer's values.
 
+use std::error::Error;
 use std::time::Duration;
 
 use tch::nn::{self, Module};
@@ -89,6 +90,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .add(nn::linear(vs.root() / "fc1", 6, hidden, Default::default()))
         .add_fn(|x| x.tanh())
         .add(nn::linear(vs.root() / "fc2", hidden, 3, Default::default()));
+    // Within a group of several ranks, data parallelism as usual (`replicate`); across the
+    // groups, the fault-tolerant average below (HSDP's split, with FT on the replicate dim).
+    let forward: Box<dyn Fn(&Tensor) -> Result<Tensor, Box<dyn Error>>> = if pg.world_size() > 1 {
+        let model = tch_dist::replicate::wrap(net, &vs, tch_dist::replicate::Options::default())?;
+        Box::new(move |x| Ok(model.f_forward(x)?))
+    } else {
+        Box::new(move |x| Ok(net.forward(x)))
+    };
     let mut opt = tch_dist::optim::Sgd {
         momentum: 0.9,
         ..Default::default()
@@ -106,13 +115,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     while ft.step() < steps {
         ft.start_quorum(&vs, &mut opt)?;
         opt.zero_grad();
-        // This step's batch for this group: the same on every run with the same quorums.
+        // This step's batch for this rank of this group: the same on every run with the
+        // same quorums.
         let index = ft.replica_rank().unwrap_or(0) as i64;
-        tch::manual_seed(1000 * ft.step() + index);
+        tch::manual_seed(1000 * ft.step() + 10 * index + pg.rank() as i64);
         let x = Tensor::randn([32, 6], (Kind::Float, tch::Device::Cpu));
         let y = Tensor::randn([32, 3], (Kind::Float, tch::Device::Cpu));
-        let loss = net.forward(&x).mse_loss(&y, tch::Reduction::Mean);
-        loss.backward();
+        let loss = forward(&x)?.mse_loss(&y, tch::Reduction::Mean);
+        loss.f_backward()?;
         if exit_at == Some(ft.step()) {
             eprintln!("train_ft: exiting at step {} (injected)", ft.step());
             std::process::exit(3);

@@ -425,3 +425,90 @@ fn a_replica_group_with_another_model_is_named_on_every_member() {
         );
     }
 }
+
+/// Every `FINAL` state `tch-dist-run --replica-groups 2 --nproc-per-node 2` printed, by its
+/// `[replicaG/rankR]: ` prefix.
+fn launched_states(ended: &Ended) -> Vec<(String, Value)> {
+    assert!(ended.success(), "{ended:#?}");
+    let mut states: Vec<(String, Value)> = ended
+        .stdout
+        .lines()
+        .filter(|l| l.contains("FINAL "))
+        .map(|l| {
+            let (prefix, rest) = l.split_once(": ").expect("a prefixed line");
+            (prefix.to_string(), final_state(rest, ended))
+        })
+        .collect();
+    states.sort_by(|a, b| a.0.cmp(&b.0));
+    states
+}
+
+#[test]
+fn groups_of_two_ranks_lose_a_whole_group_and_end_as_the_run_without_the_loss() {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    build::lighthouse();
+    // Two groups of two ranks: replicate within each group, the fault-tolerant average
+    // across them (each group rank with its peers of the other group).
+    let run = |extra: &[&str]| {
+        let mut cmd = clean(build::launcher());
+        cmd.args(["--replica-groups", "2", "--start-lighthouse", "1"])
+            .args(["--nproc-per-node", "2", "--max-restarts", "1", "--"])
+            .arg(build::example("train_ft"))
+            .args(COMMON)
+            .args(["--seed", "1"])
+            .args(extra);
+        Proc::spawn(cmd).wait(deadline)
+    };
+    let without = launched_states(&run(&[]));
+    let prefixes: Vec<&str> = without.iter().map(|(p, _)| p.as_str()).collect();
+    assert_eq!(
+        prefixes,
+        [
+            "[replica0/rank0]",
+            "[replica0/rank1]",
+            "[replica1/rank0]",
+            "[replica1/rank1]"
+        ]
+    );
+    let expected = without[0].1.clone();
+    for (prefix, state) in &without {
+        assert_eq!(state, &expected, "{prefix} without the loss");
+    }
+    // Both ranks of group 1 exit at step 4; its launcher restarts the group alone, whose
+    // ranks heal, each from its peer rank of group 0.
+    let ended = run(&["--exit-at", "4", "--exit-replica", "1"]);
+    assert!(
+        ended
+            .stderr
+            .contains("[replica1/rank1]: train_ft: exiting at step 4 (injected)"),
+        "{ended:#?}"
+    );
+    for (prefix, state) in launched_states(&ended) {
+        assert_eq!(state, expected, "{prefix} with the loss");
+    }
+}
+
+#[test]
+fn two_groups_started_under_one_name_are_refused_on_every_member() {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let lighthouse = LighthouseServer::start(LighthouseOptions {
+        bind: "127.0.0.1:0".into(),
+        ..LighthouseOptions::new(2)
+    })
+    .expect("a lighthouse");
+    let at = lighthouse.address();
+    let (a, b) = (
+        Proc::group("replica_0", &at, &[]),
+        Proc::group("replica_0", &at, &[]),
+    );
+    for e in [a.wait(deadline), b.wait(deadline)] {
+        assert_eq!(e.status.and_then(|s| s.code()), Some(1), "{e:#?}");
+        assert!(
+            e.stderr.contains(
+                ", group rank 0: two replica groups of the quorum are named replica_0 (each \
+                 needs a name of its own: REPLICA_GROUP_ID)"
+            ),
+            "{e:#?}"
+        );
+    }
+}

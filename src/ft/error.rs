@@ -66,6 +66,21 @@ pub enum FtError {
         /// The first member (by replica rank) whose model differs.
         other: String,
     },
+    /// Two replica groups of the quorum were started under one name (`REPLICA_GROUP_ID`
+    /// given twice, say): their batches and their logs could not be told apart. Every
+    /// member reports it.
+    #[error(
+        "replica {replica}, group rank {group_rank}: two replica groups of the quorum are named \
+         {name} (each needs a name of its own: REPLICA_GROUP_ID)"
+    )]
+    DuplicateName {
+        /// This replica group's id.
+        replica: String,
+        /// This rank in its group.
+        group_rank: usize,
+        /// The shared name.
+        name: String,
+    },
     /// The state a healthy member sent for healing does not fit this model.
     #[error("replica {replica}, group rank {group_rank}: healing from {from}: {problem}")]
     Heal {

@@ -204,6 +204,21 @@ impl std::fmt::Debug for Manager {
     }
 }
 
+/// The first name (the part of an id before its `:`) that two members of a quorum share:
+/// two replica groups started under one name (a restarted group's earlier start is no
+/// longer a member).
+fn duplicate_name(ids: &[String]) -> Option<&str> {
+    let names: Vec<&str> = ids
+        .iter()
+        .map(|id| id.split_once(':').map_or(id.as_str(), |(name, _)| name))
+        .collect();
+    names
+        .iter()
+        .enumerate()
+        .find(|(i, n)| names[..*i].contains(n))
+        .map(|(_, n)| *n)
+}
+
 /// A random id for this start of the group (Linux's kernel UUID source; the process id and
 /// time where it is missing).
 fn unique_suffix() -> String {
@@ -419,6 +434,13 @@ impl Manager {
                 }
             }
             self.current = Some(current);
+        }
+        if let Some(name) = duplicate_name(&answer.replica_ids) {
+            return Err(FtError::DuplicateName {
+                replica: self.replica_id.clone(),
+                group_rank,
+                name: name.to_string(),
+            });
         }
         let Some(current) = self.current.as_mut() else {
             return Ok(());
