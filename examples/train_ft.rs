@@ -28,6 +28,9 @@ use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 use tch_dist::ft::{FtOptions, Manager};
 
+/// The model's forward: the module itself, or `replicate`'s wrapper around it.
+type Forward = dyn Fn(&Tensor) -> Result<Tensor, Box<dyn Error>>;
+
 fn arg(args: &[String], name: &str) -> Option<String> {
     args.iter()
         .position(|a| a == name)
@@ -92,7 +95,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .add(nn::linear(vs.root() / "fc2", hidden, 3, Default::default()));
     // Within a group of several ranks, data parallelism as usual (`replicate`); across the
     // groups, the fault-tolerant average below (HSDP's split, with FT on the replicate dim).
-    let forward: Box<dyn Fn(&Tensor) -> Result<Tensor, Box<dyn Error>>> = if pg.world_size() > 1 {
+    let forward: Box<Forward> = if pg.world_size() > 1 {
         let model = tch_dist::replicate::wrap(net, &vs, tch_dist::replicate::Options::default())?;
         Box::new(move |x| Ok(model.f_forward(x)?))
     } else {
