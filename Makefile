@@ -106,7 +106,8 @@ doc: setup
 # `two_d hsdp_vs_pytorch=R ...` line), the across-hosts part (bench/hosts.py, root only,
 # else skipped with a line saying so: 2 network-namespace hosts x 2 ranks on a 1 Gbit/s tbf
 # link, replicate, fully_shard and HSDP against PyTorch's DDP, FSDP2 and HSDP, and the
-# replicate hooks; at most 7 minutes, a `hosts ...` line), and last the MLP's
+# replicate hooks; at most 7 minutes, a `hosts ...` line; before it the fault-tolerance
+# part, two replica groups against replicate and one fault, an `ft ...` line), and last the MLP's
 # tch_dist_vs_pytorch_ddp=<ratio>.
 # BENCH_ARGS="--models fsdp" (or pp, two_d, hosts) runs one part alone.
 # First the checkpoint part (bench/checkpoint.py, about 3 minutes: save, async_save and
@@ -116,7 +117,7 @@ BENCH_CHECKPOINT ?= 1
 # Each part's summary line is then recorded in docs/bench_latest.json (bench/summary.py),
 # which README.md and docs/PERFORMANCE.md quote: the quotes are rewritten from it.
 bench: setup
-	$(CARGO) build --release --bin tch-dist-run --example bench_ddp --example bench_checkpoint
+	$(CARGO) build --release --bin tch-dist-run --bin tch-dist-lighthouse --example bench_ddp --example bench_checkpoint
 	mkdir -p target/bench
 	set -o pipefail; if [ "$(BENCH_CHECKPOINT)" != 0 ]; then \
 	  PYTHONUNBUFFERED=1 $(PY) bench/checkpoint.py | tee target/bench/checkpoint.log; \

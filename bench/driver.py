@@ -88,6 +88,22 @@ torchtitan's approach (bench/pytorch_moe.py), alternating. Prints a table and
     moe_vs_pytorch=R      (median step, tch-dist / PyTorch; goal <= 0.9)
     moe_rss_vs_pytorch=R  (peak RSS of the largest rank, tch-dist / PyTorch; goal <= 1.0)
 
+Fault tolerance (`ft` in --models, after the moe part, with its own budget, --ft-budget): the
+MLP in two replica groups of one rank (`tch-dist-run --replica-groups 2 --lighthouse URL`,
+`bench_ddp --mode ft`: a quorum, the fault-tolerant average and the commit vote per step)
+against `replicate` over two ranks (`--mode ft_baseline`), the same SGD, alternating; then one
+run where group 1 exits mid-training and its launcher restarts it. The lighthouse is
+tch-dist-lighthouse with --heartbeat_timeout_ms 1000 (torchft's default is 5000: a group is
+dead that much later). Prints a table and
+
+    ft_vs_replicate=R          (median step with fault tolerance / under replicate; goal <= 1.03)
+    ft_fault_to_commit_s=S     (the survivor: from the start of the step that met the failure
+                                to its next committed step; goal <= 2)
+    ft_rejoin_to_commit_s=S    (the restarted group: from its process start to its first
+                                committed step, healing included)
+    ft_steps_lost=N            (committed steps the survivor lost: none by construction, against
+                                the steps since the last checkpoint for a restart of the job)
+
 Across hosts (`hosts` in --models, last, with its own budget, --hosts-budget; bench/hosts.py):
 2 hosts (network namespaces, root only; skipped with a printed line elsewhere) x 2 ranks, each
 host's eth0 shaped to 1 Gbit/s by tc's tbf; the transformer under replicate, fully_shard and
@@ -125,12 +141,14 @@ repeats), figures.py makes the tables' figures, charts.py draws the SVG charts.
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import charts
 from figures import floor_lines, paired_ratio, pooled_median, table
 from hosts import HOSTS, hosts_part
-from runner import ROOT, Runner, print_step_check
+from runner import ROOT, Runner, parse_bench, print_step_check
 
 # The CPU suite: what each model is, and its rounds / timed steps / warm-up steps (chosen so
 # that the whole `make bench` stays under 10 minutes here; --rounds/--steps/--warmup override).
@@ -645,7 +663,7 @@ TWO_D_DESC = {
 
 
 # The parts that follow the model suite, in the order they run.
-PARTS = ("fsdp", "ac", "pp", "two_d", "cp", "moe", "hosts")
+PARTS = ("fsdp", "ac", "pp", "two_d", "cp", "moe", "ft", "hosts")
 
 MOE = dict(ranks=4, rounds=3, steps=8, warmup=2)
 
@@ -719,6 +737,94 @@ def moe_part(a, r):
 
 
 CP = dict(ranks=(1, 2, 4), rounds=3, steps=5, warmup=2, seq_len=2048)
+
+
+FT = dict(rounds=3, steps=10, warmup=3, exit_at=6)
+
+
+def ft_part(a, r):
+    """Fault tolerance's cost without faults against replicate, and one fault's; returns the
+    summary figures."""
+    rounds = FT["rounds"] if a.ft_rounds is None else a.ft_rounds
+    r.model, r.steps, r.warmup = "mlp", FT["steps"], FT["warmup"]
+    r.results = {}
+    nproc = r.nproc
+    lighthouse_bin = os.path.join(a.bin_dir, "tch-dist-lighthouse")
+    lighthouse = subprocess.Popen(
+        [lighthouse_bin, "--min_replicas", "1", "--bind", "127.0.0.1:0",
+         "--heartbeat_timeout_ms", "1000"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        line = lighthouse.stdout.readline().strip()
+        url = "http://127.0.0.1:" + line.rsplit(":", 1)[1]
+        groups = [r.launcher, "--replica-groups", "2", "--lighthouse", url, "--nproc-per-node", "1"]
+        print(
+            f"bench ft: the MLP, two replica groups of one rank (a quorum, the fault-tolerant "
+            f"average and the commit vote per step) against replicate over two ranks, the same "
+            f"SGD, Gloo; {rounds} rounds x {r.steps} timed steps (+{r.warmup} warm-up), then one "
+            f"run where group 1 exits at step {FT['exit_at']} and is restarted",
+            flush=True,
+        )
+        for i in range(rounds):
+            if i >= 1 and r.slack() < 0:
+                print(f"  ft: stopped after {i} of {rounds} rounds for lack of time", flush=True)
+                r.cut_rounds += rounds - i
+                break
+            r.nproc = 2
+            pair = [
+                lambda: r.tch("ft_baseline", "ft_baseline"),
+                lambda: r.run(
+                    "ft", groups + ["--", r.bench, "--mode", "ft"] + r.common(), False
+                ),
+            ]
+            if i % 2:
+                pair.reverse()
+            for f in pair:
+                f()
+        # One fault: group 1 exits, its launcher restarts it; both groups' records.
+        cmd = groups + ["--max-restarts", "1", "--", r.bench, "--mode", "ft"] + r.common()
+        cmd += ["--exit-at", str(FT["exit_at"])]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if p.returncode != 0:
+            sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
+            raise SystemExit(f"bench: `{' '.join(cmd)}` failed with status {p.returncode}")
+        recs = parse_bench(p.stdout)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+        r.nproc = nproc
+    survivor = next(x for x in recs if x["replica_group"] == "0")
+    restarted = next(x for x in recs if x["replica_group"] == "1" and x["restarted"])
+    res = r.results
+    med = {k: pooled_median(v) for k, v in res.items()}
+    print("\n== ft: two replica groups against replicate, the MLP\n")
+    print(f"{'configuration':<14} {'step ms':>8}  runs")
+    for k in ("ft_baseline", "ft"):
+        print(f"{k:<14} {med[k]:8.1f}  {len(res[k])}")
+    out = {
+        "ft_vs_replicate": med["ft"] / med["ft_baseline"],
+        "ft_fault_to_commit_s": (survivor["fault_to_commit_ms"] or 0.0) / 1e3,
+        "ft_rejoin_to_commit_s": (restarted["rejoin_to_commit_ms"] or 0.0) / 1e3,
+        "ft_steps_lost": 0.0,
+    }
+    print()
+    print(
+        f"ft_vs_replicate={out['ft_vs_replicate']:.3f}  (median step, {med['ft']:.1f} / "
+        f"{med['ft_baseline']:.1f} ms; paired over rounds "
+        f"{paired_ratio(res['ft'], res['ft_baseline']):.3f}; goal <= 1.03)"
+    )
+    print(
+        f"ft_fault_to_commit_s={out['ft_fault_to_commit_s']:.3f}  (the survivor, from the start "
+        f"of the step that met the failure to its next committed step; goal <= 2)"
+    )
+    print(
+        f"ft_rejoin_to_commit_s={out['ft_rejoin_to_commit_s']:.3f}  (the restarted group, from "
+        f"its process start to its first committed step, healing included)"
+    )
+    print("ft_steps_lost=0  (committed steps the survivor lost: its failed step is retried)")
+    print(flush=True)
+    return out
 
 
 def cp_part(a, r):
@@ -876,6 +982,7 @@ def cpu_bench(a, r):
     two_d = "two_d" in models
     cp = "cp" in models
     moe = "moe" in models
+    requested = set(models)
     hosts = "hosts" in models
     models = [m for m in models if m not in PARTS]
     # Each model gets the share of what is left of the budget that its runs are of the runs
@@ -937,6 +1044,14 @@ def cpu_bench(a, r):
         r.deadline = start + a.moe_budget if a.moe_budget else float("inf")
         moe_summary = moe_part(a, r)
         print(f"bench moe took {time.time() - start:.0f} s", flush=True)
+    ft_summary = None
+    if "ft" in requested:
+        start = time.time()
+        rounds = FT["rounds"] if a.ft_rounds is None else a.ft_rounds
+        r.planned, r.done = 2 * rounds + 1, 0
+        r.deadline = start + a.ft_budget if a.ft_budget else float("inf")
+        ft_summary = ft_part(a, r)
+        print(f"bench ft took {time.time() - start:.0f} s", flush=True)
     hosts_summary = None
     if hosts:
         hosts_summary = hosts_part(a)
@@ -954,6 +1069,8 @@ def cpu_bench(a, r):
         print("cp " + " ".join(f"{k}={v:.3f}" for k, v in cp_summary.items()))
     if moe_summary:
         print("moe " + " ".join(f"{k}={v:.3f}" for k, v in moe_summary.items()))
+    if ft_summary:
+        print("ft " + " ".join(f"{k}={v:.3f}" for k, v in ft_summary.items()))
     if hosts_summary:
         print("hosts " + " ".join(f"{k}={v:.3f}" for k, v in hosts_summary.items()))
     # The same figures as pictures (docs/PERFORMANCE.md shows a run's charts).
@@ -1019,7 +1136,7 @@ def main():
         default=",".join(list(MODELS) + list(PARTS)),
         help="the CPU suite's models, in order, `fsdp` for the FSDP part, `ac` for the "
         "activation-checkpointing part, `pp` for the pipeline part, `two_d` for the 2-D "
-        "part (HSDP, FSDP x TP; 4 ranks), `cp` for the context-parallel part (1, 2, 4 ranks), `moe` for the mixture-of-experts part (4 ranks) and `hosts` for the across-hosts part (2 network "
+        "part (HSDP, FSDP x TP; 4 ranks), `cp` for the context-parallel part (1, 2, 4 ranks), `moe` for the mixture-of-experts part (4 ranks), `ft` for the fault-tolerance part (2 replica groups) and `hosts` for the across-hosts part (2 network "
         "namespaces x 2 ranks, a 1 Gbit/s link; root), which run after them (default: %(default)s); the "
         "last line is the first model's tch_dist_vs_pytorch_ddp",
     )
@@ -1029,6 +1146,13 @@ def main():
         type=float,
         default=420.0,
         help="seconds for the across-hosts part (0: none; default %(default)s)",
+    )
+    p.add_argument("--ft-rounds", type=int, default=None, help=f"default {FT['rounds']}")
+    p.add_argument(
+        "--ft-budget",
+        type=float,
+        default=90.0,
+        help="seconds for the fault-tolerance part (0: none; default %(default)s)",
     )
     p.add_argument("--moe-rounds", type=int, default=None, help=f"default {MOE['rounds']}")
     p.add_argument(

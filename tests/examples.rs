@@ -149,11 +149,11 @@ fn a_dead_peer_ends_train_ddp_with_one_line() {
     );
     assert_eq!(status.code(), Some(1), "{status:?}\n{stderr}");
     // Rank 0 notices in the collective it waits in: a bucket's all-reduce, or the backward
-    // pass's step check (its header all-gather).
+    // pass's step check (its header exchange, an all-to-all).
     assert!(
         [
             "error: rank 0: all_reduce failed: rank 1 closed the connection\n",
-            "error: rank 0: all_gather_into_tensor failed: rank 1 closed the connection\n",
+            "error: rank 0: all_to_all failed: rank 1 closed the connection\n",
         ]
         .contains(&stderr.as_str()),
         "{stderr}"

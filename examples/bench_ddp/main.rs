@@ -10,6 +10,8 @@
 //! tch-dist-run --nproc-per-node 1|2|4 -- bench_ddp --mode cp [--seq-len 2048]
 //! tch-dist-run --nproc-per-node 4 -- bench_ddp --mode moe
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode loss_parallel
+//! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode ft_baseline
+//! tch-dist-run --replica-groups 2 --lighthouse URL --nproc-per-node 1 -- bench_ddp --mode ft [--exit-at STEP]
 //! ```
 //!
 //! - `plain`: one process trains the model (no process group);
@@ -29,7 +31,9 @@
 //! - `moe`: a stack of MoE layers, the experts split over the ranks (expert parallelism),
 //!   fully_shard on the rest, SGD (moe.rs);
 //! - `loss_parallel`: what a column-parallel head's loss keeps for backward, local logits
-//!   with `loss_parallel` against gathered ones (loss.rs).
+//!   with `loss_parallel` against gathered ones (loss.rs);
+//! - `ft`, `ft_baseline`: fault tolerance's cost without faults (two replica groups against
+//!   `replicate` over two ranks) and a fault's (ft.rs).
 //!
 //! `--comm-hook` (replicate): how buckets are communicated: `allreduce` (the default, mean),
 //! `fp16` or `bf16` (`CommHook::Fp16Compress`, `Bf16Compress`: PyTorch's
@@ -82,6 +86,7 @@ mod cli;
 use attention_block::{attention, Block};
 
 mod context;
+mod ft;
 mod loss;
 mod measure;
 mod models;
@@ -118,6 +123,8 @@ struct Args {
     schedule: String,
     /// `--mode replicate`: the bucket hook (`allreduce`, `fp16`, `bf16` or `powersgd`).
     comm_hook: String,
+    /// `--mode ft`: the step at which replica group 1 exits (its first start only).
+    exit_at: Option<i64>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -142,6 +149,7 @@ fn parse_args() -> Result<Args, String> {
         schedule: "1f1b".to_string(),
         activation_checkpointing: false,
         comm_hook: "allreduce".to_string(),
+        exit_at: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -151,6 +159,9 @@ fn parse_args() -> Result<Args, String> {
         };
         match arg.as_str() {
             "--mode" => a.mode = value()?,
+            "--exit-at" => {
+                a.exit_at = Some(value()?.parse().map_err(|_| "--exit-at takes a step")?)
+            }
             "--device" => {
                 a.device = match value()?.as_str() {
                     "cpu" => Device::Cpu,
@@ -248,7 +259,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             }
             None
         }
-        "replicate" | "allreduce" | "fully_shard" | "pipeline" | "hsdp" | "fsdp_tp" | "cp" | "moe" | "loss_parallel" => {
+        "replicate" | "allreduce" | "fully_shard" | "pipeline" | "hsdp" | "fsdp_tp" | "cp" | "moe" | "loss_parallel" | "ft" | "ft_baseline" => {
             let backend = if args.device.is_cuda() {
                 Backend::Nccl
             } else {
@@ -263,7 +274,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         other => {
             return Err(format!(
-                "unknown --mode {other} (plain, replicate, fully_shard, pipeline, hsdp, fsdp_tp, cp, moe, loss_parallel or allreduce)"
+                "unknown --mode {other} (plain, replicate, fully_shard, pipeline, hsdp, fsdp_tp, cp, moe, loss_parallel, ft, ft_baseline or allreduce)"
             )
             .into())
         }
@@ -295,6 +306,7 @@ fn dispatch<M: BenchModel>(
 ) -> Result<(), Box<dyn std::error::Error>> {
     match (args.mode.as_str(), pg) {
         ("allreduce", Some(pg)) => allreduce::<M>(args, pg),
+        ("ft" | "ft_baseline", Some(pg)) => ft::ft::<M>(args, &pg, args.exit_at),
         ("pipeline", Some(pg)) => pipeline::pipeline(args, pg),
         (_, pg) => train::<M>(args, pg),
     }

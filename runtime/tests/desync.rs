@@ -163,7 +163,7 @@ fn broadcasts_from_different_roots() {
 
 /// Training with the gradient reducer, rank 1 skips step 1: the ranks' collectives line up
 /// step against step until rank 1 has finished and waits in a barrier while rank 0's last
-/// backward starts with its step check (the header all-gather, `step_check.rs`: a whole
+/// backward starts with its step check (the header exchange, `step_check.rs`: a whole
 /// skipped step leaves no trace in the counts). Both fail there, naming both calls; rank 0's
 /// backward fails with the message and the reducer returns the typed error before the next
 /// forward.

@@ -192,6 +192,8 @@ pub struct Manager {
     commit_failures: i64,
     /// The first failure of this step, which makes this group vote against committing it.
     errored: Option<String>,
+    /// The gradient average's buffer, kept between steps.
+    flat: Option<Tensor>,
 }
 
 impl std::fmt::Debug for Manager {
@@ -299,6 +301,7 @@ impl Manager {
             batches_committed: 0,
             commit_failures: 0,
             errored: None,
+            flat: None,
         })
     }
 
@@ -546,55 +549,57 @@ impl Manager {
         };
         let failed_here = self.errored.is_some();
         let params = heal::parameters(opt, vs);
-        let grads: Vec<Tensor> = params
-            .iter()
-            .map(|(_, p)| {
-                let g = p.grad();
-                if g.defined() {
-                    g.flatten(0, -1)
-                } else {
-                    Tensor::zeros([p.numel() as i64], (p.kind(), p.device()))
-                }
-            })
-            .collect();
-        if grads.is_empty() {
+        let Some(kind) = params.first().map(|(_, p)| p.kind()) else {
             return;
+        };
+        let total: i64 = params.iter().map(|(_, p)| p.numel() as i64).sum();
+        // One buffer for the step's average, kept between steps: the gradients, then the
+        // failure flag.
+        let flat = match self.flat.take() {
+            Some(f) if f.numel() as i64 == total + 1 && f.kind() == kind => f,
+            _ => Tensor::zeros([total + 1], (kind, tch::Device::Cpu)),
+        };
+        let contributes = current.participating && !failed_here;
+        let mut offset = 0i64;
+        for (_, p) in &params {
+            let n = p.numel() as i64;
+            let mut slot = flat.narrow(0, offset, n);
+            let g = p.grad();
+            if contributes && g.defined() {
+                slot.copy_(&g.reshape([-1]));
+            } else {
+                let _ = slot.zero_();
+            }
+            offset += n;
         }
-        let mut flat = Tensor::cat(&grads, 0);
-        if !current.participating || failed_here {
-            let _ = flat.zero_();
-        }
-        // The failure flag, after the gradients.
-        let flag =
-            Tensor::from_slice(&[if failed_here { 1.0f32 } else { 0.0 }]).to_kind(flat.kind());
-        let flat = Tensor::cat(&[flat, flag], 0);
+        let _ = flat
+            .narrow(0, total, 1)
+            .fill_(if failed_here { 1.0 } else { 0.0 });
         let participants = current.participants.max(1) as f64;
-        if let Err(e) = current.pg.all_reduce(&flat, ReduceOp::Sum) {
-            let what = format!("averaging the gradients: {e}");
-            self.fail(what);
+        let reduced = current.pg.all_reduce(&flat, ReduceOp::Sum);
+        let id = current.id;
+        if let Err(e) = reduced {
+            self.fail(format!("averaging the gradients: {e}"));
             return;
         }
-        let total = flat.numel() as i64;
-        let failed = flat.double_value(&[total - 1]);
+        let failed = flat.double_value(&[total]);
+        self.flat = Some(flat.shallow_clone());
         if failed > 0.0 {
             self.fail(format!(
-                "{failed} member(s) of quorum {} failed this step",
-                current.id
+                "{failed} member(s) of quorum {id} failed this step"
             ));
             return;
         }
         if failed_here {
             return;
         }
-        let averaged = flat.narrow(0, 0, total - 1) / participants;
+        let _ = flat.narrow(0, 0, total).g_div_scalar_(participants);
         let mut offset = 0i64;
         for (_, p) in &params {
             let n = p.numel() as i64;
             let mut g = p.grad();
             if g.defined() {
-                tch::no_grad(|| {
-                    g.copy_(&averaged.narrow(0, offset, n).view_as(&g).to_kind(g.kind()))
-                });
+                tch::no_grad(|| g.copy_(&flat.narrow(0, offset, n).view_as(&g)));
             }
             offset += n;
         }

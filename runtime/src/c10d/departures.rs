@@ -128,10 +128,6 @@ impl ProcessGroup {
                 }
             }
         }
-        if self.membership() == Membership::Quorum {
-            // Another job's store: its exits and heartbeats are that job's ranks'.
-            return Ok(None);
-        }
         if any_exited(store)? {
             for r in others() {
                 if let Some(status) = exit_of(store, self.global_ranks()[r])? {
@@ -189,6 +185,12 @@ impl ProcessGroup {
     /// the store has not answered for the heartbeat timeout. This rank then stops taking
     /// part too, and says so where the store can still hear it.
     pub(crate) fn watch(&self, op: &'static str) -> Option<DistError> {
+        if self.membership() == Membership::Quorum {
+            // A quorum's group: its store is one member's, gone with it (connecting there
+            // would only add connect timeouts), and fault tolerance learns of failed members
+            // from the average itself or from its own timeout.
+            return None;
+        }
         let watch = self.watch_store();
         match watch.look(|store| self.departed_member(store)) {
             Ok(None) => None,

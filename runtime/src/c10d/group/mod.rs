@@ -100,8 +100,10 @@ pub(crate) enum Membership {
     /// reported, and their heartbeats.
     Job,
     /// A quorum's group of replica groups (`quorum.rs`), over one of the replica groups'
-    /// stores: only the failures the members reported under this group's name. That job's
-    /// exits and heartbeats are keyed by its own global ranks, not this group's.
+    /// stores: nothing. That job's exits and heartbeats are keyed by its own global ranks,
+    /// not this group's, and the store goes with the member that hosts it (a watch would
+    /// only wait out connect timeouts there); fault tolerance learns of a failed member
+    /// from the average itself (its flag) or from the group's short timeout.
     Quorum,
 }
 

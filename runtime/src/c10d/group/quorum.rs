@@ -9,8 +9,7 @@
 //!   the group hosts it, and nobody checks in there.
 //! - Only Gloo: a step that fails in it must end within its own short timeout, and Gloo's
 //!   collectives end at theirs (torch 2.11 cannot abort them).
-//! - Its departures watch reads only the failures its members report under its name (see
-//!   [`Membership::Quorum`]); no heartbeat of its own.
+//! - No departures watch and no heartbeat of its own (see [`Membership::Quorum`]).
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
