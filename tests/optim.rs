@@ -422,3 +422,19 @@ fn a_gradient_that_does_not_fit_is_refused() {
         "nothing changed"
     );
 }
+
+#[test]
+fn zero_grad_keeps_gradients_that_are_views_of_a_bucket() {
+    // replicate's gradient_as_bucket_view and fault tolerance's average make each `.grad` a
+    // slice of one buffer; zero_grad zeroes it in place (PyTorch detaches only a grad with
+    // a grad_fn, which a view cannot be), and backward goes on accumulating into the buffer.
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let w = vs.root().ones("w", &[3]);
+    let bucket = tch::Tensor::full([4], 7.0, tch::kind::FLOAT_CPU);
+    tch_dist_runtime::set_grad_for(&w, Some(&bucket.narrow(0, 1, 3)), 0, "test").unwrap();
+    let mut opt = tch_dist::optim::Sgd::default().build(&vs, 0.1).unwrap();
+    opt.zero_grad();
+    assert_eq!(Vec::<f32>::try_from(&bucket).unwrap(), [7.0, 0.0, 0.0, 0.0]);
+    (&w * 2.0).sum(tch::Kind::Float).backward();
+    assert_eq!(Vec::<f32>::try_from(&bucket).unwrap(), [7.0, 2.0, 2.0, 2.0]);
+}

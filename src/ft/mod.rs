@@ -194,6 +194,9 @@ pub struct Manager {
     errored: Option<String>,
     /// The gradient average's buffer, kept between steps.
     flat: Option<Tensor>,
+    /// Whether the gradients are copied into the buffer and back (some parameter's `.grad`
+    /// could not be made a slice of it).
+    copied: bool,
 }
 
 impl std::fmt::Debug for Manager {
@@ -302,6 +305,7 @@ impl Manager {
             commit_failures: 0,
             errored: None,
             flat: None,
+            copied: false,
         })
     }
 
@@ -553,24 +557,55 @@ impl Manager {
             return;
         };
         let total: i64 = params.iter().map(|(_, p)| p.numel() as i64).sum();
-        // One buffer for the step's average, kept between steps: the gradients, then the
-        // failure flag.
+        // One buffer for the average, kept between steps: the gradients, then the failure
+        // flag. Each parameter's `.grad` becomes its slice (set once, when the buffer is
+        // made): backward accumulates into the buffer and the average is left in the
+        // gradients, with no copy either way (DDP's `gradient_as_bucket_view`).
         let flat = match self.flat.take() {
             Some(f) if f.numel() as i64 == total + 1 && f.kind() == kind => f,
-            _ => Tensor::zeros([total + 1], (kind, tch::Device::Cpu)),
+            _ => {
+                let flat = Tensor::zeros([total + 1], (kind, tch::Device::Cpu));
+                self.copied = false;
+                let mut offset = 0i64;
+                for (_, p) in &params {
+                    let n = p.numel() as i64;
+                    let slot = flat.narrow(0, offset, n).view_as(p);
+                    let g = p.grad();
+                    if g.defined() {
+                        tch::no_grad(|| slot.shallow_clone().copy_(&g));
+                    }
+                    let viewed = p.device() == tch::Device::Cpu && p.kind() == kind;
+                    if !viewed
+                        || tch_dist_runtime::set_grad_for(
+                            p,
+                            Some(&slot),
+                            self.group.rank(),
+                            "fault tolerance",
+                        )
+                        .is_err()
+                    {
+                        // Not a slice of the buffer: the gradients are copied each step.
+                        self.copied = true;
+                    }
+                    offset += n;
+                }
+                flat
+            }
         };
         let contributes = current.participating && !failed_here;
-        let mut offset = 0i64;
-        for (_, p) in &params {
-            let n = p.numel() as i64;
-            let mut slot = flat.narrow(0, offset, n);
-            let g = p.grad();
-            if contributes && g.defined() {
-                slot.copy_(&g.reshape([-1]));
-            } else {
-                let _ = slot.zero_();
+        if self.copied {
+            let mut offset = 0i64;
+            for (_, p) in &params {
+                let n = p.numel() as i64;
+                let g = p.grad();
+                if g.defined() {
+                    flat.narrow(0, offset, n).copy_(&g.reshape([-1]));
+                }
+                offset += n;
             }
-            offset += n;
+        }
+        if !contributes {
+            let _ = flat.narrow(0, 0, total).zero_();
         }
         let _ = flat
             .narrow(0, total, 1)
@@ -578,12 +613,12 @@ impl Manager {
         let participants = current.participants.max(1) as f64;
         let reduced = current.pg.all_reduce(&flat, ReduceOp::Sum);
         let id = current.id;
+        self.flat = Some(flat.shallow_clone());
         if let Err(e) = reduced {
             self.fail(format!("averaging the gradients: {e}"));
             return;
         }
         let failed = flat.double_value(&[total]);
-        self.flat = Some(flat.shallow_clone());
         if failed > 0.0 {
             self.fail(format!(
                 "{failed} member(s) of quorum {id} failed this step"
@@ -594,14 +629,16 @@ impl Manager {
             return;
         }
         let _ = flat.narrow(0, 0, total).g_div_scalar_(participants);
-        let mut offset = 0i64;
-        for (_, p) in &params {
-            let n = p.numel() as i64;
-            let mut g = p.grad();
-            if g.defined() {
-                tch::no_grad(|| g.copy_(&flat.narrow(0, offset, n).view_as(&g)));
+        if self.copied {
+            let mut offset = 0i64;
+            for (_, p) in &params {
+                let n = p.numel() as i64;
+                let mut g = p.grad();
+                if g.defined() {
+                    tch::no_grad(|| g.copy_(&flat.narrow(0, offset, n).view_as(&g)));
+                }
+                offset += n;
             }
-            offset += n;
         }
     }
 
@@ -616,15 +653,20 @@ impl Manager {
             .as_ref()
             .is_some_and(|c| c.participants >= self.opts.min_replica_size as i64);
         let vote = self.errored.is_none() && enough;
-        let decision = self
-            .client
-            .should_commit(
-                self.group.rank() as i64,
-                self.step,
-                vote,
-                self.opts.quorum_timeout,
-            )
-            .map_err(|e| self.control(e))?;
+        // The group's decision is every rank's vote; a group of one rank decides alone (no
+        // call to its manager).
+        let decision = if self.group.world_size() == 1 {
+            vote
+        } else {
+            self.client
+                .should_commit(
+                    self.group.rank() as i64,
+                    self.step,
+                    vote,
+                    self.opts.quorum_timeout,
+                )
+                .map_err(|e| self.control(e))?
+        };
         if decision {
             self.step += 1;
             self.batches_committed += self.participants();

@@ -353,7 +353,12 @@ impl Optimizer {
         for (_, p) in &self.params {
             let mut g = p.grad();
             if g.defined() {
-                let _ = g.detach_().zero_();
+                // Out of any graph first (a grad made with create_graph). A grad that is a
+                // view of a bucket (replicate's gradient_as_bucket_view, fault tolerance's
+                // average) cannot be detached in place, and needs not be: PyTorch's
+                // zero_grad detaches only a grad with a grad_fn.
+                let _ = g.f_detach_();
+                let _ = g.zero_();
             }
         }
     }

@@ -144,8 +144,18 @@ pub(crate) unsafe fn queue_end_of_backward<C: Callback>(
     ffi::check(unsafe { ffi::tdr_queue_end_of_backward(trampoline::<C>, ctx as *mut c_void, 0) })
 }
 
-/// Makes `grad` the `.grad` of `param` (`None` clears it); API `op` is named in the error.
-pub(crate) fn set_grad_for(
+/// Makes `grad` the `.grad` of `param` (`None` clears it), PyTorch's `param.grad = grad`:
+/// a grad that is a view of a larger buffer stays one, and backward accumulates into it in
+/// place (DDP's `gradient_as_bucket_view`); `rank` and API `op` are named in the error.
+///
+/// ```
+/// let p = tch::Tensor::zeros([2], tch::kind::FLOAT_CPU).set_requires_grad(true);
+/// let buffer = tch::Tensor::ones([3], tch::kind::FLOAT_CPU);
+/// tch_dist_runtime::set_grad_for(&p, Some(&buffer.narrow(0, 1, 2)), 0, "example")?;
+/// assert_eq!(p.grad().sum(tch::Kind::Float).double_value(&[]), 2.0);
+/// # Ok::<(), tch_dist_runtime::DistError>(())
+/// ```
+pub fn set_grad_for(
     param: &Tensor,
     grad: Option<&Tensor>,
     rank: usize,
