@@ -799,9 +799,16 @@ def ft_part(a, r):
     res = r.results
     med = {k: pooled_median(v) for k, v in res.items()}
     print("\n== ft: two replica groups against replicate, the MLP\n")
-    print(f"{'configuration':<14} {'step ms':>8}  runs")
+    print(f"{'configuration':<14} {'step ms':>8} {'quorum':>7} {'average':>8} {'commit':>7}  runs")
     for k in ("ft_baseline", "ft"):
-        print(f"{k:<14} {med[k]:8.1f}  {len(res[k])}")
+        part = {
+            f: statistics.median(x.get(f, 0.0) for x in res[k])
+            for f in ("quorum_ms", "average_ms", "commit_ms")
+        }
+        print(
+            f"{k:<14} {med[k]:8.1f} {part['quorum_ms']:7.1f} {part['average_ms']:8.1f} "
+            f"{part['commit_ms']:7.1f}  {len(res[k])}"
+        )
     out = {
         "ft_vs_replicate": med["ft"] / med["ft_baseline"],
         "ft_fault_to_commit_s": (survivor["fault_to_commit_ms"] or 0.0) / 1e3,

@@ -49,6 +49,8 @@ pub(crate) fn ft<M: BenchModel>(
     };
     let (x, target) = M::batch(&args.model, batch, args.device)?;
     let mut steps = vec![];
+    // Where a fault-tolerant step's time goes: the quorum, the average, the commit vote.
+    let (mut quorum_ms, mut average_ms, mut commit_ms) = (vec![], vec![], vec![]);
     let (mut cpu0, mut busy0, mut wall0) = (0.0, 0.0, Instant::now());
     let total = (args.warmup + args.steps) as i64;
     let (mut failed_at, mut fault_to_commit_ms, mut rejoin_to_commit_ms) = (None, None, None);
@@ -61,6 +63,7 @@ pub(crate) fn ft<M: BenchModel>(
         if let Some(m) = manager.as_mut() {
             m.start_quorum(&vs, &mut opt)?;
         }
+        let q = ms(t0);
         opt.zero_grad();
         let loss = M::loss(&args.model, &model.f_call_t(&x, true)?, &target);
         loss.f_backward()?;
@@ -69,8 +72,17 @@ pub(crate) fn ft<M: BenchModel>(
                 if exit_at == Some(m.step()) {
                     std::process::exit(3);
                 }
+                let t1 = Instant::now();
                 m.allreduce_gradients(&vs, &opt);
-                m.should_commit()?
+                let a = ms(t1);
+                let t2 = Instant::now();
+                let c = m.should_commit()?;
+                if done >= args.warmup as i64 {
+                    quorum_ms.push(q);
+                    average_ms.push(a);
+                    commit_ms.push(ms(t2));
+                }
+                c
             }
             None => true,
         };
@@ -110,6 +122,9 @@ pub(crate) fn ft<M: BenchModel>(
         "peak_rss_mib": peak,
         "rss_mib": current,
         "fault_to_commit_ms": fault_to_commit_ms,
+        "quorum_ms": if quorum_ms.is_empty() { 0.0 } else { median(&quorum_ms) },
+        "average_ms": if average_ms.is_empty() { 0.0 } else { median(&average_ms) },
+        "commit_ms": if commit_ms.is_empty() { 0.0 } else { median(&commit_ms) },
         "rejoin_to_commit_ms": rejoin_to_commit_ms,
     });
     println!("BENCH {out}");
