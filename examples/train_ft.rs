@@ -14,7 +14,9 @@
 //! `--exit-replica G` in replica group G only; so are the next two), `--fail-at STEP` (the
 //! step reports an error: `Manager::report_error`), `--stop-at STEP` (the process stops
 //! itself with SIGSTOP: a hung group, until a SIGCONT), `--timeout-ms MS` (the cross-group group's timeout),
-//! `--min-replica-size N` (the fewest participants a step commits with), `--seed S` (the
+//! `--min-replica-size N` (the fewest participants a step commits with),
+//! `--quorum-timeout-ms MS` (a quorum's and a vote's bound; 60 s), `--progress FILE` (the
+//! committed steps so far, rewritten at each commit), `--seed S` (the
 //! initial weights' seed; by default the process id), `--hidden H` (the hidden width, 16).
 //! The batches are keyed by (step, replica rank), and groups start from their own random
 //! weights (`init_sync` makes them alike at step 0; a group that restarts heals). At the end
@@ -85,6 +87,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let seed: i64 =
         arg(&args, "--seed").map_or(Ok(i64::from(std::process::id())), |s| s.parse())?;
     let hidden: i64 = arg(&args, "--hidden").map_or(Ok(16), |s| s.parse())?;
+    let quorum_timeout_ms: u64 =
+        arg(&args, "--quorum-timeout-ms").map_or(Ok(60_000), |s| s.parse())?;
+    let progress = arg(&args, "--progress");
 
     let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
     tch::manual_seed(seed);
@@ -108,7 +113,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     .build(&vs, 0.05)?;
     let opts = FtOptions {
         timeout: Duration::from_millis(timeout_ms),
-        quorum_timeout: Duration::from_secs(60),
+        quorum_timeout: Duration::from_millis(quorum_timeout_ms),
         connect_timeout: Duration::from_secs(30),
         min_replica_size,
         ..FtOptions::new(replica, lighthouse)
@@ -147,6 +152,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         if ft.should_commit()? {
             opt.step()?;
             println!("committed step {}", ft.step() - 1);
+            if let Some(path) = &progress {
+                std::fs::write(path, ft.step().to_string())?;
+            }
         } else {
             eprintln!(
                 "train_ft: step {} not committed: {}",

@@ -6,12 +6,14 @@
 //! | file | what it tests | PyTorch's counterpart |
 //! | --- | --- | --- |
 //! | `main.rs` | the jobs' plumbing; the interface Gloo binds found without `GLOO_SOCKET_IFNAME`; the store listening where `MASTER_ADDR` points, deaf to strays | (none: PyTorch's tests stay on one host) |
+//! | `ft.rs` | fault tolerance's replica groups on two hosts: one host's link cut mid-training, the groups meet again and end as without the cut | torchft's tests (one machine, no real hosts) |
 //! | `layouts.rs` | `train_lm` across 2 hosts x 2 ranks as HSDP and as dp x tp, equal to one host's run; `init_device_mesh`'s warning when `tp` spans hosts | (none: PyTorch's tests stay on one host) |
 //! | `lost.rs` | a cut link and a frozen host noticed on every other host in bounded time; a slow step no alarm | (none: PyTorch's ranks wait out the timeout) |
 //! | `restarts.rs` | `--rdzv-backend c10d` across hosts: every host restarted together (train_ddp resumes to an uninterrupted run's parameters), a killed or cut-off host left behind, a host out of restarts ending every host, each round's workers in a store of their own, the same command lines under torchrun | `test/distributed/elastic/rendezvous/dynamic_rendezvous_test.py`, `test/distributed/launcher/api_test.py` (one machine, no real hosts) |
 
 #[path = "../common/build.rs"]
 mod build;
+mod ft;
 #[path = "../common/hosts.rs"]
 mod hosts;
 mod layouts;
