@@ -63,6 +63,14 @@ use crate::optim::Optimizer;
 const MANAGER_KEY: &str = "tch_dist/ft/manager";
 
 /// A replica group's settings for fault tolerance (torchft's `Manager` arguments).
+///
+/// ```
+/// let opts = tch_dist::ft::FtOptions {
+///     min_replica_size: 2,
+///     ..tch_dist::ft::FtOptions::new("replica_0", "http://10.0.0.1:29510")
+/// };
+/// assert_eq!(opts.timeout, std::time::Duration::from_secs(10));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FtOptions {
     /// The group's name; a unique suffix is added per start (`"{name}:{uuid}"`), so a
@@ -180,6 +188,12 @@ struct Current {
 }
 
 /// One rank's part in fault-tolerant training (torchft's `Manager`): see the module's docs.
+///
+/// ```no_run
+/// # fn demo(pg: &tch_dist::ProcessGroup) -> Result<(), tch_dist::ft::FtError> {
+/// let ft = tch_dist::ft::Manager::new(pg, tch_dist::ft::FtOptions::new("replica_0", "http://10.0.0.1:29510"))?;
+/// # Ok(()) }
+/// ```
 pub struct Manager {
     group: ProcessGroup,
     opts: FtOptions,
@@ -241,6 +255,12 @@ impl Manager {
     /// Joins fault-tolerant training as this rank of its replica group `group` (the group's
     /// own process group: its store is where other groups meet this one's ranks). Rank 0
     /// starts the group's manager server; every rank connects to it.
+    ///
+    /// ```no_run
+    /// let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
+    /// let ft = tch_dist::ft::Manager::new(&pg, tch_dist::ft::FtOptions::from_env()?)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn new(group: &ProcessGroup, opts: FtOptions) -> Result<Manager, FtError> {
         opts.check()?;
         let group_rank = group.rank();
@@ -310,34 +330,72 @@ impl Manager {
     }
 
     /// The committed steps so far (a healed group's is its source's).
+    ///
+    /// ```no_run
+    /// # fn demo(ft: &tch_dist::ft::Manager) {
+    /// println!("step {}", ft.step());
+    /// # }
+    /// ```
     pub fn step(&self) -> i64 {
         self.step
     }
 
     /// Batches committed across all members so far (each committed step adds its
     /// participants).
+    ///
+    /// ```no_run
+    /// # fn demo(ft: &tch_dist::ft::Manager) {
+    /// println!("{} batches", ft.batches_committed());
+    /// # }
+    /// ```
     pub fn batches_committed(&self) -> i64 {
         self.batches_committed
     }
 
     /// This group's id in the quorums (`"{name}:{uuid}"`).
+    ///
+    /// ```no_run
+    /// # fn demo(ft: &tch_dist::ft::Manager) {
+    /// assert!(ft.replica_id().starts_with("replica_0:"));
+    /// # }
+    /// ```
     pub fn replica_id(&self) -> &str {
         &self.replica_id
     }
 
     /// This group's rank among the current quorum's members, none before the first quorum
     /// (what data sharding across replica groups keys on).
+    ///
+    /// ```no_run
+    /// # fn demo(ft: &tch_dist::ft::Manager) {
+    /// let shard = ft.replica_rank().unwrap_or(0); // which part of the data this group reads
+    /// # }
+    /// ```
     pub fn replica_rank(&self) -> Option<usize> {
         self.current.as_ref().map(|c| c.pg.rank())
     }
 
     /// The members whose gradients the current step averages (the divisor), 0 before the
     /// first quorum.
+    ///
+    /// ```no_run
+    /// # fn demo(ft: &tch_dist::ft::Manager) {
+    /// println!("averaging over {} groups", ft.participants());
+    /// # }
+    /// ```
     pub fn participants(&self) -> i64 {
         self.current.as_ref().map_or(0, |c| c.participants)
     }
 
     /// This step's first failure (which makes the group vote against committing it), if any.
+    ///
+    /// ```no_run
+    /// # fn demo(ft: &tch_dist::ft::Manager) {
+    /// if let Some(why) = ft.errored() {
+    ///     eprintln!("this step will not commit: {why}");
+    /// }
+    /// # }
+    /// ```
     pub fn errored(&self) -> Option<&str> {
         self.errored.as_deref()
     }
@@ -361,6 +419,12 @@ impl Manager {
     /// receives the live state of `vs` and `opt` from an up-to-date member, and up-to-date
     /// members send theirs to the groups assigned to them. A collective that fails here is
     /// recorded: the step will not commit.
+    ///
+    /// ```no_run
+    /// # fn demo(ft: &mut tch_dist::ft::Manager, vs: &tch::nn::VarStore, opt: &mut tch_dist::optim::Optimizer) -> Result<(), tch_dist::ft::FtError> {
+    /// ft.start_quorum(vs, opt)?; // then zero_grad, forward, backward
+    /// # Ok(()) }
+    /// ```
     pub fn start_quorum(
         &mut self,
         vs: &tch::nn::VarStore,
@@ -546,6 +610,12 @@ impl Manager {
     /// a failed heal): a member that failed takes part with zeros, and every member learns
     /// of it. A failure is recorded (see [`errored`](Self::errored)) and the gradients are
     /// then left as they are: the step will not commit.
+    ///
+    /// ```no_run
+    /// # fn demo(ft: &mut tch_dist::ft::Manager, vs: &tch::nn::VarStore, opt: &tch_dist::optim::Optimizer) {
+    /// ft.allreduce_gradients(vs, opt); // after backward
+    /// # }
+    /// ```
     pub fn allreduce_gradients(&mut self, vs: &tch::nn::VarStore, opt: &Optimizer) {
         let Some(current) = &self.current else {
             self.fail("no quorum".into());
@@ -647,6 +717,14 @@ impl Manager {
     /// of the group voted true. On true the step counts (step the optimizer then); on false
     /// nothing of the step may be applied, and the next quorum rebuilds the cross-group
     /// group (a reported commit failure gives it a new id).
+    ///
+    /// ```no_run
+    /// # fn demo(ft: &mut tch_dist::ft::Manager, opt: &mut tch_dist::optim::Optimizer) -> Result<(), Box<dyn std::error::Error>> {
+    /// if ft.should_commit()? {
+    ///     opt.step()?;
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn should_commit(&mut self) -> Result<bool, FtError> {
         let enough = self
             .current

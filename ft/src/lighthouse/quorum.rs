@@ -10,6 +10,15 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::proto::{Quorum, QuorumMember};
 
 /// The lighthouse's settings (torchft's `LighthouseOpt`, same names and defaults).
+///
+/// ```
+/// use std::time::Duration;
+/// let opts = tch_dist_ft::LighthouseOptions {
+///     heartbeat_timeout: Duration::from_millis(1000),
+///     ..tch_dist_ft::LighthouseOptions::new(2)
+/// };
+/// assert_eq!(opts.join_timeout, Duration::from_secs(60));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LighthouseOptions {
     /// Where the server listens (`[::]:29510`; port 0 picks a free one).
