@@ -761,6 +761,7 @@ mod tests {
         rust_files(&root, "runtime/src", &mut files);
         rust_files(&root, "launcher/src", &mut files);
         rust_files(&root, "core/src", &mut files);
+        rust_files(&root, "ft/src", &mut files);
         rust_files(&root, "src", &mut files);
         let has_unsafe = |file: &String| {
             let code = code_only(&std::fs::read_to_string(root.join(file)).expect("readable"));

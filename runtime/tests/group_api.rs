@@ -328,11 +328,12 @@ fn shutdown_with_clones_alive_fails_later_operations_cleanly() {
                 err.to_string().contains("the process group was shut down"),
                 "{err}"
             );
-            // The pass's first collective is its step check's all-gather (step_check.rs).
+            // The pass's first collective is its step check's header exchange, an
+            // all-to-all (step_check/mod.rs).
             assert!(matches!(
                 reducer.prepare_for_forward(),
                 Err(DistError::ShutDown {
-                    op: "all_gather_into_tensor",
+                    op: "all_to_all",
                     ..
                 })
             ));
