@@ -17,8 +17,9 @@
 //! `--min-replica-size N` (the fewest participants a step commits with),
 //! `--quorum-timeout-ms MS` (a quorum's and a vote's bound; 60 s), `--progress FILE` (the
 //! committed steps so far, rewritten at each commit), `--seed S` (the
-//! initial weights' seed; by default the process id), `--hidden H` (the hidden width, 16).
-//! The batches are keyed by (step, replica rank), and groups start from their own random
+//! initial weights' seed; by default the process id; `--seed-per-group` adds 1000 times
+//! REPLICA_GROUP_ID), `--hidden H` (the hidden width, 16).
+//! The batches are keyed by (step, the group's index, its rank), and groups start from their own random
 //! weights (`init_sync` makes them alike at step 0; a group that restarts heals). At the end
 //! it prints `FINAL {json}`: the step, the batches committed, and every parameter's and
 //! momentum buffer's values.
@@ -92,7 +93,17 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let progress = arg(&args, "--progress");
 
     let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
-    tch::manual_seed(seed);
+    // --seed-per-group: each group from its own weights (the seed plus its index), the
+    // ranks of one group alike.
+    let group_offset = if args.iter().any(|a| a == "--seed-per-group") {
+        std::env::var("REPLICA_GROUP_ID")
+            .ok()
+            .and_then(|g| g.parse::<i64>().ok())
+            .unwrap_or(0)
+    } else {
+        0
+    };
+    tch::manual_seed(seed + 1000 * group_offset);
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let net = nn::seq()
         .add(nn::linear(vs.root() / "fc1", 6, hidden, Default::default()))
@@ -118,14 +129,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         min_replica_size,
         ..FtOptions::new(replica, lighthouse)
     };
+    let group_index: i64 = opts
+        .replica_id
+        .trim_end_matches(|c: char| !c.is_ascii_digit())
+        .rsplit(|c: char| !c.is_ascii_digit())
+        .next()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or(0);
     let mut ft = Manager::new(&pg, opts)?;
     let (mut failed_once, mut stopped_once) = (false, false);
     while ft.step() < steps {
         ft.start_quorum(&vs, &mut opt)?;
         opt.zero_grad();
-        // This step's batch for this rank of this group: the same on every run with the
-        // same quorums.
-        let index = ft.replica_rank().unwrap_or(0) as i64;
+        // This step's batch for this rank of this group, keyed by the group's own index (the
+        // digits its name ends with, as torchft's data sharding reads them), not by its rank
+        // in the quorum: that one is the last quorum's until the background quorum is
+        // applied, and is none after a quorum's group could not be joined.
+        let index = group_index;
         tch::manual_seed(1000 * ft.step() + 10 * index + pg.rank() as i64);
         let x = Tensor::randn([32, 6], (Kind::Float, tch::Device::Cpu));
         let y = Tensor::randn([32, 3], (Kind::Float, tch::Device::Cpu));
@@ -148,7 +168,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             // SAFETY: raise(3) on this process: it stops until a SIGCONT, a hung group.
             unsafe { libc::raise(libc::SIGSTOP) };
         }
-        ft.allreduce_gradients(&vs, &opt);
+        ft.allreduce_gradients(&vs, &mut opt)?;
         if ft.should_commit()? {
             opt.step()?;
             println!("committed step {}", ft.step() - 1);

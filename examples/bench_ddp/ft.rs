@@ -73,7 +73,7 @@ pub(crate) fn ft<M: BenchModel>(
                     std::process::exit(3);
                 }
                 let t1 = Instant::now();
-                m.allreduce_gradients(&vs, &opt);
+                m.allreduce_gradients(&vs, &mut opt)?;
                 let a = ms(t1);
                 let t2 = Instant::now();
                 let c = m.should_commit()?;

@@ -85,6 +85,11 @@ impl FtError {
         FtError::new(kind, op, address).because(StatusText(status))
     }
 
+    /// A thread of the caller's that asked `op` and panicked (a bug, reported as an error).
+    pub fn panicked(op: &'static str, what: &str) -> Self {
+        FtError::new(FtErrorKind::Runtime, op, what)
+    }
+
     /// What kind of failure this is.
     pub fn kind(&self) -> &FtErrorKind {
         &self.kind

@@ -35,7 +35,7 @@
 //!     opt.zero_grad();
 //!     let x = tch::Tensor::randn([8, 4], tch::kind::FLOAT_CPU);
 //!     net.forward(&x).square().mean(None).backward();
-//!     ft.allreduce_gradients(&vs, &opt);
+//!     ft.allreduce_gradients(&vs, &mut opt)?;
 //!     if ft.should_commit()? {
 //!         opt.step()?;
 //!     }
@@ -50,7 +50,9 @@ use std::hash::Hasher;
 use std::time::Duration;
 
 use tch::{Kind, Tensor};
-use tch_dist_ft::{ManagerClient, ManagerOptions, ManagerQuorumRequest, ManagerServer};
+use tch_dist_ft::{
+    ManagerClient, ManagerOptions, ManagerQuorumRequest, ManagerQuorumResponse, ManagerServer,
+};
 use tch_dist_runtime::{Fingerprint, ProcessGroup, QuorumGroupOptions, ReduceOp};
 
 pub use error::FtError;
@@ -96,6 +98,15 @@ pub struct FtOptions {
     pub hostname: Option<String>,
     /// How often the manager heartbeats to the lighthouse (torchft: 100 ms).
     pub heartbeat_interval: Duration,
+    /// Ask for the quorum in the background, overlapping the forward and backward
+    /// (torchft's `use_async_quorum`, default true): `start_quorum` returns at once and
+    /// `allreduce_gradients` applies the answer (a new quorum's group, healing) before it
+    /// averages. A group that heals then computed its step on its old weights, which its
+    /// zero contribution makes harmless, and takes the healed ones before the optimizer
+    /// step. Until then [`Manager::replica_rank`] is the last quorum's. Never at step 0
+    /// (the job's start with `init_sync`, a restarted group): there the weights are taken
+    /// before the first forward.
+    pub async_quorum: bool,
 }
 
 impl FtOptions {
@@ -117,6 +128,7 @@ impl FtOptions {
             init_sync: true,
             hostname: None,
             heartbeat_interval: Duration::from_millis(100),
+            async_quorum: true,
         }
     }
 
@@ -181,9 +193,10 @@ struct Current {
     pg: ProcessGroup,
     replica_ids: Vec<String>,
     /// Whether this group contributes gradients (it was at the highest step when the quorum
-    /// formed; one that healed contributes zeros this step, as torchft's).
+    /// formed, and does not heal after its backward).
     participating: bool,
-    /// The members at the highest step: the divisor of the average.
+    /// The members at the highest step: the divisor of the average, and what
+    /// `min_replica_size` counts.
     participants: i64,
 }
 
@@ -199,7 +212,7 @@ pub struct Manager {
     opts: FtOptions,
     replica_id: String,
     _server: Option<ManagerServer>,
-    client: ManagerClient,
+    client: std::sync::Arc<ManagerClient>,
     current: Option<Current>,
     step: i64,
     batches_committed: i64,
@@ -211,6 +224,9 @@ pub struct Manager {
     /// Whether the gradients are copied into the buffer and back (some parameter's `.grad`
     /// could not be made a slice of it).
     copied: bool,
+    /// The quorum `start_quorum` asked for in the background (`async_quorum`), applied by
+    /// `allreduce_gradients`.
+    pending: Option<std::thread::JoinHandle<Result<ManagerQuorumResponse, tch_dist_ft::FtError>>>,
 }
 
 impl std::fmt::Debug for Manager {
@@ -221,6 +237,27 @@ impl std::fmt::Debug for Manager {
             .field("step", &self.step)
             .finish_non_exhaustive()
     }
+}
+
+/// Who heals from whom: `(the replica rank this member receives from, the replica ranks it
+/// sends to)`. The manager's plan (torchft's: sources round robin, offset by the group rank),
+/// except at step 0 with init_sync, where every member takes replica rank 0's state, at
+/// every group rank alike: the manager's plan gives each group rank its own source there,
+/// and the ranks of a group that replicates within itself would then start from different
+/// groups' weights. Every member computes the same plan from the same answer.
+fn heal_plan(answer: &ManagerQuorumResponse, init_sync: bool) -> (Option<usize>, Vec<i64>) {
+    if init_sync && answer.max_step == 0 {
+        return if answer.replica_rank == 0 {
+            (None, (1..answer.replica_world_size).collect())
+        } else {
+            (Some(0), Vec::new())
+        };
+    }
+    let src = answer
+        .recover_src_replica_rank
+        .filter(|_| answer.heal)
+        .and_then(|r| usize::try_from(r).ok());
+    (src, answer.recover_dst_replica_ranks.clone())
 }
 
 /// The first name (the part of an id before its `:`) that two members of a quorum share:
@@ -318,7 +355,7 @@ impl Manager {
             opts,
             replica_id,
             _server: server,
-            client,
+            client: std::sync::Arc::new(client),
             current: None,
             step: 0,
             batches_committed: 0,
@@ -326,6 +363,7 @@ impl Manager {
             errored: None,
             flat: None,
             copied: false,
+            pending: None,
         })
     }
 
@@ -413,12 +451,14 @@ impl Manager {
         self.errored.get_or_insert(what);
     }
 
-    /// Begins a step: this group's quorum with the others (waiting for the lighthouse). A new
-    /// quorum makes a new cross-group group and checks that every member trains the same
-    /// model ([`FtError::DifferentModel`] on every member otherwise); a group behind then
-    /// receives the live state of `vs` and `opt` from an up-to-date member, and up-to-date
-    /// members send theirs to the groups assigned to them. A collective that fails here is
-    /// recorded: the step will not commit.
+    /// Begins a step: this group's quorum with the others. With
+    /// [`FtOptions::async_quorum`] (the default) it is asked for in the background and
+    /// applied by [`allreduce_gradients`](Self::allreduce_gradients); otherwise here, waiting
+    /// for the lighthouse. A new quorum makes a new cross-group group and checks that every
+    /// member trains the same model ([`FtError::DifferentModel`] on every member otherwise);
+    /// a group behind then receives the live state of `vs` and `opt` from an up-to-date
+    /// member, and up-to-date members send theirs to the groups assigned to them. A
+    /// collective that fails there is recorded: the step will not commit.
     ///
     /// ```no_run
     /// # fn demo(ft: &mut tch_dist::ft::Manager, vs: &tch::nn::VarStore, opt: &mut tch_dist::optim::Optimizer) -> Result<(), tch_dist::ft::FtError> {
@@ -431,18 +471,45 @@ impl Manager {
         opt: &mut Optimizer,
     ) -> Result<(), FtError> {
         self.errored = None;
+        // A quorum still pending from a step that never averaged: its answer is dropped.
+        self.drop_pending();
+        let request = ManagerQuorumRequest {
+            group_rank: self.group.rank() as i64,
+            step: self.step,
+            checkpoint_metadata: String::new(),
+            shrink_only: false,
+            init_sync: self.opts.init_sync,
+            commit_failures: self.commit_failures,
+        };
+        let timeout = self.opts.quorum_timeout;
+        // Never at step 0: a group that starts (the job's first step with init_sync, or a
+        // restart) takes its weights before its first forward.
+        if self.opts.async_quorum && self.step > 0 {
+            let client = self.client.clone();
+            self.pending = Some(std::thread::spawn(move || client.quorum(request, timeout)));
+            return Ok(());
+        }
+        let asked = self.client.quorum(request, timeout);
+        self.apply_quorum(asked, false, vs, opt)
+    }
+
+    /// Waits for a quorum that `start_quorum` asked for in the background, and drops it.
+    fn drop_pending(&mut self) {
+        if let Some(pending) = self.pending.take() {
+            let _ = pending.join();
+        }
+    }
+
+    /// What a quorum's answer makes of this step: the quorum's group (made anew for a new
+    /// quorum, its members' models compared), healing, and the state this group sends.
+    fn apply_quorum(
+        &mut self,
+        asked: Result<ManagerQuorumResponse, tch_dist_ft::FtError>,
+        in_background: bool,
+        vs: &tch::nn::VarStore,
+        opt: &mut Optimizer,
+    ) -> Result<(), FtError> {
         let group_rank = self.group.rank();
-        let asked = self.client.quorum(
-            ManagerQuorumRequest {
-                group_rank: group_rank as i64,
-                step: self.step,
-                checkpoint_metadata: String::new(),
-                shrink_only: false,
-                init_sync: self.opts.init_sync,
-                commit_failures: self.commit_failures,
-            },
-            self.opts.quorum_timeout,
-        );
         let answer = match asked {
             Ok(a) => a,
             // The lighthouse restarting, say: this step does not commit, the next asks again.
@@ -516,12 +583,16 @@ impl Manager {
         let Some(current) = self.current.as_mut() else {
             return Ok(());
         };
-        current.participating = answer.max_replica_rank.is_some();
+        // A quorum asked in the background is applied after the backward: a group that
+        // heals then computed its gradients on the weights it replaces, and contributes
+        // zeros (torchft's `_healing`).
+        current.participating =
+            answer.max_replica_rank.is_some() && !(in_background && answer.heal);
         current.participants = answer.max_world_size;
         let pg = current.pg.clone();
         let sources = current.replica_ids.clone();
-        if let Some(src) = answer.recover_src_replica_rank.filter(|_| answer.heal) {
-            let src = usize::try_from(src).unwrap_or(0);
+        let (recover_src, recover_dst) = heal_plan(&answer, self.opts.init_sync);
+        if let Some(src) = recover_src {
             match heal::receive(&pg, src, vs, opt) {
                 Ok(healed) => {
                     self.step = healed.step;
@@ -542,7 +613,7 @@ impl Manager {
             step: self.step,
             batches_committed: self.batches_committed,
         };
-        for dst in answer.recover_dst_replica_ranks {
+        for dst in recover_dst {
             let dst = usize::try_from(dst).unwrap_or(0);
             if let Err(e) = heal::send(&pg, dst, healed, vs, opt) {
                 self.fail(format!("sending the live state to replica rank {dst}: {e}"));
@@ -603,8 +674,9 @@ impl Manager {
         self.fail(what.into());
     }
 
-    /// Averages the gradients of `opt`'s parameters in `vs` over the quorum's members at the
-    /// highest step (one flattened all-reduce; a group that healed this step contributes
+    /// Applies the step's quorum if it was asked for in the background (see
+    /// [`start_quorum`](Self::start_quorum); an error there is returned), then averages the
+    /// gradients of `opt`'s parameters in `vs` over the quorum's members at the highest step (one flattened all-reduce; a group that healed this step contributes
     /// zeros, and the divisor is the participants, not the members). One more element
     /// carries whether each member's step failed so far ([`report_error`](Self::report_error),
     /// a failed heal): a member that failed takes part with zeros, and every member learns
@@ -612,11 +684,30 @@ impl Manager {
     /// then left as they are: the step will not commit.
     ///
     /// ```no_run
-    /// # fn demo(ft: &mut tch_dist::ft::Manager, vs: &tch::nn::VarStore, opt: &tch_dist::optim::Optimizer) {
-    /// ft.allreduce_gradients(vs, opt); // after backward
-    /// # }
+    /// # fn demo(ft: &mut tch_dist::ft::Manager, vs: &tch::nn::VarStore, opt: &mut tch_dist::optim::Optimizer) -> Result<(), tch_dist::ft::FtError> {
+    /// ft.allreduce_gradients(vs, opt)?; // after backward
+    /// # Ok(()) }
     /// ```
-    pub fn allreduce_gradients(&mut self, vs: &tch::nn::VarStore, opt: &Optimizer) {
+    pub fn allreduce_gradients(
+        &mut self,
+        vs: &tch::nn::VarStore,
+        opt: &mut Optimizer,
+    ) -> Result<(), FtError> {
+        if let Some(pending) = self.pending.take() {
+            let asked = pending.join().unwrap_or_else(|_| {
+                Err(tch_dist_ft::FtError::panicked(
+                    "manager quorum",
+                    "the quorum's thread",
+                ))
+            });
+            self.apply_quorum(asked, true, vs, opt)?;
+        }
+        self.average(vs, opt);
+        Ok(())
+    }
+
+    /// The average itself (see [`allreduce_gradients`](Self::allreduce_gradients)).
+    fn average(&mut self, vs: &tch::nn::VarStore, opt: &Optimizer) {
         let Some(current) = &self.current else {
             self.fail("no quorum".into());
             return;
@@ -726,6 +817,11 @@ impl Manager {
     /// # Ok(()) }
     /// ```
     pub fn should_commit(&mut self) -> Result<bool, FtError> {
+        if self.pending.is_some() {
+            // The quorum was never applied: nothing of this step was averaged.
+            self.drop_pending();
+            self.fail("the step's gradients were not averaged (allreduce_gradients)".into());
+        }
         let enough = self
             .current
             .as_ref()
