@@ -27,7 +27,7 @@ BEGIN, END = "<!-- bench-latest -->", "<!-- /bench-latest -->"
 # The parts a summary line names: driver.py's `model=NAME k=v ...` lines are parts named
 # after the model; its other parts print `PART k=v ...`; bench/checkpoint.py prints one
 # `ckpt_NAME=v  (...)` line per figure, gathered into the part `ckpt`.
-PARTS = ("fsdp", "ac", "pp", "two_d", "cp", "moe", "hosts")
+PARTS = ("fsdp", "ac", "pp", "two_d", "cp", "moe", "ft", "hosts")
 
 # What README quotes, in order: (part, key, what it is, the goal). A ratio is tch-dist's
 # figure over PyTorch's (lower is better) unless the goal says otherwise.
@@ -44,6 +44,8 @@ README_ROWS = [
     ("pp", "pp_m8_vs_pytorch", "`Schedule1F1B`, 8 microbatches: step time / PyTorch's", "<= 0.9"),
     ("moe", "moe_vs_pytorch", "MoE, expert parallelism + `fully_shard` (4 ranks): step time / PyTorch's (torchtitan's way)", "<= 0.9"),
     ("moe", "moe_rss_vs_pytorch", "MoE (4 ranks): peak RSS per rank / PyTorch's", "<= 1.0"),
+    ("ft", "ft_vs_replicate", "fault tolerance, 2 replica groups: step time / `replicate`'s", "<= 1.03"),
+    ("ft", "ft_fault_to_commit_s", "fault tolerance: seconds from a group's death to the survivors' next commit", "<= 2"),
     ("cp", "cp2_kept_vs_unsplit", "context parallelism, 2 ranks: activations kept per rank / one rank's", "<= 0.55"),
     ("cp", "cp4_kept_vs_unsplit", "context parallelism, 4 ranks: activations kept per rank / one rank's", "<= 0.275"),
     ("ckpt", "ckpt_save_vs_pytorch", "checkpoint save (blocking) / PyTorch DCP's", "<= 0.9"),
