@@ -86,7 +86,7 @@ use std::time::Duration;
 use args::{check_capacity, parse_args, Args, HELP, USAGE};
 use output::{Output, Stream};
 use store::ExitReporter;
-use supervise::{first_signal, install_signal_handlers, Supervisor, TICK};
+use supervise::{dies_with_launcher, first_signal, install_signal_handlers, Supervisor, TICK};
 
 /// How long the ranks' pipes are still read once their processes are gone.
 const DRAIN: Duration = Duration::from_secs(1);
@@ -210,7 +210,6 @@ pub struct Start {
 
 /// The command that starts local rank `local` of `start`, with torchrun's variables.
 fn rank_command(args: &Args, local: usize, start: &Start) -> Command {
-    let launcher = std::process::id() as libc::pid_t;
     let rank = start.rank_base + local;
     let mut cmd = Command::new(&args.cmd[0]);
     cmd.args(&args.cmd[1..])
@@ -249,18 +248,7 @@ fn rank_command(args: &Args, local: usize, start: &Start) -> Command {
     if let Some(url) = &args.lighthouse {
         cmd.env("TORCHFT_LIGHTHOUSE", url);
     }
-    // SAFETY: prctl(2) and getppid(2) in the forked child before exec; both are
-    // async-signal-safe, and the error is built without allocating.
-    unsafe {
-        cmd.pre_exec(move || {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            // The launcher died before the death signal was armed.
-            if libc::getppid() != launcher {
-                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        });
-    }
+    dies_with_launcher(&mut cmd);
     cmd
 }
 

@@ -11,13 +11,12 @@
 //! stops its ranks as usual) and then to the lighthouse.
 
 use std::io::{BufRead, BufReader};
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::args::Args;
-use crate::supervise::{first_signal, TICK};
+use crate::supervise::{dies_with_launcher, first_signal, TICK};
 
 /// How long a started lighthouse may take to say where it listens.
 const LIGHTHOUSE_START: Duration = Duration::from_secs(30);
@@ -29,22 +28,6 @@ fn sibling(name: &str) -> PathBuf {
         .and_then(|exe| exe.parent().map(|dir| dir.join(name)))
         .filter(|p| p.is_file())
         .unwrap_or_else(|| PathBuf::from(name))
-}
-
-/// Arms `cmd` to die with this launcher (`PR_SET_PDEATHSIG`), as the ranks do.
-fn dies_with_launcher(cmd: &mut Command) {
-    let launcher = std::process::id() as libc::pid_t;
-    // SAFETY: prctl(2) and getppid(2) in the forked child before exec; both are
-    // async-signal-safe, and the error is built without allocating.
-    unsafe {
-        cmd.pre_exec(move || {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            if libc::getppid() != launcher {
-                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        });
-    }
 }
 
 /// A child process killed (and reaped) when dropped.

@@ -43,6 +43,26 @@ extern "C" fn on_signal(sig: libc::c_int) {
 const HANDLED_SIGNALS: [libc::c_int; 4] =
     [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT];
 
+/// Arms `cmd`'s process to die with this launcher (`PR_SET_PDEATHSIG` with SIGKILL, set in
+/// the child before exec), and to refuse to start when the launcher died before that: what
+/// the ranks, the replica groups' launchers and the lighthouse all get.
+pub fn dies_with_launcher(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    let launcher = std::process::id() as libc::pid_t;
+    // SAFETY: prctl(2) and getppid(2) in the forked child before exec; both are
+    // async-signal-safe, and the error is built without allocating.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            // The launcher died before the death signal was armed.
+            if libc::getppid() != launcher {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Catches [`HANDLED_SIGNALS`]; the supervision loop acts on them.
 pub fn install_signal_handlers() -> Result<(), String> {
     for sig in HANDLED_SIGNALS {
