@@ -13,7 +13,8 @@
 //! averaged: an injected failure; at the launcher's first start only, and with
 //! `--exit-replica G` in replica group G only; so are the next two), `--fail-at STEP` (the
 //! step reports an error: `Manager::report_error`), `--stop-at STEP` (the process stops
-//! itself with SIGSTOP: a hung group, until a SIGCONT), `--timeout-ms MS` (the cross-group group's timeout),
+//! itself with SIGSTOP: a hung group, until a SIGCONT), `--average-twice-at STEP` (the
+//! misuse of averaging twice in one step), `--timeout-ms MS` (the cross-group group's timeout),
 //! `--min-replica-size N` (the fewest participants a step commits with),
 //! `--quorum-timeout-ms MS` (a quorum's and a vote's bound; 60 s), `--progress FILE` (the
 //! committed steps so far, rewritten at each commit), `--seed S` (the
@@ -83,6 +84,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let exit_at = injected("--exit-at")?;
     let fail_at = injected("--fail-at")?;
     let stop_at = injected("--stop-at")?;
+    let twice_at = injected("--average-twice-at")?;
     let timeout_ms: u64 = arg(&args, "--timeout-ms").map_or(Ok(5000), |s| s.parse())?;
     let min_replica_size: usize = arg(&args, "--min-replica-size").map_or(Ok(1), |s| s.parse())?;
     let seed: i64 =
@@ -137,7 +139,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .and_then(|d| d.parse().ok())
         .unwrap_or(0);
     let mut ft = Manager::new(&pg, opts)?;
-    let (mut failed_once, mut stopped_once) = (false, false);
+    let (mut failed_once, mut stopped_once, mut twice_once) = (false, false, false);
     while ft.step() < steps {
         ft.start_quorum(&vs, &mut opt)?;
         opt.zero_grad();
@@ -169,6 +171,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             unsafe { libc::raise(libc::SIGSTOP) };
         }
         ft.allreduce_gradients(&vs, &mut opt)?;
+        if twice_at == Some(ft.step()) && !std::mem::replace(&mut twice_once, true) {
+            eprintln!(
+                "train_ft: averaging twice at step {} (injected misuse)",
+                ft.step()
+            );
+            ft.allreduce_gradients(&vs, &mut opt)?;
+        }
         if ft.should_commit()? {
             opt.step()?;
             println!("committed step {}", ft.step() - 1);

@@ -362,6 +362,27 @@ fn faults_of_every_kind_end_as_the_run_without_them() {
         );
     }
 
+    // A misuse: group 1 averages twice in step 5. The second average communicates nothing
+    // and fails group 1's step, which falls one step behind and heals; no average meets
+    // another step's.
+    {
+        let lighthouse = lighthouse_at("127.0.0.1:0");
+        let at = lighthouse.address();
+        let g0 = Proc::group("replica_0", &at, &seed("1"));
+        let g1 = Proc::group(
+            "replica_1",
+            &at,
+            &["--seed", "2", "--average-twice-at", "5"],
+        );
+        let (g0, g1) = (g0.wait(deadline), g1.wait(deadline));
+        assert_eq!(both_final(&g0, &g1), [expected.clone(), expected.clone()]);
+        assert!(
+            g1.stderr
+                .contains("step 5 not committed: allreduce_gradients was called twice in one step"),
+            "{g1:#?}"
+        );
+    }
+
     // A hung group: group 1 stops itself (SIGSTOP) at step 4 for 4 s. Group 0's step fails
     // (its average at the 3 s timeout, or its quorum leaves group 1 out once its heartbeats
     // stop), and group 0 waits alone; group 1 goes on after SIGCONT, its step fails on the

@@ -224,6 +224,8 @@ pub struct Manager {
     /// Whether the gradients are copied into the buffer and back (some parameter's `.grad`
     /// could not be made a slice of it).
     copied: bool,
+    /// Whether this step has averaged its gradients (once per step).
+    averaged: bool,
     /// The quorum `start_quorum` asked for in the background (`async_quorum`), applied by
     /// `allreduce_gradients`.
     pending: Option<std::thread::JoinHandle<Result<ManagerQuorumResponse, tch_dist_ft::FtError>>>,
@@ -363,6 +365,7 @@ impl Manager {
             errored: None,
             flat: None,
             copied: false,
+            averaged: false,
             pending: None,
         })
     }
@@ -471,6 +474,7 @@ impl Manager {
         opt: &mut Optimizer,
     ) -> Result<(), FtError> {
         self.errored = None;
+        self.averaged = false;
         // A quorum still pending from a step that never averaged: its answer is dropped.
         self.drop_pending();
         let request = ManagerQuorumRequest {
@@ -681,7 +685,9 @@ impl Manager {
     /// carries whether each member's step failed so far ([`report_error`](Self::report_error),
     /// a failed heal): a member that failed takes part with zeros, and every member learns
     /// of it. A failure is recorded (see [`errored`](Self::errored)) and the gradients are
-    /// then left as they are: the step will not commit.
+    /// then left as they are: the step will not commit. Once per step: a second call
+    /// communicates nothing and fails the step (it would meet the other members' next
+    /// average).
     ///
     /// ```no_run
     /// # fn demo(ft: &mut tch_dist::ft::Manager, vs: &tch::nn::VarStore, opt: &mut tch_dist::optim::Optimizer) -> Result<(), tch_dist::ft::FtError> {
@@ -701,6 +707,12 @@ impl Manager {
                 ))
             });
             self.apply_quorum(asked, true, vs, opt)?;
+        }
+        // One average per step: a second one here would meet the other members' next
+        // step's, and average other gradients than they think, silently.
+        if std::mem::replace(&mut self.averaged, true) {
+            self.fail("allreduce_gradients was called twice in one step".into());
+            return Ok(());
         }
         self.average(vs, opt);
         Ok(())
