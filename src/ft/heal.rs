@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
+use tch_dist_core::sharding::Dtype;
 use tch_dist_runtime::{Object, ProcessGroup};
 
 use crate::optim::{Optimizer, ParamState};
@@ -26,7 +27,8 @@ struct Entry {
     /// parameter itself.
     state: Option<String>,
     shape: Vec<i64>,
-    dtype: String,
+    /// PyTorch's name (`float32`, `bfloat16`, ...).
+    dtype: Dtype,
 }
 
 /// What a healing member receives first.
@@ -57,10 +59,6 @@ impl From<tch_dist_runtime::DistError> for HealFailure {
     fn from(e: tch_dist_runtime::DistError) -> Self {
         HealFailure::Transfer(e)
     }
-}
-
-fn dtype(kind: Kind) -> String {
-    format!("{kind:?}")
 }
 
 /// The trainable parameters by FQN (sorted).
@@ -94,7 +92,7 @@ pub(super) fn send(
             fqn: fqn.clone(),
             state: None,
             shape: p.size(),
-            dtype: dtype(p.kind()),
+            dtype: Dtype(p.kind()),
         });
         tensors.push(p.detach().contiguous());
     }
@@ -105,7 +103,7 @@ pub(super) fn send(
                     fqn: fqn.clone(),
                     state: Some(name.to_string()),
                     shape: t.size(),
-                    dtype: dtype(t.kind()),
+                    dtype: Dtype(t.kind()),
                 });
                 tensors.push(t.detach().contiguous());
             }
@@ -149,17 +147,20 @@ pub(super) fn receive(
         let Some(e) = sent_params.iter().find(|e| &e.fqn == fqn) else {
             return Err(HealFailure::Misfit(format!("`{fqn}` was not sent")));
         };
-        if e.shape != p.size() || e.dtype != dtype(p.kind()) {
+        if e.shape != p.size() || e.dtype != Dtype(p.kind()) {
             return Err(HealFailure::Misfit(format!(
                 "`{fqn}` is {:?} {} there, {:?} {} here",
                 e.shape,
                 e.dtype,
                 p.size(),
-                dtype(p.kind())
+                Dtype(p.kind())
             )));
         }
     }
-    if let Some(e) = sent_params
+    // Optimizer state only for this model's parameters, also checked before anything
+    // arrives.
+    if let Some(e) = description
+        .tensors
         .iter()
         .find(|e| !params.iter().any(|(f, _)| f == &e.fqn))
     {
@@ -171,32 +172,14 @@ pub(super) fn receive(
     let mut states: BTreeMap<String, BTreeMap<String, Tensor>> = BTreeMap::new();
     for e in &description.tensors {
         let Some((_, p)) = params.iter().find(|(f, _)| f == &e.fqn) else {
+            // Refused above, before anything arrived.
             return Err(HealFailure::Misfit(format!(
                 "`{}` is not a parameter here",
                 e.fqn
             )));
         };
-        let kind = p.kind();
-        let buffer = Tensor::empty(e.shape.as_slice(), (kind, Device::Cpu));
-        let buffer = match &e.state {
-            // A state tensor keeps its own dtype (a float32 `step` of a bfloat16 parameter).
-            Some(_) if e.dtype != dtype(kind) => {
-                let own = [
-                    Kind::Float,
-                    Kind::Double,
-                    Kind::BFloat16,
-                    Kind::Half,
-                    Kind::Int64,
-                ]
-                .into_iter()
-                .find(|k| dtype(*k) == e.dtype)
-                .ok_or_else(|| {
-                    HealFailure::Misfit(format!("`{}`'s state has dtype {}", e.fqn, e.dtype))
-                })?;
-                Tensor::empty(e.shape.as_slice(), (own, Device::Cpu))
-            }
-            _ => buffer,
-        };
+        // Each tensor in its own dtype (a float32 `step` of a bfloat16 parameter's state).
+        let buffer = Tensor::empty(e.shape.as_slice(), (Kind::from(e.dtype), Device::Cpu));
         pg.recv(&buffer, src, 0)?;
         match &e.state {
             None => tch::no_grad(|| {

@@ -50,6 +50,7 @@ use std::hash::Hasher;
 use std::time::Duration;
 
 use tch::{Kind, Tensor};
+use tch_dist_core::sharding::Dtype;
 use tch_dist_ft::{
     ManagerClient, ManagerOptions, ManagerQuorumRequest, ManagerQuorumResponse, ManagerServer,
 };
@@ -641,9 +642,10 @@ impl Manager {
             for d in p.size() {
                 h.write(&d.to_le_bytes());
             }
-            h.write(format!("{:?}", p.kind()).as_bytes());
+            h.write(&Dtype(p.kind()).code().to_le_bytes());
         }
-        let mine = Tensor::from_slice(&[h.finish() as i64]);
+        let own = h.finish() as i64;
+        let mine = Tensor::from_slice(&[own]);
         let all = Tensor::zeros(
             [current.pg.world_size() as i64],
             (Kind::Int64, tch::Device::Cpu),
@@ -653,7 +655,6 @@ impl Manager {
             .all_gather_into_tensor(&all, &mine)
             .map_err(|_| None)?;
         let all = Vec::<i64>::try_from(&all).map_err(|_| None)?;
-        let own = h.finish() as i64;
         match all.iter().position(|f| *f != own) {
             None => Ok(()),
             Some(r) => Err(Some(
