@@ -95,6 +95,48 @@ fn connect(
     })
 }
 
+/// A connection either client drives on a runtime of its own: the runtime, the peer's
+/// address (which errors name) and the generated client.
+struct Blocking<C> {
+    rt: tokio::runtime::Runtime,
+    address: String,
+    inner: C,
+}
+
+impl<C: Clone> Blocking<C> {
+    /// Connects to `address` within `connect_timeout`; `op` names the connection in errors.
+    fn open(
+        op: &'static str,
+        address: &str,
+        connect_timeout: Duration,
+        client: impl FnOnce(Channel) -> C,
+    ) -> Result<Self> {
+        let rt = client_runtime(op, address)?;
+        let channel = connect(&rt, op, address, connect_timeout)?;
+        Ok(Blocking {
+            rt,
+            address: address.to_string(),
+            inner: client(channel),
+        })
+    }
+
+    /// One call of `op`: `message` sent with `timeout` as its deadline, and waited for at
+    /// most that long.
+    fn call<M, T, F>(
+        &self,
+        op: &'static str,
+        timeout: Duration,
+        message: M,
+        send: impl FnOnce(C, tonic::Request<M>) -> F,
+    ) -> Result<T>
+    where
+        F: Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let call = send(self.inner.clone(), with_deadline(message, timeout));
+        self.rt.block_on(bounded(op, &self.address, timeout, call))
+    }
+}
+
 /// A client of a lighthouse (torchft's `LighthouseClient`): asks it for quorums and tells it
 /// a replica group is alive.
 ///
@@ -112,59 +154,52 @@ fn connect(
 /// # Ok::<(), tch_dist_ft::FtError>(())
 /// ```
 pub struct LighthouseClient {
-    rt: tokio::runtime::Runtime,
-    address: String,
-    inner: LighthouseServiceClient<Channel>,
+    conn: Blocking<LighthouseServiceClient<Channel>>,
 }
 
 impl LighthouseClient {
     /// Connects to the lighthouse at `address` (`http://host:port`).
     pub fn connect(address: &str, connect_timeout: Duration) -> Result<Self> {
-        const OP: &str = "lighthouse connect";
-        let rt = client_runtime(OP, address)?;
-        let channel = connect(&rt, OP, address, connect_timeout)?;
-        Ok(LighthouseClient {
-            rt,
-            address: address.to_string(),
-            inner: LighthouseServiceClient::new(channel),
-        })
+        let conn = Blocking::open(
+            "lighthouse connect",
+            address,
+            connect_timeout,
+            LighthouseServiceClient::new,
+        )?;
+        Ok(LighthouseClient { conn })
     }
 
     /// Joins the next quorum as `requester` and waits (up to `timeout`) for the first quorum
     /// the lighthouse issues that holds it.
     pub fn quorum(&self, requester: QuorumMember, timeout: Duration) -> Result<Quorum> {
         const OP: &str = "lighthouse quorum";
-        let mut inner = self.inner.clone();
-        let request = with_deadline(
-            LighthouseQuorumRequest {
-                requester: Some(requester),
-            },
-            timeout,
-        );
+        let message = LighthouseQuorumRequest {
+            requester: Some(requester),
+        };
         let response =
-            self.rt
-                .block_on(bounded(OP, &self.address, timeout, inner.quorum(request)))?;
+            self.conn.call(
+                OP,
+                timeout,
+                message,
+                |mut c, r| async move { c.quorum(r).await },
+            )?;
         response
             .quorum
-            .ok_or_else(|| FtError::new(FtErrorKind::Malformed("quorum"), OP, &self.address))
+            .ok_or_else(|| FtError::new(FtErrorKind::Malformed("quorum"), OP, &self.conn.address))
     }
 
     /// Tells the lighthouse that `replica_id` is alive.
     pub fn heartbeat(&self, replica_id: &str, timeout: Duration) -> Result<()> {
-        let mut inner = self.inner.clone();
-        let request = with_deadline(
-            LighthouseHeartbeatRequest {
-                replica_id: replica_id.to_string(),
-            },
-            timeout,
-        );
-        self.rt
-            .block_on(bounded(
+        let message = LighthouseHeartbeatRequest {
+            replica_id: replica_id.to_string(),
+        };
+        self.conn
+            .call(
                 "lighthouse heartbeat",
-                &self.address,
                 timeout,
-                inner.heartbeat(request),
-            ))
+                message,
+                |mut c, r| async move { c.heartbeat(r).await },
+            )
             .map(|_| ())
     }
 }
@@ -184,22 +219,19 @@ impl LighthouseClient {
 /// # Ok::<(), tch_dist_ft::FtError>(())
 /// ```
 pub struct ManagerClient {
-    rt: tokio::runtime::Runtime,
-    address: String,
-    inner: ManagerServiceClient<Channel>,
+    conn: Blocking<ManagerServiceClient<Channel>>,
 }
 
 impl ManagerClient {
     /// Connects to the manager at `address` (`http://host:port`).
     pub fn connect(address: &str, connect_timeout: Duration) -> Result<Self> {
-        const OP: &str = "manager connect";
-        let rt = client_runtime(OP, address)?;
-        let channel = connect(&rt, OP, address, connect_timeout)?;
-        Ok(ManagerClient {
-            rt,
-            address: address.to_string(),
-            inner: ManagerServiceClient::new(channel),
-        })
+        let conn = Blocking::open(
+            "manager connect",
+            address,
+            connect_timeout,
+            ManagerServiceClient::new,
+        )?;
+        Ok(ManagerClient { conn })
     }
 
     /// This rank's part of the group's quorum for its next step: returns once every rank of
@@ -209,14 +241,10 @@ impl ManagerClient {
         request: ManagerQuorumRequest,
         timeout: Duration,
     ) -> Result<ManagerQuorumResponse> {
-        let mut inner = self.inner.clone();
-        let request = with_deadline(request, timeout);
-        self.rt.block_on(bounded(
-            "manager quorum",
-            &self.address,
-            timeout,
-            inner.quorum(request),
-        ))
+        self.conn
+            .call("manager quorum", timeout, request, |mut c, r| async move {
+                c.quorum(r).await
+            })
     }
 
     /// This rank's vote on committing `step`: true only when every rank of the group voted
@@ -228,36 +256,31 @@ impl ManagerClient {
         vote: bool,
         timeout: Duration,
     ) -> Result<bool> {
-        let mut inner = self.inner.clone();
-        let request = with_deadline(
-            ShouldCommitRequest {
-                should_commit: vote,
-                group_rank,
-                step,
-            },
-            timeout,
-        );
-        self.rt
-            .block_on(bounded(
+        let message = ShouldCommitRequest {
+            should_commit: vote,
+            group_rank,
+            step,
+        };
+        self.conn
+            .call(
                 "manager should_commit",
-                &self.address,
                 timeout,
-                inner.should_commit(request),
-            ))
+                message,
+                |mut c, r| async move { c.should_commit(r).await },
+            )
             .map(|r| r.should_commit)
     }
 
     /// The checkpoint metadata that group rank `rank` sent with its last quorum request.
     pub fn checkpoint_metadata(&self, rank: i64, timeout: Duration) -> Result<String> {
-        let mut inner = self.inner.clone();
-        let request = with_deadline(CheckpointMetadataRequest { rank }, timeout);
-        self.rt
-            .block_on(bounded(
+        let message = CheckpointMetadataRequest { rank };
+        self.conn
+            .call(
                 "manager checkpoint_metadata",
-                &self.address,
                 timeout,
-                inner.checkpoint_metadata(request),
-            ))
+                message,
+                |mut c, r| async move { c.checkpoint_metadata(r).await },
+            )
             .map(|r| r.checkpoint_metadata)
     }
 }
@@ -265,7 +288,7 @@ impl ManagerClient {
 impl std::fmt::Debug for LighthouseClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LighthouseClient")
-            .field("address", &self.address)
+            .field("address", &self.conn.address)
             .finish_non_exhaustive()
     }
 }
@@ -273,7 +296,7 @@ impl std::fmt::Debug for LighthouseClient {
 impl std::fmt::Debug for ManagerClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ManagerClient")
-            .field("address", &self.address)
+            .field("address", &self.conn.address)
             .finish_non_exhaustive()
     }
 }
