@@ -97,3 +97,14 @@ pub enum FtError {
     #[error("fault tolerance: {0}")]
     Options(String),
 }
+
+impl FtError {
+    /// [`FtError::Control`] of `replica`'s rank `group_rank`.
+    pub(crate) fn control(replica: &str, group_rank: usize, source: tch_dist_ft::FtError) -> Self {
+        FtError::Control {
+            replica: replica.to_string(),
+            group_rank,
+            source: Box::new(source),
+        }
+    }
+}

@@ -325,11 +325,7 @@ impl Manager {
                 connect_timeout: opts.connect_timeout,
                 quorum_retries: 0,
             })
-            .map_err(|source| FtError::Control {
-                replica: opts.replica_id.clone(),
-                group_rank,
-                source: Box::new(source),
-            })?;
+            .map_err(|source| FtError::control(&opts.replica_id, group_rank, source))?;
             let address = server.address();
             let published = format!("{replica_id}\n{address}");
             group
@@ -346,13 +342,8 @@ impl Manager {
             let (id, address) = published.split_once('\n').unwrap_or((&published, ""));
             (None, id.to_string(), address.to_string())
         };
-        let client = ManagerClient::connect(&address, opts.connect_timeout).map_err(|source| {
-            FtError::Control {
-                replica: replica_id.clone(),
-                group_rank,
-                source: Box::new(source),
-            }
-        })?;
+        let client = ManagerClient::connect(&address, opts.connect_timeout)
+            .map_err(|source| FtError::control(&replica_id, group_rank, source))?;
         Ok(Manager {
             group: group.clone(),
             opts,
@@ -443,11 +434,7 @@ impl Manager {
     }
 
     fn control(&self, source: tch_dist_ft::FtError) -> FtError {
-        FtError::Control {
-            replica: self.replica_id.clone(),
-            group_rank: self.group.rank(),
-            source: Box::new(source),
-        }
+        FtError::control(&self.replica_id, self.group.rank(), source)
     }
 
     /// Records the step's first failure.
