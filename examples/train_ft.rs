@@ -19,11 +19,14 @@
 //! `--quorum-timeout-ms MS` (a quorum's and a vote's bound; 60 s), `--progress FILE` (the
 //! committed steps so far, rewritten at each commit), `--seed S` (the
 //! initial weights' seed; by default the process id; `--seed-per-group` adds 1000 times
-//! REPLICA_GROUP_ID), `--hidden H` (the hidden width, 16).
+//! REPLICA_GROUP_ID), `--hidden H` (the hidden width, 16), `--shard` (within a group of several
+//! ranks, `fully_shard` instead of `replicate`: HSDP, fault tolerance on its replicate
+//! dimension), `--bucket-view` (`replicate`'s `gradient_as_bucket_view`), `--no-manager-rank R`
+//! (the misuse of a group rank R that makes no `Manager`: it waits 30 s and exits).
 //! The batches are keyed by (step, the group's index, its rank), and groups start from their own random
 //! weights (`init_sync` makes them alike at step 0; a group that restarts heals). At the end
 //! it prints `FINAL {json}`: the step, the batches committed, and every parameter's and
-//! momentum buffer's values.
+//! momentum buffer's values (this rank's shards of them with `--shard`).
 
 use std::error::Error;
 use std::time::Duration;
@@ -31,6 +34,20 @@ use std::time::Duration;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 use tch_dist::ft::{FtOptions, Manager};
+use tch_dist::{Call, Shardable};
+
+/// The model: two linear layers around a tanh.
+#[derive(Debug, Shardable)]
+struct Mlp {
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+impl Module for Mlp {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.fc2.call(&self.fc1.call(xs).tanh())
+    }
+}
 
 /// The model's forward: the module itself, or `replicate`'s wrapper around it.
 type Forward = dyn Fn(&Tensor) -> Result<Tensor, Box<dyn Error>>;
@@ -107,17 +124,27 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     tch::manual_seed(seed + 1000 * group_offset);
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let net = nn::seq()
-        .add(nn::linear(vs.root() / "fc1", 6, hidden, Default::default()))
-        .add_fn(|x| x.tanh())
-        .add(nn::linear(vs.root() / "fc2", hidden, 3, Default::default()));
-    // Within a group of several ranks, data parallelism as usual (`replicate`); across the
-    // groups, the fault-tolerant average below (HSDP's split, with FT on the replicate dim).
-    let forward: Box<Forward> = if pg.world_size() > 1 {
-        let model = tch_dist::replicate::wrap(net, &vs, tch_dist::replicate::Options::default())?;
-        Box::new(move |x| Ok(model.f_forward(x)?))
-    } else {
+    let net = Mlp {
+        fc1: nn::linear(vs.root() / "fc1", 6, hidden, Default::default()),
+        fc2: nn::linear(vs.root() / "fc2", hidden, 3, Default::default()),
+    };
+    // Within a group of several ranks, data parallelism as usual (`replicate`, or
+    // `fully_shard` with --shard); across the groups, the fault-tolerant average below
+    // (HSDP's split, with FT on the replicate dim).
+    let forward: Box<Forward> = if pg.world_size() == 1 {
         Box::new(move |x| Ok(net.forward(x)))
+    } else if args.iter().any(|a| a == "--shard") {
+        tch_dist::fully_shard(&net.fc1, Default::default())?;
+        tch_dist::fully_shard(&net.fc2, Default::default())?;
+        tch_dist::fully_shard(&net, Default::default())?;
+        Box::new(move |x| Ok(net.f_call(x)?))
+    } else {
+        let opts = tch_dist::replicate::Options {
+            gradient_as_bucket_view: args.iter().any(|a| a == "--bucket-view"),
+            ..Default::default()
+        };
+        let model = tch_dist::replicate::wrap(net, &vs, opts)?;
+        Box::new(move |x| Ok(model.f_forward(x)?))
     };
     let mut opt = tch_dist::optim::Sgd {
         momentum: 0.9,
@@ -138,6 +165,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .next()
         .and_then(|d| d.parse().ok())
         .unwrap_or(0);
+    if arg(&args, "--no-manager-rank") == Some(pg.rank().to_string()) {
+        std::thread::sleep(Duration::from_secs(30));
+        return Ok(());
+    }
     let mut ft = Manager::new(&pg, opts)?;
     let (mut failed_once, mut stopped_once, mut twice_once) = (false, false, false);
     while ft.step() < steps {

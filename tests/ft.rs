@@ -473,12 +473,46 @@ fn launched_states(ended: &Ended) -> Vec<(String, Value)> {
     states
 }
 
+/// One group's state from its two ranks' shards (`--shard`): each parameter's and momentum
+/// buffer's values are rank 0's dim-0 chunk then rank 1's, flattened.
+fn joined_shards(rank0: &Value, rank1: &Value) -> Value {
+    let mut whole = rank0.clone();
+    for part in ["params", "momentum"] {
+        let theirs = rank1[part].as_object().expect("an object");
+        for (name, values) in whole[part].as_object_mut().expect("an object") {
+            let values = values.as_array_mut().expect("values");
+            values.extend(theirs[name].as_array().expect("values").iter().cloned());
+        }
+    }
+    whole
+}
+
+/// Whether `a` and `b` are equal but for rounding (numbers within 1e-6, relative).
+fn close(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => {
+            let (x, y) = (
+                x.as_f64().unwrap_or(f64::NAN),
+                y.as_f64().unwrap_or(f64::NAN),
+            );
+            (x - y).abs() <= 1e-6 * (1.0 + y.abs())
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(x, y)| close(x, y))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| close(v, w)))
+        }
+        _ => a == b,
+    }
+}
+
 #[test]
 fn groups_of_two_ranks_lose_a_whole_group_and_end_as_the_run_without_the_loss() {
-    let deadline = Instant::now() + Duration::from_secs(180);
+    let deadline = Instant::now() + Duration::from_secs(360);
     build::lighthouse();
-    // Two groups of two ranks: replicate within each group, the fault-tolerant average
-    // across them (each group rank with its peers of the other group).
+    // Two groups of two ranks: replicate (or fully_shard) within each group, the
+    // fault-tolerant average across them (each group rank with its peers of the other group).
     let run = |extra: &[&str]| {
         let mut cmd = clean(build::launcher());
         cmd.args(["--replica-groups", "2", "--start-lighthouse", "1"])
@@ -508,7 +542,8 @@ fn groups_of_two_ranks_lose_a_whole_group_and_end_as_the_run_without_the_loss() 
     }
     // Both ranks of group 1 exit at step 4; its launcher restarts the group alone, whose
     // ranks heal, each from its peer rank of group 0.
-    let ended = run(&["--exit-at", "4", "--exit-replica", "1"]);
+    let loss = ["--exit-at", "4", "--exit-replica", "1"];
+    let ended = run(&loss);
     assert!(
         ended
             .stderr
@@ -517,6 +552,26 @@ fn groups_of_two_ranks_lose_a_whole_group_and_end_as_the_run_without_the_loss() 
     );
     for (prefix, state) in launched_states(&ended) {
         assert_eq!(state, expected, "{prefix} with the loss");
+    }
+    // replicate with gradient_as_bucket_view: its reducer re-points `.grad` at its own
+    // bucket every step, away from the fault-tolerant average's buffer; the average follows.
+    for (prefix, state) in launched_states(&run(&["--bucket-view"])) {
+        assert_eq!(state, expected, "{prefix} with gradient_as_bucket_view");
+    }
+    // HSDP: fully_shard within each group, each rank averaging its shards with its peer
+    // rank of the other group, and healing them from it; the shards joined are the
+    // replicated run's values (but for rounding: the reductions differ).
+    for extra in [&["--shard"][..], &[&["--shard"][..], &loss].concat()] {
+        let sharded = launched_states(&run(extra));
+        assert_eq!(sharded.len(), 4, "{extra:?}");
+        for group in sharded.chunks(2) {
+            let whole = joined_shards(&group[0].1, &group[1].1);
+            assert!(
+                close(&whole, &expected),
+                "{} {extra:?}:\n{whole}\n{expected}",
+                group[0].0
+            );
+        }
     }
 }
 
@@ -543,4 +598,47 @@ fn two_groups_started_under_one_name_are_refused_on_every_member() {
             "{e:#?}"
         );
     }
+}
+
+#[test]
+fn a_group_rank_that_makes_no_manager_is_named_within_the_quorum_timeout() {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    build::lighthouse();
+    // A group of two ranks, one of which makes no Manager (it sleeps 30 s): the other fails
+    // within the quorum timeout (2 s), naming it, and the launcher ends the group.
+    let run = |missing: &str| {
+        let mut cmd = clean(build::launcher());
+        cmd.args(["--replica-groups", "1", "--start-lighthouse", "1"])
+            .args(["--nproc-per-node", "2", "--"])
+            .arg(build::example("train_ft"))
+            .args(["--quorum-timeout-ms", "2000", "--no-manager-rank", missing]);
+        let start = Instant::now();
+        let ended = Proc::spawn(cmd).wait(deadline);
+        assert!(!ended.success(), "{ended:#?}");
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{:?}",
+            start.elapsed()
+        );
+        ended
+    };
+    let ended = run("1");
+    assert!(
+        ended
+            .stderr
+            .contains("[replica0/rank0]:   caused by: group ranks [1] of replica_0:")
+            && ended.stderr.contains(
+                " did not ask for the quorum of step 0 within 2s (every rank of a replica group \
+             makes a manager and begins each step with start_quorum)"
+            ),
+        "{ended:#?}"
+    );
+    let ended = run("0");
+    assert!(
+        ended.stderr.contains(
+            "[replica0/rank1]: train_ft: replica replica_0, group rank 1: group rank 0 made no \
+             manager within 2s (every rank of a replica group makes one)"
+        ),
+        "{ended:#?}"
+    );
 }

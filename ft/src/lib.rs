@@ -47,3 +47,5 @@ pub use error::{FtError, FtErrorKind, Result};
 pub use lighthouse::{LighthouseOptions, LighthouseServer};
 pub use manager::{ManagerOptions, ManagerServer};
 pub use proto::{ManagerQuorumRequest, ManagerQuorumResponse, Quorum, QuorumMember};
+/// A gRPC status code, as [`FtErrorKind::Rpc`] carries it.
+pub use tonic::Code as RpcCode;

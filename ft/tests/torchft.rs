@@ -68,13 +68,18 @@ fn line_within(peer: &mut Peer, out: &mut BufReader<std::process::ChildStdout>) 
 }
 
 fn manager(replica_id: &str, lighthouse: &str, store: &str) -> ManagerServer {
+    manager_of(replica_id, lighthouse, store, 1)
+}
+
+/// A manager of a group of `world_size` ranks.
+fn manager_of(replica_id: &str, lighthouse: &str, store: &str, world_size: u64) -> ManagerServer {
     ManagerServer::start(ManagerOptions {
         replica_id: replica_id.into(),
         lighthouse_addr: lighthouse.into(),
         hostname: "127.0.0.1".into(),
         bind: "127.0.0.1:0".into(),
         store_addr: store.into(),
-        world_size: 1,
+        world_size,
         heartbeat_interval: Duration::from_millis(100),
         connect_timeout: Duration::from_secs(10),
         quorum_retries: 0,
@@ -226,6 +231,49 @@ fn a_manager_refuses_a_rank_outside_its_group_and_a_call_without_deadline_errs_f
         std::error::Error::source(&err).map(|s| s.to_string()),
         Some("group rank 1 is not in 0..1 (the manager of replica_0:rs)".to_string())
     );
+    // A group of three whose rank 1 never asks (it made no manager, say): rank 0 and 2 are
+    // told which rank is missing before their deadline, not left to time out.
+    let trio = manager_of("replica_1:rs", &lighthouse.address(), "127.0.0.1:3333", 3);
+    let c = ManagerClient::connect(&trio.address(), T).expect("connect");
+    let errs: Vec<_> = thread::scope(|s| {
+        let asked: Vec<_> = [0, 2]
+            .map(|group_rank| {
+                let c = &c;
+                s.spawn(move || {
+                    c.quorum(
+                        ManagerQuorumRequest {
+                            group_rank,
+                            step: 7,
+                            ..Default::default()
+                        },
+                        Duration::from_millis(500),
+                    )
+                    .expect_err("rank 1 never asks")
+                })
+            })
+            .into_iter()
+            .collect();
+        asked
+            .into_iter()
+            .map(|h| h.join().expect("no panic"))
+            .collect()
+    });
+    for err in errs {
+        assert_eq!(
+            err.kind(),
+            &tch_dist_ft::FtErrorKind::Rpc(tch_dist_ft::RpcCode::FailedPrecondition),
+            "{err}"
+        );
+        assert_eq!(
+            std::error::Error::source(&err).map(|s| s.to_string()),
+            Some(
+                "group ranks [1] of replica_1:rs did not ask for the quorum of step 7 within \
+                 500ms (every rank of a replica group makes a manager and begins each step \
+                 with start_quorum)"
+                    .to_string()
+            )
+        );
+    }
     // A lighthouse that never forms the quorum (min_replicas 2 of one group): the deadline.
     let lonely = LighthouseServer::start(LighthouseOptions {
         bind: "127.0.0.1:0".into(),

@@ -81,6 +81,22 @@ pub enum FtError {
         /// The shared name.
         name: String,
     },
+    /// The group's rank 0 made no manager within the quorum timeout (every rank of a
+    /// replica group makes its [`Manager`](super::Manager); rank 0's runs the group's
+    /// manager server). A rank other than 0 reports it; a rank that makes none while rank 0
+    /// does is named by rank 0's first quorum ([`FtError::Control`]).
+    #[error(
+        "replica {replica}, group rank {group_rank}: group rank 0 made no manager within \
+         {waited:?} (every rank of a replica group makes one)"
+    )]
+    NoManager {
+        /// This replica group's name.
+        replica: String,
+        /// This rank in its group.
+        group_rank: usize,
+        /// How long this rank waited (the quorum timeout).
+        waited: std::time::Duration,
+    },
     /// The state a healthy member sent for healing does not fit this model.
     #[error("replica {replica}, group rank {group_rank}: healing from {from}: {problem}")]
     Heal {

@@ -52,7 +52,8 @@ use std::time::Duration;
 use tch::{Kind, Tensor};
 use tch_dist_core::sharding::Dtype;
 use tch_dist_ft::{
-    ManagerClient, ManagerOptions, ManagerQuorumRequest, ManagerQuorumResponse, ManagerServer,
+    FtErrorKind, ManagerClient, ManagerOptions, ManagerQuorumRequest, ManagerQuorumResponse,
+    ManagerServer, RpcCode,
 };
 use tch_dist_runtime::{Fingerprint, ProcessGroup, QuorumGroupOptions, ReduceOp};
 
@@ -222,9 +223,6 @@ pub struct Manager {
     errored: Option<String>,
     /// The gradient average's buffer, kept between steps.
     flat: Option<Tensor>,
-    /// Whether the gradients are copied into the buffer and back (some parameter's `.grad`
-    /// could not be made a slice of it).
-    copied: bool,
     /// Whether this step has averaged its gradients (once per step).
     averaged: bool,
     /// The quorum `start_quorum` asked for in the background (`async_quorum`), applied by
@@ -334,6 +332,23 @@ impl Manager {
                 .map_err(|e| collective("publishing the manager's address", e))?;
             (Some(server), replica_id, address)
         } else {
+            // Bounded by the quorum timeout, not the store's (half an hour): a rank 0 that
+            // makes no manager is a misuse, named here.
+            let waiting = std::time::Instant::now();
+            while !group
+                .store()
+                .check(MANAGER_KEY)
+                .map_err(|e| collective("reading the manager's address", e))?
+            {
+                if waiting.elapsed() >= opts.quorum_timeout {
+                    return Err(FtError::NoManager {
+                        replica: opts.replica_id.clone(),
+                        group_rank,
+                        waited: opts.quorum_timeout,
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
             let published = group
                 .store()
                 .get(MANAGER_KEY)
@@ -356,7 +371,6 @@ impl Manager {
             commit_failures: 0,
             errored: None,
             flat: None,
-            copied: false,
             averaged: false,
             pending: None,
         })
@@ -504,6 +518,10 @@ impl Manager {
         let group_rank = self.group.rank();
         let answer = match asked {
             Ok(a) => a,
+            // A rank of this group that never asks: asking again would not help.
+            Err(e) if e.kind() == &FtErrorKind::Rpc(RpcCode::FailedPrecondition) => {
+                return Err(self.control(e))
+            }
             // The lighthouse restarting, say: this step does not commit, the next asks again.
             // (A manager that is gone fails `should_commit`, which is an error.)
             Err(e) => {
@@ -719,14 +737,13 @@ impl Manager {
         };
         let total: i64 = params.iter().map(|(_, p)| p.numel() as i64).sum();
         // One buffer for the average, kept between steps: the gradients, then the failure
-        // flag. Each parameter's `.grad` becomes its slice (set once, when the buffer is
-        // made): backward accumulates into the buffer and the average is left in the
-        // gradients, with no copy either way (DDP's `gradient_as_bucket_view`).
+        // flag. Each parameter's `.grad` is made its slice when the buffer is made:
+        // backward accumulates into the buffer and the average is left in the gradients,
+        // with no copy either way (DDP's `gradient_as_bucket_view`).
         let flat = match self.flat.take() {
             Some(f) if f.numel() as i64 == total + 1 && f.kind() == kind => f,
             _ => {
                 let flat = Tensor::zeros([total + 1], (kind, tch::Device::Cpu));
-                self.copied = false;
                 let mut offset = 0i64;
                 for (_, p) in &params {
                     let n = p.numel() as i64;
@@ -735,37 +752,58 @@ impl Manager {
                     if g.defined() {
                         tch::no_grad(|| slot.shallow_clone().copy_(&g));
                     }
-                    let viewed = p.device() == tch::Device::Cpu && p.kind() == kind;
-                    if !viewed
-                        || tch_dist_runtime::set_grad_for(
+                    if p.device() == tch::Device::Cpu && p.kind() == kind {
+                        // Where it cannot be, the gradient is copied each step (below).
+                        let _ = tch_dist_runtime::set_grad_for(
                             p,
                             Some(&slot),
                             self.group.rank(),
                             "fault tolerance",
-                        )
-                        .is_err()
-                    {
-                        // Not a slice of the buffer: the gradients are copied each step.
-                        self.copied = true;
+                        );
                     }
                     offset += n;
                 }
                 flat
             }
         };
-        let contributes = current.participating && !failed_here;
-        if self.copied {
+        // Whether each `.grad` is still its slice, checked every step: another owner may
+        // have replaced it since (replicate's `gradient_as_bucket_view` re-points it at its
+        // own bucket, a grad set to none gets a new tensor), and averaging the slice then
+        // would average stale values. Those are copied in, and the average back out.
+        let slices: Vec<(Tensor, bool)> = {
             let mut offset = 0i64;
-            for (_, p) in &params {
-                let n = p.numel() as i64;
-                let g = p.grad();
-                if g.defined() {
-                    flat.narrow(0, offset, n).copy_(&g.reshape([-1]));
+            params
+                .iter()
+                .map(|(_, p)| {
+                    let n = p.numel() as i64;
+                    let slot = flat.narrow(0, offset, n);
+                    offset += n;
+                    let g = p.grad();
+                    let in_place = n == 0
+                        || (g.defined()
+                            && g.data_ptr() == slot.data_ptr()
+                            && g.size() == p.size()
+                            && g.is_contiguous()
+                            && g.kind() == kind);
+                    (slot, in_place)
+                })
+                .collect()
+        };
+        let contributes = current.participating && !failed_here;
+        if contributes {
+            for ((_, p), (slot, in_place)) in params.iter().zip(&slices) {
+                if *in_place {
+                    continue;
                 }
-                offset += n;
+                let g = p.grad();
+                // No gradient this step (an unused parameter): it contributes zeros.
+                if g.defined() {
+                    tch::no_grad(|| slot.shallow_clone().copy_(&g.reshape([-1])));
+                } else {
+                    let _ = slot.shallow_clone().zero_();
+                }
             }
-        }
-        if !contributes {
+        } else {
             let _ = flat.narrow(0, 0, total).zero_();
         }
         let _ = flat
@@ -790,15 +828,24 @@ impl Manager {
             return;
         }
         let _ = flat.narrow(0, 0, total).g_div_scalar_(participants);
-        if self.copied {
-            let mut offset = 0i64;
-            for (_, p) in &params {
-                let n = p.numel() as i64;
-                let mut g = p.grad();
-                if g.defined() {
-                    tch::no_grad(|| g.copy_(&flat.narrow(0, offset, n).view_as(&g)));
+        for ((_, p), (slot, in_place)) in params.iter().zip(&slices) {
+            if *in_place {
+                continue;
+            }
+            let mut g = p.grad();
+            if g.defined() {
+                tch::no_grad(|| g.copy_(&slot.view_as(&g)));
+            } else {
+                // Every member steps this parameter with the average, this one too.
+                let average = slot.view_as(p).to_device(p.device()).to_kind(p.kind());
+                if let Err(e) = tch_dist_runtime::set_grad_for(
+                    p,
+                    Some(&average),
+                    self.group.rank(),
+                    "fault tolerance",
+                ) {
+                    self.fail(format!("setting an averaged gradient: {e}"));
                 }
-                offset += n;
             }
         }
     }

@@ -207,7 +207,34 @@ impl ManagerService for Arc<Shared> {
             }
             issued
         };
-        let quorum = match issued.recv().await {
+        // The group's other ranks must ask too. A rank that never does (a rank that made no
+        // manager, or calls no `start_quorum`) is named before the caller's deadline, rather
+        // than left for the caller to time out on: a tenth of it stays for the answer.
+        let received = match tokio::time::timeout(timeout - timeout / 10, issued.recv()).await {
+            Ok(received) => received,
+            Err(_) => {
+                let group = self.group.lock().await;
+                // Still unissued, this rank's request stays in it: were it this rank's last,
+                // the answer would go to no one, and asking again replaces it.
+                if group.asking.contains_key(&req.group_rank) {
+                    let world_size = i64::try_from(self.opts.world_size).unwrap_or(i64::MAX);
+                    let missing: Vec<i64> = (0..world_size)
+                        .filter(|r| !group.asking.contains_key(r))
+                        .collect();
+                    return Err(Status::failed_precondition(format!(
+                        "group ranks {missing:?} of {} did not ask for the quorum of step {} \
+                         within {timeout:?} (every rank of a replica group makes a manager and \
+                         begins each step with start_quorum)",
+                        self.opts.replica_id, req.step
+                    )));
+                }
+                // The round was issued meanwhile: its answer (or the lighthouse call's
+                // failure) is on its way.
+                drop(group);
+                issued.recv().await
+            }
+        };
+        let quorum = match received {
             Ok(Ok(q)) => q,
             Ok(Err(failure)) => return Err(Status::unavailable(failure)),
             Err(e) => return Err(Status::internal(e.to_string())),
