@@ -732,7 +732,17 @@ impl Manager {
         };
         let failed_here = self.errored.is_some();
         let params = heal::parameters(opt, vs);
-        let Some(kind) = params.first().map(|(_, p)| p.kind()) else {
+        // The buffer's dtype: the parameters' own where they share one, else one that holds
+        // each of theirs (a bf16 parameter first must not average the f32 ones in bf16).
+        let Some(kind) = params
+            .iter()
+            .map(|(_, p)| p.kind())
+            .reduce(|a, b| match (a, b) {
+                _ if a == b => a,
+                (Kind::Double, _) | (_, Kind::Double) => Kind::Double,
+                _ => Kind::Float,
+            })
+        else {
             return;
         };
         let total: i64 = params.iter().map(|(_, p)| p.numel() as i64).sum();
