@@ -66,6 +66,9 @@ use crate::optim::Optimizer;
 /// other ranks.
 const MANAGER_KEY: &str = "tch_dist/ft/manager";
 
+/// The elements of one chunk of the gradient average's all-reduce (8 MiB of f32).
+const AVERAGE_CHUNK: i64 = 1 << 21;
+
 /// A replica group's settings for fault tolerance (torchft's `Manager` arguments).
 ///
 /// ```
@@ -274,6 +277,32 @@ fn duplicate_name(ids: &[String]) -> Option<&str> {
         .enumerate()
         .find(|(i, n)| names[..*i].contains(n))
         .map(|(_, n)| *n)
+}
+
+/// One chunk of the gradient average's all-reduce: `len` elements from `start`, the first
+/// `grads` of them gradients (the rest, in the last chunk, the failure flag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct AverageChunk {
+    start: i64,
+    len: i64,
+    grads: i64,
+}
+
+/// The chunks of at most `chunk` elements that cover `total` gradient elements and the
+/// failure flag after them, in order.
+fn average_chunks(total: i64, chunk: i64) -> Vec<AverageChunk> {
+    let chunk = chunk.max(1);
+    (0..=total)
+        .step_by(chunk as usize)
+        .map(|start| {
+            let len = chunk.min(total + 1 - start);
+            AverageChunk {
+                start,
+                len,
+                grads: len.min(total - start),
+            }
+        })
+        .collect()
 }
 
 /// A random id for this start of the group (Linux's kernel UUID source; the process id and
@@ -820,10 +849,43 @@ impl Manager {
             .narrow(0, total, 1)
             .fill_(if failed_here { 1.0 } else { 0.0 });
         let participants = current.participants.max(1) as f64;
-        let reduced = current.pg.all_reduce(&flat, ReduceOp::Sum);
         let id = current.id;
+        let divide = !failed_here;
+        // The all-reduce in chunks, all launched at once: each chunk is divided while the
+        // later ones are still on the wire (one division of the whole buffer after the
+        // all-reduce was a tenth of the step, nothing overlapping it).
+        let mut launched = Vec::new();
+        let mut failure = None;
+        for chunk in average_chunks(total, AVERAGE_CHUNK) {
+            match current
+                .pg
+                .all_reduce_async(&flat.narrow(0, chunk.start, chunk.len), ReduceOp::Sum)
+            {
+                Ok(work) => launched.push((chunk, work)),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        // Every launched chunk is waited for, whatever failed: none may outlive this call.
+        for (chunk, work) in launched {
+            match work.wait() {
+                Ok(()) if failure.is_none() && divide => {
+                    if chunk.grads > 0 {
+                        let _ = flat
+                            .narrow(0, chunk.start, chunk.grads)
+                            .g_div_scalar_(participants);
+                    }
+                }
+                Ok(()) => {}
+                Err(e) => {
+                    failure.get_or_insert(e);
+                }
+            }
+        }
         self.flat = Some(flat.shallow_clone());
-        if let Err(e) = reduced {
+        if let Some(e) = failure {
             self.fail(format!("averaging the gradients: {e}"));
             return;
         }
@@ -837,7 +899,6 @@ impl Manager {
         if failed_here {
             return;
         }
-        let _ = flat.narrow(0, 0, total).g_div_scalar_(participants);
         for ((_, p), (slot, in_place)) in params.iter().zip(&slices) {
             if *in_place {
                 continue;
@@ -914,5 +975,28 @@ impl Drop for Manager {
         if let Some(current) = self.current.take() {
             current.pg.shutdown();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_average_s_chunks_cover_the_gradients_then_the_flag() {
+        let plan = |total, chunk| -> Vec<(i64, i64, i64)> {
+            average_chunks(total, chunk)
+                .into_iter()
+                .map(|c| (c.start, c.len, c.grads))
+                .collect()
+        };
+        // No gradients: the flag alone.
+        assert_eq!(plan(0, 4), [(0, 1, 0)]);
+        // The flag fits the last chunk of gradients.
+        assert_eq!(plan(6, 4), [(0, 4, 4), (4, 3, 2)]);
+        // The gradients fill their chunks exactly: the flag is a chunk of its own.
+        assert_eq!(plan(8, 4), [(0, 4, 4), (4, 4, 4), (8, 1, 0)]);
+        assert_eq!(plan(7, 4), [(0, 4, 4), (4, 4, 3)]);
+        assert_eq!(plan(3, 1 << 21), [(0, 4, 3)]);
     }
 }
