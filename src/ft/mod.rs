@@ -715,12 +715,13 @@ impl Manager {
 
     /// Applies the step's quorum if it was asked for in the background (see
     /// [`start_quorum`](Self::start_quorum); an error there is returned), then averages the
-    /// gradients of `opt`'s parameters in `vs` over the quorum's members at the highest step (one flattened all-reduce; a group that healed this step contributes
+    /// gradients of `opt`'s parameters in `vs` over the quorum's members at the highest step (the
+    /// gradients flattened into one buffer, all-reduced in chunks; a group that healed this step contributes
     /// zeros, and the divisor is the participants, not the members). One more element
     /// carries whether each member's step failed so far ([`report_error`](Self::report_error),
     /// a failed heal): a member that failed takes part with zeros, and every member learns
     /// of it. A failure is recorded (see [`errored`](Self::errored)) and the gradients are
-    /// then left as they are: the step will not commit. Once per step: a second call
+    /// then no average: the step will not commit. Once per step: a second call
     /// communicates nothing and fails the step (it would meet the other members' next
     /// average).
     ///
