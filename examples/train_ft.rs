@@ -21,7 +21,7 @@
 //! initial weights' seed; by default the process id; `--seed-per-group` adds 1000 times
 //! REPLICA_GROUP_ID), `--hidden H` (the hidden width, 16), `--shard` (within a group of several
 //! ranks, `fully_shard` instead of `replicate`: HSDP, fault tolerance on its replicate
-//! dimension), `--bucket-view` (`replicate`'s `gradient_as_bucket_view`), `--no-manager-rank R`
+//! dimension), `--fail-rank R` (`--fail-at` at group rank R only), `--bucket-view` (`replicate`'s `gradient_as_bucket_view`), `--no-manager-rank R`
 //! (the misuse of a group rank R that makes no `Manager`: it waits 30 s and exits).
 //! The batches are keyed by (step, the group's index, its rank), and groups start from their own random
 //! weights (`init_sync` makes them alike at step 0; a group that restarts heals). At the end
@@ -99,7 +99,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             .filter(|_| first_start && (exit_replica.is_none() || exit_replica == this_group)))
     };
     let exit_at = injected("--exit-at")?;
-    let fail_at = injected("--fail-at")?;
+    let fail_rank = arg(&args, "--fail-rank");
     let stop_at = injected("--stop-at")?;
     let twice_at = injected("--average-twice-at")?;
     let timeout_ms: u64 = arg(&args, "--timeout-ms").map_or(Ok(5000), |s| s.parse())?;
@@ -112,6 +112,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let progress = arg(&args, "--progress");
 
     let pg = tch_dist::init_process_group(tch_dist::Backend::Gloo)?;
+    let fail_at = injected("--fail-at")?
+        .filter(|_| fail_rank.is_none() || fail_rank == Some(pg.rank().to_string()));
     // --seed-per-group: each group from its own weights (the seed plus its index), the
     // ranks of one group alike.
     let group_offset = if args.iter().any(|a| a == "--seed-per-group") {

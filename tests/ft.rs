@@ -553,6 +553,28 @@ fn groups_of_two_ranks_lose_a_whole_group_and_end_as_the_run_without_the_loss() 
     for (prefix, state) in launched_states(&ended) {
         assert_eq!(state, expected, "{prefix} with the loss");
     }
+    // A step that fails on one rank of group 1 only (report_error on its rank 1): the
+    // failure reaches group 0's rank 1 through its average and group 0's rank 0 through its
+    // group's vote; the step commits nowhere, and nothing differs from the run without it.
+    let ended = run(&["--fail-at", "3", "--exit-replica", "1", "--fail-rank", "1"]);
+    assert!(
+        ended
+            .stderr
+            .contains("[replica1/rank1]: train_ft: failing step 3 (injected)")
+            && !ended
+                .stderr
+                .contains("[replica1/rank0]: train_ft: failing step 3 (injected)"),
+        "{ended:#?}"
+    );
+    for g in ["replica0", "replica1"] {
+        for r in ["rank0", "rank1"] {
+            let prefix = format!("[{g}/{r}]: train_ft: step 3 not committed");
+            assert!(ended.stderr.contains(&prefix), "{prefix}: {ended:#?}");
+        }
+    }
+    for (prefix, state) in launched_states(&ended) {
+        assert_eq!(state, expected, "{prefix} with one rank's failure");
+    }
     // replicate with gradient_as_bucket_view: its reducer re-points `.grad` at its own
     // bucket every step, away from the fault-tolerant average's buffer; the average follows.
     for (prefix, state) in launched_states(&run(&["--bucket-view"])) {
