@@ -76,6 +76,12 @@ pub(super) fn parameters(opt: &Optimizer, vs: &tch::nn::VarStore) -> Vec<(String
     out
 }
 
+/// `t` as it travels: detached, contiguous, in host memory (the quorum's group is Gloo's,
+/// which sends host memory; the receiver puts each tensor on its own parameter's device).
+fn on_cpu(t: &Tensor) -> Tensor {
+    t.detach().to_device(Device::Cpu).contiguous()
+}
+
 /// Sends this member's live state to replica rank `dst` of `pg`.
 pub(super) fn send(
     pg: &ProcessGroup,
@@ -94,7 +100,7 @@ pub(super) fn send(
             shape: p.size(),
             dtype: Dtype(p.kind()),
         });
-        tensors.push(p.detach().contiguous());
+        tensors.push(on_cpu(p));
     }
     for (fqn, _) in &params {
         if let Some(state) = opt.state(fqn) {
@@ -105,7 +111,7 @@ pub(super) fn send(
                     shape: t.size(),
                     dtype: Dtype(t.kind()),
                 });
-                tensors.push(t.detach().contiguous());
+                tensors.push(on_cpu(t));
             }
         }
     }
@@ -169,6 +175,10 @@ pub(super) fn receive(
             e.fqn
         )));
     }
+    // Everything arrives before anything is applied: a source that fails mid-transfer
+    // leaves this member as it was, never half its parameters replaced (it may go on
+    // alone with them).
+    let mut arrived: Vec<(Tensor, Tensor)> = Vec::new();
     let mut states: BTreeMap<String, BTreeMap<String, Tensor>> = BTreeMap::new();
     for e in &description.tensors {
         let Some((_, p)) = params.iter().find(|(f, _)| f == &e.fqn) else {
@@ -182,17 +192,20 @@ pub(super) fn receive(
         let buffer = Tensor::empty(e.shape.as_slice(), (Kind::from(e.dtype), Device::Cpu));
         pg.recv(&buffer, src, 0)?;
         match &e.state {
-            None => tch::no_grad(|| {
-                let mut p = p.shallow_clone();
-                p.copy_(&buffer);
-            }),
+            None => arrived.push((p.shallow_clone(), buffer)),
             Some(name) => {
                 states
                     .entry(e.fqn.clone())
                     .or_default()
-                    .insert(name.clone(), buffer);
+                    .insert(name.clone(), buffer.to_device(p.device()));
             }
         }
+    }
+    for (p, value) in arrived {
+        tch::no_grad(|| {
+            let mut p = p;
+            p.copy_(&value);
+        });
     }
     let state = states
         .into_iter()
