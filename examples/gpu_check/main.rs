@@ -44,11 +44,15 @@
 //! 11. (before 6.) the differentiable `all_to_all_single` over NCCL, `loss_parallel`, a MoE
 //!     layer with expert parallelism and Ulysses attention, at world size 1 on the device,
 //!     each against its one-device reference.
+//! 12. (before 6.) fault tolerance: two replica groups of one rank on the device at a
+//!     lighthouse this process serves, group 1 healing from group 0 at step 0, each step's
+//!     gradients averaged across them, against one process.
 //!
 //! It ends with `gpu_check: N passed, M failed, K skipped (T s)`, exits 1 on any failure (or
 //! after 300 s) and 2 when CUDA is not available. The ranks of 4., 5., 9. and 10. are this
 //! binary again (`--pair-rank`, `--duplicate-rank`, `--pipeline-rank`, `--mesh-rank`),
-//! started with torchrun's variables.
+//! started with torchrun's variables; the groups of 12. too (`--ft-group`, each a job of
+//! one rank).
 //!
 //! | file | what it checks | PyTorch's counterpart |
 //! | --- | --- | --- |
@@ -61,6 +65,7 @@
 //! | `activation_checkpoint.rs` | 8. activation checkpointing with dropout on the device | `test_checkpoint.py` (composable) |
 //! | `pipeline.rs` | 9. a 2-stage pipeline of two ranks on one GPU through Gloo | `test_schedule_multiproc.py` |
 //! | `new_layers.rs` | 11. `all_to_all_single`, `loss_parallel`, MoE expert parallelism, Ulysses attention on the device | `test_c10d_nccl.py`'s all-to-all, torchtitan's MoE and loss tests |
+//! | `ft.rs` | 12. fault tolerance's heal and average with the parameters on the device | torchft's `manager_integ_test.py` |
 //! | `mesh.rs` | 10. FSDP x TP on a 1x1 mesh (NCCL) and a 2x1 mesh (two ranks through Gloo) | `test_fully_shard_training.py`'s `TestFullyShard2DTraining` |
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -86,6 +91,7 @@ use replicate_net::{
 mod activation_checkpoint;
 mod child_ranks;
 mod default_group;
+mod ft;
 mod mesh;
 mod new_layers;
 mod pipeline;
@@ -95,6 +101,7 @@ mod without_shortcuts;
 use activation_checkpoint::*;
 use child_ranks::*;
 use default_group::*;
+use ft::*;
 use mesh::*;
 use new_layers::*;
 use pipeline::*;
@@ -200,6 +207,9 @@ fn main() {
     }
     if has("--mesh-rank") {
         child(mesh_rank);
+    }
+    if has("--ft-group") {
+        child(ft_group);
     }
     let start = Instant::now();
     std::thread::spawn(move || {
@@ -347,6 +357,11 @@ fn main() {
     tally.run(
         "all_to_all_single, loss_parallel, MoE expert parallelism, Ulysses and ring attention over the device's group equal their references",
         || check_new_layers(&pg),
+    );
+    // 12.
+    tally.run(
+        "fault tolerance: 2 replica groups on one device heal and average, equal to one process",
+        check_ft_groups,
     );
     tally.run("shutdown with clones alive; destroy_process_group", || {
         check_shutdown(&pg, &alone)
