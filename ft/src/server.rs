@@ -78,7 +78,9 @@ impl Bound {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let routes: Routes = routes.into();
         runtime.spawn(async move {
+            // HTTP/1 beside gRPC's HTTP/2: the lighthouse's dashboard is for browsers.
             let _ = Server::builder()
+                .accept_http1(true)
                 .add_routes(routes)
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = stopped.await;

@@ -302,3 +302,95 @@ fn a_manager_refuses_a_rank_outside_its_group_and_a_call_without_deadline_errs_f
         &tch_dist_ft::FtErrorKind::TimedOut(Duration::from_millis(10))
     );
 }
+
+/// `method path` over HTTP/1.1 at `address` (`http://host:port`): the status code and the
+/// body.
+fn http(address: &str, method: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let host = address.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(host).expect("the lighthouse's port");
+    stream.set_read_timeout(Some(T)).expect("a timeout");
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .expect("a request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("a response");
+    let code = response
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {response}"));
+    let body = response
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    (code, body)
+}
+
+#[test]
+fn the_dashboard_shows_a_torchft_group_asking_and_its_kill_button_ends_it() {
+    let lighthouse = LighthouseServer::start(LighthouseOptions {
+        bind: "127.0.0.1:0".into(),
+        ..LighthouseOptions::new(2)
+    })
+    .expect("a lighthouse");
+    let address = lighthouse.address();
+    let (code, page) = http(&address, "GET", "/status");
+    assert_eq!(code, 200, "{page}");
+    assert!(page.contains("<p>min_replicas 2, join timeout 60s, heartbeat timeout 5s</p>"));
+    assert!(
+        page.contains("<h2>Last quorum</h2>\n<p>none yet</p>"),
+        "{page}"
+    );
+    // A torchft group (the wheel's manager) asks for a quorum of one, which min_replicas 2
+    // never forms: the page lists it among the groups asking.
+    let (mut peer, mut out) = Peer::start(&["asking", &address]);
+    assert_eq!(line_within(&mut peer, &mut out).trim(), "asking");
+    let deadline = std::time::Instant::now() + T;
+    let page = loop {
+        let (_, page) = http(&address, "GET", "/");
+        if page.contains("<tr><td>replica_0:py</td><td>5</td><td>1</td>") {
+            break page;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never listed:\n{page}"
+        );
+        thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        page.contains("<p>waiting: 1 groups ask for a quorum, min_replicas is 2</p>"),
+        "{page}"
+    );
+    assert!(page.contains("<tr><td>replica_0:py</td><td>"), "{page}");
+    // No such group: nothing is asked of anyone.
+    let (code, body) = http(&address, "POST", "/replica/replica_9:rs/kill");
+    assert_eq!(
+        (code, body.as_str()),
+        (
+            404,
+            "no replica group replica_9:rs is asking for a quorum or in the last one"
+        )
+    );
+    // The kill button: torchft's manager ends its process.
+    let (code, body) = http(&address, "POST", "/replica/replica_0:py/kill");
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        body.starts_with("asked replica group replica_0:py (its manager at http://127.0.0.1:"),
+        "{body}"
+    );
+    let deadline = std::time::Instant::now() + T;
+    let status = loop {
+        if let Some(status) = peer.child.try_wait().expect("the peer's status") {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the peer survived its kill"
+        );
+        thread::sleep(Duration::from_millis(20));
+    };
+    assert!(!status.success(), "{status:?}");
+}

@@ -9,6 +9,10 @@
         asks its manager and the Rust one for a quorum (step 0, init_sync), votes to commit
         on both, and reads back the checkpoint metadata the Rust manager kept; prints one
         JSON object.
+    torchft_peer.py asking LIGHTHOUSE_ADDR
+        starts a torchft manager for replica group `replica_0:py` at the lighthouse, prints
+        `asking`, and asks it for a quorum (step 5) until one forms or the process is
+        killed (the lighthouse dashboard's kill button: the manager ends the process).
 """
 
 import json
@@ -103,5 +107,31 @@ def groups(lighthouse_addr, rust_manager):
     server.shutdown()
 
 
+def asking(lighthouse_addr):
+    server = ManagerServer(
+        replica_id="replica_0:py",
+        lighthouse_addr=lighthouse_addr,
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="127.0.0.1:1111",
+        world_size=1,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=timedelta(seconds=10),
+        quorum_retries=0,
+    )
+    client = ManagerClient(server.address(), connect_timeout=timedelta(seconds=10))
+    print("asking", flush=True)
+    client._quorum(
+        group_rank=0,
+        step=5,
+        checkpoint_metadata="",
+        shrink_only=False,
+        timeout=timedelta(seconds=60),
+        commit_failures=0,
+        init_sync=True,
+    )
+    server.shutdown()
+
+
 if __name__ == "__main__":
-    {"lighthouse": lighthouse, "groups": groups}[sys.argv[1]](*sys.argv[2:])
+    {"lighthouse": lighthouse, "groups": groups, "asking": asking}[sys.argv[1]](*sys.argv[2:])

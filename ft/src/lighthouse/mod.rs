@@ -5,11 +5,13 @@
 //! |---|---|---|
 //! | `quorum.rs` | the rule: who is alive, who asks, when a quorum is issued and under which id | `quorum_compute`, `_quorum_tick` |
 //! | `mod.rs` | the gRPC server: a long-polled `Quorum` (also a heartbeat), `Heartbeat`, the tick | `Lighthouse::{new, run, quorum, heartbeat}` |
+//! | `dashboard.rs` | the HTTP dashboard on the same port: the status page, the kill button | `Lighthouse::{get_status, kill}`, `templates/` |
 //!
-//! torchft's lighthouse also serves an HTTP dashboard on the same port (`/status`, a kill
-//! button per group); this one serves gRPC only. Its quorum ids start above the time of its
+//! Like torchft's, it also serves an HTTP dashboard on the same port (`/status`, a kill
+//! button per group). Its quorum ids start above the time of its
 //! start in milliseconds, where torchft's start at 1 (see `first_id_base`).
 
+mod dashboard;
 mod quorum;
 
 use std::net::SocketAddr;
@@ -131,8 +133,11 @@ impl LighthouseServer {
             opts,
         });
         let ticking = shared.clone();
+        let routes = Routes::new(LighthouseServiceServer::new(shared.clone()))
+            .into_axum_router()
+            .merge(dashboard::routes(shared.clone()));
         let serving = Bound::new("lighthouse bind", &shared.opts.bind)?.serve(
-            Routes::new(LighthouseServiceServer::new(shared.clone())),
+            Routes::from(routes),
             async move {
                 let mut interval = tokio::time::interval(tick);
                 loop {

@@ -123,7 +123,59 @@ impl Decision {
     }
 }
 
+/// What the lighthouse's dashboard shows: the rule's decision now, the last quorum, and the
+/// groups heard from.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct StatusView {
+    /// The rule's decision if it ran now (`Decision`'s text).
+    pub decision: String,
+    /// The last quorum issued, if any.
+    pub previous: Option<Quorum>,
+    /// The groups asking for the next quorum, by id.
+    pub asking: Vec<QuorumMember>,
+    /// Each group heard from, by id: the time since its last heartbeat, and whether that is
+    /// within the heartbeat timeout.
+    pub heartbeats: Vec<(String, Duration, bool)>,
+}
+
 impl Membership {
+    /// What the dashboard shows at `now`.
+    pub(crate) fn status(&self, now: Instant, opts: &LighthouseOptions) -> StatusView {
+        let mut asking: Vec<QuorumMember> =
+            self.asking.values().map(|j| j.member.clone()).collect();
+        asking.sort_by(|a, b| a.replica_id.cmp(&b.replica_id));
+        let mut heartbeats: Vec<(String, Duration, bool)> = self
+            .heartbeats
+            .iter()
+            .map(|(id, last)| {
+                let age = now.saturating_duration_since(*last);
+                (id.clone(), age, age < opts.heartbeat_timeout)
+            })
+            .collect();
+        heartbeats.sort_by(|a, b| a.0.cmp(&b.0));
+        StatusView {
+            decision: self.decide(now, opts).to_string(),
+            previous: self.previous.clone(),
+            asking,
+            heartbeats,
+        }
+    }
+
+    /// The manager address of group `replica_id`, from the groups asking or the last quorum.
+    pub(crate) fn address_of(&self, replica_id: &str) -> Option<String> {
+        self.asking
+            .get(replica_id)
+            .map(|j| j.member.address.clone())
+            .or_else(|| {
+                self.previous.as_ref().and_then(|q| {
+                    q.participants
+                        .iter()
+                        .find(|p| p.replica_id == replica_id)
+                        .map(|p| p.address.clone())
+                })
+            })
+    }
+
     /// A lighthouse's first state, whose first quorum gets id `last_id + 1`.
     pub(crate) fn starting_after(last_id: i64) -> Self {
         Membership {
