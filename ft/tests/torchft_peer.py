@@ -59,8 +59,9 @@ def lighthouse(min_replicas, join_timeout_ms):
     server.shutdown()
 
 
-def groups(lighthouse_addr, rust_manager):
-    server = ManagerServer(
+def manager(lighthouse_addr):
+    """A torchft manager for replica group `replica_0:py` (one rank, store 127.0.0.1:1111)."""
+    return ManagerServer(
         replica_id="replica_0:py",
         lighthouse_addr=lighthouse_addr,
         hostname="127.0.0.1",
@@ -71,6 +72,10 @@ def groups(lighthouse_addr, rust_manager):
         connect_timeout=timedelta(seconds=10),
         quorum_retries=0,
     )
+
+
+def groups(lighthouse_addr, rust_manager):
+    server = manager(lighthouse_addr)
     clients = {
         "py": ManagerClient(server.address(), connect_timeout=timedelta(seconds=10)),
         "rs": ManagerClient(rust_manager, connect_timeout=timedelta(seconds=10)),
@@ -108,17 +113,7 @@ def groups(lighthouse_addr, rust_manager):
 
 
 def asking(lighthouse_addr):
-    server = ManagerServer(
-        replica_id="replica_0:py",
-        lighthouse_addr=lighthouse_addr,
-        hostname="127.0.0.1",
-        bind="127.0.0.1:0",
-        store_addr="127.0.0.1:1111",
-        world_size=1,
-        heartbeat_interval=timedelta(milliseconds=100),
-        connect_timeout=timedelta(seconds=10),
-        quorum_retries=0,
-    )
+    server = manager(lighthouse_addr)
     client = ManagerClient(server.address(), connect_timeout=timedelta(seconds=10))
     print("asking", flush=True)
     client._quorum(
