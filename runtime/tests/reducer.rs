@@ -263,6 +263,18 @@ fn unused_parameter_without_detection_fails_next_iteration() {
             let (x, y) = data(0);
             reducer.prepare_for_forward().unwrap();
             model.loss(&x, &y).backward();
+            // The pass could not finish (its first bucket holds the unused parameter, so no
+            // bucket was launched): every gradient comes back as this rank's own, as the
+            // same model computes it without a reducer.
+            let alone = new_model(false, true);
+            alone.loss(&x, &y).backward();
+            for (fqn, p) in &model.params {
+                let (got, want) = (p.grad(), alone.get(fqn).grad());
+                assert_eq!(got.defined(), want.defined(), "{fqn}");
+                if want.defined() {
+                    assert!(got.equal(&want), "{fqn}: {got} against {want}");
+                }
+            }
             let err = reducer.prepare_for_forward().unwrap_err().to_string();
             assert!(err.starts_with(&format!("rank {}: replicate failed: Expected to have finished reduction in the prior iteration", pg.rank())), "{err}");
             assert!(
