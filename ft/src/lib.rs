@@ -45,7 +45,7 @@ mod server;
 pub use client::{LighthouseClient, ManagerClient};
 pub use error::{FtError, FtErrorKind, Result};
 pub use lighthouse::{LighthouseOptions, LighthouseServer};
-pub use manager::{ManagerOptions, ManagerServer};
+pub use manager::{ManagerOptions, ManagerServer, QuorumMembers, TCH_DIST_MEMBER};
 pub use proto::{ManagerQuorumRequest, ManagerQuorumResponse, Quorum, QuorumMember};
 /// A gRPC status code, as [`FtErrorKind::Rpc`] carries it.
 pub use tonic::Code as RpcCode;

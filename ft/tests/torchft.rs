@@ -71,9 +71,30 @@ fn manager(replica_id: &str, lighthouse: &str, store: &str) -> ManagerServer {
     manager_of(replica_id, lighthouse, store, 1)
 }
 
+/// What `tch_dist::ft::Manager` runs: a manager that shares quorums with tch-dist groups
+/// only.
+fn training_manager(replica_id: &str, lighthouse: &str) -> ManagerServer {
+    ManagerServer::start(ManagerOptions {
+        members: tch_dist_ft::QuorumMembers::TchDistOnly,
+        ..manager_options(replica_id, lighthouse, "127.0.0.1:3333", 1)
+    })
+    .expect("a manager")
+}
+
 /// A manager of a group of `world_size` ranks.
 fn manager_of(replica_id: &str, lighthouse: &str, store: &str, world_size: u64) -> ManagerServer {
-    ManagerServer::start(ManagerOptions {
+    ManagerServer::start(manager_options(replica_id, lighthouse, store, world_size))
+        .expect("a manager")
+}
+
+/// These tests' manager settings.
+fn manager_options(
+    replica_id: &str,
+    lighthouse: &str,
+    store: &str,
+    world_size: u64,
+) -> ManagerOptions {
+    ManagerOptions {
         replica_id: replica_id.into(),
         lighthouse_addr: lighthouse.into(),
         hostname: "127.0.0.1".into(),
@@ -83,8 +104,8 @@ fn manager_of(replica_id: &str, lighthouse: &str, store: &str, world_size: u64) 
         heartbeat_interval: Duration::from_millis(100),
         connect_timeout: Duration::from_secs(10),
         quorum_retries: 0,
-    })
-    .expect("a manager")
+        members: Default::default(),
+    }
 }
 
 /// Each client's quorum for (step, commit_failures), asked at once.
@@ -393,4 +414,46 @@ fn the_dashboard_shows_a_torchft_group_asking_and_its_kill_button_ends_it() {
         thread::sleep(Duration::from_millis(20));
     };
     assert!(!status.success(), "{status:?}");
+}
+
+#[test]
+fn a_training_manager_refuses_a_quorum_with_a_torchft_group_naming_it() {
+    let lighthouse = LighthouseServer::start(LighthouseOptions {
+        bind: "127.0.0.1:0".into(),
+        ..LighthouseOptions::new(2)
+    })
+    .expect("a lighthouse");
+    let address = lighthouse.address();
+    let m = training_manager("replica_1:rs", &address);
+    let c = ManagerClient::connect(&m.address(), T).expect("connect");
+    // A torchft group asks too: the lighthouse forms a quorum of both (the control plane is
+    // torchft's), and the tch-dist group, which would average with it, refuses it.
+    let (mut peer, mut out) = Peer::start(&["asking", &address]);
+    assert_eq!(line_within(&mut peer, &mut out).trim(), "asking");
+    let err = c
+        .quorum(
+            ManagerQuorumRequest {
+                group_rank: 0,
+                step: 5,
+                ..Default::default()
+            },
+            T,
+        )
+        .expect_err("a quorum with a torchft group");
+    assert_eq!(
+        err.kind(),
+        &tch_dist_ft::FtErrorKind::Rpc(tch_dist_ft::RpcCode::FailedPrecondition),
+        "{err}"
+    );
+    let why = std::error::Error::source(&err)
+        .map(|s| s.to_string())
+        .unwrap_or_default();
+    assert!(
+        why.starts_with("replica group replica_0:py of quorum ")
+            && why.ends_with(
+                " is no tch-dist group (a torchft group, say): it shares the lighthouse, but \
+                 cannot average with tch-dist's groups (their cross-group collectives differ)"
+            ),
+        "{why}"
+    );
 }

@@ -53,7 +53,7 @@ use tch::{Kind, Tensor};
 use tch_dist_core::sharding::Dtype;
 use tch_dist_ft::{
     FtErrorKind, ManagerClient, ManagerOptions, ManagerQuorumRequest, ManagerQuorumResponse,
-    ManagerServer, RpcCode,
+    ManagerServer, QuorumMembers, RpcCode,
 };
 use tch_dist_runtime::{Fingerprint, ProcessGroup, QuorumGroupOptions, ReduceOp};
 
@@ -351,6 +351,8 @@ impl Manager {
                 heartbeat_interval: opts.heartbeat_interval,
                 connect_timeout: opts.connect_timeout,
                 quorum_retries: 0,
+                // The members of a quorum run tch-dist's average together.
+                members: QuorumMembers::TchDistOnly,
             })
             .map_err(|source| FtError::control(&opts.replica_id, group_rank, source))?;
             let address = server.address();
@@ -547,7 +549,8 @@ impl Manager {
         let group_rank = self.group.rank();
         let answer = match asked {
             Ok(a) => a,
-            // A rank of this group that never asks: asking again would not help.
+            // A rank of this group that never asks, or a member that is no tch-dist group:
+            // asking again would not help.
             Err(e) if e.kind() == &FtErrorKind::Rpc(RpcCode::FailedPrecondition) => {
                 return Err(self.control(e))
             }

@@ -55,7 +55,27 @@ pub struct ManagerOptions {
     pub connect_timeout: Duration,
     /// How often a failed lighthouse quorum call is retried before the group's ranks fail.
     pub quorum_retries: i64,
+    /// Which groups this group may share a quorum with.
+    pub members: QuorumMembers,
 }
+
+/// Which groups a manager's group may share a quorum with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QuorumMembers {
+    /// Any group that speaks torchft's protocol (torchft's Python groups included): what the
+    /// control plane alone needs.
+    #[default]
+    Any,
+    /// tch-dist groups only (each marks its quorum requests, [`TCH_DIST_MEMBER`]): what
+    /// training with `tch_dist::ft` needs, since the groups of a quorum then run
+    /// tch-dist's cross-group collectives together. A quorum with another member is
+    /// refused on every rank of this group, naming it.
+    TchDistOnly,
+}
+
+/// What a tch-dist manager puts in its quorum requests' `data` (a JSON string, as torchft's
+/// field is documented; torchft's own groups leave it empty).
+pub const TCH_DIST_MEMBER: &str = r#"{"tch_dist":1}"#;
 
 /// A group's quorum round: the ranks that asked, and where the result goes out. A failure of
 /// the lighthouse call goes out too, so that no rank waits out its deadline for it.
@@ -192,7 +212,7 @@ impl ManagerService for Arc<Shared> {
                 step: req.step,
                 world_size: self.opts.world_size,
                 shrink_only: req.shrink_only,
-                data: String::new(),
+                data: TCH_DIST_MEMBER.to_string(),
                 commit_failures: req.commit_failures,
             };
             group.asking.insert(req.group_rank, member.clone());
@@ -239,6 +259,20 @@ impl ManagerService for Arc<Shared> {
             Ok(Err(failure)) => return Err(Status::unavailable(failure)),
             Err(e) => return Err(Status::internal(e.to_string())),
         };
+        if self.opts.members == QuorumMembers::TchDistOnly {
+            if let Some(other) = quorum
+                .participants
+                .iter()
+                .find(|p| p.data != TCH_DIST_MEMBER)
+            {
+                return Err(Status::failed_precondition(format!(
+                    "replica group {} of quorum {} is no tch-dist group (a torchft group, say): \
+                     it shares the lighthouse, but cannot average with tch-dist's groups (their \
+                     cross-group collectives differ)",
+                    other.replica_id, quorum.quorum_id
+                )));
+            }
+        }
         results::quorum_results(
             &self.opts.replica_id,
             req.group_rank,
@@ -326,6 +360,7 @@ impl ManagerService for Arc<Shared> {
 ///     heartbeat_interval: Duration::from_millis(100),
 ///     connect_timeout: Duration::from_secs(10),
 ///     quorum_retries: 0,
+///     members: Default::default(),
 /// })?;
 /// println!("the group's ranks call {}", manager.address());
 /// # Ok::<(), tch_dist_ft::FtError>(())
