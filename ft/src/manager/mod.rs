@@ -259,19 +259,18 @@ impl ManagerService for Arc<Shared> {
             Ok(Err(failure)) => return Err(Status::unavailable(failure)),
             Err(e) => return Err(Status::internal(e.to_string())),
         };
-        if self.opts.members == QuorumMembers::TchDistOnly {
-            if let Some(other) = quorum
-                .participants
-                .iter()
-                .find(|p| p.data != TCH_DIST_MEMBER)
-            {
-                return Err(Status::failed_precondition(format!(
-                    "replica group {} of quorum {} is no tch-dist group (a torchft group, say): \
-                     it shares the lighthouse, but cannot average with tch-dist's groups (their \
-                     cross-group collectives differ)",
-                    other.replica_id, quorum.quorum_id
-                )));
-            }
+        let stranger = quorum
+            .participants
+            .iter()
+            .find(|p| p.data != TCH_DIST_MEMBER)
+            .filter(|_| self.opts.members == QuorumMembers::TchDistOnly);
+        if let Some(other) = stranger {
+            return Err(Status::failed_precondition(format!(
+                "replica group {} of quorum {} is no tch-dist group (a torchft group, say): it \
+                 shares the lighthouse, but cannot average with tch-dist's groups (their \
+                 cross-group collectives differ)",
+                other.replica_id, quorum.quorum_id
+            )));
         }
         results::quorum_results(
             &self.opts.replica_id,
