@@ -21,7 +21,9 @@
 //! initial weights' seed; by default the process id; `--seed-per-group` adds 1000 times
 //! REPLICA_GROUP_ID), `--hidden H` (the hidden width, 16), `--shard` (within a group of several
 //! ranks, `fully_shard` instead of `replicate`: HSDP, fault tolerance on its replicate
-//! dimension), `--fail-rank R` (`--fail-at` at group rank R only), `--bucket-view` (`replicate`'s `gradient_as_bucket_view`), `--no-manager-rank R`
+//! dimension), `--fail-rank R` (`--fail-at` at group rank R only), `--drop-grad FQN` (every
+//! step, in group `--exit-replica` only where given, the parameter's `.grad` is set to none
+//! after backward, as for a parameter this group did not use), `--bucket-view` (`replicate`'s `gradient_as_bucket_view`), `--no-manager-rank R`
 //! (the misuse of a group rank R that makes no `Manager`: it waits 30 s and exits).
 //! The batches are keyed by (step, the group's index, its rank), and groups start from their own random
 //! weights (`init_sync` makes them alike at step 0; a group that restarts heals). At the end
@@ -100,6 +102,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     let exit_at = injected("--exit-at")?;
     let fail_rank = arg(&args, "--fail-rank");
+    let drop_grad =
+        arg(&args, "--drop-grad").filter(|_| exit_replica.is_none() || exit_replica == this_group);
     let stop_at = injected("--stop-at")?;
     let twice_at = injected("--average-twice-at")?;
     let timeout_ms: u64 = arg(&args, "--timeout-ms").map_or(Ok(5000), |s| s.parse())?;
@@ -186,6 +190,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let y = Tensor::randn([32, 3], (Kind::Float, tch::Device::Cpu));
         let loss = forward(&x)?.mse_loss(&y, tch::Reduction::Mean);
         loss.f_backward()?;
+        if let Some(fqn) = &drop_grad {
+            let p = vs
+                .variables()
+                .remove(fqn)
+                .ok_or("--drop-grad: no such parameter")?;
+            tch_dist_runtime::set_grad_for(&p, None, pg.rank(), "train_ft")?;
+        }
         if exit_at == Some(ft.step()) {
             eprintln!("train_ft: exiting at step {} (injected)", ft.step());
             std::process::exit(3);

@@ -362,6 +362,24 @@ fn faults_of_every_kind_end_as_the_run_without_them() {
         );
     }
 
+    // Group 1 has no gradient for fc2.bias in any step (set to none after backward): it
+    // contributes zeros there and receives the average, so both groups step it alike and
+    // end equal (to each other; not to the run where group 1 used it).
+    {
+        let lighthouse = lighthouse_at("127.0.0.1:0");
+        let at = lighthouse.address();
+        let g0 = Proc::group("replica_0", &at, &seed("1"));
+        let g1 = Proc::group(
+            "replica_1",
+            &at,
+            &["--seed", "2", "--drop-grad", "fc2.bias"],
+        );
+        let (g0, g1) = (g0.wait(deadline), g1.wait(deadline));
+        let [s0, _] = both_final(&g0, &g1);
+        assert_eq!(s0["step"], 12);
+        assert_ne!(s0["params"]["fc2.bias"], expected["params"]["fc2.bias"]);
+    }
+
     // A misuse: group 1 averages twice in step 5. The second average communicates nothing
     // and fails group 1's step, which falls one step behind and heals; no average meets
     // another step's.
