@@ -783,55 +783,56 @@ impl Manager {
         // flag. Each parameter's `.grad` is made its slice when the buffer is made:
         // backward accumulates into the buffer and the average is left in the gradients,
         // with no copy either way (DDP's `gradient_as_bucket_view`).
-        let flat = match self.flat.take() {
-            Some(f) if f.numel() as i64 == total + 1 && f.kind() == kind => f,
-            _ => {
-                let flat = Tensor::zeros([total + 1], (kind, tch::Device::Cpu));
-                let mut offset = 0i64;
-                for (_, p) in &params {
-                    let n = p.numel() as i64;
-                    let slot = flat.narrow(0, offset, n).view_as(p);
-                    let g = p.grad();
-                    if g.defined() {
-                        tch::no_grad(|| slot.shallow_clone().copy_(&g));
-                    }
-                    if p.device() == tch::Device::Cpu && p.kind() == kind {
-                        // Where it cannot be, the gradient is copied each step (below).
-                        let _ = tch_dist_runtime::set_grad_for(
-                            p,
-                            Some(&slot),
-                            self.group.rank(),
-                            "fault tolerance",
-                        );
-                    }
-                    offset += n;
-                }
-                flat
-            }
+        let (flat, made) = match self.flat.take() {
+            Some(f) if f.numel() as i64 == total + 1 && f.kind() == kind => (f, false),
+            _ => (Tensor::zeros([total + 1], (kind, tch::Device::Cpu)), true),
         };
+        // Each parameter's slice of the buffer, in order.
+        let slots: Vec<Tensor> = params
+            .iter()
+            .scan(0i64, |offset, (_, p)| {
+                let n = p.numel() as i64;
+                let slot = flat.narrow(0, *offset, n);
+                *offset += n;
+                Some(slot)
+            })
+            .collect();
+        if made {
+            for ((_, p), slot) in params.iter().zip(&slots) {
+                let slot = slot.view_as(p);
+                let g = p.grad();
+                if g.defined() {
+                    tch::no_grad(|| slot.shallow_clone().copy_(&g));
+                }
+                if p.device() == tch::Device::Cpu && p.kind() == kind {
+                    // Where it cannot be, the gradient is copied each step (below).
+                    let _ = tch_dist_runtime::set_grad_for(
+                        p,
+                        Some(&slot),
+                        self.group.rank(),
+                        "fault tolerance",
+                    );
+                }
+            }
+        }
         // Whether each `.grad` is still its slice, checked every step: another owner may
         // have replaced it since (replicate's `gradient_as_bucket_view` re-points it at its
         // own bucket, a grad set to none gets a new tensor), and averaging the slice then
         // would average stale values. Those are copied in, and the average back out.
-        let slices: Vec<(Tensor, bool)> = {
-            let mut offset = 0i64;
-            params
-                .iter()
-                .map(|(_, p)| {
-                    let n = p.numel() as i64;
-                    let slot = flat.narrow(0, offset, n);
-                    offset += n;
-                    let g = p.grad();
-                    let in_place = n == 0
-                        || (g.defined()
-                            && g.data_ptr() == slot.data_ptr()
-                            && g.size() == p.size()
-                            && g.is_contiguous()
-                            && g.kind() == kind);
-                    (slot, in_place)
-                })
-                .collect()
-        };
+        let slices: Vec<(&Tensor, bool)> = params
+            .iter()
+            .zip(&slots)
+            .map(|((_, p), slot)| {
+                let g = p.grad();
+                let in_place = p.numel() == 0
+                    || (g.defined()
+                        && g.data_ptr() == slot.data_ptr()
+                        && g.size() == p.size()
+                        && g.is_contiguous()
+                        && g.kind() == kind);
+                (slot, in_place)
+            })
+            .collect();
         let contributes = current.participating && !failed_here;
         if contributes {
             for ((_, p), (slot, in_place)) in params.iter().zip(&slices) {
@@ -856,8 +857,9 @@ impl Manager {
         let id = current.id;
         let divide = !failed_here;
         // The all-reduce in chunks, all launched at once: each chunk is divided while the
-        // later ones are still on the wire (one division of the whole buffer after the
-        // all-reduce was a tenth of the step, nothing overlapping it).
+        // later ones are still on the wire, rather than the whole buffer after the whole
+        // all-reduce (on the 2-core bench machine the two measured alike, within its noise:
+        // docs/PERFORMANCE.md, fault tolerance).
         let mut launched = Vec::new();
         let mut failure = None;
         for chunk in average_chunks(total, AVERAGE_CHUNK) {
