@@ -256,6 +256,16 @@ fn both_final(g0: &Ended, g1: &Ended) -> [Value; 2] {
     states
 }
 
+/// Groups 0 (seed 1, then `extra0`) and 1 (seed 2, then `extra1`) at a lighthouse of their
+/// own, run to their end.
+fn two_groups(deadline: Instant, extra0: &[&str], extra1: &[&str]) -> (Ended, Ended) {
+    let lighthouse = lighthouse_at("127.0.0.1:0");
+    let at = lighthouse.address();
+    let g0 = Proc::group("replica_0", &at, &[&["--seed", "1"], extra0].concat());
+    let g1 = Proc::group("replica_1", &at, &[&["--seed", "2"], extra1].concat());
+    (g0.wait(deadline), g1.wait(deadline))
+}
+
 #[test]
 fn faults_of_every_kind_end_as_the_run_without_them() {
     let deadline = Instant::now() + Duration::from_secs(240);
@@ -333,17 +343,9 @@ fn faults_of_every_kind_end_as_the_run_without_them() {
     // A step that fails in group 1 (report_error): it commits nowhere, and group 0 learns
     // of it from the average itself, not from a timeout (the group's timeout is 30 s here).
     {
-        let lighthouse = lighthouse_at("127.0.0.1:0");
-        let at = lighthouse.address();
         let slow = ["--timeout-ms", "30000"];
-        let g0 = Proc::group("replica_0", &at, &[&seed("1")[..], &slow].concat());
-        let g1 = Proc::group(
-            "replica_1",
-            &at,
-            &[&seed("2")[..], &slow, &["--fail-at", "3"]].concat(),
-        );
         let start = Instant::now();
-        let (g0, g1) = (g0.wait(deadline), g1.wait(deadline));
+        let (g0, g1) = two_groups(deadline, &slow, &[&slow[..], &["--fail-at", "3"]].concat());
         assert_eq!(both_final(&g0, &g1), [expected.clone(), expected.clone()]);
         assert!(
             start.elapsed() < Duration::from_secs(25),
@@ -366,15 +368,7 @@ fn faults_of_every_kind_end_as_the_run_without_them() {
     // contributes zeros there and receives the average, so both groups step it alike and
     // end equal (to each other; not to the run where group 1 used it).
     {
-        let lighthouse = lighthouse_at("127.0.0.1:0");
-        let at = lighthouse.address();
-        let g0 = Proc::group("replica_0", &at, &seed("1"));
-        let g1 = Proc::group(
-            "replica_1",
-            &at,
-            &["--seed", "2", "--drop-grad", "fc2.bias"],
-        );
-        let (g0, g1) = (g0.wait(deadline), g1.wait(deadline));
+        let (g0, g1) = two_groups(deadline, &[], &["--drop-grad", "fc2.bias"]);
         let [s0, _] = both_final(&g0, &g1);
         assert_eq!(s0["step"], 12);
         assert_ne!(s0["params"]["fc2.bias"], expected["params"]["fc2.bias"]);
@@ -384,15 +378,7 @@ fn faults_of_every_kind_end_as_the_run_without_them() {
     // and fails group 1's step, which falls one step behind and heals; no average meets
     // another step's.
     {
-        let lighthouse = lighthouse_at("127.0.0.1:0");
-        let at = lighthouse.address();
-        let g0 = Proc::group("replica_0", &at, &seed("1"));
-        let g1 = Proc::group(
-            "replica_1",
-            &at,
-            &["--seed", "2", "--average-twice-at", "5"],
-        );
-        let (g0, g1) = (g0.wait(deadline), g1.wait(deadline));
+        let (g0, g1) = two_groups(deadline, &[], &["--average-twice-at", "5"]);
         assert_eq!(both_final(&g0, &g1), [expected.clone(), expected.clone()]);
         assert!(
             g1.stderr
