@@ -1,5 +1,6 @@
 //! Check 12, fault tolerance on the device: two replica groups of one rank each (this binary
-//! again, `--ft-group G`, each a job of its own) with their parameters on `cuda:0`, at a
+//! again, `--ft-group` with `REPLICA_GROUP_ID` G, each a job of its own started by
+//! `spawn_ranks`) with their parameters on `cuda:0`, at a
 //! lighthouse this process serves. Group 1 starts from other weights and takes group 0's at
 //! step 0 (`init_sync`: the live state sent through host memory over the quorum's Gloo
 //! group, landing on the device); each step averages the two groups' gradients (the
@@ -43,50 +44,27 @@ pub(crate) fn check_ft_groups() -> Outcome {
         ..LighthouseOptions::new(2)
     })
     .expect("a lighthouse");
-    let exe = std::env::current_exe().expect("this binary's path");
-    let mut children: Vec<std::process::Child> = (0..2)
-        .map(|group| {
-            let mut cmd = std::process::Command::new(&exe);
-            cmd.arg("--ft-group");
-            if cpu() {
-                cmd.arg("--cpu");
-            }
-            cmd.env("RANK", "0")
-                .env("WORLD_SIZE", "1")
-                .env("LOCAL_RANK", "0")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", free_port().to_string())
-                .env("REPLICA_GROUP_ID", group.to_string())
-                .env("TORCHFT_LIGHTHOUSE", lighthouse.address())
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .expect("starting a replica group")
-        })
-        .collect();
-    // Killed at the limit: both read to the end, then waited for.
-    let deadline = Instant::now() + CHILD_LIMIT;
-    while Instant::now() < deadline
-        && children
-            .iter_mut()
-            .any(|c| matches!(c.try_wait(), Ok(None)))
-    {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    for (group, child) in children.into_iter().enumerate() {
-        let mut child = child;
-        let _ = child.kill();
-        let out = child.wait_with_output().expect("a group's output");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            out.status.success(),
-            "replica group {group} failed:\n{text}"
-        );
-        if let Some(line) = text.lines().find(|l| l.starts_with("ft group")) {
+    let address = lighthouse.address();
+    // Each group a job of one rank of its own (its own store), both at once.
+    let groups: Vec<Vec<(bool, String)>> = std::thread::scope(|s| {
+        let running: Vec<_> = ["0", "1"]
+            .map(|group| {
+                let env = [
+                    ("REPLICA_GROUP_ID", group),
+                    ("TORCHFT_LIGHTHOUSE", address.as_str()),
+                ];
+                s.spawn(move || spawn_ranks("--ft-group", 1, &env))
+            })
+            .into_iter()
+            .collect();
+        running
+            .into_iter()
+            .map(|r| r.join().expect("a replica group's launch"))
+            .collect()
+    });
+    for (group, ranks) in groups.iter().enumerate() {
+        check_children(&format!("replica group {group}"), ranks);
+        if let Some(line) = ranks[0].1.lines().find(|l| l.starts_with("ft group")) {
             println!("        {line}");
         }
     }
