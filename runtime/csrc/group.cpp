@@ -130,7 +130,9 @@ bool tdr_nccl_compiled() {
 
 // `store` is the group's store, PyTorch's `PrefixStore(f"{group_name}/", default store)`; as
 // PyTorch's _new_process_group_helper, each backend gets `PrefixStore(f"{device}/")` over
-// it (`cpu/` for Gloo, `cuda/` for NCCL), and with DETAIL the wrapper's helper Gloo group
+// it (`cpu/` for Gloo, `cuda/` for NCCL) unless `store_as_given` (torchft's reconfigurable
+// group puts its Gloo backend straight on the quorum's store, and a tch-dist member of a
+// quorum must meet it there), and with DETAIL the wrapper's helper Gloo group
 // `PrefixStore(f"pg_wrapper:{group_name}")` over that. `gloo_host` names the address Gloo
 // binds to when GLOO_SOCKET_IFNAME is unset; empty means c10d's default device (this
 // machine's hostname, falling back to loopback). A `device` of 0 or more becomes this
@@ -141,7 +143,7 @@ bool tdr_nccl_compiled() {
 char* tdr_group_new(TdrStore* store, const char* group_name, int rank, int size,
                     int64_t timeout_ms, int64_t rendezvous_ms, const char* gloo_host,
                     bool with_gloo, bool with_nccl, int device, bool cuda_via_gloo, bool detail,
-                    TdrGroup** out) {
+                    bool store_as_given, TdrGroup** out) {
   TDR_TRY
   configure_logging();
   auto timeout = Millis(timeout_ms);
@@ -163,7 +165,7 @@ char* tdr_group_new(TdrStore* store, const char* group_name, int rank, int size,
   std::string wrapper_prefix = std::string("pg_wrapper:") + group_name;
   auto backends = std::make_shared<Backends>();
   if (with_gloo || cuda_via_gloo) {
-    auto cpu_store = prefixed("cpu/", store->store);
+    auto cpu_store = store_as_given ? store->store : prefixed("cpu/", store->store);
     backends->gloo = new_gloo(cpu_store, rank, size, left(), timeout, host);
     if (detail) {
       // The checks' own Gloo backend (PyTorch's helper group of
@@ -184,7 +186,7 @@ char* tdr_group_new(TdrStore* store, const char* group_name, int rank, int size,
     nccl_opts->timeout = timeout;
     nccl_opts->is_high_priority_stream = false;
     nccl_opts->group_name = group_name;
-    auto cuda_store = prefixed("cuda/", store->store);
+    auto cuda_store = store_as_given ? store->store : prefixed("cuda/", store->store);
     backends->nccl_raw =
         c10::make_intrusive<c10d::ProcessGroupNCCL>(cuda_store, rank, size, nccl_opts);
     backends->nccl_raw->setBoundDeviceId(cuda_device(device));

@@ -127,7 +127,7 @@ bool tdr_nccl_compiled(void);
 char* tdr_group_new(TdrStore* store, const char* group_name, int rank, int size,
                     int64_t timeout_ms, int64_t rendezvous_ms, const char* gloo_host,
                     bool with_gloo, bool with_nccl, int device, bool cuda_via_gloo, bool detail,
-                    TdrGroup** out);
+                    bool store_as_given, TdrGroup** out);
 char* tdr_group_connect(TdrGroup* g);
 // DETAIL in a job with ranks that are not tch-dist's (PyTorch's): c10d's checks only, which
 // PyTorch's ranks make too; no broadcast root check, and a mismatch reports this rank's call.

@@ -217,6 +217,7 @@ unsafe extern "C" {
         device: c_int,
         cuda_via_gloo: bool,
         detail: bool,
+        store_as_given: bool,
         out: *mut *mut TdrGroup,
     ) -> ShimStatus;
     pub fn tdr_group_connect(g: *mut TdrGroup) -> ShimStatus;

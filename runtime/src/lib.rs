@@ -77,6 +77,6 @@ pub use error::{
 };
 pub use fingerprint::Fingerprint;
 pub use reducer::{
-    CommHook, PowerSgdOptions, Reducer, ReducerOptions, ReducerStats, DEFAULT_FIRST_BUCKET_BYTES,
-    DEFAULT_IN_PLACE_MIN_BYTES,
+    compute_bucket_assignment_by_size, CommHook, PowerSgdOptions, Reducer, ReducerOptions,
+    ReducerStats, DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
 };

@@ -78,6 +78,32 @@ pub use options::{
     CommHook, ReducerOptions, DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
 };
 
+/// PyTorch's `dist._compute_bucket_assignment_by_size(tensors, bucket_size_limits)` (no
+/// `tensor_indices`): walks `tensors` in order, filling one bucket per dtype and device up
+/// to its cap (the k-th bucket of a dtype and device closes at `limits[k]` bytes, the last
+/// limit for every bucket after), never splitting a tensor. The buckets come sorted by
+/// their first member; DDP reduces them in the reverse order. The layout another DDP
+/// (torchft's) all-reduces its gradients in.
+///
+/// ```
+/// use tch::{Kind, Tensor};
+/// let t = |n: i64| Tensor::zeros([n], (Kind::Float, tch::Device::Cpu));
+/// // 4-byte floats: the first bucket closes at 16 bytes, every later one at 40.
+/// let buckets = tch_dist_runtime::compute_bucket_assignment_by_size(
+///     &[t(2), t(3), t(4), t(6), t(1)],
+///     &[16, 40],
+/// );
+/// assert_eq!(buckets, [vec![0, 1], vec![2, 3], vec![4]]);
+/// ```
+pub fn compute_bucket_assignment_by_size(tensors: &[Tensor], limits: &[usize]) -> Vec<Vec<usize>> {
+    let sizes: Vec<_> = tensors
+        .iter()
+        .map(|t| (t.numel(), t.kind(), t.device()))
+        .collect();
+    let order: Vec<usize> = (0..tensors.len()).collect();
+    buckets::assign_buckets(&sizes, &order, limits)
+}
+
 /// Per-step figures, for benchmarks and `replicate::state`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ReducerStats {

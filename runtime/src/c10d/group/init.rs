@@ -91,6 +91,7 @@ impl ProcessGroup {
             device,
             cuda_via_gloo: opts.cuda_via_gloo,
             debug: opts.debug,
+            stores: BackendStores::PerDevice,
         };
         let connecting = default_store.clone();
         let handle = rendezvous::watched(&watch, &everyone, opts.rank, move || {
@@ -226,6 +227,7 @@ impl ProcessGroup {
             device: self.inner.device,
             cuda_via_gloo: self.inner.cuda_via_gloo,
             debug: self.inner.debug,
+            stores: BackendStores::PerDevice,
         };
         let connecting = store.clone();
         // Watched for members whose launcher reported their exit (a group created on one
@@ -512,6 +514,18 @@ pub(super) struct NewBackends {
     pub(super) device: Option<usize>,
     pub(super) cuda_via_gloo: bool,
     pub(super) debug: DebugLevel,
+    pub(super) stores: BackendStores,
+}
+
+/// Where a group's backends meet in its store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum BackendStores {
+    /// Each under its device's prefix, `cpu/` or `cuda/` (PyTorch's
+    /// `_new_process_group_helper`): the layout every PyTorch group has.
+    PerDevice,
+    /// On the store as given, with no prefix of their own: torchft's reconfigurable group
+    /// (`ProcessGroupGloo._create_pg`), which a quorum's torchft members make.
+    AsGiven,
 }
 
 impl NewBackends {
@@ -538,6 +552,7 @@ impl NewBackends {
                 self.device.map_or(-1, |d| d as i32),
                 self.cuda_via_gloo,
                 self.debug == DebugLevel::Detail,
+                self.stores == BackendStores::AsGiven,
                 &mut out,
             )
         })?;

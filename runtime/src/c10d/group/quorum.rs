@@ -4,12 +4,14 @@
 //! process_group.py). A new quorum makes a new group, over a new store prefix, without
 //! restarting any process; the old one is shut down.
 //!
-//! It differs from a job's groups in three ways:
+//! It differs from a job's groups in four ways:
 //! - Its store is one of the replica groups' TCPStores, reached as a client: no rank of
 //!   the group hosts it, and nobody checks in there.
 //! - Only Gloo: a step that fails in it must end within its own short timeout, and Gloo's
 //!   collectives end at theirs (torch 2.11 cannot abort them).
 //! - No departures watch and no heartbeat of its own (see [`Membership::Quorum`]).
+//! - Its Gloo backend meets on the quorum's prefix itself, without PyTorch's `cpu/`:
+//!   torchft's layout, so that torchft's Python members of a quorum meet tch-dist's.
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
@@ -23,7 +25,7 @@ use crate::c10d::rendezvous::{self, Deadline};
 use crate::c10d::store::Store;
 use crate::error::{DistError, EnvError, RendezvousError, Result};
 
-use super::init::NewBackends;
+use super::init::{BackendStores, NewBackends};
 use super::{Backend, GroupInner, Membership, ProcessGroup, Shape, World};
 
 /// Where and as what a rank joins a quorum's group.
@@ -98,8 +100,10 @@ impl ProcessGroup {
             opts.timeout,
         )
         .map_err(engine)?;
+        // torchft's layout, key for key (`create_store_client`'s `PrefixStore(prefix)`, the
+        // Gloo backend straight on it): a quorum may have torchft's Python members.
         let store = root
-            .prefixed(&format!("{}/", opts.prefix))
+            .prefixed(&opts.prefix)
             .map_err(|e| engine(e.to_string()))?;
         let handle = NewBackends {
             name: opts.name.clone(),
@@ -112,6 +116,7 @@ impl ProcessGroup {
             device: None,
             cuda_via_gloo: false,
             debug: DebugLevel::Off,
+            stores: BackendStores::AsGiven,
         }
         .create(&store)
         .map_err(engine)?;
