@@ -24,7 +24,12 @@
 //! dimension), `--fail-rank R` (`--fail-at` at group rank R only), `--drop-grad FQN` (every
 //! step, in group `--exit-replica` only where given, the parameter's `.grad` is set to none
 //! after backward, as for a parameter this group did not use), `--bucket-view` (`replicate`'s `gradient_as_bucket_view`), `--no-manager-rank R`
-//! (the misuse of a group rank R that makes no `Manager`: it waits 30 s and exits).
+//! (the misuse of a group rank R that makes no `Manager`: it waits 30 s and exits),
+//! `--wire torchft` (average on torchft's DDP wire, `Wire::TorchftDdp`, to train in one
+//! quorum with torchft's Python groups), `--init-sin` (the k-th parameter by name starts as
+//! `0.3 sin(0.7 i + k)`: weights a Python group can start from too), `--no-init-sync`,
+//! `--start-file PATH` (prints `manager up` once its manager heartbeats, and asks for its
+//! first quorum once PATH exists: a test's groups then meet in their first quorum).
 //! The batches are keyed by (step, the group's index, its rank), and groups start from their own random
 //! weights (`init_sync` makes them alike at step 0; a group that restarts heals). At the end
 //! it prints `FINAL {json}`: the step, the batches committed, and every parameter's and
@@ -35,7 +40,7 @@ use std::time::Duration;
 
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
-use tch_dist::ft::{FtOptions, Manager};
+use tch_dist::ft::{FtOptions, Manager, TorchftDdp, Wire};
 use tch_dist::{Call, Shardable};
 
 /// The model: two linear layers around a tanh.
@@ -134,6 +139,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         fc1: nn::linear(vs.root() / "fc1", 6, hidden, Default::default()),
         fc2: nn::linear(vs.root() / "fc2", hidden, 3, Default::default()),
     };
+    if args.iter().any(|a| a == "--init-sin") {
+        // The k-th parameter by name: 0.3 sin(0.7 i + k), i its element's index.
+        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        for (k, (_, p)) in named.iter_mut().enumerate() {
+            let i = Tensor::arange(p.numel() as i64, (Kind::Float, tch::Device::Cpu));
+            let init = ((i * 0.7 + k as f64).sin() * 0.3).reshape(p.size());
+            tch::no_grad(|| p.copy_(&init));
+        }
+    }
+    let wire = match arg(&args, "--wire").as_deref() {
+        None | Some("tch-dist") => Wire::TchDist,
+        Some("torchft") => Wire::TorchftDdp(TorchftDdp::of(&net)),
+        Some(other) => return Err(format!("--wire {other}: tch-dist or torchft").into()),
+    };
     // Within a group of several ranks, data parallelism as usual (`replicate`, or
     // `fully_shard` with --shard); across the groups, the fault-tolerant average below
     // (HSDP's split, with FT on the replicate dim).
@@ -162,6 +182,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         quorum_timeout: Duration::from_millis(quorum_timeout_ms),
         connect_timeout: Duration::from_secs(30),
         min_replica_size,
+        init_sync: !args.iter().any(|a| a == "--no-init-sync"),
+        wire,
         ..FtOptions::new(replica, lighthouse)
     };
     let group_index: i64 = opts
@@ -176,6 +198,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
     let mut ft = Manager::new(&pg, opts)?;
+    if let Some(path) = arg(&args, "--start-file") {
+        println!("manager up");
+        let waiting = std::time::Instant::now();
+        while !std::path::Path::new(&path).exists() {
+            if waiting.elapsed() > Duration::from_secs(60) {
+                return Err(format!("--start-file {path}: not there after 60 s").into());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
     let (mut failed_once, mut stopped_once, mut twice_once) = (false, false, false);
     while ft.step() < steps {
         ft.start_quorum(&vs, &mut opt)?;

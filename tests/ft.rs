@@ -121,6 +121,12 @@ impl Proc {
     /// `train_ft` as replica group `name` at `lighthouse`, a job of one rank with its own
     /// store, with [`COMMON`] and `extra` options.
     fn group(name: &str, lighthouse: &str, extra: &[&str]) -> Proc {
+        Proc::train_ft(name, lighthouse, &[&COMMON[..], extra].concat())
+    }
+
+    /// `train_ft` as replica group `name` at `lighthouse` (one rank, a store of its own),
+    /// with `args` only.
+    fn train_ft(name: &str, lighthouse: &str, args: &[&str]) -> Proc {
         let mut cmd = clean(build::example("train_ft"));
         cmd.env("RANK", "0")
             .env("WORLD_SIZE", "1")
@@ -128,8 +134,20 @@ impl Proc {
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", free_port().to_string())
             .args(["--replica-id", name, "--lighthouse", lighthouse])
-            .args(COMMON)
-            .args(extra);
+            .args(args);
+        Proc::spawn(cmd)
+    }
+
+    /// A torchft Python replica group, `replica_{index}` (ft/tests/torchft_peer.py `train`:
+    /// torchft's Manager, DistributedDataParallel and optimizer wrapper on train_ft's model).
+    fn torchft(lighthouse: &str, index: &str, args: &[&str]) -> Proc {
+        let mut cmd = clean(concat!(env!("CARGO_MANIFEST_DIR"), "/.venv/bin/python"));
+        cmd.arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/ft/tests/torchft_peer.py"
+        ))
+        .args(["train", lighthouse, index])
+        .args(args);
         Proc::spawn(cmd)
     }
 
@@ -509,6 +527,145 @@ fn close(a: &Value, b: &Value) -> bool {
         }
         _ => a == b,
     }
+}
+
+/// The model's parameters and momentum in a `FINAL` line (the rest differs between
+/// tch-dist's and torchft's groups).
+fn trained(state: &Value) -> Value {
+    serde_json::json!({"params": state["params"], "momentum": state["momentum"]})
+}
+
+/// The Python reference (torchft_peer.py `reference`): one process, each phase `N:I,J`
+/// N steps averaging groups I and J's batches.
+fn reference(phases: &[&str]) -> Value {
+    let out = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.venv/bin/python"))
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/ft/tests/torchft_peer.py"
+        ))
+        .arg("reference")
+        .args(phases)
+        .output()
+        .expect("the venv's python (make setup)");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    trained(&final_state(&stdout, &out))
+}
+
+/// A tch-dist group (`replica_0`, on torchft's wire) and a torchft Python group
+/// (`replica_1`) at a lighthouse of their own, meeting in their first quorum: the tch-dist
+/// group runs `rust_steps` steps, the Python one 6 (exiting at `python_exit_at`, or `-`).
+/// Returns both, ended.
+fn mixed_quorum(deadline: Instant, rust_steps: &str, python_exit_at: &str) -> (Ended, Ended) {
+    let lighthouse = LighthouseServer::start(LighthouseOptions {
+        bind: "127.0.0.1:0".into(),
+        heartbeat_timeout: Duration::from_millis(500),
+        // Long: the first quorum waits for both groups (they heartbeat before either asks).
+        join_timeout: Duration::from_secs(20),
+        ..LighthouseOptions::new(1)
+    })
+    .expect("a lighthouse");
+    let at = lighthouse.address();
+    let start = std::env::temp_dir().join(format!(
+        "tch-dist-ft-start-{}-{}",
+        std::process::id(),
+        free_port()
+    ));
+    let start = start.to_str().expect("a UTF-8 path");
+    let rust_args = [
+        "--wire",
+        "torchft",
+        "--init-sin",
+        "--no-init-sync",
+        "--steps",
+        rust_steps,
+        "--step-ms",
+        "20",
+        "--timeout-ms",
+        "3000",
+        "--start-file",
+        start,
+    ];
+    let rust = Proc::train_ft("replica_0", &at, &rust_args);
+    let python = Proc::torchft(&at, "1", &["6", python_exit_at, "20", start]);
+    for p in [&rust, &python] {
+        assert!(p.printed("manager up", deadline), "a group never started");
+    }
+    std::fs::write(start, "").expect("the start file");
+    let ended = (rust.wait(deadline), python.wait(deadline));
+    let _ = std::fs::remove_file(start);
+    ended
+}
+
+#[test]
+fn a_tch_dist_group_trains_in_one_quorum_with_a_torchft_python_group() {
+    let deadline = Instant::now() + Duration::from_secs(150);
+    // No fault: both groups average every step, as one process averaging both batches.
+    let (rust, python) = mixed_quorum(deadline, "6", "-");
+    for e in [&rust, &python] {
+        assert!(e.success(), "{e:#?}");
+    }
+    let expected = reference(&["6:0,1"]);
+    for e in [&rust, &python] {
+        let got = trained(&final_state(&e.stdout, e));
+        assert!(
+            close(&got, &expected),
+            "not the one-process run:\n{e:#?}\n{expected}"
+        );
+    }
+    // The Python group dies after its backward at step 3 (its average with the tch-dist
+    // group done): the tch-dist group commits that step and goes on alone.
+    let (rust, python) = mixed_quorum(deadline, "6", "3");
+    assert_eq!(python.status.and_then(|s| s.code()), Some(3), "{python:#?}");
+    assert!(rust.success(), "{rust:#?}");
+    let got = trained(&final_state(&rust.stdout, &rust));
+    let expected = reference(&["4:0,1", "2:0"]);
+    assert!(close(&got, &expected), "{rust:#?}\n{expected}");
+    // The tch-dist group leaves after step 2 (its run ends): torchft's group goes on alone
+    // from step 3. (A peer that dies inside torchft's DDP all-reduce ends the torchft group
+    // itself: torchft 0.2.0's comm hook asserts on the failed work's future.)
+    let (rust, python) = mixed_quorum(deadline, "3", "-");
+    for e in [&rust, &python] {
+        assert!(e.success(), "{e:#?}");
+    }
+    let got = trained(&final_state(&python.stdout, &python));
+    let expected = reference(&["3:0,1", "3:1"]);
+    assert!(close(&got, &expected), "{python:#?}\n{expected}");
+}
+
+#[test]
+fn a_tch_dist_group_never_heals_from_a_torchft_python_group_and_names_it() {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let lighthouse = lighthouse_at("127.0.0.1:0");
+    let at = lighthouse.address();
+    // torchft's group trains alone (commits are logged), then the tch-dist group joins at
+    // step 0: behind, it would heal from the torchft group.
+    let python = Proc::torchft(&at, "1", &["100000", "-", "50"]);
+    assert!(
+        python.printed("should_commit completed should_commit=true", deadline),
+        "torchft's group never committed"
+    );
+    let rust = Proc::train_ft(
+        "replica_0",
+        &at,
+        &[
+            "--wire",
+            "torchft",
+            "--init-sin",
+            "--no-init-sync",
+            "--timeout-ms",
+            "3000",
+        ],
+    )
+    .wait(deadline);
+    assert!(!rust.success(), "{rust:#?}");
+    assert!(
+        rust.stderr.contains("healing from replica_1:")
+            && rust.stderr.contains(
+                "it is a torchft Python group, whose state travels as pickled Python objects: \
+                 healing does not cross languages"
+            ),
+        "{rust:#?}"
+    );
 }
 
 #[test]

@@ -13,12 +13,27 @@
         starts a torchft manager for replica group `replica_0:py` at the lighthouse, prints
         `asking`, and asks it for a quorum (step 5) until one forms or the process is
         killed (the lighthouse dashboard's kill button: the manager ends the process).
+    torchft_peer.py train LIGHTHOUSE_ADDR INDEX STEPS [EXIT_AT|-] [STEP_MS] [START_FILE]
+        replica group `replica_{INDEX}` of one rank, trained as torchft's README does
+        (torchft's Manager, ProcessGroupGloo, DistributedDataParallel and OptimizerWrapper;
+        no init_sync): train_ft's MLP (6 -> 16 -> 3, tanh) from its `--init-sin` weights,
+        SGD with momentum, train_ft's batches keyed by (step, INDEX). With EXIT_AT it exits
+        with status 3 at that step, after its backward (a group that dies); STEP_MS pauses
+        each step. With START_FILE it prints `manager up` once its manager heartbeats, and
+        asks for its first quorum once that file exists (train_ft's `--start-file`).
+        Prints `FINAL {json}` as train_ft does.
+    torchft_peer.py reference PHASE...
+        the same model in one process; each PHASE is `N:I,J,...`, N steps whose gradient is
+        the average of groups I, J, ...'s batches; prints `FINAL {json}`.
 """
 
 import json
+import os
 import sys
 import threading
 from datetime import timedelta
+
+import torch
 
 from torchft._torchft import LighthouseServer, ManagerClient, ManagerServer
 
@@ -128,5 +143,117 @@ def asking(lighthouse_addr):
     server.shutdown()
 
 
+class Mlp(torch.nn.Module):
+    """train_ft's model: parameters fc1.weight, fc1.bias, fc2.weight, fc2.bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 16)
+        self.fc2 = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def sin_init(model):
+    """train_ft's `--init-sin`: the k-th parameter by name is 0.3 sin(0.7 i + k)."""
+    with torch.no_grad():
+        for k, (_, p) in enumerate(sorted(model.named_parameters())):
+            i = torch.arange(p.numel(), dtype=torch.float32)
+            p.copy_(((i * 0.7 + k).sin() * 0.3).reshape(p.shape))
+
+
+def batch(step, index):
+    """train_ft's batch of rank 0 of group `index` at `step`."""
+    torch.manual_seed(1000 * step + 10 * index)
+    return torch.randn(32, 6), torch.randn(32, 3)
+
+
+def final(model, opt, step, extra):
+    params, momentum = {}, {}
+    for name, p in sorted(model.named_parameters()):
+        params[name] = p.detach().double().flatten().tolist()
+        buf = opt.state.get(p, {}).get("momentum_buffer")
+        if buf is not None:
+            momentum[name] = buf.double().flatten().tolist()
+    out = {"step": step, "params": params, "momentum": momentum, **extra}
+    print("FINAL " + json.dumps(out), flush=True)
+
+
+def train(lighthouse_addr, index, steps, exit_at="-", step_ms="0", start_file=None):
+    import time
+
+    import torchft
+    from torch.distributed import TCPStore
+
+    index, steps = int(index), int(steps)
+    exit_at = None if exit_at == "-" else int(exit_at)
+    model = Mlp()
+    sin_init(model)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = torchft.Manager(
+        pg=torchft.ProcessGroupGloo(timeout=timedelta(seconds=5)),
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), sgd.load_state_dict(sd["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": sgd.state_dict()},
+        min_replica_size=1,
+        timeout=timedelta(seconds=5),
+        quorum_timeout=timedelta(seconds=60),
+        connect_timeout=timedelta(seconds=30),
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=lighthouse_addr,
+        replica_id=f"replica_{index}",
+        hostname="127.0.0.1",
+        init_sync=False,
+    )
+    ddp = torchft.DistributedDataParallel(manager, model)
+    if start_file is not None:
+        print("manager up", flush=True)
+        while not os.path.exists(start_file):
+            time.sleep(0.01)
+    opt = torchft.Optimizer(manager, sgd)
+    while manager.current_step() < steps:
+        opt.zero_grad()
+        x, y = batch(manager.current_step(), index)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        if exit_at == manager.current_step():
+            print(f"exiting at step {exit_at} (injected)", file=sys.stderr, flush=True)
+            os._exit(3)
+        opt.step()
+        time.sleep(int(step_ms) / 1000)
+    final(model, sgd, manager.current_step(), {"replica_id": f"replica_{index}"})
+    manager.shutdown(wait=False)
+
+
+def reference(*phases):
+    model = Mlp()
+    sin_init(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    plan = []
+    for phase in phases:
+        n, indices = phase.split(":")
+        plan += [indices.split(",")] * int(n)
+    for step, indices in enumerate(plan):
+        grads = []
+        for index in indices:
+            model.zero_grad()
+            x, y = batch(step, int(index))
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, *gs in zip(model.parameters(), *grads):
+            p.grad = sum(gs) / len(gs)
+        opt.step()
+    final(model, opt, len(plan), {})
+
+
 if __name__ == "__main__":
-    {"lighthouse": lighthouse, "groups": groups, "asking": asking}[sys.argv[1]](*sys.argv[2:])
+    {
+        "lighthouse": lighthouse,
+        "groups": groups,
+        "asking": asking,
+        "train": train,
+        "reference": reference,
+    }[sys.argv[1]](*sys.argv[2:])

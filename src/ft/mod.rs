@@ -11,12 +11,15 @@
 //! only when every rank of every member succeeded.
 //!
 //! The control plane (`tch-dist-ft`) speaks torchft's gRPC protocol: a tch-dist replica
-//! group and a PyTorch torchft one can share one lighthouse's quorum. Healing does not cross
-//! languages (torchft's transports carry pickled Python objects).
+//! group and a PyTorch torchft one can share one lighthouse's quorum. With
+//! [`Wire::TorchftDdp`] they also train together: a tch-dist group averages as torchft's
+//! `DistributedDataParallel` does. Healing does not cross languages (torchft's transports
+//! carry pickled Python objects).
 //!
 //! | file | what it does | torchft's counterpart |
 //! |---|---|---|
 //! | `mod.rs` | [`Manager`]: the quorum per step, the cross-group group's reconfiguration, the gradient average, the commit | `torchft/manager.py` (`Manager`) |
+//! | `torchft_ddp.rs` | the average on torchft's wire ([`Wire::TorchftDdp`]: DDP's buckets, a quorum shared with torchft's Python groups) | `torchft/ddp.py`, `Manager.allreduce` |
 //! | `heal.rs` | live recovery: the state a healthy member sends a group that is behind | `torchft/checkpointing/pg_transport.py` |
 //! | `error.rs` | [`FtError`] | (exceptions of `manager.py`) |
 //!
@@ -45,6 +48,7 @@
 
 mod error;
 mod heal;
+mod torchft_ddp;
 
 use std::hash::Hasher;
 use std::time::Duration;
@@ -53,12 +57,13 @@ use tch::{Kind, Tensor};
 use tch_dist_core::sharding::Dtype;
 use tch_dist_ft::{
     FtErrorKind, ManagerClient, ManagerOptions, ManagerQuorumRequest, ManagerQuorumResponse,
-    ManagerServer, QuorumMembers, RpcCode,
+    ManagerServer, QuorumMembers, RpcCode, TCH_DIST_MEMBER,
 };
 use tch_dist_runtime::{Fingerprint, ProcessGroup, QuorumGroupOptions, ReduceOp};
 
 pub use error::FtError;
 pub use tch_dist_ft::{LighthouseOptions, LighthouseServer};
+pub use torchft_ddp::TorchftDdp;
 
 use crate::optim::Optimizer;
 
@@ -68,6 +73,30 @@ const MANAGER_KEY: &str = "tch_dist/ft/manager";
 
 /// The elements of one chunk of the gradient average's all-reduce (8 MiB of f32).
 const AVERAGE_CHUNK: i64 = 1 << 21;
+
+/// What the members of a quorum say to each other when they average gradients.
+///
+/// ```
+/// let opts = tch_dist::ft::FtOptions::new("replica_0", "http://10.0.0.1:29510");
+/// assert_eq!(opts.wire, tch_dist::ft::Wire::TchDist);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Wire {
+    /// tch-dist's: every member is a tch-dist group (a quorum with a torchft Python group is
+    /// refused, naming it). A new quorum compares the members' models (names, shapes,
+    /// dtypes); the average is one buffer, with each member's failure flag, so that a member
+    /// whose step failed tells the others at once.
+    #[default]
+    TchDist,
+    /// torchft's `DistributedDataParallel`: members may be torchft Python groups, and this
+    /// group averages as theirs do (DDP's buckets over the parameters in the Python module's
+    /// order, see [`TorchftDdp`]). What torchft does not have is lost: the models are not
+    /// compared (a mismatch the sizes do not show averages the wrong numbers: the order is
+    /// the user's contract), and a member whose step failed makes no collective, so the
+    /// others' fail at their timeout. Healing from a torchft member is refused, naming it,
+    /// and so is `init_sync` (every group starts from the same weights).
+    TorchftDdp(TorchftDdp),
+}
 
 /// A replica group's settings for fault tolerance (torchft's `Manager` arguments).
 ///
@@ -112,6 +141,9 @@ pub struct FtOptions {
     /// (the job's start with `init_sync`, a restarted group): there the weights are taken
     /// before the first forward.
     pub async_quorum: bool,
+    /// How the quorum's members average (tch-dist's own, or torchft's DDP to share quorums
+    /// with torchft's Python groups).
+    pub wire: Wire,
 }
 
 impl FtOptions {
@@ -134,6 +166,7 @@ impl FtOptions {
             hostname: None,
             heartbeat_interval: Duration::from_millis(100),
             async_quorum: true,
+            wire: Wire::TchDist,
         }
     }
 
@@ -176,6 +209,17 @@ impl FtOptions {
         }
         if self.min_replica_size == 0 {
             return refuse("min_replica_size must be at least 1".into());
+        }
+        // At step 0 init_sync heals every group but the first from it; on torchft's wire that
+        // source or its receivers may be torchft's Python groups, and healing does not cross
+        // languages.
+        if matches!(self.wire, Wire::TorchftDdp(_)) && self.init_sync {
+            return refuse(
+                "torchft's wire needs init_sync false (torchft's init_sync=False on the Python \
+                 groups too): healing does not cross languages, so every group starts from the \
+                 same weights"
+                    .into(),
+            );
         }
         for (name, t) in [
             ("timeout", self.timeout),
@@ -351,8 +395,12 @@ impl Manager {
                 heartbeat_interval: opts.heartbeat_interval,
                 connect_timeout: opts.connect_timeout,
                 quorum_retries: 0,
-                // The members of a quorum run tch-dist's average together.
-                members: QuorumMembers::TchDistOnly,
+                // On tch-dist's wire the members of a quorum run tch-dist's average
+                // together; on torchft's, any torchft member may join.
+                members: match opts.wire {
+                    Wire::TchDist => QuorumMembers::TchDistOnly,
+                    Wire::TorchftDdp(_) => QuorumMembers::Any,
+                },
             })
             .map_err(|source| FtError::control(&opts.replica_id, group_rank, source))?;
             let address = server.address();
@@ -508,12 +556,26 @@ impl Manager {
     ) -> Result<(), FtError> {
         self.errored = None;
         self.averaged = false;
+        // On torchft's wire, the order must name this model's parameters, each once: checked
+        // before the quorum, so that no member ever meets a group that cannot average.
+        if let Wire::TorchftDdp(wire) = &self.opts.wire {
+            wire.arrange(&heal::parameters(opt, vs))
+                .map_err(|problem| {
+                    FtError::Options(format!(
+                        "replica {}, group rank {}: {problem}",
+                        self.replica_id,
+                        self.group.rank()
+                    ))
+                })?;
+        }
         // A quorum still pending from a step that never averaged: its answer is dropped.
         self.drop_pending();
         let request = ManagerQuorumRequest {
             group_rank: self.group.rank() as i64,
             step: self.step,
-            checkpoint_metadata: String::new(),
+            // What a member that heals from this one reads first (torchft's transport
+            // address): on torchft's wire it tells a tch-dist source from a Python one.
+            checkpoint_metadata: TCH_DIST_MEMBER.to_string(),
             shrink_only: false,
             init_sync: self.opts.init_sync,
             commit_failures: self.commit_failures,
@@ -599,7 +661,12 @@ impl Manager {
                 participating: false,
                 participants: 0,
             };
-            match self.same_model(&current, vs, opt) {
+            // torchft's members make no such exchange: on its wire the order is the check.
+            let compared = match self.opts.wire {
+                Wire::TchDist => self.same_model(&current, vs, opt),
+                Wire::TorchftDdp(_) => Ok(()),
+            };
+            match compared {
                 Ok(()) => {}
                 Err(Some(other)) => {
                     return Err(FtError::DifferentModel {
@@ -635,19 +702,26 @@ impl Manager {
         let sources = current.replica_ids.clone();
         let (recover_src, recover_dst) = heal_plan(&answer, self.opts.init_sync);
         if let Some(src) = recover_src {
-            match heal::receive(&pg, src, vs, opt) {
-                Ok(healed) => {
-                    self.step = healed.step;
-                    self.batches_committed = healed.batches_committed;
-                }
-                Err(heal::HealFailure::Transfer(e)) => self.fail(format!("healing: {e}")),
-                Err(heal::HealFailure::Misfit(problem)) => {
-                    return Err(FtError::Heal {
-                        replica: self.replica_id.clone(),
-                        group_rank,
-                        from: sources.get(src).cloned().unwrap_or_default(),
-                        problem,
-                    })
+            let from_tch_dist = match self.opts.wire {
+                Wire::TchDist => true,
+                Wire::TorchftDdp(_) => self.source_is_tch_dist(&answer, sources.get(src))?,
+            };
+            // (Not from tch-dist: the failure to ask is recorded, the step will not commit.)
+            if from_tch_dist {
+                match heal::receive(&pg, src, vs, opt) {
+                    Ok(healed) => {
+                        self.step = healed.step;
+                        self.batches_committed = healed.batches_committed;
+                    }
+                    Err(heal::HealFailure::Transfer(e)) => self.fail(format!("healing: {e}")),
+                    Err(heal::HealFailure::Misfit(problem)) => {
+                        return Err(FtError::Heal {
+                            replica: self.replica_id.clone(),
+                            group_rank,
+                            from: sources.get(src).cloned().unwrap_or_default(),
+                            problem,
+                        })
+                    }
                 }
             }
         }
@@ -662,6 +736,39 @@ impl Manager {
             }
         }
         Ok(())
+    }
+
+    /// On torchft's wire, before healing: the source's manager must be a tch-dist one (its
+    /// checkpoint metadata is [`TCH_DIST_MEMBER`]; a torchft manager's is its transport's
+    /// address). A torchft source is an error naming it: its state comes as pickled Python
+    /// objects. A manager that cannot be asked fails the step (the next quorum asks again),
+    /// and `Ok(false)` says not to heal now.
+    fn source_is_tch_dist(
+        &mut self,
+        answer: &ManagerQuorumResponse,
+        source: Option<&String>,
+    ) -> Result<bool, FtError> {
+        let group_rank = self.group.rank();
+        let asked = ManagerClient::connect(
+            &answer.recover_src_manager_address,
+            self.opts.connect_timeout,
+        )
+        .and_then(|c| c.checkpoint_metadata(group_rank as i64, self.opts.quorum_timeout));
+        match asked {
+            Ok(metadata) if metadata == TCH_DIST_MEMBER => Ok(true),
+            Ok(_) => Err(FtError::Heal {
+                replica: self.replica_id.clone(),
+                group_rank,
+                from: source.cloned().unwrap_or_default(),
+                problem: "it is a torchft Python group, whose state travels as pickled Python \
+                          objects: healing does not cross languages"
+                    .into(),
+            }),
+            Err(e) => {
+                self.fail(format!("asking the healing source's manager: {e}"));
+                Ok(false)
+            }
+        }
     }
 
     /// Whether every member of `current` trains the model of `vs` (parameter names, shapes
@@ -765,6 +872,32 @@ impl Manager {
         };
         let failed_here = self.errored.is_some();
         let params = heal::parameters(opt, vs);
+        if let Wire::TorchftDdp(wire) = &self.opts.wire {
+            // torchft's member whose step failed makes no collective (its `allreduce` is a
+            // no-op after an error): the others' fail at their timeout, and none commits.
+            if failed_here {
+                return;
+            }
+            let contribution = if current.participating {
+                torchft_ddp::Contribution::Gradients
+            } else {
+                torchft_ddp::Contribution::Zeros
+            };
+            let averaged = wire.arrange(&params).and_then(|arranged| {
+                torchft_ddp::average(
+                    &current.pg,
+                    wire,
+                    &arranged,
+                    contribution,
+                    current.participants,
+                    self.group.rank(),
+                )
+            });
+            if let Err(e) = averaged {
+                self.fail(format!("averaging the gradients on torchft's wire: {e}"));
+            }
+            return;
+        }
         // The buffer's dtype: the parameters' own where they share one, else one that holds
         // each of theirs (a bf16 parameter first must not average the f32 ones in bf16).
         let Some(kind) = params
@@ -987,6 +1120,54 @@ impl Drop for Manager {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unusable_options_are_named() {
+        let base = FtOptions::new("replica_0", "http://127.0.0.1:1");
+        let refused = |opts: FtOptions| opts.check().unwrap_err().to_string();
+        assert_eq!(
+            refused(FtOptions {
+                replica_id: "a:b".into(),
+                ..base.clone()
+            }),
+            "fault tolerance: replica_id \"a:b\" must be a non-empty name without ':' (a unique \
+             suffix follows one)"
+        );
+        assert_eq!(
+            refused(FtOptions {
+                min_replica_size: 0,
+                ..base.clone()
+            }),
+            "fault tolerance: min_replica_size must be at least 1"
+        );
+        assert_eq!(
+            refused(FtOptions {
+                timeout: Duration::ZERO,
+                ..base.clone()
+            }),
+            "fault tolerance: timeout must be longer than zero"
+        );
+        let torchft = Wire::TorchftDdp(TorchftDdp {
+            order: vec!["fc.weight".into()],
+            bucket_cap_bytes: None,
+        });
+        assert_eq!(
+            refused(FtOptions {
+                wire: torchft.clone(),
+                ..base.clone()
+            }),
+            "fault tolerance: torchft's wire needs init_sync false (torchft's init_sync=False on \
+             the Python groups too): healing does not cross languages, so every group starts \
+             from the same weights"
+        );
+        assert!(FtOptions {
+            wire: torchft,
+            init_sync: false,
+            ..base
+        }
+        .check()
+        .is_ok());
+    }
 
     #[test]
     fn the_average_s_chunks_cover_the_gradients_then_the_flag() {

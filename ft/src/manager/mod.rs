@@ -63,18 +63,20 @@ pub struct ManagerOptions {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum QuorumMembers {
     /// Any group that speaks torchft's protocol (torchft's Python groups included): what the
-    /// control plane alone needs.
+    /// control plane alone needs, and training on torchft's wire (`tch_dist::ft::Wire`).
     #[default]
     Any,
     /// tch-dist groups only (each marks its quorum requests, [`TCH_DIST_MEMBER`]): what
-    /// training with `tch_dist::ft` needs, since the groups of a quorum then run
+    /// training on tch-dist's own wire needs, since the groups of a quorum then run
     /// tch-dist's cross-group collectives together. A quorum with another member is
     /// refused on every rank of this group, naming it.
     TchDistOnly,
 }
 
 /// What a tch-dist manager puts in its quorum requests' `data` (a JSON string, as torchft's
-/// field is documented; torchft's own groups leave it empty).
+/// field is documented; torchft's own groups leave it empty), and what `tch_dist::ft`'s
+/// ranks give as their checkpoint metadata (torchft's is its transport's address): a group
+/// about to heal tells a tch-dist source from a torchft one by it.
 pub const TCH_DIST_MEMBER: &str = r#"{"tch_dist":1}"#;
 
 /// A group's quorum round: the ranks that asked, and where the result goes out. A failure of
