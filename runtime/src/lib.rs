@@ -46,8 +46,8 @@ pub mod fused {
 pub use autograd::checkpointed;
 pub use autograd::{
     apply_function, autograd_mark, backward_input, check_enter, check_exit, recomputed,
-    set_grad_for, take_fence_hit, unfenced, Backward, FenceOwner, FunctionForward, Recomputation,
-    ShardFence, UseGuard, WeightBackward,
+    set_grad_for, take_fence_hit, unfenced, Backward, FenceOwner, FunctionForward,
+    PostAccumulateGradHooks, Recomputation, ShardFence, UseGuard, WeightBackward,
 };
 pub use c10d::coalesced::BROADCAST_BUCKET_BYTES;
 pub use c10d::collectives::{ReduceOp, Work};

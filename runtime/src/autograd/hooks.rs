@@ -63,6 +63,90 @@ impl GradReadyHook {
     }
 }
 
+/// What [`PostAccumulateGradHooks`] runs: the index of the parameter whose gradient was
+/// accumulated.
+type OnReady = Box<dyn Fn(usize) + Send + Sync>;
+
+/// Runs a closure with a parameter's index right after its gradient was accumulated, in
+/// every backward pass, until dropped (PyTorch's
+/// `Tensor.register_post_accumulate_grad_hook`, one closure for a list of parameters).
+///
+/// ```
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+/// use std::sync::Arc;
+///
+/// let w = tch::Tensor::ones([3], tch::kind::FLOAT_CPU).set_requires_grad(true);
+/// let seen = Arc::new(AtomicUsize::new(usize::MAX));
+/// let noted = seen.clone();
+/// let hooks = tch_dist_runtime::PostAccumulateGradHooks::register(
+///     &[w.shallow_clone()],
+///     0,
+///     move |index| noted.store(index, Ordering::SeqCst),
+/// )?;
+/// (&w * 2.0).sum(tch::Kind::Float).backward();
+/// assert_eq!(seen.load(Ordering::SeqCst), 0);
+/// drop(hooks);
+/// # Ok::<(), tch_dist_runtime::DistError>(())
+/// ```
+pub struct PostAccumulateGradHooks {
+    // Removed before the closure they point at is freed (fields drop in order).
+    _hooks: Vec<GradReadyHook>,
+    _on_ready: Box<OnReady>,
+}
+
+impl std::fmt::Debug for PostAccumulateGradHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostAccumulateGradHooks")
+            .field("params", &self._hooks.len())
+            .finish()
+    }
+}
+
+/// The closure's call from libtorch.
+struct RunOnReady;
+
+impl Callback for RunOnReady {
+    type Context = OnReady;
+    const PANIC: &'static str = "internal panic in a post-accumulate-grad hook";
+
+    fn run(on_ready: &OnReady, index: usize, _grad: Option<Tensor>) -> super::Reply {
+        on_ready(index);
+        Ok(())
+    }
+}
+
+impl PostAccumulateGradHooks {
+    /// Hooks `on_ready` on every one of `params` (leaves that require grad), called with the
+    /// parameter's index in `params`; `rank` is named in an error.
+    pub fn register(
+        params: &[Tensor],
+        rank: usize,
+        on_ready: impl Fn(usize) + Send + Sync + 'static,
+    ) -> Result<PostAccumulateGradHooks> {
+        let on_ready: Box<OnReady> = Box::new(Box::new(on_ready));
+        let ctx: *const OnReady = &*on_ready;
+        let hooks = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                // SAFETY: the context is boxed (a stable address) and outlives the hooks,
+                // which drop first.
+                unsafe { GradReadyHook::add::<RunOnReady>(p, ctx, i) }.map_err(|e| {
+                    DistError::Collective {
+                        rank,
+                        op: "register_post_accumulate_grad_hook",
+                        cause: format!("parameter {i}: {}", e.message),
+                    }
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(PostAccumulateGradHooks {
+            _hooks: hooks,
+            _on_ready: on_ready,
+        })
+    }
+}
+
 /// A gradient interceptor on one parameter; removed on drop.
 pub(crate) struct Interceptor {
     ptr: NonNull<ffi::TdrInterceptor>,

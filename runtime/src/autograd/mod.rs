@@ -27,8 +27,8 @@ pub(crate) use callback::{
     describe_trampoline, release, share, trampoline, Callback, DescribeFailure, Reply,
 };
 pub use function::{apply_function, Backward, FunctionForward};
-pub use hooks::set_grad_for;
 pub(crate) use hooks::{add_output_grad_hook, queue_end_of_backward, GradReadyHook, Interceptor};
+pub use hooks::{set_grad_for, PostAccumulateGradHooks};
 #[allow(deprecated)]
 pub use recompute::checkpointed;
 pub use recompute::{recomputed, Recomputation};
