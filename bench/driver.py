@@ -90,8 +90,10 @@ torchtitan's approach (bench/pytorch_moe.py), alternating. Prints a table and
 
 Fault tolerance (`ft` in --models, after the moe part, with its own budget, --ft-budget): the
 MLP in two replica groups of one rank (`tch-dist-run --replica-groups 2 --lighthouse URL`,
-`bench_ddp --mode ft`: a quorum, the fault-tolerant average and the commit vote per step)
-against `replicate` over two ranks (`--mode ft_baseline`), the same SGD, alternating; then one
+`bench_ddp --mode ft`: a quorum, the fault-tolerant average leaving during backward
+(`prepare_for_backward`) and the commit vote per step) against `replicate` over two ranks
+(`--mode ft_baseline`) and against the same average after backward (`--mode
+ft_after_backward`), the same SGD, in turn; then one
 run where group 1 exits mid-training and its launcher restarts it. The lighthouse is
 tch-dist-lighthouse with --heartbeat_timeout_ms 1000 (torchft's default is 5000: a group is
 dead that much later). Prints a table and
@@ -103,6 +105,7 @@ dead that much later). Prints a table and
                                 committed step, healing included)
     ft_steps_lost=N            (committed steps the survivor lost: none by construction, against
                                 the steps since the last checkpoint for a restart of the job)
+    ft_overlap_vs_after_backward=R (what the overlap buys: median step with it / without it)
 
 Across hosts (`hosts` in --models, last, with its own budget, --hosts-budget; bench/hosts.py):
 2 hosts (network namespaces, root only; skipped with a printed line elsewhere) x 2 ranks, each
@@ -772,15 +775,19 @@ def ft_part(a, r):
                 r.cut_rounds += rounds - i
                 break
             r.nproc = 2
-            pair = [
+            trio = [
                 lambda: r.tch("ft_baseline", "ft_baseline"),
                 lambda: r.run(
                     "ft", groups + ["--", r.bench, "--mode", "ft"] + r.common(), False
                 ),
+                lambda: r.run(
+                    "ft_after_backward",
+                    groups + ["--", r.bench, "--mode", "ft_after_backward"] + r.common(),
+                    False,
+                ),
             ]
-            if i % 2:
-                pair.reverse()
-            for f in pair:
+            # Each configuration first, second and third in turn.
+            for f in trio[i % 3:] + trio[: i % 3]:
                 f()
         # One fault: group 1 exits, its launcher restarts it; both groups' records.
         cmd = groups + ["--max-restarts", "1", "--", r.bench, "--mode", "ft"] + r.common()
@@ -799,14 +806,14 @@ def ft_part(a, r):
     res = r.results
     med = {k: pooled_median(v) for k, v in res.items()}
     print("\n== ft: two replica groups against replicate, the MLP\n")
-    print(f"{'configuration':<14} {'step ms':>8} {'quorum':>7} {'average':>8} {'commit':>7}  runs")
-    for k in ("ft_baseline", "ft"):
+    print(f"{'configuration':<17} {'step ms':>8} {'quorum':>7} {'average':>8} {'commit':>7}  runs")
+    for k in ("ft_baseline", "ft", "ft_after_backward"):
         part = {
             f: statistics.median(x.get(f, 0.0) for x in res[k])
             for f in ("quorum_ms", "average_ms", "commit_ms")
         }
         print(
-            f"{k:<14} {med[k]:8.1f} {part['quorum_ms']:7.1f} {part['average_ms']:8.1f} "
+            f"{k:<17} {med[k]:8.1f} {part['quorum_ms']:7.1f} {part['average_ms']:8.1f} "
             f"{part['commit_ms']:7.1f}  {len(res[k])}"
         )
     out = {
@@ -830,6 +837,11 @@ def ft_part(a, r):
         f"its process start to its first committed step, healing included)"
     )
     print("ft_steps_lost=0  (committed steps the survivor lost: its failed step is retried)")
+    print(
+        f"ft_overlap_vs_after_backward={med['ft'] / med['ft_after_backward']:.3f}  (the "
+        f"average's chunks leaving during backward, prepare_for_backward, against the whole "
+        f"average after it; paired {paired_ratio(res['ft'], res['ft_after_backward']):.3f})"
+    )
     print(flush=True)
     return out
 

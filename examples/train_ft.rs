@@ -28,7 +28,10 @@
 //! `--wire torchft` (average on torchft's DDP wire, `Wire::TorchftDdp`, to train in one
 //! quorum with torchft's Python groups), `--init-sin` (the k-th parameter by name starts as
 //! `0.3 sin(0.7 i + k)`: weights a Python group can start from too), `--no-init-sync`,
-//! `--start-file PATH` (prints `manager up` once its manager heartbeats, and asks for its
+//! `--overlap` (`Manager::prepare_for_backward` before each backward: the average's chunks
+//! leave during backward), `--accumulate-at STEP` (with `--overlap`, that step runs a second
+//! backward of its batch after the first: the misuse of accumulating after the average's
+//! chunks left), `--start-file PATH` (prints `manager up` once its manager heartbeats, and asks for its
 //! first quorum once PATH exists: a test's groups then meet in their first quorum).
 //! The batches are keyed by (step, the group's index, its rank), and groups start from their own random
 //! weights (`init_sync` makes them alike at step 0; a group that restarts heals). At the end
@@ -111,6 +114,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         arg(&args, "--drop-grad").filter(|_| exit_replica.is_none() || exit_replica == this_group);
     let stop_at = injected("--stop-at")?;
     let twice_at = injected("--average-twice-at")?;
+    let accumulate_at = injected("--accumulate-at")?;
+    let overlap = args.iter().any(|a| a == "--overlap");
     let timeout_ms: u64 = arg(&args, "--timeout-ms").map_or(Ok(5000), |s| s.parse())?;
     let min_replica_size: usize = arg(&args, "--min-replica-size").map_or(Ok(1), |s| s.parse())?;
     let seed: i64 =
@@ -209,6 +214,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     let (mut failed_once, mut stopped_once, mut twice_once) = (false, false, false);
+    let mut accumulated_once = false;
     while ft.step() < steps {
         ft.start_quorum(&vs, &mut opt)?;
         opt.zero_grad();
@@ -221,7 +227,19 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let x = Tensor::randn([32, 6], (Kind::Float, tch::Device::Cpu));
         let y = Tensor::randn([32, 3], (Kind::Float, tch::Device::Cpu));
         let loss = forward(&x)?.mse_loss(&y, tch::Reduction::Mean);
+        if overlap {
+            ft.prepare_for_backward(&vs, &mut opt)?;
+        }
         loss.f_backward()?;
+        if accumulate_at == Some(ft.step()) && !std::mem::replace(&mut accumulated_once, true) {
+            eprintln!(
+                "train_ft: a second backward at step {} (injected misuse)",
+                ft.step()
+            );
+            forward(&x)?
+                .mse_loss(&y, tch::Reduction::Mean)
+                .f_backward()?;
+        }
         if let Some(fqn) = &drop_grad {
             let p = vs
                 .variables()

@@ -455,6 +455,73 @@ fn faults_of_every_kind_end_as_the_run_without_them() {
 }
 
 #[test]
+fn the_average_overlapping_backward_ends_as_the_one_after_it() {
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let overlap = ["--overlap"];
+    let (g0, g1) = two_groups(deadline, &[], &[]);
+    let [expected, _] = both_final(&g0, &g1);
+    assert_eq!(expected["step"], 12);
+
+    // Both groups send chunks during backward, or only one does: the same collectives in
+    // the same order, the same result.
+    for (extra0, extra1) in [(&overlap[..], &overlap[..]), (&overlap[..], &[][..])] {
+        let (g0, g1) = two_groups(deadline, extra0, extra1);
+        assert_eq!(both_final(&g0, &g1), [expected.clone(), expected.clone()]);
+    }
+
+    // A failure reported after backward, when the gradients' chunks have left: the flag
+    // comes last, and the step commits nowhere.
+    {
+        let (g0, g1) = two_groups(deadline, &overlap, &["--overlap", "--fail-at", "3"]);
+        assert_eq!(both_final(&g0, &g1), [expected.clone(), expected.clone()]);
+        assert!(
+            g0.stderr
+                .contains("step 3 not committed: 1 member(s) of quorum"),
+            "{g0:#?}"
+        );
+    }
+
+    // The misuse of a second backward after prepare_for_backward (gradient accumulation):
+    // what left was not the step's gradient, so the step fails on both groups, by name.
+    {
+        let (g0, g1) = two_groups(deadline, &overlap, &["--overlap", "--accumulate-at", "5"]);
+        assert_eq!(both_final(&g0, &g1), [expected.clone(), expected.clone()]);
+        assert!(
+            g1.stderr.contains(
+                "step 5 not committed: the gradient of `fc2.bias` was accumulated again after \
+                 its part of the average had left: call prepare_for_backward before the step's \
+                 last backward only"
+            ),
+            "{g1:#?}"
+        );
+        assert!(
+            g0.stderr
+                .contains("step 5 not committed: 1 member(s) of quorum"),
+            "{g0:#?}"
+        );
+    }
+
+    // Killed after its chunks left (group 1 exits at step 4 after backward): group 0's
+    // step fails at the chunk that never comes, and the restarted group heals and goes on.
+    {
+        let lighthouse = lighthouse_at("127.0.0.1:0");
+        let at = lighthouse.address();
+        let g0 = Proc::group("replica_0", &at, &["--seed", "1", "--overlap"]);
+        let failed = Proc::group(
+            "replica_1",
+            &at,
+            &["--seed", "2", "--overlap", "--exit-at", "4"],
+        )
+        .wait(deadline);
+        assert_eq!(failed.status.and_then(|s| s.code()), Some(3), "{failed:#?}");
+        let restarted = Proc::group("replica_1", &at, &["--seed", "3", "--overlap"]);
+        let (g0, g1) = (g0.wait(deadline), restarted.wait(deadline));
+        assert_eq!(both_final(&g0, &g1), [expected.clone(), expected.clone()]);
+        assert!(g0.stderr.contains("step 4 not committed: "), "{g0:#?}");
+    }
+}
+
+#[test]
 fn a_replica_group_with_another_model_is_named_on_every_member() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let lighthouse = LighthouseServer::start(LighthouseOptions {

@@ -5,7 +5,10 @@
 //!   ranks, tch-dist's SGD: plain data parallelism.
 //! - `ft` (`tch-dist-run --replica-groups 2 --nproc-per-node 1 --lighthouse URL`): the same
 //!   model in two replica groups of one rank each, the gradients averaged by the
-//!   fault-tolerant manager (a quorum, the average, the commit vote per step), the same SGD.
+//!   fault-tolerant manager (a quorum, the average, the commit vote per step), the same SGD;
+//!   the average's chunks leave during backward (`Manager::prepare_for_backward`).
+//! - `ft_after_backward`: the same without `prepare_for_backward` (the whole average after
+//!   backward), to measure what the overlap buys.
 //!   With `--exit-at STEP` (the launcher's first start of group 1 only) group 1 exits at that
 //!   step: the survivor then reports `fault_to_commit_ms` (from the start of the step that
 //!   met the failure to its next committed step), and the restarted group
@@ -20,7 +23,8 @@ pub(crate) fn ft<M: BenchModel>(
     exit_at: Option<i64>,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let started = Instant::now();
-    let with_ft = args.mode == "ft";
+    let with_ft = args.mode != "ft_baseline";
+    let overlap = args.mode == "ft";
     tch::manual_seed(0);
     let vs = nn::VarStore::new(args.device);
     let model = M::build(&vs.root(), &args.model)?;
@@ -66,6 +70,10 @@ pub(crate) fn ft<M: BenchModel>(
         let q = ms(t0);
         opt.zero_grad();
         let loss = M::loss(&args.model, &model.f_call_t(&x, true)?, &target);
+        if let Some(m) = manager.as_mut().filter(|_| overlap) {
+            // The average's chunks leave during backward (a group of one rank).
+            m.prepare_for_backward(&vs, &mut opt)?;
+        }
         loss.f_backward()?;
         let committed = match manager.as_mut() {
             Some(m) => {

@@ -11,7 +11,7 @@
 //! tch-dist-run --nproc-per-node 4 -- bench_ddp --mode moe
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode loss_parallel
 //! tch-dist-run --nproc-per-node 2 -- bench_ddp --mode ft_baseline
-//! tch-dist-run --replica-groups 2 --lighthouse URL --nproc-per-node 1 -- bench_ddp --mode ft [--exit-at STEP]
+//! tch-dist-run --replica-groups 2 --lighthouse URL --nproc-per-node 1 -- bench_ddp --mode ft|ft_after_backward [--exit-at STEP]
 //! ```
 //!
 //! - `plain`: one process trains the model (no process group);
@@ -32,8 +32,9 @@
 //!   fully_shard on the rest, SGD (moe.rs);
 //! - `loss_parallel`: what a column-parallel head's loss keeps for backward, local logits
 //!   with `loss_parallel` against gathered ones (loss.rs);
-//! - `ft`, `ft_baseline`: fault tolerance's cost without faults (two replica groups against
-//!   `replicate` over two ranks) and a fault's (ft.rs).
+//! - `ft`, `ft_after_backward`, `ft_baseline`: fault tolerance's cost without faults (two
+//!   replica groups, the average overlapping backward or after it, against `replicate` over
+//!   two ranks) and a fault's (ft.rs).
 //!
 //! `--comm-hook` (replicate): how buckets are communicated: `allreduce` (the default, mean),
 //! `fp16` or `bf16` (`CommHook::Fp16Compress`, `Bf16Compress`: PyTorch's
@@ -259,7 +260,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             }
             None
         }
-        "replicate" | "allreduce" | "fully_shard" | "pipeline" | "hsdp" | "fsdp_tp" | "cp" | "moe" | "loss_parallel" | "ft" | "ft_baseline" => {
+        "replicate" | "allreduce" | "fully_shard" | "pipeline" | "hsdp" | "fsdp_tp" | "cp" | "moe" | "loss_parallel" | "ft" | "ft_after_backward" | "ft_baseline" => {
             let backend = if args.device.is_cuda() {
                 Backend::Nccl
             } else {
@@ -274,7 +275,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         other => {
             return Err(format!(
-                "unknown --mode {other} (plain, replicate, fully_shard, pipeline, hsdp, fsdp_tp, cp, moe, loss_parallel, ft, ft_baseline or allreduce)"
+                "unknown --mode {other} (plain, replicate, fully_shard, pipeline, hsdp, fsdp_tp, cp, moe, loss_parallel, ft, ft_after_backward, ft_baseline or allreduce)"
             )
             .into())
         }
@@ -306,7 +307,9 @@ fn dispatch<M: BenchModel>(
 ) -> Result<(), Box<dyn std::error::Error>> {
     match (args.mode.as_str(), pg) {
         ("allreduce", Some(pg)) => allreduce::<M>(args, pg),
-        ("ft" | "ft_baseline", Some(pg)) => ft::ft::<M>(args, &pg, args.exit_at),
+        ("ft" | "ft_after_backward" | "ft_baseline", Some(pg)) => {
+            ft::ft::<M>(args, &pg, args.exit_at)
+        }
         ("pipeline", Some(pg)) => pipeline::pipeline(args, pg),
         (_, pg) => train::<M>(args, pg),
     }

@@ -8,7 +8,9 @@
 //! cross-group process group; a group behind heals), the forward and backward,
 //! [`Manager::allreduce_gradients`] (the average over the members at the highest step; a
 //! failure is recorded, not raised), then [`Manager::should_commit`]: the optimizer steps
-//! only when every rank of every member succeeded.
+//! only when every rank of every member succeeded. In a group of one rank,
+//! [`Manager::prepare_for_backward`] between the forward and the backward lets the average
+//! leave during backward.
 //!
 //! The control plane (`tch-dist-ft`) speaks torchft's gRPC protocol: a tch-dist replica
 //! group and a PyTorch torchft one can share one lighthouse's quorum. With
@@ -19,6 +21,7 @@
 //! | file | what it does | torchft's counterpart |
 //! |---|---|---|
 //! | `mod.rs` | [`Manager`]: the quorum per step, the cross-group group's reconfiguration, the gradient average, the commit | `torchft/manager.py` (`Manager`) |
+//! | `average.rs` | tch-dist's average: the buffer (last parameter first), its chunks, their launch during backward in a group of one rank | `torchft/ddp.py` (its comm hook), PyTorch's reducer |
 //! | `torchft_ddp.rs` | the average on torchft's wire ([`Wire::TorchftDdp`]: DDP's buckets, a quorum shared with torchft's Python groups) | `torchft/ddp.py`, `Manager.allreduce` |
 //! | `heal.rs` | live recovery: the state a healthy member sends a group that is behind | `torchft/checkpointing/pg_transport.py` |
 //! | `error.rs` | [`FtError`] | (exceptions of `manager.py`) |
@@ -46,6 +49,7 @@
 //! # Ok(()) }
 //! ```
 
+mod average;
 mod error;
 mod heal;
 mod torchft_ddp;
@@ -59,7 +63,7 @@ use tch_dist_ft::{
     FtErrorKind, ManagerClient, ManagerOptions, ManagerQuorumRequest, ManagerQuorumResponse,
     ManagerServer, QuorumMembers, RpcCode, TCH_DIST_MEMBER,
 };
-use tch_dist_runtime::{Fingerprint, ProcessGroup, QuorumGroupOptions, ReduceOp};
+use tch_dist_runtime::{Fingerprint, ProcessGroup, QuorumGroupOptions};
 
 pub use error::FtError;
 pub use tch_dist_ft::{LighthouseOptions, LighthouseServer};
@@ -70,9 +74,6 @@ use crate::optim::Optimizer;
 /// The store key under which a replica group's rank 0 publishes its manager for the group's
 /// other ranks.
 const MANAGER_KEY: &str = "tch_dist/ft/manager";
-
-/// The elements of one chunk of the gradient average's all-reduce (8 MiB of f32).
-const AVERAGE_CHUNK: i64 = 1 << 21;
 
 /// What the members of a quorum say to each other when they average gradients.
 ///
@@ -269,12 +270,42 @@ pub struct Manager {
     /// The first failure of this step, which makes this group vote against committing it.
     errored: Option<String>,
     /// The gradient average's buffer, kept between steps.
-    flat: Option<Tensor>,
+    buffer: Option<average::Buffer>,
+    /// The hooks that launch the average's chunks during backward, once armed
+    /// ([`prepare_for_backward`](Self::prepare_for_backward)).
+    overlap: Option<average::Overlap>,
     /// Whether this step has averaged its gradients (once per step).
     averaged: bool,
     /// The quorum `start_quorum` asked for in the background (`async_quorum`), applied by
     /// `allreduce_gradients`.
-    pending: Option<std::thread::JoinHandle<Result<ManagerQuorumResponse, tch_dist_ft::FtError>>>,
+    pending: Option<Asked>,
+}
+
+/// A quorum's answer as the manager gives it.
+type QuorumAnswer = Result<ManagerQuorumResponse, tch_dist_ft::FtError>;
+
+/// A quorum asked for in the background.
+enum Asked {
+    /// Still on its way.
+    Asking(std::thread::JoinHandle<QuorumAnswer>),
+    /// Answered, and kept to be applied after backward (it heals this group, which must
+    /// not happen between a forward and its backward).
+    Answered(QuorumAnswer),
+}
+
+impl Asked {
+    /// The answer, waiting for it.
+    fn answer(self) -> QuorumAnswer {
+        match self {
+            Asked::Asking(thread) => thread.join().unwrap_or_else(|_| {
+                Err(tch_dist_ft::FtError::panicked(
+                    "manager quorum",
+                    "the quorum's thread",
+                ))
+            }),
+            Asked::Answered(answer) => answer,
+        }
+    }
 }
 
 impl std::fmt::Debug for Manager {
@@ -285,6 +316,20 @@ impl std::fmt::Debug for Manager {
             .field("step", &self.step)
             .finish_non_exhaustive()
     }
+}
+
+/// The average buffer's dtype: the parameters' own where they share one, else one that
+/// holds each of theirs (a bf16 parameter first must not average the f32 ones in bf16);
+/// none without parameters.
+fn average_kind(params: &[(String, Tensor)]) -> Option<Kind> {
+    params
+        .iter()
+        .map(|(_, p)| p.kind())
+        .reduce(|a, b| match (a, b) {
+            _ if a == b => a,
+            (Kind::Double, _) | (_, Kind::Double) => Kind::Double,
+            _ => Kind::Float,
+        })
 }
 
 /// Who heals from whom: `(the replica rank this member receives from, the replica ranks it
@@ -321,32 +366,6 @@ fn duplicate_name(ids: &[String]) -> Option<&str> {
         .enumerate()
         .find(|(i, n)| names[..*i].contains(n))
         .map(|(_, n)| *n)
-}
-
-/// One chunk of the gradient average's all-reduce: `len` elements from `start`, the first
-/// `grads` of them gradients (the rest, in the last chunk, the failure flag).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct AverageChunk {
-    start: i64,
-    len: i64,
-    grads: i64,
-}
-
-/// The chunks of at most `chunk` elements that cover `total` gradient elements and the
-/// failure flag after them, in order.
-fn average_chunks(total: i64, chunk: i64) -> Vec<AverageChunk> {
-    let chunk = chunk.max(1);
-    (0..=total)
-        .step_by(chunk as usize)
-        .map(|start| {
-            let len = chunk.min(total + 1 - start);
-            AverageChunk {
-                start,
-                len,
-                grads: len.min(total - start),
-            }
-        })
-        .collect()
 }
 
 /// A random id for this start of the group (Linux's kernel UUID source; the process id and
@@ -449,7 +468,8 @@ impl Manager {
             batches_committed: 0,
             commit_failures: 0,
             errored: None,
-            flat: None,
+            buffer: None,
+            overlap: None,
             averaged: false,
             pending: None,
         })
@@ -585,17 +605,23 @@ impl Manager {
         // restart) takes its weights before its first forward.
         if self.opts.async_quorum && self.step > 0 {
             let client = self.client.clone();
-            self.pending = Some(std::thread::spawn(move || client.quorum(request, timeout)));
+            self.pending = Some(Asked::Asking(std::thread::spawn(move || {
+                client.quorum(request, timeout)
+            })));
             return Ok(());
         }
         let asked = self.client.quorum(request, timeout);
         self.apply_quorum(asked, false, vs, opt)
     }
 
-    /// Waits for a quorum that `start_quorum` asked for in the background, and drops it.
+    /// Waits for a quorum that `start_quorum` asked for in the background, and drops it;
+    /// waits for chunks of an average that never finished.
     fn drop_pending(&mut self) {
         if let Some(pending) = self.pending.take() {
-            let _ = pending.join();
+            let _ = pending.answer();
+        }
+        if let Some(step) = self.overlap.as_ref().and_then(average::Overlap::take) {
+            step.drain();
         }
     }
 
@@ -603,7 +629,7 @@ impl Manager {
     /// quorum, its members' models compared), healing, and the state this group sends.
     fn apply_quorum(
         &mut self,
-        asked: Result<ManagerQuorumResponse, tch_dist_ft::FtError>,
+        asked: QuorumAnswer,
         in_background: bool,
         vs: &tch::nn::VarStore,
         opt: &mut Optimizer,
@@ -846,13 +872,7 @@ impl Manager {
         opt: &mut Optimizer,
     ) -> Result<(), FtError> {
         if let Some(pending) = self.pending.take() {
-            let asked = pending.join().unwrap_or_else(|_| {
-                Err(tch_dist_ft::FtError::panicked(
-                    "manager quorum",
-                    "the quorum's thread",
-                ))
-            });
-            self.apply_quorum(asked, true, vs, opt)?;
+            self.apply_quorum(pending.answer(), true, vs, opt)?;
         }
         // One average per step: a second one here would meet the other members' next
         // step's, and average other gradients than they think, silently.
@@ -864,9 +884,101 @@ impl Manager {
         Ok(())
     }
 
+    /// Makes the next backward this step's last: in a replica group of one rank, on
+    /// tch-dist's wire, each chunk of the gradient average then leaves as soon as its
+    /// gradients are accumulated, overlapping the rest of backward (DDP's buckets do the
+    /// same), and [`allreduce_gradients`](Self::allreduce_gradients) sends what is left and
+    /// waits. Call it after the forward, before the backward. It waits for the background
+    /// quorum's answer and applies it, unless this group heals in it (the weights must not
+    /// change between a forward and its backward): that step's average then waits for
+    /// backward, as it does without this call, and so does a group of several ranks (its
+    /// `replicate` or `fully_shard` reduces within the group first), torchft's wire, and a
+    /// step that already failed.
+    ///
+    /// A gradient accumulated again after its chunk left (a second backward after this
+    /// call, as in gradient accumulation: call this before the last backward only) fails
+    /// the step on every member: what left was not the step's gradient.
+    ///
+    /// ```no_run
+    /// # use tch::nn::Module;
+    /// # fn demo(ft: &mut tch_dist::ft::Manager, vs: &tch::nn::VarStore, opt: &mut tch_dist::optim::Optimizer, net: &tch::nn::Linear, x: &tch::Tensor) -> Result<(), Box<dyn std::error::Error>> {
+    /// ft.start_quorum(vs, opt)?;
+    /// opt.zero_grad();
+    /// let loss = net.forward(x).square().mean(None);
+    /// ft.prepare_for_backward(vs, opt)?;
+    /// loss.backward(); // the average's chunks leave as their gradients are ready
+    /// ft.allreduce_gradients(vs, opt)?;
+    /// if ft.should_commit()? {
+    ///     opt.step()?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn prepare_for_backward(
+        &mut self,
+        vs: &tch::nn::VarStore,
+        opt: &mut Optimizer,
+    ) -> Result<(), FtError> {
+        if self.group.world_size() > 1 || self.opts.wire != Wire::TchDist || self.averaged {
+            return Ok(());
+        }
+        if let Some(pending) = self.pending.take() {
+            let answer = pending.answer();
+            let heals_here =
+                matches!(&answer, Ok(a) if heal_plan(a, self.opts.init_sync).0.is_some());
+            if heals_here {
+                self.pending = Some(Asked::Answered(answer));
+                return Ok(());
+            }
+            self.apply_quorum(answer, true, vs, opt)?;
+        }
+        let Some(current) = self.current.as_ref().filter(|c| c.participating) else {
+            return Ok(());
+        };
+        if self.errored.is_some() {
+            return Ok(());
+        }
+        let pg = current.pg.clone();
+        let params = average::buffer_order(heal::parameters(opt, vs));
+        let Some(kind) = average_kind(&params) else {
+            return Ok(());
+        };
+        let rank = self.group.rank();
+        self.ensure_buffer(&params, kind);
+        let Some(buffer) = self.buffer.as_ref() else {
+            return Ok(());
+        };
+        if !self.overlap.as_ref().is_some_and(|o| o.serves(buffer)) {
+            let hooks =
+                average::Overlap::new(buffer, rank).map_err(|source| FtError::Collective {
+                    replica: self.replica_id.clone(),
+                    group_rank: rank,
+                    op: "hooking the gradients for the average",
+                    source: Box::new(source),
+                })?;
+            self.overlap = Some(hooks);
+        }
+        if let Some(overlap) = &self.overlap {
+            overlap.arm(average::Step::new(&pg, buffer));
+        }
+        Ok(())
+    }
+
+    /// Makes the average's buffer anew unless the one kept serves `params` of `kind` (the
+    /// hooks of the old one go with it).
+    fn ensure_buffer(&mut self, params: &[(String, Tensor)], kind: Kind) {
+        if !self.buffer.as_ref().is_some_and(|b| b.serves(params, kind)) {
+            self.overlap = None;
+            self.buffer = Some(average::Buffer::new(params, kind, self.group.rank()));
+        }
+    }
+
     /// The average itself (see [`allreduce_gradients`](Self::allreduce_gradients)).
     fn average(&mut self, vs: &tch::nn::VarStore, opt: &Optimizer) {
+        let armed = self.overlap.as_ref().and_then(average::Overlap::take);
         let Some(current) = &self.current else {
+            if let Some(step) = armed {
+                step.drain();
+            }
             self.fail("no quorum".into());
             return;
         };
@@ -898,171 +1010,50 @@ impl Manager {
             }
             return;
         }
-        // The buffer's dtype: the parameters' own where they share one, else one that holds
-        // each of theirs (a bf16 parameter first must not average the f32 ones in bf16).
-        let Some(kind) = params
-            .iter()
-            .map(|(_, p)| p.kind())
-            .reduce(|a, b| match (a, b) {
-                _ if a == b => a,
-                (Kind::Double, _) | (_, Kind::Double) => Kind::Double,
-                _ => Kind::Float,
-            })
-        else {
+        let (pg, id) = (current.pg.clone(), current.id);
+        let (participating, participants) = (current.participating, current.participants);
+        let params = average::buffer_order(params);
+        let Some(kind) = average_kind(&params) else {
             return;
         };
-        let total: i64 = params.iter().map(|(_, p)| p.numel() as i64).sum();
-        // One buffer for the average, kept between steps: the gradients, then the failure
-        // flag. Each parameter's `.grad` is made its slice when the buffer is made:
-        // backward accumulates into the buffer and the average is left in the gradients,
-        // with no copy either way (DDP's `gradient_as_bucket_view`).
-        let (flat, made) = match self.flat.take() {
-            Some(f) if f.numel() as i64 == total + 1 && f.kind() == kind => (f, false),
-            _ => (Tensor::zeros([total + 1], (kind, tch::Device::Cpu)), true),
-        };
-        // Each parameter's slice of the buffer, in order.
-        let slots: Vec<Tensor> = params
-            .iter()
-            .scan(0i64, |offset, (_, p)| {
-                let n = p.numel() as i64;
-                let slot = flat.narrow(0, *offset, n);
-                *offset += n;
-                Some(slot)
-            })
-            .collect();
-        if made {
-            for ((_, p), slot) in params.iter().zip(&slots) {
-                let slot = slot.view_as(p);
-                let g = p.grad();
-                if g.defined() {
-                    tch::no_grad(|| slot.shallow_clone().copy_(&g));
-                }
-                if p.device() == tch::Device::Cpu && p.kind() == kind {
-                    // Where it cannot be, the gradient is copied each step (below).
-                    let _ = tch_dist_runtime::set_grad_for(
-                        p,
-                        Some(&slot),
-                        self.group.rank(),
-                        "fault tolerance",
-                    );
-                }
-            }
-        }
-        // Whether each `.grad` is still its slice, checked every step: another owner may
-        // have replaced it since (replicate's `gradient_as_bucket_view` re-points it at its
-        // own bucket, a grad set to none gets a new tensor), and averaging the slice then
-        // would average stale values. Those are copied in, and the average back out.
-        let slices: Vec<(&Tensor, bool)> = params
-            .iter()
-            .zip(&slots)
-            .map(|((_, p), slot)| {
-                let g = p.grad();
-                let in_place = p.numel() == 0
-                    || (g.defined()
-                        && g.data_ptr() == slot.data_ptr()
-                        && g.size() == p.size()
-                        && g.is_contiguous()
-                        && g.kind() == kind);
-                (slot, in_place)
-            })
-            .collect();
-        let contributes = current.participating && !failed_here;
-        if contributes {
-            for ((_, p), (slot, in_place)) in params.iter().zip(&slices) {
-                if *in_place {
-                    continue;
-                }
-                let g = p.grad();
-                // No gradient this step (an unused parameter): it contributes zeros.
-                if g.defined() {
-                    tch::no_grad(|| slot.shallow_clone().copy_(&g.reshape([-1])));
-                } else {
-                    let _ = slot.shallow_clone().zero_();
-                }
-            }
-        } else {
-            let _ = flat.narrow(0, 0, total).zero_();
-        }
-        let _ = flat
-            .narrow(0, total, 1)
-            .fill_(if failed_here { 1.0 } else { 0.0 });
-        let participants = current.participants.max(1) as f64;
-        let id = current.id;
-        let divide = !failed_here;
-        // The all-reduce in chunks, all launched at once: each chunk is divided while the
-        // later ones are still on the wire, rather than the whole buffer after the whole
-        // all-reduce (on the 2-core bench machine the two measured alike, within its noise:
-        // docs/PERFORMANCE.md, fault tolerance).
-        let mut launched = Vec::new();
-        let mut failure = None;
-        for chunk in average_chunks(total, AVERAGE_CHUNK) {
-            match current
-                .pg
-                .all_reduce_async(&flat.narrow(0, chunk.start, chunk.len), ReduceOp::Sum)
-            {
-                Ok(work) => launched.push((chunk, work)),
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
-            }
-        }
-        // Every launched chunk is waited for, whatever failed: none may outlive this call.
-        for (chunk, work) in launched {
-            match work.wait() {
-                Ok(()) if failure.is_none() && divide => {
-                    if chunk.grads > 0 {
-                        let _ = flat
-                            .narrow(0, chunk.start, chunk.grads)
-                            .g_div_scalar_(participants);
-                    }
-                }
-                Ok(()) => {}
-                Err(e) => {
-                    failure.get_or_insert(e);
-                }
-            }
-        }
-        self.flat = Some(flat.shallow_clone());
-        if let Some(e) = failure {
-            self.fail(format!("averaging the gradients: {e}"));
+        self.ensure_buffer(&params, kind);
+        let Some(buffer) = self.buffer.as_ref() else {
             return;
+        };
+        // The step the hooks fed during backward, if armed (prepare_for_backward) on this
+        // buffer; else one that starts now.
+        let step = match armed {
+            Some(step) if step.serves(buffer) => step,
+            other => {
+                if let Some(stale) = other {
+                    stale.drain();
+                }
+                average::Step::new(&pg, buffer)
+            }
+        };
+        if let Some(fqn) = step.accumulated_again() {
+            let why = format!(
+                "the gradient of `{fqn}` was accumulated again after its part of the average \
+                 had left: call prepare_for_backward before the step's last backward only"
+            );
+            self.fail(why);
         }
-        let failed = flat.double_value(&[total]);
-        if failed > 0.0 {
-            self.fail(format!(
+        let failed_here = failed_here || self.errored.is_some();
+        let contributes = participating && !failed_here;
+        match step.finish(contributes, failed_here, participants, self.group.rank()) {
+            Err(e) => self.fail(format!("averaging the gradients: {e}")),
+            Ok(failed) if failed > 0.0 => self.fail(format!(
                 "{failed} member(s) of quorum {id} failed this step"
-            ));
-            return;
-        }
-        if failed_here {
-            return;
-        }
-        for ((_, p), (slot, in_place)) in params.iter().zip(&slices) {
-            if *in_place {
-                continue;
-            }
-            let mut g = p.grad();
-            if g.defined() {
-                tch::no_grad(|| g.copy_(&slot.view_as(&g)));
-            } else {
-                // Every member steps this parameter with the average, this one too.
-                let average = slot.view_as(p).to_device(p.device()).to_kind(p.kind());
-                if let Err(e) = tch_dist_runtime::set_grad_for(
-                    p,
-                    Some(&average),
-                    self.group.rank(),
-                    "fault tolerance",
-                ) {
-                    self.fail(format!("setting an averaged gradient: {e}"));
-                }
-            }
+            )),
+            Ok(_) => {}
         }
     }
 
-    /// Ends the step: this rank's vote (no failure recorded, and at least
-    /// `min_replica_size` participants) and the group's decision, true only when every rank
-    /// of the group voted true. On true the step counts (step the optimizer then); on false
+    /// Ends the step: this rank's vote (no failure recorded, the gradients averaged, and at
+    /// least `min_replica_size` participants) and the group's decision, true only when every
+    /// rank of the group voted true. A step without
+    /// [`allreduce_gradients`](Self::allreduce_gradients) is not committed: its gradients
+    /// are this group's alone. On true the step counts (step the optimizer then); on false
     /// nothing of the step may be applied, and the next quorum rebuilds the cross-group
     /// group (a reported commit failure gives it a new id).
     ///
@@ -1074,8 +1065,9 @@ impl Manager {
     /// # Ok(()) }
     /// ```
     pub fn should_commit(&mut self) -> Result<bool, FtError> {
-        if self.pending.is_some() {
-            // The quorum was never applied: nothing of this step was averaged.
+        if !self.averaged {
+            // Nothing of this step was averaged: committing would step this group on its
+            // own gradients alone.
             self.drop_pending();
             self.fail("the step's gradients were not averaged (allreduce_gradients)".into());
         }
@@ -1167,23 +1159,5 @@ mod tests {
         }
         .check()
         .is_ok());
-    }
-
-    #[test]
-    fn the_average_s_chunks_cover_the_gradients_then_the_flag() {
-        let plan = |total, chunk| -> Vec<(i64, i64, i64)> {
-            average_chunks(total, chunk)
-                .into_iter()
-                .map(|c| (c.start, c.len, c.grads))
-                .collect()
-        };
-        // No gradients: the flag alone.
-        assert_eq!(plan(0, 4), [(0, 1, 0)]);
-        // The flag fits the last chunk of gradients.
-        assert_eq!(plan(6, 4), [(0, 4, 4), (4, 3, 2)]);
-        // The gradients fill their chunks exactly: the flag is a chunk of its own.
-        assert_eq!(plan(8, 4), [(0, 4, 4), (4, 4, 4), (8, 1, 0)]);
-        assert_eq!(plan(7, 4), [(0, 4, 4), (4, 4, 3)]);
-        assert_eq!(plan(3, 1 << 21), [(0, 4, 3)]);
     }
 }
