@@ -282,7 +282,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             eprintln!(
                 "train_ft: step {} not committed: {}",
                 ft.step(),
-                ft.errored().unwrap_or("another member failed")
+                ft.errored().unwrap_or("another rank of this group failed")
             );
         }
         std::thread::sleep(Duration::from_millis(step_ms));

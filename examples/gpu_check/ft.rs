@@ -105,7 +105,14 @@ pub(crate) fn ft_group() -> Result<(), String> {
             .map_err(|e| tch_dist::report(&e))?;
         opt.zero_grad();
         let (x, y) = ft_batch(ft.step(), group);
-        net(&x).mse_loss(&y, tch::Reduction::Mean).backward();
+        let loss = net(&x).mse_loss(&y, tch::Reduction::Mean);
+        if group == 1 {
+            // Group 1's chunks leave during backward: its hooks copy each device gradient
+            // into the host buffer as it is accumulated; group 0's average waits.
+            ft.prepare_for_backward(&vs, &mut opt)
+                .map_err(|e| tch_dist::report(&e))?;
+        }
+        loss.backward();
         ft.allreduce_gradients(&vs, &mut opt)
             .map_err(|e| tch_dist::report(&e))?;
         if ft.should_commit().map_err(|e| tch_dist::report(&e))? {

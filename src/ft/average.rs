@@ -158,6 +158,8 @@ impl Buffer {
 }
 
 /// One step's average on its way: which gradients are in the buffer, which chunks left.
+/// It holds handles of its own on the buffer's tensors, not the buffer: the hooks reach it
+/// from autograd's thread, and a tch `Tensor` is `Send` but not `Sync`.
 pub(super) struct Step {
     pg: ProcessGroup,
     flat: Tensor,

@@ -1071,11 +1071,14 @@ impl Manager {
             self.drop_pending();
             self.fail("the step's gradients were not averaged (allreduce_gradients)".into());
         }
-        let enough = self
-            .current
-            .as_ref()
-            .is_some_and(|c| c.participants >= self.opts.min_replica_size as i64);
-        let vote = self.errored.is_none() && enough;
+        let participants = self.participants();
+        if participants < self.opts.min_replica_size as i64 {
+            self.fail(format!(
+                "{participants} participant(s), fewer than min_replica_size {}",
+                self.opts.min_replica_size
+            ));
+        }
+        let vote = self.errored.is_none();
         // The group's decision is every rank's vote; a group of one rank decides alone (no
         // call to its manager).
         let decision = if self.group.world_size() == 1 {
