@@ -98,6 +98,8 @@ pub(super) struct Buffer {
     pub(super) chunks: Vec<AverageChunk>,
     /// Each parameter's first and last chunk.
     pub(super) spans: Vec<(usize, usize)>,
+    /// Per chunk, the parameters with elements in it.
+    pub(super) members: Vec<usize>,
 }
 
 impl Buffer {
@@ -133,6 +135,12 @@ impl Buffer {
             }
             slots.push(slot);
         }
+        let mut members = vec![0usize; chunks.len()];
+        for &(a, b) in &spans {
+            for m in &mut members[a..=b] {
+                *m += 1;
+            }
+        }
         Buffer {
             flat,
             kind,
@@ -142,6 +150,22 @@ impl Buffer {
             slots,
             chunks,
             spans,
+            members,
+        }
+    }
+
+    /// Handles of its own on the same tensors (and a copy of the layout).
+    fn handles(&self) -> Buffer {
+        Buffer {
+            flat: self.flat.shallow_clone(),
+            kind: self.kind,
+            total: self.total,
+            params: self.params.iter().map(Tensor::shallow_clone).collect(),
+            fqns: self.fqns.clone(),
+            slots: self.slots.iter().map(Tensor::shallow_clone).collect(),
+            chunks: self.chunks.clone(),
+            spans: self.spans.clone(),
+            members: self.members.clone(),
         }
     }
 
@@ -162,14 +186,7 @@ impl Buffer {
 /// from autograd's thread, and a tch `Tensor` is `Send` but not `Sync`.
 pub(super) struct Step {
     pg: ProcessGroup,
-    flat: Tensor,
-    kind: Kind,
-    total: i64,
-    params: Vec<Tensor>,
-    fqns: Arc<Vec<String>>,
-    slots: Vec<Tensor>,
-    chunks: Vec<AverageChunk>,
-    spans: Vec<(usize, usize)>,
+    buffer: Buffer,
     /// Per chunk, its parameters whose gradient is not in the buffer yet.
     waiting: Vec<usize>,
     /// Per parameter: `None` until its gradient is in the buffer, then whether `.grad` is
@@ -185,23 +202,10 @@ pub(super) struct Step {
 
 impl Step {
     pub(super) fn new(pg: &ProcessGroup, buffer: &Buffer) -> Step {
-        let mut waiting = vec![0usize; buffer.chunks.len()];
-        for &(a, b) in &buffer.spans {
-            for w in &mut waiting[a..=b] {
-                *w += 1;
-            }
-        }
         Step {
             pg: pg.clone(),
-            flat: buffer.flat.shallow_clone(),
-            kind: buffer.kind,
-            total: buffer.total,
-            params: buffer.params.iter().map(Tensor::shallow_clone).collect(),
-            fqns: buffer.fqns.clone(),
-            slots: buffer.slots.iter().map(Tensor::shallow_clone).collect(),
-            chunks: buffer.chunks.clone(),
-            spans: buffer.spans.clone(),
-            waiting,
+            buffer: buffer.handles(),
+            waiting: buffer.members.clone(),
             in_buffer: vec![None; buffer.params.len()],
             launched: Vec::new(),
             failure: None,
@@ -211,39 +215,35 @@ impl Step {
 
     /// Whether this step runs on `buffer`.
     pub(super) fn serves(&self, buffer: &Buffer) -> bool {
-        self.flat.data_ptr() == buffer.flat.data_ptr()
+        self.buffer.flat.data_ptr() == buffer.flat.data_ptr()
     }
 
     /// Whether parameter `i`'s `.grad` is its slice of the buffer.
     fn grad_is_slice(&self, i: usize) -> bool {
-        let (p, slot) = (&self.params[i], &self.slots[i]);
+        let (p, slot) = (&self.buffer.params[i], &self.buffer.slots[i]);
         let g = p.grad();
         p.numel() == 0
             || (g.defined()
                 && g.data_ptr() == slot.data_ptr()
                 && g.size() == p.size()
                 && g.is_contiguous()
-                && g.kind() == self.kind)
+                && g.kind() == self.buffer.kind)
     }
 
     /// Puts parameter `i`'s gradient in the buffer (copied where `.grad` is not its slice;
     /// zeros where it has none, or where `contributes` is false).
     fn take_gradient(&mut self, i: usize, contributes: bool) {
         let in_place = self.grad_is_slice(i);
-        let slot = self.slots[i].shallow_clone();
-        if !contributes {
-            let _ = slot.shallow_clone().zero_();
-        } else if !in_place {
-            let g = self.params[i].grad();
-            // No gradient this step (an unused parameter): it contributes zeros.
-            if g.defined() {
-                tch::no_grad(|| slot.shallow_clone().copy_(&g.reshape([-1])));
-            } else {
-                let _ = slot.shallow_clone().zero_();
-            }
+        let mut slot = self.buffer.slots[i].shallow_clone();
+        let g = self.buffer.params[i].grad();
+        if contributes && !in_place && g.defined() {
+            tch::no_grad(|| slot.copy_(&g.reshape([-1])));
+        } else if !contributes || !in_place {
+            // Nothing to send, or no gradient this step (an unused parameter): zeros.
+            let _ = slot.zero_();
         }
         self.in_buffer[i] = Some(in_place);
-        let (a, b) = self.spans[i];
+        let (a, b) = self.buffer.spans[i];
         for w in &mut self.waiting[a..=b] {
             *w = w.saturating_sub(1);
         }
@@ -255,10 +255,10 @@ impl Step {
             && self.failure.is_none()
             && self.waiting[self.launched.len()] == 0
         {
-            let c = self.chunks[self.launched.len()];
+            let c = self.buffer.chunks[self.launched.len()];
             match self
                 .pg
-                .all_reduce_async(&self.flat.narrow(0, c.start, c.len), ReduceOp::Sum)
+                .all_reduce_async(&self.buffer.flat.narrow(0, c.start, c.len), ReduceOp::Sum)
             {
                 Ok(work) => self.launched.push(work),
                 Err(e) => self.failure = Some(e),
@@ -275,14 +275,14 @@ impl Step {
         }
         self.take_gradient(i, true);
         // Never the last chunk: it carries the flag, known only after backward.
-        self.launch_ready(self.chunks.len() - 1);
+        self.launch_ready(self.buffer.chunks.len() - 1);
     }
 
     /// A parameter accumulated again after its gradient left (a backward after the one
     /// `prepare_for_backward` armed): its FQN.
     pub(super) fn accumulated_again(&self) -> Option<&str> {
         self.again
-            .and_then(|i| self.fqns.get(i))
+            .and_then(|i| self.buffer.fqns.get(i))
             .map(String::as_str)
     }
 
@@ -301,17 +301,18 @@ impl Step {
     ) -> Result<f64, String> {
         // A chunk that left carries gradients already; zeros now could not reach it, and a
         // member that failed is told apart by the flag anyway.
-        for i in 0..self.params.len() {
+        for i in 0..self.buffer.params.len() {
             if self.in_buffer[i].is_none() {
                 self.take_gradient(i, contributes);
             }
         }
         let _ = self
+            .buffer
             .flat
-            .narrow(0, self.total, 1)
+            .narrow(0, self.buffer.total, 1)
             .fill_(if failed { 1.0 } else { 0.0 });
-        self.launch_ready(self.chunks.len());
-        if self.failure.is_none() && self.launched.len() < self.chunks.len() {
+        self.launch_ready(self.buffer.chunks.len());
+        if self.failure.is_none() && self.launched.len() < self.buffer.chunks.len() {
             self.failure = Some(DistError::Internal {
                 rank,
                 op: "fault tolerance's average",
@@ -321,11 +322,17 @@ impl Step {
         let participants = participants.max(1) as f64;
         let mut failure = self.failure.take().map(|e| e.to_string());
         // Every launched chunk is waited for, whatever failed: none may outlive this call.
-        for (chunk, work) in self.chunks.iter().zip(std::mem::take(&mut self.launched)) {
+        for (chunk, work) in self
+            .buffer
+            .chunks
+            .iter()
+            .zip(std::mem::take(&mut self.launched))
+        {
             match work.wait() {
                 Ok(()) if failure.is_none() && !failed => {
                     if chunk.grads > 0 {
                         let _ = self
+                            .buffer
                             .flat
                             .narrow(0, chunk.start, chunk.grads)
                             .g_div_scalar_(participants);
@@ -340,16 +347,16 @@ impl Step {
         if let Some(e) = failure {
             return Err(e);
         }
-        let members_failed = self.flat.double_value(&[self.total]);
+        let members_failed = self.buffer.flat.double_value(&[self.buffer.total]);
         if members_failed > 0.0 || failed {
             return Ok(members_failed);
         }
-        for (i, p) in self.params.iter().enumerate() {
+        for (i, p) in self.buffer.params.iter().enumerate() {
             if self.in_buffer[i] != Some(false) {
                 continue;
             }
             let mut g = p.grad();
-            let slot = &self.slots[i];
+            let slot = &self.buffer.slots[i];
             if g.defined() {
                 tch::no_grad(|| g.copy_(&slot.view_as(&g)));
             } else {

@@ -938,12 +938,8 @@ impl Manager {
             return Ok(());
         }
         let pg = current.pg.clone();
-        let params = average::buffer_order(heal::parameters(opt, vs));
-        let Some(kind) = average_kind(&params) else {
-            return Ok(());
-        };
         let rank = self.group.rank();
-        self.ensure_buffer(&params, kind);
+        self.ensure_buffer(heal::parameters(opt, vs));
         let Some(buffer) = self.buffer.as_ref() else {
             return Ok(());
         };
@@ -963,12 +959,23 @@ impl Manager {
         Ok(())
     }
 
-    /// Makes the average's buffer anew unless the one kept serves `params` of `kind` (the
-    /// hooks of the old one go with it).
-    fn ensure_buffer(&mut self, params: &[(String, Tensor)], kind: Kind) {
-        if !self.buffer.as_ref().is_some_and(|b| b.serves(params, kind)) {
+    /// Makes the average's buffer for `params` (the optimizer's, in any order) anew unless
+    /// the one kept serves them (the hooks of the old one go with it); without parameters
+    /// there is none.
+    fn ensure_buffer(&mut self, params: Vec<(String, Tensor)>) {
+        let params = average::buffer_order(params);
+        let Some(kind) = average_kind(&params) else {
             self.overlap = None;
-            self.buffer = Some(average::Buffer::new(params, kind, self.group.rank()));
+            self.buffer = None;
+            return;
+        };
+        if !self
+            .buffer
+            .as_ref()
+            .is_some_and(|b| b.serves(&params, kind))
+        {
+            self.overlap = None;
+            self.buffer = Some(average::Buffer::new(&params, kind, self.group.rank()));
         }
     }
 
@@ -1012,11 +1019,7 @@ impl Manager {
         }
         let (pg, id) = (current.pg.clone(), current.id);
         let (participating, participants) = (current.participating, current.participants);
-        let params = average::buffer_order(params);
-        let Some(kind) = average_kind(&params) else {
-            return;
-        };
-        self.ensure_buffer(&params, kind);
+        self.ensure_buffer(params);
         let Some(buffer) = self.buffer.as_ref() else {
             return;
         };
@@ -1038,7 +1041,8 @@ impl Manager {
             );
             self.fail(why);
         }
-        let failed_here = failed_here || self.errored.is_some();
+        // (The step may have failed just now.)
+        let failed_here = self.errored.is_some();
         let contributes = participating && !failed_here;
         match step.finish(contributes, failed_here, participants, self.group.rank()) {
             Err(e) => self.fail(format!("averaging the gradients: {e}")),
