@@ -284,6 +284,24 @@ fn two_groups(deadline: Instant, extra0: &[&str], extra1: &[&str]) -> (Ended, En
     (g0.wait(deadline), g1.wait(deadline))
 }
 
+/// Group 0 (seed 1) and group 1 (seed 2), both with `extra`, at a lighthouse of their own;
+/// group 1 exits at step 4 (checked) and is restarted by hand from seed 3. Both groups, run
+/// to their end.
+fn killed_and_restarted(deadline: Instant, extra: &[&str]) -> (Ended, Ended) {
+    let lighthouse = lighthouse_at("127.0.0.1:0");
+    let at = lighthouse.address();
+    let g0 = Proc::group("replica_0", &at, &[&["--seed", "1"], extra].concat());
+    let failed = Proc::group(
+        "replica_1",
+        &at,
+        &[&["--seed", "2", "--exit-at", "4"], extra].concat(),
+    )
+    .wait(deadline);
+    assert_eq!(failed.status.and_then(|s| s.code()), Some(3), "{failed:#?}");
+    let restarted = Proc::group("replica_1", &at, &[&["--seed", "3"], extra].concat());
+    (g0.wait(deadline), restarted.wait(deadline))
+}
+
 #[test]
 fn faults_of_every_kind_end_as_the_run_without_them() {
     let deadline = Instant::now() + Duration::from_secs(240);
@@ -309,14 +327,7 @@ fn faults_of_every_kind_end_as_the_run_without_them() {
     // fails and does not commit, and it waits alone (min 2) until group 1, restarted from
     // yet other weights, heals from it and the two go on.
     {
-        let lighthouse = lighthouse_at("127.0.0.1:0");
-        let at = lighthouse.address();
-        let g0 = Proc::group("replica_0", &at, &seed("1"));
-        let failed =
-            Proc::group("replica_1", &at, &["--seed", "2", "--exit-at", "4"]).wait(deadline);
-        assert_eq!(failed.status.and_then(|s| s.code()), Some(3), "{failed:#?}");
-        let restarted = Proc::group("replica_1", &at, &seed("3"));
-        let (g0, g1) = (g0.wait(deadline), restarted.wait(deadline));
+        let (g0, g1) = killed_and_restarted(deadline, &[]);
         assert_eq!(both_final(&g0, &g1), [expected.clone(), expected.clone()]);
         assert!(
             g0.stderr.contains(
@@ -504,18 +515,7 @@ fn the_average_overlapping_backward_ends_as_the_one_after_it() {
     // Killed after its chunks left (group 1 exits at step 4 after backward): group 0's
     // step fails at the chunk that never comes, and the restarted group heals and goes on.
     {
-        let lighthouse = lighthouse_at("127.0.0.1:0");
-        let at = lighthouse.address();
-        let g0 = Proc::group("replica_0", &at, &["--seed", "1", "--overlap"]);
-        let failed = Proc::group(
-            "replica_1",
-            &at,
-            &["--seed", "2", "--overlap", "--exit-at", "4"],
-        )
-        .wait(deadline);
-        assert_eq!(failed.status.and_then(|s| s.code()), Some(3), "{failed:#?}");
-        let restarted = Proc::group("replica_1", &at, &["--seed", "3", "--overlap"]);
-        let (g0, g1) = (g0.wait(deadline), restarted.wait(deadline));
+        let (g0, g1) = killed_and_restarted(deadline, &overlap);
         assert_eq!(both_final(&g0, &g1), [expected.clone(), expected.clone()]);
         assert!(g0.stderr.contains("step 4 not committed: "), "{g0:#?}");
     }
