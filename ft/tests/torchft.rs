@@ -140,6 +140,15 @@ fn quorums(
     })
 }
 
+/// A tch-dist lighthouse on 127.0.0.1 (any port) with torchft's defaults otherwise.
+fn lighthouse_on_loopback(min_replicas: u64) -> LighthouseServer {
+    LighthouseServer::start(LighthouseOptions {
+        bind: "127.0.0.1:0".into(),
+        ..LighthouseOptions::new(min_replicas)
+    })
+    .expect("a lighthouse")
+}
+
 #[test]
 fn tch_dist_groups_form_quorums_at_torchfts_lighthouse() {
     let (mut peer, mut out) = Peer::start(&["lighthouse", "2", "100"]);
@@ -225,11 +234,7 @@ fn a_torchft_group_and_a_tch_dist_group_share_a_tch_dist_lighthouse() {
 
 #[test]
 fn a_manager_refuses_a_rank_outside_its_group_and_a_call_without_deadline_errs_fast() {
-    let lighthouse = LighthouseServer::start(LighthouseOptions {
-        bind: "127.0.0.1:0".into(),
-        ..LighthouseOptions::new(1)
-    })
-    .expect("a lighthouse");
+    let lighthouse = lighthouse_on_loopback(1);
     let m = manager("replica_0:rs", &lighthouse.address(), "127.0.0.1:3333");
     let c = ManagerClient::connect(&m.address(), T).expect("connect");
     let err = c
@@ -296,11 +301,7 @@ fn a_manager_refuses_a_rank_outside_its_group_and_a_call_without_deadline_errs_f
         );
     }
     // A lighthouse that never forms the quorum (min_replicas 2 of one group): the deadline.
-    let lonely = LighthouseServer::start(LighthouseOptions {
-        bind: "127.0.0.1:0".into(),
-        ..LighthouseOptions::new(2)
-    })
-    .expect("a lighthouse");
+    let lonely = lighthouse_on_loopback(2);
     let client = LighthouseClient::connect(&lonely.address(), T).expect("connect");
     let start = std::time::Instant::now();
     let err = client
@@ -352,11 +353,7 @@ fn http(address: &str, method: &str, path: &str) -> (u16, String) {
 
 #[test]
 fn the_dashboard_shows_a_torchft_group_asking_and_its_kill_button_ends_it() {
-    let lighthouse = LighthouseServer::start(LighthouseOptions {
-        bind: "127.0.0.1:0".into(),
-        ..LighthouseOptions::new(2)
-    })
-    .expect("a lighthouse");
+    let lighthouse = lighthouse_on_loopback(2);
     let address = lighthouse.address();
     let (code, page) = http(&address, "GET", "/status");
     assert_eq!(code, 200, "{page}");
@@ -418,11 +415,7 @@ fn the_dashboard_shows_a_torchft_group_asking_and_its_kill_button_ends_it() {
 
 #[test]
 fn a_training_manager_refuses_a_quorum_with_a_torchft_group_naming_it() {
-    let lighthouse = LighthouseServer::start(LighthouseOptions {
-        bind: "127.0.0.1:0".into(),
-        ..LighthouseOptions::new(2)
-    })
-    .expect("a lighthouse");
+    let lighthouse = lighthouse_on_loopback(2);
     let address = lighthouse.address();
     let m = training_manager("replica_1:rs", &address);
     let c = ManagerClient::connect(&m.address(), T).expect("connect");
