@@ -13,15 +13,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def print_step_check(runs):
-    """The always-on step check's cost: its time per step (rank 0, measured inside the
-    runtime) over the median step, per run, the median of those."""
-    ratios = [x.get("step_check_ms", 0.0) / x["median_ms"] for x in runs if x.get("median_ms")]
-    if ratios:
-        ms = statistics.median(x.get("step_check_ms", 0.0) for x in runs)
-        print(
-            f"step_check_vs_step={statistics.median(ratios):.4f}  (time in the step check per "
-            f"step, {ms:.3f} ms, / the median step; goal <= 0.01)"
-        )
+    """The always-on step check's cost, rank 0's, measured inside the runtime, per run and
+    the median of those over the median step: the time in the check less the wait for the
+    last peer's header (time the rank would otherwise wait at the pass's first collective;
+    counted where the headers travel through shared memory), and the whole time in the
+    check, that wait included (an upper bound)."""
+    timed = [x for x in runs if x.get("median_ms")]
+    if not timed:
+        return
+    total = [x.get("step_check_ms", 0.0) for x in timed]
+    cost = [t - x.get("step_check_wait_ms", 0.0) for t, x in zip(total, timed)]
+    ratio = lambda ms: statistics.median(m / x["median_ms"] for m, x in zip(ms, timed))
+    print(
+        f"step_check_vs_step={ratio(cost):.4f}  (time in the step check per step less the wait "
+        f"for the last peer, {statistics.median(cost):.3f} ms, / the median step; goal <= 0.01)"
+    )
+    print(
+        f"step_check_with_wait_vs_step={ratio(total):.4f}  (the whole time in the check, "
+        f"{statistics.median(total):.3f} ms: an upper bound)"
+    )
 
 
 def parse_bench(output):

@@ -190,14 +190,15 @@
 
 pub use tch_dist_runtime::{
     default_group, destroy_process_group, first_shared_gpu, init_process_group,
-    init_process_group_with, is_initialized, set_step, step_check_time, ArgumentError, Backend,
-    CallTensor, CollectiveCall, CommHook, DebugLevel, Desync, DeviceClaim, DistError, EnvError,
-    GroupOptions, InitOptions, LaunchEnv, Mismatch, NamedSignature, Object, Phase, PickleError,
-    PowerSgdOptions, ProcessGroup, ReduceOp, Reducer, ReducerOptions, ReducerStats,
-    RendezvousError, Result, StepPosition, Store, TensorSignature, Work, BROADCAST_BUCKET_BYTES,
-    CUDA_VIA_GLOO_ENV, DEBUG_ENV, DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES,
-    DEFAULT_MASTER_PORT, DEFAULT_NCCL_TIMEOUT, DEFAULT_TIMEOUT, INIT_BARRIER_ENV, NO_SHORTCUTS_ENV,
-    RUN_ID_ENV, TORCH_DEBUG_ENV, USE_AGENT_STORE_ENV,
+    init_process_group_with, is_initialized, set_step, step_check_time, step_check_wait_time,
+    ArgumentError, Backend, CallTensor, CollectiveCall, CommHook, DebugLevel, Desync, DeviceClaim,
+    DistError, EnvError, GroupOptions, InitOptions, LaunchEnv, Mismatch, NamedSignature, Object,
+    Phase, PickleError, PowerSgdOptions, ProcessGroup, ReduceOp, Reducer, ReducerOptions,
+    ReducerStats, RendezvousError, Result, StepPosition, Store, TensorSignature, Work,
+    BROADCAST_BUCKET_BYTES, COLLECTIVE_STEP_CHECK_ENV, CUDA_VIA_GLOO_ENV, DEBUG_ENV,
+    DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_IN_PLACE_MIN_BYTES, DEFAULT_MASTER_PORT,
+    DEFAULT_NCCL_TIMEOUT, DEFAULT_TIMEOUT, INIT_BARRIER_ENV, NO_SHORTCUTS_ENV, RUN_ID_ENV,
+    TORCH_DEBUG_ENV, USE_AGENT_STORE_ENV,
 };
 
 pub mod activation_checkpoint;

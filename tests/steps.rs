@@ -10,12 +10,14 @@ mod blocks;
 #[path = "steps/tensor_parallel.rs"]
 mod tensor_parallel;
 use blocks::{blocks, Blocks};
+use std::time::{Duration, Instant};
 use tch::nn::{self, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 use tch_dist::fully_shard::full_state_dict;
-use tch_dist::testing::run_ranks;
+use tch_dist::testing::{run_ranks, run_ranks_with, Launch};
 use tch_dist::{
-    fully_shard, replicate, Call, CallT, ForwardError, FsdpOptions, ProcessGroup, Shardable,
+    fully_shard, replicate, Backend, Call, CallT, ForwardError, FsdpOptions, ProcessGroup,
+    Shardable,
 };
 
 /// A Linear, a BatchNorm (buffers: replicate broadcasts them before every forward, a
@@ -105,39 +107,99 @@ fn train_skipping_a_backward(
     None
 }
 
+/// Rank 1 leaves out step 1's backward under replicate: both ranks fail, naming both
+/// positions, with the headers traveling as `lane` says.
+fn replicate_skipped_backward(pg: ProcessGroup, lane: Lane) {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = net(&vs);
+    replicate::apply(&m, Default::default()).unwrap();
+    let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
+    let rank = pg.rank();
+    let (step, pass, text) =
+        train_skipping_a_backward(rank, &mut opt, |s| m.f_call_t(&batch(s, &pg), true))
+            .expect("the skipped backward was not noticed");
+    // Step 0's two checks chose the lane: step 1's went through it.
+    assert_eq!(pg.step_check_shares_memory(), lane == Lane::SharedMemory);
+    // Rank 0's backward of step 2 meets rank 1's forward of step 3.
+    let rank0 = "in the backward of step 2 (2 forward and 2 backward passes)";
+    let rank1 = "in the forward of step 3 (3 forward and 1 backward passes)";
+    if rank == 0 {
+        assert_eq!((step, pass), (1, "backward"), "{text}");
+        assert!(
+            text.contains(&step_error(0, "replicate", rank1, rank0)),
+            "{text}"
+        );
+        // The failure is kept: the next forward reports it and sends nothing.
+        let again = m.f_call_t(&batch(2, &pg), true).unwrap_err();
+        assert!(
+            chain(&again).contains(&step_error(0, "replicate", rank1, rank0)),
+            "{again}"
+        );
+    } else {
+        assert_eq!((step, pass), (2, "forward"), "{text}");
+        assert!(
+            text.contains(&step_error(1, "replicate", rank0, rank1)),
+            "{text}"
+        );
+    }
+}
+
+/// Which way a test expects the step check's headers to travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lane {
+    SharedMemory,
+    Backend,
+}
+
 #[test]
 fn replicate_skipped_backward_fails_on_every_rank() {
     run_ranks("replicate_skipped_backward_fails_on_every_rank", 2, |pg| {
+        replicate_skipped_backward(pg, Lane::SharedMemory)
+    });
+}
+
+/// The same through the backend's all-to-all, as between hosts: the switch on one rank
+/// keeps every rank's headers there.
+#[test]
+fn replicate_skipped_backward_fails_on_every_rank_through_the_backend() {
+    let test = "replicate_skipped_backward_fails_on_every_rank_through_the_backend";
+    let launch = Launch::new(test, 2).rank_env(1, tch_dist::COLLECTIVE_STEP_CHECK_ENV, "1");
+    run_ranks_with(&launch, Backend::Gloo, |pg| {
+        replicate_skipped_backward(pg, Lane::Backend)
+    });
+}
+
+/// A peer that exits while this rank waits for its header in shared memory is named at
+/// once, not after the group's timeout.
+#[test]
+fn a_peer_that_exits_is_named_by_a_check_in_shared_memory() {
+    let test = "a_peer_that_exits_is_named_by_a_check_in_shared_memory";
+    let launch = Launch::new(test, 2)
+        .env("TCH_DIST_TIMEOUT_SECS", "20")
+        .timeout(Duration::from_secs(60));
+    run_ranks_with(&launch, Backend::Gloo, |pg| {
         let vs = nn::VarStore::new(Device::Cpu);
-        let m = net(&vs);
-        replicate::apply(&m, Default::default()).unwrap();
+        let m = sharded_blocks(&vs);
         let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
-        let rank = pg.rank();
-        let (step, pass, text) =
-            train_skipping_a_backward(rank, &mut opt, |s| m.f_call_t(&batch(s, &pg), true))
-                .expect("the skipped backward was not noticed");
-        // Rank 0's backward of step 2 meets rank 1's forward of step 3.
-        let rank0 = "in the backward of step 2 (2 forward and 2 backward passes)";
-        let rank1 = "in the forward of step 3 (3 forward and 1 backward passes)";
-        if rank == 0 {
-            assert_eq!((step, pass), (1, "backward"), "{text}");
-            assert!(
-                text.contains(&step_error(0, "replicate", rank1, rank0)),
-                "{text}"
-            );
-            // The failure is kept: the next forward reports it and sends nothing.
-            let again = m.f_call_t(&batch(2, &pg), true).unwrap_err();
-            assert!(
-                chain(&again).contains(&step_error(0, "replicate", rank1, rank0)),
-                "{again}"
-            );
-        } else {
-            assert_eq!((step, pass), (2, "forward"), "{text}");
-            assert!(
-                text.contains(&step_error(1, "replicate", rank0, rank1)),
-                "{text}"
-            );
+        for step in 0..2 {
+            let out = m.f_call(&batch(step, &pg)).unwrap();
+            opt.zero_grad();
+            out.sum(Kind::Float).backward();
+            opt.step();
         }
+        assert!(pg.step_check_shares_memory());
+        if pg.rank() == 1 {
+            return; // leaves: its process exits
+        }
+        let start = Instant::now();
+        let e = m.f_call(&batch(2, &pg)).unwrap_err();
+        let text = chain(&e);
+        assert!(start.elapsed() < Duration::from_secs(10), "{text}");
+        // The forward's first step is the check: no collective ran before it.
+        assert!(
+            text.contains("rank 0: fully_shard failed: rank 1 closed the connection"),
+            "{text}"
+        );
     });
 }
 

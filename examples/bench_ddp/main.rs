@@ -369,13 +369,13 @@ fn train<M: BenchModel>(
     }
     sync(args.device);
     let (mut cpu0, mut busy0, mut wall0, mut faults0) = (0.0, 0.0, Instant::now(), 0.0);
-    let mut check0 = std::time::Duration::ZERO;
+    let mut check0 = CheckClock::default();
     let mut net0 = None;
     for i in 0..args.warmup + args.steps {
         if i == args.warmup {
             (cpu0, busy0, wall0) = (cpu_ms(), machine_busy_ms(), Instant::now());
             faults0 = page_faults();
-            check0 = tch_dist::step_check_time();
+            check0 = CheckClock::now();
             net0 = eth0_bytes();
         }
         let t0 = Instant::now();
@@ -421,8 +421,7 @@ fn train<M: BenchModel>(
         machine_busy_ms: machine_busy_ms() - busy0,
     };
     // The always-on step check's time (replicate, fully_shard), per timed step.
-    let step_check_ms =
-        (tch_dist::step_check_time() - check0).as_secs_f64() * 1e3 / args.steps as f64;
+    let step_check = check0.per_step_since(args.steps);
     let (peak, current) = rss_mib();
     // What this rank holds between steps (after the last one, before the next zero_grad),
     // counted from the tensors.
@@ -473,9 +472,11 @@ fn train<M: BenchModel>(
         "state_bytes": param_bytes + grad_bytes + optim_bytes,
         "fsdp_groups": fsdp_groups,
         "gathered_bytes": gathered_bytes,
-        "step_check_ms": step_check_ms,
         "comm_hook": args.comm_hook,
     });
+    for (key, value) in step_check {
+        out[key] = value.into();
+    }
     add_net(&mut out, net);
     if let Some(s) = replicate::state(&model) {
         let st = s.stats();

@@ -139,3 +139,31 @@ pub(crate) fn add_net(out: &mut serde_json::Value, net: Option<(f64, f64)>) {
         out["net_tx_bytes_per_step"] = tx.into();
     }
 }
+
+/// The always-on step check's clocks (rank 0's, measured inside the runtime): the time in
+/// the check, and of it the wait for the last peer to arrive.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct CheckClock {
+    total: std::time::Duration,
+    wait: std::time::Duration,
+}
+
+impl CheckClock {
+    pub(crate) fn now() -> CheckClock {
+        CheckClock {
+            total: tch_dist::step_check_time(),
+            wait: tch_dist::step_check_wait_time(),
+        }
+    }
+
+    /// The `BENCH` line's fields since `self`, per step: `step_check_ms` (the whole time in
+    /// the check) and `step_check_wait_ms` (of it, the wait for the last peer).
+    pub(crate) fn per_step_since(self, steps: usize) -> [(&'static str, f64); 2] {
+        let now = CheckClock::now();
+        let per_step = |d: std::time::Duration| d.as_secs_f64() * 1e3 / steps as f64;
+        [
+            ("step_check_ms", per_step(now.total - self.total)),
+            ("step_check_wait_ms", per_step(now.wait - self.wait)),
+        ]
+    }
+}

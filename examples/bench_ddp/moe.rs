@@ -63,12 +63,12 @@ pub(crate) fn moe(args: &Args, pg: &ProcessGroup) -> Result<(), Box<dyn std::err
     let (mut steps, mut fwd, mut bwd) = (vec![], vec![], vec![]);
     pg.barrier()?;
     let (mut cpu0, mut busy0, mut wall0) = (0.0, 0.0, Instant::now());
-    let mut check0 = tch_dist::step_check_time();
+    let mut check0 = CheckClock::now();
     let mut loss_value = 0.0;
     for i in 0..args.warmup + args.steps {
         if i == args.warmup {
             (cpu0, busy0, wall0) = (cpu_ms(), machine_busy_ms(), Instant::now());
-            check0 = tch_dist::step_check_time();
+            check0 = CheckClock::now();
         }
         let t0 = Instant::now();
         opt.zero_grad();
@@ -92,11 +92,9 @@ pub(crate) fn moe(args: &Args, pg: &ProcessGroup) -> Result<(), Box<dyn std::err
         cpu_ms: cpu_ms() - cpu0,
         machine_busy_ms: machine_busy_ms() - busy0,
     };
-    let step_check_ms =
-        (tch_dist::step_check_time() - check0).as_secs_f64() * 1e3 / args.steps as f64;
+    let step_check = check0.per_step_since(args.steps);
     let (peak, current) = rss_mib();
-    let out = serde_json::json!({
-        "step_check_ms": step_check_ms,
+    let mut out = serde_json::json!({
         "cpu_ms": window.cpu_ms / args.steps as f64,
         "window": window.json(),
         "impl": "tch-dist",
@@ -113,6 +111,9 @@ pub(crate) fn moe(args: &Args, pg: &ProcessGroup) -> Result<(), Box<dyn std::err
         "steps_ms": steps,
         "loss": loss_value,
     });
+    for (key, value) in step_check {
+        out[key] = value.into();
+    }
     println!("BENCH {out}");
     pg.barrier()?;
     Ok(())

@@ -67,7 +67,10 @@ pub use c10d::objects::Object;
 pub use c10d::step_check::passes::{
     forward_begins as managed_forward_begins, forward_ends as managed_forward_ends,
 };
-pub use c10d::step_check::{grad_enabled, set_step, step_check_time, NO_STEP_CHECK_ENV};
+pub use c10d::step_check::{
+    grad_enabled, set_step, step_check_time, step_check_wait_time, COLLECTIVE_STEP_CHECK_ENV,
+    NO_STEP_CHECK_ENV,
+};
 pub use c10d::store::Store;
 pub use c10d::verify::Refusal;
 pub use error::{

@@ -12,7 +12,7 @@
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use tch::Device;
@@ -20,6 +20,7 @@ use tch::Device;
 use crate::c10d::departures::WatchStore;
 use crate::c10d::env::DebugLevel;
 use crate::c10d::heartbeat::{Heartbeat, Liveness};
+use crate::c10d::step_check::Lane;
 use crate::c10d::store::Store;
 use crate::error::{DistError, Result};
 use crate::ffi;
@@ -125,6 +126,8 @@ struct GroupInner {
     /// Exchanges through the store made over this group (`exchange.rs`): the next one's
     /// number.
     exchanges: AtomicU64,
+    /// Which way this group's step-check headers travel (`step_check/lane.rs`).
+    step_check_lane: Mutex<Lane>,
 }
 
 impl std::ops::Deref for GroupInner {
@@ -164,6 +167,7 @@ impl GroupInner {
             children: Mutex::new(Vec::new()),
             stopped: Mutex::new(None),
             exchanges: AtomicU64::new(0),
+            step_check_lane: Mutex::new(Lane::default()),
         }
     }
 
@@ -346,6 +350,14 @@ impl ProcessGroup {
     /// The counter of this group's exchanges through the store.
     pub(crate) fn exchanges(&self) -> &AtomicU64 {
         &self.inner.exchanges
+    }
+
+    /// Which way this group's step-check headers travel; held for the whole of a check.
+    pub(crate) fn step_check_lane(&self) -> MutexGuard<'_, Lane> {
+        self.inner
+            .step_check_lane
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Keeps `cause` as the failure after which this rank takes no part in the group's

@@ -4,15 +4,21 @@
 //! will run, and every rank fails with [`Mismatch::Step`] or [`Mismatch::Program`] when the
 //! headers differ.
 //!
-//! The headers travel by one all-to-all of equal chunks (each rank's header repeated for
-//! every peer), not by an all-gather: Gloo's all-gather is a ring of world − 1 hops one after
-//! the other, its all-to-all sends to every peer at once, one hop. The check's cost is that
-//! latency (a few bytes), so at 4 ranks this cut the MoE part's check from 6% of the step to
-//! 3.5-4.5% (bench/driver.py `step_check_vs_step`); at 2 ranks the two are the same.
+//! The headers travel through shared memory when every rank of the group runs on this host
+//! (each rank writes its header into its slot of a mapped file and sleeps on a futex until
+//! every peer's is there: a few writes and at most one wake-up), and otherwise by one
+//! all-to-all of equal chunks through the backend (each rank's header repeated for every
+//! peer; Gloo's all-to-all sends to every peer at once, one hop, where its all-gather is a
+//! ring of world − 1 hops). The group's first two checks go through the backend and decide
+//! (`lane.rs`). Through the backend, the check's cost was that collective's latency: 3.5-4.5%
+//! of the MoE part's step at 4 ranks on 2 cores, 1.4-2% of the suite's (issue 47 asked for
+//! 1%).
 //!
 //! | file | what it does | PyTorch's counterpart |
 //! |---|---|---|
 //! | `mod.rs` | the header (where a rank is: [`StepPosition`]; what its pass runs: [`PassProgram`]; both defined in `error/step.rs`), its encoding, exchange and comparison; [`set_step`] | (none: tch-dist's step check; DETAIL's fingerprints are c10d's `ProcessGroupWrapper`) |
+//! | `lane.rs` | which way a group's headers travel, decided by its first two checks | (none) |
+//! | `shared.rs` | the headers through a shared-memory segment: publish, wait (futex, the peers' pids, the departures watch), the host's key | (none; c10d's Gloo has no shared-memory transport) |
 //! | `passes.rs` | which pass this process is in, for fully_shard and tensor parallelism, and the check before each pass's first collective over each group | (none) |
 //!
 //! Why a separate header and not a counter appended to a bucket: the collectives of a pass
@@ -67,13 +73,21 @@ use tch::{Kind, Tensor};
 use tch_dist_core::sharding::Dtype;
 
 use crate::c10d::collectives::Work;
+use crate::c10d::departures::WATCH_SLICE;
 use crate::c10d::group::ProcessGroup;
 use crate::error::{
     CollectiveSignature, DistError, Mismatch, MisuseProblem, PassProgram, Phase, Result,
     StepPosition, TensorSignature, SIGNATURE_OPS,
 };
 
+mod lane;
 pub(crate) mod passes;
+mod shared;
+
+pub(crate) use lane::Lane;
+pub use lane::COLLECTIVE_STEP_CHECK_ENV;
+use lane::WORDS;
+use shared::Unfinished;
 
 /// The header's first element: a value no pass counter takes, so that a header never reads
 /// as something else.
@@ -83,6 +97,8 @@ pub const DIMS: usize = 6;
 /// Elements of a header: the tag, the position (4), the recorded count, the settings'
 /// fingerprint, the signature's op, dtype and rank count, and its dims.
 const LEN: usize = 10 + DIMS;
+/// Elements of a header's row on the backend: the header and the lane's words.
+const ROW: usize = LEN + WORDS;
 
 /// The caller's step number ([`set_step`]); -1 when never set.
 static USER_STEP: AtomicI64 = AtomicI64::new(-1);
@@ -100,10 +116,33 @@ fn check_off() -> bool {
 /// Nanoseconds this process spent in step checks (for benchmarks).
 static CHECK_NANOS: AtomicU64 = AtomicU64::new(0);
 
-/// The time this process has spent in step checks so far, every group together: what the
-/// always-on check costs (`make bench` prints it per step as `step_check_vs_step`).
+/// Nanoseconds of [`CHECK_NANOS`] spent waiting for the last peer to arrive.
+static CHECK_WAIT_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// The time this process has spent in step checks so far, every group together, waiting
+/// for its peers to arrive included (an upper bound on what the always-on check costs).
+///
+/// ```
+/// let spent = tch_dist_runtime::step_check_time();
+/// assert!(spent >= tch_dist_runtime::step_check_wait_time());
+/// ```
 pub fn step_check_time() -> Duration {
     Duration::from_nanos(CHECK_NANOS.load(Ordering::Relaxed))
+}
+
+/// Of [`step_check_time`], the time spent waiting for the last peer's header to be written,
+/// in groups whose headers travel through shared memory (all ranks on one host): time this
+/// rank would otherwise wait at the pass's first collective. [`step_check_time`] less this
+/// is what the check itself costs there (`make bench` prints it per step as
+/// `step_check_vs_step`). Through the backend (ranks on several hosts) the two cannot be
+/// told apart, and this counts nothing.
+///
+/// ```
+/// let cost = tch_dist_runtime::step_check_time() - tch_dist_runtime::step_check_wait_time();
+/// # let _ = cost;
+/// ```
+pub fn step_check_wait_time() -> Duration {
+    Duration::from_nanos(CHECK_WAIT_NANOS.load(Ordering::Relaxed))
 }
 
 /// Tells every later step check the training loop's own step number, so that a rank that
@@ -291,16 +330,31 @@ pub(crate) fn begin(
         position: me,
         program,
     };
-    let world = group.world_size();
-    let mine = Tensor::from_slice(&me.encode().repeat(world));
-    let all = Tensor::zeros([(world * LEN) as i64], (Kind::Int64, mine.device()));
-    let work = group.all_to_all_single_async(&all, &mine);
+    let mut lane = group.step_check_lane();
+    let travel = match &mut *lane {
+        Lane::Shared(segment) => Travel::Shared {
+            seq: segment.publish(&me.encode()),
+            began: start,
+        },
+        other => {
+            let world = group.world_size();
+            let mut row = me.encode().to_vec();
+            row.extend(other.words(group));
+            let mine = Tensor::from_slice(&row.repeat(world));
+            let all = Tensor::zeros([(world * ROW) as i64], (Kind::Int64, mine.device()));
+            let work = group.all_to_all_single_async(&all, &mine)?;
+            Travel::Collective {
+                work,
+                all,
+                _mine: mine,
+            }
+        }
+    };
+    drop(lane);
     note_time(start);
     Ok(PendingCheck {
         flight: Some(Flight {
-            work: work?,
-            all,
-            _mine: mine,
+            travel,
             group: group.clone(),
             op,
             me,
@@ -314,51 +368,135 @@ pub(crate) struct PendingCheck {
 }
 
 struct Flight {
-    work: Work,
-    all: Tensor,
-    _mine: Tensor,
+    travel: Travel,
     group: ProcessGroup,
     op: &'static str,
     me: Header,
 }
 
+/// How a check's headers travel (`lane.rs`).
+enum Travel {
+    /// The backend's all-to-all: each row the header and the lane's words.
+    Collective {
+        work: Work,
+        all: Tensor,
+        _mine: Tensor,
+    },
+    /// This rank's header is in the segment as check `seq`.
+    Shared { seq: u64, began: Instant },
+}
+
 impl PendingCheck {
     /// Waits for the exchange and compares every rank's position with this rank's.
     pub(crate) fn finish(self) -> Result<()> {
-        let Some(f) = self.flight else {
-            return Ok(());
-        };
-        let start = Instant::now();
-        let Flight {
-            work,
-            all,
-            _mine: mine,
+        let Some(Flight {
+            travel,
             group,
             op,
             me,
-        } = f;
-        let result = work.wait().and_then(|()| compare(&group, op, me, &all));
-        drop(mine);
+        }) = self.flight
+        else {
+            return Ok(());
+        };
+        let start = Instant::now();
+        let start_ns = shared::now_ns();
+        let result = match travel {
+            Travel::Collective { work, all, _mine } => {
+                let rows = work.wait().and_then(|()| read_rows(&group, op, &all));
+                drop(_mine);
+                rows.and_then(|rows| {
+                    let words: Vec<[i64; WORDS]> = rows
+                        .iter()
+                        .map(|r| std::array::from_fn(|i| r[LEN + i]))
+                        .collect();
+                    group.step_check_lane().advance(&words, group.rank());
+                    compare(&group, op, me, rows.iter().map(|r| &r[..LEN]))
+                })
+            }
+            Travel::Shared { seq, began } => {
+                let arrived = wait_shared(&group, op, seq, began);
+                arrived.and_then(|arrived| {
+                    // Waiting for the last peer to arrive is no cost of the check: without
+                    // it, this rank would wait for that peer at the pass's first collective.
+                    let waited = arrived.last_ns.saturating_sub(start_ns);
+                    CHECK_WAIT_NANOS.fetch_add(waited, Ordering::Relaxed);
+                    compare(&group, op, me, arrived.rows.iter().map(|r| &r[..]))
+                })
+            }
+        };
         note_time(start);
         result
     }
 }
 
-fn note_time(start: Instant) {
-    let spent = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-    CHECK_NANOS.fetch_add(spent, Ordering::Relaxed);
+/// Waits for every rank's header of check `seq` in the group's segment.
+fn wait_shared(
+    group: &ProcessGroup,
+    op: &'static str,
+    seq: u64,
+    began: Instant,
+) -> Result<shared::Arrived> {
+    let lane = group.step_check_lane();
+    let Lane::Shared(segment) = &*lane else {
+        return Err(DistError::Internal {
+            rank: group.rank(),
+            op,
+            what: "a step check through shared memory without its segment",
+        });
+    };
+    let deadline = began + group.timeout();
+    let result = segment.wait(seq, deadline, WATCH_SLICE, || group.watch(op));
+    drop(lane);
+    result.map_err(|end| match end {
+        Unfinished::Timeout => DistError::Timeout {
+            rank: group.rank(),
+            op,
+            timeout: group.timeout(),
+        },
+        Unfinished::Watched(e) => e,
+        Unfinished::PeerExited { peer, pid } => group.watch(op).unwrap_or_else(|| {
+            let e = DistError::PeerGone {
+                rank: group.rank(),
+                op,
+                peer: Some(peer),
+                cause: format!(
+                    "its process (pid {pid}) exited before it wrote its step-check header"
+                ),
+            };
+            group.stop_after_failure(&e.to_string());
+            e
+        }),
+    })
 }
 
-/// Every rank's header in `all` against `me`: positions first (a rank in another pass), then
-/// programs.
-fn compare(group: &ProcessGroup, op: &'static str, me: Header, all: &Tensor) -> Result<()> {
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+fn note_time(start: Instant) {
+    CHECK_NANOS.fetch_add(nanos(start.elapsed()), Ordering::Relaxed);
+}
+
+/// The rows of a check through the backend.
+fn read_rows(group: &ProcessGroup, op: &'static str, all: &Tensor) -> Result<Vec<Vec<i64>>> {
     let all = Vec::<i64>::try_from(all).map_err(|e| DistError::Collective {
         rank: group.rank(),
         op,
         cause: format!("reading the step check: {e}"),
     })?;
+    Ok(all.chunks(ROW).map(<[i64]>::to_vec).collect())
+}
+
+/// Every rank's header in `rows` against `me`: positions first (a rank in another pass),
+/// then programs.
+fn compare<'a>(
+    group: &ProcessGroup,
+    op: &'static str,
+    me: Header,
+    rows: impl Iterator<Item = &'a [i64]>,
+) -> Result<()> {
     let mut others = Vec::with_capacity(group.world_size());
-    for (other_rank, row) in all.chunks(LEN).enumerate() {
+    for (other_rank, row) in rows.enumerate() {
         let other = Header::decode(row).ok_or_else(|| DistError::Misuse {
             rank: group.rank(),
             op,

@@ -1,0 +1,414 @@
+//! The step check's headers through shared memory, for a group whose ranks all run on one
+//! host (one kernel, one `/dev/shm`, one network and pid namespace): each rank writes its
+//! header into its own slot of a mapped file and waits on a futex until every peer's slot
+//! holds the same check, so a check costs a few memory writes and at most one wake-up instead
+//! of a collective's round of messages through the backend's threads.
+//!
+//! Layout: a control block (a generation counter every publish bumps, the futex word, and a
+//! count of waiters, so that a publish makes a system call only when someone sleeps), then
+//! one slot per rank: its pid (for the liveness of a peer that is waited for) and
+//! [`ENTRIES`] entries, used in turn by its checks. A rank reuses check `k`'s entry for
+//! check `k + ENTRIES` only after finishing check `k + ENTRIES - 1`, which needs every peer's
+//! header of that check; a peer that has at most `ENTRIES - 1` checks of the group in flight
+//! at once (begun, not yet finished) publishes it only after it finished reading check `k`.
+//! replicate's backward keeps one check in flight from its first gradient hook to its
+//! first bucket, and the others none, so two would do; four leave room. A reader also
+//! compares the entry's number, so an entry reused too early is waited on (and times out),
+//! never read as another check.
+//!
+//! The file's name carries a random number rank 0 sent in the group's first header
+//! (`lane.rs`); every rank maps it before the second header says so, and is unlinked once
+//! the second header says every rank did, so nothing is left in `/dev/shm` after a normal
+//! run (a crash in between leaves one small file).
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::LEN;
+
+/// Entries per rank's slot, used in turn.
+const ENTRIES: usize = 4;
+
+/// The control block at the start of the file.
+#[repr(C, align(64))]
+struct Control {
+    /// Bumped by every publish; the futex word the waiters sleep on.
+    generation: AtomicU32,
+    /// Ranks asleep (or about to sleep) on `generation`.
+    waiters: AtomicU32,
+}
+
+/// One check's header in a rank's slot.
+#[repr(C, align(64))]
+struct Entry {
+    /// The check this entry holds (1, 2, ...; 0: none yet), written last.
+    seq: AtomicU64,
+    /// When it was written (CLOCK_MONOTONIC, ns): the last peer's arrival.
+    published_ns: AtomicU64,
+    header: [AtomicI64; LEN],
+}
+
+/// One rank's slot.
+#[repr(C, align(64))]
+struct Slot {
+    pid: AtomicU64,
+    entries: [Entry; ENTRIES],
+}
+
+/// What a wait that found every header returns.
+pub(super) struct Arrived {
+    /// Every rank's header, in rank order.
+    pub(super) rows: Vec<[i64; LEN]>,
+    /// When the last of them was written (CLOCK_MONOTONIC, ns).
+    pub(super) last_ns: u64,
+}
+
+/// Why a wait ended without every header.
+#[derive(Debug)]
+pub(super) enum Unfinished {
+    /// The peer's process is gone (or a zombie).
+    PeerExited { peer: usize, pid: u64 },
+    /// The deadline passed.
+    Timeout,
+    /// What the caller's watch reported (a departed member, an unreachable store).
+    Watched(crate::error::DistError),
+}
+
+/// A mapped segment of one group.
+pub(crate) struct Segment {
+    base: NonNull<u8>,
+    len: usize,
+    world: usize,
+    rank: usize,
+    path: PathBuf,
+    /// This rank's next check.
+    next: u64,
+}
+
+// SAFETY: the mapping is shared memory accessed only through atomics; the pointer stays
+// valid until `Drop` unmaps it.
+unsafe impl Send for Segment {}
+
+impl Segment {
+    fn size(world: usize) -> usize {
+        std::mem::size_of::<Control>() + world * std::mem::size_of::<Slot>()
+    }
+
+    /// Opens (creating it if this rank is first) and maps the group's segment named after
+    /// `nonce`, and writes this rank's pid into its slot.
+    pub(super) fn attach(nonce: u64, world: usize, rank: usize) -> io::Result<Segment> {
+        let path = PathBuf::from(format!("/dev/shm/tch-dist-step-check-{nonce:016x}"));
+        let file: File = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&path)?;
+        let len = Self::size(world);
+        // The same length on every rank: a later rank's call changes nothing.
+        file.set_len(len as u64)?;
+        // SAFETY: a fresh shared mapping of the whole file, checked below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(io::Error::last_os_error)?;
+        let segment = Segment {
+            base,
+            len,
+            world,
+            rank,
+            path,
+            next: 1,
+        };
+        segment
+            .slot(rank)
+            .pid
+            .store(u64::from(std::process::id()), Ordering::Release);
+        Ok(segment)
+    }
+
+    /// Removes the file's name (every rank has it mapped): the memory goes with the last
+    /// mapping.
+    pub(super) fn unlink(&self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+
+    fn control(&self) -> &Control {
+        // SAFETY: the mapping starts with a Control (zeroed by the file's creation, and
+        // atomics of zero are valid) and lives as long as `self`.
+        unsafe { &*self.base.as_ptr().cast::<Control>() }
+    }
+
+    fn slot(&self, rank: usize) -> &Slot {
+        assert!(
+            rank < self.world,
+            "step check: slot {rank} of {}",
+            self.world
+        );
+        // SAFETY: `rank < world` slots follow the control block inside the mapping.
+        unsafe {
+            &*self
+                .base
+                .as_ptr()
+                .add(std::mem::size_of::<Control>())
+                .cast::<Slot>()
+                .add(rank)
+        }
+    }
+
+    /// Writes this rank's header of its next check; returns the check's number.
+    pub(super) fn publish(&mut self, header: &[i64; LEN]) -> u64 {
+        let seq = self.next;
+        self.next += 1;
+        let entry = &self.slot(self.rank).entries[entry_index(seq)];
+        for (cell, value) in entry.header.iter().zip(header) {
+            cell.store(*value, Ordering::Relaxed);
+        }
+        entry.published_ns.store(now_ns(), Ordering::Relaxed);
+        entry.seq.store(seq, Ordering::Release);
+        let control = self.control();
+        control.generation.fetch_add(1, Ordering::SeqCst);
+        if control.waiters.load(Ordering::SeqCst) > 0 {
+            futex_wake(&control.generation);
+        }
+        seq
+    }
+
+    /// Waits until every rank's header of check `seq` is written, or `deadline`; between
+    /// sleeps it looks at the pids of the peers still missing and, every `watch_every`,
+    /// asks `watch` (the group's departures watch).
+    pub(super) fn wait(
+        &self,
+        seq: u64,
+        deadline: Instant,
+        watch_every: Duration,
+        mut watch: impl FnMut() -> Option<crate::error::DistError>,
+    ) -> Result<Arrived, Unfinished> {
+        let control = self.control();
+        let mut next_watch = Instant::now() + watch_every;
+        let mut spins = 0u32;
+        let mut sleeping = false;
+        let result = loop {
+            let generation = control.generation.load(Ordering::SeqCst);
+            let missing = (0..self.world).find(|r| {
+                self.slot(*r).entries[entry_index(seq)]
+                    .seq
+                    .load(Ordering::Acquire)
+                    != seq
+            });
+            let Some(missing) = missing else {
+                break Ok(self.read(seq));
+            };
+            // A few yields first: on a busy host the peer is often one time slice away.
+            if spins < 16 {
+                spins += 1;
+                std::thread::yield_now();
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                break Err(Unfinished::Timeout);
+            }
+            let pid = self.slot(missing).pid.load(Ordering::Acquire);
+            if pid != 0 && process_gone(pid) {
+                break Err(Unfinished::PeerExited { peer: missing, pid });
+            }
+            if now >= next_watch {
+                next_watch = now + watch_every;
+                if let Some(e) = watch() {
+                    break Err(Unfinished::Watched(e));
+                }
+            }
+            if !sleeping {
+                sleeping = true;
+                control.waiters.fetch_add(1, Ordering::SeqCst);
+                // Counted as a waiter before looking again: a publish from now on wakes us.
+                continue;
+            }
+            let slice = deadline
+                .saturating_duration_since(now)
+                .min(Duration::from_millis(20));
+            futex_wait(&control.generation, generation, slice);
+        };
+        if sleeping {
+            control.waiters.fetch_sub(1, Ordering::SeqCst);
+        }
+        result
+    }
+
+    fn read(&self, seq: u64) -> Arrived {
+        let mut last_ns = 0;
+        let rows = (0..self.world)
+            .map(|r| {
+                let entry = &self.slot(r).entries[entry_index(seq)];
+                last_ns = last_ns.max(entry.published_ns.load(Ordering::Relaxed));
+                std::array::from_fn(|i| entry.header[i].load(Ordering::Relaxed))
+            })
+            .collect();
+        Arrived { rows, last_ns }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `attach` with this length; nothing borrows it past `self`.
+        unsafe {
+            libc::munmap(self.base.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+fn entry_index(seq: u64) -> usize {
+    (seq % ENTRIES as u64) as usize
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the host.
+pub(super) fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
+}
+
+/// Whether the process `pid` exited: no entry in /proc, or a zombie its parent has not
+/// reaped yet.
+fn process_gone(pid: u64) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| matches!(state, 'Z' | 'X')),
+    }
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, limit: Duration) {
+    let ts = libc::timespec {
+        tv_sec: limit.as_secs() as libc::time_t,
+        tv_nsec: limit.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: a futex wait on a live shared word (not FUTEX_PRIVATE: other processes wake
+    // it), with a relative timeout; any error (EAGAIN: it changed, EINTR) is a spurious
+    // wake-up the caller's loop handles.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: wakes every waiter of a live shared word.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// What identifies this host for the step check, or 0 where shared memory is not to be
+/// used (something unreadable): the boot, the user, the network, pid and mount namespaces
+/// and `/dev/shm` itself. Ranks in separate network namespaces (the multi-host test tier's
+/// hosts) count as separate hosts, as real ones would be.
+pub(super) fn host_key() -> i64 {
+    use std::hash::Hasher;
+    use std::os::unix::fs::MetadataExt;
+    let Ok(boot) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") else {
+        return 0;
+    };
+    let mut h = crate::Fingerprint::default();
+    h.write(boot.trim().as_bytes());
+    // SAFETY: no arguments; always succeeds.
+    h.write_u32(unsafe { libc::getuid() });
+    for path in [
+        "/proc/self/ns/net",
+        "/proc/self/ns/pid",
+        "/proc/self/ns/mnt",
+        "/dev/shm",
+    ] {
+        let Ok(meta) = std::fs::metadata(path) else {
+            return 0;
+        };
+        h.write_u64(meta.dev());
+        h.write_u64(meta.ino());
+    }
+    // Never 0, which means "no".
+    (h.finish() | 1) as i64
+}
+
+/// A random number for a segment's name.
+pub(super) fn nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(now_ns());
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_ranks_meet_and_a_missing_one_times_out() {
+        let nonce = nonce();
+        let mut a = Segment::attach(nonce, 2, 0).expect("attach 0");
+        let mut b = Segment::attach(nonce, 2, 1).expect("attach 1");
+        a.unlink();
+        let row = |v: i64| [v; LEN];
+        for seq in 1..=6u64 {
+            assert_eq!(a.publish(&row(seq as i64)), seq);
+            let soon = Instant::now() + Duration::from_millis(30);
+            // b has not written check `seq` yet.
+            assert!(matches!(
+                a.wait(seq, soon, Duration::from_secs(1), || None),
+                Err(Unfinished::Timeout)
+            ));
+            assert_eq!(b.publish(&row(10 + seq as i64)), seq);
+            let far = Instant::now() + Duration::from_secs(5);
+            let got = a
+                .wait(seq, far, Duration::from_secs(1), || None)
+                .expect("a");
+            assert_eq!(got.rows, vec![row(seq as i64), row(10 + seq as i64)]);
+            assert!(b.wait(seq, far, Duration::from_secs(1), || None).is_ok());
+        }
+        assert!(!process_gone(u64::from(std::process::id())));
+        assert!(process_gone(u64::from(u32::MAX)));
+        assert_ne!(host_key(), 0);
+        assert_eq!(host_key(), host_key());
+    }
+}
