@@ -148,12 +148,14 @@ fn a_dead_peer_ends_train_ddp_with_one_line() {
         Duration::from_secs(1),
     );
     assert_eq!(status.code(), Some(1), "{status:?}\n{stderr}");
-    // Rank 0 notices in the collective it waits in: a bucket's all-reduce, or the backward
-    // pass's step check (its header exchange, an all-to-all).
+    // Rank 0 notices where it waits: a bucket's all-reduce, or the backward pass's step
+    // check (its header exchange: an all-to-all in the first two steps, then shared memory,
+    // where the peer's pid is gone and the check's op is named).
     assert!(
         [
             "error: rank 0: all_reduce failed: rank 1 closed the connection\n",
             "error: rank 0: all_to_all failed: rank 1 closed the connection\n",
+            "error: rank 0: replicate failed: rank 1 closed the connection\n",
         ]
         .contains(&stderr.as_str()),
         "{stderr}"
