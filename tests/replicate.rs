@@ -472,101 +472,104 @@ fn init_sync_broadcasts_rank_0s_values_or_keeps_each_ranks() {
 /// is used after all still averages it.
 #[test]
 fn skip_all_reduce_unused_params_skips_buckets_no_rank_used() {
-    run_ranks(
+    // The step check's headers stay on the backend, so that every pass launches its
+    // exchange (through shared memory only the group's first two would).
+    let launch = Launch::new(
         "skip_all_reduce_unused_params_skips_buckets_no_rank_used",
         2,
-        |pg| {
-            use std::sync::atomic::{AtomicBool, Ordering};
-            use std::sync::Arc;
-            use tch::{Kind, Tensor};
-            let r = pg.rank();
-            // Collectives launched per pass, without and with the option.
-            let mut launched_per_pass: Vec<Vec<u64>> = Vec::new();
-            for skip in [false, true] {
-                let vs = nn::VarStore::new(Device::Cpu);
-                let root = vs.root();
-                let a = root.var("a", &[3], nn::Init::Const(0.5));
-                let b = root.var("b", &[3], nn::Init::Const(0.5));
-                let c = root.var("c", &[3], nn::Init::Const(0.5));
-                let use_c = Arc::new(AtomicBool::new(false));
-                let (fa, fb, fc, flag) = (
-                    a.shallow_clone(),
-                    b.shallow_clone(),
-                    c.shallow_clone(),
-                    use_c.clone(),
-                );
-                // Rank r's input is all r + 1; rank 0 also uses b (times 2); rank 1 uses c
-                // (times 4) when the flag is set.
-                let net = nn::func(move |x| {
-                    let mut loss = (x * &fa).sum(Kind::Float);
-                    if r == 0 {
-                        loss += (x * &fb * 2.0).sum(Kind::Float);
-                    }
-                    if r == 1 && flag.load(Ordering::SeqCst) {
-                        loss += (x * &fc * 4.0).sum(Kind::Float);
-                    }
-                    loss
-                });
-                let opts = replicate::Options {
-                    bucket_cap_mb: 1e-9,
-                    find_unused_parameters: true,
-                    skip_all_reduce_unused_params: skip,
-                    ..Default::default()
-                };
-                let model = replicate::wrap(net, &vs, opts).unwrap();
-                assert_eq!(model.state().buckets().len(), 3);
-                let x = Tensor::full([3], (r + 1) as f64, (Kind::Float, Device::Cpu));
-                let mut launched_here = Vec::new();
-                for pass in 0..5 {
-                    use_c.store(pass == 3, Ordering::SeqCst);
-                    for t in [&a, &b, &c] {
-                        let g = t.grad();
-                        if g.defined() {
-                            let _ = g.shallow_clone().zero_();
-                        }
-                    }
-                    let before = pg.launched_collectives();
-                    model.f_forward(&x).unwrap().backward();
-                    launched_here.push(pg.launched_collectives() - before);
-                    let what = format!("skip {skip}, pass {pass}");
-                    let full = |v: f64| Tensor::full([3], v, (Kind::Float, Device::Cpu));
-                    // a: mean of 1 and 2; b: rank 0's 2 * 1, halved.
-                    assert!(
-                        a.grad().allclose(&full(1.5), 1e-6, 1e-6, false),
-                        "{what}: a"
-                    );
-                    assert!(
-                        b.grad().allclose(&full(1.0), 1e-6, 1e-6, false),
-                        "{what}: b"
-                    );
-                    if pass < 3 {
-                        assert!(!c.grad().defined(), "{what}: c has a gradient");
-                    } else if pass == 3 {
-                        // rank 1's 4 * 2, halved, on both ranks.
-                        assert!(
-                            c.grad().allclose(&full(4.0), 1e-6, 1e-6, false),
-                            "{what}: c"
-                        );
-                    } else {
-                        // Unused everywhere again: `.grad` left as it was (zeroed above).
-                        assert!(c.grad().allclose(&full(0.0), 0.0, 0.0, false), "{what}: c");
-                    }
-                    let stats = model.state().stats();
-                    // Skipped: c's bucket, after the first pass, except in the pass that used it
-                    // (all-reduced at the end of backward then). Pass 4 follows a pass that used
-                    // c, so it skips nothing.
-                    let skipped = skip && matches!(pass, 1 | 2);
-                    let reduced = if skipped { 2 } else { 3 };
-                    assert_eq!(stats.buckets_reduced, reduced, "{what}: buckets reduced");
+    )
+    .env(tch_dist::COLLECTIVE_STEP_CHECK_ENV, "1");
+    run_ranks_with(&launch, Backend::Gloo, |pg| {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        use tch::{Kind, Tensor};
+        let r = pg.rank();
+        // Collectives launched per pass, without and with the option.
+        let mut launched_per_pass: Vec<Vec<u64>> = Vec::new();
+        for skip in [false, true] {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let root = vs.root();
+            let a = root.var("a", &[3], nn::Init::Const(0.5));
+            let b = root.var("b", &[3], nn::Init::Const(0.5));
+            let c = root.var("c", &[3], nn::Init::Const(0.5));
+            let use_c = Arc::new(AtomicBool::new(false));
+            let (fa, fb, fc, flag) = (
+                a.shallow_clone(),
+                b.shallow_clone(),
+                c.shallow_clone(),
+                use_c.clone(),
+            );
+            // Rank r's input is all r + 1; rank 0 also uses b (times 2); rank 1 uses c
+            // (times 4) when the flag is set.
+            let net = nn::func(move |x| {
+                let mut loss = (x * &fa).sum(Kind::Float);
+                if r == 0 {
+                    loss += (x * &fb * 2.0).sum(Kind::Float);
                 }
-                launched_per_pass.push(launched_here);
+                if r == 1 && flag.load(Ordering::SeqCst) {
+                    loss += (x * &fc * 4.0).sum(Kind::Float);
+                }
+                loss
+            });
+            let opts = replicate::Options {
+                bucket_cap_mb: 1e-9,
+                find_unused_parameters: true,
+                skip_all_reduce_unused_params: skip,
+                ..Default::default()
+            };
+            let model = replicate::wrap(net, &vs, opts).unwrap();
+            assert_eq!(model.state().buckets().len(), 3);
+            let x = Tensor::full([3], (r + 1) as f64, (Kind::Float, Device::Cpu));
+            let mut launched_here = Vec::new();
+            for pass in 0..5 {
+                use_c.store(pass == 3, Ordering::SeqCst);
+                for t in [&a, &b, &c] {
+                    let g = t.grad();
+                    if g.defined() {
+                        let _ = g.shallow_clone().zero_();
+                    }
+                }
+                let before = pg.launched_collectives();
+                model.f_forward(&x).unwrap().backward();
+                launched_here.push(pg.launched_collectives() - before);
+                let what = format!("skip {skip}, pass {pass}");
+                let full = |v: f64| Tensor::full([3], v, (Kind::Float, Device::Cpu));
+                // a: mean of 1 and 2; b: rank 0's 2 * 1, halved.
+                assert!(
+                    a.grad().allclose(&full(1.5), 1e-6, 1e-6, false),
+                    "{what}: a"
+                );
+                assert!(
+                    b.grad().allclose(&full(1.0), 1e-6, 1e-6, false),
+                    "{what}: b"
+                );
+                if pass < 3 {
+                    assert!(!c.grad().defined(), "{what}: c has a gradient");
+                } else if pass == 3 {
+                    // rank 1's 4 * 2, halved, on both ranks.
+                    assert!(
+                        c.grad().allclose(&full(4.0), 1e-6, 1e-6, false),
+                        "{what}: c"
+                    );
+                } else {
+                    // Unused everywhere again: `.grad` left as it was (zeroed above).
+                    assert!(c.grad().allclose(&full(0.0), 0.0, 0.0, false), "{what}: c");
+                }
+                let stats = model.state().stats();
+                // Skipped: c's bucket, after the first pass, except in the pass that used it
+                // (all-reduced at the end of backward then). Pass 4 follows a pass that used
+                // c, so it skips nothing.
+                let skipped = skip && matches!(pass, 1 | 2);
+                let reduced = if skipped { 2 } else { 3 };
+                assert_eq!(stats.buckets_reduced, reduced, "{what}: buckets reduced");
             }
-            // The skipped bucket's all-reduce is the one collective saved.
-            let (without, with) = (&launched_per_pass[0], &launched_per_pass[1]);
-            let saved: Vec<u64> = without.iter().zip(with).map(|(a, b)| a - b).collect();
-            assert_eq!(saved, [0, 1, 1, 0, 0], "launched {without:?} and {with:?}");
-        },
-    );
+            launched_per_pass.push(launched_here);
+        }
+        // The skipped bucket's all-reduce is the one collective saved.
+        let (without, with) = (&launched_per_pass[0], &launched_per_pass[1]);
+        let saved: Vec<u64> = without.iter().zip(with).map(|(a, b)| a - b).collect();
+        assert_eq!(saved, [0, 1, 1, 0, 0], "launched {without:?} and {with:?}");
+    });
 }
 
 /// `bucket_cap_mb_list`: the k-th bucket (in launch order) closes at the k-th cap, the last

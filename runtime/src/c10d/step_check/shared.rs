@@ -18,8 +18,8 @@
 //!
 //! The file's name carries a random number rank 0 sent in the group's first header
 //! (`lane.rs`); every rank maps it before the second header says so, and is unlinked once
-//! the second header says every rank did, so nothing is left in `/dev/shm` after a normal
-//! run (a crash in between leaves one small file).
+//! the second header says every rank did (or when the group is dropped before), so nothing
+//! is left in `/dev/shm` after a run (a crash between the two checks leaves one small file).
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -268,6 +268,9 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
+        // Normally unlinked after the second check already; a group dropped before it (a
+        // failed first check, the end of the program) leaves nothing behind either.
+        self.unlink();
         // SAFETY: mapped in `attach` with this length; nothing borrows it past `self`.
         unsafe {
             libc::munmap(self.base.as_ptr().cast(), self.len);
