@@ -35,12 +35,18 @@ def print_step_check(runs):
 
 
 def parse_bench(output):
-    """Every `BENCH {json}` line of a run (the launcher prefixes lines with `[rankR]: `)."""
+    """Every `BENCH {json}` record of a run (the launcher prefixes lines with `[rankR]: `).
+    Each record is read up to its own end: where two processes' writes met on one line
+    (torchrun's ranks share the terminal, unprefixed), what follows it is another record
+    or another program's text, not part of it."""
+    decoder = json.JSONDecoder()
     out = []
     for line in output.splitlines():
         i = line.find("BENCH {")
-        if i >= 0:
-            out.append(json.loads(line[i + len("BENCH ") :]))
+        while i >= 0:
+            record, end = decoder.raw_decode(line, i + len("BENCH "))
+            out.append(record)
+            i = line.find("BENCH {", end)
     return out
 
 
