@@ -74,20 +74,13 @@ impl Lane {
                     Lane::Collective
                 }
             }
-            Lane::Mapping(segment) => {
-                let everyone = words.iter().all(|w| w[1] == 1);
-                match segment {
-                    Some(segment) => {
-                        segment.unlink();
-                        if everyone {
-                            Lane::Shared(segment)
-                        } else {
-                            Lane::Collective
-                        }
-                    }
-                    None => Lane::Collective,
-                }
+            Lane::Mapping(Some(segment)) if words.iter().all(|w| w[1] == 1) => {
+                // Every rank holds the mapping: the name has done its job.
+                segment.unlink();
+                Lane::Shared(segment)
             }
+            // A segment this rank mapped is unlinked as it is dropped.
+            Lane::Mapping(_) => Lane::Collective,
             other => other,
         };
         *self = next;

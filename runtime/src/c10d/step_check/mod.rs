@@ -346,7 +346,7 @@ pub(crate) fn begin(
             Travel::Collective {
                 work,
                 all,
-                _mine: mine,
+                sent: mine,
             }
         }
     };
@@ -380,7 +380,8 @@ enum Travel {
     Collective {
         work: Work,
         all: Tensor,
-        _mine: Tensor,
+        /// This rank's rows, alive until the work completes.
+        sent: Tensor,
     },
     /// This rank's header is in the segment as check `seq`.
     Shared { seq: u64, began: Instant },
@@ -401,9 +402,9 @@ impl PendingCheck {
         let start = Instant::now();
         let start_ns = shared::now_ns();
         let result = match travel {
-            Travel::Collective { work, all, _mine } => {
+            Travel::Collective { work, all, sent } => {
                 let rows = work.wait().and_then(|()| read_rows(&group, op, &all));
-                drop(_mine);
+                drop(sent);
                 rows.and_then(|rows| {
                     let words: Vec<[i64; WORDS]> = rows
                         .iter()
