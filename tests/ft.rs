@@ -82,6 +82,15 @@ impl Ended {
     }
 }
 
+/// The deadline of a test whose processes run for at most `secs`, taken once the binaries
+/// they run are built (a build under the whole suite's load can take a minute of its own).
+fn deadline_after_builds(secs: u64) -> Instant {
+    build::launcher();
+    build::lighthouse();
+    build::example("train_ft");
+    Instant::now() + Duration::from_secs(secs)
+}
+
 /// `cmd` without the launch variables of the test's own environment.
 fn clean(program: impl AsRef<std::ffi::OsStr>) -> Command {
     let mut cmd = Command::new(program);
@@ -304,7 +313,7 @@ fn killed_and_restarted(deadline: Instant, extra: &[&str]) -> (Ended, Ended) {
 
 #[test]
 fn faults_of_every_kind_end_as_the_run_without_them() {
-    let deadline = Instant::now() + Duration::from_secs(240);
+    let deadline = deadline_after_builds(240);
     let seed = |s: &'static str| ["--seed", s];
 
     // Without a fault, at torchft's lighthouse: group 1 starts from other weights than group
@@ -340,7 +349,6 @@ fn faults_of_every_kind_end_as_the_run_without_them() {
     // The same under tch-dist-run --replica-groups 2 --start-lighthouse 1: the launcher
     // restarts group 1 alone (the injected exit is at its first start only).
     {
-        build::lighthouse();
         let mut cmd = clean(build::launcher());
         cmd.args(["--replica-groups", "2", "--start-lighthouse", "1"])
             .args(["--nproc-per-node", "1", "--max-restarts", "1", "--"])
@@ -467,7 +475,7 @@ fn faults_of_every_kind_end_as_the_run_without_them() {
 
 #[test]
 fn the_average_overlapping_backward_ends_as_the_one_after_it() {
-    let deadline = Instant::now() + Duration::from_secs(240);
+    let deadline = deadline_after_builds(240);
     let overlap = ["--overlap"];
     let (g0, g1) = two_groups(deadline, &[], &[]);
     let [expected, _] = both_final(&g0, &g1);
@@ -523,7 +531,7 @@ fn the_average_overlapping_backward_ends_as_the_one_after_it() {
 
 #[test]
 fn a_replica_group_with_another_model_is_named_on_every_member() {
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = deadline_after_builds(60);
     let lighthouse = LighthouseServer::start(LighthouseOptions {
         bind: "127.0.0.1:0".into(),
         ..LighthouseOptions::new(2)
@@ -665,7 +673,7 @@ fn mixed_quorum(deadline: Instant, rust_steps: &str, python_exit_at: &str) -> (E
 
 #[test]
 fn a_tch_dist_group_trains_in_one_quorum_with_a_torchft_python_group() {
-    let deadline = Instant::now() + Duration::from_secs(150);
+    let deadline = deadline_after_builds(150);
     // No fault: both groups average every step, as one process averaging both batches.
     let (rust, python) = mixed_quorum(deadline, "6", "-");
     for e in [&rust, &python] {
@@ -701,7 +709,7 @@ fn a_tch_dist_group_trains_in_one_quorum_with_a_torchft_python_group() {
 
 #[test]
 fn a_tch_dist_group_never_heals_from_a_torchft_python_group_and_names_it() {
-    let deadline = Instant::now() + Duration::from_secs(90);
+    let deadline = deadline_after_builds(90);
     let lighthouse = lighthouse_at("127.0.0.1:0");
     let at = lighthouse.address();
     // torchft's group trains alone (commits are logged), then the tch-dist group joins at
@@ -737,8 +745,7 @@ fn a_tch_dist_group_never_heals_from_a_torchft_python_group_and_names_it() {
 
 #[test]
 fn groups_of_two_ranks_lose_a_whole_group_and_end_as_the_run_without_the_loss() {
-    let deadline = Instant::now() + Duration::from_secs(360);
-    build::lighthouse();
+    let deadline = deadline_after_builds(360);
     // Two groups of two ranks: replicate (or fully_shard) within each group, the
     // fault-tolerant average across them (each group rank with its peers of the other group).
     let run = |extra: &[&str]| {
@@ -827,7 +834,7 @@ fn groups_of_two_ranks_lose_a_whole_group_and_end_as_the_run_without_the_loss() 
 
 #[test]
 fn two_groups_started_under_one_name_are_refused_on_every_member() {
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = deadline_after_builds(60);
     let lighthouse = LighthouseServer::start(LighthouseOptions {
         bind: "127.0.0.1:0".into(),
         ..LighthouseOptions::new(2)
@@ -852,8 +859,7 @@ fn two_groups_started_under_one_name_are_refused_on_every_member() {
 
 #[test]
 fn a_group_rank_that_makes_no_manager_is_named_within_the_quorum_timeout() {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    build::lighthouse();
+    let deadline = deadline_after_builds(60);
     // A group of two ranks, one of which makes no Manager (it sleeps 30 s): the other fails
     // within the quorum timeout (2 s), naming it, and the launcher ends the group.
     let run = |missing: &str| {
