@@ -346,7 +346,7 @@ fn a_missing_rank_beside_a_python_rank_is_named() {
         test: "a_missing_rank_beside_a_python_rank_is_named",
         world: 3,
         python_ranks: &[1],
-        env: &[("TCH_DIST_TIMEOUT_SECS", "15")],
+        env: &[("TCH_DIST_TIMEOUT_SECS", "10")],
     };
     let Some((out, desc)) = job.launch(|| {
         if std::env::var("RANK").as_deref() == Ok("2") {
@@ -363,7 +363,7 @@ fn a_missing_rank_beside_a_python_rank_is_named() {
         .find_map(|l| l.split_once("error: ").map(|(_, e)| e.to_string()))
         .unwrap_or_else(|| panic!("rank 0 printed no error:\n{desc}"));
     assert!(
-        line.ends_with("failed: rank 2 never joined within 15s"),
+        line.ends_with("failed: rank 2 never joined within 10s"),
         "{line}\n{desc}"
     );
     // The PyTorch rank fails by its own timeout, not at the deadline.

@@ -41,13 +41,24 @@ fn wait_for(ready: &std::path::Path, jobs: Vec<Job>) -> Vec<Job> {
     jobs
 }
 
-/// Host 1's link goes down in the middle of training, with the default settings: within
-/// 90 s every rank of both hosts fails, host 0's naming rank 1 as not heard from, host 1's
-/// saying the store is out of reach — not after the group's 30-minute timeout, as
-/// PyTorch's (and yesterday's tch-dist's) ranks do.
+/// How long after the heartbeat timeout a lost host may take to be noticed: the watch looks
+/// every 5 s, and a look at a store out of reach fails only at its own 5 s timeout.
+const NOTICED_WITHIN: Duration = Duration::from_secs(20);
+
+// The default timeout (60 s) and the slack are the documented bound: a lost host is reported
+// within 90 s (README, docs/design/failure-handling.md).
+const _: () =
+    assert!(tch_dist::DEFAULT_HEARTBEAT_TIMEOUT.as_secs() + NOTICED_WITHIN.as_secs() <= 90);
+
+/// Host 1's link goes down in the middle of training, under a heartbeat timeout of 15 s (the
+/// default's 60 s would make the test wait a minute for the same path): within the timeout
+/// and [`NOTICED_WITHIN`] every rank of both hosts fails, host 0's naming rank 1 as not heard
+/// from, host 1's saying the store is out of reach — not after the group's 30-minute timeout
+/// (left at its default), as PyTorch's (and yesterday's tch-dist's) ranks do.
 #[test]
-fn a_cut_link_is_noticed_on_every_host_within_90_s() {
-    const NAME: &str = "lost::a_cut_link_is_noticed_on_every_host_within_90_s";
+fn a_cut_link_is_noticed_on_every_host_within_the_heartbeat_timeout() {
+    const NAME: &str = "lost::a_cut_link_is_noticed_on_every_host_within_the_heartbeat_timeout";
+    const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(15);
     let ready = go_file(NAME);
     if worker().is_some() {
         let pg = init_process_group(Backend::Gloo).expect("init_process_group");
@@ -59,20 +70,24 @@ fn a_cut_link_is_noticed_on_every_host_within_90_s() {
         .map(|node| {
             let mut cmd = job(&hosts, node, 1, NAME);
             // The groups' timeout is the default (30 minutes): only the heartbeat can end it.
-            cmd.env_remove("TCH_DIST_TIMEOUT_SECS");
+            cmd.env_remove("TCH_DIST_TIMEOUT_SECS").env(
+                "TCH_DIST_HEARTBEAT_TIMEOUT_SECS",
+                HEARTBEAT_TIMEOUT.as_secs().to_string(),
+            );
             Job::start(node, cmd)
         })
         .collect();
     let jobs = wait_for(&ready, jobs);
     std::thread::sleep(Duration::from_secs(1));
     hosts.link(1, Link::Down);
-    let ended = Job::wait_all(jobs, Duration::from_secs(150));
+    let ended = Job::wait_all(jobs, Duration::from_secs(90));
     let _ = std::fs::remove_file(&ready);
     for e in &ended {
         assert!(
-            !e.success() && e.status.is_some() && e.after < Duration::from_secs(90),
-            "host {} did not fail within 90 s:\n{}",
+            !e.success() && e.status.is_some() && e.after < HEARTBEAT_TIMEOUT + NOTICED_WITHIN,
+            "host {} did not fail within {:?}:\n{}",
             e.host,
+            HEARTBEAT_TIMEOUT + NOTICED_WITHIN,
             describe(&ended)
         );
     }
@@ -96,7 +111,7 @@ fn a_cut_link_is_noticed_on_every_host_within_90_s() {
     );
 }
 
-/// A step far longer than the heartbeat timeout (25 s of rank 1's computing while rank 0
+/// A step longer than the heartbeat timeout (15 s of rank 1's computing while rank 0
 /// waits in its all-reduce, with `TCH_DIST_HEARTBEAT_TIMEOUT_SECS=10`) is no alarm: the
 /// heartbeat is not the step; and a host frozen (every process of it stopped, SIGSTOP) is
 /// noticed by the other within the timeout and a few heartbeats.
@@ -108,7 +123,7 @@ fn a_slow_step_is_no_alarm_and_a_frozen_host_is_noticed() {
         let pg = init_process_group(Backend::Gloo).expect("init_process_group");
         let t = Tensor::from_slice(&[1.0f32]);
         if pg.rank() == 1 {
-            std::thread::sleep(Duration::from_secs(25));
+            std::thread::sleep(Duration::from_secs(15));
         }
         pg.all_reduce(&t, ReduceOp::Sum).expect("the slow step");
         println!("rank {} passed the slow step", pg.rank());
@@ -136,7 +151,7 @@ fn a_slow_step_is_no_alarm_and_a_frozen_host_is_noticed() {
         host0.stdout.contains("rank 0 passed the slow step")
             && !host0.success()
             && host0.status.is_some()
-            && host0.after < Duration::from_secs(30),
+            && host0.after < Duration::from_secs(10) + NOTICED_WITHIN,
         "{}",
         describe(&ended)
     );
