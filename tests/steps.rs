@@ -203,6 +203,48 @@ fn a_peer_that_exits_is_named_by_a_check_in_shared_memory() {
     });
 }
 
+/// A peer that calls another collective (a barrier) where this rank's fully_shard forward
+/// begins with its step check is named at once as elsewhere, not after the group's
+/// timeout; this rank stops the group, and the peer's barrier fails as this rank leaves.
+#[test]
+fn a_peer_in_another_collective_is_named_by_a_check_in_shared_memory() {
+    let test = "a_peer_in_another_collective_is_named_by_a_check_in_shared_memory";
+    let launch = Launch::new(test, 2)
+        .env("TCH_DIST_TIMEOUT_SECS", "20")
+        .timeout(Duration::from_secs(60));
+    run_ranks_with(&launch, Backend::Gloo, |pg| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let m = sharded_blocks(&vs);
+        let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
+        for step in 0..2 {
+            let out = m.f_call(&batch(step, &pg)).unwrap();
+            opt.zero_grad();
+            out.sum(Kind::Float).backward();
+            opt.step();
+        }
+        assert!(pg.step_check_shares_memory());
+        let start = Instant::now();
+        if pg.rank() == 1 {
+            let e = pg.barrier().unwrap_err();
+            assert!(start.elapsed() < Duration::from_secs(10), "{e}");
+            return;
+        }
+        let e = m.f_call(&batch(2, &pg)).unwrap_err();
+        let text = chain(&e);
+        assert!(start.elapsed() < Duration::from_secs(10), "{text}");
+        assert!(
+            text.contains("rank 0: fully_shard: rank 1 called barrier as its collective ")
+                && text.contains(
+                    " on the group, where this rank waits for its step-check header after "
+                ),
+            "{text}"
+        );
+        // The group is stopped: a later call names the failure rather than waiting.
+        let again = pg.barrier().unwrap_err().to_string();
+        assert!(again.contains("rank 1 called barrier"), "{again}");
+    });
+}
+
 #[test]
 fn replicate_skipped_step_fails_on_every_rank_with_set_step() {
     run_ranks(

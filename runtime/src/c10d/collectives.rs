@@ -304,7 +304,7 @@ impl ProcessGroup {
             op: context.op,
             what: "the engine returned no work handle",
         })?;
-        self.note_launch();
+        self.note_launch(context.op);
         Ok(Work {
             ptr,
             context,

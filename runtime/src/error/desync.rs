@@ -1,4 +1,5 @@
-//! [`Desync`]: what `TCH_DIST_DEBUG=DETAIL` found, each rank's [`CollectiveCall`] named.
+//! [`Desync`]: what `TCH_DIST_DEBUG=DETAIL` found, each rank's [`CollectiveCall`] named (or
+//! a step check in shared memory: a peer in a collective this rank never called).
 
 use std::fmt;
 use std::time::Duration;
@@ -8,7 +9,8 @@ use tch::Device;
 use super::mismatch::TensorSignature;
 use super::text::{MaybeRanks, RankList};
 
-/// What `TCH_DIST_DEBUG=DETAIL` found (the `desync` of [`DistError::Desync`](crate::DistError::Desync)).
+/// What `TCH_DIST_DEBUG=DETAIL` found, or a step check through shared memory (the `desync`
+/// of [`DistError::Desync`](crate::DistError::Desync)).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Desync {
@@ -59,6 +61,26 @@ pub enum Desync {
         within: Option<Duration>,
         /// What the engine said.
         cause: String,
+    },
+    /// Seen by a rank waiting for a peer's step-check header in shared memory (every rank on
+    /// one host; without DETAIL): the peer launched a collective this rank never called, and
+    /// waits there as this rank waits for its header. Named once the peer stayed ahead for a
+    /// moment, not after the group's timeout.
+    #[error(
+        "rank {peer} called {} as its collective {seq} on the group, where this rank waits for \
+         its step-check header after {own}: the ranks called different collectives \
+         (TCH_DIST_DEBUG=DETAIL names each call)",
+        call.unwrap_or("a collective")
+    )]
+    Elsewhere {
+        /// The peer.
+        peer: usize,
+        /// Its last collective, where the mirror names it.
+        call: Option<&'static str>,
+        /// How many collectives the peer ran before that one (c10d's sequence number).
+        seq: u64,
+        /// How many this rank launched on the group.
+        own: u64,
     },
 }
 

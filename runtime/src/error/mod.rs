@@ -253,7 +253,9 @@ pub enum DistError {
     },
     /// With `TCH_DIST_DEBUG=DETAIL` (PyTorch's `TORCH_DISTRIBUTED_DEBUG=DETAIL`): the ranks
     /// called different collectives, or a rank did not reach the check that runs before each
-    /// collective; nothing was sent.
+    /// collective; nothing was sent. Without it, on one host: a peer called a collective
+    /// where this rank waits for its step-check header ([`Desync::Elsewhere`]); the group
+    /// is stopped.
     #[error("rank {rank}: {op}: {desync}")]
     Desync {
         /// This process's rank in the group.

@@ -338,6 +338,36 @@ fn dist_error_texts() {
              collective before it runs)",
         ),
         (
+            DistError::Desync {
+                rank: 0,
+                op: "fully_shard",
+                desync: Box::new(Desync::Elsewhere {
+                    peer: 1,
+                    call: Some("barrier"),
+                    seq: 6,
+                    own: 6,
+                }),
+            },
+            "rank 0: fully_shard: rank 1 called barrier as its collective 6 on the group, \
+             where this rank waits for its step-check header after 6: the ranks called \
+             different collectives (TCH_DIST_DEBUG=DETAIL names each call)",
+        ),
+        (
+            DistError::Desync {
+                rank: 0,
+                op: "replicate",
+                desync: Box::new(Desync::Elsewhere {
+                    peer: 2,
+                    call: None,
+                    seq: 3,
+                    own: 2,
+                }),
+            },
+            "rank 0: replicate: rank 2 called a collective as its collective 3 on the group, \
+             where this rank waits for its step-check header after 2: the ranks called \
+             different collectives (TCH_DIST_DEBUG=DETAIL names each call)",
+        ),
+        (
             DistError::Misuse {
                 rank: 1,
                 op: "replicate",

@@ -12,7 +12,7 @@
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
 use tch::Device;
@@ -20,7 +20,7 @@ use tch::Device;
 use crate::c10d::departures::WatchStore;
 use crate::c10d::env::DebugLevel;
 use crate::c10d::heartbeat::{Heartbeat, Liveness};
-use crate::c10d::step_check::Lane;
+use crate::c10d::step_check::{CallMirror, Lane};
 use crate::c10d::store::Store;
 use crate::error::{DistError, Result};
 use crate::ffi;
@@ -118,6 +118,11 @@ struct GroupInner {
     shut_down: AtomicBool,
     /// Collectives and transfers launched so far.
     launched: AtomicU64,
+    /// Collectives launched so far (transfers not: they differ by rank).
+    collectives: AtomicU64,
+    /// Where that count is mirrored for the peers, once the step check goes through shared
+    /// memory (`step_check/shared.rs`).
+    call_mirror: OnceLock<CallMirror>,
     /// The subgroups created from this group, shut down with it.
     children: Mutex<Vec<Weak<GroupInner>>>,
     /// Set once this rank stopped taking part in the group's collectives after a failure
@@ -164,6 +169,8 @@ impl GroupInner {
             shape,
             shut_down: AtomicBool::new(false),
             launched: AtomicU64::new(0),
+            collectives: AtomicU64::new(0),
+            call_mirror: OnceLock::new(),
             children: Mutex::new(Vec::new()),
             stopped: Mutex::new(None),
             exchanges: AtomicU64::new(0),
@@ -371,9 +378,31 @@ impl ProcessGroup {
         true
     }
 
-    /// Counts a launched collective.
-    pub(crate) fn note_launch(&self) {
+    /// Counts a launched collective or transfer (`op`).
+    pub(crate) fn note_launch(&self, op: &'static str) {
         self.inner.launched.fetch_add(1, Ordering::Relaxed);
+        if matches!(op, "send" | "recv") {
+            return;
+        }
+        let count = self.inner.collectives.fetch_add(1, Ordering::Relaxed) + 1;
+        if let Some(mirror) = self.inner.call_mirror.get() {
+            mirror.store(count, op);
+        }
+    }
+
+    /// How many collectives (transfers not) this rank launched on the group so far.
+    pub(crate) fn collectives_launched(&self) -> u64 {
+        self.inner.collectives.load(Ordering::Relaxed)
+    }
+
+    /// Mirrors this rank's count of collectives through `mirror` from now on (the first
+    /// mirror only: a group's segment is mapped once).
+    pub(crate) fn mirror_collectives(&self, mirror: CallMirror) {
+        if self.inner.call_mirror.set(mirror).is_ok()
+            && let Some(mirror) = self.inner.call_mirror.get()
+        {
+            mirror.store(self.collectives_launched(), "");
+        }
     }
 
     /// Whether CUDA tensors go through an NCCL backend.

@@ -10,8 +10,8 @@
 //! Every rank reads the same words, so every rank decides the same. `TCH_DIST_STEP_CHECK_COLLECTIVE=1`
 //! on any rank keeps the headers on the backend, and so does `TCH_DIST_DEBUG=DETAIL`, which
 //! fingerprints every collective, the header's among them: a rank whose peer called another
-//! collective instead (a barrier at the end of training) learns which at once, where a
-//! header in shared memory would wait for the peer's until the group's timeout.
+//! collective instead (a barrier at the end of training) learns which, with its tensors,
+//! where shared memory names only the collective (`shared.rs`).
 
 use super::shared::{self, Segment};
 use crate::c10d::env::DebugLevel;

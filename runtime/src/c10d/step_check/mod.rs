@@ -76,7 +76,7 @@ use crate::c10d::collectives::Work;
 use crate::c10d::departures::WATCH_SLICE;
 use crate::c10d::group::ProcessGroup;
 use crate::error::{
-    CollectiveSignature, DistError, Mismatch, MisuseProblem, PassProgram, Phase, Result,
+    CollectiveSignature, Desync, DistError, Mismatch, MisuseProblem, PassProgram, Phase, Result,
     StepPosition, TensorSignature, SIGNATURE_OPS,
 };
 
@@ -87,6 +87,7 @@ mod shared;
 pub(crate) use lane::Lane;
 pub use lane::COLLECTIVE_STEP_CHECK_ENV;
 use lane::WORDS;
+pub(crate) use shared::CallMirror;
 use shared::Unfinished;
 
 /// The header's first element: a value no pass counter takes, so that a header never reads
@@ -410,7 +411,12 @@ impl PendingCheck {
                         .iter()
                         .map(|r| std::array::from_fn(|i| r[LEN + i]))
                         .collect();
-                    group.step_check_lane().advance(&words, group.rank());
+                    let mut lane = group.step_check_lane();
+                    lane.advance(&words, group.rank());
+                    if let Lane::Shared(segment) = &*lane {
+                        group.mirror_collectives(segment.call_mirror());
+                    }
+                    drop(lane);
                     compare(&group, op, me, rows.iter().map(|r| &r[..LEN]))
                 })
             }
@@ -446,7 +452,13 @@ fn wait_shared(
         });
     };
     let deadline = began + group.timeout();
-    let result = segment.wait(seq, deadline, WATCH_SLICE, || group.watch(op));
+    let result = segment.wait(
+        seq,
+        deadline,
+        WATCH_SLICE,
+        || group.collectives_launched(),
+        || group.watch(op),
+    );
     drop(lane);
     result.map_err(|end| match end {
         Unfinished::Timeout => DistError::Timeout {
@@ -455,6 +467,24 @@ fn wait_shared(
             timeout: group.timeout(),
         },
         Unfinished::Watched(e) => e,
+        Unfinished::PeerElsewhere {
+            peer,
+            calls,
+            last_call,
+        } => {
+            let e = DistError::Desync {
+                rank: group.rank(),
+                op,
+                desync: Box::new(Desync::Elsewhere {
+                    peer,
+                    call: last_call,
+                    seq: calls - 1,
+                    own: group.collectives_launched(),
+                }),
+            };
+            group.stop_after_failure(&e.to_string());
+            e
+        }
         Unfinished::PeerExited { peer, pid } => group.watch(op).unwrap_or_else(|| {
             let e = DistError::PeerGone {
                 rank: group.rank(),

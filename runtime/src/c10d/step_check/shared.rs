@@ -6,7 +6,8 @@
 //!
 //! Layout: a control block (a generation counter every publish bumps, the futex word, and a
 //! count of waiters, so that a publish makes a system call only when someone sleeps), then
-//! one slot per rank: its pid (for the liveness of a peer that is waited for) and
+//! one slot per rank: its pid (for the liveness of a peer that is waited for), the count of
+//! collectives it launched on the group and the last one's name ([`CallMirror`]), and
 //! [`ENTRIES`] entries, used in turn by its checks. A rank reuses check `k`'s entry for
 //! check `k + ENTRIES` only after finishing check `k + ENTRIES - 1`, which needs every peer's
 //! header of that check; a peer that has at most `ENTRIES - 1` checks of the group in flight
@@ -15,6 +16,14 @@
 //! first bucket, and the others none, so two would do; four leave room. A reader also
 //! compares the entry's number, so an entry reused too early is waited on (and times out),
 //! never read as another check.
+//!
+//! A peer that is missing from a check while it has launched more collectives than this rank
+//! is elsewhere: it called a collective this rank has not (a barrier where this rank trains),
+//! and waits there for this rank as this rank waits for its header. The wait ends naming it
+//! ([`Unfinished::PeerElsewhere`]), as the backend's all-to-all meeting that collective
+//! would have ended in an error, rather than at the group's timeout. (The ranks launch their
+//! collectives in one order, the check's place among them included: DETAIL and the backend's
+//! path hold them to it too. Point-to-point transfers are not counted: they differ by rank.)
 //!
 //! The file's name carries a random number rank 0 sent in the group's first header
 //! (`lane.rs`); every rank maps it before the second header says so, and is unlinked once
@@ -28,12 +37,32 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::LEN;
 
 /// Entries per rank's slot, used in turn.
 const ENTRIES: usize = 4;
+
+/// How long a missing peer must stay ahead in collectives before the wait calls it elsewhere:
+/// a margin for the moment between a launch and its count (each rank counts after the
+/// engine took the call).
+const ELSEWHERE_AFTER: Duration = Duration::from_millis(500);
+
+/// The collectives a mirrored count names (its low byte: the index here plus 1; 0 for any
+/// other).
+const NAMED_CALLS: [&str; 9] = [
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "barrier",
+    "broadcast_coalesced",
+];
 
 /// The control block at the start of the file.
 #[repr(C, align(64))]
@@ -58,10 +87,14 @@ struct Entry {
 #[repr(C, align(64))]
 struct Slot {
     pid: AtomicU64,
+    /// The collectives the rank launched on the group, shifted up a byte, and the last one's
+    /// code in [`NAMED_CALLS`] ([`CallMirror::store`]).
+    calls: AtomicU64,
     entries: [Entry; ENTRIES],
 }
 
 /// What a wait that found every header returns.
+#[derive(Debug)]
 pub(super) struct Arrived {
     /// Every rank's header, in rank order.
     pub(super) rows: Vec<[i64; LEN]>,
@@ -78,22 +111,84 @@ pub(super) enum Unfinished {
     Timeout,
     /// What the caller's watch reported (a departed member, an unreachable store).
     Watched(crate::error::DistError),
+    /// The peer launched more collectives than this rank (`calls` of them, the last
+    /// `last_call`, where known): it waits in one this rank never called.
+    PeerElsewhere {
+        peer: usize,
+        calls: u64,
+        last_call: Option<&'static str>,
+    },
+}
+
+/// The shared mapping; unmapped when its last holder (the segment, a [`CallMirror`]) goes.
+struct Mapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: shared memory accessed only through atomics; the pointer stays valid until `Drop`
+// unmaps it.
+unsafe impl Send for Mapping {}
+// SAFETY: as above: every access is atomic.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `Segment::attach` with this length; the last holder is going.
+        unsafe {
+            libc::munmap(self.base.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// This rank's count of collectives launched on the group, mirrored into its slot so that a
+/// peer waiting for its step-check header sees where it is (kept by the group, which
+/// counts its launches; [`Segment::call_mirror`]).
+pub(crate) struct CallMirror {
+    mapping: Arc<Mapping>,
+    offset: usize,
+}
+
+impl CallMirror {
+    /// Records `count` collectives launched, the last of them `op`.
+    pub(crate) fn store(&self, count: u64, op: &str) {
+        let code = NAMED_CALLS
+            .iter()
+            .position(|n| *n == op)
+            .map_or(0, |i| i as u64 + 1);
+        // SAFETY: `offset` is this rank's `Slot::calls` inside the mapping, which `mapping`
+        // keeps alive.
+        let word = unsafe {
+            &*self
+                .mapping
+                .base
+                .as_ptr()
+                .add(self.offset)
+                .cast::<AtomicU64>()
+        };
+        word.store(count << 8 | code, Ordering::Release);
+    }
+}
+
+/// A mirrored word's count and last collective.
+fn unpack_calls(word: u64) -> (u64, Option<&'static str>) {
+    let code = (word & 0xff) as usize;
+    (
+        word >> 8,
+        code.checked_sub(1)
+            .and_then(|i| NAMED_CALLS.get(i).copied()),
+    )
 }
 
 /// A mapped segment of one group.
 pub(crate) struct Segment {
-    base: NonNull<u8>,
-    len: usize,
+    mapping: Arc<Mapping>,
     world: usize,
     rank: usize,
     path: PathBuf,
     /// This rank's next check.
     next: u64,
 }
-
-// SAFETY: the mapping is shared memory accessed only through atomics; the pointer stays
-// valid until `Drop` unmaps it.
-unsafe impl Send for Segment {}
 
 impl Segment {
     fn size(world: usize) -> usize {
@@ -130,8 +225,7 @@ impl Segment {
         }
         let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(io::Error::last_os_error)?;
         let segment = Segment {
-            base,
-            len,
+            mapping: Arc::new(Mapping { base, len }),
             world,
             rank,
             path,
@@ -153,23 +247,30 @@ impl Segment {
     fn control(&self) -> &Control {
         // SAFETY: the mapping starts with a Control (zeroed by the file's creation, and
         // atomics of zero are valid) and lives as long as `self`.
-        unsafe { &*self.base.as_ptr().cast::<Control>() }
+        unsafe { &*self.mapping.base.as_ptr().cast::<Control>() }
     }
 
-    fn slot(&self, rank: usize) -> &Slot {
+    /// Where rank `rank`'s slot starts in the mapping.
+    fn slot_offset(&self, rank: usize) -> usize {
         assert!(
             rank < self.world,
             "step check: slot {rank} of {}",
             self.world
         );
+        std::mem::size_of::<Control>() + rank * std::mem::size_of::<Slot>()
+    }
+
+    fn slot(&self, rank: usize) -> &Slot {
+        let offset = self.slot_offset(rank);
         // SAFETY: `rank < world` slots follow the control block inside the mapping.
-        unsafe {
-            &*self
-                .base
-                .as_ptr()
-                .add(std::mem::size_of::<Control>())
-                .cast::<Slot>()
-                .add(rank)
+        unsafe { &*self.mapping.base.as_ptr().add(offset).cast::<Slot>() }
+    }
+
+    /// The mirror of this rank's collective count into its slot.
+    pub(crate) fn call_mirror(&self) -> CallMirror {
+        CallMirror {
+            mapping: self.mapping.clone(),
+            offset: self.slot_offset(self.rank) + std::mem::offset_of!(Slot, calls),
         }
     }
 
@@ -192,19 +293,23 @@ impl Segment {
     }
 
     /// Waits until every rank's header of check `seq` is written, or `deadline`; between
-    /// sleeps it looks at the pids of the peers still missing and, every `watch_every`,
-    /// asks `watch` (the group's departures watch).
+    /// sleeps it looks at the peers still missing (their pids, and their collectives
+    /// against `own_calls`, this rank's count) and, every `watch_every`, asks `watch` (the
+    /// group's departures watch).
     pub(super) fn wait(
         &self,
         seq: u64,
         deadline: Instant,
         watch_every: Duration,
+        own_calls: impl Fn() -> u64,
         mut watch: impl FnMut() -> Option<crate::error::DistError>,
     ) -> Result<Arrived, Unfinished> {
         let control = self.control();
         let mut next_watch = Instant::now() + watch_every;
         let mut spins = 0u32;
         let mut sleeping = false;
+        // Since when the missing peer has been ahead in collectives.
+        let mut ahead_since: Option<Instant> = None;
         let result = loop {
             let generation = control.generation.load(Ordering::SeqCst);
             let missing = (0..self.world).find(|r| {
@@ -229,6 +334,19 @@ impl Segment {
             let pid = self.slot(missing).pid.load(Ordering::Acquire);
             if pid != 0 && process_gone(pid) {
                 break Err(Unfinished::PeerExited { peer: missing, pid });
+            }
+            let (calls, last_call) = unpack_calls(self.slot(missing).calls.load(Ordering::Acquire));
+            if calls > own_calls() {
+                let since = *ahead_since.get_or_insert(now);
+                if now.duration_since(since) >= ELSEWHERE_AFTER {
+                    break Err(Unfinished::PeerElsewhere {
+                        peer: missing,
+                        calls,
+                        last_call,
+                    });
+                }
+            } else {
+                ahead_since = None;
             }
             if now >= next_watch {
                 next_watch = now + watch_every;
@@ -269,12 +387,9 @@ impl Segment {
 impl Drop for Segment {
     fn drop(&mut self) {
         // Normally unlinked after the second check already; a group dropped before it (a
-        // failed first check, the end of the program) leaves nothing behind either.
+        // failed first check, the end of the program) leaves nothing behind either. The
+        // mapping goes with its last holder.
         self.unlink();
-        // SAFETY: mapped in `attach` with this length; nothing borrows it past `self`.
-        unsafe {
-            libc::munmap(self.base.as_ptr().cast(), self.len);
-        }
     }
 }
 
@@ -398,20 +513,77 @@ mod tests {
             let soon = Instant::now() + Duration::from_millis(30);
             // b has not written check `seq` yet.
             assert!(matches!(
-                a.wait(seq, soon, Duration::from_secs(1), || None),
+                a.wait(seq, soon, Duration::from_secs(1), || 0, || None),
                 Err(Unfinished::Timeout)
             ));
             assert_eq!(b.publish(&row(10 + seq as i64)), seq);
             let far = Instant::now() + Duration::from_secs(5);
             let got = a
-                .wait(seq, far, Duration::from_secs(1), || None)
+                .wait(seq, far, Duration::from_secs(1), || 0, || None)
                 .expect("a");
             assert_eq!(got.rows, vec![row(seq as i64), row(10 + seq as i64)]);
-            assert!(b.wait(seq, far, Duration::from_secs(1), || None).is_ok());
+            assert!(b
+                .wait(seq, far, Duration::from_secs(1), || 0, || None)
+                .is_ok());
         }
         assert!(!process_gone(u64::from(std::process::id())));
         assert!(process_gone(u64::from(u32::MAX)));
         assert_ne!(host_key(), 0);
         assert_eq!(host_key(), host_key());
+    }
+
+    #[test]
+    fn a_missing_peer_ahead_in_collectives_is_elsewhere() {
+        let nonce = nonce();
+        let mut a = Segment::attach(nonce, 2, 0).expect("attach 0");
+        let b = Segment::attach(nonce, 2, 1).expect("attach 1");
+        a.unlink();
+        let (a_calls, b_calls) = (a.call_mirror(), b.call_mirror());
+        a_calls.store(6, "all_reduce");
+        b_calls.store(6, "all_reduce");
+        let seq = a.publish(&[0; LEN]);
+        let wait = |own: u64, limit: Duration| {
+            let start = Instant::now();
+            let end = a.wait(seq, start + limit, Duration::from_secs(1), || own, || None);
+            (end, start.elapsed())
+        };
+        // Level with this rank, or behind it: only missing.
+        let (end, _) = wait(6, Duration::from_millis(700));
+        assert!(matches!(end, Err(Unfinished::Timeout)), "{end:?}");
+        // Ahead: in a barrier this rank never called; named once it stayed ahead a while.
+        b_calls.store(7, "barrier");
+        let (end, took) = wait(6, Duration::from_secs(5));
+        assert!(
+            matches!(
+                end,
+                Err(Unfinished::PeerElsewhere {
+                    peer: 1,
+                    calls: 7,
+                    last_call: Some("barrier")
+                })
+            ),
+            "{end:?}"
+        );
+        assert!(
+            took >= ELSEWHERE_AFTER && took < Duration::from_secs(3),
+            "{took:?}"
+        );
+        // A collective without a name of its own is still counted.
+        b_calls.store(8, "gather");
+        let (end, _) = wait(7, Duration::from_secs(5));
+        assert!(
+            matches!(
+                end,
+                Err(Unfinished::PeerElsewhere {
+                    calls: 8,
+                    last_call: None,
+                    ..
+                })
+            ),
+            "{end:?}"
+        );
+        // The mapping outlives the segment while a mirror holds it.
+        drop(b);
+        b_calls.store(9, "all_reduce");
     }
 }
