@@ -71,6 +71,31 @@ fn start_rank(exe: &Path, rank: usize, world: usize, port: u16, args: &[&str]) -
         .expect("starting an example")
 }
 
+/// `train_lm` with `extra` in one process for 9 steps of `batch` sequences, its metrics
+/// written to `metrics`; returns its stdout once it succeeded.
+fn train_lm_in_one_process(extra: &[&str], batch: &str, metrics: &Path) -> String {
+    let mut args = extra.to_vec();
+    let metrics = metrics.to_str().unwrap();
+    args.extend([
+        "--dp",
+        "1",
+        "--tp",
+        "1",
+        "--max-steps",
+        "9",
+        "--local-batch-size",
+        batch,
+        "--metrics",
+        metrics,
+    ]);
+    let (status, out, err) = finish(
+        start_rank(&example("train_lm"), 0, 1, free_port(), &args),
+        Duration::from_secs(240),
+    );
+    assert!(status.success(), "{out}\n{err}");
+    out
+}
+
 /// Waits (bounded) for `child`, killing it at the deadline; returns (status, stdout, stderr).
 fn finish(mut child: Child, limit: Duration) -> (std::process::ExitStatus, String, String) {
     let deadline = Instant::now() + limit;
@@ -1016,27 +1041,9 @@ fn train_lm_with_moe_at_4_ranks_trains_as_one_process() {
             assert!(status.success(), "{layout:?}: rank {r}:\n{out}\n{err}");
         }
         // The one-process run of a global batch, once per batch size.
-        let one_out = one_runs.entry(one_batch).or_insert_with(|| {
-            let one_args = [
-                "--moe",
-                "--dp",
-                "1",
-                "--tp",
-                "1",
-                "--max-steps",
-                "9",
-                "--local-batch-size",
-                one_batch,
-                "--metrics",
-                one_m.to_str().unwrap(),
-            ];
-            let (status, one_out, err) = finish(
-                start_rank(&example("train_lm"), 0, 1, free_port(), &one_args),
-                Duration::from_secs(240),
-            );
-            assert!(status.success(), "{one_out}\n{err}");
-            one_out
-        });
+        let one_out = one_runs
+            .entry(one_batch)
+            .or_insert_with(|| train_lm_in_one_process(&["--moe"], one_batch, &one_m));
         let four_out = &ends[0].1;
         assert!(four_out.contains(says), "{layout:?}: {four_out}");
         assert!(four_out.contains("expert_load="), "{four_out}");
@@ -1112,27 +1119,10 @@ fn train_lm_with_context_parallel_trains_as_one_process() {
                 "dp {dp} cp {cp} tp {tp}: rank {r}:\n{out}\n{err}"
             );
         }
-        let one_args = [
-            "--dp",
-            "1",
-            "--tp",
-            "1",
-            "--max-steps",
-            "9",
-            "--local-batch-size",
-            one_batch,
-            "--metrics",
-            one_m.to_str().unwrap(),
-        ];
         // One run per batch size: the two layouts of 16 sequences share it.
-        let one_out = one_runs.entry(one_batch).or_insert_with(|| {
-            let (status, out, err) = finish(
-                start_rank(&example("train_lm"), 0, 1, free_port(), &one_args),
-                Duration::from_secs(240),
-            );
-            assert!(status.success(), "{out}\n{err}");
-            out
-        });
+        let one_out = one_runs
+            .entry(one_batch)
+            .or_insert_with(|| train_lm_in_one_process(&[], one_batch, &one_m));
         let four_out = &ends[0].1;
         let mesh = match tp {
             "1" => format!("dp {dp} x cp {cp} (4 ranks)"),

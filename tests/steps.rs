@@ -169,11 +169,9 @@ fn replicate_skipped_backward_fails_on_every_rank_through_the_backend() {
     });
 }
 
-/// A peer that exits while this rank waits for its header in shared memory is named at
-/// once, not after the group's timeout.
-#[test]
-fn a_peer_that_exits_is_named_by_a_check_in_shared_memory() {
-    let test = "a_peer_that_exits_is_named_by_a_check_in_shared_memory";
+/// Runs `then` on both ranks of `test` (group timeout 20 s) with a fully_shard model whose
+/// first two training steps moved the group's step checks into shared memory.
+fn after_two_steps_in_shared_memory(test: &str, then: impl FnOnce(&ProcessGroup, &Blocks)) {
     let launch = Launch::new(test, 2)
         .env("TCH_DIST_TIMEOUT_SECS", "20")
         .timeout(Duration::from_secs(60));
@@ -188,11 +186,21 @@ fn a_peer_that_exits_is_named_by_a_check_in_shared_memory() {
             opt.step();
         }
         assert!(pg.step_check_shares_memory());
+        then(&pg, &m);
+    });
+}
+
+/// A peer that exits while this rank waits for its header in shared memory is named at
+/// once, not after the group's timeout.
+#[test]
+fn a_peer_that_exits_is_named_by_a_check_in_shared_memory() {
+    let test = "a_peer_that_exits_is_named_by_a_check_in_shared_memory";
+    after_two_steps_in_shared_memory(test, |pg, m| {
         if pg.rank() == 1 {
             return; // leaves: its process exits
         }
         let start = Instant::now();
-        let e = m.f_call(&batch(2, &pg)).unwrap_err();
+        let e = m.f_call(&batch(2, pg)).unwrap_err();
         let text = chain(&e);
         assert!(start.elapsed() < Duration::from_secs(10), "{text}");
         // The forward's first step is the check: no collective ran before it.
@@ -209,27 +217,14 @@ fn a_peer_that_exits_is_named_by_a_check_in_shared_memory() {
 #[test]
 fn a_peer_in_another_collective_is_named_by_a_check_in_shared_memory() {
     let test = "a_peer_in_another_collective_is_named_by_a_check_in_shared_memory";
-    let launch = Launch::new(test, 2)
-        .env("TCH_DIST_TIMEOUT_SECS", "20")
-        .timeout(Duration::from_secs(60));
-    run_ranks_with(&launch, Backend::Gloo, |pg| {
-        let vs = nn::VarStore::new(Device::Cpu);
-        let m = sharded_blocks(&vs);
-        let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
-        for step in 0..2 {
-            let out = m.f_call(&batch(step, &pg)).unwrap();
-            opt.zero_grad();
-            out.sum(Kind::Float).backward();
-            opt.step();
-        }
-        assert!(pg.step_check_shares_memory());
+    after_two_steps_in_shared_memory(test, |pg, m| {
         let start = Instant::now();
         if pg.rank() == 1 {
             let e = pg.barrier().unwrap_err();
             assert!(start.elapsed() < Duration::from_secs(10), "{e}");
             return;
         }
-        let e = m.f_call(&batch(2, &pg)).unwrap_err();
+        let e = m.f_call(&batch(2, pg)).unwrap_err();
         let text = chain(&e);
         assert!(start.elapsed() < Duration::from_secs(10), "{text}");
         assert!(
