@@ -66,9 +66,10 @@ demo: setup
 # and tests/ui's snapshots hold what a non-incremental build reports.
 test: export CARGO_INCREMENTAL = 0
 test: setup
-	# The examples, as the tests run them (tests/common/build.rs then builds nothing more).
-	# Not as test harnesses (--all-targets): they hold no tests, and each would link twice.
-	$(CARGO) build -p tch-dist --examples
+	# Everything in one build: the tests, and the examples as plain programs, as the tests
+	# run them (tests/common/build.rs then builds nothing more). Not --all-targets: it
+	# builds the examples as test harnesses of no tests, and the tests build them again.
+	$(CARGO) test --workspace --no-run
 	$(CARGO) test --workspace --lib --bins --tests
 	# The macros' runnable examples (macros/doc/*.md) run as tch-dist-core's doctests: a
 	# proc-macro crate's own doctests cannot link tch.
