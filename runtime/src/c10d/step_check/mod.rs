@@ -18,7 +18,7 @@
 //! |---|---|---|
 //! | `mod.rs` | the header (where a rank is: [`StepPosition`]; what its pass runs: [`PassProgram`]; both defined in `error/step.rs`), its encoding, exchange and comparison; [`set_step`] | (none: tch-dist's step check; DETAIL's fingerprints are c10d's `ProcessGroupWrapper`) |
 //! | `lane.rs` | which way a group's headers travel, decided by its first two checks | (none) |
-//! | `shared.rs` | the headers through a shared-memory segment: publish, wait (futex, the peers' pids, the departures watch), the host's key | (none; c10d's Gloo has no shared-memory transport) |
+//! | `shared.rs` | the headers through a shared-memory segment: publish, wait (futex, the peers' pids and mirrored collective counts, the departures watch), the host's key | (none; c10d's Gloo has no shared-memory transport) |
 //! | `passes.rs` | which pass this process is in, for fully_shard and tensor parallelism, and the check before each pass's first collective over each group | (none) |
 //!
 //! Why a separate header and not a counter appended to a bucket: the collectives of a pass
