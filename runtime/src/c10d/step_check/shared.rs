@@ -458,10 +458,15 @@ fn futex_wake(word: &AtomicU32) {
     }
 }
 
+/// Bumped whenever what a segment's words mean changes while their sizes do not.
+const LAYOUT: u32 = 2;
+
 /// What identifies this host for the step check, or 0 where shared memory is not to be
 /// used (something unreadable): the boot, the user, the network, pid and mount namespaces
 /// and `/dev/shm` itself. Ranks in separate network namespaces (the multi-host test tier's
-/// hosts) count as separate hosts, as real ones would be.
+/// hosts) count as separate hosts, as real ones would be. The segment's layout is part of
+/// it, so that ranks built from tch-dists of other layouts stay on the backend rather than
+/// read each other's slots amiss.
 pub(super) fn host_key() -> i64 {
     use std::hash::Hasher;
     use std::os::unix::fs::MetadataExt;
@@ -469,6 +474,15 @@ pub(super) fn host_key() -> i64 {
         return 0;
     };
     let mut h = crate::Fingerprint::default();
+    h.write_u32(LAYOUT);
+    for size in [
+        std::mem::size_of::<Control>(),
+        std::mem::size_of::<Slot>(),
+        ENTRIES,
+        LEN,
+    ] {
+        h.write_usize(size);
+    }
     h.write(boot.trim().as_bytes());
     // SAFETY: no arguments; always succeeds.
     h.write_u32(unsafe { libc::getuid() });
