@@ -398,11 +398,8 @@ impl ProcessGroup {
     /// Mirrors this rank's count of collectives through `mirror` from now on (the first
     /// mirror only: a group's segment is mapped once).
     pub(crate) fn mirror_collectives(&self, mirror: CallMirror) {
-        if self.inner.call_mirror.set(mirror).is_ok()
-            && let Some(mirror) = self.inner.call_mirror.get()
-        {
-            mirror.store(self.collectives_launched(), "");
-        }
+        let mirror = self.inner.call_mirror.get_or_init(|| mirror);
+        mirror.store(self.collectives_launched(), "");
     }
 
     /// Whether CUDA tensors go through an NCCL backend.

@@ -50,9 +50,9 @@ const ENTRIES: usize = 4;
 /// engine took the call).
 const ELSEWHERE_AFTER: Duration = Duration::from_millis(500);
 
-/// The collectives a mirrored count names (its low byte: the index here plus 1; 0 for any
-/// other).
-const NAMED_CALLS: [&str; 9] = [
+/// The collectives a mirrored count names: every op a group launches but its transfers
+/// (`collectives.rs`; its low byte: the index here plus 1; 0 for any other).
+const NAMED_CALLS: [&str; 8] = [
     "all_reduce",
     "broadcast",
     "all_gather",
@@ -61,7 +61,6 @@ const NAMED_CALLS: [&str; 9] = [
     "reduce_scatter_tensor",
     "all_to_all",
     "barrier",
-    "broadcast_coalesced",
 ];
 
 /// The control block at the start of the file.
